@@ -1,0 +1,1 @@
+"""tierkv: a tiered, content-addressed KV-cache store."""

@@ -1,0 +1,102 @@
+"""Content addresses for KV chunks.
+
+A key is the hex SHA-256 of its parent key and its chunk's tokens, chained from a
+root that covers the namespace (model, dtype, layout, KV-head shard, tenant
+salt) and the chunk size.  So:
+
+* equal prefixes under equal namespaces give equal keys (dedup across requests,
+  engine instances and ranks that hold identical bytes);
+* a change anywhere earlier in the prefix changes every later key;
+* a key cannot be forged without knowing the whole prefix and the namespace,
+  because SHA-256 is preimage resistant.
+
+Keys say nothing about placement: which tier holds a chunk is the store's business.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+KEY_HEX_LEN = 64
+_DOMAIN = b"tierkv/chunk/v1\x00"
+_HASH_DOMAIN = b"tierkv/blockhash/v1\x00"
+
+
+def namespace_root(namespace: str, chunk_tokens: int) -> bytes:
+    """The 32-byte digest every chain under ``namespace`` starts from."""
+    if not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+    return hashlib.sha256(_DOMAIN + str(int(chunk_tokens)).encode() + b"\x00" + namespace.encode()).digest()
+
+
+def _as_token_bytes(token_ids: Any) -> memoryview:
+    """Token ids as little-endian uint32 bytes; raises on ids outside [0, 2**32)."""
+    if hasattr(token_ids, "detach"):  # torch tensor, without importing torch here
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"token_ids must be one-dimensional, got shape {tuple(arr.shape)}")
+    if arr.size == 0:
+        return memoryview(b"")
+    if arr.dtype.kind not in "iu":
+        raise ValueError(f"token_ids must be integers, got dtype {arr.dtype}")
+    if arr.dtype != np.uint32:
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= 1 << 32:
+            raise ValueError(f"token ids must lie in [0, 2**32); found {lo if lo < 0 else hi}")
+        arr = arr.astype("<u4")
+    return memoryview(np.ascontiguousarray(arr)).cast("B")
+
+
+def chunk_keys(token_ids: Sequence[int] | Any, chunk_tokens: int = 256, namespace: str = "") -> list[str]:
+    """One key per *full* chunk of ``chunk_tokens`` tokens, chained over the prefix.
+
+    ``token_ids`` may be a list of ints, a numpy array or a torch tensor.  A
+    trailing partial chunk gets no key (its KV is not complete yet).
+    """
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens <= 0:
+        raise ValueError(f"chunk_tokens must be a positive int, got {chunk_tokens!r}")
+    data = _as_token_bytes(token_ids)
+    step = chunk_tokens * 4
+    n_full = len(data) // step
+    parent = namespace_root(namespace, chunk_tokens)
+    sha = hashlib.sha256
+    out = []
+    append = out.append
+    for i in range(n_full):
+        h = sha(parent)
+        h.update(data[i * step:(i + 1) * step])
+        parent = h.digest()
+        append(parent.hex())
+    return out
+
+
+def keys_from_block_hashes(block_hashes: Sequence[bytes], namespace: str = "") -> list[str]:
+    """Keys for blocks an engine has already hashed (each hash chained over its prefix).
+
+    Used by engine adapters so that tokens are not hashed twice.  The namespace
+    is still folded in, so two models never share a key for equal tokens.
+    """
+    root = hashlib.sha256(_HASH_DOMAIN + namespace.encode()).digest()
+    sha = hashlib.sha256
+    out = []
+    for bh in block_hashes:
+        if isinstance(bh, str):
+            bh = bh.encode()
+        elif isinstance(bh, int):
+            bh = bh.to_bytes(max(1, (bh.bit_length() + 8) // 8), "little", signed=True)
+        h = sha(root)
+        h.update(bytes(bh))
+        out.append(h.hexdigest())
+    return out
+
+
+def check_key(key: object) -> str:
+    """Return ``key`` if it is a valid key string, else raise ``ValueError`` naming it."""
+    if not isinstance(key, str) or not key or len(key) > 200 or "/" in key or "\x00" in key:
+        raise ValueError(f"invalid key {key!r}: keys are non-empty strings of at most 200 chars without '/'")
+    return key
