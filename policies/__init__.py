@@ -1,0 +1,77 @@
+"""Policies that steer the store: eviction, promotion and admission.
+
+Each kind has a base class to subclass (the customisation path) and built-ins
+selected by name in a config.  ``build_*`` turn a config value (a name, a dict
+with ``"policy"`` and parameters, an instance, or ``"package.module:Class"``)
+into an instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tierkv.errors import ConfigError
+
+from .admission import ADMISSION_POLICIES, AdmissionPolicy, AdmitAll, AllOf, FrequencyAdmission, SizeAdmission
+from .eviction import (
+    EVICTION_POLICIES,
+    ARCPolicy,
+    EvictionPolicy,
+    FIFOPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+)
+from .promotion import PROMOTION_POLICIES, NeverPromote, PromoteOnHit, PromotionPolicy
+
+
+def _build(kind: str, base: type, table: dict[str, type], spec: Any, default: str) -> Any:
+    if spec is None:
+        spec = default
+    if isinstance(spec, base):
+        return spec
+    params: dict[str, Any] = {}
+    if isinstance(spec, dict):
+        params = dict(spec)
+        spec = params.pop("policy", None)
+        if spec is None:
+            raise ConfigError(f"{kind} policy config {params!r} lacks a 'policy' name")
+    if isinstance(spec, type) and issubclass(spec, base):
+        cls = spec
+    elif isinstance(spec, str) and spec.lower() in table:
+        cls = table[spec.lower()]
+    elif isinstance(spec, str) and ":" in spec:
+        from tierkv.tiers import load_object
+
+        cls = load_object(spec, f"{kind} policy")
+        if not (isinstance(cls, type) and issubclass(cls, base)):
+            raise ConfigError(f"{kind} policy {spec!r} is not a subclass of {base.__name__}")
+    else:
+        raise ConfigError(
+            f"unknown {kind} policy {spec!r}; known: {sorted(table)}, an instance, or 'package.module:Class'"
+        )
+    try:
+        return cls(**params)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{kind} policy {getattr(cls, 'name', cls.__name__)!r}: bad parameters {params!r}: {e}") from e
+
+
+def build_eviction(spec: Any) -> EvictionPolicy:
+    return _build("eviction", EvictionPolicy, EVICTION_POLICIES, spec, "lru")
+
+
+def build_promotion(spec: Any) -> PromotionPolicy:
+    return _build("promotion", PromotionPolicy, PROMOTION_POLICIES, spec, "on-hit")
+
+
+def build_admission(spec: Any) -> AdmissionPolicy:
+    return _build("admission", AdmissionPolicy, ADMISSION_POLICIES, spec, "always")
+
+
+__all__ = [
+    "EvictionPolicy", "LRUPolicy", "LFUPolicy", "FIFOPolicy", "S3FIFOPolicy", "ARCPolicy",
+    "PromotionPolicy", "NeverPromote", "PromoteOnHit",
+    "AdmissionPolicy", "AdmitAll", "FrequencyAdmission", "SizeAdmission", "AllOf",
+    "build_eviction", "build_promotion", "build_admission",
+    "EVICTION_POLICIES", "PROMOTION_POLICIES", "ADMISSION_POLICIES",
+]

@@ -1,0 +1,201 @@
+"""Engine-independent pieces of the vLLM connector: store config, namespaces, shards.
+
+Nothing here imports vLLM, so these rules can be checked on their own.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from tierkv.errors import ConfigError
+
+#: Used when the connector config names no store: a small host tier over DRAM.
+DEFAULT_STORE_CONFIG: dict[str, Any] = {
+    "tiers": [
+        {"medium": "hbm", "device": "cpu", "capacity": "256MiB"},
+        {"medium": "dram", "capacity": "2GiB", "eviction": "lru"},
+    ],
+}
+
+
+def store_config_from_extra(extra: dict[str, Any] | None) -> dict[str, Any] | str:
+    """The store config named by ``kv_connector_extra_config``.
+
+    ``{"tierkv": {...}}`` gives it inline, ``{"tierkv_config_file": path}`` names
+    a JSON/YAML/TOML file; with neither, :data:`DEFAULT_STORE_CONFIG`.
+    """
+    extra = extra or {}
+    inline = extra.get("tierkv")
+    path = extra.get("tierkv_config_file")
+    if inline is not None and path is not None:
+        raise ConfigError("kv_connector_extra_config: give either 'tierkv' or 'tierkv_config_file', not both")
+    if inline is not None:
+        if isinstance(inline, str):  # a JSON string survives CLI quoting
+            try:
+                inline = json.loads(inline)
+            except ValueError as e:
+                raise ConfigError(f"kv_connector_extra_config['tierkv'] is not valid JSON: {e}") from e
+        if not isinstance(inline, dict):
+            raise ConfigError(f"kv_connector_extra_config['tierkv'] must be a dict, got {type(inline).__name__}")
+        return inline
+    if path is not None:
+        path = os.path.expanduser(str(path))
+        if not os.path.isfile(path):
+            raise ConfigError(f"tierkv_config_file {path!r} does not exist")
+        return path
+    return DEFAULT_STORE_CONFIG
+
+
+# -- one store per process and config ------------------------------------------------
+# The scheduler-side and worker-side connectors of one engine often share a
+# process; they must then see the same (private) tiers, so they share one store.
+_stores_lock = threading.Lock()
+_stores: dict[str, list[Any]] = {}  # config identity -> [store, refcount]
+
+
+def _config_identity(config: dict[str, Any] | str) -> str:
+    if isinstance(config, str):
+        return "file:" + os.path.realpath(config)
+    return "dict:" + json.dumps(config, sort_keys=True, default=str)
+
+
+def acquire_store(config: dict[str, Any] | str) -> Any:
+    """The process's store for ``config`` (built on first use, shared after)."""
+    from tierkv import TieredStore
+
+    ident = _config_identity(config)
+    with _stores_lock:
+        entry = _stores.get(ident)
+        if entry is None:
+            entry = [TieredStore.from_config(config), 0]
+            _stores[ident] = entry
+        entry[1] += 1
+        return entry[0]
+
+
+def release_store(store: Any) -> None:
+    """Drop one reference; the last one flushes and closes the store."""
+    with _stores_lock:
+        for ident, entry in list(_stores.items()):
+            if entry[0] is store:
+                entry[1] -= 1
+                if entry[1] > 0:
+                    return
+                del _stores[ident]
+                break
+        else:
+            return
+    try:
+        store.flush()
+    finally:
+        store.close()
+
+
+@atexit.register
+def _close_all_stores() -> None:
+    with _stores_lock:
+        entries = list(_stores.values())
+        _stores.clear()
+    for store, _ in entries:
+        try:
+            store.flush()
+            store.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown: best effort
+            pass
+
+
+# -- KV-head shards -------------------------------------------------------------------
+@dataclass(frozen=True)
+class ShardInfo:
+    """Which KV bytes a tensor-parallel rank holds.
+
+    Ranks with the same ``shard`` hold identical KV and share keys; among them
+    ``replica`` (0..``replicas``-1) splits the writes.
+    """
+
+    shard: int
+    num_shards: int
+    replica: int
+    replicas: int
+
+
+def kv_shard(tp_rank: int, tp_size: int, total_kv_heads: int, use_mla: bool = False) -> ShardInfo:
+    """The KV-head shard of ``tp_rank``.
+
+    * MLA: one latent KV shared by every rank: one shard, ``tp_size`` replicas.
+    * ``tp_size <= total_kv_heads``: each rank holds its own heads: ``tp_size`` shards.
+    * ``tp_size > total_kv_heads``: heads are replicated over ``tp_size // heads``
+      consecutive ranks: ``total_kv_heads`` shards.
+    """
+    if tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"bad tensor-parallel rank {tp_rank} of {tp_size}")
+    if use_mla or total_kv_heads <= 0:
+        return ShardInfo(0, 1, tp_rank, tp_size)
+    if tp_size <= total_kv_heads:
+        return ShardInfo(tp_rank, tp_size, 0, 1)
+    if tp_size % total_kv_heads:
+        raise ValueError(f"tensor-parallel size {tp_size} is not a multiple of {total_kv_heads} KV heads")
+    replicas = tp_size // total_kv_heads
+    return ShardInfo(tp_rank // replicas, total_kv_heads, tp_rank % replicas, replicas)
+
+
+def shard_from_replicas(tp_rank: int, tp_size: int, replicas: int) -> ShardInfo:
+    """Shard of ``tp_rank`` when ``replicas`` consecutive ranks hold identical KV."""
+    replicas = max(1, int(replicas))
+    if tp_size % replicas:
+        raise ValueError(f"tensor-parallel size {tp_size} is not a multiple of {replicas} replicas")
+    return ShardInfo(tp_rank // replicas, tp_size // replicas, tp_rank % replicas, replicas)
+
+
+# -- namespaces -----------------------------------------------------------------------
+def _clean(part: object) -> str:
+    s = str(part)
+    return s.replace("/", "_").replace("\x00", "_")
+
+
+def base_namespace(
+    model: str,
+    dtype: str,
+    layout: str,
+    block_size: int,
+    shard: int,
+    num_shards: int,
+    hash_algo: str = "",
+) -> str:
+    """The namespace shared by every layer of one engine configuration and KV shard."""
+    return "/".join(
+        [
+            "vllm",
+            _clean(model),
+            _clean(dtype),
+            _clean(layout),
+            f"bs{int(block_size)}",
+            f"kvshard{int(shard)}-of-{int(num_shards)}",
+            _clean(hash_algo or "-"),
+        ]
+    )
+
+
+def layer_namespace(base: str, layer: str, cache_salt: str | None = None) -> str:
+    """Namespace of one layer's blocks; requests with different salts never share keys."""
+    salt = "-" if cache_salt is None else "salt:" + _clean(cache_salt)
+    return f"{base}/{salt}/{_clean(layer)}"
+
+
+def block_hash_bytes(h: object) -> bytes:
+    """An engine block hash as bytes (vLLM's ``BlockHash`` is a bytes subtype; older builds use ints)."""
+    if isinstance(h, (bytes, bytearray, memoryview)):
+        return bytes(h)
+    if isinstance(h, int):
+        return h.to_bytes(max(1, (h.bit_length() + 8) // 8), "little", signed=True)
+    if isinstance(h, str):
+        return h.encode()
+    hv = getattr(h, "hash_value", None)  # BlockHashWithGroupId-like wrappers
+    if hv is not None:
+        return block_hash_bytes(hv)
+    raise TypeError(f"unsupported block hash type {type(h).__name__}")

@@ -1,0 +1,114 @@
+"""Whole-block access to an engine's paged KV tensor, whatever its layout.
+
+A layer's paged KV cache is one tensor with a ``num_blocks`` dimension
+somewhere in it: CPU backends use ``[num_blocks, kv_heads, block_size, 2*head]``,
+most GPU/NPU backends ``[2, num_blocks, block_size, kv_heads, head]`` (K pages
+then V pages).  The inside of a page is backend- and ISA-specific, so it is
+treated as opaque bytes: a block of one layer is moved as a list of contiguous
+*parts* (one part when the block dimension is outermost, one per leading index
+otherwise, e.g. its K page and its V page).
+
+When the allocator's block is split into several kernel blocks
+(``kernel_blocks_per_block > 1``) the block dimension holds
+``num_blocks * kernel_blocks_per_block`` entries and one engine block covers that
+many consecutive kernel blocks.
+
+This module needs only torch; it knows nothing of the engine.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+def find_block_dim(shape: tuple[int, ...], num_blocks: int, block_size: int | None = None) -> tuple[int, int]:
+    """Return ``(dim, kernel_blocks_per_block)`` for a paged tensor of ``shape``.
+
+    The block dimension is the first one whose size is ``num_blocks`` times a
+    power of two no larger than ``block_size`` (exact ``num_blocks`` preferred),
+    looking past a leading K/V dimension of size 2.  Raises ``ValueError`` when
+    no dimension fits.
+    """
+    if num_blocks <= 0:
+        raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+    dims = list(range(len(shape)))
+    # exact match first, scanning from the outside in
+    for d in dims:
+        if shape[d] == num_blocks and not (d == 0 and len(shape) > 1 and shape[0] == 2 and shape[1] == num_blocks):
+            return d, 1
+    limit = block_size or max(shape)
+    for d in dims:
+        if shape[d] % num_blocks == 0:
+            r = shape[d] // num_blocks
+            if r > 1 and (r & (r - 1)) == 0 and r <= limit:
+                return d, r
+    raise ValueError(f"no dimension of KV tensor shape {tuple(shape)} is a multiple of num_blocks={num_blocks}")
+
+
+@dataclass
+class PagedLayer:
+    """One layer's paged KV tensor, addressed by engine block id."""
+
+    tensor: torch.Tensor
+    block_dim: int
+    kernel_blocks_per_block: int = 1
+
+    @classmethod
+    def wrap(cls, tensor: torch.Tensor, num_blocks: int, block_size: int | None = None) -> PagedLayer:
+        dim, r = find_block_dim(tuple(tensor.shape), num_blocks, block_size)
+        return cls(tensor, dim, r)
+
+    @property
+    def num_parts(self) -> int:
+        return math.prod(self.tensor.shape[: self.block_dim])
+
+    @property
+    def block_nbytes(self) -> int:
+        """Bytes of one engine block of this layer (all parts)."""
+        per_entry = self.tensor[(0,) * (self.block_dim + 1)].numel() * self.tensor.element_size()
+        return per_entry * self.kernel_blocks_per_block * self.num_parts
+
+    def parts(self, block_id: int) -> list[torch.Tensor]:
+        """Views of block ``block_id``'s pages, outermost index first (may be non-contiguous)."""
+        r = self.kernel_blocks_per_block
+        lo = block_id * r
+        lead = [range(n) for n in self.tensor.shape[: self.block_dim]]
+        # indexing (never reshape) keeps every part a view of the cache
+        return [self.tensor[idx][lo : lo + r] for idx in itertools.product(*lead)]
+
+    def is_direct(self) -> bool:
+        """True when every block's parts are contiguous CPU memory (no staging copy needed)."""
+        if self.tensor.device.type != "cpu":
+            return False
+        return all(p.is_contiguous() for p in self.parts(0))
+
+    # -- staging --------------------------------------------------------------
+    def read_parts(self, block_id: int) -> list[torch.Tensor]:
+        """Contiguous CPU tensors holding the block's bytes.
+
+        Views into the cache when possible (no copy): the caller must keep the
+        block from being reused until it has consumed them.
+        """
+        out = []
+        for p in self.parts(block_id):
+            if p.device.type != "cpu":
+                p = p.to("cpu")
+            out.append(p if p.is_contiguous() else p.contiguous())
+        return out
+
+    def write_targets(self, block_id: int) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Contiguous CPU buffers to fill for the block, and (staging, destination) pairs to copy afterwards."""
+        bufs: list[torch.Tensor] = []
+        pending: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for p in self.parts(block_id):
+            if p.device.type == "cpu" and p.is_contiguous():
+                bufs.append(p)
+            else:
+                stage = torch.empty(p.shape, dtype=p.dtype, device="cpu")
+                bufs.append(stage)
+                pending.append((stage, p))
+        return bufs, pending

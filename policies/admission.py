@@ -1,0 +1,92 @@
+"""Admission policies: whether a tier accepts a chunk at all.
+
+The store asks ``admit(key, nbytes, tier)`` before it places a chunk in a tier
+(on put, demotion or promotion); a refusal sends the chunk on to the next tier.
+``on_access(key)`` is called for every put and get of the key, so a policy can
+count demand.  Policies compose: ``AllOf(a, b)`` admits what every member admits.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+
+class AdmissionPolicy:
+    """Base class: override ``admit`` (and ``on_access`` to observe demand)."""
+
+    name = "custom"
+
+    def admit(self, key: Hashable, nbytes: int, tier: str) -> bool:
+        raise NotImplementedError
+
+    def on_access(self, key: Hashable) -> None:
+        """The key was put or read through the store."""
+
+
+class AdmitAll(AdmissionPolicy):
+    name = "always"
+
+    def admit(self, key, nbytes, tier):
+        return True
+
+
+class FrequencyAdmission(AdmissionPolicy):
+    """Admit a chunk only once it has been accessed ``min_accesses`` times.
+
+    Useful on SSD: one-off prefixes never cost a write, sparing the drive's wear.
+    Counts live in a bounded LRU table of ``max_tracked`` keys.
+    """
+
+    name = "frequency"
+
+    def __init__(self, min_accesses: int = 2, max_tracked: int = 1 << 20) -> None:
+        if not isinstance(min_accesses, int) or min_accesses < 1:
+            raise ValueError(f"min_accesses must be an int ≥ 1, got {min_accesses!r}")
+        self.min_accesses = min_accesses
+        self.max_tracked = max_tracked
+        self._counts: OrderedDict[Hashable, int] = OrderedDict()
+
+    def on_access(self, key):
+        n = self._counts.pop(key, 0) + 1
+        self._counts[key] = n
+        if len(self._counts) > self.max_tracked:
+            self._counts.popitem(last=False)
+
+    def admit(self, key, nbytes, tier):
+        return self._counts.get(key, 0) >= self.min_accesses
+
+
+class SizeAdmission(AdmissionPolicy):
+    """Admit chunks no larger than ``max_bytes``."""
+
+    name = "size"
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = int(max_bytes)
+
+    def admit(self, key, nbytes, tier):
+        return nbytes <= self.max_bytes
+
+
+class AllOf(AdmissionPolicy):
+    """Admit what every member admits."""
+
+    name = "all-of"
+
+    def __init__(self, *policies: AdmissionPolicy) -> None:
+        self.policies = policies
+
+    def on_access(self, key):
+        for p in self.policies:
+            p.on_access(key)
+
+    def admit(self, key, nbytes, tier):
+        return all(p.admit(key, nbytes, tier) for p in self.policies)
+
+
+ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
+    "always": AdmitAll,
+    "frequency": FrequencyAdmission,
+    "size": SizeAdmission,
+}

@@ -1,0 +1,70 @@
+"""Promotion policies: when a chunk read from a slower tier is copied up.
+
+``should_promote(key, src, dst)`` is asked once per hit served by tier ``src``
+(a tier name) for the faster tier ``dst`` the store would copy it into.  A copy
+is inclusive: the chunk stays in ``src`` too, so demoting it later costs nothing.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Hashable
+
+
+class PromotionPolicy:
+    """Base class: override ``should_promote``."""
+
+    name = "custom"
+
+    def should_promote(self, key: Hashable, src: str, dst: str) -> bool:
+        raise NotImplementedError
+
+    def on_remove(self, key: Hashable) -> None:
+        """The chunk left the store entirely (optional hook)."""
+
+
+class NeverPromote(PromotionPolicy):
+    """Chunks stay where they are."""
+
+    name = "never"
+
+    def should_promote(self, key, src, dst):
+        return False
+
+
+class PromoteOnHit(PromotionPolicy):
+    """Promote once a chunk has been hit ``min_hits`` times below the top tier.
+
+    Hit counts live in a bounded LRU table (``max_tracked`` keys), so a stream of
+    one-off keys cannot grow memory without bound.
+    """
+
+    name = "on-hit"
+
+    def __init__(self, min_hits: int = 1, max_tracked: int = 1 << 20) -> None:
+        if not isinstance(min_hits, int) or min_hits < 1:
+            raise ValueError(f"min_hits must be an int ≥ 1, got {min_hits!r}")
+        self.min_hits = min_hits
+        self.max_tracked = max_tracked
+        self._hits: OrderedDict[Hashable, int] = OrderedDict()
+
+    def should_promote(self, key, src, dst):
+        if self.min_hits == 1:
+            return True
+        n = self._hits.pop(key, 0) + 1
+        if n >= self.min_hits:
+            return True
+        self._hits[key] = n
+        if len(self._hits) > self.max_tracked:
+            self._hits.popitem(last=False)
+        return False
+
+    def on_remove(self, key):
+        self._hits.pop(key, None)
+
+
+PROMOTION_POLICIES: dict[str, type[PromotionPolicy]] = {
+    "never": NeverPromote,
+    "on-hit": PromoteOnHit,
+    "on_hit": PromoteOnHit,
+}

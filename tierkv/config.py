@@ -1,0 +1,127 @@
+"""Store configuration: a dict, or a JSON / YAML / TOML file holding one.
+
+Shape::
+
+    {
+      "tiers": [                                   # fastest first
+        {"medium": "hbm",  "device": "cpu", "capacity": "256MiB"},
+        {"medium": "dram", "capacity": "2GiB", "eviction": "lru"},
+        {"medium": "ssd",  "path": "/var/cache/tierkv", "capacity": "50GiB",
+         "compression": "lz4", "admission": {"policy": "frequency", "min_accesses": 2}}
+      ],
+      "promotion": {"policy": "on-hit", "min_hits": 2},
+      "io_workers": 4
+    }
+
+Keys every tier takes: ``medium`` (a built-in name or ``"package.module:Class"``),
+``name`` (defaults to the medium; must be unique), ``eviction`` (managed media),
+``admission``, ``write_through``.  Everything else goes to the medium, which
+rejects what it does not know.  Unknown keys are errors, never ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any
+
+from tierkv.errors import ConfigError
+
+TOP_KEYS = {"tiers", "promotion", "io_workers"}
+LEVEL_KEYS = {"medium", "name", "eviction", "admission", "write_through"}
+
+
+def default_config(root: str | None = None) -> dict[str, Any]:
+    """The embedded defaults: a small HBM(cpu) → DRAM → SSD chain under ``root``."""
+    root = root or os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "tierkv")
+    return {
+        "tiers": [
+            {"medium": "hbm", "device": "cpu", "capacity": "64MiB"},
+            {"medium": "dram", "capacity": "256MiB", "eviction": "lru"},
+            {"medium": "ssd", "path": os.path.join(root, "ssd"), "capacity": "2GiB", "compression": "none"},
+        ],
+        "promotion": {"policy": "on-hit", "min_hits": 1},
+    }
+
+
+def load_config(config: Any) -> dict[str, Any]:
+    """Read and check the top level of a config (dict or file path); returns a fresh dict."""
+    if isinstance(config, (str, os.PathLike)):
+        cfg = _read_file(os.fspath(config))
+    elif isinstance(config, dict):
+        cfg = copy.copy(config)
+    else:
+        raise ConfigError(f"config must be a dict or a file path, got {type(config).__name__}")
+    if not isinstance(cfg, dict):
+        raise ConfigError("config must be a mapping at the top level")
+    unknown = set(cfg) - TOP_KEYS
+    if unknown:
+        raise ConfigError(f"unknown config key(s) {sorted(unknown)}; known: {sorted(TOP_KEYS)}")
+    tiers = cfg.get("tiers")
+    if not isinstance(tiers, list) or not tiers:
+        raise ConfigError("config needs 'tiers': a non-empty list of tier configs, fastest first")
+    return cfg
+
+
+def _read_file(path: str) -> Any:
+    ext = os.path.splitext(path)[1].lower()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+    except OSError as e:
+        raise ConfigError(f"cannot read config file {path}: {e}") from e
+    try:
+        if ext == ".json":
+            return json.loads(raw)
+        if ext in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError as e:
+                raise ConfigError(f"config file {path} is YAML but PyYAML is not installed (pip install pyyaml)") from e
+            return yaml.safe_load(raw)
+        if ext == ".toml":
+            import tomllib
+
+            return tomllib.loads(raw.decode())
+    except ConfigError:
+        raise
+    except Exception as e:
+        raise ConfigError(f"cannot parse config file {path}: {e}") from e
+    raise ConfigError(f"config file {path}: unknown extension {ext!r} (use .json, .yaml, .yml or .toml)")
+
+
+def build_levels(tier_cfgs: list[Any]) -> list:
+    """Instantiate every tier of the chain; on any error, release those already built."""
+    from tierkv.store import Level
+    from tierkv.tiers import medium_class
+
+    levels: list = []
+    names: set[str] = set()
+    try:
+        for pos, raw in enumerate(tier_cfgs):
+            if not isinstance(raw, dict):
+                raise ConfigError(f"tiers[{pos}] must be a mapping, got {raw!r}")
+            opts = dict(raw)
+            medium = opts.pop("medium", None)
+            if medium is None:
+                raise ConfigError(f"tiers[{pos}] lacks 'medium' (e.g. 'hbm', 'dram', 'ssd', 'dram_pool')")
+            cls = medium_class(medium)
+            name = opts.pop("name", None) or (cls.medium or str(medium))
+            if name in names:
+                raise ConfigError(f"tiers[{pos}]: tier name {name!r} is used twice; give one a 'name'")
+            names.add(name)
+            eviction = opts.pop("eviction", None)
+            admission = opts.pop("admission", None)
+            write_through = opts.pop("write_through", False)
+            tier = cls.from_config(name, opts)
+            try:
+                levels.append(Level(tier, eviction=eviction, admission=admission, write_through=write_through))
+            except Exception:
+                tier.close()
+                raise
+    except Exception:
+        for lvl in levels:
+            lvl.tier.close()
+        raise
+    return levels

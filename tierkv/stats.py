@@ -1,0 +1,40 @@
+"""Counters kept per tier and for the whole store."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class TierCounters:
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    puts: int = 0
+    evictions: int = 0
+    promotions: int = 0
+    demotions: int = 0
+    rejected: int = 0  # refused: admission said no, or no room could be made
+    errors: int = 0  # failed or corrupt reads and writes
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+@dataclass
+class StoreCounters:
+    put_calls: int = 0
+    get_calls: int = 0
+    lookup_calls: int = 0
+    chunks_put: int = 0
+    chunks_stored: int = 0  # newly stored by a put
+    chunks_deduped: int = 0  # put of a chunk already present
+    chunks_rejected: int = 0  # put that no tier took
+    hits: int = 0
+    misses: int = 0
+    bytes_put: int = 0
+    bytes_got: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)

@@ -1,0 +1,27 @@
+"""``dram``: a preallocated pool of host memory, pinned when an accelerator is present."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .slab import SlabTier
+
+
+class DRAMTier(SlabTier):
+    """Host memory pool; pinned (page-locked) when a device runtime exists, for fast H2D/D2H."""
+
+    medium = "dram"
+
+    def __init__(self, name: str, capacity_bytes: int, pin_memory: bool | None = None) -> None:
+        if pin_memory is None:
+            pin_memory = torch.cuda.is_available() or hasattr(torch, "npu")
+        super().__init__(name, capacity_bytes, device="cpu", pin_memory=pin_memory)
+
+    @classmethod
+    def from_config(cls, name: str, options: dict[str, Any]) -> "DRAMTier":
+        capacity = cls.pop_capacity(name, options)
+        pin = options.pop("pin_memory", None)
+        cls.reject_unknown(name, options)
+        return cls(name, capacity, pin_memory=pin)

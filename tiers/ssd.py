@@ -1,0 +1,499 @@
+"""``ssd``: one file per chunk in a directory, surviving restarts.
+
+On-disk object (little-endian)::
+
+    header (64 bytes): magic "TKV1", version u16, flags u16, raw_len u64,
+                       stored_len u64, checksum u64 (xxh3-64 of the stored bytes),
+                       key_len u16, padding
+    key bytes (key_len)
+    padding up to data_offset (64 + key_len, or 4096 with O_DIRECT)
+    stored bytes (stored_len): the chunk, lz4-compressed when flag 1 is set
+
+Invariants:
+    * Atomic writes: an object is written to a hidden temp file and renamed into
+      place, so a crash mid-write never leaves a readable half-object; temp files
+      are swept on open.
+    * A read verifies length and checksum; a short, torn or corrupt object is a
+      miss, is deleted and is counted in ``errors`` — never wrong bytes.
+    * ``recover()`` rebuilds the index from the directory, so a restarted process
+      finds what it stored.  Everything written before ``flush()`` / ``close()``
+      survives a crash of the process (fsync of files and directories).
+    * Files are 0600 in a directory tree 0700 that this user owns.
+    * Disk full (or any I/O error) refuses the write and counts it; it is never
+      raised into the caller's path.
+Batches are spread over a thread pool (pread/pwrite release the GIL).
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import mmap
+import os
+import re
+import struct
+import threading
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from tierkv.errors import ConfigError
+
+from .base import Parts, Tier
+
+try:
+    import xxhash
+
+    def _checksum(chunks) -> int:
+        h = xxhash.xxh3_64()
+        for c in chunks:
+            h.update(c)
+        return h.intdigest()
+except ImportError:  # pragma: no cover - xxhash is a dependency; zlib keeps us working without it
+    import zlib
+
+    def _checksum(chunks) -> int:
+        crc = 0
+        for c in chunks:
+            crc = zlib.crc32(c, crc)
+        return crc | (1 << 63)  # tagged so an xxhash file never validates against crc
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"TKV1"
+VERSION = 1
+FLAG_LZ4 = 1
+_HDR = struct.Struct("<4sHHQQQH")  # 34 bytes, padded to 64
+HDR_SIZE = 64
+BLOCK = 4096
+_SAFE = re.compile(r"^[0-9A-Za-z_-][0-9A-Za-z_.-]{0,199}$")
+SUFFIX = ".kv"
+TMP_PREFIX = ".tmp."
+
+
+def _file_name(key: str) -> str:
+    if _SAFE.match(key):
+        return key + SUFFIX
+    return "h-" + hashlib.sha256(key.encode()).hexdigest() + SUFFIX
+
+
+def _shard(name: str) -> str:
+    return hashlib.blake2b(name.encode(), digest_size=1).hexdigest()
+
+
+def _host_bytes(part: torch.Tensor) -> memoryview:
+    if part.device.type != "cpu":
+        part = part.cpu()
+    return memoryview(part.numpy()).cast("B")
+
+
+def _aligned(n: int) -> memoryview:
+    """A zeroed, BLOCK-aligned writable buffer of ``n`` bytes (anonymous mmap is page aligned)."""
+    return memoryview(mmap.mmap(-1, max(n, BLOCK)))[:n]
+
+
+class SSDTier(Tier):
+    """Chunks as checksummed files under ``path``."""
+
+    medium = "ssd"
+    persistent = True
+
+    def __init__(
+        self,
+        name: str,
+        capacity_bytes: int,
+        path: str,
+        compression: Optional[str] = None,
+        direct_io: bool = False,
+        io_threads: int = 4,
+        fsync: str = "flush",
+    ) -> None:
+        super().__init__(name, capacity_bytes)
+        if compression not in (None, "none", "lz4"):
+            raise ConfigError(f"tier {name!r}: compression must be 'lz4' or 'none', got {compression!r}")
+        if fsync not in ("flush", "always", "never"):
+            raise ConfigError(f"tier {name!r}: fsync must be 'flush', 'always' or 'never', got {fsync!r}")
+        self.compression = "lz4" if compression == "lz4" else None
+        if self.compression:
+            import lz4.block  # noqa: F401  (fail at config time, not on the hot path)
+        self.direct_io = bool(direct_io)
+        self.fsync = fsync
+        self.path = os.path.abspath(os.path.expanduser(path))
+        self._prepare_dir()
+        if self.direct_io:
+            self._probe_direct()
+        self._objects: dict[str, tuple[int, int]] = {}  # key -> (raw nbytes, file size)
+        self._used = 0
+        self._dirty: set[str] = set()
+        self._counters = {"io_errors": 0, "corrupt": 0, "enospc": 0, "swept_temp": 0}
+        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"tierkv-{name}")
+
+    @classmethod
+    def from_config(cls, name: str, options: dict[str, Any]) -> "SSDTier":
+        capacity = cls.pop_capacity(name, options)
+        path = options.pop("path", None)
+        if not path:
+            raise ConfigError(f"tier {name!r} (ssd): 'path' is required (a directory tierkv may own)")
+        kw = {k: options.pop(k) for k in ("compression", "direct_io", "io_threads", "fsync") if k in options}
+        cls.reject_unknown(name, options)
+        return cls(name, capacity, str(path), **kw)
+
+    # -- directory ----------------------------------------------------------------
+    def _prepare_dir(self) -> None:
+        try:
+            os.makedirs(self.path, mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"tier {self.name!r}: cannot create directory {self.path}: {e}") from e
+        st = os.stat(self.path)
+        if st.st_uid != os.geteuid():
+            raise ConfigError(f"tier {self.name!r}: directory {self.path} is owned by uid {st.st_uid}, not us")
+        if st.st_mode & 0o077:
+            os.chmod(self.path, 0o700)
+
+    def _probe_direct(self) -> None:
+        probe = os.path.join(self.path, TMP_PREFIX + "probe")
+        try:
+            fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
+            try:
+                os.write(fd, _aligned(BLOCK))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise ConfigError(f"tier {self.name!r}: direct_io is not supported on {self.path}: {e}") from e
+        finally:
+            try:
+                os.unlink(probe)
+            except OSError:
+                pass
+
+    def _data_offset(self, key_len: int) -> int:
+        return BLOCK if self.direct_io else HDR_SIZE + key_len
+
+    def _obj_path(self, key: str) -> str:
+        name = _file_name(key)
+        return os.path.join(self.path, _shard(name), name)
+
+    def footprint(self, nbytes: int) -> int:
+        # header + key + data, in whole filesystem blocks: what the file really costs
+        return (HDR_SIZE + 200 + nbytes + BLOCK - 1) // BLOCK * BLOCK if not self.direct_io else \
+            BLOCK + (nbytes + BLOCK - 1) // BLOCK * BLOCK
+
+    # -- batch API --------------------------------------------------------------------
+    def _map(self, fn, keys, bufs) -> list[bool]:
+        if len(keys) <= 1:
+            return [fn(k, b) for k, b in zip(keys, bufs)]
+        return list(self._pool.map(fn, keys, bufs))
+
+    def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+        self._check_open()
+        return self._map(self._write_one, keys, srcs)
+
+    def read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
+        self._check_open()
+        return self._map(self._read_one, keys, dsts)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            with self._lock:
+                obj = self._objects.pop(key, None)
+                if obj is not None:
+                    self._used -= obj[1]
+                self._dirty.discard(key)
+            try:
+                os.unlink(self._obj_path(key))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._count("io_errors")
+                log.warning("tier %s: cannot delete %s: %s", self.name, key, e)
+
+    def contains(self, keys: Sequence[str]) -> list[bool]:
+        return [k in self._objects for k in keys]
+
+    # -- one object -----------------------------------------------------------------
+    def _write_one(self, key: str, parts: Parts) -> bool:
+        raw_len = sum(p.numel() for p in parts)
+        views = [_host_bytes(p) for p in parts]
+        flags = 0
+        payload: list = views
+        if self.compression:
+            import lz4.block
+
+            joined = views[0] if len(views) == 1 else b"".join(views)
+            packed = lz4.block.compress(joined, store_size=False)
+            if len(packed) < raw_len:
+                payload, flags = [packed], FLAG_LZ4
+        stored_len = sum(len(v) for v in payload)
+        kb = key.encode()
+        header = bytearray(self._data_offset(len(kb)))
+        _HDR.pack_into(header, 0, MAGIC, VERSION, flags, raw_len, stored_len, _checksum(payload), len(kb))
+        header[HDR_SIZE:HDR_SIZE + len(kb)] = kb
+        final = self._obj_path(key)
+        tmp = os.path.join(os.path.dirname(final), f"{TMP_PREFIX}{os.path.basename(final)}.{os.getpid()}.{threading.get_ident()}")
+        fd = -1
+        try:
+            os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+            flags_open = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+            if self.direct_io:
+                flags_open |= os.O_DIRECT
+            fd = os.open(tmp, flags_open, 0o600)
+            if self.direct_io:
+                total = len(header) + stored_len
+                buf = _aligned((total + BLOCK - 1) // BLOCK * BLOCK)
+                buf[:len(header)] = header
+                pos = len(header)
+                for v in payload:
+                    buf[pos:pos + len(v)] = v
+                    pos += len(v)
+                _write_all(fd, [buf])
+                os.ftruncate(fd, total)
+            else:
+                _write_all(fd, [header, *payload])
+            if self.fsync == "always":
+                os.fsync(fd)
+            os.close(fd)
+            fd = -1
+            os.rename(tmp, final)
+        except OSError as e:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            self._count("enospc" if e.errno in (errno.ENOSPC, errno.EDQUOT) else "io_errors")
+            log.warning("tier %s: write of %s refused: %s", self.name, key[:16], e)
+            return False
+        size = len(header) + stored_len
+        with self._lock:
+            old = self._objects.get(key)
+            if old is not None:
+                self._used -= old[1]
+            self._objects[key] = (raw_len, size)
+            self._used += size
+            if self.fsync == "flush":
+                self._dirty.add(key)
+        return True
+
+    def _read_one(self, key: str, parts: Parts) -> bool:
+        path = self._obj_path(key)
+        want = sum(p.numel() for p in parts)
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | (os.O_DIRECT if self.direct_io else 0))
+        except FileNotFoundError:
+            self._forget(key)
+            return False
+        except OSError:
+            self._count("io_errors")
+            return False
+        try:
+            ok = self._read_fd(fd, key, parts, want)
+        except OSError as e:
+            log.warning("tier %s: read of %s failed: %s", self.name, key[:16], e)
+            self._count("io_errors")
+            ok = False
+        finally:
+            os.close(fd)
+        if ok is None:  # corrupt or torn: drop it so it is not served again
+            self._count("corrupt")
+            log.warning("tier %s: object %s is corrupt; dropped", self.name, key[:16])
+            self.delete([key])
+            return False
+        return ok
+
+    def _read_fd(self, fd: int, key: str, parts: Parts, want: int) -> Optional[bool]:
+        """True: exact bytes in ``parts``; False: a size mismatch; None: corrupt."""
+        if self.direct_io:
+            size = os.fstat(fd).st_size
+            buf = _aligned((size + BLOCK - 1) // BLOCK * BLOCK)
+            got = os.preadv(fd, [buf], 0)
+            if got < HDR_SIZE:
+                return None
+            head = bytes(buf[:HDR_SIZE])
+        else:
+            head = os.pread(fd, HDR_SIZE + 256, 0)
+            buf = None
+        if len(head) < HDR_SIZE:
+            return None
+        magic, version, flags, raw_len, stored_len, checksum, key_len = _HDR.unpack_from(head, 0)
+        if magic != MAGIC or version != VERSION:
+            return None
+        if raw_len != want:
+            return False
+        off = self._data_offset(key_len)
+        if buf is not None:
+            stored_view = buf[off:off + stored_len]
+            if len(stored_view) != stored_len or _checksum([stored_view]) != checksum:
+                return None
+            if flags & FLAG_LZ4:
+                return self._unpack(stored_view, raw_len, parts)
+            _scatter(stored_view, parts)
+            return True
+        if flags & FLAG_LZ4:
+            stored = os.pread(fd, stored_len, off)
+            if len(stored) != stored_len or _checksum([stored]) != checksum:
+                return None
+            return self._unpack(stored, raw_len, parts)
+        host = [p if p.device.type == "cpu" else torch.empty(p.numel(), dtype=torch.uint8) for p in parts]
+        views = [memoryview(h.numpy()).cast("B") for h in host]
+        got = os.preadv(fd, views, off)
+        if got != stored_len or stored_len != raw_len or _checksum(views) != checksum:
+            return None
+        for p, h in zip(parts, host):
+            if h is not p:
+                p.copy_(h)
+        return True
+
+    def _unpack(self, stored, raw_len: int, parts: Parts) -> Optional[bool]:
+        import lz4.block
+
+        try:
+            raw = lz4.block.decompress(stored, uncompressed_size=raw_len, return_bytearray=True)
+        except Exception:  # lz4 raises its own error types on malformed input
+            return None
+        if len(raw) != raw_len:
+            return None
+        _scatter(memoryview(raw), parts)
+        return True
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            obj = self._objects.pop(key, None)
+            if obj is not None:
+                self._used -= obj[1]
+
+    def _count(self, what: str) -> None:
+        with self._lock:
+            self._counters[what] += 1
+
+    # -- persistence ----------------------------------------------------------------
+    def recover(self) -> list[tuple[str, int]]:
+        """Rebuild the index from disk; sweep temp files and unreadable headers."""
+        found: list[tuple[str, int, float]] = []
+        for shard in sorted(os.listdir(self.path)):
+            sdir = os.path.join(self.path, shard)
+            if not os.path.isdir(sdir):
+                continue
+            for fname in os.listdir(sdir):
+                fpath = os.path.join(sdir, fname)
+                if fname.startswith(TMP_PREFIX):
+                    _unlink_quiet(fpath)
+                    self._counters["swept_temp"] += 1
+                    continue
+                if not fname.endswith(SUFFIX):
+                    continue
+                meta = self._read_header(fpath)
+                if meta is None:
+                    self._counters["corrupt"] += 1
+                    _unlink_quiet(fpath)
+                    continue
+                key, raw_len, size, mtime = meta
+                if _file_name(key) != fname:
+                    self._counters["corrupt"] += 1
+                    _unlink_quiet(fpath)
+                    continue
+                found.append((key, raw_len, mtime))
+                with self._lock:
+                    self._objects[key] = (raw_len, size)
+                    self._used += size
+        found.sort(key=lambda t: t[2])  # oldest first, so recency order survives a restart
+        return [(k, n) for k, n, _ in found]
+
+    def _read_header(self, fpath: str):
+        try:
+            with open(fpath, "rb") as f:
+                head = f.read(HDR_SIZE + 256)
+                st = os.fstat(f.fileno())
+        except OSError:
+            return None
+        if len(head) < HDR_SIZE:
+            return None
+        magic, version, flags, raw_len, stored_len, _, key_len = _HDR.unpack_from(head, 0)
+        if magic != MAGIC or version != VERSION or len(head) < HDR_SIZE + key_len:
+            return None
+        if st.st_size != self._data_offset(key_len) + stored_len:
+            return None  # torn
+        try:
+            key = head[HDR_SIZE:HDR_SIZE + key_len].decode()
+        except UnicodeDecodeError:
+            return None
+        return key, raw_len, st.st_size, st.st_mtime
+
+    def flush(self) -> None:
+        with self._lock:
+            dirty, self._dirty = self._dirty, set()
+        dirs = set()
+        for key in dirty:
+            path = self._obj_path(key)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+                dirs.add(os.path.dirname(path))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                self._count("io_errors")
+                log.warning("tier %s: fsync of %s failed: %s", self.name, key[:16], e)
+        for d in dirs | {self.path}:
+            try:
+                fd = os.open(d, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            except OSError:
+                pass
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    def extra_stats(self) -> dict[str, Any]:
+        with self._lock:
+            return {"path": self.path, "objects": len(self._objects), "compression": self.compression or "none",
+                    **self._counters}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._pool.shutdown(wait=True)
+        super().close()
+
+
+def _write_all(fd: int, bufs: list) -> None:
+    """writev until every byte is written (writev may write less than asked)."""
+    views = [memoryview(b).cast("B") for b in bufs if len(b)]
+    while views:
+        n = os.writev(fd, views)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def _scatter(src, parts: Parts) -> None:
+    """Copy a host byte buffer into the caller's parts."""
+    arr = torch.from_numpy(np.frombuffer(src, dtype=np.uint8))
+    pos = 0
+    for p in parts:
+        n = p.numel()
+        p.copy_(arr[pos:pos + n])
+        pos += n
+
+
+def _unlink_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
