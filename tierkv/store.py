@@ -259,8 +259,9 @@ class TieredStore:
             for i, key in enumerate(keys):
                 for adm in self._admissions:
                     adm.on_access(key)
-                if key in first:
-                    continue  # a repeat inside the batch: takes the first one's result
+                if key in first:  # a repeat inside the batch: takes the first one's result
+                    c.chunks_deduped += 1
+                    continue
                 first[key] = i
                 if key in self._where or self._busy(key):
                     results[i] = True

@@ -36,6 +36,9 @@ TRANSFER_FAIL = -800
 RPC_FAIL = -900
 RPC_TIMEOUT = -901
 
+#: the smallest segment a Mooncake client accepts
+MIN_SEGMENT = 16 << 20
+
 #: outcome classes shared by every backend (see ``RemoteClient.classify``)
 OK, DUPLICATE, FULL, MISSING, BUSY, DOWN, PEER, ERROR = "ok", "exists", "full", "missing", "busy", "down", "peer", "error"
 
@@ -162,14 +165,16 @@ class MooncakeClient:
     def unregister(self, ptr: int) -> int:
         return self._store.unregister_buffer(ptr)
 
-    def put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+    def put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
+            devices: Sequence[str] | None = None) -> list[int]:
         keys = list(keys)
         if all(len(p) == 1 for p in ptrs):
             return list(self._store.batch_put_from(keys, [p[0] for p in ptrs], [s[0] for s in sizes], self._config))
         return list(self._store.batch_put_from_multi_buffers(keys, [list(p) for p in ptrs],
                                                              [list(s) for s in sizes], self._config))
 
-    def get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+    def get(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
+            devices: Sequence[str] | None = None) -> list[int]:
         keys = list(keys)
         if all(len(p) == 1 for p in ptrs):
             return list(self._store.batch_get_into(keys, [p[0] for p in ptrs], [s[0] for s in sizes]))

@@ -13,13 +13,16 @@ from .slab import SlabTier
 
 def resolve_device(device: str) -> torch.device:
     """A torch device for ``device``, importing torch_npu for ``npu``; ConfigError if unusable."""
-    dev = torch.device(device)
-    if dev.type == "npu":
+    if str(device).split(":")[0] == "npu":
         try:
             import torch_npu  # noqa: F401  (registers the npu device with torch)
         except ImportError as e:
             raise ConfigError(f"device {device!r} needs torch_npu, which is not installed: {e}") from e
-    elif dev.type == "cuda" and not torch.cuda.is_available():
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ConfigError(f"unknown device {device!r}: {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} requested but CUDA is not available")
     return dev
 

@@ -1,0 +1,38 @@
+"""vLLM V1 KV connector for tierkv.
+
+Use it from vLLM with::
+
+    --kv-transfer-config '{"kv_connector": "TierKVConnector",
+                           "kv_connector_module_path": "tierkv.adapters.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"tierkv": {...store config...}}}'
+
+The connector class is imported on first use, so the engine-free helpers in
+``tierkv.adapters.vllm.config`` and ``.paged`` work without vLLM installed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {
+    "TierKVConnector": "connector",
+    "TierKVConnectorMetadata": "connector",
+    "TierKVConnectorStats": "connector",
+    "LoadSpec": "connector",
+    "SaveSpec": "connector",
+    "live_connectors": "connector",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    mod = _LAZY.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,898 @@
+"""``TierKVConnector``: vLLM V1 KV connector over a tierkv store.
+
+Scheduler side
+    ``get_num_new_matched_tokens`` turns the request's block hashes (computed by
+    vLLM; tokens are not hashed again) into tierkv keys, one per (block, layer,
+    KV-head shard), and counts the leading blocks present in the store beyond
+    what vLLM holds locally, whole blocks only and never the last prompt token.
+    ``update_state_after_alloc`` records the block ids to fill;
+    ``build_connector_meta`` ships the step's load and save plans to the workers;
+    ``request_finished`` holds a finished request's blocks while saves read them.
+
+Worker side
+    ``start_load_kv`` starts one background job that fills the planned blocks
+    layer by layer; ``wait_for_layer_load(l)`` returns as soon as layer ``l`` is
+    in place.  ``save_kv_layer`` queues the layer's newly completed full blocks
+    for a background put; ``get_finished`` reports requests whose saves are done.
+    A block that fails to load is reported by ``get_block_ids_with_load_errors``
+    and its request's saves from that block on are dropped, so vLLM recomputes it
+    and nothing computed from bad KV reaches the store.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+from vllm.logger import init_logger
+
+from tierkv import keys_from_block_hashes
+
+from .config import (
+    ShardInfo,
+    acquire_store,
+    base_namespace,
+    block_hash_bytes,
+    kv_shard,
+    layer_namespace,
+    release_store,
+    shard_from_replicas,
+    store_config_from_extra,
+)
+from .paged import PagedLayer
+
+try:  # vLLM >= 0.32
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older engines
+    CacheHitSource = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = init_logger(__name__)
+
+#: every live connector of this process (the test suite and tools read their records)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+def live_connectors() -> list[TierKVConnector]:
+    """The TierKVConnector instances alive in this process."""
+    return list(_LIVE)
+
+
+# ---------------------------------------------------------------------------------------
+# metadata: scheduler -> workers
+# ---------------------------------------------------------------------------------------
+@dataclass
+class LoadSpec:
+    """Fill ``block_ids`` (the request's blocks ``start .. start+len``) from the store."""
+
+    req_id: str
+    start: int
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    cache_salt: str | None = None
+
+
+@dataclass
+class SaveSpec:
+    """Put the request's blocks ``indices`` (full, computed by the end of this step)."""
+
+    req_id: str
+    indices: list[int]
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    #: the request's block table up to the last saved block: a failed load of
+    #: any of these blocks taints the saves after it
+    table: list[int]
+    cache_salt: str | None = None
+
+
+@dataclass
+class TierKVConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
+
+
+# ---------------------------------------------------------------------------------------
+# stats: workers -> logger
+# ---------------------------------------------------------------------------------------
+_COUNTERS = (
+    "load_requests", "load_blocks", "load_tokens", "load_bytes", "load_s", "load_errors",
+    "save_blocks", "save_bytes", "save_s", "save_errors",
+)
+
+
+@dataclass
+class TierKVConnectorStats(KVConnectorStats):
+    """Counters of one interval: loads, saves, errors and hit tokens by tier."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in _COUNTERS}
+        self.data["hit_tokens"] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        od = other.data or {}
+        for k in _COUNTERS:
+            self.data[k] = self.data.get(k, 0) + od.get(k, 0)
+        hits = self.data.setdefault("hit_tokens", {})
+        for tier, n in (od.get("hit_tokens") or {}).items():
+            hits[tier] = hits.get(tier, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {
+            "loaded_tokens": d.get("load_tokens", 0),
+            "load_MiB": round(d.get("load_bytes", 0) / 2**20, 3),
+            "load_ms": round(d.get("load_s", 0.0) * 1e3, 3),
+            "load_errors": d.get("load_errors", 0),
+            "saved_blocks": d.get("save_blocks", 0),
+            "save_MiB": round(d.get("save_bytes", 0) / 2**20, 3),
+            "save_ms": round(d.get("save_s", 0.0) * 1e3, 3),
+            "save_errors": d.get("save_errors", 0),
+        }
+        for tier, n in sorted((d.get("hit_tokens") or {}).items()):
+            out[f"hit_tokens[{tier}]"] = n
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k, 0) for k in _COUNTERS) and not self.data.get("hit_tokens")
+
+
+# ---------------------------------------------------------------------------------------
+# helpers
+# ---------------------------------------------------------------------------------------
+def _hit_source(tier: str | None, medium: str | None):
+    if CacheHitSource is None:
+        return None
+    m = (medium or tier or "").lower()
+    if m in ("hbm", "device", "remote_npu"):
+        return CacheHitSource.HOST if m == "hbm" else CacheHitSource.P2P
+    if m in ("dram",):
+        return CacheHitSource.HOST
+    if m in ("ssd", "disk"):
+        return CacheHitSource.DISK
+    if m in ("dram_pool",):
+        return CacheHitSource.P2P
+    return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+
+def _layout_descriptor(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+    """What decides the bytes of a page: platform, layout, backend, ISA and KV spec.
+
+    Computed identically on scheduler and workers (it uses no tensors), so both
+    sides derive the same keys.
+    """
+    from vllm.platforms import current_platform
+
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    device = getattr(current_platform, "device_type", "") or "unknown"
+    backend = getattr(getattr(vllm_config, "attention_config", None), "backend", None)
+    backend = getattr(backend, "name", backend) or "auto"
+    layout = getattr(kv_cache_config, "kv_cache_layout", None) or "default"
+    isa = ""
+    if device == "cpu":
+        try:
+            from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+            isa = _get_attn_isa(
+                vllm_config.model_config.dtype,
+                spec.block_size,
+                getattr(spec, "head_size", None),
+                vllm_config.cache_config.cache_dtype,
+            )
+        except Exception:  # noqa: BLE001 - unknown ISA: still a valid, private namespace
+            import platform
+
+            isa = "isa-" + platform.machine()
+    parts = [
+        device,
+        str(layout),
+        str(backend),
+        isa or "-",
+        f"h{getattr(spec, 'num_kv_heads', 0)}x{getattr(spec, 'head_size', 0)}",
+        str(getattr(spec, "dtype", "")).replace("torch.", ""),
+        f"kv-{vllm_config.cache_config.cache_dtype}",
+        f"page{spec.page_size_bytes}",
+        type(spec).__name__,
+    ]
+    return ":".join(parts)
+
+
+@dataclass
+class _SchedReq:
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    save_from: int = 0
+    skip: tuple[int, int] = (0, 0)
+    pending_load: tuple[int, int] | None = None
+    hit_sources: dict[Any, int] = field(default_factory=dict)
+
+
+@dataclass
+class _LoadJob:
+    submit_t: float
+    num_layers: int
+    events: list[threading.Event]
+    begin: list[float]
+    end: list[float]
+    wait_return: list[float]
+    failed_blocks: set[int] = field(default_factory=set)
+    failed_reqs: set[str] = field(default_factory=set)
+    future: Future | None = None
+    nbytes: int = 0
+    nblocks: int = 0
+    ntokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    per_req: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+# ---------------------------------------------------------------------------------------
+# the connector
+# ---------------------------------------------------------------------------------------
+class TierKVConnector(KVConnectorBase_V1):
+    """Tiered KV cache (HBM / DRAM / SSD / pooled and remote tiers) for vLLM V1.
+
+    ``kv_connector_extra_config``:
+
+    * ``tierkv``: the store config (dict, or a JSON string), or
+      ``tierkv_config_file``: a JSON/YAML/TOML file; default: host memory tiers.
+    * ``model_id``: name used in keys instead of the model path (set it when the
+      same weights are served from different paths).
+    * ``load`` / ``save`` (bool, default true; a ``kv_consumer`` never saves).
+    * ``load_failure_policy``: ``"recompute"`` (default) sets vLLM's
+      ``kv_load_failure_policy`` so a failed block is recomputed, never fatal;
+      ``"keep"`` leaves vLLM's own setting alone.
+    """
+
+    _cache_hit_source = CacheHitSource.HOST if CacheHitSource is not None else None
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._extra = extra
+        self._store_config = store_config_from_extra(extra)
+        self._block_size = int(vllm_config.cache_config.block_size)
+        self._load_enabled = bool(extra.get("load", True))
+        self._save_enabled = bool(extra.get("save", True)) and self._kv_transfer_config.kv_role != "kv_consumer"
+        if extra.get("load_failure_policy", "recompute") == "recompute":
+            # a failed block is recomputed, so a store problem never fails a request
+            self._kv_transfer_config.kv_load_failure_policy = "recompute"
+
+        groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+        self._enabled = len(groups) == 1
+        if not self._enabled:
+            logger.warning(
+                "TierKVConnector: %d KV cache groups; only single-group models are supported, connector is idle",
+                len(groups),
+            )
+        self._layers: list[str] = list(groups[0].layer_names) if self._enabled else []
+        self._layer_index = {name: i for i, name in enumerate(self._layers)}
+        self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0
+
+        # ---- keys -----------------------------------------------------------------
+        mc = vllm_config.model_config
+        pc = vllm_config.parallel_config
+        self._tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+        self._tp_rank = 0
+        if role == KVConnectorRole.WORKER:
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                self._tp_rank = int(get_tensor_model_parallel_rank())
+            except Exception:  # noqa: BLE001 - not initialised: single rank
+                self._tp_rank = 0
+        replicas = int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1) if kv_cache_config is not None else 1
+        if replicas > 1:
+            self._shard = shard_from_replicas(self._tp_rank, self._tp_size, replicas)
+        else:
+            try:
+                total_heads = int(mc.get_total_num_kv_heads())
+            except Exception:  # noqa: BLE001
+                total_heads = 0
+            self._shard = kv_shard(self._tp_rank, self._tp_size, total_heads, bool(getattr(mc, "use_mla", False)))
+        model_id = str(extra.get("model_id") or mc.model)
+        revision = getattr(mc, "revision", None)
+        if revision and not extra.get("model_id"):
+            model_id += "@" + str(revision)
+        self._model_id = model_id
+        layout = _layout_descriptor(vllm_config, kv_cache_config) if self._enabled else "-"
+        hash_algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
+        dtype = str(mc.dtype).replace("torch.", "")
+        self._base_ns = {
+            s: base_namespace(model_id, dtype, layout, self._block_size, s, self._shard.num_shards, hash_algo)
+            for s in range(self._shard.num_shards)
+        }
+
+        self._store = acquire_store(self._store_config) if self._enabled else None
+        self._closed = False
+        self._tier_medium: dict[str, str] = {}
+        try:
+            for lvl in getattr(self._store, "levels", []):
+                self._tier_medium[str(lvl.name)] = str(getattr(lvl.tier, "medium", lvl.name))
+        except Exception:  # noqa: BLE001 - informative only
+            pass
+
+        # ---- scheduler state ----------------------------------------------------------
+        self._reqs: dict[str, _SchedReq] = {}
+        self._lookups: dict[str, tuple[int, int, int, int]] = {}
+        self._key_cache: dict[tuple[str, int, int], list[str]] = {}
+        self._planned_saves: set[str] = set()
+        self._sched_totals: dict[str, Any] = {"lookups": 0, "hit_tokens": 0, "hit_tokens_by_tier": {}}
+
+        # ---- worker state ---------------------------------------------------------------
+        self._paged: dict[str, PagedLayer] = {}
+        self._load_pool: ThreadPoolExecutor | None = None
+        self._save_pool: ThreadPoolExecutor | None = None
+        self._load_job: _LoadJob | None = None
+        self._deferred_saves: list[tuple[SaveSpec, int, list[int], list[str], list[list[torch.Tensor]]]] = []
+        self._lock = threading.Condition()
+        self._pending_saves: collections.Counter = collections.Counter()
+        self._seen_save_reqs: set[str] = set()
+        self._finished_waiting: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._interval = TierKVConnectorStats()
+        self.totals = TierKVConnectorStats()
+        #: per-request records: loads and saves (bytes, seconds, tokens by tier)
+        self.request_records: collections.OrderedDict[str, dict[str, Any]] = collections.OrderedDict()
+        #: the last load jobs' per-layer timestamps (submit, begin, end, wait_return)
+        self.load_trace: collections.deque = collections.deque(maxlen=64)
+        if role == KVConnectorRole.WORKER and self._enabled:
+            self._load_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-load")
+            self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-save")
+        _LIVE.add(self)
+        logger.info(
+            "TierKVConnector (%s) ready: store=%s shard=%s namespace=%s",
+            role.name.lower(),
+            "file " + self._store_config if isinstance(self._store_config, str) else "inline",
+            self._shard,
+            self._base_ns.get(self._shard.shard),
+        )
+
+    # ------------------------------------------------------------------ keys --------
+    @property
+    def store(self):
+        return self._store
+
+    def _layer_keys(self, shard: int, layer: int, hashes: list, cache_salt: str | None) -> list[str]:
+        ns = layer_namespace(self._base_ns[shard], self._layers[layer], cache_salt)
+        return keys_from_block_hashes([block_hash_bytes(h) for h in hashes], namespace=ns)
+
+    def _req_keys(self, request: Request, shard: int, layer: int, upto: int) -> list[str]:
+        """Keys of the request's first ``upto`` blocks for (shard, layer), cached per request."""
+        ck = (request.request_id, shard, layer)
+        keys = self._key_cache.get(ck)
+        if keys is None:
+            keys = []
+            self._key_cache[ck] = keys
+        if len(keys) < upto:
+            keys.extend(self._layer_keys(shard, layer, request.block_hashes[len(keys):upto], request.cache_salt))
+        return keys[:upto]
+
+    def _leading_hits(self, request: Request, lo: int, hi: int) -> int:
+        """Blocks ``lo..`` present for every layer of every shard, counted from ``lo``."""
+        n = hi - lo
+        if n <= 0:
+            return 0
+        # the last layer is written last: test it first, it fails fastest
+        for layer in reversed(range(len(self._layers))):
+            for shard in range(self._shard.num_shards):
+                keys = self._req_keys(request, shard, layer, lo + n)[lo:]
+                n = min(n, int(self._store.lookup(keys)))
+                if n == 0:
+                    return 0
+        return n
+
+    # ============================================================== scheduler side ====
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self._enabled or not self._load_enabled:
+            return 0, False
+        bs = self._block_size
+        hashes = request.block_hashes
+        # leave at least one token to compute: vLLM needs its logits
+        max_blocks = min(len(hashes), (request.num_tokens - 1) // bs)
+        local = num_computed_tokens // bs
+        try:
+            hits = self._leading_hits(request, local, max_blocks) if max_blocks > local else 0
+            # does the store already hold what vLLM has locally?  (decides what to save)
+            held = self._leading_hits(request, 0, local) if local else 0
+        except Exception as e:  # noqa: BLE001 - a store problem is a miss, never a crash
+            logger.warning("TierKVConnector: lookup failed for %s: %s", request.request_id, e)
+            hits, held = 0, 0
+        save_from = held if held < local else local + hits
+        self._lookups[request.request_id] = (local, hits, save_from, max_blocks)
+        self._sched_totals["lookups"] += 1
+        return hits * bs, False
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
+        if not self._enabled:
+            return
+        rid = request.request_id
+        st = self._reqs.get(rid)
+        if st is None:
+            st = self._reqs[rid] = _SchedReq(request=request)
+        st.request = request
+        look = self._lookups.pop(rid, None)
+        if look is None:
+            return
+        local, hits, save_from, _ = look
+        st.save_from = save_from
+        st.skip = (0, 0)
+        st.pending_load = None
+        st.hit_sources = {}
+        n_ext = num_external_tokens // self._block_size
+        if n_ext <= 0:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        st.block_ids = list(block_ids)
+        st.pending_load = (local, local + n_ext)
+        st.skip = (local, local + n_ext)
+        # which tier will serve the hit (for stats and vLLM's cache-hit sources)
+        try:
+            keys = self._req_keys(request, self._shard.shard, len(self._layers) - 1, local + n_ext)[local:]
+            where = self._store.locate(keys)
+        except Exception:  # noqa: BLE001
+            where = [None] * n_ext
+        by_tier = self._sched_totals["hit_tokens_by_tier"]
+        for tier in where:
+            name = tier or "unknown"
+            by_tier[name] = by_tier.get(name, 0) + self._block_size
+            src = _hit_source(name, self._tier_medium.get(name))
+            if src is not None:
+                st.hit_sources[src] = st.hit_sources.get(src, 0) + self._block_size
+        self._sched_totals["hit_tokens"] += n_ext * self._block_size
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int):
+        if num_external_tokens == 0:
+            return {}
+        st = self._reqs.get(request.request_id)
+        if st is None or sum(st.hit_sources.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return dict(st.hit_sources)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = TierKVConnectorMetadata(preempted=set(scheduler_output.preempted_req_ids or ()))
+        if not self._enabled:
+            return meta
+        bs = self._block_size
+        computed: dict[str, int] = {}
+        for nr in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(nr.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(nr.block_ids[0])
+            computed[nr.req_id] = nr.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self._reqs.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            computed[rid] = cached.num_computed_tokens[i]
+
+        for rid, num_computed in computed.items():
+            st = self._reqs[rid]
+            req = st.request
+            if st.pending_load is not None:
+                lo, hi = st.pending_load
+                st.pending_load = None
+                meta.loads.append(
+                    LoadSpec(rid, lo, st.block_ids[lo:hi], [bytes(h) for h in req.block_hashes[lo:hi]], req.cache_salt)
+                )
+            if not self._save_enabled:
+                continue
+            done = num_computed // bs
+            if done < st.save_from:  # vLLM rolled back (a failed load): re-plan from there
+                st.save_from = done
+            if done < st.skip[1]:
+                st.skip = (st.skip[0], max(st.skip[0], done))
+            end = min(
+                (num_computed + scheduler_output.num_scheduled_tokens.get(rid, 0)) // bs,
+                len(req.block_hashes),
+                len(st.block_ids),
+            )
+            if end <= st.save_from:
+                continue
+            idx = [i for i in range(st.save_from, end) if not st.skip[0] <= i < st.skip[1]]
+            st.save_from = end
+            if not idx:
+                continue
+            meta.saves.append(
+                SaveSpec(
+                    rid,
+                    idx,
+                    [st.block_ids[i] for i in idx],
+                    [bytes(req.block_hashes[i]) for i in idx],
+                    list(st.block_ids[:end]),
+                    req.cache_salt,
+                )
+            )
+            self._planned_saves.add(rid)
+        return meta
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        self._reqs.pop(rid, None)
+        self._lookups.pop(rid, None)
+        for k in [k for k in self._key_cache if k[0] == rid]:
+            del self._key_cache[k]
+        delay = rid in self._planned_saves
+        self._planned_saves.discard(rid)
+        # blocks stay allocated until every worker reports this request's saves done
+        return delay, None
+
+    # ================================================================= worker side ====
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
+        if not self._enabled:
+            return
+        for name in self._layers:
+            t = kv_caches.get(name)
+            if t is None:
+                raise ValueError(f"TierKVConnector: no KV cache tensor for layer {name!r}")
+            self._paged[name] = PagedLayer.wrap(t, self._num_blocks, self._block_size)
+        first = self._paged[self._layers[0]]
+        logger.info(
+            "TierKVConnector: %d layers, KV %s %s on %s, block dim %d (x%d), %d B per block and layer, %s",
+            len(self._layers),
+            tuple(first.tensor.shape),
+            first.tensor.dtype,
+            first.tensor.device,
+            first.block_dim,
+            first.kernel_blocks_per_block,
+            first.block_nbytes,
+            "zero-copy" if first.is_direct() else "staged",
+        )
+
+    def _record(self, rid: str) -> dict[str, Any]:
+        rec = self.request_records.get(rid)
+        if rec is None:
+            rec = self.request_records[rid] = {
+                "load_tokens": 0, "load_bytes": 0, "load_s": 0.0, "load_errors": 0, "hit_tokens": {},
+                "save_blocks": 0, "save_bytes": 0, "save_s": 0.0, "save_errors": 0,
+            }
+            while len(self.request_records) > 4096:
+                self.request_records.popitem(last=False)
+        return rec
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._connector_metadata
+        self._load_job = None
+        if not self._enabled or not isinstance(meta, TierKVConnectorMetadata) or not meta.loads:
+            return
+        if not self._paged:
+            return
+        L = len(self._layers)
+        # flatten: (req_id, block index in request, block id, hash, salt)
+        blocks = []
+        for spec in meta.loads:
+            for j, (bid, h) in enumerate(zip(spec.block_ids, spec.block_hashes)):
+                blocks.append((spec.req_id, spec.start + j, bid, h, spec.cache_salt))
+        if not blocks:
+            return
+        # stagger: each tensor-parallel rank starts at a different offset
+        off = (self._tp_rank * len(blocks)) // max(1, self._tp_size)
+        blocks = blocks[off:] + blocks[:off]
+        job = _LoadJob(
+            submit_t=time.perf_counter(),
+            num_layers=L,
+            events=[threading.Event() for _ in range(L)],
+            begin=[0.0] * L,
+            end=[0.0] * L,
+            wait_return=[0.0] * L,
+        )
+        self._load_job = job
+        job.future = self._load_pool.submit(self._run_load, job, blocks)
+
+    def _keys_for(self, layer: int, items: list[tuple[bytes, str | None]]) -> list[str]:
+        """Keys of (hash, salt) items for one layer of this rank's shard, grouped by salt."""
+        out: list[str | None] = [None] * len(items)
+        by_salt: dict[str | None, list[int]] = {}
+        for i, (_, salt) in enumerate(items):
+            by_salt.setdefault(salt, []).append(i)
+        for salt, pos in by_salt.items():
+            ks = self._layer_keys(self._shard.shard, layer, [items[i][0] for i in pos], salt)
+            for i, k in zip(pos, ks):
+                out[i] = k
+        return out  # type: ignore[return-value]
+
+    def _run_load(self, job: _LoadJob, blocks: list[tuple[str, int, int, bytes, str | None]]) -> None:
+        store = self._store
+        items = [(h, salt) for (_, _, _, h, salt) in blocks]
+        per_req_first_fail: dict[str, int] = {}
+        t0 = time.perf_counter()
+        try:
+            # which tier serves each block (recorded for stats; the load itself does not depend on it)
+            try:
+                where = store.locate(self._keys_for(job.num_layers - 1, items))
+            except Exception:  # noqa: BLE001
+                where = [None] * len(blocks)
+            for (rid, _, _, _, _), tier in zip(blocks, where):
+                name = tier or "miss"
+                job.hit_tokens[name] = job.hit_tokens.get(name, 0) + self._block_size
+                pr = job.per_req.setdefault(rid, {"tokens": 0, "bytes": 0, "hit_tokens": {}})
+                pr["tokens"] += self._block_size
+                pr["hit_tokens"][name] = pr["hit_tokens"].get(name, 0) + self._block_size
+            for layer in range(job.num_layers):
+                job.begin[layer] = time.perf_counter()
+                try:
+                    paged = self._paged[self._layers[layer]]
+                    keys = self._keys_for(layer, items)
+                    outs, copies = [], []
+                    for (_, _, bid, _, _) in blocks:
+                        bufs, pend = paged.write_targets(bid)
+                        outs.append(bufs)
+                        copies.append(pend)
+                    try:
+                        ok = store.get(keys, outs)
+                    except Exception as e:  # noqa: BLE001 - a broken backend is a miss
+                        logger.warning("TierKVConnector: get failed for layer %d: %s", layer, e)
+                        ok = [False] * len(keys)
+                    for (rid, idx, bid, _, _), good, pend, bufs in zip(blocks, ok, copies, outs):
+                        if good:
+                            for stage, dst in pend:
+                                dst.copy_(stage)
+                            nb = sum(b.numel() * b.element_size() for b in bufs)
+                            job.nbytes += nb
+                            job.per_req[rid]["bytes"] += nb
+                        else:
+                            job.failed_blocks.add(bid)
+                            job.failed_reqs.add(rid)
+                            if idx < per_req_first_fail.get(rid, 1 << 62):
+                                per_req_first_fail[rid] = idx
+                finally:
+                    job.end[layer] = time.perf_counter()
+                    job.events[layer].set()
+        finally:
+            for ev in job.events:  # never leave a waiter hanging
+                ev.set()
+            job.nblocks = len(blocks)
+            job.ntokens = len(blocks) * self._block_size
+            self._load_elapsed = time.perf_counter() - t0
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        job = self._load_job
+        if job is None:
+            return
+        i = self._layer_index.get(layer_name)
+        if i is None:
+            return
+        job.events[i].wait()
+        job.wait_return[i] = time.perf_counter()
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any):
+        meta = self._connector_metadata
+        if not self._enabled or not isinstance(meta, TierKVConnectorMetadata) or not meta.saves:
+            return
+        layer = self._layer_index.get(layer_name)
+        if layer is None:
+            return
+        paged = self._paged.get(layer_name)
+        if paged is None:
+            return
+        shard = self._shard
+        for spec in meta.saves:
+            with self._lock:
+                self._seen_save_reqs.add(spec.req_id)
+            pos = [j for j, i in enumerate(spec.indices) if i % shard.replicas == shard.replica]
+            if not pos:
+                continue
+            keys = self._layer_keys(shard.shard, layer, [spec.block_hashes[j] for j in pos], spec.cache_salt)
+            values = [paged.read_parts(spec.block_ids[j]) for j in pos]
+            with self._lock:
+                self._pending_saves[spec.req_id] += 1
+            item = (spec, layer, [spec.indices[j] for j in pos], keys, values)
+            if self._load_job is not None:
+                # this step loads: a failed load may taint these blocks, so wait for the verdict
+                self._deferred_saves.append(item)
+            else:
+                self._submit_save(item)
+
+    def _submit_save(self, item) -> None:
+        self._save_pool.submit(self._run_save, item)
+
+    def _run_save(self, item) -> None:
+        spec, layer, indices, keys, values = item
+        t0 = time.perf_counter()
+        nbytes = 0
+        errors = 0
+        try:
+            try:
+                ok = self._store.put(keys, values)
+            except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
+                logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
+                ok = [False] * len(keys)
+            for good, parts in zip(ok, values):
+                if good:
+                    nbytes += sum(p.numel() * p.element_size() for p in parts)
+                else:
+                    errors += 1
+        finally:
+            dt = time.perf_counter() - t0
+            with self._lock:
+                for s in (self._interval, self.totals):
+                    s.data["save_blocks"] += len(keys) - errors
+                    s.data["save_bytes"] += nbytes
+                    s.data["save_s"] += dt
+                    s.data["save_errors"] += errors
+                rec = self._record(spec.req_id)
+                rec["save_blocks"] += len(keys) - errors
+                rec["save_bytes"] += nbytes
+                rec["save_s"] += dt
+                rec["save_errors"] += errors
+                self._pending_saves[spec.req_id] -= 1
+                if self._pending_saves[spec.req_id] <= 0:
+                    del self._pending_saves[spec.req_id]
+                self._lock.notify_all()
+
+    def _finish_load_job(self) -> None:
+        job = self._load_job
+        if job is None:
+            return
+        self._load_job = None
+        if job.future is not None:
+            job.future.result()
+        elapsed = max(job.end) - job.submit_t if job.end else 0.0
+        failed_blocks = set(job.failed_blocks)
+        with self._lock:
+            self._load_errors |= failed_blocks
+            for s in (self._interval, self.totals):
+                s.data["load_requests"] += len(job.per_req)
+                s.data["load_blocks"] += job.nblocks
+                s.data["load_tokens"] += job.ntokens
+                s.data["load_bytes"] += job.nbytes
+                s.data["load_s"] += elapsed
+                s.data["load_errors"] += len(failed_blocks)
+                hits = s.data.setdefault("hit_tokens", {})
+                for tier, n in job.hit_tokens.items():
+                    hits[tier] = hits.get(tier, 0) + n
+            for rid, pr in job.per_req.items():
+                rec = self._record(rid)
+                rec["load_tokens"] += pr["tokens"]
+                rec["load_bytes"] += pr["bytes"]
+                rec["load_s"] += elapsed
+                for tier, n in pr["hit_tokens"].items():
+                    rec["hit_tokens"][tier] = rec["hit_tokens"].get(tier, 0) + n
+                if rid in job.failed_reqs:
+                    rec["load_errors"] += 1
+        self.load_trace.append(
+            {
+                "submit": job.submit_t,
+                "begin": list(job.begin),
+                "end": list(job.end),
+                "wait_return": list(job.wait_return),
+                "blocks": job.nblocks,
+                "failed_blocks": sorted(failed_blocks),
+            }
+        )
+        if failed_blocks:
+            logger.warning(
+                "TierKVConnector: %d block(s) failed to load; vLLM recomputes them", len(failed_blocks)
+            )
+        # submit the step's saves, dropping everything computed on a failed block
+        deferred, self._deferred_saves = self._deferred_saves, []
+        for item in deferred:
+            spec, layer, indices, keys, values = item
+            cut = None
+            if failed_blocks:
+                for p, bid in enumerate(spec.table):
+                    if bid in failed_blocks:
+                        cut = p
+                        break
+            if cut is not None:
+                keep = [j for j, i in enumerate(indices) if i < cut]
+                if not keep:
+                    with self._lock:
+                        self._pending_saves[spec.req_id] -= 1
+                        if self._pending_saves[spec.req_id] <= 0:
+                            del self._pending_saves[spec.req_id]
+                        self._lock.notify_all()
+                    continue
+                item = (spec, layer, [indices[j] for j in keep], [keys[j] for j in keep], [values[j] for j in keep])
+            self._submit_save(item)
+
+    def wait_for_save(self):
+        # the step's loads are over once the forward is; settle them, then release saves
+        if self._load_job is not None or self._deferred_saves:
+            self._finish_load_job()
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata):
+        # a preempted request's blocks are freed now: let pending saves finish reading them
+        if not isinstance(kv_connector_metadata, TierKVConnectorMetadata) or not kv_connector_metadata.preempted:
+            return
+        with self._lock:
+            self._lock.wait_for(lambda: not any(self._pending_saves.get(r) for r in kv_connector_metadata.preempted))
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        if not self._enabled:
+            return None, None
+        with self._lock:
+            self._finished_waiting |= finished_req_ids & self._seen_save_reqs
+            done = {r for r in self._finished_waiting if not self._pending_saves.get(r)}
+            self._finished_waiting -= done
+            self._seen_save_reqs -= done
+        for rid in done:
+            rec = self.request_records.get(rid)
+            if rec is not None and (rec["load_tokens"] or rec["save_blocks"]):
+                logger.info(
+                    "TierKVConnector: request %s loaded %d tokens %s (%.2f MiB, %.1f ms, %d errors); "
+                    "saved %d block-layers (%.2f MiB, %.1f ms)",
+                    rid, rec["load_tokens"], rec["hit_tokens"], rec["load_bytes"] / 2**20, rec["load_s"] * 1e3,
+                    rec["load_errors"], rec["save_blocks"], rec["save_bytes"] / 2**20, rec["save_s"] * 1e3,
+                )
+        return (done or None), None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        with self._lock:
+            if self._interval.is_empty():
+                return None
+            out, self._interval = self._interval, TierKVConnectorStats()
+        return out
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return TierKVConnectorStats(data=dict(data)) if data else TierKVConnectorStats()
+
+    def wait_for_all_saves(self, timeout: float | None = None) -> bool:
+        """Block until every queued save is in the store; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._pending_saves, timeout=timeout)
+
+    def shutdown(self):
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self._load_job is not None:
+                self._finish_load_job()
+            for pool in (self._load_pool, self._save_pool):
+                if pool is not None:
+                    pool.shutdown(wait=True)
+            t = self.totals.data
+            if t.get("load_blocks") or t.get("save_blocks"):
+                logger.info("TierKVConnector totals: %s", self.totals.reduce())
+        finally:
+            if self._store is not None:
+                release_store(self._store)
+                self._store = None
+
+    def __del__(self):  # best effort: flush saves when the engine is dropped without shutdown
+        try:
+            if not self._closed and self._role == KVConnectorRole.WORKER:
+                self.shutdown()
+        except Exception:  # noqa: BLE001
+            pass

@@ -1,0 +1,184 @@
+"""The conformance suite over the local media, plus what is particular to each."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tier_conformance import TierConformance, blob, key
+from tierkv.errors import ConfigError
+from tierkv.tiers import medium_class
+from tierkv.tiers.dram import DRAMTier
+from tierkv.tiers.hbm import HBMTier
+from tierkv.tiers.slab import ALIGN, ExtentAllocator
+from tierkv.tiers.ssd import SSDTier
+
+
+@pytest.fixture
+def factory(request):
+    made = []
+
+    def track(t):
+        made.append(t)
+        return t
+
+    yield track
+    for t in made:
+        t.close()
+
+
+class TestHBM(TierConformance):
+    @pytest.fixture
+    def make_tier(self, factory):
+        return lambda cap: factory(HBMTier("hbm", cap, device="cpu"))
+
+
+class TestDRAM(TierConformance):
+    @pytest.fixture
+    def make_tier(self, factory):
+        return lambda cap: factory(DRAMTier("dram", cap))
+
+
+class TestSSD(TierConformance):
+    @pytest.fixture
+    def make_tier(self, factory, tmp_path):
+        return lambda cap: factory(SSDTier("ssd", cap, str(tmp_path / "ssd")))
+
+
+class TestSSDCompressed(TierConformance):
+    @pytest.fixture
+    def make_tier(self, factory, tmp_path):
+        return lambda cap: factory(SSDTier("ssd", cap, str(tmp_path / "ssdz"), compression="lz4"))
+
+
+def _direct_ok(path) -> bool:
+    try:
+        SSDTier("probe", 1 << 20, str(path), direct_io=True).close()
+        return True
+    except ConfigError:
+        return False
+
+
+class TestSSDDirect(TierConformance):
+    @pytest.fixture
+    def make_tier(self, factory, tmp_path):
+        if not _direct_ok(tmp_path / "probe"):
+            pytest.skip("O_DIRECT is not supported on this filesystem")
+        return lambda cap: factory(SSDTier("ssd", cap, str(tmp_path / "ssdd"), direct_io=True))
+
+
+# -- the extent allocator: never fails for fragmentation --------------------------------
+def test_allocator_gathers_fragments_and_coalesces():
+    a = ExtentAllocator(10 * ALIGN)
+    xs = [a.allocate(ALIGN) for _ in range(10)]
+    assert a.allocate(ALIGN) is None
+    for x in xs[::2]:  # free every other extent: 5 holes of one unit
+        a.free(x)
+    got = a.allocate(5 * ALIGN)  # no single hole fits: gathered
+    assert got is not None and sum(n for _, n in got) == 5 * ALIGN
+    a.free(got)
+    for x in xs[1::2]:
+        a.free(x)
+    assert a.free_bytes == 10 * ALIGN
+    assert a.allocate(10 * ALIGN) == [(0, 10 * ALIGN)]  # fully coalesced again
+
+
+def test_slab_tier_fills_to_capacity_despite_fragmentation():
+    t = DRAMTier("d", 16 * ALIGN)
+    keys = [key(i) for i in range(16)]
+    assert t.write(keys, [[blob(i, ALIGN)] for i in range(16)]) == [True] * 16
+    t.delete(keys[::2])
+    big = blob(99, 8 * ALIGN)
+    assert t.write(["big"], [[big]]) == [True]
+    out = torch.zeros(8 * ALIGN, dtype=torch.uint8)
+    assert t.read(["big"], [[out]]) == [True] and torch.equal(out, big)
+    for i in range(1, 16, 2):
+        o = torch.zeros(ALIGN, dtype=torch.uint8)
+        assert t.read([keys[i]], [[o]]) == [True] and torch.equal(o, blob(i, ALIGN))
+
+
+# -- SSD specifics ----------------------------------------------------------------------
+def test_ssd_files_are_private_and_index_survives_reopen(tmp_path):
+    d = tmp_path / "ssd"
+    t = SSDTier("ssd", 1 << 20, str(d))
+    t.write([key(1)], [[blob(1, 1000)]])
+    t.close()
+    assert (os.stat(d).st_mode & 0o777) == 0o700
+    files = [os.path.join(r, f) for r, _, fs in os.walk(d) for f in fs]
+    assert files and all((os.stat(f).st_mode & 0o777) == 0o600 for f in files)
+    t2 = SSDTier("ssd", 1 << 20, str(d))
+    assert t2.recover() == [(key(1), 1000)]
+    out = torch.zeros(1000, dtype=torch.uint8)
+    assert t2.read([key(1)], [[out]]) == [True] and torch.equal(out, blob(1, 1000))
+    t2.close()
+
+
+def test_ssd_keys_with_odd_characters_get_hashed_names(tmp_path):
+    t = SSDTier("ssd", 1 << 20, str(tmp_path / "s"))
+    odd = "model:llama|..|etc passwd"
+    assert t.write([odd], [[blob(1, 10)]]) == [True]
+    t.close()
+    t2 = SSDTier("ssd", 1 << 20, str(tmp_path / "s"))
+    assert t2.recover() == [(odd, 10)]
+    t2.close()
+
+
+def test_ssd_compression_shrinks_compressible_data(tmp_path):
+    t = SSDTier("ssd", 64 << 20, str(tmp_path / "z"), compression="lz4")
+    zeros = torch.zeros(1 << 20, dtype=torch.uint8)
+    t.write(["z"], [[zeros]])
+    assert t.used_bytes < 64 << 10
+    out = torch.ones(1 << 20, dtype=torch.uint8)
+    assert t.read(["z"], [[out]]) == [True] and not out.any()
+    t.close()
+
+
+def test_ssd_disk_write_error_is_refused_and_counted(tmp_path, monkeypatch):
+    import errno
+
+    t = SSDTier("ssd", 1 << 20, str(tmp_path / "f"))
+    real = os.writev
+
+    def full(fd, bufs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "writev", full)
+    assert t.write([key(1)], [[blob(1, 100)]]) == [False]
+    monkeypatch.setattr(os, "writev", real)
+    assert t.extra_stats()["enospc"] == 1
+    assert t.contains([key(1)]) == [False]
+    assert not [f for _, _, fs in os.walk(tmp_path / "f") for f in fs]  # no temp file left behind
+    t.close()
+
+
+def test_ssd_refuses_a_directory_owned_by_another_user(tmp_path, monkeypatch):
+    real_stat = os.stat
+
+    class Fake:
+        def __init__(self, st):
+            self.st_uid = st.st_uid + 1
+            self.st_mode = st.st_mode
+
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: Fake(real_stat(p)))
+    with pytest.raises(ConfigError, match="owned by uid"):
+        SSDTier("ssd", 1 << 20, str(tmp_path))
+
+
+@pytest.mark.parametrize("medium", ["hbm", "dram", "ssd"])
+def test_unknown_option_is_named(medium, tmp_path):
+    opts = {"capacity": "1MiB", "bogus_option": 1}
+    if medium == "ssd":
+        opts["path"] = str(tmp_path)
+    with pytest.raises(ConfigError, match="bogus_option"):
+        medium_class(medium).from_config(medium, opts)
+
+
+def test_hbm_on_unavailable_device_is_a_config_error():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    with pytest.raises(ConfigError, match="cuda"):
+        HBMTier.from_config("hbm", {"capacity": "1MiB", "device": "cuda"})
+    with pytest.raises(ConfigError, match="torch_npu"):
+        HBMTier.from_config("hbm", {"capacity": "1MiB", "device": "npu"})

