@@ -40,6 +40,7 @@ Invariants
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures
 import logging
@@ -81,6 +82,34 @@ def _pop_str(name: str, options: dict[str, Any], key: str, default: str | None, 
     if not isinstance(value, str) or not value:
         raise ConfigError(f"tier {name!r}: {key!r} must be a non-empty string, got {value!r}")
     return value
+
+
+_closers: set[threading.Thread] = set()
+_closers_lock = threading.Lock()
+
+
+def _close_in_background(fn: Callable[[], None]) -> None:
+    """Run a client's close (which takes seconds) off the caller's path; exit waits for it (bounded)."""
+    def run() -> None:
+        try:
+            fn()
+        finally:
+            with _closers_lock:
+                _closers.discard(threading.current_thread())
+
+    t = threading.Thread(target=run, name="tierkv-remote-close", daemon=True)
+    with _closers_lock:
+        _closers.add(t)
+    t.start()
+
+
+@atexit.register
+def _wait_for_closers(timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    with _closers_lock:
+        pending = list(_closers)
+    for t in pending:
+        t.join(max(0.0, end - time.monotonic()))
 
 
 class _Registration:
@@ -131,7 +160,7 @@ class _Session:
             if close_now:
                 self._closed = True
         if close_now:
-            self._close_client()
+            _close_in_background(self._close_client)
 
     def retire(self) -> None:
         with self._lock:
@@ -144,7 +173,7 @@ class _Session:
         for _ in self._threads:
             self._queue.put(None)
         if close_now:
-            threading.Thread(target=self._close_client, name="tierkv-remote-close", daemon=True).start()
+            _close_in_background(self._close_client)
 
     def wait_closed(self, timeout: float) -> bool:
         return self._closed_event.wait(timeout)
@@ -815,7 +844,6 @@ class RemotePoolTier(Tier):
         session, self._session = self._session, None
         if session is not None:
             session.retire()  # the client is closed once no call is in flight, never before
-            session.wait_closed(5.0)
 
 
 def pop_remote_options(name: str, options: dict[str, Any]) -> dict[str, Any]:

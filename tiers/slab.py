@@ -104,6 +104,8 @@ class SlabTier(Tier):
                 slab = slab.pin_memory()
             except RuntimeError:  # no accelerator runtime: pinning is impossible and unneeded
                 pass
+        if self.device.type == "cpu":
+            slab.zero_()  # commit the pages now, so no first-touch page fault lands on the hot path
         self.slab = slab
         self._alloc = ExtentAllocator(capacity_bytes)
         self._objects: dict[str, tuple[int, list[tuple[int, int]]]] = {}  # key -> (nbytes, extents)

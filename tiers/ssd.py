@@ -129,6 +129,7 @@ class SSDTier(Tier):
         self._objects: dict[str, tuple[int, int]] = {}  # key -> (raw nbytes, file size)
         self._used = 0
         self._dirty: set[str] = set()
+        self._dirs: set[str] = set()
         self._counters = {"io_errors": 0, "corrupt": 0, "enospc": 0, "swept_temp": 0}
         self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"tierkv-{name}")
 
@@ -236,7 +237,10 @@ class SSDTier(Tier):
         tmp = os.path.join(os.path.dirname(final), f"{TMP_PREFIX}{os.path.basename(final)}.{os.getpid()}.{threading.get_ident()}")
         fd = -1
         try:
-            os.makedirs(os.path.dirname(final), mode=0o700, exist_ok=True)
+            shard_dir = os.path.dirname(final)
+            if shard_dir not in self._dirs:
+                os.makedirs(shard_dir, mode=0o700, exist_ok=True)
+                self._dirs.add(shard_dir)
             flags_open = os.O_CREAT | os.O_WRONLY | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
             if self.direct_io:
                 flags_open |= os.O_DIRECT

