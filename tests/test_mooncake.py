@@ -37,22 +37,36 @@ def factory():
         t.close()
 
 
+@pytest.fixture(scope="class")
+def class_tiers():
+    """Tiers shared by one conformance class: closing a Mooncake client takes ~2 s, so each class makes one
+    tier per capacity (the suite's tests use disjoint keys)."""
+    made: dict = {}
+    yield made
+    for t in made.values():
+        t.close()
+
+
 class TestDramPoolConformance(TierConformance):
     @pytest.fixture
-    def make_tier(self, factory, shared_mooncake_master):
+    def make_tier(self, class_tiers, shared_mooncake_master):
         def make(cap):
-            cfg = shared_mooncake_master.tier_config(segment="32MiB", capacity=cap, namespace=uuid.uuid4().hex)
-            return factory(DramPoolTier.from_config("pool", tier_options(cfg)))
+            if cap not in class_tiers:
+                cfg = shared_mooncake_master.tier_config(segment="32MiB", capacity=cap, namespace=uuid.uuid4().hex)
+                class_tiers[cap] = DramPoolTier.from_config("pool", tier_options(cfg))
+            return class_tiers[cap]
         return make
 
 
 class TestRemoteNPUConformance(TierConformance):
     @pytest.fixture
-    def make_tier(self, factory, shared_mooncake_master):
+    def make_tier(self, class_tiers, shared_mooncake_master):
         def make(cap):
-            cfg = shared_mooncake_master.tier_config("remote_npu", segment="32MiB", capacity=cap,
-                                                     namespace=uuid.uuid4().hex)
-            return factory(RemoteNPUTier.from_config("rnpu", tier_options(cfg)))
+            if cap not in class_tiers:
+                cfg = shared_mooncake_master.tier_config("remote_npu", segment="32MiB", capacity=cap,
+                                                         namespace=uuid.uuid4().hex)
+                class_tiers[cap] = RemoteNPUTier.from_config("rnpu", tier_options(cfg))
+            return class_tiers[cap]
         return make
 
 

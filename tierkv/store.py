@@ -638,7 +638,12 @@ class TieredStore:
             left = nxt
 
     def _promote(self, keys: list[str], prepared: list[tuple[Parts, int]], served: list[Optional[int]]) -> None:
-        """Copy hits served below the top managed level up, as the promotion policy says."""
+        """Copy hits served below the top managed level up, as the promotion policy says.
+
+        One call promotes at most half of a level's capacity into it: a batch larger
+        than the level would otherwise evict its own earlier chunks (thrashing).
+        """
+        budget = {k: self.levels[k].capacity // 2 for k in self._managed_levels}
         for i, j in enumerate(served):
             if j is None:
                 continue
@@ -652,8 +657,9 @@ class TieredStore:
                 with self._lock:
                     if self._where.get(key, 0) & lvl.bit or key in lvl.index:
                         break
-                    if not lvl.admission.admit(key, nbytes, lvl.name):
+                    if budget[k] < nbytes or not lvl.admission.admit(key, nbytes, lvl.name):
                         continue
+                    budget[k] -= nbytes
                     go = self.promotion.should_promote(key, self.levels[j].name, lvl.name)
                 if go and self._reserve(k, key, nbytes):
                     ok = self._tier_write(lvl, [key], [parts])[0]
@@ -678,8 +684,13 @@ class TieredStore:
                     n += 1
             if n == len(keys) or not self._shared_levels:
                 return n
-            found = self._shared_contains(keys[n:])
-            for hit in found:
+            rest = keys[n:]
+            with self._lock:
+                local = [k in self._where for k in rest]
+            ask = [i for i, hit in enumerate(local) if not hit]
+            for i, hit in zip(ask, self._shared_contains([rest[i] for i in ask])):
+                local[i] = hit
+            for hit in local:
                 if not hit:
                     break
                 n += 1

@@ -162,11 +162,15 @@ class _Session:
         if close_now:
             _close_in_background(self._close_client)
 
-    def retire(self) -> None:
+    def retire(self, close: bool = True) -> None:
+        """Accept no new call.  With ``close`` the client is closed once idle; without, it is left alone
+        (closing holds the interpreter lock for seconds, which a running engine must not see)."""
         with self._lock:
             if self.retired:
                 return
             self.retired = True
+            if not close:
+                self._closed = True  # never closed: its segment lives until the process ends
             close_now = self._inflight == 0 and not self._closed
             if close_now:
                 self._closed = True
@@ -409,7 +413,8 @@ class RemotePoolTier(Tier):
             self._counters["probe_failures"] += 1
             if self._counters["probe_failures"] % 5 == 0 and session is self._session:
                 # the master answers TCP but this client keeps failing: start over with a fresh one
-                session.retire()
+                session.retire(close=False)
+                self._counters["abandoned_clients"] += 1
             return False
         if r[0] != 1:
             self._pool_lost()
@@ -832,6 +837,7 @@ class RemotePoolTier(Tier):
             "reconnects": c["reconnects"],
             "pool_lost": c["pool_lost"],
             "pending_deletes": len(self._tombstones),
+            "abandoned_clients": c["abandoned_clients"],
             "registered_bytes": session.registered_bytes if session else 0,
         }
 

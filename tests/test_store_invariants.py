@@ -1,0 +1,254 @@
+"""Invariants that need a medium we can hold still: in-flight chunks, shared tiers, faults."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tierkv import PolicyError, TieredStore
+from tierkv.policies import EvictionPolicy
+from tierkv.store import Level
+from tierkv.tiers.base import Tier
+from tierkv.tiers.dram import DRAMTier
+from tierkv.tiers.slab import ALIGN
+
+C = 4 * ALIGN
+
+
+def val(i: int) -> torch.Tensor:
+    return torch.full((C,), i, dtype=torch.uint8)
+
+
+class GatedDRAM(DRAMTier):
+    """A DRAM tier whose reads and writes can be held at a gate, to freeze a call mid-flight."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.gate = threading.Event()
+        self.gate.set()
+        self.entered = threading.Event()
+
+    def read(self, keys, dsts):
+        self.entered.set()
+        self.gate.wait(10)
+        return super().read(keys, dsts)
+
+    def write(self, keys, srcs):
+        self.entered.set()
+        self.gate.wait(10)
+        return super().write(keys, srcs)
+
+
+class SharedPool(Tier):
+    """A stand-in for a pool shared with other processes: unmanaged, can go down, can lose objects."""
+
+    medium = "shared-test"
+    managed = False
+
+    def __init__(self, name="pool", capacity_bytes=1 << 30):
+        super().__init__(name, capacity_bytes)
+        self.data: dict[str, bytes] = {}
+        self.up = True
+        self.calls = 0
+
+    def write(self, keys, srcs):
+        self.calls += 1
+        if not self.up:
+            return [False] * len(keys)
+        for k, parts in zip(keys, srcs):
+            self.data.setdefault(k, torch.cat(parts).clone())
+        return [True] * len(keys)
+
+    def read(self, keys, dsts):
+        self.calls += 1
+        out = []
+        for k, parts in zip(keys, dsts):
+            v = self.data.get(k) if self.up else None
+            if v is None or v.numel() != sum(p.numel() for p in parts):
+                out.append(False)
+                continue
+            pos = 0
+            for p in parts:
+                p.copy_(v[pos:pos + p.numel()])
+                pos += p.numel()
+            out.append(True)
+        return out
+
+    def delete(self, keys):
+        for k in keys:
+            self.data.pop(k, None)
+
+    def contains(self, keys):
+        self.calls += 1
+        return [self.up and k in self.data for k in keys]
+
+    @property
+    def available(self):
+        return self.up
+
+    @property
+    def used_bytes(self):
+        return sum(v.numel() for v in self.data.values())
+
+
+def test_a_chunk_being_read_is_not_evicted(tmp_path):
+    top = GatedDRAM("top", 2 * C)
+    store = TieredStore([top, DRAMTier("low", 8 * C)], promotion="never")
+    store.put(["a", "b"], [val(1), val(2)])
+    top.gate.clear()
+    top.entered.clear()
+    out = torch.zeros(C, dtype=torch.uint8)
+    reader = threading.Thread(target=lambda: results.append(store.get(["a"], [out])))
+    results: list = []
+    reader.start()
+    assert top.entered.wait(5)  # the read of "a" is in flight, "a" is pinned
+    assert "a" in store.levels[0].pinned
+    top.gate.set()  # let writes through; the read still had its pin when victims were chosen
+    reader.join()
+    assert results == [[True]] and torch.equal(out, val(1))
+    store.close()
+
+
+def test_pinned_chunk_survives_a_put_that_needs_room():
+    top = GatedDRAM("top", 2 * C)
+    store = TieredStore([top, DRAMTier("low", 8 * C)], promotion="never")
+    store.put(["a", "b"], [val(1), val(2)])
+    lvl = store.levels[0]
+    with store._lock:
+        store._pin(lvl, "a")  # as a read in flight would
+        store._pin(lvl, "b")
+    assert store.put(["c"], [val(3)]) == [True]
+    assert store.locate(["a", "b", "c"]) == ["top", "top", "low"]  # no victim possible: c went lower
+    with store._lock:
+        store._unpin(lvl, "a", lvl.index["a"])
+    assert store.put(["d"], [val(4)]) == [True]
+    assert store.locate(["a", "d"]) == ["low", "top"]  # a, unpinned, was demoted for d
+    with store._lock:
+        store._unpin(lvl, "b", lvl.index["b"])
+    store.close()
+
+
+def test_removed_while_read_is_freed_after_the_read():
+    top = GatedDRAM("top", 4 * C)
+    store = TieredStore([top], promotion="never")
+    store.put(["a"], [val(1)])
+    top.gate.clear()
+    top.entered.clear()
+    out = torch.zeros(C, dtype=torch.uint8)
+    res: list = []
+    t = threading.Thread(target=lambda: res.append(store.get(["a"], [out])))
+    t.start()
+    assert top.entered.wait(5)
+    store.remove(["a"])
+    lvl = store.levels[0]
+    assert store.lookup(["a"]) == 0
+    assert lvl.used == lvl.tier.footprint(C)  # still accounted: a reader holds the bytes
+    assert store.put(["a"], [val(1)]) == [False]  # cannot reuse the slot while it is read
+    top.gate.set()
+    t.join()
+    assert lvl.used == 0 and "a" not in lvl.index
+    assert torch.equal(out, val(1))
+    store.close()
+
+
+def test_a_write_in_flight_is_invisible_until_committed():
+    top = GatedDRAM("top", 4 * C)
+    store = TieredStore([top], promotion="never")
+    top.gate.clear()
+    top.entered.clear()
+    t = threading.Thread(target=lambda: store.put(["a"], [val(1)]))
+    t.start()
+    assert top.entered.wait(5)
+    assert store.lookup(["a"]) == 0
+    assert store.get(["a"], [torch.zeros(C, dtype=torch.uint8)]) == [False]
+    assert store.put(["a"], [val(1)]) == [True]  # dedup against the reservation
+    top.gate.set()
+    t.join()
+    assert store.lookup(["a"]) == 1
+    store.close()
+
+
+def test_demotion_skips_a_tier_that_refuses_and_lands_lower(tmp_path):
+    from tierkv.policies import AdmissionPolicy
+
+    class Never(AdmissionPolicy):
+        def admit(self, key, nbytes, tier):
+            return False
+
+    store = TieredStore([
+        DRAMTier("a", 2 * C),
+        Level(DRAMTier("b", 8 * C), admission=Never()),
+        DRAMTier("c", 8 * C),
+    ], promotion="never")
+    for i in range(4):
+        store.put([f"k{i}"], [val(i)])
+    assert store.locate([f"k{i}" for i in range(4)]) == ["c", "c", "a", "a"]
+    store.close()
+
+
+def test_shared_tier_is_asked_for_what_local_tiers_lack():
+    pool = SharedPool()
+    store = TieredStore([DRAMTier("local", 2 * C), pool], promotion="never")
+    for i in range(4):
+        store.put([f"k{i}"], [val(i)])
+    assert store.locate([f"k{i}" for i in range(4)]) == ["pool", "pool", "local", "local"]
+    assert store.lookup([f"k{i}" for i in range(4)]) == 4
+    outs = [torch.zeros(C, dtype=torch.uint8) for _ in range(4)]
+    assert store.get([f"k{i}" for i in range(4)], outs) == [True] * 4
+    assert all(torch.equal(o, val(i)) for i, o in enumerate(outs))
+    s = store.stats()["pool"]
+    assert s["hits"] == 2 and s["available"] is True
+    # another process' chunk appears in the pool: found, though no local index knows it
+    pool.data["foreign"] = val(9).clone()
+    assert store.lookup(["foreign"]) == 1
+    # the pool goes down: misses, no exception, no calls
+    pool.up = False
+    calls = pool.calls
+    assert store.lookup(["k0", "k1"]) == 0
+    assert store.get(["k0"], [outs[0]]) == [False]
+    assert pool.calls == calls, "an unavailable tier must not be called"
+    assert store.stats()["pool"]["available"] is False
+    assert store.put(["new"], [val(7)]) == [True]  # local still serves
+    store.close()
+
+
+def test_a_policy_that_breaks_its_contract_is_named():
+    class Liar(EvictionPolicy):
+        def on_insert(self, key, nbytes):
+            pass
+
+        def on_access(self, key):
+            pass
+
+        def on_remove(self, key):
+            pass
+
+        def victims(self, nbytes, protected):
+            return ["not-there"]
+
+    store = TieredStore([Level(DRAMTier("d", 2 * C), eviction=Liar())])
+    store.put(["a", "b"], [val(1), val(2)])
+    with pytest.raises(PolicyError, match="Liar.*not-there"):
+        store.put(["c"], [val(3)])
+    store.close()
+
+
+def test_a_medium_that_raises_costs_a_miss_not_the_call():
+    class Broken(DRAMTier):
+        def read(self, keys, dsts):
+            raise OSError("device fell off the bus")
+
+    store = TieredStore([Broken("b", 4 * C), DRAMTier("ok", 4 * C)], promotion="never")
+    store.put(["a"], [val(1)])
+    store.levels[1].tier.write(["a"], [[val(1)]])  # a second copy below, as after a demotion
+    with store._lock:
+        store.levels[1].index["a"] = type(store.levels[0].index["a"])(C, C, ready=True)
+        store.levels[1].used += C
+        store._where["a"] |= store.levels[1].bit
+        store.levels[1].eviction.on_insert("a", C)
+    out = torch.zeros(C, dtype=torch.uint8)
+    assert store.get(["a"], [out]) == [True] and torch.equal(out, val(1))  # fell through to the copy below
+    assert store.stats()["b"]["errors"] == 1
+    store.close()
