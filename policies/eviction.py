@@ -208,6 +208,7 @@ class S3FIFOPolicy(EvictionPolicy):
     def victims(self, nbytes, protected):
         out: list[Key] = []
         chosen: set[Key] = set()
+        skipped: set[Key] = set()  # protected keys met on the way
         freed = 0
         small_target = self.small_ratio * (self.capacity_bytes or (self._small_bytes + self._main_bytes))
         small_left = self._small_bytes  # bytes in small not yet chosen
@@ -216,18 +217,21 @@ class S3FIFOPolicy(EvictionPolicy):
         budget = 4 * (len(self._small) + len(self._main)) + 8
         while freed < nbytes and budget > 0:
             budget -= 1
-            small_open = len(self._small) > len(chosen & self._small.keys())
-            main_open = len(self._main) > len(chosen & self._main.keys())
+            small_open = len(self._small) > len(chosen & self._small.keys()) + len(skipped & self._small.keys())
+            main_open = len(self._main) > len(chosen & self._main.keys()) + len(skipped & self._main.keys())
             if not small_open and not main_open:
                 break
             from_small = small_open and (small_left > small_target or not main_open)
             queue = self._small if from_small else self._main
             key = next(iter(queue))
-            if key in chosen:  # chosen keys sit at the tail; the head is unchosen while any is
-                key = next(k for k in queue if k not in chosen)
+            if key in chosen or key in skipped:  # those sit at the tail; the head is open while any is
+                key = next(k for k in queue if k not in chosen and k not in skipped)
             n = queue[key]
             queue.move_to_end(key)
             if key in protected:
+                skipped.add(key)
+                if from_small:
+                    small_left -= n  # cannot leave small: do not let it hold eviction there
                 continue
             if self._freq.get(key, 0) > 0:
                 if from_small:  # read while on probation: graduate to main

@@ -62,7 +62,7 @@ def test_removed_keys_are_never_victims(policy):
     assert v is not None and 2 not in v
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["ins", "acc", "rem", "evict"]), st.integers(0, 15),
                               st.integers(1, 50)), max_size=80),
        which=st.sampled_from(ALL))
