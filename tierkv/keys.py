@@ -15,13 +15,16 @@ Keys say nothing about placement: which tier holds a chunk is the store's busine
 
 from __future__ import annotations
 
+import array
 import hashlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 KEY_HEX_LEN = 64
+_ARRAY_OK = array.array("I").itemsize == 4 and sys.byteorder == "little"
 _DOMAIN = b"tierkv/chunk/v1\x00"
 _HASH_DOMAIN = b"tierkv/blockhash/v1\x00"
 
@@ -35,6 +38,13 @@ def namespace_root(namespace: str, chunk_tokens: int) -> bytes:
 
 def _as_token_bytes(token_ids: Any) -> memoryview:
     """Token ids as little-endian uint32 bytes; raises on ids outside [0, 2**32)."""
+    if isinstance(token_ids, (list, tuple)) and _ARRAY_OK:
+        try:  # the fast path for plain lists: 4-5x quicker than numpy's conversion
+            return memoryview(array.array("I", token_ids)).cast("B")
+        except OverflowError:
+            raise ValueError("token ids must lie in [0, 2**32)") from None
+        except TypeError:
+            pass  # not all ints (floats, nested lists): numpy below gives the precise error
     if hasattr(token_ids, "detach"):  # torch tensor, without importing torch here
         token_ids = token_ids.detach().cpu().numpy()
     arr = np.asarray(token_ids)
@@ -97,6 +107,8 @@ def keys_from_block_hashes(block_hashes: Sequence[bytes], namespace: str = "") -
 
 def check_key(key: object) -> str:
     """Return ``key`` if it is a valid key string, else raise ``ValueError`` naming it."""
-    if not isinstance(key, str) or not key or len(key) > 200 or "/" in key or "\x00" in key:
-        raise ValueError(f"invalid key {key!r}: keys are non-empty strings of at most 200 chars without '/'")
+    if (not isinstance(key, str) or not key or "/" in key or "\x00" in key
+            or (len(key) > 50 and len(key.encode()) > 200)):
+        raise ValueError(f"invalid key {key!r}: keys are non-empty strings of at most 200 UTF-8 bytes, "
+                         "without '/' or NUL")
     return key
