@@ -37,9 +37,10 @@ import vllm_util as U  # noqa: E402
 
 
 def _engine_spec(model: str, kv: dict | None, prompts: list[list[int]], warm_prompt: list[int], max_len: int,
-                 kv_bytes: int) -> dict:
+                 kv_bytes: int, block_size: int) -> dict:
     return {
         "model": model,
+        "block_size": block_size,
         "kv_transfer_config": kv,
         "max_model_len": max_len,
         "max_num_batched_tokens": max_len,
@@ -61,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--block-size", type=int, default=128, help="vLLM block size (128 is vLLM's CPU default)")
     ap.add_argument("--backends", default="none,dram,ssd,dram_pool,example")
     ap.add_argument("--workdir", default=None, help="keep model and stores here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raise SystemExit(f"unknown backend {backend!r}")
             print(f"[{backend}] running ...", file=sys.stderr, flush=True)
-            r = U.run_engine(_engine_spec(model, kv, prompts, warm_prompt, max_len, kv_bytes), work / "cache",
+            r = U.run_engine(_engine_spec(model, kv, prompts, warm_prompt, max_len, kv_bytes, args.block_size), work / "cache",
                              timeout=1800)
             _, cold, _, warm, rec = r["steps"]
             res = {
@@ -131,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = results.get("none", {}).get("cold_s")
     ex = results.get("example", {}).get("warm_s")
     print(f"\nvLLM-CPU TTFT, {args.layers} layers x hidden {args.hidden}, {args.tokens}-token prompts, "
-          f"median of {args.prompts}")
+          f"block size {args.block_size}, median of {args.prompts}")
     print(f"{'backend':<10} {'cold s':>8} {'warm s':>8} {'warm/cold':>10} {'warm/cold(none)':>16} "
           f"{'vs example':>11} {'cached':>7} {'same':>5}")
     for name, r in results.items():

@@ -150,6 +150,7 @@ class TieredStore:
         self._admissions = list({id(lvl.admission): lvl.admission for lvl in self.levels}.values())
         self._managed_levels = [i for i, lvl in enumerate(self.levels) if lvl.managed]
         self._shared_levels = [i for i, lvl in enumerate(self.levels) if not lvl.managed]
+        self._any_write_through = any(lvl.write_through for lvl in self.levels)
         self._executor = ThreadPoolExecutor(max_workers=max(1, io_workers), thread_name_prefix="tierkv-store")
         self._recover()
 
@@ -272,28 +273,38 @@ class TieredStore:
         start = {i: 0 for i in todo}
         while todo:
             groups: dict[int, list[int]] = {}
-            for i in todo:
-                key, (parts, nbytes) = keys[i], prepared[i]
-                j = self._place(key, nbytes, start[i])
+            slow = []
+            with self._lock:  # fast path: the first level that admits has room without evicting
+                for i in todo:
+                    j = self._place_fast(keys[i], prepared[i][1], start[i])
+                    if j is None:
+                        slow.append(i)
+                    else:
+                        groups.setdefault(j, []).append(i)
+            for i in slow:
+                j = self._place(keys[i], prepared[i][1], start[i])
                 if j is None:
                     with self._lock:
                         self._counters.chunks_rejected += 1
                     continue
                 groups.setdefault(j, []).append(i)
             todo = []
-            for j, idx in groups.items():
+            for j, idx in sorted(groups.items()):
                 lvl = self.levels[j]
                 oks = self._tier_write(lvl, [keys[i] for i in idx], [prepared[i][0] for i in idx])
-                for i, ok in zip(idx, oks):
-                    if self._finish_write(lvl, keys[i], prepared[i][1], ok):
-                        results[i] = True
-                        with self._lock:
+                with self._lock:
+                    for i, ok in zip(idx, oks):
+                        if self._finish_write(lvl, keys[i], prepared[i][1], ok):
+                            results[i] = True
                             self._counters.chunks_stored += 1
                             self._counters.bytes_put += prepared[i][1]
-                        self._write_through(j, keys[i], prepared[i])
-                    else:
-                        start[i] = j + 1
-                        todo.append(i)
+                        else:
+                            start[i] = j + 1
+                            todo.append(i)
+                if self._any_write_through:
+                    for i, ok in zip(idx, oks):
+                        if ok:
+                            self._write_through(j, keys[i], prepared[i])
         for i, key in enumerate(keys):
             fi = first[key]
             if fi != i:
@@ -331,6 +342,29 @@ class TieredStore:
         if len(oks) != len(keys):
             raise PolicyError(f"tier {lvl.name!r} answered {len(oks)} results for {len(keys)} keys")
         return oks
+
+    def _place_fast(self, key: str, nbytes: int, start: int) -> Optional[int]:
+        """``_place`` for the common case, under the caller's lock: no eviction needed.
+
+        Returns the level reserved (or the unmanaged level chosen), or None when the
+        first level that admits the chunk would have to evict: the slow path decides.
+        """
+        for j in range(start, len(self.levels)):
+            lvl = self.levels[j]
+            if not lvl.tier.available:
+                continue
+            if not lvl.admission.admit(key, nbytes, lvl.name):
+                lvl.counters.rejected += 1
+                continue
+            if not lvl.managed:
+                return j
+            fp = lvl.tier.footprint(nbytes)
+            if key in lvl.index or lvl.used + fp > lvl.capacity:
+                return None
+            lvl.index[key] = _Entry(nbytes, fp)
+            lvl.used += fp
+            return j
+        return None
 
     def _place(self, key: str, nbytes: int, start: int, stop: Optional[int] = None, managed_only: bool = False) -> Optional[int]:
         """The first level in [start, stop) that admits the chunk and has (or made) room; reserved there."""

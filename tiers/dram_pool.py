@@ -672,6 +672,7 @@ class RemotePoolTier(Tier):
                         full.append(k)
                     else:
                         self._counters["put_errors"] += 1
+                        self._counters["refused"] += 1
                 self._check_codes(session.client, codes, "put")
                 if not full:
                     break

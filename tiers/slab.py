@@ -108,7 +108,8 @@ class SlabTier(Tier):
             slab.zero_()  # commit the pages now, so no first-touch page fault lands on the hot path
         self.slab = slab
         self._alloc = ExtentAllocator(capacity_bytes)
-        self._objects: dict[str, tuple[int, list[tuple[int, int]]]] = {}  # key -> (nbytes, extents)
+        # key -> (nbytes, extents, views of the slab over those extents: sliced once, reused by reads)
+        self._objects: dict[str, tuple[int, list[tuple[int, int]], list[torch.Tensor]]] = {}
         self._used = 0
 
     def footprint(self, nbytes: int) -> int:
@@ -137,9 +138,10 @@ class SlabTier(Tier):
             if extents is None:
                 out.append(False)
                 continue
-            _copy(self._views(nbytes, extents), parts)
+            views = self._views(nbytes, extents)
+            _copy(views, parts)
             with self._lock:
-                self._objects[key] = (nbytes, extents)
+                self._objects[key] = (nbytes, extents, views)
                 self._used += nbytes
             out.append(True)
         return out
@@ -152,7 +154,7 @@ class SlabTier(Tier):
             if obj is None or obj[0] != sum(p.numel() for p in parts):
                 out.append(False)
                 continue
-            _copy(parts, self._views(*obj))
+            _copy(parts, obj[2])
             out.append(True)
         return out
 
