@@ -12,7 +12,15 @@ from typing import Any
 
 from tierkv.errors import ConfigError
 
-from .admission import ADMISSION_POLICIES, AdmissionPolicy, AdmitAll, AllOf, FrequencyAdmission, SizeAdmission
+from .admission import (
+    ADMISSION_POLICIES,
+    AdmissionPolicy,
+    AdmitAll,
+    AdmitNone,
+    AllOf,
+    FrequencyAdmission,
+    SizeAdmission,
+)
 from .eviction import (
     EVICTION_POLICIES,
     ARCPolicy,
@@ -71,7 +79,7 @@ def build_admission(spec: Any) -> AdmissionPolicy:
 __all__ = [
     "EvictionPolicy", "LRUPolicy", "LFUPolicy", "FIFOPolicy", "S3FIFOPolicy", "ARCPolicy",
     "PromotionPolicy", "NeverPromote", "PromoteOnHit",
-    "AdmissionPolicy", "AdmitAll", "FrequencyAdmission", "SizeAdmission", "AllOf",
+    "AdmissionPolicy", "AdmitAll", "AdmitNone", "FrequencyAdmission", "SizeAdmission", "AllOf",
     "build_eviction", "build_promotion", "build_admission",
     "EVICTION_POLICIES", "PROMOTION_POLICIES", "ADMISSION_POLICIES",
 ]

@@ -31,6 +31,15 @@ class AdmitAll(AdmissionPolicy):
         return True
 
 
+class AdmitNone(AdmissionPolicy):
+    """Admit nothing: a tier kept only for reads of what it already holds (e.g. a read-only SSD)."""
+
+    name = "never"
+
+    def admit(self, key, nbytes, tier):
+        return False
+
+
 class FrequencyAdmission(AdmissionPolicy):
     """Admit a chunk only once it has been accessed ``min_accesses`` times.
 
@@ -40,7 +49,9 @@ class FrequencyAdmission(AdmissionPolicy):
 
     name = "frequency"
 
-    def __init__(self, min_accesses: int = 2, max_tracked: int = 1 << 20) -> None:
+    def __init__(self, min_accesses: int = 2, max_tracked: int = 1 << 20, *, threshold: int | None = None) -> None:
+        if threshold is not None:  # an alias some configs use
+            min_accesses = threshold
         if not isinstance(min_accesses, int) or min_accesses < 1:
             raise ValueError(f"min_accesses must be an int ≥ 1, got {min_accesses!r}")
         self.min_accesses = min_accesses
@@ -87,6 +98,7 @@ class AllOf(AdmissionPolicy):
 
 ADMISSION_POLICIES: dict[str, type[AdmissionPolicy]] = {
     "always": AdmitAll,
+    "never": AdmitNone,
     "frequency": FrequencyAdmission,
     "size": SizeAdmission,
 }

@@ -823,7 +823,14 @@ class TieredStore:
         return await self._run(self.lookup, keys)
 
     async def aremove(self, keys: Sequence[str]) -> None:
+        """``remove`` on the store's I/O threads, awaitable."""
         return await self._run(self.remove, keys)
+
+    # the same coroutines under the longer names some engines expect
+    put_async = aput
+    get_async = aget
+    lookup_async = alookup
+    remove_async = aremove
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

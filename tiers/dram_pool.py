@@ -113,10 +113,11 @@ def _wait_for_closers(timeout: float = 10.0) -> None:
 
 
 class _Registration:
-    __slots__ = ("ptr", "nbytes", "storage", "pins", "permanent")
+    __slots__ = ("ptr", "nbytes", "storage", "pins", "permanent", "external")
 
     def __init__(self, ptr: int, nbytes: int, storage: Any, permanent: bool) -> None:
         self.ptr, self.nbytes, self.storage, self.pins, self.permanent = ptr, nbytes, storage, 0, permanent
+        self.external = False  # registered by someone else: never unregistered by the tier
 
 
 class _Session:
@@ -140,6 +141,7 @@ class _Session:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._regs: collections.OrderedDict[int, _Registration] = collections.OrderedDict()
         self._cached_bytes = 0
+        self.external_regions = 0
         self._threads = [threading.Thread(target=self._work, name=f"tierkv-remote-{i}", daemon=True)
                          for i in range(workers)]
         for t in self._threads:
@@ -174,8 +176,8 @@ class _Session:
             close_now = self._inflight == 0 and not self._closed
             if close_now:
                 self._closed = True
-        for _ in self._threads:
-            self._queue.put(None)
+            for _ in self._threads:
+                self._queue.put(None)
         if close_now:
             _close_in_background(self._close_client)
 
@@ -217,10 +219,12 @@ class _Session:
         cancelled, whether or not the caller still waits (cleanup of abandoned calls).
         Exceptions raised by ``fn`` are re-raised here.
         """
-        if not self._enter():
-            return _REFUSED
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._queue.put((fn, fut, after))
+        with self._lock:  # queued before retire() queues the workers' stop marks, or not at all
+            if self.retired:
+                return _REFUSED
+            self._inflight += 1
+            self._queue.put((fn, fut, after))
         try:
             return fut.result(timeout=deadline)
         except concurrent.futures.TimeoutError:
@@ -249,9 +253,16 @@ class _Session:
                 reg.permanent = reg.permanent or permanent
                 return reg
         rc = self.direct(lambda c: c.register(base, nbytes))
-        if rc is _REFUSED or rc != 0:
+        if rc is _REFUSED:
             return None
+        external = rc != 0
+        if external:
+            # refused, most often because this memory overlaps a region the owner of the client registered
+            # itself; the transfer is tried anyway: an unregistered address fails the transfer (a miss),
+            # it never moves wrong bytes.  Cached, so registration is not retried on every call.
+            self.external_regions += 1
         reg = _Registration(base, nbytes, storage, permanent)
+        reg.external = external
         reg.pins = 1
         with self._lock:
             old = self._regs.pop(base, None)
@@ -297,7 +308,8 @@ class _Session:
                 self._cached_bytes -= reg.nbytes
                 victims.append(reg)
         for reg in victims:
-            self.direct(lambda c, p=reg.ptr: c.unregister(p))
+            if not reg.external:
+                self.direct(lambda c, p=reg.ptr: c.unregister(p))
 
     @property
     def registered_bytes(self) -> int:
@@ -815,7 +827,7 @@ class RemotePoolTier(Tier):
     @property
     def used_bytes(self) -> int:
         """Bytes of objects this instance stored or read and believes present (an estimate: the pool is shared)."""
-        return sum(n for _, n in self._present.values() if n > 0)
+        return sum(n for _, n in list(self._present.values()) if n > 0)
 
     def extra_stats(self) -> dict[str, Any]:
         c = self._counters
@@ -840,6 +852,7 @@ class RemotePoolTier(Tier):
             "pending_deletes": len(self._tombstones),
             "abandoned_clients": c["abandoned_clients"],
             "registered_bytes": session.registered_bytes if session else 0,
+            "external_regions": session.external_regions if session else 0,
         }
 
     def close(self) -> None:

@@ -4,7 +4,8 @@ On-disk object (little-endian)::
 
     header (64 bytes): magic "TKV1", version u16, flags u16, raw_len u64,
                        stored_len u64, checksum u64 (xxh3-64 of the stored bytes),
-                       key_len u16, padding
+                       key_len u16, header check u64 (xxh3-64 of these 64 bytes,
+                       the check itself zeroed, and the key), zero padding
     key bytes (key_len)
     padding up to data_offset (64 + key_len, or 4096 with O_DIRECT)
     stored bytes (stored_len): the chunk, lz4-compressed when flag 1 is set
@@ -67,7 +68,8 @@ log = logging.getLogger(__name__)
 MAGIC = b"TKV1"
 VERSION = 1
 FLAG_LZ4 = 1
-_HDR = struct.Struct("<4sHHQQQH")  # 34 bytes, padded to 64
+_HDR = struct.Struct("<4sHHQQQH")  # 34 bytes, then the header check (u64), padded to 64
+_CHECK = struct.Struct("<Q")
 HDR_SIZE = 64
 BLOCK = 4096
 _SAFE = re.compile(r"^[0-9A-Za-z_-][0-9A-Za-z_.-]{0,199}$")
@@ -233,6 +235,7 @@ class SSDTier(Tier):
         header = bytearray(self._data_offset(len(kb)))
         _HDR.pack_into(header, 0, MAGIC, VERSION, flags, raw_len, stored_len, _checksum(payload), len(kb))
         header[HDR_SIZE:HDR_SIZE + len(kb)] = kb
+        _CHECK.pack_into(header, _HDR.size, _checksum([header[:HDR_SIZE], kb]))  # check field still zero
         final = self._obj_path(key)
         tmp = os.path.join(os.path.dirname(final), f"{TMP_PREFIX}{os.path.basename(final)}.{os.getpid()}.{threading.get_ident()}")
         fd = -1
@@ -315,17 +318,19 @@ class SSDTier(Tier):
             size = os.fstat(fd).st_size
             buf = _aligned((size + BLOCK - 1) // BLOCK * BLOCK)
             got = os.preadv(fd, [buf], 0)
-            if got < HDR_SIZE:
-                return None
-            head = bytes(buf[:HDR_SIZE])
+            head = bytes(buf[:min(got, HDR_SIZE + 256)])
         else:
             head = os.pread(fd, HDR_SIZE + 256, 0)
             buf = None
-        if len(head) < HDR_SIZE:
+        meta = _parse_header(head)
+        if meta is None:
             return None
-        magic, version, flags, raw_len, stored_len, checksum, key_len = _HDR.unpack_from(head, 0)
-        if magic != MAGIC or version != VERSION:
+        flags, raw_len, stored_len, checksum, key_len, stored_key = meta
+        if stored_key != key:
             return None
+        indexed = self._objects.get(key)
+        if indexed is not None and indexed[0] != raw_len:
+            return None  # the header disagrees with what was written: not ours to trust
         if raw_len != want:
             return False
         off = self._data_offset(key_len)
@@ -414,17 +419,12 @@ class SSDTier(Tier):
                 st = os.fstat(f.fileno())
         except OSError:
             return None
-        if len(head) < HDR_SIZE:
+        meta = _parse_header(head)
+        if meta is None:
             return None
-        magic, version, flags, raw_len, stored_len, _, key_len = _HDR.unpack_from(head, 0)
-        if magic != MAGIC or version != VERSION or len(head) < HDR_SIZE + key_len:
-            return None
+        flags, raw_len, stored_len, _, key_len, key = meta
         if st.st_size != self._data_offset(key_len) + stored_len:
             return None  # torn
-        try:
-            key = head[HDR_SIZE:HDR_SIZE + key_len].decode()
-        except UnicodeDecodeError:
-            return None
         return key, raw_len, st.st_size, st.st_mtime
 
     def flush(self) -> None:
@@ -470,6 +470,25 @@ class SSDTier(Tier):
         self.flush()
         self._pool.shutdown(wait=True)
         super().close()
+
+
+def _parse_header(head: bytes):
+    """(flags, raw_len, stored_len, checksum, key_len, key) of a valid header, else None."""
+    if len(head) < HDR_SIZE:
+        return None
+    magic, version, flags, raw_len, stored_len, checksum, key_len = _HDR.unpack_from(head, 0)
+    if magic != MAGIC or version != VERSION or len(head) < HDR_SIZE + key_len:
+        return None
+    kb = head[HDR_SIZE:HDR_SIZE + key_len]
+    fixed = bytearray(head[:HDR_SIZE])
+    fixed[_HDR.size:_HDR.size + _CHECK.size] = bytes(_CHECK.size)  # the check covers the header with itself zeroed
+    if _CHECK.unpack_from(head, _HDR.size)[0] != _checksum([fixed, kb]):
+        return None
+    try:
+        key = kb.decode()
+    except UnicodeDecodeError:
+        return None
+    return flags, raw_len, stored_len, checksum, key_len, key
 
 
 def _write_all(fd: int, bufs: list) -> None:

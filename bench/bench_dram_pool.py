@@ -1,0 +1,205 @@
+"""dram_pool over Mooncake vs raw Mooncake calls, in one run.
+
+    .venv/bin/python bench/bench_dram_pool.py [--reps 5] [--sizes 2,16] [--batch 32]
+
+Starts its own ``mooncake_master`` on free loopback ports and measures, for
+chunks of each size in batches of ``--batch``:
+
+* same-process: the objects land in this process's own segment;
+* cross-process: a second process owns the segment the objects land in, so
+  every byte crosses the Transfer Engine (``tcp`` here).
+
+"raw" is ``batch_put_from`` / ``batch_get_into`` on the very client the tier
+uses, from buffers registered beforehand; "tier" is ``DramPoolTier.write`` /
+``read`` from ordinary (unregistered) tensors, everything included.  The ratio
+is tier throughput / raw throughput (target ≥ 0.9).  Then it kills the master
+and reports the latency callers see: the detecting call, and the misses after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from mooncake_util import MooncakeMaster, client_env, missing_reason  # noqa: E402
+
+from tierkv.tiers.dram_pool import DramPoolTier  # noqa: E402
+
+MiB = 1 << 20
+
+PROVIDER = r"""
+import sys
+from mooncake.store import MooncakeDistributedStore
+master, metadata, segment = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = MooncakeDistributedStore()
+rc = s.setup("127.0.0.1", metadata, segment, 16 << 20, "tcp", "", master)
+print(rc, flush=True)
+sys.stdin.read()
+s.close()
+"""
+
+
+def timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def bench_size(tier: DramPoolTier, size: int, batch: int, reps: int) -> dict[str, float]:
+    """Median seconds of raw put/get and tier put/get for one batch of ``batch`` chunks of ``size`` bytes."""
+    client = tier._session.client
+    raw = client._store
+    # the same data for both sides, in separate buffers: a region registered by one is not the other's
+    srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(batch)]
+    srcs_t = [s.clone() for s in srcs]
+    dsts = [torch.zeros(size, dtype=torch.uint8) for _ in range(batch)]
+    dsts_t = [torch.zeros(size, dtype=torch.uint8) for _ in range(batch)]  # zero-filled: pages touched
+    raw_regs = [(t.data_ptr(), size) for t in srcs + dsts]
+    for p, n in raw_regs:
+        rc = raw.register_buffer(p, n)
+        assert rc == 0, f"register_buffer failed: {rc}"
+    sptr = [t.data_ptr() for t in srcs]
+    dptr = [t.data_ptr() for t in dsts]
+    sizes = [size] * batch
+    times: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "tier_put": [], "tier_get": []}
+
+    def raw_round() -> None:
+        keys = [f"bench/raw/{uuid.uuid4().hex}" for _ in range(batch)]
+        codes: list = []
+        times["raw_put"].append(timed(lambda: codes.append(raw.batch_put_from(keys, sptr, sizes))))
+        assert all(c == 0 for c in codes[0]), codes
+        times["raw_get"].append(timed(lambda: codes.append(raw.batch_get_into(keys, dptr, sizes))))
+        assert all(c == size for c in codes[1]), codes[1][:4]
+        raw.batch_remove(keys, True)
+
+    def tier_round() -> None:
+        keys = [uuid.uuid4().hex * 2 for _ in range(batch)]
+        res: list = []
+        times["tier_put"].append(timed(lambda: res.append(tier.write(keys, [[s] for s in srcs_t]))))
+        assert all(res[0]), tier.extra_stats()
+        times["tier_get"].append(timed(lambda: res.append(tier.read(keys, [[d] for d in dsts_t]))))
+        assert all(res[1]), tier.extra_stats()
+        raw.batch_remove([tier._prefix + k for k in keys], True)  # bench cleanup, not timed
+
+    # warm-up (registration caches, connections), then alternate so neither side gets the warmer cache
+    raw_round()
+    tier_round()
+    for t in times.values():
+        t.clear()
+    for r in range(reps):
+        if r % 2:
+            raw_round()
+            tier_round()
+        else:
+            tier_round()
+            raw_round()
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs)), "raw: bytes differ"
+    assert all(torch.equal(d, s) for d, s in zip(dsts_t, srcs)), "tier: bytes differ"
+    for p, _ in raw_regs:
+        raw.unregister_buffer(p)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def fill_own_segment(tier: DramPoolTier) -> None:
+    """Fill this client's own segment so every further object lands in another process's segment."""
+    from mooncake.store import ReplicateConfig
+
+    raw = tier._session.client._store
+    cfg = ReplicateConfig()
+    cfg.preferred_segment = raw.get_hostname()
+    ballast = torch.zeros(MiB, dtype=torch.uint8)
+    raw.register_buffer(ballast.data_ptr(), MiB)
+    for i in range(64):
+        if raw.put_from(f"bench/ballast/{i}", ballast.data_ptr(), MiB, cfg) != 0:
+            break
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="2,16", help="chunk sizes in MiB, comma-separated")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--modes", default="same,cross")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    reason = missing_reason()
+    if reason:
+        sys.exit(f"cannot run: {reason}")
+    for k, v in client_env().items():
+        os.environ.setdefault(k, v)
+    sizes = [int(s) * MiB for s in args.sizes.split(",")]
+    need = max(sizes) * args.batch * 2 + 64 * MiB
+    rows = []
+    with MooncakeMaster() as m:
+        for mode in args.modes.split(","):
+            provider = None
+            if mode == "cross":
+                provider = subprocess.Popen([sys.executable, "-c", PROVIDER, m.master, m.metadata_server, str(need)],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                assert provider.stdout.readline().strip() == "0", "segment provider failed to start"
+            opts = m.tier_config(segment=f"{need if mode == 'same' else 16 * MiB}", namespace=f"bench-{mode}")
+            opts.pop("medium")
+            tier = DramPoolTier.from_config("pool", opts)
+            try:
+                if mode == "cross":
+                    fill_own_segment(tier)
+                for size in sizes:
+                    r = bench_size(tier, size, args.batch, args.reps)
+                    nbytes = size * args.batch
+                    for op in ("put", "get"):
+                        raw_gbs = nbytes / r[f"raw_{op}"] / 1e9
+                        tier_gbs = nbytes / r[f"tier_{op}"] / 1e9
+                        rows.append({"mode": mode, "op": op, "chunk_mib": size // MiB, "batch": args.batch,
+                                     "raw_gbs": raw_gbs, "tier_gbs": tier_gbs, "ratio": tier_gbs / raw_gbs})
+            finally:
+                tier.close()
+                if provider is not None:
+                    provider.stdin.close()
+                    provider.wait(30)
+
+        # the latency a caller sees while the master is down
+        opts = m.tier_config(segment="32MiB", namespace="bench-down", timeout=0.5)
+        opts.pop("medium")
+        tier = DramPoolTier.from_config("pool", opts)
+        keys = [uuid.uuid4().hex * 2 for _ in range(32)]
+        bufs = [[torch.zeros(2 * MiB, dtype=torch.uint8)] for _ in keys]
+        tier.write(keys, bufs)
+        m.kill()
+        first = timed(lambda: tier.read(keys, bufs))
+        lat = sorted(timed(lambda: tier.read(keys, bufs)) for _ in range(2000))
+        lat_c = sorted(timed(lambda: tier.contains(keys)) for _ in range(2000))
+        down = {"detect_s": first, "read_miss_median_us": lat[len(lat) // 2] * 1e6,
+                "read_miss_p99_us": lat[int(len(lat) * 0.99)] * 1e6,
+                "contains_median_us": lat_c[len(lat_c) // 2] * 1e6,
+                "contains_p99_us": lat_c[int(len(lat_c) * 0.99)] * 1e6,
+                "available": tier.available}
+        tier.close()
+
+    print(f"\ndram_pool (mooncake, tcp) vs raw Mooncake, batch {args.batch}, median of {args.reps} rounds")
+    print(f"{'mode':<6} {'op':<4} {'chunk':>6} {'raw GB/s':>9} {'tier GB/s':>10} {'ratio':>6}")
+    for r in rows:
+        flag = "" if r["ratio"] >= 0.9 else "  < 0.9"
+        print(f"{r['mode']:<6} {r['op']:<4} {r['chunk_mib']:>4}Mi {r['raw_gbs']:>9.2f} {r['tier_gbs']:>10.2f} "
+              f"{r['ratio']:>6.2f}{flag}")
+    print("\nmaster down (32 keys per call):")
+    print(f"  detecting call {down['detect_s'] * 1e3:.1f} ms; then read miss median {down['read_miss_median_us']:.1f} us "
+          f"(p99 {down['read_miss_p99_us']:.1f} us), contains median {down['contains_median_us']:.1f} us "
+          f"(p99 {down['contains_p99_us']:.1f} us); available={down['available']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rows": rows, "master_down": down}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
