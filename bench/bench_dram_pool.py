@@ -56,19 +56,31 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def bench_size(tier: DramPoolTier, size: int, batch: int, reps: int) -> dict[str, float]:
+class Buffers:
+    """Chunk buffers for both sides, allocated and registered once (an engine's long-lived KV memory).
+
+    The same data for both sides, in separate buffers: a region registered by the raw side is not the
+    tier's; the tier registers its own storages on first use, as it would for an engine's buffers.
+    """
+
+    def __init__(self, raw, size: int, batch: int) -> None:
+        self.raw = raw
+        self.srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(batch)]
+        self.srcs_t = [s.clone() for s in self.srcs]
+        self.dsts = [torch.zeros(size, dtype=torch.uint8) for _ in range(batch)]  # zero-filled: pages touched
+        self.dsts_t = [torch.zeros(size, dtype=torch.uint8) for _ in range(batch)]
+        for t in self.srcs + self.dsts:
+            rc = raw.register_buffer(t.data_ptr(), size)
+            assert rc == 0, f"register_buffer failed: {rc}"
+
+
+def bench_size(tier: DramPoolTier, bufs: Buffers, size: int, batch: int, reps: int) -> dict[str, float]:
     """Median seconds of raw put/get and tier put/get for one batch of ``batch`` chunks of ``size`` bytes."""
-    client = tier._session.client
-    raw = client._store
-    # the same data for both sides, in separate buffers: a region registered by one is not the other's
-    srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(batch)]
-    srcs_t = [s.clone() for s in srcs]
-    dsts = [torch.zeros(size, dtype=torch.uint8) for _ in range(batch)]
-    dsts_t = [torch.zeros(size, dtype=torch.uint8) for _ in range(batch)]  # zero-filled: pages touched
-    raw_regs = [(t.data_ptr(), size) for t in srcs + dsts]
-    for p, n in raw_regs:
-        rc = raw.register_buffer(p, n)
-        assert rc == 0, f"register_buffer failed: {rc}"
+    raw = bufs.raw
+    srcs = [t[:size] for t in bufs.srcs]
+    dsts = [t[:size] for t in bufs.dsts]
+    srcs_t = [t[:size] for t in bufs.srcs_t]
+    dsts_t = [t[:size] for t in bufs.dsts_t]
     sptr = [t.data_ptr() for t in srcs]
     dptr = [t.data_ptr() for t in dsts]
     sizes = [size] * batch
@@ -106,12 +118,14 @@ def bench_size(tier: DramPoolTier, size: int, batch: int, reps: int) -> dict[str
             raw_round()
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs)), "raw: bytes differ"
     assert all(torch.equal(d, s) for d, s in zip(dsts_t, srcs)), "tier: bytes differ"
-    for p, _ in raw_regs:
-        raw.unregister_buffer(p)
-    return {k: statistics.median(v) for k, v in times.items()}
+    out = {k: statistics.median(v) for k, v in times.items()}
+    # rounds alternate raw and tier back to back: the ratio of each pair cancels the machine's drift
+    for op in ("put", "get"):
+        out[f"ratio_{op}"] = statistics.median(r / t for r, t in zip(times[f"raw_{op}"], times[f"tier_{op}"]))
+    return out
 
 
-def fill_own_segment(tier: DramPoolTier) -> None:
+def fill_own_segment(tier: DramPoolTier) -> torch.Tensor:
     """Fill this client's own segment so every further object lands in another process's segment."""
     from mooncake.store import ReplicateConfig
 
@@ -123,6 +137,7 @@ def fill_own_segment(tier: DramPoolTier) -> None:
     for i in range(64):
         if raw.put_from(f"bench/ballast/{i}", ballast.data_ptr(), MiB, cfg) != 0:
             break
+    return ballast  # registered: must outlive the client
 
 
 def main() -> None:
@@ -148,20 +163,21 @@ def main() -> None:
                 provider = subprocess.Popen([sys.executable, "-c", PROVIDER, m.master, m.metadata_server, str(need)],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 assert provider.stdout.readline().strip() == "0", "segment provider failed to start"
-            opts = m.tier_config(segment=f"{need if mode == 'same' else 16 * MiB}", namespace=f"bench-{mode}")
+            opts = m.tier_config(segment=f"{need if mode == 'same' else 16 * MiB}", namespace=f"bench-{mode}",
+                                 min_bandwidth="20MB")  # a loaded machine must not look like a dead peer
             opts.pop("medium")
             tier = DramPoolTier.from_config("pool", opts)
             try:
-                if mode == "cross":
-                    fill_own_segment(tier)
+                ballast = fill_own_segment(tier) if mode == "cross" else None  # noqa: F841 (kept alive)
+                bufs = Buffers(tier._session.client._store, max(sizes), args.batch)
                 for size in sizes:
-                    r = bench_size(tier, size, args.batch, args.reps)
+                    r = bench_size(tier, bufs, size, args.batch, args.reps)
                     nbytes = size * args.batch
                     for op in ("put", "get"):
                         raw_gbs = nbytes / r[f"raw_{op}"] / 1e9
                         tier_gbs = nbytes / r[f"tier_{op}"] / 1e9
                         rows.append({"mode": mode, "op": op, "chunk_mib": size // MiB, "batch": args.batch,
-                                     "raw_gbs": raw_gbs, "tier_gbs": tier_gbs, "ratio": tier_gbs / raw_gbs})
+                                     "raw_gbs": raw_gbs, "tier_gbs": tier_gbs, "ratio": r[f"ratio_{op}"]})
             finally:
                 tier.close()
                 if provider is not None:
@@ -186,7 +202,8 @@ def main() -> None:
                 "available": tier.available}
         tier.close()
 
-    print(f"\ndram_pool (mooncake, tcp) vs raw Mooncake, batch {args.batch}, median of {args.reps} rounds")
+    print(f"\ndram_pool (mooncake, tcp) vs raw Mooncake, batch {args.batch}, median of {args.reps} rounds "
+          "(ratio: median over rounds of raw time / tier time, each pair back to back)")
     print(f"{'mode':<6} {'op':<4} {'chunk':>6} {'raw GB/s':>9} {'tier GB/s':>10} {'ratio':>6}")
     for r in rows:
         flag = "" if r["ratio"] >= 0.9 else "  < 0.9"

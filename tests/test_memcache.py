@@ -216,11 +216,11 @@ def test_hanging_backend_costs_one_deadline_then_misses(make_memcache, fake_memc
     out = torch.zeros(100, dtype=torch.uint8)
     t0 = time.monotonic()
     assert t.read([key(1)], [[out]]) == [False]
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 3.0  # generous on a loaded machine; the blocking call would take 4.5 s+
     assert not t.available and t.extra_stats()["timeouts"] == 1
     t0 = time.monotonic()
     assert t.contains([key(1)]) == [False]
-    assert time.monotonic() - t0 < 0.01
+    assert time.monotonic() - t0 < 0.2
     fake_memcache.hang.clear()
     end = time.monotonic() + 10
     while not t.available and time.monotonic() < end:
@@ -236,3 +236,20 @@ def test_restarted_pool_is_not_claimed(make_memcache, fake_memcache):
     fake_memcache.objects.clear()  # the pool lost everything, sentinel included
     assert t.contains([key(1)]) == [False]
     assert t.extra_stats()["pool_lost"] == 1
+
+
+def test_parts_the_backend_cannot_reach_go_through_staging(make_memcache, fake_memcache, monkeypatch):
+    from tierkv.tiers import _memcache
+
+    # a backend that reaches no caller memory directly: every part is staged through the tier's own buffer
+    monkeypatch.setattr(_memcache.MemcacheClient, "accepts_device", lambda self, device_type: False)
+    t = make_memcache()
+    layers = [blob(i, 3000 + i) for i in range(3)]
+    assert t.write([key(1), key(2)], [layers, [blob(9, 777)]]) == [True, True]
+    outs = [torch.zeros(4500, dtype=torch.uint8), torch.zeros(4503, dtype=torch.uint8)]
+    other = torch.zeros(777, dtype=torch.uint8)
+    assert t.read([key(1), key(2)], [outs, [other]]) == [True, True]
+    assert torch.equal(torch.cat(outs), torch.cat(layers)) and torch.equal(other, blob(9, 777))
+    regs = t._session._regs.values()
+    caller = {p.untyped_storage().data_ptr() for p in layers + outs + [other]}
+    assert not caller & {r.ptr for r in regs}, "a caller buffer was registered"

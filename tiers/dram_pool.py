@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import concurrent.futures
 import logging
 import os
@@ -328,7 +329,7 @@ class RemotePoolTier(Tier):
 
     def __init__(self, name: str, capacity_bytes: int, open_client: Callable[[], Any], *,
                  reachable: Callable[[], bool] | None = None, namespace: str = "tierkv",
-                 timeout: float = 1.0, min_bandwidth: float = 200e6, connect_timeout: float = 30.0,
+                 timeout: float = 1.0, min_bandwidth: float = 100e6, connect_timeout: float = 30.0,
                  connect_wait: float = 5.0, probe_interval: float = 1.0, presence_ttl: float = 1.0,
                  full_retry_delay: float = 0.02, register_limit: int = 4 << 30, workers: int = 4,
                  description: str = "") -> None:
@@ -541,6 +542,16 @@ class RemotePoolTier(Tier):
             self._counters["transfer_errors"] += 1
             self._fail(f"{what}: segment owner unreachable (codes {sorted(set(codes))})")
 
+    def _staging_guard(self, session: _Session, objs: Sequence[Parts]) -> Any:
+        """The staging lock when some part must be staged through host memory; calls without one run
+        concurrently."""
+        accepts = session.client.accepts_device
+        for parts in objs:
+            types = {p.device.type for p in parts if p.numel()}
+            if len(types) > 1 or not all(accepts(t) for t in types):
+                return self._staging_lock
+        return contextlib.nullcontext()
+
     def _staging_buffer(self, nbytes: int) -> torch.Tensor:
         if self._staging is None or self._staging.numel() < nbytes:
             self._staging = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
@@ -632,10 +643,10 @@ class RemotePoolTier(Tier):
         session = self._session
         if session is None:
             return
-        with self._staging_lock:
+        objs = [srcs[i] for i in todo]
+        with self._staging_guard(session, objs):
             pins: list[_Registration] = []
             staged: list[tuple[int, int, int]] = []
-            objs = [srcs[i] for i in todo]
             layout = self._layout(session, objs, pins, staged)
             if layout is None:
                 session.unpin(pins)
@@ -672,6 +683,8 @@ class RemotePoolTier(Tier):
                     nbytes, "put", cleanup)
                 if codes is None:
                     abandoned.set()
+                    if staged:  # the abandoned call may still read it: later calls get a fresh buffer
+                        self._staging = None
                     break
                 full = []
                 for k, code in zip(pending, codes):
@@ -712,10 +725,10 @@ class RemotePoolTier(Tier):
         session = self._session
         if session is None:
             return ok
-        with self._staging_lock:
+        objs = [dsts[i] for i in todo]
+        with self._staging_guard(session, objs):
             pins: list[_Registration] = []
             staged: list[tuple[int, int, int]] = []
-            objs = [dsts[i] for i in todo]
             layout = self._layout(session, objs, pins, staged)
             if layout is None:
                 session.unpin(pins)
@@ -728,6 +741,8 @@ class RemotePoolTier(Tier):
             codes = self._run(lambda c: c.get([fkeys[i] for i in todo], ptrs, sizes, devices), sum(want), "get",
                               lambda _fut: session.unpin(pins))
             if codes is None:
+                if staged:  # the abandoned call may still write into it: later calls get a fresh buffer
+                    self._staging = None
                 return ok
             for k, code in enumerate(codes):
                 i = todo[k]
@@ -856,6 +871,11 @@ class RemotePoolTier(Tier):
         }
 
     def close(self) -> None:
+        """Stop serving; the client is closed in the background once no call is in flight.
+
+        Closing a Mooncake client takes about two seconds and holds the interpreter
+        lock meanwhile; the process's exit waits (at most 10 s) for pending closes.
+        """
         if self._closed:
             return
         super().close()
@@ -876,7 +896,7 @@ def pop_remote_options(name: str, options: dict[str, Any]) -> dict[str, Any]:
         "probe_interval": _pop_seconds(name, options, "probe_interval", 1.0),
         "presence_ttl": _pop_seconds(name, options, "presence_ttl", 1.0),
         "full_retry_delay": _pop_seconds(name, options, "full_retry_delay", 0.02),
-        "min_bandwidth": float(parse_size(options.pop("min_bandwidth", "200MB"), f"tier {name!r} min_bandwidth")),
+        "min_bandwidth": float(parse_size(options.pop("min_bandwidth", "100MB"), f"tier {name!r} min_bandwidth")),
         "register_limit": parse_size(options.pop("register_limit", "4GiB"), f"tier {name!r} register_limit"),
     }
     workers = options.pop("workers", 4)
