@@ -8,7 +8,8 @@
   of the same bytes, one file per chunk) on the same directory (target ≥ 0.8×);
 * lookup of a 512-chunk prefix against 1M stored keys (target ≤ 100 µs);
 * chunk_keys over 128K tokens (target ≥ 50M tokens/s).
-Reports the median of several rounds.
+Baseline and tierkv run back to back in each round; a ratio is the median of the
+per-round ratios (robust to the drift of a shared machine).
 """
 
 from __future__ import annotations
@@ -41,6 +42,30 @@ def median_time(fn, rounds: int, setup=None) -> float:
     return statistics.median(times)
 
 
+def paired(base, fn, rounds: int, base_setup=None, setup=None) -> tuple[float, float, float]:
+    """Baseline and tierkv back to back, ``rounds`` times: (median base s, median tierkv s, median ratio).
+
+    Pairing cancels most of the drift of a shared machine: each ratio compares two
+    runs a few milliseconds apart.
+    """
+    tb, tt, ratios = [], [], []
+    for _ in range(rounds):
+        if base_setup:
+            base_setup()
+        t0 = time.perf_counter()
+        base()
+        b = time.perf_counter() - t0
+        if setup:
+            setup()
+        t0 = time.perf_counter()
+        fn()
+        t = time.perf_counter() - t0
+        tb.append(b)
+        tt.append(t)
+        ratios.append(b / t)
+    return statistics.median(tb), statistics.median(tt), statistics.median(ratios)
+
+
 def bench_dram(chunk: int, rounds: int) -> dict:
     n = BATCH
     srcs = [torch.randint(0, 255, (chunk,), dtype=torch.uint8) for _ in range(n)]
@@ -53,15 +78,14 @@ def bench_dram(chunk: int, rounds: int) -> dict:
         for d, s in zip(dsts, srcs):
             d.copy_(s)
 
-    raw = median_time(raw_copy, rounds)
-    put = median_time(lambda: store.put(keys, srcs), rounds, setup=lambda: store.remove(keys))
+    raw, put, put_ratio = paired(raw_copy, lambda: store.put(keys, srcs), rounds, setup=lambda: store.remove(keys))
     store.put(keys, srcs)
-    get = median_time(lambda: store.get(keys, dsts), rounds)
+    raw2, get, get_ratio = paired(raw_copy, lambda: store.get(keys, dsts), rounds)
     assert all(torch.equal(a, b) for a, b in zip(srcs, dsts))
     store.close()
     gb = n * chunk / 2**30
-    return {"chunk_MiB": chunk >> 20, "copy_GiBps": gb / raw, "put_GiBps": gb / put, "get_GiBps": gb / get,
-            "put_ratio": raw / put, "get_ratio": raw / get}
+    return {"chunk_MiB": chunk >> 20, "copy_GiBps": gb / statistics.median([raw, raw2]), "put_GiBps": gb / put,
+            "get_GiBps": gb / get, "put_ratio": put_ratio, "get_ratio": get_ratio}
 
 
 def bench_ssd(chunk: int, rounds: int, root: str, direct: bool = False) -> dict:
@@ -92,21 +116,20 @@ def bench_ssd(chunk: int, rounds: int, root: str, direct: bool = False) -> dict:
             except FileNotFoundError:
                 pass
 
-    raw_w = median_time(raw_write, rounds, setup=raw_unlink)
-    raw_r = median_time(raw_read, rounds)
     cfg = {"tiers": [{"medium": "ssd", "path": os.path.join(root, "tier"), "capacity": 2 * n * chunk + (64 << 20),
                       "direct_io": direct}]}
     store = TieredStore.from_config(cfg)
     keys = [f"s{chunk}-{i}" for i in range(n)]
-    put = median_time(lambda: store.put(keys, srcs), rounds, setup=lambda: store.remove(keys))
+    raw_w, put, put_ratio = paired(raw_write, lambda: store.put(keys, srcs), rounds, base_setup=raw_unlink,
+                                   setup=lambda: store.remove(keys))
     store.put(keys, srcs)
-    get = median_time(lambda: store.get(keys, dsts), rounds)
+    raw_r, get, get_ratio = paired(raw_read, lambda: store.get(keys, dsts), rounds)
     assert all(torch.equal(a, b) for a, b in zip(srcs, dsts))
     store.close()
     raw_unlink()
     gb = n * chunk / 2**30
     return {"chunk_MiB": chunk >> 20, "raw_write_GiBps": gb / raw_w, "raw_read_GiBps": gb / raw_r,
-            "put_GiBps": gb / put, "get_GiBps": gb / get, "put_ratio": raw_w / put, "get_ratio": raw_r / get}
+            "put_GiBps": gb / put, "get_GiBps": gb / get, "put_ratio": put_ratio, "get_ratio": get_ratio}
 
 
 def bench_lookup(n_stored: int, rounds: int) -> dict:
