@@ -7,5 +7,14 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 
 @pytest.fixture
-def tmpdir_path(tmp_path):
-    return str(tmp_path)
+def factory():
+    """Track tiers a test makes, and close them all when it ends."""
+    made = []
+
+    def track(t):
+        made.append(t)
+        return t
+
+    yield track
+    for t in made:
+        t.close()

@@ -24,19 +24,6 @@ def tier_options(cfg: dict) -> dict:
     return opts
 
 
-@pytest.fixture
-def factory():
-    made = []
-
-    def track(t):
-        made.append(t)
-        return t
-
-    yield track
-    for t in made:
-        t.close()
-
-
 @pytest.fixture(scope="class")
 def class_tiers():
     """Tiers shared by one conformance class: closing a Mooncake client takes ~2 s, so each class makes one

@@ -16,19 +16,6 @@ from tierkv.tiers.slab import ALIGN, ExtentAllocator
 from tierkv.tiers.ssd import SSDTier
 
 
-@pytest.fixture
-def factory(request):
-    made = []
-
-    def track(t):
-        made.append(t)
-        return t
-
-    yield track
-    for t in made:
-        t.close()
-
-
 class TestHBM(TierConformance):
     @pytest.fixture
     def make_tier(self, factory):
