@@ -67,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=128, help="vLLM block size (128 is vLLM's CPU default)")
     ap.add_argument("--backends", default="none,dram,ssd,dram_pool,example")
+    ap.add_argument("--layerwise", default="auto", choices=["auto", "true", "false"],
+                    help="TierKVConnector's layerwise loading (auto: off on CPU)")
     ap.add_argument("--workdir", default=None, help="keep model and stores here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -83,6 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     kv_bytes = max(256 << 20, int(kv_per_token * max_len * 2.5))
     store_bytes = f"{max(512, kv_per_token * args.tokens * (args.prompts + 1) * 2 >> 20)}MiB"
 
+    lw = {"auto": "auto", "true": True, "false": False}[args.layerwise]
+    conn_extra = {"layerwise": lw}
     results: dict[str, dict] = {}
     master = None
     try:
@@ -90,11 +94,12 @@ def main(argv: list[str] | None = None) -> int:
             if backend == "none":
                 kv = None
             elif backend == "dram":
-                kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": store_bytes}]})
+                kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": store_bytes}]}, extra=conn_extra)
             elif backend == "ssd":
                 path = work / "ssd"
                 shutil.rmtree(path, ignore_errors=True)
-                kv = U.connector_config({"tiers": [{"medium": "ssd", "path": str(path), "capacity": store_bytes}]})
+                kv = U.connector_config({"tiers": [{"medium": "ssd", "path": str(path), "capacity": store_bytes}]},
+                                        extra=conn_extra)
             elif backend == "dram_pool":
                 import mooncake_util
 
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
                     master = mooncake_util.MooncakeMaster().start()
                     for k, v in mooncake_util.client_env().items():
                         os.environ.setdefault(k, v)
-                kv = U.connector_config({"tiers": [master.tier_config(segment=store_bytes)]})
+                kv = U.connector_config({"tiers": [master.tier_config(segment=store_bytes)]}, extra=conn_extra)
             elif backend == "example":
                 path = work / "example"
                 shutil.rmtree(path, ignore_errors=True)
@@ -115,8 +120,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 raise SystemExit(f"unknown backend {backend!r}")
             print(f"[{backend}] running ...", file=sys.stderr, flush=True)
-            r = U.run_engine(_engine_spec(model, kv, prompts, warm_prompt, max_len, kv_bytes, args.block_size), work / "cache",
-                             timeout=1800)
+            spec = _engine_spec(model, kv, prompts, warm_prompt, max_len, kv_bytes, args.block_size)
+            r = U.run_engine(spec, work / "cache", timeout=1800)
             _, _, _, cold, _, warm, rec = r["steps"]
             res = {
                 "cold_s": statistics.median(cold["times"]),
@@ -136,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = results.get("none", {}).get("cold_s")
     ex = results.get("example", {}).get("warm_s")
     print(f"\nvLLM-CPU TTFT, {args.layers} layers x hidden {args.hidden}, {args.tokens}-token prompts, "
-          f"block size {args.block_size}, median of {args.prompts}")
+          f"block size {args.block_size}, layerwise={args.layerwise}, median of {args.prompts}")
     print(f"{'backend':<10} {'cold s':>8} {'warm s':>8} {'warm/cold':>10} {'warm/cold(none)':>16} "
           f"{'vs example':>11} {'cached':>7} {'same':>5}")
     for name, r in results.items():

@@ -161,3 +161,25 @@ def test_one_store_per_process_and_config():
         release_store(b)
         release_store(c)
     assert a.closed
+
+
+def test_connector_stats_aggregate_and_reduce():
+    pytest.importorskip("vllm", reason="vllm is not installed")
+    from tierkv.adapters.vllm import TierKVConnector, TierKVConnectorStats
+
+    a = TierKVConnectorStats()
+    assert a.is_empty()
+    a.data["load_tokens"] = 64
+    a.data["load_bytes"] = 2 << 20
+    a.data["hit_tokens"] = {"dram": 64}
+    b = TierKVConnector.build_kv_connector_stats({"load_tokens": 32, "load_errors": 1, "hit_tokens": {"ssd": 32}})
+    src_hits = {"dram": 1}
+    c = TierKVConnector.build_kv_connector_stats({"hit_tokens": src_hits})
+    a.aggregate(b).aggregate(c)
+    assert src_hits == {"dram": 1}  # aggregation never writes into the payload it was built from
+    r = a.reduce()
+    assert r["loaded_tokens"] == 96 and r["load_errors"] == 1 and r["load_MiB"] == 2.0
+    assert r["hit_tokens[dram]"] == 65 and r["hit_tokens[ssd]"] == 32
+    assert not a.is_empty()
+    a.reset()
+    assert a.is_empty()

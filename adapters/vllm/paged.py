@@ -76,15 +76,19 @@ class PagedLayer:
         """Views of block ``block_id``'s pages, outermost index first (may be non-contiguous)."""
         r = self.kernel_blocks_per_block
         lo = block_id * r
+        if self.block_dim == 0:
+            return [self.tensor[lo : lo + r]]
         lead = [range(n) for n in self.tensor.shape[: self.block_dim]]
         # indexing (never reshape) keeps every part a view of the cache
         return [self.tensor[idx][lo : lo + r] for idx in itertools.product(*lead)]
 
     def is_direct(self) -> bool:
         """True when every block's parts are contiguous CPU memory (no staging copy needed)."""
-        if self.tensor.device.type != "cpu":
-            return False
-        return all(p.is_contiguous() for p in self.parts(0))
+        d = self.__dict__.get("_direct")
+        if d is None:
+            d = self.tensor.device.type == "cpu" and all(p.is_contiguous() for p in self.parts(0))
+            self.__dict__["_direct"] = d
+        return d
 
     # -- staging --------------------------------------------------------------
     def read_parts(self, block_id: int) -> list[torch.Tensor]:
@@ -93,6 +97,8 @@ class PagedLayer:
         Views into the cache when possible (no copy): the caller must keep the
         block from being reused until it has consumed them.
         """
+        if self.is_direct():
+            return self.parts(block_id)
         out = []
         for p in self.parts(block_id):
             if p.device.type != "cpu":
@@ -102,6 +108,8 @@ class PagedLayer:
 
     def write_targets(self, block_id: int) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Contiguous CPU buffers to fill for the block, and (staging, destination) pairs to copy afterwards."""
+        if self.is_direct():
+            return self.parts(block_id), []
         bufs: list[torch.Tensor] = []
         pending: list[tuple[torch.Tensor, torch.Tensor]] = []
         for p in self.parts(block_id):
