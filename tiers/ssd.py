@@ -132,8 +132,10 @@ class SSDTier(Tier):
         self._used = 0
         self._dirty: set[str] = set()
         self._dirs: set[str] = set()
+        self._paths: dict[str, str] = {}
         self._counters = {"io_errors": 0, "corrupt": 0, "enospc": 0, "swept_temp": 0}
-        self._pool = ThreadPoolExecutor(max_workers=max(1, io_threads), thread_name_prefix=f"tierkv-{name}")
+        self._threads = max(1, int(io_threads))
+        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=f"tierkv-{name}")
 
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "SSDTier":
@@ -177,8 +179,13 @@ class SSDTier(Tier):
         return BLOCK if self.direct_io else HDR_SIZE + key_len
 
     def _obj_path(self, key: str) -> str:
-        name = _file_name(key)
-        return os.path.join(self.path, _shard(name), name)
+        path = self._paths.get(key)
+        if path is None:
+            name = _file_name(key)
+            path = os.path.join(self.path, _shard(name), name)
+            if len(self._paths) < (1 << 20):  # a cache, bounded: paths are cheap to recompute
+                self._paths[key] = path
+        return path
 
     def footprint(self, nbytes: int) -> int:
         # header + key + data, in whole filesystem blocks: what the file really costs
@@ -187,9 +194,23 @@ class SSDTier(Tier):
 
     # -- batch API --------------------------------------------------------------------
     def _map(self, fn, keys, bufs) -> list[bool]:
-        if len(keys) <= 1:
+        """Run ``fn`` over a batch: one slice of it per I/O thread (a future per object costs
+        more than a small object's I/O), big objects one by one so their hashing and
+        I/O overlap."""
+        n = len(keys)
+        total = sum(p.numel() for b in bufs for p in b)
+        if n <= 1 or total < (1 << 20):
             return [fn(k, b) for k, b in zip(keys, bufs)]
-        return list(self._pool.map(fn, keys, bufs))
+        if total // n >= (1 << 20):
+            return list(self._pool.map(fn, keys, bufs))
+        k = min(self._threads, n)
+        bounds = [n * i // k for i in range(k + 1)]
+
+        def run(lo: int, hi: int) -> list[bool]:
+            return [fn(keys[i], bufs[i]) for i in range(lo, hi)]
+
+        futures = [self._pool.submit(run, bounds[i], bounds[i + 1]) for i in range(k)]
+        return [ok for f in futures for ok in f.result()]
 
     def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         self._check_open()
@@ -206,8 +227,10 @@ class SSDTier(Tier):
                 if obj is not None:
                     self._used -= obj[1]
                 self._dirty.discard(key)
+                path = self._obj_path(key)
+                self._paths.pop(key, None)
             try:
-                os.unlink(self._obj_path(key))
+                os.unlink(path)
             except FileNotFoundError:
                 pass
             except OSError as e:
