@@ -65,7 +65,7 @@ def test_master_killed_mid_run_then_restarted():
             for _round in range(3):  # the first call detects, the next ones answer at once
                 t0 = time.monotonic()
                 got = store.get(keys, outs)  # never raises
-                assert time.monotonic() - t0 < 3.0  # generous on a loaded machine; the blocking call would take 4.5 s+
+                assert time.monotonic() - t0 < 2.0  # deadline: timeout + bytes/min_bandwidth; blocking takes 4.5 s+
                 for i in local:
                     assert got[i] and torch.equal(outs[i], vals[i])
                 for i in remote_only:
@@ -75,7 +75,7 @@ def test_master_killed_mid_run_then_restarted():
             t0 = time.monotonic()
             assert store.lookup([keys[i] for i in remote_only]) == 0
             assert store.put([k(100)], [blob(100, 1000)]) == [True]  # the local tier still takes writes
-            assert time.monotonic() - t0 < 3.0  # generous on a loaded machine; the blocking call would take 4.5 s+
+            assert time.monotonic() - t0 < 2.0  # deadline: timeout + bytes/min_bandwidth; blocking takes 4.5 s+
 
             m.restart()
             t0 = time.monotonic()
@@ -107,7 +107,7 @@ def test_hung_master_costs_one_deadline_then_instant_misses():
                 t0 = time.monotonic()
                 assert tier.contains([k(2)]) == [False]  # not cached: must ask the (hung) master
                 first = time.monotonic() - t0
-                assert first < 3.0
+                assert first < 2.0
                 assert not tier.available
                 t0 = time.monotonic()
                 for _ in range(100):
@@ -158,7 +158,7 @@ def test_segment_owner_killed_readers_miss():
                     o.zero_()
                 t0 = time.monotonic()
                 got = reader.read(keys, [[o] for o in outs])
-                assert time.monotonic() - t0 < 3.0  # generous on a loaded machine; the blocking call would take 4.5 s+
+                assert time.monotonic() - t0 < 2.0  # deadline: timeout + bytes/min_bandwidth; blocking takes 4.5 s+
                 assert got == [False] * 4
                 # the master drops the dead owner's objects; the reader is healthy and claims none of them
                 assert wait_for(lambda: reader.available and reader.contains(keys) == [False] * 4, 15)
@@ -189,7 +189,7 @@ def test_full_pool_refuses_and_counts_and_stays_healthy():
             more = [k(100 + i, "p") for i in range(12)]
             t0 = time.monotonic()
             ok2 = tier.write(more, [[blob(100 + i, size)] for i in range(12)])
-            assert time.monotonic() - t0 < 3.0  # one short retry, no waiting for space
+            assert time.monotonic() - t0 < 2.0  # one short retry, no waiting for space
             refused = ok.count(False) + ok2.count(False)
             assert refused > 0
             st = tier.extra_stats()
