@@ -35,4 +35,6 @@ if [ "${TIERKV_SKIP_VLLM:-0}" != 1 ]; then
 fi
 
 export PYTHONDONTWRITEBYTECODE=1
+# Mooncake's master and clients log every connection at INFO: keep the test output readable.
+export GLOG_minloglevel="${GLOG_minloglevel:-2}" MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
 exec .venv/bin/python -m pytest -p no:cacheprovider "$@"
