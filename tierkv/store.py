@@ -42,7 +42,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
 
@@ -366,12 +366,12 @@ class TieredStore:
             return j
         return None
 
-    def _place(self, key: str, nbytes: int, start: int, stop: Optional[int] = None, managed_only: bool = False) -> Optional[int]:
+    def _place(self, key: str, nbytes: int, start: int, stop: Optional[int] = None) -> Optional[int]:
         """The first level in [start, stop) that admits the chunk and has (or made) room; reserved there."""
         stop = len(self.levels) if stop is None else stop
         for j in range(start, stop):
             lvl = self.levels[j]
-            if (managed_only and not lvl.managed) or not lvl.tier.available:
+            if not lvl.tier.available:
                 continue
             with self._lock:
                 admitted = lvl.admission.admit(key, nbytes, lvl.name)
