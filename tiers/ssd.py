@@ -481,24 +481,16 @@ class SSDTier(Tier):
         for key in dirty:
             path = self._obj_path(key)
             try:
-                fd = os.open(path, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync_path(path)
                 dirs.add(os.path.dirname(path))
             except FileNotFoundError:
                 pass
             except OSError as e:
                 self._count("io_errors")
                 log.warning("tier %s: fsync of %s failed: %s", self.name, key[:16], e)
-        for d in dirs | {self.path}:
+        for d in dirs | {self.path}:  # the renames live in the directories
             try:
-                fd = os.open(d, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+                _fsync_path(d)
             except OSError:
                 pass
 
@@ -536,6 +528,14 @@ def _parse_header(head: bytes):
     except UnicodeDecodeError:
         return None
     return flags, raw_len, stored_len, checksum, key_len, key
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, bufs: list) -> None:
