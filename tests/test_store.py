@@ -378,3 +378,22 @@ def test_any_flipped_byte_is_a_miss_never_wrong_bytes(tmp_path, compression):
         assert not os.path.exists(fpath), f"corrupt object (flip at {off}) was not dropped"
         with open(fpath, "wb") as f:
             f.write(pristine)
+
+
+def test_hits_and_misses_are_counted_per_tier(tmp_path):
+    with three_tier(tmp_path, hbm=1, dram=1) as store:
+        keys = keys_for(3)
+        for i, k in enumerate(keys):
+            store.put([k], [chunk(i)])
+        assert store.locate(keys) == ["ssd", "dram", "hbm"]
+        before = store.stats()
+        outs = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(4)]
+        found = store.get(keys + [keys_for(4)[3]], outs)  # one in each tier, and one absent
+        assert found == [True, True, True, False]
+        after = store.stats()
+        delta = {t: (after[t]["hits"] - before[t]["hits"], after[t]["misses"] - before[t]["misses"])
+                 for t in ("hbm", "dram", "ssd")}
+        # hbm missed the ssd, dram and absent keys; dram missed ssd's and the absent one; ssd missed the absent one
+        assert delta == {"hbm": (1, 3), "dram": (1, 2), "ssd": (1, 1)}
+        assert after["total"]["hits"] - before["total"]["hits"] == 3
+        assert after["total"]["misses"] - before["total"]["misses"] == 1

@@ -147,7 +147,9 @@ class TieredStore:
         self._closed = False
         self._where: dict[str, int] = {}  # key -> bitmask of managed levels holding it READY
         self._counters = StoreCounters()
-        self._admissions = list({id(lvl.admission): lvl.admission for lvl in self.levels}.values())
+        # only admission policies that observe demand are told about accesses
+        self._admissions = [a for a in {id(lvl.admission): lvl.admission for lvl in self.levels}.values()
+                            if type(a).on_access is not AdmissionPolicy.on_access]
         self._managed_levels = [i for i, lvl in enumerate(self.levels) if lvl.managed]
         self._shared_levels = [i for i, lvl in enumerate(self.levels) if not lvl.managed]
         self._any_write_through = any(lvl.write_through for lvl in self.levels)
@@ -633,20 +635,26 @@ class TieredStore:
                         self._unpin(lvl, keys[i], e)
         if no_local and self._shared_levels:
             self._read_shared(keys, prepared, no_local, results, served)
-        # misses, per level consulted
+        # misses, per level consulted: every available level above the one that served
+        available = [lvl.tier.available for lvl in self.levels]
+        missed_above = [0] * (len(self.levels) + 1)
+        got = 0
+        for i in range(n):
+            j = served[i]
+            missed_above[len(self.levels) if j is None else j] += 1
+            if j is not None:
+                got += prepared[i][1]
         with self._lock:
-            for i in range(n):
-                j = served[i]
-                upto = len(self.levels) if j is None else j
-                for k in range(upto):
-                    if self.levels[k].tier.available:
-                        self.levels[k].counters.misses += 1
-                if j is None:
-                    self._counters.misses += 1
-                else:
-                    self._counters.hits += 1
-                    self._counters.bytes_got += prepared[i][1]
-        self._promote(keys, prepared, served)
+            below = 0  # keys served at or below level k (or not at all)
+            for k in range(len(self.levels), -1, -1):
+                if k < len(self.levels) and available[k]:
+                    self.levels[k].counters.misses += below
+                below += missed_above[k]
+            self._counters.misses += missed_above[len(self.levels)]
+            self._counters.hits += n - missed_above[len(self.levels)]
+            self._counters.bytes_got += got
+        if any(j for j in served):  # something was served below the top level
+            self._promote(keys, prepared, served)
         return results
 
     def _read_shared(self, keys, prepared, idx: list[int], results: list[bool], served: list[Optional[int]]) -> None:
