@@ -169,3 +169,15 @@ def test_hbm_on_unavailable_device_is_a_config_error():
         HBMTier.from_config("hbm", {"capacity": "1MiB", "device": "cuda"})
     with pytest.raises(ConfigError, match="torch_npu"):
         HBMTier.from_config("hbm", {"capacity": "1MiB", "device": "npu"})
+
+
+@pytest.mark.parametrize("medium", ["hbm", "dram"])
+def test_slab_without_prefault_still_round_trips(medium):
+    opts = {"capacity": "1MiB", "prefault": False}
+    if medium == "hbm":
+        opts["device"] = "cpu"
+    t = medium_class(medium).from_config(medium, opts)
+    assert t.write([key(1)], [[blob(1, 5000)]]) == [True]
+    out = torch.zeros(5000, dtype=torch.uint8)
+    assert t.read([key(1)], [[out]]) == [True] and torch.equal(out, blob(1, 5000))
+    t.close()

@@ -14,14 +14,15 @@ class DRAMTier(SlabTier):
 
     medium = "dram"
 
-    def __init__(self, name: str, capacity_bytes: int, pin_memory: bool | None = None) -> None:
+    def __init__(self, name: str, capacity_bytes: int, pin_memory: bool | None = None, prefault: bool = True) -> None:
         if pin_memory is None:
             pin_memory = torch.cuda.is_available() or hasattr(torch, "npu")
-        super().__init__(name, capacity_bytes, device="cpu", pin_memory=pin_memory)
+        super().__init__(name, capacity_bytes, device="cpu", pin_memory=pin_memory, prefault=prefault)
 
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "DRAMTier":
         capacity = cls.pop_capacity(name, options)
         pin = options.pop("pin_memory", None)
+        prefault = bool(options.pop("prefault", True))
         cls.reject_unknown(name, options)
-        return cls(name, capacity, pin_memory=pin)
+        return cls(name, capacity, pin_memory=pin, prefault=prefault)

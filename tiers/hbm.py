@@ -36,8 +36,9 @@ class HBMTier(SlabTier):
     def from_config(cls, name: str, options: dict[str, Any]) -> "HBMTier":
         capacity = cls.pop_capacity(name, options)
         device = options.pop("device", "npu" if _has_npu() else ("cuda" if torch.cuda.is_available() else "cpu"))
+        prefault = bool(options.pop("prefault", True))
         cls.reject_unknown(name, options)
-        return cls(name, capacity, device=str(resolve_device(device)))
+        return cls(name, capacity, device=str(resolve_device(device)), prefault=prefault)
 
 
 def _has_npu() -> bool:

@@ -92,7 +92,8 @@ class ExtentAllocator:
 class SlabTier(Tier):
     """Objects in one preallocated tensor on ``device``; copies only, no allocation per chunk."""
 
-    def __init__(self, name: str, capacity_bytes: int, device: str = "cpu", pin_memory: bool = False) -> None:
+    def __init__(self, name: str, capacity_bytes: int, device: str = "cpu", pin_memory: bool = False,
+                 prefault: bool = True) -> None:
         super().__init__(name, capacity_bytes)
         self.device = torch.device(device)
         try:
@@ -104,8 +105,9 @@ class SlabTier(Tier):
                 slab = slab.pin_memory()
             except RuntimeError:  # no accelerator runtime: pinning is impossible and unneeded
                 pass
-        if self.device.type == "cpu":
-            slab.zero_()  # commit the pages now, so no first-touch page fault lands on the hot path
+        if prefault and self.device.type == "cpu":
+            # commit the pages now: a first-touch page fault on the hot path costs far more than a copy
+            slab.zero_()
         self.slab = slab
         self._alloc = ExtentAllocator(capacity_bytes)
         # key -> (nbytes, extents, views of the slab over those extents: sliced once, reused by reads)
