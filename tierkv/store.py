@@ -322,24 +322,20 @@ class TieredStore:
         return False
 
     def _tier_write(self, lvl: Level, keys: list[str], parts: list[Parts]) -> list[bool]:
-        try:
-            oks = lvl.tier.write(keys, parts)
-        except StoreClosedError:
-            raise
-        except Exception as e:  # a medium fault must cost a miss, not the caller's request
-            log.warning("tierkv: tier %s write failed: %s", lvl.name, e)
-            oks = [False] * len(keys)
-        if len(oks) != len(keys):
-            raise PolicyError(f"tier {lvl.name!r} answered {len(oks)} results for {len(keys)} keys")
-        return oks
+        return self._tier_io(lvl, "write", keys, parts)
 
     def _tier_read(self, lvl: Level, keys: list[str], parts: list[Parts]) -> list[bool]:
+        return self._tier_io(lvl, "read", keys, parts)
+
+    @staticmethod
+    def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]:
+        """A tier's ``read`` or ``write``: a medium fault costs misses, never the caller's request."""
         try:
-            oks = lvl.tier.read(keys, parts)
+            oks = getattr(lvl.tier, op)(keys, parts)
         except StoreClosedError:
             raise
         except Exception as e:
-            log.warning("tierkv: tier %s read failed: %s", lvl.name, e)
+            log.warning("tierkv: tier %s %s failed: %s", lvl.name, op, e)
             oks = [False] * len(keys)
         if len(oks) != len(keys):
             raise PolicyError(f"tier {lvl.name!r} answered {len(oks)} results for {len(keys)} keys")

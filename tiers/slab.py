@@ -16,6 +16,7 @@ from typing import Any, Optional
 import torch
 from sortedcontainers import SortedDict, SortedList
 
+from tierkv.buffers import copy_parts
 from tierkv.errors import ConfigError
 
 from .base import Parts, Tier
@@ -141,7 +142,7 @@ class SlabTier(Tier):
                 out.append(False)
                 continue
             views = self._views(nbytes, extents)
-            _copy(views, parts)
+            copy_parts(views, parts)
             with self._lock:
                 self._objects[key] = (nbytes, extents, views)
                 self._used += nbytes
@@ -156,7 +157,7 @@ class SlabTier(Tier):
             if obj is None or obj[0] != sum(p.numel() for p in parts):
                 out.append(False)
                 continue
-            _copy(parts, obj[2])
+            copy_parts(parts, obj[2])
             out.append(True)
         return out
 
@@ -184,8 +185,3 @@ class SlabTier(Tier):
             self._objects.clear()
             self.slab = torch.empty(0, dtype=torch.uint8)
 
-
-def _copy(dst: list[torch.Tensor], src: list[torch.Tensor]) -> None:
-    from tierkv.buffers import copy_parts
-
-    copy_parts(dst, src)
