@@ -166,15 +166,20 @@ def base_namespace(
     shard: int,
     num_shards: int,
     hash_algo: str = "",
+    chunk_blocks: int = 1,
 ) -> str:
-    """The namespace shared by every layer of one engine configuration and KV shard."""
+    """The namespace shared by every layer of one engine configuration and KV shard.
+
+    ``chunk_blocks`` (blocks per stored object) is part of it: an object's first
+    block depends on it, so objects of different chunkings never share a key.
+    """
     return "/".join(
         [
             "vllm",
             _clean(model),
             _clean(dtype),
             _clean(layout),
-            f"bs{int(block_size)}",
+            f"bs{int(block_size)}x{int(chunk_blocks)}",
             f"kvshard{int(shard)}-of-{int(num_shards)}",
             _clean(hash_algo or "-"),
         ]

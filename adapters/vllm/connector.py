@@ -1,10 +1,16 @@
 """``TierKVConnector``: vLLM V1 KV connector over a tierkv store.
 
+Objects
+    A request's KV is stored in chunks of ``chunk_tokens`` (whole blocks; see
+    chunks.py): one object per (chunk, layer, KV-head shard), named from vLLM's
+    hash of the chunk's last block (tokens are not hashed again).  Full chunks
+    are saved as they complete; the blocks after the last full chunk are saved
+    as a shorter *tail* object once the prompt is prefilled.
+
 Scheduler side
-    ``get_num_new_matched_tokens`` turns the request's block hashes (computed by
-    vLLM; tokens are not hashed again) into tierkv keys, one per (block, layer,
-    KV-head shard), and counts the leading blocks present in the store beyond
-    what vLLM holds locally, whole blocks only and never the last prompt token.
+    ``get_num_new_matched_tokens`` counts the leading blocks the store holds
+    (for every layer of every shard) beyond what vLLM holds locally, whole
+    blocks only and never the last prompt token.
     ``update_state_after_alloc`` records the block ids to fill;
     ``build_connector_meta`` ships the step's load and save plans to the workers;
     ``request_finished`` holds a finished request's blocks while saves read them.
@@ -41,6 +47,7 @@ from vllm.logger import init_logger
 
 from tierkv import keys_from_block_hashes
 
+from .chunks import Chunk, blocks_per_chunk, plan_saves, resolve
 from .config import (
     acquire_store,
     base_namespace,
@@ -85,22 +92,32 @@ def live_connectors() -> list[TierKVConnector]:
 # ---------------------------------------------------------------------------------------
 @dataclass
 class LoadSpec:
-    """Fill ``block_ids`` (the request's blocks ``start .. start+len``) from the store."""
+    """Fill ``block_ids`` (the request's blocks ``start .. start+len-1``) from the store.
+
+    ``block_hashes[i]`` is the hash of block ``hash_base + i``; they reach past the
+    last block to fill up to the end of its chunk, so the worker can name the
+    objects that hold the blocks.
+    """
 
     req_id: str
     start: int
     block_ids: list[int]
     block_hashes: list[bytes]
     cache_salt: str | None = None
+    hash_base: int = 0
 
 
 @dataclass
 class SaveSpec:
-    """Put the request's blocks ``indices`` (full, computed by the end of this step)."""
+    """Put the request's ``chunks`` (blocks computed by the end of this step).
+
+    ``chunks[i] = (first, last)`` block indices in the request; ``block_ids[i]``
+    their engine block ids; ``block_hashes[i]`` the hash of block ``last``.
+    """
 
     req_id: str
-    indices: list[int]
-    block_ids: list[int]
+    chunks: list[tuple[int, int]]
+    block_ids: list[list[int]]
     block_hashes: list[bytes]
     #: the request's block table up to the last saved block: a failed load of
     #: any of these blocks taints the saves after it
@@ -229,10 +246,26 @@ def _layout_descriptor(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
 class _SchedReq:
     request: Any
     block_ids: list[int] = field(default_factory=list)
-    save_from: int = 0
-    skip: tuple[int, int] = (0, 0)
+    #: the first chunk not saved (nor known stored), and one past the longest tail saved
+    next_chunk: int = 0
+    tail_end: int = 0
     pending_load: tuple[int, int] | None = None
     hit_sources: dict[Any, int] = field(default_factory=dict)
+
+
+@dataclass
+class _LoadObj:
+    """One stored chunk to read: ``targets[i]`` receives block ``first+i`` (None: read and dropped)."""
+
+    req_id: str
+    salt: str | None
+    key_hash: bytes
+    first: int
+    targets: list[int | None]
+
+    @property
+    def num_targets(self) -> int:
+        return sum(1 for b in self.targets if b is not None)
 
 
 @dataclass
@@ -266,6 +299,10 @@ class TierKVConnector(KVConnectorBase_V1):
     * ``model_id``: name used in keys instead of the model path (set it when the
       same weights are served from different paths).
     * ``load`` / ``save`` (bool, default true; a ``kv_consumer`` never saves).
+    * ``chunk_tokens`` (default 256): tokens per stored object (whole blocks,
+      at least one).  Larger chunks mean fewer, larger objects (less overhead per
+      token); a prompt that diverges from a stored one inside a chunk reuses
+      nothing of that chunk.  Set it to the block size for one object per block.
     * ``layerwise``: ``true`` loads in the background, layer by layer, while earlier
       layers compute; ``false`` loads every layer before the forward starts;
       ``"auto"`` (default) is true when the KV cache is on an accelerator (copies
@@ -284,6 +321,10 @@ class TierKVConnector(KVConnectorBase_V1):
         self._extra = extra
         self._store_config = store_config_from_extra(extra)
         self._block_size = int(vllm_config.cache_config.block_size)
+        try:
+            self._G = blocks_per_chunk(extra.get("chunk_tokens", 256), self._block_size)
+        except ValueError as e:
+            raise ValueError(f"kv_connector_extra_config['chunk_tokens']: {e}") from None
         self._load_enabled = bool(extra.get("load", True))
         lw = extra.get("layerwise", "auto")
         if lw not in (True, False, "auto"):
@@ -336,7 +377,8 @@ class TierKVConnector(KVConnectorBase_V1):
         hash_algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
         dtype = str(mc.dtype).replace("torch.", "")
         self._base_ns = {
-            s: base_namespace(model_id, dtype, layout, self._block_size, s, self._shard.num_shards, hash_algo)
+            s: base_namespace(model_id, dtype, layout, self._block_size, s, self._shard.num_shards, hash_algo,
+                              self._G)
             for s in range(self._shard.num_shards)
         }
 
@@ -371,7 +413,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self._load_pool: ThreadPoolExecutor | None = None
         self._save_pool: ThreadPoolExecutor | None = None
         self._load_job: _LoadJob | None = None
-        self._deferred_saves: list[tuple[SaveSpec, int, list[int], list[str], list[list[torch.Tensor]]]] = []
+        self._deferred_saves: list[tuple[SaveSpec, int, list[Chunk], list[str], list[list[torch.Tensor]]]] = []
         self._lock = threading.Condition()
         self._pending_saves: collections.Counter = collections.Counter()
         self._seen_save_reqs: set[str] = set()
@@ -405,23 +447,55 @@ class TierKVConnector(KVConnectorBase_V1):
         ns = layer_namespace(self._base_ns[shard], self._layers[layer], cache_salt)
         return keys_from_block_hashes([block_hash_bytes(h) for h in hashes], namespace=ns)
 
-    # ---- worker: answering the scheduler ----------------------------------------------
-    def _answer(self, op: str, hashes: list, salt: str | None) -> Any:
-        """Lookups on this worker's store, for its own KV shard (see lookup.py)."""
+    def _resolve(self, hashes: list, base: int, lo: int, hi: int, salt: str | None,
+                 all_layers: bool = True) -> list[Chunk]:
+        """Stored chunks covering the leading blocks of ``lo..hi-1`` (``hashes[i]`` = block ``base+i``).
+
+        ``all_layers``: every layer must hold a chunk (else only the last layer is
+        asked, the one written last).
+        """
         store = self._store
         if store is None:
             raise RuntimeError("connector is closed")
-        if op == "lookup":
-            n = len(hashes)
-            # the last layer is written last: ask it first, it fails fastest
-            for layer in reversed(range(len(self._layers))):
+        L = len(self._layers)
+        layers = list(reversed(range(L))) if all_layers else [L - 1]
+        shard = self._shard.shard
+
+        def keys(layer: int, ends: list[int]) -> list[str]:
+            return self._layer_keys(shard, layer, [hashes[e - base] for e in ends], salt)
+
+        def full_present(ends: list[int]) -> int:
+            n = len(ends)
+            for layer in layers:  # the last layer is written last: it fails fastest
                 if n == 0:
                     break
-                n = min(n, int(store.lookup(self._layer_keys(self._shard.shard, layer, hashes[:n], salt))))
+                n = min(n, int(store.lookup(keys(layer, ends[:n]))))
             return n
+
+        def tail_present(ends: list[int]) -> int | None:
+            for j, there in zip(ends, store.contains(keys(layers[0], ends))):
+                if there and all(store.contains(keys(layer, [j]))[0] for layer in layers[1:]):
+                    return j
+            return None
+
+        return resolve(lo, hi, base + len(hashes), self._G, full_present, tail_present)
+
+    # ---- worker: answering the scheduler ----------------------------------------------
+    def _answer(self, op: str, hashes: list, base: int, lo: int, hi: int, salt: str | None) -> Any:
+        """Lookups on this worker's store, for its own KV shard (see lookup.py)."""
+        if op == "lookup":
+            chunks = self._resolve(hashes, base, lo, hi, salt)
+            return max(0, min(hi, chunks[-1][1] + 1) - lo) if chunks else 0
         if op == "locate":
-            where = store.locate(self._layer_keys(self._shard.shard, len(self._layers) - 1, hashes, salt))
-            return [None if t is None else (t, self._tier_medium.get(t, t)) for t in where]
+            chunks = self._resolve(hashes, base, lo, hi, salt, all_layers=False)
+            L = len(self._layers)
+            where = self._store.locate(self._layer_keys(self._shard.shard, L - 1,
+                                                        [hashes[c[1] - base] for c in chunks], salt))
+            out: list[Any] = [None] * (hi - lo)
+            for (first, last), t in zip(chunks, where):
+                for b in range(max(first, lo), min(last + 1, hi)):
+                    out[b - lo] = None if t is None else (t, self._tier_medium.get(t, t))
+            return out
         raise ValueError(f"unknown lookup op {op!r}")
 
     # ---- scheduler: asking the workers ---------------------------------------------
@@ -436,14 +510,21 @@ class TierKVConnector(KVConnectorBase_V1):
         """One tensor-parallel rank per KV-head shard (the first replica)."""
         return [s * self._shard.replicas for s in range(self._shard.num_shards)]
 
+    def _hash_window(self, request: Request, lo: int, hi: int) -> tuple[list[bytes], int]:
+        """The request's block hashes that name the chunks around ``lo..hi-1``, and the first one's index."""
+        G = self._G
+        base = (lo // G) * G
+        top = min(len(request.block_hashes), -(-hi // G) * G)
+        return [bytes(h) for h in request.block_hashes[base:top]], base
+
     def _leading_hits(self, request: Request, lo: int, hi: int) -> int:
-        """Blocks ``lo..hi`` present for every layer of every shard, counted from ``lo``."""
+        """Blocks ``lo..hi-1`` stored for every layer of every shard, counted from ``lo``."""
         if hi <= lo:
             return 0
-        hashes = [bytes(h) for h in request.block_hashes[lo:hi]]
-        n = len(hashes)
+        hashes, base = self._hash_window(request, lo, hi)
+        n = hi - lo
         for rank in self._shard_ranks():
-            n = min(n, int(self._client(rank).call("lookup", hashes[:n], request.cache_salt)))
+            n = min(n, int(self._client(rank).call("lookup", hashes, base, lo, lo + n, request.cache_salt)))
             if n == 0:
                 break
         return n
@@ -468,8 +549,9 @@ class TierKVConnector(KVConnectorBase_V1):
                 self._lookup_down_until = time.monotonic() + 10.0
                 logger.warning("TierKVConnector: lookup failed (%s); misses for the next 10 s", e)
                 hits, held = 0, 0
-        save_from = held if held < local else local + hits
-        self._lookups[request.request_id] = (local, hits, save_from, max_blocks)
+        # what is in the store needs no save: from the first block it lacks
+        stored = held if held < local else local + hits
+        self._lookups[request.request_id] = (local, hits, stored, max_blocks)
         self._sched_totals["lookups"] += 1
         return hits * bs, False
 
@@ -484,9 +566,8 @@ class TierKVConnector(KVConnectorBase_V1):
         look = self._lookups.pop(rid, None)
         if look is None:
             return
-        local, hits, save_from, _ = look
-        st.save_from = save_from
-        st.skip = (0, 0)
+        local, _, stored, _ = look
+        st.next_chunk, st.tail_end = stored // self._G, stored
         st.pending_load = None
         st.hit_sources = {}
         n_ext = num_external_tokens // self._block_size
@@ -495,11 +576,11 @@ class TierKVConnector(KVConnectorBase_V1):
         block_ids = blocks.get_block_ids()[0]
         st.block_ids = list(block_ids)
         st.pending_load = (local, local + n_ext)
-        st.skip = (local, local + n_ext)
         # which tier will serve the hit (for stats and vLLM's cache-hit sources)
         try:
-            hashes = [bytes(h) for h in request.block_hashes[local:local + n_ext]]
-            where = self._client(self._shard_ranks()[0]).call("locate", hashes, request.cache_salt)
+            hashes, base = self._hash_window(request, local, local + n_ext)
+            where = self._client(self._shard_ranks()[0]).call(
+                "locate", hashes, base, local, local + n_ext, request.cache_salt)
         except Exception:  # noqa: BLE001 - statistics only
             where = [None] * n_ext
         by_tier = self._sched_totals["hit_tokens_by_tier"]
@@ -549,33 +630,28 @@ class TierKVConnector(KVConnectorBase_V1):
             if st.pending_load is not None:
                 lo, hi = st.pending_load
                 st.pending_load = None
-                meta.loads.append(
-                    LoadSpec(rid, lo, st.block_ids[lo:hi], [bytes(h) for h in req.block_hashes[lo:hi]], req.cache_salt)
-                )
+                hashes, base = self._hash_window(req, lo, hi)
+                meta.loads.append(LoadSpec(rid, lo, st.block_ids[lo:hi], hashes, req.cache_salt, base))
             if not self._save_enabled:
                 continue
+            G = self._G
             done = num_computed // bs
-            if done < st.save_from:  # vLLM rolled back (a failed load): re-plan from there
-                st.save_from = done
-            if done < st.skip[1]:
-                st.skip = (st.skip[0], max(st.skip[0], done))
-            end = min(
-                (num_computed + scheduler_output.num_scheduled_tokens.get(rid, 0)) // bs,
-                len(req.block_hashes),
-                len(st.block_ids),
-            )
-            if end <= st.save_from:
-                continue
-            idx = [i for i in range(st.save_from, end) if not st.skip[0] <= i < st.skip[1]]
-            st.save_from = end
-            if not idx:
+            if done < st.next_chunk * G or done < st.tail_end:  # vLLM rolled back (a failed load)
+                st.next_chunk = min(st.next_chunk, done // G)
+                st.tail_end = min(st.tail_end, done)
+            new_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
+            end = min(new_tokens // bs, len(req.block_hashes), len(st.block_ids))
+            # the step that completes the prompt also saves its blocks after the last full chunk
+            prefilled = num_computed < req.num_prompt_tokens <= new_tokens
+            chunks, st.next_chunk, st.tail_end = plan_saves(st.next_chunk, st.tail_end, end, prefilled, G)
+            if not chunks:
                 continue
             meta.saves.append(
                 SaveSpec(
                     rid,
-                    idx,
-                    [st.block_ids[i] for i in idx],
-                    [bytes(req.block_hashes[i]) for i in idx],
+                    chunks,
+                    [st.block_ids[a:b + 1] for a, b in chunks],
+                    [bytes(req.block_hashes[b]) for _, b in chunks],
                     list(st.block_ids[:end]),
                     req.cache_salt,
                 )
@@ -644,17 +720,10 @@ class TierKVConnector(KVConnectorBase_V1):
             return
         if not self._paged:
             return
-        L = len(self._layers)
-        # flatten: (req_id, block index in request, block id, hash, salt)
-        blocks = []
-        for spec in meta.loads:
-            for j, (bid, h) in enumerate(zip(spec.block_ids, spec.block_hashes)):
-                blocks.append((spec.req_id, spec.start + j, bid, h, spec.cache_salt))
-        if not blocks:
+        specs = [spec for spec in meta.loads if spec.block_ids]
+        if not specs:
             return
-        # stagger: each tensor-parallel rank starts at a different offset
-        off = (self._tp_rank * len(blocks)) // max(1, self._tp_size)
-        blocks = blocks[off:] + blocks[:off]
+        L = len(self._layers)
         job = _LoadJob(
             submit_t=time.perf_counter(),
             num_layers=L,
@@ -665,9 +734,9 @@ class TierKVConnector(KVConnectorBase_V1):
         )
         self._load_job = job
         if self._layerwise:
-            job.future = self._load_pool.submit(self._run_load, job, blocks)
+            job.future = self._load_pool.submit(self._run_load, job, specs)
         else:
-            self._run_load(job, blocks)
+            self._run_load(job, specs)
 
     def _keys_for(self, layer: int, items: list[tuple[bytes, str | None]]) -> list[str]:
         """Keys of (hash, salt) items for one layer of this rank's shard, grouped by salt."""
@@ -681,59 +750,99 @@ class TierKVConnector(KVConnectorBase_V1):
                 out[i] = k
         return out  # type: ignore[return-value]
 
-    def _run_load(self, job: _LoadJob, blocks: list[tuple[str, int, int, bytes, str | None]]) -> None:
+    def _plan_load(self, job: _LoadJob, specs: list[LoadSpec]) -> list[_LoadObj]:
+        """The stored chunks that fill the specs' blocks; blocks none covers fail at once."""
+        objs: list[_LoadObj] = []
+        for spec in specs:
+            lo, hi = spec.start, spec.start + len(spec.block_ids)
+            pr = job.per_req.setdefault(spec.req_id, {"tokens": 0, "bytes": 0, "hit_tokens": {}})
+            pr["tokens"] += (hi - lo) * self._block_size
+            job.nblocks += hi - lo
+            try:
+                chunks = self._resolve(spec.block_hashes, spec.hash_base, lo, hi, spec.cache_salt, all_layers=False)
+            except Exception as e:  # noqa: BLE001 - a broken backend is a miss
+                logger.warning("TierKVConnector: lookup failed for %s: %s", spec.req_id, e)
+                chunks = []
+            reach = lo
+            for first, last in chunks:
+                targets = [spec.block_ids[b - lo] if lo <= b < hi else None for b in range(first, last + 1)]
+                objs.append(_LoadObj(spec.req_id, spec.cache_salt, spec.block_hashes[last - spec.hash_base],
+                                     first, targets))
+                reach = last + 1
+            lost = spec.block_ids[max(0, reach - lo):]
+            if lost:  # evicted since the scheduler looked: recomputed
+                job.failed_blocks.update(lost)
+                job.failed_reqs.add(spec.req_id)
+                self._count_hits(job, spec.req_id, "miss", len(lost))
+        # stagger: each tensor-parallel rank starts at a different offset
+        off = (self._tp_rank * len(objs)) // max(1, self._tp_size)
+        return objs[off:] + objs[:off]
+
+    def _count_hits(self, job: _LoadJob, rid: str, tier: str, nblocks: int) -> None:
+        n = nblocks * self._block_size
+        job.hit_tokens[tier] = job.hit_tokens.get(tier, 0) + n
+        hits = job.per_req[rid]["hit_tokens"]
+        hits[tier] = hits.get(tier, 0) + n
+
+    def _run_load(self, job: _LoadJob, specs: list[LoadSpec]) -> None:
         store = self._store
-        items = [(h, salt) for (_, _, _, h, salt) in blocks]
-        per_req_first_fail: dict[str, int] = {}
         t0 = time.perf_counter()
         try:
-            # which tier serves each block (recorded for stats; the load itself does not depend on it)
+            objs = self._plan_load(job, specs)
+            items = [(o.key_hash, o.salt) for o in objs]
+            # which tier serves each chunk (recorded for stats; the load itself does not depend on it)
             try:
-                where = store.locate(self._keys_for(job.num_layers - 1, items))
+                where = store.locate(self._keys_for(job.num_layers - 1, items)) if objs else []
             except Exception:  # noqa: BLE001
-                where = [None] * len(blocks)
-            for (rid, _, _, _, _), tier in zip(blocks, where):
-                name = tier or "miss"
-                job.hit_tokens[name] = job.hit_tokens.get(name, 0) + self._block_size
-                pr = job.per_req.setdefault(rid, {"tokens": 0, "bytes": 0, "hit_tokens": {}})
-                pr["tokens"] += self._block_size
-                pr["hit_tokens"][name] = pr["hit_tokens"].get(name, 0) + self._block_size
+                where = [None] * len(objs)
+            for o, tier in zip(objs, where):
+                self._count_hits(job, o.req_id, tier or "miss", o.num_targets)
             for layer in range(job.num_layers):
                 job.begin[layer] = time.perf_counter()
                 try:
-                    paged = self._paged[self._layers[layer]]
-                    keys = self._keys_for(layer, items)
-                    outs, copies = [], []
-                    for (_, _, bid, _, _) in blocks:
-                        bufs, pend = paged.write_targets(bid)
-                        outs.append(bufs)
-                        copies.append(pend)
-                    try:
-                        ok = store.get(keys, outs)
-                    except Exception as e:  # noqa: BLE001 - a broken backend is a miss
-                        logger.warning("TierKVConnector: get failed for layer %d: %s", layer, e)
-                        ok = [False] * len(keys)
-                    for (rid, idx, bid, _, _), good, pend, bufs in zip(blocks, ok, copies, outs):
-                        if good:
-                            for stage, dst in pend:
-                                dst.copy_(stage)
-                            nb = sum(b.numel() * b.element_size() for b in bufs)
-                            job.nbytes += nb
-                            job.per_req[rid]["bytes"] += nb
-                        else:
-                            job.failed_blocks.add(bid)
-                            job.failed_reqs.add(rid)
-                            if idx < per_req_first_fail.get(rid, 1 << 62):
-                                per_req_first_fail[rid] = idx
+                    if objs:
+                        self._load_layer(job, layer, objs, items)
                 finally:
                     job.end[layer] = time.perf_counter()
                     job.events[layer].set()
         finally:
             for ev in job.events:  # never leave a waiter hanging
                 ev.set()
-            job.nblocks = len(blocks)
-            job.ntokens = len(blocks) * self._block_size
+            job.ntokens = job.nblocks * self._block_size
             self._load_elapsed = time.perf_counter() - t0
+
+    def _load_layer(self, job: _LoadJob, layer: int, objs: list[_LoadObj], items: list) -> None:
+        paged = self._paged[self._layers[layer]]
+        discard = iter(paged.discard_targets(sum(len(o.targets) - o.num_targets for o in objs)))
+        keys = self._keys_for(layer, items)
+        outs, copies = [], []
+        for o in objs:
+            bufs: list[torch.Tensor] = []
+            pend: list[tuple[torch.Tensor, torch.Tensor]] = []
+            for bid in o.targets:
+                if bid is None:  # a block of the chunk this request has, or does not need
+                    bufs.extend(next(discard))
+                else:
+                    b, p = paged.write_targets(bid)
+                    bufs.extend(b)
+                    pend.extend(p)
+            outs.append(bufs)
+            copies.append(pend)
+        try:
+            ok = self._store.get(keys, outs)
+        except Exception as e:  # noqa: BLE001 - a broken backend is a miss
+            logger.warning("TierKVConnector: get failed for layer %d: %s", layer, e)
+            ok = [False] * len(keys)
+        nb = paged.block_nbytes
+        for o, good, pend in zip(objs, ok, copies):
+            if good:
+                for stage, dst in pend:
+                    dst.copy_(stage)
+                job.nbytes += nb * o.num_targets
+                job.per_req[o.req_id]["bytes"] += nb * o.num_targets
+            else:
+                job.failed_blocks.update(b for b in o.targets if b is not None)
+                job.failed_reqs.add(o.req_id)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._load_job
@@ -758,16 +867,17 @@ class TierKVConnector(KVConnectorBase_V1):
         shard = self._shard
         for spec in meta.saves:
             if self._split_writes:
-                pos = [j for j, i in enumerate(spec.indices) if i % shard.replicas == shard.replica]
+                pos = [j for j, (first, _) in enumerate(spec.chunks)
+                       if (first // self._G) % shard.replicas == shard.replica]
             else:
-                pos = list(range(len(spec.indices)))
+                pos = list(range(len(spec.chunks)))
             if not pos:
                 continue
             keys = self._layer_keys(shard.shard, layer, [spec.block_hashes[j] for j in pos], spec.cache_salt)
-            values = [paged.read_parts(spec.block_ids[j]) for j in pos]
+            values = [[p for bid in spec.block_ids[j] for p in paged.read_parts(bid)] for j in pos]
             with self._lock:
                 self._pending_saves[spec.req_id] += 1
-            item = (spec, layer, [spec.indices[j] for j in pos], keys, values)
+            item = (spec, layer, [spec.chunks[j] for j in pos], keys, values)
             if self._load_job is not None:
                 # this step loads: a failed load may taint these blocks, so wait for the verdict
                 self._deferred_saves.append(item)
@@ -778,31 +888,33 @@ class TierKVConnector(KVConnectorBase_V1):
         self._save_pool.submit(self._run_save, item)
 
     def _run_save(self, item) -> None:
-        spec, layer, indices, keys, values = item
+        spec, layer, chunks, keys, values = item
         t0 = time.perf_counter()
         nbytes = 0
         errors = 0
+        blocks = 0
         try:
             try:
                 ok = self._store.put(keys, values)
             except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
                 logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
                 ok = [False] * len(keys)
-            for good, parts in zip(ok, values):
+            for good, parts, (first, last) in zip(ok, values, chunks):
                 if good:
                     nbytes += sum(p.numel() * p.element_size() for p in parts)
+                    blocks += last - first + 1
                 else:
                     errors += 1
         finally:
             dt = time.perf_counter() - t0
             with self._lock:
                 for s in (self._interval, self.totals):
-                    s.data["save_blocks"] += len(keys) - errors
+                    s.data["save_blocks"] += blocks
                     s.data["save_bytes"] += nbytes
                     s.data["save_s"] += dt
                     s.data["save_errors"] += errors
                 rec = self._record(spec.req_id)
-                rec["save_blocks"] += len(keys) - errors
+                rec["save_blocks"] += blocks
                 rec["save_bytes"] += nbytes
                 rec["save_s"] += dt
                 rec["save_errors"] += errors
@@ -858,7 +970,7 @@ class TierKVConnector(KVConnectorBase_V1):
         # submit the step's saves, dropping everything computed on a failed block
         deferred, self._deferred_saves = self._deferred_saves, []
         for item in deferred:
-            spec, layer, indices, keys, values = item
+            spec, layer, chunks, keys, values = item
             cut = None
             if failed_blocks:
                 for p, bid in enumerate(spec.table):
@@ -866,7 +978,7 @@ class TierKVConnector(KVConnectorBase_V1):
                         cut = p
                         break
             if cut is not None:
-                keep = [j for j, i in enumerate(indices) if i < cut]
+                keep = [j for j, (_, last) in enumerate(chunks) if last < cut]
                 if not keep:
                     with self._lock:
                         self._pending_saves[spec.req_id] -= 1
@@ -874,7 +986,7 @@ class TierKVConnector(KVConnectorBase_V1):
                             del self._pending_saves[spec.req_id]
                         self._lock.notify_all()
                     continue
-                item = (spec, layer, [indices[j] for j in keep], [keys[j] for j in keep], [values[j] for j in keep])
+                item = (spec, layer, [chunks[j] for j in keep], [keys[j] for j in keep], [values[j] for j in keep])
             self._submit_save(item)
 
     def wait_for_save(self):

@@ -10,8 +10,9 @@ process, the call is direct.
 Requests are ``(op, args)`` tuples over ``multiprocessing.connection`` (Unix
 socket, authenticated with a key derived from the engine id):
 
-``("lookup", hashes, salt)``  -> leading blocks present for every layer
-``("locate", hashes, salt)``  -> ``[(tier name, medium) | None]`` per block
+``("lookup", (hashes, base, lo, hi, salt))`` -> blocks ``lo..hi-1`` stored for every
+layer, counted from ``lo`` (``hashes[i]`` is block ``base+i``'s hash)
+``("locate", (hashes, base, lo, hi, salt))`` -> ``[(tier name, medium) | None]`` per block
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any, Callable
 
 log = logging.getLogger("tierkv.adapters.vllm")
 
-Handler = Callable[[str, list, Any], Any]
+Handler = Callable[..., Any]  # handler(op, *args)
 
 # in-process workers: address -> handler (a scheduler in the same process calls it directly)
 _local: dict[str, Handler] = {}
@@ -77,11 +78,18 @@ class LookupServer:
         with conn:
             while not self._closed:
                 try:
-                    op, hashes, salt = conn.recv()
+                    op, args = conn.recv()
                 except (EOFError, OSError):
                     return
+                except Exception as e:  # noqa: BLE001 - a malformed message from an authenticated peer
+                    reply = ("error", f"bad request: {e!r}")
+                    try:
+                        conn.send(reply)
+                    except OSError:
+                        return
+                    continue
                 try:
-                    reply = ("ok", self._handler(op, hashes, salt))
+                    reply = ("ok", self._handler(op, *args))
                 except Exception as e:  # noqa: BLE001 - reported to the caller, never fatal here
                     reply = ("error", repr(e))
                 try:
@@ -118,16 +126,16 @@ class LookupClient:
         with _local_lock:
             return _local.get(self.path)
 
-    def call(self, op: str, hashes: list, salt: Any) -> Any:
+    def call(self, op: str, *args: Any) -> Any:
         h = self._handler()
         if h is not None:
-            return h(op, hashes, salt)
+            return h(op, *args)
         with self._lock:
             for attempt in range(2):
                 if self._conn is None:
                     self._conn = self._connect()
                 try:
-                    self._conn.send((op, hashes, salt))
+                    self._conn.send((op, args))
                     status, value = self._conn.recv()
                     break
                 except (EOFError, OSError):

@@ -1,0 +1,146 @@
+"""The connector's chunking rules (adapters/vllm/chunks.py), against brute-force models."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.adapters.vllm.chunks import blocks_per_chunk, covered, plan_saves, resolve
+
+
+def _resolver(stored: set[tuple[int, int]], G: int):
+    """full_present / tail_present over a set of stored (first, last) objects; records the calls."""
+    calls = []
+
+    def full_present(ends):
+        calls.append(("full", list(ends)))
+        n = 0
+        for e in ends:
+            if (e - G + 1, e) not in stored:
+                break
+            n += 1
+        return n
+
+    def tail_present(ends):
+        calls.append(("tail", list(ends)))
+        for j in ends:
+            if (G * (j // G), j) in stored:
+                return j
+        return None
+
+    return full_present, tail_present, calls
+
+
+def _best_cover(stored, lo, hi, known, G):
+    """Brute force: the most blocks of lo..hi-1 a chain of stored objects covers."""
+    reach = lo
+    g = lo // G
+    while g * G < hi:
+        full = (g * G, g * G + G - 1)
+        if full[1] < known and full in stored:
+            reach = full[1] + 1
+            g += 1
+            continue
+        tails = [j for j in range(max(lo, g * G), min(known, g * G + G - 1)) if (g * G, j) in stored]
+        if tails:
+            reach = max(reach, max(tails) + 1)
+        break
+    return max(0, min(hi, reach) - lo)
+
+
+def test_blocks_per_chunk():
+    assert blocks_per_chunk(256, 16) == 16
+    assert blocks_per_chunk(256, 128) == 2
+    assert blocks_per_chunk(100, 128) == 1  # at least one block
+    assert blocks_per_chunk(300, 128) == 2  # whole blocks
+    for bad in (0, -1, 2.5, "256", True):
+        with pytest.raises(ValueError, match="chunk_tokens"):
+            blocks_per_chunk(bad, 16)
+
+
+def test_resolve_examples():
+    G = 4
+    stored = {(0, 3), (4, 7), (8, 10)}
+    fp, tp, _ = _resolver(stored, G)
+    # a 12-block request whose blocks 0..10 are stored (two chunks and a tail)
+    assert resolve(0, 11, 12, G, fp, tp) == [(0, 3), (4, 7), (8, 10)]
+    # starting mid-chunk: the whole chunk is read
+    assert resolve(5, 11, 12, G, fp, tp) == [(4, 7), (8, 10)]
+    assert covered([(4, 7), (8, 10)], 5, 11) == 6
+    # a request that has only blocks 0..9 cannot name (8, 10): no tail of its own
+    assert resolve(0, 10, 10, G, fp, tp) == [(0, 3), (4, 7)]
+    # nothing stored at the start: nothing after it is used
+    fp2, tp2, _ = _resolver({(4, 7)}, G)
+    assert resolve(0, 8, 8, G, fp2, tp2) == []
+
+
+def test_resolve_prefers_the_shortest_tail_that_reaches():
+    G = 8
+    stored = {(0, 4), (0, 5), (0, 6), (0, 2)}
+    fp, tp, calls = _resolver(stored, G)
+    # need blocks 0..3: (0, 4) reaches and is the shortest that does
+    assert resolve(0, 4, 7, G, fp, tp) == [(0, 4)]
+    # need 0..6 but block 6 is the last with a hash: (0, 6)
+    assert resolve(0, 7, 7, G, fp, tp) == [(0, 6)]
+    # nothing reaches 7 (no hash past 6): the longest that falls short
+    assert resolve(0, 7, 7, G, *_resolver({(0, 2), (0, 4)}, G)[:2]) == [(0, 4)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    G=st.integers(1, 6),
+    known=st.integers(0, 40),
+    data=st.data(),
+)
+def test_resolve_is_maximal_and_only_names_stored_objects(G, known, data):
+    objs = [(G * (j // G), j) for j in range(known)]
+    stored = set(data.draw(st.lists(st.sampled_from(objs), unique=True), "stored") if objs else [])
+    lo = data.draw(st.integers(0, known), "lo")
+    hi = data.draw(st.integers(lo, known), "hi")
+    fp, tp, calls = _resolver(stored, G)
+    chunks = resolve(lo, hi, known, G, fp, tp)
+    for first, last in chunks:
+        assert (first, last) in stored
+        assert first % G == 0 and last - first < G and last < known
+    for (_, a), (b, _) in zip(chunks, chunks[1:]):
+        assert b == a + 1, "chunks are consecutive"
+    if chunks:
+        assert chunks[0][0] == G * (lo // G)
+        assert all(last - first == G - 1 for first, last in chunks[:-1]), "only the last may be a tail"
+    assert covered(chunks, lo, hi) == _best_cover(stored, lo, hi, known, G)
+    # never asks about an object the request cannot name
+    for _, ends in calls:
+        assert all(e < known for e in ends)
+
+
+@settings(max_examples=300, deadline=None)
+@given(G=st.integers(1, 6), prompt_blocks=st.integers(0, 30), data=st.data())
+def test_plan_saves_covers_each_block_once_per_object_kind(G, prompt_blocks, data):
+    """Steps computing blocks up to a growing end: every full chunk saved once, and one tail at prefill end."""
+    total = prompt_blocks + data.draw(st.integers(0, 10), "decode blocks")
+    start = data.draw(st.integers(0, prompt_blocks), "blocks already stored")
+    next_chunk, tail_end = start // G, start
+    ends = sorted(set(data.draw(st.lists(st.integers(0, total), max_size=8), "step ends") + [total]))
+    saved = []
+    prefilled = False
+    for end in ends:
+        if end < start:
+            continue
+        final = not prefilled and end >= prompt_blocks  # the step that completes the prefill
+        prefilled = prefilled or final
+        chunks, next_chunk, tail_end = plan_saves(next_chunk, tail_end, end, final, G)
+        saved += chunks
+    assert len(saved) == len(set(saved)), "nothing saved twice"
+    full = [c for c in saved if c[1] - c[0] == G - 1 and c[0] % G == 0]
+    tails = [c for c in saved if c not in full]
+    assert full == [(g * G, g * G + G - 1) for g in range(start // G, total // G)]
+    assert len(tails) <= 1
+    for first, last in tails:
+        assert first % G == 0 and last - first < G - 1
+    # everything from the first unsaved chunk to the prompt's last full block is in some object
+    cover = set()
+    for first, last in saved:
+        cover.update(range(first, last + 1))
+    first_end_at_prefill = min(e for e in ends if e >= max(prompt_blocks, start))
+    assert set(range(G * (start // G), first_end_at_prefill)) - set(range(start)) <= cover
