@@ -117,6 +117,57 @@ def test_outputs_identical_and_served_from_tiers(model, workdir, baseline):
     assert w["store"]["total"]["chunks_stored"] > 0
 
 
+def _expected_objects(prompts: list[list[int]], G: int) -> int:
+    """Distinct stored chunks (full chunks of G blocks, plus each prompt's tail), by token prefix."""
+    objs = set()
+    for p in prompts:
+        full = len(p) // BS
+        for g in range(full // G):
+            objs.add(tuple(p[: (g + 1) * G * BS]))
+        if full % G:
+            objs.add(tuple(p[: full * BS]))
+    return len(objs)
+
+
+def test_chunks_of_several_blocks(model, workdir, baseline):
+    """chunk_tokens=2 blocks: full chunks, tails, and a hit that starts inside a chunk vLLM partly holds."""
+    prompts = _prompts()
+    spec = {
+        "model": model,
+        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"chunk_tokens": 2 * BS}),
+        "steps": [
+            {"op": "generate", "prompts": prompts},
+            {"op": "reset"},
+            # one by one: prompt 1 finds prompt 0's first 3 blocks in vLLM's own cache and
+            # loads block 3 from the chunk (2, 3), whose block 2 it already has
+            {"op": "generate", "prompts": prompts, "one_by_one": True},
+            {"op": "records"},
+        ],
+    }
+    r = U.run_engine(spec, workdir / "cache")
+    first, _, again, rec = r["steps"]
+    assert first["tokens"] == baseline and again["tokens"] == baseline
+    assert again["num_cached_tokens"] == [_full_block_prefix(len(p)) for p in prompts]
+    w = _worker(rec)
+    t = w["totals"]
+    assert t["load_errors"] == 0 and t["save_errors"] == 0
+    layers = 4
+    # one object per chunk and layer; a repeat stores nothing new
+    assert w["store"]["total"]["chunks_stored"] == _expected_objects(prompts, 2) * layers
+    # every hit token was loaded from a tier (none lost to a missing chunk)
+    assert sum(t["hit_tokens"].values()) == t["load_tokens"] > 0 and "miss" not in t["hit_tokens"]
+
+
+def test_bad_chunk_tokens_is_a_clear_error(model, workdir):
+    spec = {
+        "model": model,
+        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"chunk_tokens": 0}),
+        "steps": [{"op": "generate", "prompts": _prompts()[:1]}],
+    }
+    with pytest.raises(RuntimeError, match="chunk_tokens"):
+        U.run_engine(spec, workdir / "cache")
+
+
 def test_scheduler_and_worker_in_separate_processes(model, workdir, baseline):
     """vLLM's default layout (engine core and worker are separate processes): lookups cross over."""
     prompts = _prompts()
