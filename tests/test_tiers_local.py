@@ -181,3 +181,36 @@ def test_slab_without_prefault_still_round_trips(medium):
     out = torch.zeros(5000, dtype=torch.uint8)
     assert t.read([key(1)], [[out]]) == [True] and torch.equal(out, blob(1, 5000))
     t.close()
+
+
+@pytest.mark.parametrize("opts", [{}, {"direct_io": True}], ids=["buffered", "o_direct"])
+def test_ssd_read_into_overlapping_buffers_keeps_a_good_object(tmp_path, opts):
+    """A caller whose parts overlap (one scratch buffer twice) sees a failed sum in its own
+    buffers; the object on disk is sound, so it must not be dropped as corrupt."""
+    t = SSDTier("ssd", 1 << 22, str(tmp_path / "ssd"), **opts)
+    data = blob(7, 8192)
+    assert t.write([key(7)], [[data]]) == [True]
+    scratch = torch.zeros(4096, dtype=torch.uint8)
+    assert t.read([key(7)], [[scratch, scratch]]) == [True]
+    assert torch.equal(scratch, data[4096:])  # parts are filled in order
+    assert t.contains([key(7)]) == [True]
+    out = torch.zeros(8192, dtype=torch.uint8)
+    assert t.read([key(7)], [[out]]) == [True] and torch.equal(out, data)
+    st = t.extra_stats()
+    assert st["corrupt"] == 0
+    t.close()
+
+
+def test_ssd_bad_payload_is_still_dropped_after_the_second_look(tmp_path):
+    d = tmp_path / "ssd"
+    t = SSDTier("ssd", 1 << 22, str(d))
+    t.write([key(3)], [[blob(3, 8192)]])
+    (f,) = [os.path.join(r, n) for r, _, fs in os.walk(d) for n in fs]
+    with open(f, "r+b") as fh:
+        fh.seek(-100, os.SEEK_END)
+        fh.write(b"\xff" * 8)
+    out = torch.zeros(8192, dtype=torch.uint8)
+    assert t.read([key(3)], [[out]]) == [False]
+    assert t.contains([key(3)]) == [False] and not os.path.exists(f)
+    assert t.extra_stats()["corrupt"] == 1
+    t.close()

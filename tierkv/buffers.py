@@ -52,22 +52,64 @@ def check_size(key: str, parts_n: int, stored_n: int) -> None:
         raise BufferSizeError(f"buffer for key {key[:16]}… holds {parts_n} bytes but the stored chunk has {stored_n}")
 
 
+def coalesce(parts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
+    """The same bytes in fewer parts: neighbours that are adjacent in one storage become one view.
+
+    Engines often hand over consecutive blocks of one cache tensor as separate
+    parts; one large copy moves them faster (and on more threads) than many
+    small ones.  Parts are one-dimensional uint8 views, as ``to_parts`` makes them.
+    """
+    n = len(parts)
+    if n < 2:
+        return parts
+    out: list[torch.Tensor] = []
+    i = 0
+    while i < n:
+        head = parts[i]
+        end = head.data_ptr() + head.numel()
+        j = i + 1
+        while j < n and parts[j].data_ptr() == end and parts[j].numel():
+            end += parts[j].numel()
+            j += 1
+        if j - i == 1:
+            out.append(head)
+        else:
+            size = end - head.data_ptr()
+            storage = head.untyped_storage()
+            # adjacent addresses in another allocation are not ours to span
+            if (head.storage_offset() + size <= storage.nbytes()
+                    and all(p.untyped_storage().data_ptr() == storage.data_ptr() for p in parts[i + 1:j])):
+                out.append(head.as_strided((size,), (1,), head.storage_offset()))
+            else:
+                out.extend(parts[i:j])
+        i = j
+    return out
+
+
 def copy_parts(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """Copy the concatenation of ``src`` into the concatenation of ``dst`` (same total)."""
+    if len(dst) == 1 and len(src) == 1:
+        dst[0].copy_(src[0])
+        return
+    dst, src = coalesce(dst), coalesce(src)
     if len(dst) == 1 and len(src) == 1:
         dst[0].copy_(src[0])
         return
     di = si = doff = soff = 0
     while di < len(dst) and si < len(src):
         d, s = dst[di], src[si]
-        n = min(d.numel() - doff, s.numel() - soff)
+        dn, sn = d.numel(), s.numel()
+        n = min(dn - doff, sn - soff)
         if n:
-            d[doff:doff + n].copy_(s[soff:soff + n])
+            if n == dn and n == sn:  # part for part: no slicing
+                d.copy_(s)
+            else:
+                d[doff:doff + n].copy_(s[soff:soff + n])
         doff += n
         soff += n
-        if doff == d.numel():
+        if doff == dn:
             di, doff = di + 1, 0
-        if soff == s.numel():
+        if soff == sn:
             si, soff = si + 1, 0
 
 

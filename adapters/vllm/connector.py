@@ -677,6 +677,8 @@ class TierKVConnector(KVConnectorBase_V1):
             if t is None:
                 raise ValueError(f"TierKVConnector: no KV cache tensor for layer {name!r}")
             self._paged[name] = PagedLayer.wrap(t, self._num_blocks, self._block_size)
+        for paged in self._paged.values():
+            paged.prepare()  # views of the cache made here, outside the engine's inference mode
         first = self._paged[self._layers[0]]
         if self._layerwise_opt == "auto":
             self._layerwise = first.tensor.device.type != "cpu"
@@ -785,6 +787,12 @@ class TierKVConnector(KVConnectorBase_V1):
         hits[tier] = hits.get(tier, 0) + n
 
     def _run_load(self, job: _LoadJob, specs: list[LoadSpec]) -> None:
+        # the engine runs its forward in inference mode, where views of the cache are made;
+        # in-place writes through such views are allowed only in inference mode (per thread)
+        with torch.inference_mode():
+            self._run_load_inner(job, specs)
+
+    def _run_load_inner(self, job: _LoadJob, specs: list[LoadSpec]) -> None:
         store = self._store
         t0 = time.perf_counter()
         try:
@@ -813,19 +821,12 @@ class TierKVConnector(KVConnectorBase_V1):
 
     def _load_layer(self, job: _LoadJob, layer: int, objs: list[_LoadObj], items: list) -> None:
         paged = self._paged[self._layers[layer]]
+        # blocks of a chunk this request has, or does not need, are read into discard buffers
         discard = iter(paged.discard_targets(sum(len(o.targets) - o.num_targets for o in objs)))
         keys = self._keys_for(layer, items)
         outs, copies = [], []
         for o in objs:
-            bufs: list[torch.Tensor] = []
-            pend: list[tuple[torch.Tensor, torch.Tensor]] = []
-            for bid in o.targets:
-                if bid is None:  # a block of the chunk this request has, or does not need
-                    bufs.extend(next(discard))
-                else:
-                    b, p = paged.write_targets(bid)
-                    bufs.extend(b)
-                    pend.extend(p)
+            bufs, pend = paged.byte_runs(o.targets, lambda: next(discard))
             outs.append(bufs)
             copies.append(pend)
         try:
@@ -874,7 +875,7 @@ class TierKVConnector(KVConnectorBase_V1):
             if not pos:
                 continue
             keys = self._layer_keys(shard.shard, layer, [spec.block_hashes[j] for j in pos], spec.cache_salt)
-            values = [[p for bid in spec.block_ids[j] for p in paged.read_parts(bid)] for j in pos]
+            values = [paged.read_runs(spec.block_ids[j]) for j in pos]
             with self._lock:
                 self._pending_saves[spec.req_id] += 1
             item = (spec, layer, [spec.chunks[j] for j in pos], keys, values)
@@ -1076,3 +1077,4 @@ class TierKVConnector(KVConnectorBase_V1):
                 self.shutdown()
         except Exception:  # noqa: BLE001
             pass
+

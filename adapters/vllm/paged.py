@@ -90,6 +90,56 @@ class PagedLayer:
             self.__dict__["_direct"] = d
         return d
 
+    def prepare(self) -> None:
+        """Make the cached views now (call where the cache tensor was made, not in inference mode)."""
+        self.is_direct()
+        self._flat()
+
+    def _flat(self) -> torch.Tensor | None:
+        """The whole cache as one flat uint8 view when blocks are its outermost dimension, else None."""
+        f = self.__dict__.get("_flat_view", False)
+        if f is False:
+            f = None
+            if self.block_dim == 0 and self.is_direct() and self.tensor.is_contiguous():
+                f = self.tensor.reshape(-1).view(torch.uint8)
+            self.__dict__["_flat_view"] = f
+        return f
+
+    def byte_runs(self, block_ids: list[int | None], filler) -> tuple[list[torch.Tensor], list]:
+        """Buffers for ``block_ids`` in order, consecutive blocks merged into one part.
+
+        ``None`` entries take ``filler()`` (a list of parts); returns (parts,
+        staging pairs to copy afterwards), like :meth:`write_targets`.
+        """
+        flat = self._flat()
+        parts: list[torch.Tensor] = []
+        pending: list = []
+        if flat is None:
+            for bid in block_ids:
+                if bid is None:
+                    parts.extend(filler())
+                else:
+                    b, p = self.write_targets(bid)
+                    parts.extend(b)
+                    pending.extend(p)
+            return parts, pending
+        nb = self.block_nbytes
+        start = prev = None
+        for bid in block_ids:
+            if bid is not None and prev is not None and bid == prev + 1:
+                prev = bid
+                continue
+            if start is not None:
+                parts.append(flat[start * nb:(prev + 1) * nb])
+            if bid is None:
+                parts.extend(filler())
+                start = prev = None
+            else:
+                start = prev = bid
+        if start is not None:
+            parts.append(flat[start * nb:(prev + 1) * nb])
+        return parts, pending
+
     # -- staging --------------------------------------------------------------
     def read_parts(self, block_id: int) -> list[torch.Tensor]:
         """Contiguous CPU tensors holding the block's bytes.
@@ -105,6 +155,12 @@ class PagedLayer:
                 p = p.to("cpu")
             out.append(p if p.is_contiguous() else p.contiguous())
         return out
+
+    def read_runs(self, block_ids: list[int]) -> list[torch.Tensor]:
+        """:meth:`read_parts` of several blocks in order, consecutive blocks as one part."""
+        if self._flat() is None:
+            return [p for bid in block_ids for p in self.read_parts(bid)]
+        return self.byte_runs(block_ids, list)[0]
 
     def write_targets(self, block_id: int) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Contiguous CPU buffers to fill for the block, and (staging, destination) pairs to copy afterwards."""

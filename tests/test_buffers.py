@@ -1,0 +1,76 @@
+"""Part lists: coalescing neighbours and copying between differently cut part lists."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tierkv.buffers import coalesce, copy_parts
+
+
+def _cut(base: torch.Tensor, sizes: list[int], gaps: list[int]) -> list[torch.Tensor]:
+    parts, off = [], 0
+    for n, g in zip(sizes, gaps):
+        off += g
+        parts.append(base[off:off + n])
+        off += n
+    return parts
+
+
+@st.composite
+def part_lists(draw):
+    """Views of one or two base tensors: some adjacent, some with gaps, sometimes out of order."""
+    sizes = draw(st.lists(st.integers(1, 64), min_size=1, max_size=12))
+    gaps = draw(st.lists(st.sampled_from([0, 0, 0, 1, 7]), min_size=len(sizes), max_size=len(sizes)))
+    a = torch.zeros(sum(sizes) + sum(gaps) + 8, dtype=torch.uint8)
+    b = torch.zeros_like(a)
+    parts = _cut(a, sizes, gaps)
+    if draw(st.booleans()) and len(parts) > 2:  # splice in a part of another tensor
+        i = draw(st.integers(0, len(parts) - 1))
+        parts[i] = b[: parts[i].numel()]
+    if draw(st.booleans()):
+        order = draw(st.permutations(range(len(parts))))
+        parts = [parts[i] for i in order]
+    return parts
+
+
+@settings(max_examples=200, deadline=None)
+@given(part_lists())
+def test_coalesce_keeps_the_bytes_and_their_order(parts):
+    for i, p in enumerate(parts):
+        p.copy_(torch.arange(p.numel(), dtype=torch.int64).add(i * 31).remainder(251).to(torch.uint8))
+    before = torch.cat([p.clone() for p in parts])
+    merged = coalesce(parts)
+    assert len(merged) <= len(parts)
+    assert torch.equal(torch.cat(list(merged)), before)
+    # every merged part is a view of memory some input part covered
+    lo = min(p.data_ptr() for p in parts)
+    assert all(m.data_ptr() >= lo for m in merged)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_copy_parts_between_any_two_cuts(data):
+    src = data.draw(part_lists(), "src")
+    total = sum(p.numel() for p in src)
+    dst_sizes = data.draw(st.lists(st.integers(1, total), min_size=1, max_size=6), "cuts")
+    cuts = sorted(set(min(total, c) for c in dst_sizes) | {total})
+    dst_base = torch.full((total + 64,), 255, dtype=torch.uint8)
+    gap = data.draw(st.sampled_from([0, 3]), "gap")
+    dst, prev, off = [], 0, 0
+    for c in cuts:
+        dst.append(dst_base[off:off + c - prev])
+        off += c - prev + gap
+        prev = c
+    payload = torch.randint(0, 255, (total,), dtype=torch.uint8)
+    pos = 0
+    for p in src:
+        p.copy_(payload[pos:pos + p.numel()])
+        pos += p.numel()
+    # sources that alias each other (a spliced part of tensor b reused) read back as written last
+    expect = torch.cat([p.clone() for p in src])
+    copy_parts(dst, src)
+    assert torch.equal(torch.cat(dst), expect)
+    if gap:  # bytes between the destination parts are untouched
+        assert int(dst_base[cuts[0]]) == 255 or len(cuts) == 1
