@@ -69,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="none,dram,ssd,dram_pool,example")
     ap.add_argument("--layerwise", default="auto", choices=["auto", "true", "false"],
                     help="TierKVConnector's layerwise loading (auto: off on CPU)")
+    ap.add_argument("--chunk-tokens", type=int, default=None,
+                    help="TierKVConnector's chunk_tokens (tokens per stored object; default: the connector's)")
     ap.add_argument("--workdir", default=None, help="keep model and stores here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -87,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
 
     lw = {"auto": "auto", "true": True, "false": False}[args.layerwise]
     conn_extra = {"layerwise": lw}
+    if args.chunk_tokens is not None:
+        conn_extra["chunk_tokens"] = args.chunk_tokens
     results: dict[str, dict] = {}
     master = None
     try:
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     ref = results.get("none", {}).get("cold_s")
     ex = results.get("example", {}).get("warm_s")
     print(f"\nvLLM-CPU TTFT, {args.layers} layers x hidden {args.hidden}, {args.tokens}-token prompts, "
-          f"block size {args.block_size}, layerwise={args.layerwise}, median of {args.prompts}")
+          f"block size {args.block_size}, layerwise={args.layerwise}, chunk_tokens={args.chunk_tokens or 'default'}, median of {args.prompts}")
     print(f"{'backend':<10} {'cold s':>8} {'warm s':>8} {'warm/cold':>10} {'warm/cold(none)':>16} "
           f"{'vs example':>11} {'cached':>7} {'same':>5}")
     for name, r in results.items():
