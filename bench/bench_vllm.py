@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=128, help="vLLM block size (128 is vLLM's CPU default)")
     ap.add_argument("--backends", default="none,dram,ssd,dram_pool,example")
     ap.add_argument("--layerwise", default="auto", choices=["auto", "true", "false"],
-                    help="TierKVConnector's layerwise loading (auto: off on CPU)")
+                    help="TierKVConnector's layerwise loading (auto: the connector's default, layer by layer)")
     ap.add_argument("--chunk-tokens", type=int, default=None,
                     help="TierKVConnector's chunk_tokens (tokens per stored object; default: the connector's)")
     ap.add_argument("--workdir", default=None, help="keep model and stores here (default: a temp dir)")

@@ -174,7 +174,8 @@ def test_scheduler_and_worker_in_separate_processes(model, workdir, baseline):
     spec = {
         "model": model,
         "env": {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"},
-        "kv_transfer_config": U.connector_config(HOST_STORE),
+        # and whole-step loads (every layer in place before the forward starts)
+        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"layerwise": False}),
         "steps": [
             {"op": "generate", "prompts": prompts},
             {"op": "reset"},
@@ -191,7 +192,6 @@ def test_layerwise_load_overlaps_compute(model, workdir):
     prompts = _prompts()[:2]
     spec = {
         "model": model,
-        # on CPU "auto" loads whole steps (copies would share the cores with compute): ask for layerwise
         "kv_transfer_config": U.connector_config(HOST_STORE, extra={"layerwise": True}),
         "steps": [
             {"op": "generate", "prompts": prompts},

