@@ -88,9 +88,6 @@ def coalesce(parts: Sequence[torch.Tensor]) -> Sequence[torch.Tensor]:
 
 def copy_parts(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
     """Copy the concatenation of ``src`` into the concatenation of ``dst`` (same total)."""
-    if len(dst) == 1 and len(src) == 1:
-        dst[0].copy_(src[0])
-        return
     dst, src = coalesce(dst), coalesce(src)
     if len(dst) == 1 and len(src) == 1:
         dst[0].copy_(src[0])

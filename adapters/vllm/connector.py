@@ -47,7 +47,7 @@ from vllm.logger import init_logger
 
 from tierkv import keys_from_block_hashes
 
-from .chunks import Chunk, blocks_per_chunk, plan_saves, resolve
+from .chunks import Chunk, blocks_per_chunk, covered, plan_saves, resolve
 from .config import (
     acquire_store,
     base_namespace,
@@ -412,6 +412,7 @@ class TierKVConnector(KVConnectorBase_V1):
 
         # ---- worker state ---------------------------------------------------------------
         self._paged: dict[str, PagedLayer] = {}
+        self._discard: dict = {}  # buffers for bytes read and dropped (one load job at a time uses them)
         self._load_pool: ThreadPoolExecutor | None = None
         self._save_pool: ThreadPoolExecutor | None = None
         self._load_job: _LoadJob | None = None
@@ -486,8 +487,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def _answer(self, op: str, hashes: list, base: int, lo: int, hi: int, salt: str | None) -> Any:
         """Lookups on this worker's store, for its own KV shard (see lookup.py)."""
         if op == "lookup":
-            chunks = self._resolve(hashes, base, lo, hi, salt)
-            return max(0, min(hi, chunks[-1][1] + 1) - lo) if chunks else 0
+            return covered(self._resolve(hashes, base, lo, hi, salt), lo, hi)
         if op == "locate":
             chunks = self._resolve(hashes, base, lo, hi, salt, all_layers=False)
             L = len(self._layers)
@@ -826,7 +826,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def _load_layer(self, job: _LoadJob, layer: int, objs: list[_LoadObj], items: list) -> None:
         paged = self._paged[self._layers[layer]]
         # blocks of a chunk this request has, or does not need, are read into discard buffers
-        discard = iter(paged.discard_targets(sum(len(o.targets) - o.num_targets for o in objs)))
+        discard = iter(paged.discard_targets(sum(len(o.targets) - o.num_targets for o in objs), self._discard))
         keys = self._keys_for(layer, items)
         outs, copies = [], []
         for o in objs:

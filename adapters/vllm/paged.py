@@ -177,20 +177,16 @@ class PagedLayer:
                 pending.append((stage, p))
         return bufs, pending
 
-    def discard_targets(self, n: int) -> list[list[torch.Tensor]]:
+    def discard_targets(self, n: int, pool: dict) -> list[list[torch.Tensor]]:
         """``n`` distinct sets of CPU buffers shaped like one block's parts, for bytes read and dropped.
 
         A stored chunk may hold blocks the engine already has or does not need;
         they are read into these.  The sets never overlap one another (a reader may
-        verify what it wrote), and the pool is shared by every layer of the same
-        shape and reused by later calls: one load at a time may use it.
+        verify what it wrote).  ``pool`` keeps them for reuse, by part shapes and
+        dtype, across layers and calls: its owner lets one load at a time use it.
         """
         key = (tuple(tuple(p.shape) for p in self.parts(0)), self.tensor.dtype)
-        pool = _DISCARD.setdefault(key, [])
-        while len(pool) < n:
-            pool.append([torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in self.parts(0)])
-        return pool[:n]
-
-
-#: discard buffers by block part shapes and dtype (see PagedLayer.discard_targets)
-_DISCARD: dict[tuple, list[list[torch.Tensor]]] = {}
+        sets = pool.setdefault(key, [])
+        while len(sets) < n:
+            sets.append([torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in self.parts(0)])
+        return sets[:n]
