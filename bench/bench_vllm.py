@@ -1,9 +1,9 @@
 """Time to first token on vLLM (CPU): cold prefill vs warm from tierkv tiers.
 
 A random-weight Llama (8 layers, hidden 512 by default; no download) gets long
-prompts (4096 tokens by default).  For each back end one engine process runs
-every prompt cold (computed, and saved by the connector), resets vLLM's prefix
-cache, and runs them again warm (loaded from the back end).  Back ends:
+prompts (4096 tokens by default).  Each back end has its own engine process,
+which runs every prompt cold (computed, and saved by the connector), resets
+vLLM's prefix cache, and runs them again warm (loaded from the back end).  Back ends:
 
     none      no connector (the cold reference)
     dram      TierKVConnector over a host-memory tier
@@ -11,9 +11,15 @@ cache, and runs them again warm (loaded from the back end).  Back ends:
     dram_pool TierKVConnector over Mooncake's pooled DRAM (needs mooncake_master)
     example   vLLM's own ExampleConnector (safetensors files), for comparison
 
+All engines stay up side by side and take turns: each round runs one prompt on
+every engine in turn (rotating the order), and a ratio is the median over rounds
+of the per-round ratio, so every back end is compared under the same machine
+conditions (this shared machine's speed drifts by tens of percent over minutes).
+
 Reported: median TTFT cold and warm, warm/cold ratios (against the engine's own
-cold run and against the connector-free cold run), and whether greedy first
-tokens match.  Target: warm <= 0.3x cold, and ahead of ExampleConnector.
+cold run and against the connector-free cold run), warm against
+ExampleConnector's warm, and whether greedy first tokens match (cold vs warm,
+and against the connector-free engine).  Target: warm <= 0.3x cold, and ahead of ExampleConnector.
 
     python bench/bench_vllm.py [--tokens 4096] [--prompts 3] [--backends dram,ssd,dram_pool,example]
 """
@@ -33,11 +39,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import vllm_util as U  # noqa: E402
+import vllm_util as U
 
 
-def _engine_spec(model: str, kv: dict | None, prompts: list[list[int]], warm_prompt: list[int], max_len: int,
-                 kv_bytes: int, block_size: int) -> dict:
+def _engine_spec(model: str, kv: dict | None, max_len: int, kv_bytes: int, block_size: int) -> dict:
     return {
         "model": model,
         "block_size": block_size,
@@ -45,17 +50,12 @@ def _engine_spec(model: str, kv: dict | None, prompts: list[list[int]], warm_pro
         "max_model_len": max_len,
         "max_num_batched_tokens": max_len,
         "kv_cache_memory_bytes": kv_bytes,
-        "steps": [
-            # first-request overheads of both paths (cold prefill, warm load), not measured
-            {"op": "ttft", "prompts": [warm_prompt]},
-            {"op": "reset"},
-            {"op": "ttft", "prompts": [warm_prompt]},
-            {"op": "ttft", "prompts": prompts},  # cold
-            {"op": "reset"},
-            {"op": "ttft", "prompts": prompts},  # warm
-            {"op": "records"},
-        ],
     }
+
+
+def _rotated(names: list[str], i: int) -> list[str]:
+    k = i % len(names)
+    return names[k:] + names[:k]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     conn_extra = {"layerwise": lw}
     if args.chunk_tokens is not None:
         conn_extra["chunk_tokens"] = args.chunk_tokens
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     results: dict[str, dict] = {}
+    servers: dict[str, U.EngineServer] = {}
     master = None
     try:
-        for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        for backend in backends:
             if backend == "none":
                 kv = None
             elif backend == "dram":
@@ -123,40 +125,90 @@ def main(argv: list[str] | None = None) -> int:
                 kv = U.connector_config(None, name="ExampleConnector", extra={"shared_storage_path": str(path)})
             else:
                 raise SystemExit(f"unknown backend {backend!r}")
-            print(f"[{backend}] running ...", file=sys.stderr, flush=True)
-            spec = _engine_spec(model, kv, prompts, warm_prompt, max_len, kv_bytes, args.block_size)
-            r = U.run_engine(spec, work / "cache", timeout=1800)
-            _, _, _, cold, _, warm, rec = r["steps"]
+            print(f"[{backend}] starting ...", file=sys.stderr, flush=True)
+            servers[backend] = srv = U.EngineServer(
+                _engine_spec(model, kv, max_len, kv_bytes, args.block_size), work / "cache", timeout=1800)
+            # first-request overheads of both paths (cold prefill, warm load), not measured
+            srv.step({"op": "ttft", "prompts": [warm_prompt]})
+            srv.step({"op": "reset"})
+            srv.step({"op": "ttft", "prompts": [warm_prompt]})
+        names = list(servers)
+        # every engine is up and idle; each round runs one prompt on each of them in turn
+        # (the order rotates), so all back ends see the same machine conditions
+        runs: dict[str, dict[str, list]] = {n: {"cold": [], "warm": [], "cold_tok": [], "warm_tok": [],
+                                                "warm_cached": [], "local": []} for n in names}
+        for phase in ("cold", "warm"):
+            if phase == "warm":
+                for n in names:
+                    servers[n].step({"op": "reset"})  # saves done, vLLM's own prefix cache emptied
+            for i, p in enumerate(prompts):
+                print(f"{phase} round {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
+                for n in _rotated(names, i):
+                    r = servers[n].step({"op": "ttft", "prompts": [p]})
+                    servers[n].step({"op": "drain"})  # its saves finish before the next engine runs
+                    runs[n][phase].append(r["times"][0])
+                    runs[n][f"{phase}_tok"].append(r["tokens"][0])
+                    if phase == "warm":
+                        runs[n]["warm_cached"].append(r["num_cached_tokens"][0])
+                        # the same prompt once more: vLLM's own prefix cache hit, the floor
+                        # under any connector (it still computes the last block)
+                        runs[n]["local"].append(servers[n].step({"op": "ttft", "prompts": [p]})["times"][0])
+        for n in names:
+            rec = servers[n].step({"op": "records"})
+            r = runs[n]
             res = {
-                "cold_s": statistics.median(cold["times"]),
-                "warm_s": statistics.median(warm["times"]),
-                "cold_times": cold["times"],
-                "warm_times": warm["times"],
-                "warm_cached_tokens": warm["num_cached_tokens"],
-                "same_tokens": cold["tokens"] == warm["tokens"],
+                "cold_s": statistics.median(r["cold"]),
+                "warm_s": statistics.median(r["warm"]),
+                "cold_times": r["cold"],
+                "warm_times": r["warm"],
+                "local_s": statistics.median(r["local"]),
+                "local_times": r["local"],
+                # what the load adds above vLLM's own local hit, round by round
+                "load_cost_times": [w - lo for w, lo in zip(r["warm"], r["local"])],
+                "warm_cached_tokens": r["warm_cached"],
+                "same_tokens": r["cold_tok"] == r["warm_tok"],
+                "tokens": r["warm_tok"],
             }
             if rec.get("workers"):
                 res["connector_totals"] = rec["workers"][0]["totals"]
-            results[backend] = res
+            results[n] = res
     finally:
+        for srv in servers.values():
+            srv.close()
         if master is not None:
             master.stop()
 
-    ref = results.get("none", {}).get("cold_s")
-    ex = results.get("example", {}).get("warm_s")
+    def paired(name: str, other: str | None, key_a: str = "warm_times", key_b: str = "warm_times"):
+        """Median over rounds of this back end's time over another's in the same round."""
+        if other is None or other not in results or name not in results:
+            return None
+        a, b = results[name][key_a], results[other][key_b]
+        return statistics.median(x / y for x, y in zip(a, b))
+
+    ref_tokens = results.get("none", {}).get("tokens")
     print(f"\nvLLM-CPU TTFT, {args.layers} layers x hidden {args.hidden}, {args.tokens}-token prompts, "
-          f"block size {args.block_size}, layerwise={args.layerwise}, chunk_tokens={args.chunk_tokens or 'default'}, median of {args.prompts}")
-    print(f"{'backend':<10} {'cold s':>8} {'warm s':>8} {'warm/cold':>10} {'warm/cold(none)':>16} "
-          f"{'vs example':>11} {'cached':>7} {'same':>5}")
+          f"block size {args.block_size}, layerwise={args.layerwise}, chunk_tokens={args.chunk_tokens or 'default'}; "
+          f"{args.prompts} rounds, engines interleaved; ratios are medians of per-round ratios")
+    print(f"{'backend':<10} {'cold s':>7} {'warm s':>7} {'local s':>8} {'warm/cold':>10} {'warm/cold(none)':>16} "
+          f"{'vs example':>11} {'load cost':>10} {'vs example':>11} {'cached':>7} {'same':>5}")
     for name, r in results.items():
-        ratio = r["warm_s"] / r["cold_s"]
-        r["warm_over_cold"] = ratio
-        r["warm_over_cold_none"] = r["warm_s"] / ref if ref else None
-        r["warm_over_example_warm"] = r["warm_s"] / ex if ex else None
-        print(f"{name:<10} {r['cold_s']:>8.3f} {r['warm_s']:>8.3f} {ratio:>10.3f} "
-              f"{(r['warm_over_cold_none'] or float('nan')):>16.3f} "
-              f"{(r['warm_over_example_warm'] or float('nan')):>11.3f} "
-              f"{min(r['warm_cached_tokens']):>7} {str(r['same_tokens']):>5}")
+        r["warm_over_cold"] = paired(name, name, "warm_times", "cold_times")
+        r["warm_over_cold_none"] = paired(name, "none", "warm_times", "cold_times")
+        r["warm_over_example_warm"] = paired(name, "example")
+        r["load_cost_s"] = statistics.median(r["load_cost_times"])
+        ex_cost = results.get("example", {}).get("load_cost_times")
+        r["load_cost_over_example"] = (
+            statistics.median(x / y for x, y in zip(r["load_cost_times"], ex_cost) if y > 0) if ex_cost else None)
+        same = r["same_tokens"] and (ref_tokens is None or r["tokens"] == ref_tokens)
+
+        def f(x, w=11):
+            return f"{x:>{w}.3f}" if x is not None else f"{'-':>{w}}"
+
+        print(f"{name:<10} {r['cold_s']:>7.3f} {r['warm_s']:>7.3f} {r['local_s']:>8.3f} {f(r['warm_over_cold'], 10)} "
+              f"{f(r['warm_over_cold_none'], 16)} {f(r['warm_over_example_warm'])} {r['load_cost_s'] * 1e3:>8.1f}ms "
+              f"{f(r['load_cost_over_example'])} {min(r['warm_cached_tokens']):>7} {same!s:>5}")
+    print("local: the prompt again at once (vLLM's own prefix cache, the floor under any connector); "
+          "load cost: warm - local, per round")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

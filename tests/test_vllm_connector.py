@@ -158,6 +158,37 @@ def test_chunks_of_several_blocks(model, workdir, baseline):
     assert sum(t["hit_tokens"].values()) == t["load_tokens"] > 0 and "miss" not in t["hit_tokens"]
 
 
+def test_repeat_of_a_stored_prompt_saves_nothing(model, workdir):
+    """A prompt whose blocks are all stored (its length a whole number of chunks) is loaded, not saved again.
+
+    The hit stops one block short (vLLM computes the last block), yet the chunk
+    holding that block is already stored: the repeat must not write it again.
+    """
+    rng = random.Random(7)
+    prompt = [rng.randrange(1024) for _ in range(4 * BS)]  # 4 full blocks = 2 chunks of 2 blocks
+    spec = {
+        "model": model,
+        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"chunk_tokens": 2 * BS}),
+        "steps": [
+            {"op": "generate", "prompts": [prompt]},
+            {"op": "drain"},
+            {"op": "records"},
+            {"op": "reset"},
+            {"op": "generate", "prompts": [prompt]},
+            {"op": "drain"},
+            {"op": "records"},
+        ],
+    }
+    r = U.run_engine(spec, workdir / "cache")
+    first, _, rec1, _, again, _, rec2 = r["steps"]
+    assert again["tokens"] == first["tokens"]
+    assert again["num_cached_tokens"] == [_full_block_prefix(len(prompt))]
+    t1, t2 = _worker(rec1)["totals"], _worker(rec2)["totals"]
+    assert t1["save_blocks"] == 4 * 4  # 4 blocks x 4 layers
+    assert t2["save_blocks"] == t1["save_blocks"]
+    assert t2["load_tokens"] == _full_block_prefix(len(prompt)) and t2["load_errors"] == 0
+
+
 def test_bad_chunk_tokens_is_a_clear_error(model, workdir):
     spec = {
         "model": model,

@@ -66,7 +66,7 @@ def engine_env(cache_root: str | os.PathLike) -> dict[str, str]:
     return env
 
 
-def start_engine(spec: dict[str, Any], cache_root: str | os.PathLike) -> subprocess.Popen:
+def start_engine(spec: dict[str, Any], cache_root: str | os.PathLike, stdin=None, stderr=subprocess.PIPE) -> subprocess.Popen:
     """Start this module on ``spec`` in a new process; finish with :func:`engine_result`.
 
     ``spec["env"]`` adds environment variables (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING=1``
@@ -78,8 +78,9 @@ def start_engine(spec: dict[str, Any], cache_root: str | os.PathLike) -> subproc
     return subprocess.Popen(
         [sys.executable, __file__, str(spec_path)],
         env={**engine_env(cache_root), **{k: str(v) for k, v in (spec.get("env") or {}).items()}},
+        stdin=stdin,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=stderr,
         text=True,
         start_new_session=True,  # its own process group: engine-core/worker children go with it
     )
@@ -115,6 +116,67 @@ def engine_result(proc: subprocess.Popen, timeout: float = 300) -> dict[str, Any
 def run_engine(spec: dict[str, Any], cache_root: str | os.PathLike, timeout: float = 300) -> dict[str, Any]:
     """Run this module on ``spec`` in a new process and return its JSON result."""
     return engine_result(start_engine(spec, cache_root), timeout)
+
+
+class EngineServer:
+    """An engine process that plays steps one at a time (``spec["steps"] = "stdin"``).
+
+    Several can stay up side by side and take turns, so a benchmark compares back
+    ends under the same machine conditions, round by round.
+    """
+
+    def __init__(self, spec: dict[str, Any], cache_root: str | os.PathLike, timeout: float = 600):
+        self._timeout = timeout
+        Path(cache_root).mkdir(parents=True, exist_ok=True)
+        # its log goes to a file: a pipe nobody reads would stall a long-lived engine
+        self._log = open(Path(cache_root) / f"engine-{os.getpid()}-{time.monotonic_ns()}.log", "w+")
+        self.proc = start_engine({**spec, "steps": "stdin"}, cache_root, stdin=subprocess.PIPE, stderr=self._log)
+        self._stdin = self.proc.stdin
+        import queue
+        import threading
+
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
+        ready = self._read()
+        self.startup_s = ready.get("startup_s")
+
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def _read(self) -> dict[str, Any]:
+        import queue
+
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                self.close()
+                raise RuntimeError("engine server did not answer in time") from None
+            if line is None:
+                self._log.seek(0)
+                err = self._log.read()
+                self.close()
+                raise RuntimeError(f"engine server exited (rc={self.proc.poll()})\n{err[-8000:]}")
+            if line.startswith(RESULT_PREFIX):
+                return json.loads(line[len(RESULT_PREFIX):])
+
+    def step(self, step: dict[str, Any]) -> dict[str, Any]:
+        self._stdin.write(json.dumps(step) + "\n")
+        self._stdin.flush()
+        return self._read()
+
+    def close(self) -> None:
+        try:
+            self._stdin.write(json.dumps({"op": "quit"}) + "\n")
+            self._stdin.flush()
+            self.proc.wait(timeout=60)
+        except Exception:  # noqa: BLE001 - it is going anyway
+            pass
+        _kill_group(self.proc)
+        self._log.close()
 
 
 def connector_config(store: dict[str, Any] | str | None, name: str = "TierKVConnector",
@@ -225,9 +287,81 @@ def _corrupt_files(root: str, limit: int | None = None) -> int:
     return n
 
 
+def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+    """Play one step of a spec on the engine and return its result."""
+    from vllm import SamplingParams
+
+    op = step["op"]
+    res: dict[str, Any] = {"op": op}
+    if op == "generate":
+        sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
+        prompts = [{"prompt_token_ids": p} for p in step["prompts"]]
+        for pr, salt in zip(prompts, step.get("salts") or []):
+            if salt is not None:
+                pr["cache_salt"] = salt
+        if step.get("one_by_one"):
+            outs = []
+            for p in prompts:
+                outs.extend(llm.generate([p], sp, use_tqdm=False))
+        else:
+            outs = llm.generate(prompts, sp, use_tqdm=False)
+        res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+        res["num_cached_tokens"] = [o.num_cached_tokens for o in outs]
+    elif op == "ttft":
+        # time to first token of each prompt on its own (max_tokens=1)
+        sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        times, toks, cached = [], [], []
+        for p in step["prompts"]:
+            t = time.perf_counter()
+            o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
+            times.append(time.perf_counter() - t)
+            toks.append(list(o.outputs[0].token_ids))
+            cached.append(o.num_cached_tokens)
+        res.update(times=times, tokens=toks, num_cached_tokens=cached)
+    elif op == "reset":
+        _drain(llm)
+    elif op == "drain":
+        workers, _ = _connectors()
+        for w in workers:
+            w.wait_for_all_saves(60)
+    elif op == "corrupt":
+        res["corrupted"] = _corrupt_files(step["path"], step.get("limit"))
+    elif op == "gate_layers":
+        workers, _ = _connectors()
+        state["gate"] = _LayerGate(workers[0]._store, workers[0])
+        workers[0]._store = state["gate"]
+    elif op == "signal":
+        Path(step["path"]).write_text("1")
+    elif op == "wait_file":
+        deadline = time.monotonic() + step.get("timeout", 300)
+        while not os.path.exists(step["path"]):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{step['path']} did not appear")
+            time.sleep(0.05)
+    elif op == "records":
+        workers, scheds = _connectors()
+        gate = state["gate"]
+        if gate is not None:
+            res["gate"] = {"timeouts": gate.timeouts, "gated": gate.gated}
+        # snapshots: the connector keeps updating its own dicts after this step
+        res["workers"] = _jsonable([
+            {
+                "totals": w.totals.data,
+                "requests": dict(w.request_records),
+                "load_trace": list(w.load_trace),
+                "store": w._store.stats() if w._store is not None else None,
+            }
+            for w in workers
+        ])
+        res["scheduler"] = _jsonable([dict(s._sched_totals) for s in scheds])
+    else:
+        raise ValueError(f"unknown op {op!r}")
+    return res
+
+
 def _main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
-    from vllm import LLM, SamplingParams
+    from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kv = spec.get("kv_transfer_config")
@@ -248,72 +382,20 @@ def _main(spec_path: str) -> None:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}
-    gate = None
-    for step in spec["steps"]:
-        op = step["op"]
-        res: dict[str, Any] = {"op": op}
-        if op == "generate":
-            sp = SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True)
-            prompts = [{"prompt_token_ids": p} for p in step["prompts"]]
-            for pr, salt in zip(prompts, step.get("salts") or []):
-                if salt is not None:
-                    pr["cache_salt"] = salt
-            if step.get("one_by_one"):
-                outs = []
-                for p in prompts:
-                    outs.extend(llm.generate([p], sp, use_tqdm=False))
-            else:
-                outs = llm.generate(prompts, sp, use_tqdm=False)
-            res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
-            res["num_cached_tokens"] = [o.num_cached_tokens for o in outs]
-        elif op == "ttft":
-            # time to first token of each prompt on its own (max_tokens=1)
-            sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-            times, toks, cached = [], [], []
-            for p in step["prompts"]:
-                t = time.perf_counter()
-                o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
-                times.append(time.perf_counter() - t)
-                toks.append(list(o.outputs[0].token_ids))
-                cached.append(o.num_cached_tokens)
-            res.update(times=times, tokens=toks, num_cached_tokens=cached)
-        elif op == "reset":
-            _drain(llm)
-        elif op == "drain":
-            workers, _ = _connectors()
-            for w in workers:
-                w.wait_for_all_saves(60)
-        elif op == "corrupt":
-            res["corrupted"] = _corrupt_files(step["path"], step.get("limit"))
-        elif op == "gate_layers":
-            workers, _ = _connectors()
-            gate = _LayerGate(workers[0]._store, workers[0])
-            workers[0]._store = gate
-        elif op == "signal":
-            Path(step["path"]).write_text("1")
-        elif op == "wait_file":
-            deadline = time.monotonic() + step.get("timeout", 300)
-            while not os.path.exists(step["path"]):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"{step['path']} did not appear")
-                time.sleep(0.05)
-        elif op == "records":
-            workers, scheds = _connectors()
-            if gate is not None:
-                res["gate"] = {"timeouts": gate.timeouts, "gated": gate.gated}
-            res["workers"] = [
-                {
-                    "totals": w.totals.data,
-                    "requests": dict(w.request_records),
-                    "load_trace": list(w.load_trace),
-                    "store": _jsonable(w._store.stats()) if w._store is not None else None,
-                }
-                for w in workers
-            ]
-            res["scheduler"] = [dict(s._sched_totals) for s in scheds]
-        else:
-            raise ValueError(f"unknown op {op!r}")
-        out["steps"].append(res)
+    state: dict[str, Any] = {"gate": None}
+    if spec["steps"] == "stdin":
+        # served one step at a time: a JSON step per input line, a result line per step
+        print(RESULT_PREFIX + json.dumps({"ready": True, "startup_s": out["startup_s"]}), flush=True)
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            step = json.loads(line)
+            if step.get("op") == "quit":
+                break
+            print(RESULT_PREFIX + json.dumps(_step(llm, step, state), default=str), flush=True)
+    else:
+        for step in spec["steps"]:
+            out["steps"].append(_step(llm, step, state))
     workers, _ = _connectors()
     for w in workers:
         w.wait_for_all_saves(60)

@@ -249,6 +249,8 @@ class _SchedReq:
     #: the first chunk not saved (nor known stored), and one past the longest tail saved
     next_chunk: int = 0
     tail_end: int = 0
+    #: blocks vLLM should have computed by the next step; fewer means it rolled back
+    expect_done: int = 0
     pending_load: tuple[int, int] | None = None
     hit_sources: dict[Any, int] = field(default_factory=dict)
 
@@ -540,19 +542,21 @@ class TierKVConnector(KVConnectorBase_V1):
         # leave at least one token to compute: vLLM needs its logits
         max_blocks = min(len(hashes), (request.num_tokens - 1) // bs)
         local = num_computed_tokens // bs
-        hits, held = 0, 0
+        hits, held, reach = 0, 0, 0
         if time.monotonic() >= self._lookup_down_until:
             try:
-                hits = self._leading_hits(request, local, max_blocks) if max_blocks > local else 0
+                # look as far as the full blocks go: what is stored past max_blocks needs no save
+                reach = self._leading_hits(request, local, len(hashes)) if len(hashes) > local else 0
+                hits = max(0, min(reach, max_blocks - local))
                 # does the store already hold what vLLM has locally?  (decides what to save)
                 held = self._leading_hits(request, 0, local) if local else 0
             except Exception as e:  # noqa: BLE001 - an unreachable worker is a miss, never a crash
                 # do not stall scheduling on it: treat everything as a miss for a while
                 self._lookup_down_until = time.monotonic() + 10.0
                 logger.warning("TierKVConnector: lookup failed (%s); misses for the next 10 s", e)
-                hits, held = 0, 0
+                hits, held, reach = 0, 0, 0
         # what is in the store needs no save: from the first block it lacks
-        stored = held if held < local else local + hits
+        stored = held if held < local else local + reach
         self._lookups[request.request_id] = (local, hits, stored, max_blocks)
         self._sched_totals["lookups"] += 1
         return hits * bs, False
@@ -570,6 +574,7 @@ class TierKVConnector(KVConnectorBase_V1):
             return
         local, _, stored, _ = look
         st.next_chunk, st.tail_end = stored // self._G, stored
+        st.expect_done = local + max(0, num_external_tokens // self._block_size)
         st.pending_load = None
         st.hit_sources = {}
         n_ext = num_external_tokens // self._block_size
@@ -638,10 +643,11 @@ class TierKVConnector(KVConnectorBase_V1):
                 continue
             G = self._G
             done = num_computed // bs
-            if done < st.next_chunk * G or done < st.tail_end:  # vLLM rolled back (a failed load)
+            if done < st.expect_done:  # vLLM rolled back (a failed load, a preemption): save again from there
                 st.next_chunk = min(st.next_chunk, done // G)
                 st.tail_end = min(st.tail_end, done)
             new_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
+            st.expect_done = new_tokens // bs
             end = min(new_tokens // bs, len(req.block_hashes), len(st.block_ids))
             # the step that completes the prompt also saves its blocks after the last full chunk
             prefilled = num_computed < req.num_prompt_tokens <= new_tokens
