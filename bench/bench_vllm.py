@@ -66,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=128, help="vLLM block size (128 is vLLM's CPU default)")
-    ap.add_argument("--backends", default="none,dram,ssd,dram_pool,example")
+    ap.add_argument("--backends", default="none,dram,ssd,dram_pool,example",
+                    help="comma-separated; NAME/whole or NAME/layer forces that load mode for one back end")
     ap.add_argument("--layerwise", default="auto", choices=["auto", "true", "false"],
                     help="TierKVConnector's layerwise loading (auto: the connector's default, layer by layer)")
     ap.add_argument("--chunk-tokens", type=int, default=None,
@@ -88,21 +89,28 @@ def main(argv: list[str] | None = None) -> int:
     store_bytes = f"{max(512, kv_per_token * args.tokens * (args.prompts + 1) * 2 >> 20)}MiB"
 
     lw = {"auto": "auto", "true": True, "false": False}[args.layerwise]
-    conn_extra = {"layerwise": lw}
+    base_extra = {"layerwise": lw}
     if args.chunk_tokens is not None:
-        conn_extra["chunk_tokens"] = args.chunk_tokens
+        base_extra["chunk_tokens"] = args.chunk_tokens
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     results: dict[str, dict] = {}
     servers: dict[str, U.EngineServer] = {}
-    master = None
+    masters: list = []
     try:
-        for backend in backends:
+        for name in backends:
+            # "ssd/whole" or "dram/layer": that back end with whole-step or layer-by-layer loads
+            backend, _, mode = name.partition("/")
+            conn_extra = dict(base_extra)
+            if mode:
+                if mode not in ("whole", "layer"):
+                    raise SystemExit(f"unknown load mode {mode!r} in {name!r} (whole or layer)")
+                conn_extra["layerwise"] = mode == "layer"
             if backend == "none":
                 kv = None
             elif backend == "dram":
                 kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": store_bytes}]}, extra=conn_extra)
             elif backend == "ssd":
-                path = work / "ssd"
+                path = work / name.replace("/", "-")
                 shutil.rmtree(path, ignore_errors=True)
                 kv = U.connector_config({"tiers": [{"medium": "ssd", "path": str(path), "capacity": store_bytes}]},
                                         extra=conn_extra)
@@ -113,10 +121,11 @@ def main(argv: list[str] | None = None) -> int:
                 if reason:
                     print(f"skipping dram_pool: {reason}", file=sys.stderr)
                     continue
-                if master is None:
-                    master = mooncake_util.MooncakeMaster().start()
-                    for k, v in mooncake_util.client_env().items():
-                        os.environ.setdefault(k, v)
+                # a pool of its own: engines sharing one would hit each other's chunks when cold
+                master = mooncake_util.MooncakeMaster().start()
+                masters.append(master)
+                for k, v in mooncake_util.client_env().items():
+                    os.environ.setdefault(k, v)
                 kv = U.connector_config({"tiers": [master.tier_config(segment=store_bytes)]}, extra=conn_extra)
             elif backend == "example":
                 path = work / "example"
@@ -125,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                 kv = U.connector_config(None, name="ExampleConnector", extra={"shared_storage_path": str(path)})
             else:
                 raise SystemExit(f"unknown backend {backend!r}")
-            print(f"[{backend}] starting ...", file=sys.stderr, flush=True)
-            servers[backend] = srv = U.EngineServer(
+            print(f"[{name}] starting ...", file=sys.stderr, flush=True)
+            servers[name] = srv = U.EngineServer(
                 _engine_spec(model, kv, max_len, kv_bytes, args.block_size), work / "cache", timeout=1800)
             # first-request overheads of both paths (cold prefill, warm load), not measured
             srv.step({"op": "ttft", "prompts": [warm_prompt]})
@@ -175,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for srv in servers.values():
             srv.close()
-        if master is not None:
+        for master in masters:
             master.stop()
 
     def paired(name: str, other: str | None, key_a: str = "warm_times", key_b: str = "warm_times"):
@@ -189,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nvLLM-CPU TTFT, {args.layers} layers x hidden {args.hidden}, {args.tokens}-token prompts, "
           f"block size {args.block_size}, layerwise={args.layerwise}, chunk_tokens={args.chunk_tokens or 'default'}; "
           f"{args.prompts} rounds, engines interleaved; ratios are medians of per-round ratios")
-    print(f"{'backend':<10} {'cold s':>7} {'warm s':>7} {'local s':>8} {'warm/cold':>10} {'warm/cold(none)':>16} "
+    print(f"{'backend':<14} {'cold s':>7} {'warm s':>7} {'local s':>8} {'warm/cold':>10} {'warm/cold(none)':>16} "
           f"{'vs example':>11} {'load cost':>10} {'vs example':>11} {'cached':>7} {'same':>5}")
     for name, r in results.items():
         r["warm_over_cold"] = paired(name, name, "warm_times", "cold_times")
@@ -204,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         def f(x, w=11):
             return f"{x:>{w}.3f}" if x is not None else f"{'-':>{w}}"
 
-        print(f"{name:<10} {r['cold_s']:>7.3f} {r['warm_s']:>7.3f} {r['local_s']:>8.3f} {f(r['warm_over_cold'], 10)} "
+        print(f"{name:<14} {r['cold_s']:>7.3f} {r['warm_s']:>7.3f} {r['local_s']:>8.3f} {f(r['warm_over_cold'], 10)} "
               f"{f(r['warm_over_cold_none'], 16)} {f(r['warm_over_example_warm'])} {r['load_cost_s'] * 1e3:>8.1f}ms "
               f"{f(r['load_cost_over_example'])} {min(r['warm_cached_tokens']):>7} {same!s:>5}")
     print("local: the prompt again at once (vLLM's own prefix cache, the floor under any connector); "

@@ -25,8 +25,12 @@ CHILD = textwrap.dedent("""
     store.flush()
     print("flushed", flush=True)
     i = flushed_n
-    while True:  # keep writing until killed
-        store.put([f"c{i:05d}", f"c{i+1:05d}"], [val(i), val(i + 1)])
+    while True:  # keep writing until killed, over a ring of keys well inside the capacity
+        if i >= flushed_n + 300:
+            i = flushed_n
+        names = [f"c{i:05d}", f"c{i+1:05d}"]
+        store.remove(names)
+        store.put(names, [val(i), val(i + 1)])
         i += 2
 """)
 
@@ -41,7 +45,7 @@ def test_sigkill_mid_write_leaves_no_torn_chunk(tmp_path):
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     with TieredStore.from_config({"tiers": [{"medium": "ssd", "path": path, "capacity": "512MiB"}]}) as store:
-        names = [f"c{i:05d}" for i in range(2000)]
+        names = [f"c{i:05d}" for i in range(320)]
         where = store.locate(names)
         present = [i for i, w in enumerate(where) if w]
         assert set(range(20)) <= set(present), "a flushed chunk was lost"

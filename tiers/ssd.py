@@ -3,7 +3,8 @@
 On-disk object (little-endian)::
 
     header (64 bytes): magic "TKV1", version u16, flags u16, raw_len u64,
-                       stored_len u64, checksum u64 (xxh3-64 of the stored bytes),
+                       stored_len u64, checksum u64 (of the stored bytes: CRC32C
+                       when flag 2 is set, else xxh3-64),
                        key_len u16, header check u64 (xxh3-64 of these 64 bytes,
                        the check itself zeroed, and the key), zero padding
     key bytes (key_len)
@@ -22,7 +23,10 @@ Invariants:
     * Files are 0600 in a directory tree 0700 that this user owns.
     * Disk full (or any I/O error) refuses the write and counts it; it is never
       raised into the caller's path.
-Batches are spread over a thread pool (pread/pwrite release the GIL).
+Batches are spread over a thread pool (pread/pwrite release the GIL).  The
+payload sum is CRC32C (hardware instructions, and it releases the GIL, so the
+reader threads hash in parallel and never stall the engine's own thread);
+files written with xxh3-64 (no flag 2) still verify.
 """
 
 from __future__ import annotations
@@ -63,11 +67,31 @@ except ImportError:  # pragma: no cover - xxhash is a dependency; zlib keeps us 
             crc = zlib.crc32(c, crc)
         return crc | (1 << 63)  # tagged so an xxhash file never validates against crc
 
+try:
+    import crc32c as _crc32c
+
+    def _crc(chunks) -> int:
+        v = 0
+        for c in chunks:
+            v = _crc32c.crc32c(c, v)
+        return v
+except ImportError:  # pragma: no cover - a dependency; files then carry xxh3 sums
+    _crc32c = None
+    _crc = None
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"TKV1"
 VERSION = 1
 FLAG_LZ4 = 1
+FLAG_CRC32C = 2  # the payload sum is CRC32C, else xxh3-64
+
+
+def _payload_sum(chunks, flags: int) -> Optional[int]:
+    """The sum of a payload as its header's flags name it (None: this build cannot compute it)."""
+    if flags & FLAG_CRC32C:
+        return _crc(chunks) if _crc is not None else None
+    return _checksum(chunks)
 _HDR = struct.Struct("<4sHHQQQH")  # 34 bytes, then the header check (u64), padded to 64
 _CHECK = struct.Struct("<Q")
 HDR_SIZE = 64
@@ -254,9 +278,11 @@ class SSDTier(Tier):
             if len(packed) < raw_len:
                 payload, flags = [packed], FLAG_LZ4
         stored_len = sum(len(v) for v in payload)
+        if _crc is not None:
+            flags |= FLAG_CRC32C
         kb = key.encode()
         header = bytearray(self._data_offset(len(kb)))
-        _HDR.pack_into(header, 0, MAGIC, VERSION, flags, raw_len, stored_len, _checksum(payload), len(kb))
+        _HDR.pack_into(header, 0, MAGIC, VERSION, flags, raw_len, stored_len, _payload_sum(payload, flags), len(kb))
         header[HDR_SIZE:HDR_SIZE + len(kb)] = kb
         _CHECK.pack_into(header, _HDR.size, _checksum([header[:HDR_SIZE], kb]))  # check field still zero
         final = self._obj_path(key)
@@ -361,10 +387,13 @@ class SSDTier(Tier):
             if not flags & FLAG_LZ4:
                 if got != len(head_buf) + stored_len or stored_len != raw_len:
                     return None
-                if _checksum(views) != checksum:
+                got_sum = _payload_sum(views, flags)
+                if got_sum is None:
+                    return False  # summed with an algorithm this build lacks: a miss, the file stays
+                if got_sum != checksum:
                     # the bytes landed in the caller's buffers; if those overlap each other the
                     # sum sees the overlap, not the file: confirm from a private copy first
-                    return self._reread(fd, len(head_buf), stored_len, checksum, parts)
+                    return self._reread(fd, len(head_buf), stored_len, checksum, flags, parts)
                 for p, h in zip(parts, host):
                     if h is not p:
                         p.copy_(h)
@@ -385,9 +414,11 @@ class SSDTier(Tier):
         if raw_len != want:
             return False
         off = self._data_offset(key_len)
+        if flags & FLAG_CRC32C and _crc is None:
+            return False  # summed with an algorithm this build lacks: a miss, the file stays
         if buf is not None:
             stored_view = buf[off:off + stored_len]
-            if len(stored_view) != stored_len or _checksum([stored_view]) != checksum:
+            if len(stored_view) != stored_len or _payload_sum([stored_view], flags) != checksum:
                 return None
             if flags & FLAG_LZ4:
                 return self._unpack(stored_view, raw_len, parts)
@@ -395,7 +426,7 @@ class SSDTier(Tier):
             return True
         if flags & FLAG_LZ4:
             stored = os.pread(fd, stored_len, off)
-            if len(stored) != stored_len or _checksum([stored]) != checksum:
+            if len(stored) != stored_len or _payload_sum([stored], flags) != checksum:
                 return None
             return self._unpack(stored, raw_len, parts)
         host = [p if p.device.type == "cpu" else torch.empty(p.numel(), dtype=torch.uint8) for p in parts]
@@ -403,21 +434,22 @@ class SSDTier(Tier):
         got = os.preadv(fd, views, off)
         if got != stored_len or stored_len != raw_len:
             return None
-        if _checksum(views) != checksum:
-            return self._reread(fd, off, stored_len, checksum, parts)
+        if _payload_sum(views, flags) != checksum:
+            return self._reread(fd, off, stored_len, checksum, flags, parts)
         for p, h in zip(parts, host):
             if h is not p:
                 p.copy_(h)
         return True
 
-    def _reread(self, fd: int, off: int, stored_len: int, checksum: int, parts: Parts) -> Optional[bool]:
+    def _reread(self, fd: int, off: int, stored_len: int, checksum: int, flags: int,
+                parts: Parts) -> Optional[bool]:
         """Second look at a payload whose sum failed in the caller's buffers: a private copy decides.
 
         None (corrupt) only if the file itself is bad; otherwise the verified bytes
         are scattered into ``parts`` in order, as a read with private buffers would.
         """
         data = bytearray(stored_len)
-        if os.preadv(fd, [data], off) != stored_len or _checksum([data]) != checksum:
+        if os.preadv(fd, [data], off) != stored_len or _payload_sum([data], flags) != checksum:
             return None
         self._count("rereads")
         _scatter(memoryview(data), parts)

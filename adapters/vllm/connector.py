@@ -689,9 +689,11 @@ class TierKVConnector(KVConnectorBase_V1):
             paged.prepare()  # views of the cache made here, outside the engine's inference mode
         first = self._paged[self._layers[0]]
         if self._layerwise_opt == "auto":
-            # on CPU an SSD tier's reader threads and checksums compete with compute: whole-step loads
+            # on CPU the reader threads of an SSD tier (file I/O, checksums) or of Mooncake's pool
+            # compete with compute for the same cores: one get for the whole step measured faster
             on_cpu = first.tensor.device.type == "cpu"
-            self._layerwise = not (on_cpu and "ssd" in self._tier_medium.values())
+            threaded = {"ssd", "dram_pool"} & set(self._tier_medium.values())
+            self._layerwise = not (on_cpu and threaded)
         logger.info(
             "TierKVConnector: %d layers, KV %s %s on %s, block dim %d (x%d), %d B per block and layer, %s, %s loads",
             len(self._layers),
@@ -815,6 +817,16 @@ class TierKVConnector(KVConnectorBase_V1):
                 where = [None] * len(objs)
             for o, tier in zip(objs, where):
                 self._count_hits(job, o.req_id, tier or "miss", o.num_targets)
+            if not self._layerwise:
+                t = time.perf_counter()
+                try:
+                    if objs:
+                        self._load_all_layers(job, objs, items)
+                finally:
+                    for layer in range(job.num_layers):
+                        job.begin[layer], job.end[layer] = t, time.perf_counter()
+                        job.events[layer].set()
+                return
             for layer in range(job.num_layers):
                 job.begin[layer] = time.perf_counter()
                 try:
@@ -829,22 +841,32 @@ class TierKVConnector(KVConnectorBase_V1):
             job.ntokens = job.nblocks * self._block_size
             self._load_elapsed = time.perf_counter() - t0
 
-    def _load_layer(self, job: _LoadJob, layer: int, objs: list[_LoadObj], items: list) -> None:
+    def _prepare_layer(self, layer: int, objs: list[_LoadObj], items: list, spare: int) -> tuple[list, list, list, int]:
+        """Keys, destination parts and pending copies of one layer's chunks.
+
+        Blocks of a chunk this request has, or does not need, are read into discard
+        buffers; ``spare`` of them are already taken by other layers of the same get.
+        """
         paged = self._paged[self._layers[layer]]
-        # blocks of a chunk this request has, or does not need, are read into discard buffers
-        discard = iter(paged.discard_targets(sum(len(o.targets) - o.num_targets for o in objs), self._discard))
+        n = sum(len(o.targets) - o.num_targets for o in objs)
+        discard = iter(paged.discard_targets(spare + n, self._discard)[spare:])
         keys = self._keys_for(layer, items)
         outs, copies = [], []
         for o in objs:
             bufs, pend = paged.byte_runs(o.targets, lambda: next(discard))
             outs.append(bufs)
             copies.append(pend)
+        return keys, outs, copies, n
+
+    def _get(self, keys: list[str], outs: list, what: str) -> list[bool]:
         try:
-            ok = self._store.get(keys, outs)
+            return self._store.get(keys, outs)
         except Exception as e:  # noqa: BLE001 - a broken backend is a miss
-            logger.warning("TierKVConnector: get failed for layer %d: %s", layer, e)
-            ok = [False] * len(keys)
-        nb = paged.block_nbytes
+            logger.warning("TierKVConnector: get failed for %s: %s", what, e)
+            return [False] * len(keys)
+
+    def _finish_layer(self, job: _LoadJob, layer: int, objs: list[_LoadObj], ok: list[bool], copies: list) -> None:
+        nb = self._paged[self._layers[layer]].block_nbytes
         for o, good, pend in zip(objs, ok, copies):
             if good:
                 for stage, dst in pend:
@@ -854,6 +876,27 @@ class TierKVConnector(KVConnectorBase_V1):
             else:
                 job.failed_blocks.update(b for b in o.targets if b is not None)
                 job.failed_reqs.add(o.req_id)
+
+    def _load_layer(self, job: _LoadJob, layer: int, objs: list[_LoadObj], items: list) -> None:
+        keys, outs, copies, _ = self._prepare_layer(layer, objs, items, 0)
+        self._finish_layer(job, layer, objs, self._get(keys, outs, f"layer {layer}"), copies)
+
+    def _load_all_layers(self, job: _LoadJob, objs: list[_LoadObj], items: list) -> None:
+        """Every layer in one get: the tiers batch it as a whole (one round trip, one I/O queue)."""
+        L, n = job.num_layers, len(objs)
+        keys: list[str] = []
+        outs: list = []
+        copies: list = []
+        spare = 0
+        for layer in range(L):
+            k, o, c, used = self._prepare_layer(layer, objs, items, spare)
+            spare += used
+            keys += k
+            outs += o
+            copies.append(c)
+        ok = self._get(keys, outs, "all layers")
+        for layer in range(L):
+            self._finish_layer(job, layer, objs, ok[layer * n:(layer + 1) * n], copies[layer])
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self._load_job
