@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import itertools
 import logging
 import mmap
 import os
@@ -135,7 +136,7 @@ class SSDTier(Tier):
         path: str,
         compression: Optional[str] = None,
         direct_io: bool = False,
-        io_threads: int = 4,
+        io_threads: Optional[int] = None,
         fsync: str = "flush",
     ) -> None:
         super().__init__(name, capacity_bytes)
@@ -158,7 +159,8 @@ class SSDTier(Tier):
         self._dirs: set[str] = set()
         self._paths: dict[str, str] = {}
         self._counters = {"io_errors": 0, "corrupt": 0, "rereads": 0, "enospc": 0, "swept_temp": 0}
-        self._threads = max(1, int(io_threads))
+        # page-cache copies and checksums want a core each: more threads than cores only contend
+        self._threads = max(1, int(io_threads)) if io_threads else min(4, max(2, os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=f"tierkv-{name}")
 
     @classmethod
@@ -218,23 +220,30 @@ class SSDTier(Tier):
 
     # -- batch API --------------------------------------------------------------------
     def _map(self, fn, keys, bufs) -> list[bool]:
-        """Run ``fn`` over a batch: one slice of it per I/O thread (a future per object costs
-        more than a small object's I/O), big objects one by one so their hashing and
-        I/O overlap."""
+        """Run ``fn`` over a batch on the I/O threads.
+
+        Each thread takes the next object until none is left: one future per thread,
+        not per object (a future costs more than a small object's I/O), and a slow
+        object does not hold back a fixed share of the batch.
+        """
         n = len(keys)
         total = sum(p.numel() for b in bufs for p in b)
         if n <= 1 or total < (1 << 20):
             return [fn(k, b) for k, b in zip(keys, bufs)]
-        if total // n >= (1 << 20):
-            return list(self._pool.map(fn, keys, bufs))
-        k = min(self._threads, n)
-        bounds = [n * i // k for i in range(k + 1)]
+        out = [False] * n
+        nxt = itertools.count()  # next() on it is atomic under the GIL
 
-        def run(lo: int, hi: int) -> list[bool]:
-            return [fn(keys[i], bufs[i]) for i in range(lo, hi)]
+        def run() -> None:
+            while True:
+                i = next(nxt)
+                if i >= n:
+                    return
+                out[i] = fn(keys[i], bufs[i])
 
-        futures = [self._pool.submit(run, bounds[i], bounds[i + 1]) for i in range(k)]
-        return [ok for f in futures for ok in f.result()]
+        futures = [self._pool.submit(run) for _ in range(min(self._threads, n))]
+        for f in futures:
+            f.result()
+        return out
 
     def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         self._check_open()
