@@ -261,11 +261,12 @@ def test_ssd_payload_sums_crc32c_and_reads_older_xxh3_files(tmp_path, monkeypatc
     t.close()
 
 
-def test_ssd_file_summed_with_an_unavailable_algorithm_is_a_miss_and_kept(tmp_path, monkeypatch):
+@pytest.mark.parametrize("opts", [{}, {"compression": "lz4"}], ids=["plain", "lz4"])
+def test_ssd_file_summed_with_an_unavailable_algorithm_is_a_miss_and_kept(tmp_path, monkeypatch, opts):
     import tierkv.tiers.ssd as ssd
 
     d = tmp_path / "ssd"
-    t = SSDTier("ssd", 1 << 24, str(d))
+    t = SSDTier("ssd", 1 << 24, str(d), **opts)
     data = blob(5, 8192)
     assert t.write([key(5)], [[data]]) == [True]
     monkeypatch.setattr(ssd, "_crc", None)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -66,7 +68,8 @@ def engine_env(cache_root: str | os.PathLike) -> dict[str, str]:
     return env
 
 
-def start_engine(spec: dict[str, Any], cache_root: str | os.PathLike, stdin=None, stderr=subprocess.PIPE) -> subprocess.Popen:
+def start_engine(spec: dict[str, Any], cache_root: str | os.PathLike, stdin=None,
+                 stderr=subprocess.PIPE) -> subprocess.Popen:
     """Start this module on ``spec`` in a new process; finish with :func:`engine_result`.
 
     ``spec["env"]`` adds environment variables (e.g. ``VLLM_ENABLE_V1_MULTIPROCESSING=1``
@@ -132,9 +135,6 @@ class EngineServer:
         self._log = open(Path(cache_root) / f"engine-{os.getpid()}-{time.monotonic_ns()}.log", "w+")
         self.proc = start_engine({**spec, "steps": "stdin"}, cache_root, stdin=subprocess.PIPE, stderr=self._log)
         self._stdin = self.proc.stdin
-        import queue
-        import threading
-
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
         ready = self._read()
@@ -146,8 +146,6 @@ class EngineServer:
         self._lines.put(None)
 
     def _read(self) -> dict[str, Any]:
-        import queue
-
         deadline = time.monotonic() + self._timeout
         while True:
             try:

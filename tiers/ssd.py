@@ -77,7 +77,6 @@ try:
             v = _crc32c.crc32c(c, v)
         return v
 except ImportError:  # pragma: no cover - a dependency; files then carry xxh3 sums
-    _crc32c = None
     _crc = None
 
 log = logging.getLogger(__name__)
@@ -86,13 +85,6 @@ MAGIC = b"TKV1"
 VERSION = 1
 FLAG_LZ4 = 1
 FLAG_CRC32C = 2  # the payload sum is CRC32C, else xxh3-64
-
-
-def _payload_sum(chunks, flags: int) -> Optional[int]:
-    """The sum of a payload as its header's flags name it (None: this build cannot compute it)."""
-    if flags & FLAG_CRC32C:
-        return _crc(chunks) if _crc is not None else None
-    return _checksum(chunks)
 _HDR = struct.Struct("<4sHHQQQH")  # 34 bytes, then the header check (u64), padded to 64
 _CHECK = struct.Struct("<Q")
 HDR_SIZE = 64
@@ -100,6 +92,16 @@ BLOCK = 4096
 _SAFE = re.compile(r"^[0-9A-Za-z_-][0-9A-Za-z_.-]{0,199}$")
 SUFFIX = ".kv"
 TMP_PREFIX = ".tmp."
+
+
+def _can_sum(flags: int) -> bool:
+    """Whether this build computes the payload sum a header's flags name."""
+    return not flags & FLAG_CRC32C or _crc is not None
+
+
+def _payload_sum(chunks, flags: int) -> int:
+    """The sum of a payload as its header's flags name it (check ``_can_sum`` first)."""
+    return _crc(chunks) if flags & FLAG_CRC32C else _checksum(chunks)
 
 
 def _file_name(key: str) -> str:
@@ -291,7 +293,8 @@ class SSDTier(Tier):
             flags |= FLAG_CRC32C
         kb = key.encode()
         header = bytearray(self._data_offset(len(kb)))
-        _HDR.pack_into(header, 0, MAGIC, VERSION, flags, raw_len, stored_len, _payload_sum(payload, flags), len(kb))
+        _HDR.pack_into(header, 0, MAGIC, VERSION, flags, raw_len, stored_len, _payload_sum(payload, flags),
+                       len(kb))
         header[HDR_SIZE:HDR_SIZE + len(kb)] = kb
         _CHECK.pack_into(header, _HDR.size, _checksum([header[:HDR_SIZE], kb]))  # check field still zero
         final = self._obj_path(key)
@@ -396,10 +399,9 @@ class SSDTier(Tier):
             if not flags & FLAG_LZ4:
                 if got != len(head_buf) + stored_len or stored_len != raw_len:
                     return None
-                got_sum = _payload_sum(views, flags)
-                if got_sum is None:
+                if not _can_sum(flags):
                     return False  # summed with an algorithm this build lacks: a miss, the file stays
-                if got_sum != checksum:
+                if _payload_sum(views, flags) != checksum:
                     # the bytes landed in the caller's buffers; if those overlap each other the
                     # sum sees the overlap, not the file: confirm from a private copy first
                     return self._reread(fd, len(head_buf), stored_len, checksum, flags, parts)
@@ -423,7 +425,7 @@ class SSDTier(Tier):
         if raw_len != want:
             return False
         off = self._data_offset(key_len)
-        if flags & FLAG_CRC32C and _crc is None:
+        if not _can_sum(flags):
             return False  # summed with an algorithm this build lacks: a miss, the file stays
         if buf is not None:
             stored_view = buf[off:off + stored_len]
