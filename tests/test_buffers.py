@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.buffers import coalesce, copy_parts
+from tierkv.buffers import coalesce, copy_parts, host_copy
 
 
 def _cut(base: torch.Tensor, sizes: list[int], gaps: list[int]) -> list[torch.Tensor]:
@@ -74,3 +75,31 @@ def test_copy_parts_between_any_two_cuts(data):
     assert torch.equal(torch.cat(dst), expect)
     if gap:  # bytes between the destination parts are untouched
         assert int(dst_base[cuts[0]]) == 255 or len(cuts) == 1
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 4096), st.integers(0, 64), st.integers(0, 64),
+       st.sampled_from([torch.uint8, torch.float32, torch.bfloat16, torch.int64]))
+def test_host_copy_moves_exactly_the_bytes_and_nothing_around_them(n, doff, soff, dtype):
+    size = torch.tensor([], dtype=dtype).element_size()
+    doff, soff = doff * size, soff * size  # views of another dtype start on its element boundary
+    src_base = torch.randint(0, 255, (n + soff + 16,), dtype=torch.uint8)
+    dst_base = torch.full((n + doff + 16,), 7, dtype=torch.uint8)
+    k = n // size * size
+    src = src_base[soff:soff + k].view(dtype)
+    dst = dst_base[doff:doff + k].view(dtype)
+    host_copy(dst, src)
+    assert torch.equal(dst_base[doff:doff + k], src_base[soff:soff + k])
+    assert bool((dst_base[:doff] == 7).all()) and bool((dst_base[doff + k:] == 7).all())
+
+
+def test_host_copy_falls_back_to_copy_for_strided_and_converting_copies():
+    src = torch.arange(64, dtype=torch.float32).reshape(8, 8)
+    dst = torch.zeros(8, 8, dtype=torch.float32)
+    host_copy(dst, src.t())  # a transposed (non-contiguous) source: element order, not byte order
+    assert torch.equal(dst, src.t())
+    wide = torch.zeros(8, 8, dtype=torch.float64)
+    host_copy(wide, src)  # a dtype conversion: values, not bytes
+    assert torch.equal(wide, src.double())
+    with pytest.raises(RuntimeError):
+        host_copy(torch.zeros(3), torch.zeros(5))  # sizes disagree: torch's own error, never a partial memmove

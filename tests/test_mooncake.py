@@ -222,3 +222,60 @@ def test_in_a_tiered_store(shared_mooncake_master):
         assert all(torch.equal(o, v) for o, v in zip(outs, vals))
         st = store.stats()["dram_pool"]
         assert st["available"] is True and st["medium"] == "dram_pool" and st["refused"] == 0
+
+
+# -- reads out of this node's own segment ---------------------------------------------------
+def test_objects_in_the_own_segment_are_copied_out_directly(pool):
+    t = pool()
+    layers = [blob(i, 64 << 10) for i in range(4)]
+    assert t.write([key(1, "loc")], [layers]) == [True]
+    outs = [torch.zeros(64 << 10, dtype=torch.uint8) for _ in range(4)]  # a multi-part destination
+    assert t.read([key(1, "loc")], [outs]) == [True]
+    assert all(torch.equal(o, v) for o, v in zip(outs, layers))
+    assert t.extra_stats()["local_reads"] == 1
+    # a size other than the stored one is still a miss, and is not served locally
+    assert t.read([key(1, "loc")], [[torch.zeros(4 * (64 << 10) + 1, dtype=torch.uint8)]]) == [False]
+    assert t.extra_stats()["local_reads"] == 1
+
+
+def test_each_object_is_local_to_exactly_one_client(pool):
+    """Two clients, two segments: a key read by both is copied locally by the one holding it, and
+    fetched through the transfer engine by the other, with the same bytes either way."""
+    ns = uuid.uuid4().hex
+    a, b = pool(namespace=ns), pool(namespace=ns)
+    keys = [key(i, "two") for i in range(12)]
+    vals = [blob(100 + i, 40_000 + i) for i in range(12)]
+    half = len(keys) // 2
+    assert a.write(keys[:half], [[v] for v in vals[:half]]) == [True] * half
+    assert b.write(keys[half:], [[v] for v in vals[half:]]) == [True] * half
+    for t in (a, b):
+        outs = [torch.zeros(v.numel(), dtype=torch.uint8) for v in vals]
+        assert t.read(keys, [[o] for o in outs]) == [True] * len(keys)
+        assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+    assert a.extra_stats()["local_reads"] + b.extra_stats()["local_reads"] == len(keys)
+
+
+def test_local_reads_can_be_turned_off(pool):
+    t = pool(local_reads=False)
+    v = blob(5, 100_000)
+    assert t.write([key(1, "off")], [[v]]) == [True]
+    out = torch.zeros(100_000, dtype=torch.uint8)
+    assert t.read([key(1, "off")], [[out]]) == [True] and torch.equal(out, v)
+    assert t.extra_stats()["local_reads"] == 0
+
+
+def test_a_local_copy_past_its_lease_guard_counts_for_nothing(pool):
+    t = pool()
+    v = blob(6, 10_000)
+    assert t.write([key(1, "late")], [[v]]) == [True]
+    client = t._session.client
+    out = torch.zeros(10_000, dtype=torch.uint8)
+    fk = t._full_keys([key(1, "late")])
+    assert client.read_local(fk, [[out.data_ptr()]], [[10_000]], 1.0) == [10_000] and torch.equal(out, v)
+    assert client.read_local(fk, [[out.data_ptr()]], [[10_000]], -1.0) == [0]  # already too late: a get redoes it
+
+
+def test_local_reads_option_must_be_a_bool():
+    with pytest.raises(ConfigError, match="local_reads"):
+        DramPoolTier.from_config("pool", {"master": "127.0.0.1:1", "metadata_server": "http://x/metadata",
+                                          "local_reads": "yes"})

@@ -17,9 +17,11 @@ Invariants this wrapper keeps (the client crashes or misbehaves otherwise):
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -97,6 +99,8 @@ class MooncakeSettings:
     buffer_bytes: int
     local_hostname: str
     device_name: str = ""
+    #: copy objects whose replica lies in this client's own host segment straight out of it
+    local_reads: bool = False
 
     @property
     def master_addr(self) -> tuple[str, int]:
@@ -152,6 +156,13 @@ class MooncakeClient:
                 f"Mooncake setup failed with code {rc} (master {settings.master}, "
                 f"metadata {settings.metadata_server}, protocol {settings.protocol})"
             )
+        self._complete = getattr(getattr(store, "ReplicaStatus", None), "COMPLETE", None)
+        self._own_endpoint: str | None = None
+        if settings.local_reads and self._complete is not None and hasattr(self._store, "batch_get_replica_desc"):
+            try:
+                self._own_endpoint = str(self._store.get_hostname())
+            except Exception:  # noqa: BLE001 (an older client without it: every read goes through the engine)
+                self._own_endpoint = None
 
     def accepts_device(self, device_type: str) -> bool:
         """Whether parts on ``device_type`` can be moved without a host staging copy."""
@@ -179,6 +190,54 @@ class MooncakeClient:
         if all(len(p) == 1 for p in ptrs):
             return list(self._store.batch_get_into(keys, [p[0] for p in ptrs], [s[0] for s in sizes]))
         return list(self._store.batch_get_into_multi_buffers(keys, [list(p) for p in ptrs], [list(s) for s in sizes]))
+
+    @property
+    def reads_locally(self) -> bool:
+        return self._own_endpoint is not None
+
+    def read_local(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
+                   guard_s: float) -> list[int]:
+        """Copy each object whose replica lies in this client's own segment straight out of it.
+
+        The segment is host memory of this process, so such a replica needs no
+        transfer: one master call (``batch_get_replica_desc``) says where every
+        replica lies and grants the same read lease a get takes, which keeps the
+        replica from being removed or evicted while it is copied.  Per key: the
+        bytes copied, or 0 where nothing was (no complete replica here, missing, a
+        size other than the one asked for, or the copy ending more than ``guard_s``
+        after the lease was granted, which a get must then redo).  Destinations
+        must be host memory.
+        """
+        out = [0] * len(keys)
+        own = self._own_endpoint
+        if own is None or not keys:
+            return out
+        t0 = time.monotonic()
+        descs = self._store.batch_get_replica_desc(list(keys))
+        for k, (key, p, s) in enumerate(zip(keys, ptrs, sizes)):
+            want = sum(s)
+            addr = self._local_address(descs.get(key), want, own)
+            if addr is None or time.monotonic() - t0 > guard_s:
+                continue
+            off = 0
+            for ptr, n in zip(p, s):
+                ctypes.memmove(ptr, addr + off, n)  # releases the GIL
+                off += n
+            if time.monotonic() - t0 <= guard_s:
+                out[k] = want
+        return out
+
+    def _local_address(self, replicas: Any, want: int, own: str) -> int | None:
+        for r in replicas or ():
+            try:
+                if not r.is_memory_replica() or r.status != self._complete:
+                    continue
+                bd = r.get_memory_descriptor().buffer_descriptor
+                if bd.transport_endpoint == own and int(bd.size) == want and bd.buffer_address:
+                    return int(bd.buffer_address)
+            except Exception:  # noqa: BLE001 (a descriptor this wrapper does not understand: not local)
+                continue
+        return None
 
     def exists(self, keys: Sequence[str]) -> list[int]:
         return list(self._store.batch_is_exist(list(keys)))

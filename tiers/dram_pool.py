@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from tierkv.buffers import host_copy
 from tierkv.errors import ConfigError
 from tierkv.units import parse_size
 
@@ -111,6 +112,11 @@ def _wait_for_closers(timeout: float = 10.0) -> None:
         pending = list(_closers)
     for t in pending:
         t.join(max(0.0, end - time.monotonic()))
+
+
+#: a read copied out of the local segment counts only if it ended this soon after the master granted
+#: its lease (Mooncake's read lease lasts several seconds; a copy takes milliseconds)
+LOCAL_LEASE_GUARD_S = 1.0
 
 
 class _Registration:
@@ -657,7 +663,7 @@ class RemotePoolTier(Tier):
                 buf = self._staging
                 for oi, pj, soff in staged:
                     p = objs[oi][pj]
-                    buf[soff:soff + p.numel()].copy_(p)
+                    host_copy(buf[soff:soff + p.numel()], p)
             ptrs, sizes = layout
             devices = self._devices(session, objs)
             nbytes = sum(sum(s) for s in sizes)
@@ -725,6 +731,10 @@ class RemotePoolTier(Tier):
         session = self._session
         if session is None:
             return ok
+        if getattr(session.client, "reads_locally", False):
+            todo = self._read_local(session, todo, fkeys, dsts, ok)
+            if not todo:
+                return ok
         objs = [dsts[i] for i in todo]
         with self._staging_guard(session, objs):
             pins: list[_Registration] = []
@@ -757,9 +767,29 @@ class RemotePoolTier(Tier):
                 for oi, pj, soff in staged:
                     if ok[todo[oi]]:
                         p = objs[oi][pj]
-                        p.copy_(buf[soff:soff + p.numel()])
+                        host_copy(p, buf[soff:soff + p.numel()])
             self._check_codes(session.client, codes, "get")
         return ok
+
+    def _read_local(self, session: _Session, todo: list[int], fkeys: list[str], dsts: Sequence[Parts],
+                    ok: list[bool]) -> list[int]:
+        """Serve what lies in this node's own segment by a plain copy; returns the keys left for a get."""
+        host = [i for i in todo if all(p.device.type == "cpu" and p.is_contiguous() for p in dsts[i])]
+        if not host:
+            return todo
+        ptrs = [[p.data_ptr() for p in dsts[i] if p.numel()] for i in host]
+        sizes = [[p.numel() for p in dsts[i] if p.numel()] for i in host]
+        want = [sum(s) for s in sizes]
+        got = self._run(lambda c: c.read_local([fkeys[i] for i in host], ptrs, sizes, LOCAL_LEASE_GUARD_S),
+                        sum(want), "local read")
+        if got is None:
+            return []  # the pool failed: the tier is unavailable and every key is a miss
+        for i, n, w in zip(host, got, want):
+            if n == w:
+                ok[i] = True
+                self._remember(fkeys[i], w)
+                self._counters["local_reads"] += 1
+        return [i for i in todo if not ok[i]]
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
@@ -859,6 +889,7 @@ class RemotePoolTier(Tier):
             "refused_unavailable": c["refused_unavailable"],
             "misses_unavailable": c["misses_unavailable"],
             "full_retries": c["full_retries"],
+            "local_reads": c["local_reads"],
             "failures": c["failures"],
             "timeouts": c["timeouts"],
             "transfer_errors": c["transfer_errors"],
@@ -937,6 +968,10 @@ class DramPoolTier(RemotePoolTier):
         backend = options.pop("backend", "mooncake")
         if backend == "mooncake":
             settings = pop_mooncake_settings(name, options)
+            local = options.pop("local_reads", True)
+            if not isinstance(local, bool):
+                raise ConfigError(f"tier {name!r}: 'local_reads' must be true or false, got {local!r}")
+            settings.local_reads = local
             capacity = cls.pop_capacity(name, options, settings.segment_bytes)
             common = pop_remote_options(name, options)
             cls.reject_unknown(name, options)

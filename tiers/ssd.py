@@ -47,6 +47,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from tierkv.buffers import host_copy
 from tierkv.errors import ConfigError
 
 from .base import Parts, Tier
@@ -620,7 +621,7 @@ def _scatter(src, parts: Parts) -> None:
     pos = 0
     for p in parts:
         n = p.numel()
-        p.copy_(arr[pos:pos + n])
+        host_copy(p, arr[pos:pos + n])
         pos += n
 
 

