@@ -12,7 +12,8 @@ vLLM's prefix cache, and runs them again warm (loaded from the back end).  Back 
     example   vLLM's own ExampleConnector (safetensors files), for comparison
 
 All engines stay up side by side and take turns: each round runs one prompt on
-every engine in turn (rotating the order), and a ratio is the median over rounds
+every engine in turn (rotating the order; each prompt runs warm --repeats times, vLLM's
+prefix cache reset before each), and a ratio is the median over rounds
 of the per-round ratio, so every back end is compared under the same machine
 conditions (this shared machine's speed drifts by tens of percent over minutes).
 
@@ -21,7 +22,7 @@ cold run and against the connector-free cold run), warm against
 ExampleConnector's warm, and whether greedy first tokens match (cold vs warm,
 and against the connector-free engine).  Target: warm <= 0.3x cold, and ahead of ExampleConnector.
 
-    python bench/bench_vllm.py [--tokens 4096] [--prompts 3] [--backends dram,ssd,dram_pool,example]
+    python bench/bench_vllm.py [--tokens 4096] [--prompts 3] [--repeats 3] [--backends dram,ssd,dram_pool,example]
 """
 
 from __future__ import annotations
@@ -62,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--prompts", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3,
+                    help="warm runs per prompt and engine (vLLM's prefix cache is reset before each)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -145,20 +148,25 @@ def main(argv: list[str] | None = None) -> int:
         # every engine is up and idle; each round runs one prompt on each of them in turn
         # (the order rotates), so all back ends see the same machine conditions
         runs: dict[str, dict[str, list]] = {n: {"cold": [], "warm": [], "cold_tok": [], "warm_tok": [],
-                                                "warm_cached": [], "local": []} for n in names}
+                                                "warm_cached": [], "local": [], "blocked": []} for n in names}
         for phase in ("cold", "warm"):
             if phase == "warm":
                 for n in names:
                     servers[n].step({"op": "reset"})  # saves done, vLLM's own prefix cache emptied
-            for i, p in enumerate(prompts):
-                print(f"{phase} round {i + 1}/{len(prompts)}", file=sys.stderr, flush=True)
-                for n in _rotated(names, i):
+            rounds = [(i, p, rep) for i, p in enumerate(prompts) for rep in range(args.repeats if phase == "warm" else 1)]
+            for k, (i, p, rep) in enumerate(rounds):
+                print(f"{phase} round {k + 1}/{len(rounds)}", file=sys.stderr, flush=True)
+                for n in _rotated(names, k):
+                    if rep:
+                        servers[n].step({"op": "reset"})  # vLLM forgets the prompt: it loads again
                     r = servers[n].step({"op": "ttft", "prompts": [p]})
                     servers[n].step({"op": "drain"})  # its saves finish before the next engine runs
                     runs[n][phase].append(r["times"][0])
-                    runs[n][f"{phase}_tok"].append(r["tokens"][0])
+                    if not rep:
+                        runs[n][f"{phase}_tok"].append(r["tokens"][0])
                     if phase == "warm":
                         runs[n]["warm_cached"].append(r["num_cached_tokens"][0])
+                        runs[n]["blocked"].append(r.get("load_blocked", [0.0])[0])
                         # the same prompt once more: vLLM's own prefix cache hit, the floor
                         # under any connector (it still computes the last block)
                         runs[n]["local"].append(servers[n].step({"op": "ttft", "prompts": [p]})["times"][0])
@@ -169,11 +177,15 @@ def main(argv: list[str] | None = None) -> int:
                 "cold_s": statistics.median(r["cold"]),
                 "warm_s": statistics.median(r["warm"]),
                 "cold_times": r["cold"],
+                # each warm run's prompt, cold: warm runs pair with it
+                "cold_per_warm": [c for c in r["cold"] for _ in range(args.repeats)],
                 "warm_times": r["warm"],
                 "local_s": statistics.median(r["local"]),
                 "local_times": r["local"],
                 # what the load adds above vLLM's own local hit, round by round
                 "load_cost_times": [w - lo for w, lo in zip(r["warm"], r["local"])],
+                # time the engine's thread spent in the connector's load hooks, per warm run
+                "load_blocked_times": r["blocked"],
                 "warm_cached_tokens": r["warm_cached"],
                 "same_tokens": r["cold_tok"] == r["warm_tok"],
                 "tokens": r["warm_tok"],
@@ -197,17 +209,24 @@ def main(argv: list[str] | None = None) -> int:
     ref_tokens = results.get("none", {}).get("tokens")
     print(f"\nvLLM-CPU TTFT, {args.layers} layers x hidden {args.hidden}, {args.tokens}-token prompts, "
           f"block size {args.block_size}, layerwise={args.layerwise}, chunk_tokens={args.chunk_tokens or 'default'}; "
-          f"{args.prompts} rounds, engines interleaved; ratios are medians of per-round ratios")
+          f"{args.prompts} prompts x {args.repeats} warm runs, engines interleaved; ratios are medians of "
+          f"per-round ratios")
     print(f"{'backend':<14} {'cold s':>7} {'warm s':>7} {'local s':>8} {'warm/cold':>10} {'warm/cold(none)':>16} "
-          f"{'vs example':>11} {'load cost':>10} {'vs example':>11} {'cached':>7} {'same':>5}")
+          f"{'vs example':>11} {'load cost':>10} {'vs example':>11} {'in hooks':>9} {'vs example':>11} "
+          f"{'cached':>7} {'same':>5}")
     for name, r in results.items():
-        r["warm_over_cold"] = paired(name, name, "warm_times", "cold_times")
-        r["warm_over_cold_none"] = paired(name, "none", "warm_times", "cold_times")
+        r["warm_over_cold"] = paired(name, name, "warm_times", "cold_per_warm")
+        r["warm_over_cold_none"] = paired(name, "none", "warm_times", "cold_per_warm")
         r["warm_over_example_warm"] = paired(name, "example")
         r["load_cost_s"] = statistics.median(r["load_cost_times"])
         ex_cost = results.get("example", {}).get("load_cost_times")
         r["load_cost_over_example"] = (
             statistics.median(x / y for x, y in zip(r["load_cost_times"], ex_cost) if y > 0) if ex_cost else None)
+        r["load_blocked_s"] = statistics.median(r["load_blocked_times"]) if r["load_blocked_times"] else None
+        ex_blocked = results.get("example", {}).get("load_blocked_times")
+        r["load_blocked_over_example"] = (
+            statistics.median(x / y for x, y in zip(r["load_blocked_times"], ex_blocked) if y > 0)
+            if ex_blocked and r["load_blocked_times"] else None)
         same = r["same_tokens"] and (ref_tokens is None or r["tokens"] == ref_tokens)
 
         def f(x, w=11):
@@ -215,9 +234,11 @@ def main(argv: list[str] | None = None) -> int:
 
         print(f"{name:<14} {r['cold_s']:>7.3f} {r['warm_s']:>7.3f} {r['local_s']:>8.3f} {f(r['warm_over_cold'], 10)} "
               f"{f(r['warm_over_cold_none'], 16)} {f(r['warm_over_example_warm'])} {r['load_cost_s'] * 1e3:>8.1f}ms "
-              f"{f(r['load_cost_over_example'])} {min(r['warm_cached_tokens']):>7} {same!s:>5}")
+              f"{f(r['load_cost_over_example'])} {(r['load_blocked_s'] or 0) * 1e3:>7.1f}ms "
+              f"{f(r['load_blocked_over_example'])} {min(r['warm_cached_tokens']):>7} {same!s:>5}")
     print("local: the prompt again at once (vLLM's own prefix cache, the floor under any connector); "
-          "load cost: warm - local, per round")
+          "load cost: warm - local, per round;\nin hooks: time the engine's thread spent in the connector's "
+          "load hooks (start_load_kv, wait_for_layer_load), per warm run")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     return 0

@@ -308,14 +308,16 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     elif op == "ttft":
         # time to first token of each prompt on its own (max_tokens=1)
         sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        times, toks, cached = [], [], []
+        times, toks, cached, blocked = [], [], [], []
         for p in step["prompts"]:
+            b0 = _LOAD_BLOCKED[0]
             t = time.perf_counter()
             o = llm.generate([{"prompt_token_ids": p}], sp, use_tqdm=False)[0]
             times.append(time.perf_counter() - t)
+            blocked.append(_LOAD_BLOCKED[0] - b0)
             toks.append(list(o.outputs[0].token_ids))
             cached.append(o.num_cached_tokens)
-        res.update(times=times, tokens=toks, num_cached_tokens=cached)
+        res.update(times=times, tokens=toks, num_cached_tokens=cached, load_blocked=blocked)
     elif op == "reset":
         _drain(llm)
     elif op == "drain":
@@ -357,12 +359,41 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
+#: seconds the engine's thread has spent inside a connector's load hooks (start_load_kv and
+#: wait_for_layer_load): what loading costs the forward, whatever the connector
+_LOAD_BLOCKED = [0.0]
+
+
+def _time_loads(name: str) -> None:
+    """Count the time the engine spends in the connector's load hooks (``ttft`` reports it per prompt)."""
+    if name == "TierKVConnector":
+        from tierkv.adapters.vllm.connector import TierKVConnector as cls
+    elif name == "ExampleConnector":
+        from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector as cls
+    else:
+        return
+
+    def timed(fn):
+        def run(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                _LOAD_BLOCKED[0] += time.perf_counter() - t
+        return run
+
+    for hook in ("start_load_kv", "wait_for_layer_load"):
+        setattr(cls, hook, timed(getattr(cls, hook)))
+
+
 def _main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
     kv = spec.get("kv_transfer_config")
+    if kv:
+        _time_loads(kv["kv_connector"])
     kwargs = dict(
         model=spec["model"],
         skip_tokenizer_init=True,
