@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.buffers import coalesce, copy_parts, host_copy
+from tierkv.buffers import coalesce, copy_many, copy_parts, host_copy
 
 
 def _cut(base: torch.Tensor, sizes: list[int], gaps: list[int]) -> list[torch.Tensor]:
@@ -103,3 +103,30 @@ def test_host_copy_falls_back_to_copy_for_strided_and_converting_copies():
     assert torch.equal(wide, src.double())
     with pytest.raises(RuntimeError):
         host_copy(torch.zeros(3), torch.zeros(5))  # sizes disagree: torch's own error, never a partial memmove
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.integers(1, 3 << 20), min_size=1, max_size=12), st.booleans())
+def test_copy_many_copies_every_pair_on_one_thread_or_two(sizes, split_parts):
+    """Batches above PARALLEL_COPY_MIN run on two threads; either way every destination gets its source."""
+    srcs = [torch.randint(0, 255, (n,), dtype=torch.uint8) for n in sizes]
+    dst_base = torch.zeros(sum(sizes) + len(sizes), dtype=torch.uint8)
+    jobs, off = [], 0
+    for s in srcs:
+        d = dst_base[off:off + s.numel()]
+        off += s.numel() + 1  # one untouched byte between destinations
+        jobs.append(([d[: s.numel() // 2], d[s.numel() // 2:]] if split_parts else [d], [s]))
+    copy_many(jobs)
+    off = 0
+    for s in srcs:
+        assert torch.equal(dst_base[off:off + s.numel()], s)
+        off += s.numel()
+        if off < dst_base.numel():
+            assert int(dst_base[off]) == 0
+        off += 1
+
+
+def test_copy_many_reports_a_failed_copy():
+    with pytest.raises(RuntimeError):
+        copy_many([([torch.zeros(8 << 20, dtype=torch.uint8)], [torch.zeros(8 << 20, dtype=torch.uint8)]),
+                   ([torch.zeros(3)], [torch.zeros(5)])])

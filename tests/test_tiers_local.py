@@ -87,6 +87,18 @@ def test_slab_tier_fills_to_capacity_despite_fragmentation():
 
 
 # -- SSD specifics ----------------------------------------------------------------------
+def test_slab_batch_with_a_key_twice_keeps_the_last_value_and_leaks_nothing():
+    t = DRAMTier("d", 64 << 20)
+    a, b = blob(1, 5 << 20), blob(2, 5 << 20)  # a batch large enough to copy on two threads
+    assert t.write([key(1), key(2), key(1)], [[a], [b], [b]]) == [True, True, True]
+    out = torch.zeros(5 << 20, dtype=torch.uint8)
+    assert t.read([key(1)], [[out]]) == [True] and torch.equal(out, b)
+    assert t.used_bytes == 2 * (5 << 20)
+    t.delete([key(1), key(2)])
+    assert t.used_bytes == 0 and t.write([key(3)], [[torch.zeros(60 << 20, dtype=torch.uint8)]]) == [True]
+    t.close()
+
+
 def test_ssd_files_are_private_and_index_survives_reopen(tmp_path):
     d = tmp_path / "ssd"
     t = SSDTier("ssd", 1 << 20, str(d))

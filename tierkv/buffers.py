@@ -9,7 +9,9 @@ nothing is gathered into a staging copy first.
 from __future__ import annotations
 
 import ctypes
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Union
 
 import torch
@@ -131,6 +133,54 @@ def copy_parts(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None
             di, doff = di + 1, 0
         if soff == sn:
             si, soff = si + 1, 0
+
+
+#: below this many bytes a batch of copies runs on the calling thread alone
+PARALLEL_COPY_MIN = 8 << 20
+
+_helper: ThreadPoolExecutor | None = None
+_helper_lock = threading.Lock()
+
+
+def _copy_helper() -> ThreadPoolExecutor:
+    global _helper
+    with _helper_lock:
+        if _helper is None:
+            _helper = ThreadPoolExecutor(1, thread_name_prefix="tierkv-copy")
+        return _helper
+
+
+def _copy_all(jobs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> None:
+    for dst, src in jobs:
+        copy_parts(dst, src)
+
+
+def copy_many(jobs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> None:
+    """``copy_parts(dst, src)`` for every (dst, src) pair; a large batch of host copies on two threads.
+
+    One thread does not saturate memory bandwidth: a batch of at least
+    ``PARALLEL_COPY_MIN`` bytes of host memory is split in two halves of about
+    equal bytes, one copied by a helper thread (``memmove`` releases the GIL)
+    while the caller copies the other.  Returns when every copy is done; the
+    destinations must not overlap one another.
+    """
+    sizes = [sum(p.numel() * p.element_size() for p in dst) for dst, _ in jobs]
+    total = sum(sizes)
+    if (len(jobs) < 2 or total < PARALLEL_COPY_MIN
+            or any(p.device.type != "cpu" for dst, src in jobs for p in (*dst, *src))):
+        _copy_all(jobs)
+        return
+    acc, cut = 0, len(jobs) - 1
+    for k, n in enumerate(sizes):
+        acc += n
+        if acc * 2 >= total:
+            cut = max(1, k)
+            break
+    other = _copy_helper().submit(_copy_all, jobs[cut:])
+    try:
+        _copy_all(jobs[:cut])
+    finally:
+        other.result()
 
 
 def staging(nbytes: int, pin: bool = False) -> torch.Tensor:

@@ -16,7 +16,7 @@ from typing import Any, Optional
 import torch
 from sortedcontainers import SortedDict, SortedList
 
-from tierkv.buffers import copy_parts
+from tierkv.buffers import copy_many
 from tierkv.errors import ConfigError
 
 from .base import Parts, Tier
@@ -129,8 +129,13 @@ class SlabTier(Tier):
 
     def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         self._check_open()
-        out = []
-        for key, parts in zip(keys, srcs):
+        out = [False] * len(keys)
+        last = {key: i for i, key in enumerate(keys)}  # a key given twice keeps its last value
+        placed: list[tuple[int, int, list[tuple[int, int]], list[torch.Tensor]]] = []
+        for i, (key, parts) in enumerate(zip(keys, srcs)):
+            if last[key] != i:
+                out[i] = True  # superseded by a later value in this same call
+                continue
             nbytes = sum(p.numel() for p in parts)
             with self._lock:
                 old = self._objects.pop(key, None)
@@ -138,27 +143,33 @@ class SlabTier(Tier):
                     self._alloc.free(old[1])
                     self._used -= old[0]
                 extents = self._alloc.allocate(align_up(nbytes))
-            if extents is None:
-                out.append(False)
-                continue
-            views = self._views(nbytes, extents)
-            copy_parts(views, parts)
+            if extents is not None:
+                placed.append((i, nbytes, extents, self._views(nbytes, extents)))
+        try:
+            copy_many([(views, srcs[i]) for i, _, _, views in placed])
+        except BaseException:
             with self._lock:
-                self._objects[key] = (nbytes, extents, views)
+                for _, _, extents, _ in placed:
+                    self._alloc.free(extents)
+            raise
+        with self._lock:  # visible only once every byte is in place
+            for i, nbytes, extents, views in placed:
+                self._objects[keys[i]] = (nbytes, extents, views)
                 self._used += nbytes
-            out.append(True)
+                out[i] = True
         return out
 
     def read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         self._check_open()
-        out = []
-        for key, parts in zip(keys, dsts):
+        out = [False] * len(keys)
+        jobs = []
+        for i, (key, parts) in enumerate(zip(keys, dsts)):
             obj = self._objects.get(key)
             if obj is None or obj[0] != sum(p.numel() for p in parts):
-                out.append(False)
                 continue
-            copy_parts(parts, obj[2])
-            out.append(True)
+            jobs.append((parts, obj[2]))
+            out[i] = True
+        copy_many(jobs)
         return out
 
     def delete(self, keys: Sequence[str]) -> None:
