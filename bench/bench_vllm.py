@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="none,dram,ssd,dram_pool,example",
                     help="comma-separated; NAME/whole or NAME/layer forces that load mode for one back end")
     ap.add_argument("--layerwise", default="auto", choices=["auto", "true", "false"],
-                    help="TierKVConnector's layerwise loading (auto: the connector's default, layer by layer)")
+                    help="TierKVConnector's layerwise loading (auto: the connector's default, whole-step on CPU)")
     ap.add_argument("--chunk-tokens", type=int, default=None,
                     help="TierKVConnector's chunk_tokens (tokens per stored object; default: the connector's)")
     ap.add_argument("--workdir", default=None, help="keep model and stores here (default: a temp dir)")
