@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.buffers import coalesce, copy_many, copy_parts, host_copy
+from tierkv.buffers import coalesce, copy_many, copy_parts, host_copy, memmove_many
 
 
 def _cut(base: torch.Tensor, sizes: list[int], gaps: list[int]) -> list[torch.Tensor]:
@@ -130,3 +130,21 @@ def test_copy_many_reports_a_failed_copy():
     with pytest.raises(RuntimeError):
         copy_many([([torch.zeros(8 << 20, dtype=torch.uint8)], [torch.zeros(8 << 20, dtype=torch.uint8)]),
                    ([torch.zeros(3)], [torch.zeros(5)])])
+
+
+@settings(max_examples=20, deadline=None)
+@given(st.lists(st.integers(0, 3 << 20), min_size=1, max_size=10))
+def test_memmove_many_moves_every_range(sizes):
+    src = torch.randint(0, 255, (sum(sizes),), dtype=torch.uint8)
+    dst = torch.zeros(sum(sizes) + len(sizes), dtype=torch.uint8)
+    moves, s_off, d_off, expect = [], 0, 0, []
+    for n in sizes:  # destinations in reverse order, one untouched byte after each
+        moves.append((dst.data_ptr() + d_off, src.data_ptr() + s_off, n))
+        expect.append((d_off, s_off, n))
+        s_off += n
+        d_off += n + 1
+    memmove_many(moves[::-1])
+    for d, s, n in expect:
+        assert torch.equal(dst[d:d + n], src[s:s + n])
+        if d + n < dst.numel():
+            assert int(dst[d + n]) == 0

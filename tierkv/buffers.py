@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Union
 
@@ -155,6 +155,26 @@ def _copy_all(jobs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor
         copy_parts(dst, src)
 
 
+def _on_two_threads(run: Callable[[Sequence], None], jobs: Sequence, sizes: Sequence[int]) -> None:
+    """``run(jobs)``, split in two halves of about equal bytes when the batch is large enough: the
+    helper thread runs one half while the caller runs the other (the copies must release the GIL)."""
+    total = sum(sizes)
+    if len(jobs) < 2 or total < PARALLEL_COPY_MIN:
+        run(jobs)
+        return
+    acc, cut = 0, len(jobs) - 1
+    for k, n in enumerate(sizes):
+        acc += n
+        if acc * 2 >= total:
+            cut = max(1, k)
+            break
+    other = _copy_helper().submit(run, jobs[cut:])
+    try:
+        run(jobs[:cut])
+    finally:
+        other.result()
+
+
 def copy_many(jobs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> None:
     """``copy_parts(dst, src)`` for every (dst, src) pair; a large batch of host copies on two threads.
 
@@ -164,23 +184,25 @@ def copy_many(jobs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor
     while the caller copies the other.  Returns when every copy is done; the
     destinations must not overlap one another.
     """
-    sizes = [sum(p.numel() * p.element_size() for p in dst) for dst, _ in jobs]
-    total = sum(sizes)
-    if (len(jobs) < 2 or total < PARALLEL_COPY_MIN
-            or any(p.device.type != "cpu" for dst, src in jobs for p in (*dst, *src))):
+    if any(p.device.type != "cpu" for dst, src in jobs for p in (*dst, *src)):
         _copy_all(jobs)
         return
-    acc, cut = 0, len(jobs) - 1
-    for k, n in enumerate(sizes):
-        acc += n
-        if acc * 2 >= total:
-            cut = max(1, k)
-            break
-    other = _copy_helper().submit(_copy_all, jobs[cut:])
-    try:
-        _copy_all(jobs[:cut])
-    finally:
-        other.result()
+    _on_two_threads(_copy_all, jobs, [sum(p.numel() * p.element_size() for p in dst) for dst, _ in jobs])
+
+
+def _move_all(moves: Sequence[tuple[int, int, int]]) -> None:
+    for dst, src, n in moves:
+        _memmove(dst, src, n)
+
+
+def memmove_many(moves: Sequence[tuple[int, int, int]]) -> None:
+    """``memmove(dst, src, n)`` for every (dst, src, n) of host addresses, on two threads when large.
+
+    For memory that is not a tensor (another library's buffers); the caller
+    guarantees every range is valid for the whole call and that destinations do
+    not overlap one another.
+    """
+    _on_two_threads(_move_all, moves, [n for _, _, n in moves])
 
 
 def staging(nbytes: int, pin: bool = False) -> torch.Tensor:

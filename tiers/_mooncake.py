@@ -17,7 +17,6 @@ Invariants this wrapper keeps (the client crashes or misbehaves otherwise):
 
 from __future__ import annotations
 
-import ctypes
 import ipaddress
 import os
 import socket
@@ -26,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from tierkv.buffers import memmove_many
 from tierkv.errors import ConfigError
 
 #: Mooncake error codes this backend distinguishes (``mooncake-store`` ``ErrorCode``)
@@ -214,17 +214,23 @@ class MooncakeClient:
             return out
         t0 = time.monotonic()
         descs = self._store.batch_get_replica_desc(list(keys))
+        moves: list[tuple[int, int, int]] = []
+        found: list[int] = []
         for k, (key, p, s) in enumerate(zip(keys, ptrs, sizes)):
-            want = sum(s)
-            addr = self._local_address(descs.get(key), want, own)
-            if addr is None or time.monotonic() - t0 > guard_s:
+            addr = self._local_address(descs.get(key), sum(s), own)
+            if addr is None:
                 continue
             off = 0
             for ptr, n in zip(p, s):
-                ctypes.memmove(ptr, addr + off, n)  # releases the GIL
+                moves.append((ptr, addr + off, n))
                 off += n
-            if time.monotonic() - t0 <= guard_s:
-                out[k] = want
+            found.append(k)
+        if not found or time.monotonic() - t0 > guard_s:
+            return out
+        memmove_many(moves)
+        if time.monotonic() - t0 <= guard_s:  # every copy ended while its lease held
+            for k in found:
+                out[k] = sum(sizes[k])
         return out
 
     def _local_address(self, replicas: Any, want: int, own: str) -> int | None:
