@@ -207,6 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(x / y for x, y in zip(a, b))
 
     ref_tokens = results.get("none", {}).get("tokens")
+
+    def f(x, w=11):
+        return f"{x:>{w}.3f}" if x is not None else f"{'-':>{w}}"
+
     print(f"\nvLLM-CPU TTFT, {args.layers} layers x hidden {args.hidden}, {args.tokens}-token prompts, "
           f"block size {args.block_size}, layerwise={args.layerwise}, chunk_tokens={args.chunk_tokens or 'default'}; "
           f"{args.prompts} prompts x {args.repeats} warm runs, engines interleaved; ratios are medians of "
@@ -229,13 +233,29 @@ def main(argv: list[str] | None = None) -> int:
             if ex_blocked and r["load_blocked_times"] else None)
         same = r["same_tokens"] and (ref_tokens is None or r["tokens"] == ref_tokens)
 
-        def f(x, w=11):
-            return f"{x:>{w}.3f}" if x is not None else f"{'-':>{w}}"
-
         print(f"{name:<14} {r['cold_s']:>7.3f} {r['warm_s']:>7.3f} {r['local_s']:>8.3f} {f(r['warm_over_cold'], 10)} "
               f"{f(r['warm_over_cold_none'], 16)} {f(r['warm_over_example_warm'])} {r['load_cost_s'] * 1e3:>8.1f}ms "
               f"{f(r['load_cost_over_example'])} {(r['load_blocked_s'] or 0) * 1e3:>7.1f}ms "
               f"{f(r['load_blocked_over_example'])} {min(r['warm_cached_tokens']):>7} {same!s:>5}")
+    if args.repeats > 1 and "example" in results:
+        # a prompt's first warm run comes after the whole cold phase (minutes: files and pages have gone
+        # cold, as for a prefix that returns later); repeats follow it at once (everything hot)
+        R = args.repeats
+        print(f"\n{'vs example':<14} {'first warm: TTFT':>17} {'in hooks':>9} {'repeats: TTFT':>14} {'in hooks':>9}")
+        for name, r in results.items():
+            if name in ("example", "none"):
+                continue
+            ex = results["example"]
+            row = []
+            for sl in (slice(0, None, R), [j for j in range(len(r["warm_times"])) if j % R]):
+                def pick(xs, sl=sl):
+                    return xs[sl] if isinstance(sl, slice) else [xs[j] for j in sl]
+                w = [a / b for a, b in zip(pick(r["warm_times"]), pick(ex["warm_times"]))]
+                h = [a / b for a, b in zip(pick(r["load_blocked_times"]), pick(ex["load_blocked_times"])) if b > 0]
+                row += [statistics.median(w) if w else None, statistics.median(h) if h else None]
+            r["first_warm_over_example"], r["first_hooks_over_example"] = row[0], row[1]
+            r["repeat_warm_over_example"], r["repeat_hooks_over_example"] = row[2], row[3]
+            print(f"{name:<14} {f(row[0], 17)} {f(row[1], 9)} {f(row[2], 14)} {f(row[3], 9)}")
     print("local: the prompt again at once (vLLM's own prefix cache, the floor under any connector); "
           "load cost: warm - local, per round;\nin hooks: time the engine's thread spent in the connector's "
           "load hooks (start_load_kv, wait_for_layer_load), per warm run")
