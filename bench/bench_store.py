@@ -36,27 +36,36 @@ def median_time(fn, rounds: int, setup=None) -> float:
     for _ in range(rounds):
         if setup:
             setup()
+        time.sleep(SETTLE_S)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
+#: idle time before each timed call (longer than OpenMP workers spin after a parallel region)
+SETTLE_S = 0.02
+
+
 def paired(base, fn, rounds: int, base_setup=None, setup=None) -> tuple[float, float, float]:
     """Baseline and tierkv back to back, ``rounds`` times: (median base s, median tierkv s, median ratio).
 
     Pairing cancels most of the drift of a shared machine: each ratio compares two
-    runs a few milliseconds apart.
+    runs a few milliseconds apart.  Each timed call starts after a short pause:
+    torch's OpenMP workers spin for a while after a parallel copy, and a call
+    made at once would share the cores with them.
     """
     tb, tt, ratios = [], [], []
     for _ in range(rounds):
         if base_setup:
             base_setup()
+        time.sleep(SETTLE_S)
         t0 = time.perf_counter()
         base()
         b = time.perf_counter() - t0
         if setup:
             setup()
+        time.sleep(SETTLE_S)
         t0 = time.perf_counter()
         fn()
         t = time.perf_counter() - t0
