@@ -51,6 +51,7 @@ def _engine_spec(model: str, kv: dict | None, max_len: int, kv_bytes: int, block
         "max_model_len": max_len,
         "max_num_batched_tokens": max_len,
         "kv_cache_memory_bytes": kv_bytes,
+        "time_loads": True,  # the time the engine spends in the connector's load hooks, per prompt
     }
 
 

@@ -106,6 +106,7 @@ def test_outputs_identical_and_served_from_tiers(model, workdir, baseline):
     assert salted["num_cached_tokens"] == [0]
     assert salted["tokens"] == baseline[:1]
     w = _worker(rec)
+    assert w["layerwise"] is False  # "auto" on CPU: the whole step in one get, before the forward
     t = w["totals"]
     assert t["load_errors"] == 0 and t["save_errors"] == 0
     # one by one, a later prompt finds its shared head in vLLM's own cache and loads only the rest

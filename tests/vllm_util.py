@@ -347,6 +347,7 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         res["workers"] = _jsonable([
             {
                 "totals": w.totals.data,
+                "layerwise": w._layerwise,
                 "requests": dict(w.request_records),
                 "load_trace": list(w.load_trace),
                 "store": w._store.stats() if w._store is not None else None,
@@ -392,7 +393,7 @@ def _main(spec_path: str) -> None:
     from vllm.config import KVTransferConfig
 
     kv = spec.get("kv_transfer_config")
-    if kv:
+    if kv and spec.get("time_loads"):
         _time_loads(kv["kv_connector"])
     kwargs = dict(
         model=spec["model"],
