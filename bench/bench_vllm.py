@@ -35,6 +35,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -53,6 +54,13 @@ def _engine_spec(model: str, kv: dict | None, max_len: int, kv_bytes: int, block
         "kv_cache_memory_bytes": kv_bytes,
         "time_loads": True,  # the time the engine spends in the connector's load hooks, per prompt
     }
+
+
+#: seconds to pause before each timed run: the engine that ran just before leaves its OpenMP
+#: workers spinning for several milliseconds, and a run started at once would share the cores
+#: with another process's spinning threads (engines side by side are a benchmark's artifact;
+#: a deployment runs one).  ``--settle 0`` turns it off.
+SETTLE_S = 0.05
 
 
 def _rotated(names: list[str], i: int) -> list[str]:
@@ -76,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="TierKVConnector's layerwise loading (auto: the connector's default, whole-step on CPU)")
     ap.add_argument("--chunk-tokens", type=int, default=None,
                     help="TierKVConnector's chunk_tokens (tokens per stored object; default: the connector's)")
+    ap.add_argument("--settle", type=float, default=SETTLE_S,
+                    help="seconds to pause before each timed run (other engines' OpenMP workers stop spinning)")
     ap.add_argument("--workdir", default=None, help="keep model and stores here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     args = ap.parse_args(argv)
@@ -160,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                 for n in _rotated(names, k):
                     if rep:
                         servers[n].step({"op": "reset"})  # vLLM forgets the prompt: it loads again
+                    time.sleep(args.settle)
                     r = servers[n].step({"op": "ttft", "prompts": [p]})
                     servers[n].step({"op": "drain"})  # its saves finish before the next engine runs
                     runs[n][phase].append(r["times"][0])
@@ -170,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                         runs[n]["blocked"].append(r.get("load_blocked", [0.0])[0])
                         # the same prompt once more: vLLM's own prefix cache hit, the floor
                         # under any connector (it still computes the last block)
+                        time.sleep(args.settle)
                         runs[n]["local"].append(servers[n].step({"op": "ttft", "prompts": [p]})["times"][0])
         for n in names:
             rec = servers[n].step({"op": "records"})

@@ -236,9 +236,9 @@ def _flags_of(path) -> int:
 
 
 @pytest.mark.parametrize("opts", [{}, {"compression": "lz4"}, {"direct_io": True}], ids=["plain", "lz4", "o_direct"])
-def test_ssd_payload_sums_crc32c_and_reads_older_xxh3_files(tmp_path, monkeypatch, opts):
-    """New files carry a CRC32C sum (flag 2); files summed with xxh3-64 (no flag) still verify,
-    and a flipped byte is caught under either sum."""
+def test_ssd_payload_sums_xxh3_by_default_crc32c_on_request_and_both_verify(tmp_path, opts):
+    """New files carry an xxh3-64 sum (no flag) unless the tier asks for CRC32C (flag 2); a tier of
+    either setting reads both kinds, and a flipped byte is caught under either sum."""
     import tierkv.tiers.ssd as ssd
 
     if opts.get("direct_io"):
@@ -247,18 +247,27 @@ def test_ssd_payload_sums_crc32c_and_reads_older_xxh3_files(tmp_path, monkeypatc
         except Exception:  # noqa: BLE001
             pytest.skip("O_DIRECT is not supported here")
     d = tmp_path / "ssd"
-    t = SSDTier("ssd", 1 << 24, str(d), **opts)
     data = blob(11, 65536)
+    t = SSDTier("ssd", 1 << 24, str(d), **opts)
+    assert t.checksum == "xxh3" and t.extra_stats()["checksum"] == "xxh3"
     assert t.write([key(1)], [[data]]) == [True]
-    with monkeypatch.context() as m:
-        m.setattr(ssd, "_crc", None)  # a writer without crc32c: xxh3-64
-        assert t.write([key(2)], [[data]]) == [True]
+    t.close()
+    t = SSDTier("ssd", 1 << 24, str(d), checksum="crc32c", **opts)
+    t.recover()
+    assert t.write([key(2)], [[data]]) == [True]
     files = {n: os.path.join(r, n) for r, _, fs in os.walk(d) for n in fs}
     f1, f2 = files[ssd._file_name(key(1))], files[ssd._file_name(key(2))]
-    assert _flags_of(f1) & ssd.FLAG_CRC32C and not _flags_of(f2) & ssd.FLAG_CRC32C
-    for k in (key(1), key(2)):
-        out = torch.zeros(65536, dtype=torch.uint8)
-        assert t.read([k], [[out]]) == [True] and torch.equal(out, data)
+    assert not _flags_of(f1) & ssd.FLAG_CRC32C and _flags_of(f2) & ssd.FLAG_CRC32C
+    t.close()
+    for setting in ssd.CHECKSUMS:
+        t = SSDTier("ssd", 1 << 24, str(d), checksum=setting, **opts)
+        assert sorted(k for k, _ in t.recover()) == [key(1), key(2)]
+        for k in (key(1), key(2)):
+            out = torch.zeros(65536, dtype=torch.uint8)
+            assert t.read([k], [[out]]) == [True] and torch.equal(out, data)
+        t.close()
+    t = SSDTier("ssd", 1 << 24, str(d), **opts)
+    t.recover()
     if not opts.get("compression"):  # (compressed payloads may fail to decompress before the sum)
         for f, k in ((f1, key(1)), (f2, key(2))):
             with open(f, "r+b") as fh:
@@ -273,12 +282,24 @@ def test_ssd_payload_sums_crc32c_and_reads_older_xxh3_files(tmp_path, monkeypatc
     t.close()
 
 
+def test_ssd_checksum_option_is_checked(tmp_path, monkeypatch):
+    import tierkv.tiers.ssd as ssd
+
+    with pytest.raises(ConfigError, match="checksum must be one of"):
+        SSDTier("ssd", 1 << 20, str(tmp_path / "a"), checksum="md5")
+    with pytest.raises(ConfigError, match="checksum"):
+        SSDTier.from_config("ssd", {"capacity": "1MiB", "path": str(tmp_path / "b"), "checksum": 7})
+    monkeypatch.setattr(ssd, "_crc", None)
+    with pytest.raises(ConfigError, match="needs the crc32c package"):
+        SSDTier("ssd", 1 << 20, str(tmp_path / "c"), checksum="crc32c")
+
+
 @pytest.mark.parametrize("opts", [{}, {"compression": "lz4"}], ids=["plain", "lz4"])
 def test_ssd_file_summed_with_an_unavailable_algorithm_is_a_miss_and_kept(tmp_path, monkeypatch, opts):
     import tierkv.tiers.ssd as ssd
 
     d = tmp_path / "ssd"
-    t = SSDTier("ssd", 1 << 24, str(d), **opts)
+    t = SSDTier("ssd", 1 << 24, str(d), checksum="crc32c", **opts)
     data = blob(5, 8192)
     assert t.write([key(5)], [[data]]) == [True]
     monkeypatch.setattr(ssd, "_crc", None)
