@@ -31,12 +31,19 @@ from tierkv import TieredStore, chunk_keys
 BATCH = 32
 
 
-def median_time(fn, rounds: int, setup=None) -> float:
+def median_time(fn, rounds: int, setup=None, settle: bool = True) -> float:
+    """Median wall time of ``fn`` over ``rounds`` calls.
+
+    ``settle`` pauses before each call (for copies, after torch's OpenMP workers spin);
+    CPU-bound lookups run back to back instead, as a scheduler calls them: after an
+    idle pause the call would measure a cold cache (and a waking vCPU), not the lookup.
+    """
     times = []
     for _ in range(rounds):
         if setup:
             setup()
-        time.sleep(SETTLE_S)
+        if settle:
+            time.sleep(SETTLE_S)
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -155,7 +162,7 @@ def bench_lookup(n_stored: int, rounds: int) -> dict:
     store.put(prefix, [one] * len(prefix))
     fill_s = time.perf_counter() - t0
     assert store.lookup(prefix) == 512
-    t = median_time(lambda: store.lookup(prefix), max(rounds, 50))
+    t = median_time(lambda: store.lookup(prefix), max(rounds, 50), settle=False)
     stored = store.stats()["total"]["chunks_stored"]
     store.close()
     return {"stored_keys": stored, "lookup_us": t * 1e6, "fill_s": fill_s}
@@ -164,9 +171,9 @@ def bench_lookup(n_stored: int, rounds: int) -> dict:
 def bench_keys(rounds: int) -> dict:
     tokens = np.random.default_rng(0).integers(0, 128000, 128 * 1024, dtype=np.int64)
     as_list = tokens.tolist()
-    t_arr = median_time(lambda: chunk_keys(tokens, 256, "bench"), max(rounds, 20))
-    t_u32 = median_time(lambda: chunk_keys(tokens.astype(np.uint32), 256, "bench"), max(rounds, 20))
-    t_list = median_time(lambda: chunk_keys(as_list, 256, "bench"), max(rounds, 20))
+    t_arr = median_time(lambda: chunk_keys(tokens, 256, "bench"), max(rounds, 20), settle=False)
+    t_u32 = median_time(lambda: chunk_keys(tokens.astype(np.uint32), 256, "bench"), max(rounds, 20), settle=False)
+    t_list = median_time(lambda: chunk_keys(as_list, 256, "bench"), max(rounds, 20), settle=False)
     n = len(tokens)
     return {"tokens": n, "Mtok_per_s_int64_array": n / t_arr / 1e6, "Mtok_per_s_uint32_array": n / t_u32 / 1e6,
             "Mtok_per_s_list": n / t_list / 1e6}
