@@ -237,7 +237,8 @@ class SSDTier(Tier):
 
         Each thread takes the next object until none is left: one future per thread,
         not per object (a future costs more than a small object's I/O), and a slow
-        object does not hold back a fixed share of the batch.
+        object does not hold back a fixed share of the batch.  The calling thread is
+        one of them: it is awake already, and it would only wait otherwise.
         """
         n = len(keys)
         total = sum(p.numel() for b in bufs for p in b)
@@ -253,9 +254,12 @@ class SSDTier(Tier):
                     return
                 out[i] = fn(keys[i], bufs[i])
 
-        futures = [self._pool.submit(run) for _ in range(min(self._threads, n))]
-        for f in futures:
-            f.result()
+        futures = [self._pool.submit(run) for _ in range(min(self._threads, n) - 1)]
+        try:
+            run()
+        finally:
+            for f in futures:
+                f.result()
         return out
 
     def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
