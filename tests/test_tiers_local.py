@@ -309,3 +309,28 @@ def test_ssd_file_summed_with_an_unavailable_algorithm_is_a_miss_and_kept(tmp_pa
     monkeypatch.undo()
     assert t.read([key(5)], [[out]]) == [True] and torch.equal(out, data)
     t.close()
+
+
+def test_ssd_batch_runs_on_the_caller_and_the_pool_and_stays_exact(tmp_path, monkeypatch):
+    """A large batch is spread over the calling thread and the I/O threads, every object exact."""
+    import threading
+
+    t = SSDTier("ssd", 1 << 28, str(tmp_path / "ssd"), io_threads=2)
+    keys = [key(i) for i in range(16)]
+    vals = [blob(i, 256 << 10) for i in range(16)]
+    assert t.write(keys, [[v] for v in vals]) == [True] * 16
+    seen: list[int] = []
+    inner = t._read_one
+
+    def spy(k, parts):
+        seen.append(threading.get_ident())
+        return inner(k, parts)
+
+    monkeypatch.setattr(t, "_read_one", spy)
+    outs = [torch.zeros(256 << 10, dtype=torch.uint8) for _ in keys]
+    assert t.read(keys, [[o] for o in outs]) == [True] * 16
+    assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+    assert len(seen) == 16 and threading.get_ident() in seen
+    assert t.read([key(99), *keys[:3]], [[torch.zeros(256 << 10, dtype=torch.uint8)] for _ in range(4)]) == \
+        [False, True, True, True]
+    t.close()
