@@ -99,6 +99,8 @@ def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     Inside a vLLM CPU engine process torch's copy kernel was measured moving host
     bytes at about a third of ``memmove``'s speed (outside one they are equal),
     and it holds the GIL while it runs; ``memmove`` through ctypes releases it.
+    On a thread other than the engine's, a parallel torch op also starts an
+    OpenMP team for that thread, whose workers then spin on the engine's cores.
     Anything else (a device tensor, a strided view, a dtype conversion) goes
     through ``copy_``.
     """
