@@ -144,3 +144,73 @@ def test_plan_saves_covers_each_block_once_per_object_kind(G, prompt_blocks, dat
         cover.update(range(first, last + 1))
     first_end_at_prefill = min(e for e in ends if e >= max(prompt_blocks, start))
     assert set(range(G * (start // G), first_end_at_prefill)) - set(range(start)) <= cover
+
+
+def _bare_connector(store, layers: int, G: int):
+    """A worker-side TierKVConnector reduced to what ``_resolve`` reads (no engine)."""
+    from types import SimpleNamespace
+
+    from tierkv.adapters.vllm.connector import TierKVConnector
+
+    c = TierKVConnector.__new__(TierKVConnector)
+    c._store = store
+    c._layers = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+    c._shard = SimpleNamespace(shard=0)
+    c._base_ns = {0: "test-ns"}
+    c._G = G
+    return c
+
+
+class _CountingStore:
+    """A TieredStore that counts the calls a lookup makes (each would be a round trip to a shared tier)."""
+
+    def __init__(self, store):
+        self._store, self.calls = store, 0
+
+    def __getattr__(self, name):
+        fn = getattr(self._store, name)
+        if name in ("lookup", "contains", "locate"):
+            def counted(*a, **k):
+                self.calls += 1
+                return fn(*a, **k)
+            return counted
+        return fn
+
+
+@settings(max_examples=40, deadline=None)
+@given(layers=st.integers(1, 5), G=st.sampled_from([1, 2, 4]), nblocks=st.integers(1, 14), data=st.data())
+def test_connector_resolve_needs_every_layer_and_at_most_two_store_calls_per_question(layers, G, nblocks, data):
+    """Against a brute-force model: a chunk counts only when every layer holds it; the tier of each
+    named chunk comes back from the same calls; each question costs the store two calls at most."""
+    import torch
+
+    from tierkv import TieredStore
+
+    store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "64MiB"}]})
+    counting = _CountingStore(store)
+    c = _bare_connector(counting, layers, G)
+    hashes = [bytes([i]) * 8 for i in range(nblocks)]
+    # full chunks (and tails from each chunk start) that some subset of layers holds
+    candidates = [(f, last) for f in range(0, nblocks, G) for last in range(f, min(f + G, nblocks))]
+    stored = {}
+    for chunk in candidates:
+        stored[chunk] = data.draw(st.sets(st.integers(0, layers - 1)), label=f"layers of {chunk}")
+    one = torch.zeros(1, dtype=torch.uint8)
+    for (first, last), held in stored.items():
+        for layer in held:
+            k = c._layer_keys(0, layer, [hashes[last]], None)
+            store.put(k, [one])
+    complete = {ch for ch, held in stored.items() if len(held) == layers}
+    last_layer = {ch for ch, held in stored.items() if layers - 1 in held}
+    for all_layers, ok in ((True, complete), (False, last_layer)):
+        counting.calls = 0
+        where: dict = {}
+        got = c._resolve(hashes, 0, 0, nblocks, None, all_layers=all_layers, where=where)
+        # the same chunks as the reference resolver over what is stored that way
+        fp, tp, calls = _resolver(ok, G)
+        assert got == resolve(0, nblocks, nblocks, G, fp, tp)
+        assert counting.calls <= 2 * len(calls)
+        for first, last in got:
+            (k,) = c._layer_keys(0, layers - 1, [hashes[last]], None)
+            assert where[k] == "dram"
+    store.close()

@@ -452,11 +452,12 @@ class TierKVConnector(KVConnectorBase_V1):
         return keys_from_block_hashes([block_hash_bytes(h) for h in hashes], namespace=ns)
 
     def _resolve(self, hashes: list, base: int, lo: int, hi: int, salt: str | None,
-                 all_layers: bool = True) -> list[Chunk]:
+                 all_layers: bool = True, where: dict[str, str | None] | None = None) -> list[Chunk]:
         """Stored chunks covering the leading blocks of ``lo..hi-1`` (``hashes[i]`` = block ``base+i``).
 
         ``all_layers``: every layer must hold a chunk (else only the last layer is
-        asked, the one written last).
+        asked, the one written last).  ``where``: filled with the tier holding each
+        last-layer key asked about (None: none), from the same store calls.
         """
         store = self._store
         if store is None:
@@ -468,17 +469,43 @@ class TierKVConnector(KVConnectorBase_V1):
         def keys(layer: int, ends: list[int]) -> list[str]:
             return self._layer_keys(shard, layer, [hashes[e - base] for e in ends], salt)
 
+        def first_layer(ends: list[int]) -> list[bool]:
+            ks = keys(layers[0], ends)
+            if where is None:
+                return store.contains(ks)
+            tiers = store.locate(ks)
+            where.update(zip(ks, tiers))
+            return [t is not None for t in tiers]
+
+        # Two store calls at most per question, whatever the layer count: a shared tier
+        # answers each with one round trip to its service.
         def full_present(ends: list[int]) -> int:
-            n = len(ends)
-            for layer in layers:  # the last layer is written last: it fails fastest
-                if n == 0:
-                    break
-                n = min(n, int(store.lookup(keys(layer, ends[:n]))))
+            # the last layer is written last: asked alone first, it fails fastest
+            if not ends:
+                return 0
+            if where is None:
+                n = int(store.lookup(keys(layers[0], ends)))
+            else:
+                there = first_layer(ends)
+                n = there.index(False) if False in there else len(ends)
+            if n == 0 or len(layers) == 1:
+                return n
+            w = n
+            present = store.contains([k for layer in layers[1:] for k in keys(layer, ends[:w])])
+            for row in range(len(layers) - 1):
+                lead = present[row * w:(row + 1) * w]
+                if False in lead:
+                    n = min(n, lead.index(False))
             return n
 
         def tail_present(ends: list[int]) -> int | None:
-            for j, there in zip(ends, store.contains(keys(layers[0], ends))):
-                if there and all(store.contains(keys(layer, [j]))[0] for layer in layers[1:]):
+            cands = [j for j, there in zip(ends, first_layer(ends)) if there]
+            if not cands or len(layers) == 1:
+                return cands[0] if cands else None
+            m = len(cands)
+            present = store.contains([k for layer in layers[1:] for k in keys(layer, cands)])
+            for i, j in enumerate(cands):
+                if all(present[row * m + i] for row in range(len(layers) - 1)):
                     return j
             return None
 
@@ -490,10 +517,11 @@ class TierKVConnector(KVConnectorBase_V1):
         if op == "lookup":
             return covered(self._resolve(hashes, base, lo, hi, salt), lo, hi)
         if op == "locate":
-            chunks = self._resolve(hashes, base, lo, hi, salt, all_layers=False)
+            found: dict[str, str | None] = {}
+            chunks = self._resolve(hashes, base, lo, hi, salt, all_layers=False, where=found)
             L = len(self._layers)
-            where = self._store.locate(self._layer_keys(self._shard.shard, L - 1,
-                                                        [hashes[c[1] - base] for c in chunks], salt))
+            where = [found.get(k) for k in self._layer_keys(self._shard.shard, L - 1,
+                                                            [hashes[c[1] - base] for c in chunks], salt)]
             out: list[Any] = [None] * (hi - lo)
             for (first, last), t in zip(chunks, where):
                 for b in range(max(first, lo), min(last + 1, hi)):
@@ -761,8 +789,12 @@ class TierKVConnector(KVConnectorBase_V1):
                 out[i] = k
         return out  # type: ignore[return-value]
 
-    def _plan_load(self, job: _LoadJob, specs: list[LoadSpec]) -> list[_LoadObj]:
-        """The stored chunks that fill the specs' blocks; blocks none covers fail at once."""
+    def _plan_load(self, job: _LoadJob, specs: list[LoadSpec],
+                   where: dict[str, str | None] | None = None) -> list[_LoadObj]:
+        """The stored chunks that fill the specs' blocks; blocks none covers fail at once.
+
+        ``where`` is filled with the tier of each last-layer key looked at (see ``_resolve``).
+        """
         objs: list[_LoadObj] = []
         for spec in specs:
             lo, hi = spec.start, spec.start + len(spec.block_ids)
@@ -770,7 +802,8 @@ class TierKVConnector(KVConnectorBase_V1):
             pr["tokens"] += (hi - lo) * self._block_size
             job.nblocks += hi - lo
             try:
-                chunks = self._resolve(spec.block_hashes, spec.hash_base, lo, hi, spec.cache_salt, all_layers=False)
+                chunks = self._resolve(spec.block_hashes, spec.hash_base, lo, hi, spec.cache_salt, all_layers=False,
+                                       where=where)
             except Exception as e:  # noqa: BLE001 - a broken backend is a miss
                 logger.warning("TierKVConnector: lookup failed for %s: %s", spec.req_id, e)
                 chunks = []
@@ -802,16 +835,14 @@ class TierKVConnector(KVConnectorBase_V1):
             self._run_load_inner(job, specs)
 
     def _run_load_inner(self, job: _LoadJob, specs: list[LoadSpec]) -> None:
-        store = self._store
         t0 = time.perf_counter()
         try:
-            objs = self._plan_load(job, specs)
+            found: dict[str, str | None] = {}
+            objs = self._plan_load(job, specs, found)
             items = [(o.key_hash, o.salt) for o in objs]
-            # which tier serves each chunk (recorded for stats; the load itself does not depend on it)
-            try:
-                where = store.locate(self._keys_for(job.num_layers - 1, items)) if objs else []
-            except Exception:  # noqa: BLE001
-                where = [None] * len(objs)
+            # which tier serves each chunk (recorded for stats; the load itself does not depend on it),
+            # as the plan's own store calls found it
+            where = [found.get(k) for k in self._keys_for(job.num_layers - 1, items)] if objs else []
             for o, tier in zip(objs, where):
                 self._count_hits(job, o.req_id, tier or "miss", o.num_targets)
             if not self._layerwise:
