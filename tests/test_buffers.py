@@ -148,3 +148,43 @@ def test_memmove_many_moves_every_range(sizes):
         assert torch.equal(dst[d:d + n], src[s:s + n])
         if d + n < dst.numel():
             assert int(dst[d + n]) == 0
+
+
+@pytest.mark.parametrize("which", ["copy_many", "memmove_many"])
+def test_a_large_batch_does_not_wait_for_a_helper_busy_elsewhere(which):
+    """While the helper thread is held by another caller's work, a large batch is done by its own caller
+    (every byte exact) and returns without waiting for the helper."""
+    import threading
+
+    from tierkv import buffers
+
+    n, size = 12, 1 << 20  # 12 MiB: above PARALLEL_COPY_MIN
+    assert n * size >= buffers.PARALLEL_COPY_MIN
+    srcs = [torch.randint(0, 255, (size,), dtype=torch.uint8) for _ in range(n)]
+    dsts = [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
+    release, held = threading.Event(), threading.Event()
+
+    def hold():
+        held.set()
+        release.wait(30)
+
+    blocker = buffers._copy_helper().submit(hold)
+    assert held.wait(10)
+    done = threading.Event()
+
+    def work():
+        if which == "copy_many":
+            copy_many([([d], [s]) for d, s in zip(dsts, srcs)])
+        else:
+            memmove_many([(d.data_ptr(), s.data_ptr(), size) for d, s in zip(dsts, srcs)])
+        done.set()
+
+    t = threading.Thread(target=work)
+    t.start()
+    try:
+        assert done.wait(20), "the batch waited for the busy helper"
+    finally:
+        release.set()
+        t.join(30)
+        blocker.result(30)
+    assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))

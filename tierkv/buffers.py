@@ -9,10 +9,11 @@ nothing is gathered into a staging copy first.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Union
+from typing import Any, Union
 
 import torch
 
@@ -152,49 +153,59 @@ def _copy_helper() -> ThreadPoolExecutor:
         return _helper
 
 
-def _copy_all(jobs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> None:
-    for dst, src in jobs:
-        copy_parts(dst, src)
+def _on_two_threads(run_one: Callable[[Any], None], jobs: Sequence, sizes: Sequence[int]) -> None:
+    """``run_one(job)`` for every job; when the batch is large enough, on the caller and the helper thread.
 
-
-def _on_two_threads(run: Callable[[Sequence], None], jobs: Sequence, sizes: Sequence[int]) -> None:
-    """``run(jobs)``, split in two halves of about equal bytes when the batch is large enough: the
-    helper thread runs one half while the caller runs the other (the copies must release the GIL)."""
-    total = sum(sizes)
-    if len(jobs) < 2 or total < PARALLEL_COPY_MIN:
-        run(jobs)
+    Both threads take the next job until none is left (the jobs must release the GIL),
+    so the batch ends when its work is done even when one thread gets less of the
+    CPU than the other, as on a machine whose cores other threads also want, or
+    when the helper is still busy with another caller's batch.
+    """
+    n = len(jobs)
+    if n < 2 or sum(sizes) < PARALLEL_COPY_MIN:
+        for job in jobs:
+            run_one(job)
         return
-    acc, cut = 0, len(jobs) - 1
-    for k, n in enumerate(sizes):
-        acc += n
-        if acc * 2 >= total:
-            cut = max(1, k)
-            break
-    other = _copy_helper().submit(run, jobs[cut:])
+    nxt = itertools.count()  # next() on it is atomic under the GIL
+
+    def drain() -> None:
+        while True:
+            i = next(nxt)
+            if i >= n:
+                return
+            run_one(jobs[i])
+
+    other = _copy_helper().submit(drain)
     try:
-        run(jobs[:cut])
+        drain()
     finally:
-        other.result()
+        # a helper still busy with another batch has nothing left to do here: do not wait for it
+        if not other.cancel():
+            other.result()
+
+
+def _copy_job(job: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]) -> None:
+    copy_parts(*job)
 
 
 def copy_many(jobs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]]) -> None:
     """``copy_parts(dst, src)`` for every (dst, src) pair; a large batch of host copies on two threads.
 
     One thread does not saturate memory bandwidth: a batch of at least
-    ``PARALLEL_COPY_MIN`` bytes of host memory is split in two halves of about
-    equal bytes, one copied by a helper thread (``memmove`` releases the GIL)
-    while the caller copies the other.  Returns when every copy is done; the
-    destinations must not overlap one another.
+    ``PARALLEL_COPY_MIN`` bytes of host memory is shared between the caller and a
+    helper thread (``memmove`` releases the GIL), each taking the next pair until
+    none is left.  Returns when every copy is done; the destinations must not
+    overlap one another.
     """
     if any(p.device.type != "cpu" for dst, src in jobs for p in (*dst, *src)):
-        _copy_all(jobs)
+        for job in jobs:
+            _copy_job(job)
         return
-    _on_two_threads(_copy_all, jobs, [sum(p.numel() * p.element_size() for p in dst) for dst, _ in jobs])
+    _on_two_threads(_copy_job, jobs, [sum(p.numel() * p.element_size() for p in dst) for dst, _ in jobs])
 
 
-def _move_all(moves: Sequence[tuple[int, int, int]]) -> None:
-    for dst, src, n in moves:
-        _memmove(dst, src, n)
+def _move(move: tuple[int, int, int]) -> None:
+    _memmove(*move)
 
 
 def memmove_many(moves: Sequence[tuple[int, int, int]]) -> None:
@@ -204,7 +215,7 @@ def memmove_many(moves: Sequence[tuple[int, int, int]]) -> None:
     guarantees every range is valid for the whole call and that destinations do
     not overlap one another.
     """
-    _on_two_threads(_move_all, moves, [n for _, _, n in moves])
+    _on_two_threads(_move, moves, [n for _, _, n in moves])
 
 
 def staging(nbytes: int, pin: bool = False) -> torch.Tensor:

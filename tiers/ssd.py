@@ -258,8 +258,9 @@ class SSDTier(Tier):
         try:
             run()
         finally:
-            for f in futures:
-                f.result()
+            for f in futures:  # threads still busy with another batch have nothing left to do here
+                if not f.cancel():
+                    f.result()
         return out
 
     def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
