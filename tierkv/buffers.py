@@ -153,35 +153,40 @@ def _copy_helper() -> ThreadPoolExecutor:
         return _helper
 
 
-def _on_two_threads(run_one: Callable[[Any], None], jobs: Sequence, sizes: Sequence[int]) -> None:
-    """``run_one(job)`` for every job; when the batch is large enough, on the caller and the helper thread.
+def share_work(body: Callable[[int], None], n: int, pool: ThreadPoolExecutor, helpers: int) -> None:
+    """``body(i)`` for every ``i < n``, on the calling thread and up to ``helpers`` threads of ``pool``.
 
-    Both threads take the next job until none is left (the jobs must release the GIL),
-    so the batch ends when its work is done even when one thread gets less of the
-    CPU than the other, as on a machine whose cores other threads also want, or
-    when the helper is still busy with another caller's batch.
+    Each thread takes the next index until none is left (``body`` must release the
+    GIL to run in parallel), so the work ends when it is done even when one thread
+    gets less of the CPU than another, and a pool thread still busy with someone
+    else's work is not waited for: the caller takes its share.
     """
-    n = len(jobs)
-    if n < 2 or sum(sizes) < PARALLEL_COPY_MIN:
-        for job in jobs:
-            run_one(job)
-        return
     nxt = itertools.count()  # next() on it is atomic under the GIL
 
-    def drain() -> None:
+    def work() -> None:
         while True:
             i = next(nxt)
             if i >= n:
                 return
-            run_one(jobs[i])
+            body(i)
 
-    other = _copy_helper().submit(drain)
+    futures = [pool.submit(work) for _ in range(max(0, min(helpers, n - 1)))]
     try:
-        drain()
+        work()
     finally:
-        # a helper still busy with another batch has nothing left to do here: do not wait for it
-        if not other.cancel():
-            other.result()
+        for f in futures:  # one that never started has nothing left to do
+            if not f.cancel():
+                f.result()
+
+
+def _on_two_threads(run_one: Callable[[Any], None], jobs: Sequence, sizes: Sequence[int]) -> None:
+    """``run_one(job)`` for every job; a batch of ``PARALLEL_COPY_MIN`` bytes or more on the caller
+    and the helper thread (see ``share_work``)."""
+    if len(jobs) < 2 or sum(sizes) < PARALLEL_COPY_MIN:
+        for job in jobs:
+            run_one(job)
+        return
+    share_work(lambda i: run_one(jobs[i]), len(jobs), _copy_helper(), 1)
 
 
 def _copy_job(job: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]]) -> None:

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import itertools
 import logging
 import mmap
 import os
@@ -49,7 +48,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from tierkv.buffers import host_copy
+from tierkv.buffers import host_copy, share_work
 from tierkv.errors import ConfigError
 
 from .base import Parts, Tier
@@ -238,29 +237,19 @@ class SSDTier(Tier):
         Each thread takes the next object until none is left: one future per thread,
         not per object (a future costs more than a small object's I/O), and a slow
         object does not hold back a fixed share of the batch.  The calling thread is
-        one of them: it is awake already, and it would only wait otherwise.
+        one of them: it is awake already, and it would only wait otherwise
+        (``share_work``).
         """
         n = len(keys)
         total = sum(p.numel() for b in bufs for p in b)
         if n <= 1 or total < (1 << 20):
             return [fn(k, b) for k, b in zip(keys, bufs)]
         out = [False] * n
-        nxt = itertools.count()  # next() on it is atomic under the GIL
 
-        def run() -> None:
-            while True:
-                i = next(nxt)
-                if i >= n:
-                    return
-                out[i] = fn(keys[i], bufs[i])
+        def one(i: int) -> None:
+            out[i] = fn(keys[i], bufs[i])
 
-        futures = [self._pool.submit(run) for _ in range(min(self._threads, n) - 1)]
-        try:
-            run()
-        finally:
-            for f in futures:  # threads still busy with another batch have nothing left to do here
-                if not f.cancel():
-                    f.result()
+        share_work(one, n, self._pool, self._threads - 1)
         return out
 
     def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
