@@ -79,11 +79,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--block-size", type=int, default=128, help="vLLM block size (128 is vLLM's CPU default)")
     ap.add_argument("--backends", default="none,dram,ssd,dram_pool,example",
-                    help="comma-separated; NAME/whole or NAME/layer forces that load mode for one back end")
+                    help="comma-separated; NAME/whole or NAME/layer forces that load mode for one back end, "
+                         "NAME/token sets full_hit_recompute=token (modes join with +, e.g. ssd/layer+token)")
     ap.add_argument("--layerwise", default="auto", choices=["auto", "true", "false"],
                     help="TierKVConnector's layerwise loading (auto: the connector's default, whole-step on CPU)")
     ap.add_argument("--chunk-tokens", type=int, default=None,
                     help="TierKVConnector's chunk_tokens (tokens per stored object; default: the connector's)")
+    ap.add_argument("--full-hit-recompute", default=None, choices=["block", "token"],
+                    help="TierKVConnector's full_hit_recompute for every back end (default: the connector's, "
+                         "block); a back end named like ssd/token sets it for that one")
     ap.add_argument("--settle", type=float, default=SETTLE_S,
                     help="seconds to pause before each timed run (other engines' OpenMP workers stop spinning)")
     ap.add_argument("--workdir", default=None, help="keep model and stores here (default: a temp dir)")
@@ -106,19 +110,25 @@ def main(argv: list[str] | None = None) -> int:
     base_extra = {"layerwise": lw}
     if args.chunk_tokens is not None:
         base_extra["chunk_tokens"] = args.chunk_tokens
+    if args.full_hit_recompute is not None:
+        base_extra["full_hit_recompute"] = args.full_hit_recompute
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     results: dict[str, dict] = {}
     servers: dict[str, U.EngineServer] = {}
     masters: list = []
     try:
         for name in backends:
-            # "ssd/whole" or "dram/layer": that back end with whole-step or layer-by-layer loads
-            backend, _, mode = name.partition("/")
+            # "ssd/whole" or "dram/layer": that back end with whole-step or layer-by-layer loads;
+            # "ssd/token" (or "ssd/layer+token"): full_hit_recompute="token"
+            backend, _, modes = name.partition("/")
             conn_extra = dict(base_extra)
-            if mode:
-                if mode not in ("whole", "layer"):
-                    raise SystemExit(f"unknown load mode {mode!r} in {name!r} (whole or layer)")
-                conn_extra["layerwise"] = mode == "layer"
+            for mode in filter(None, modes.split("+")):
+                if mode in ("whole", "layer"):
+                    conn_extra["layerwise"] = mode == "layer"
+                elif mode in ("token", "block"):
+                    conn_extra["full_hit_recompute"] = mode
+                else:
+                    raise SystemExit(f"unknown mode {mode!r} in {name!r} (whole, layer, token or block)")
             if backend == "none":
                 kv = None
             elif backend == "dram":

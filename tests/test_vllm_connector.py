@@ -190,13 +190,61 @@ def test_repeat_of_a_stored_prompt_saves_nothing(model, workdir):
     assert t2["load_tokens"] == _full_block_prefix(len(prompt)) and t2["load_errors"] == 0
 
 
-def test_bad_chunk_tokens_is_a_clear_error(model, workdir):
+def test_full_hit_recompute_token_computes_one_token(model, workdir, baseline):
+    """full_hit_recompute="token": a prompt stored in full loads its last block too and computes one token.
+
+    Also when vLLM holds the first blocks itself: then only the last block comes
+    from the tiers, all of it but the token that is computed.
+    """
+    rng = random.Random(11)
+    whole = [rng.randrange(1024) for _ in range(4 * BS)]  # 4 full blocks, nothing after them
+    shorter = whole[: 3 * BS] + [rng.randrange(1024) for _ in range(5)]  # shares 3 blocks with it
+    prompts = _prompts() + [whole]
     spec = {
         "model": model,
-        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"chunk_tokens": 0}),
+        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"full_hit_recompute": "token"}),
+        "steps": [
+            {"op": "generate", "prompts": prompts},
+            {"op": "drain"},
+            {"op": "records"},
+            {"op": "reset"},
+            {"op": "generate", "prompts": prompts, "one_by_one": True},
+            {"op": "drain"},
+            {"op": "records"},
+            {"op": "reset"},
+            # vLLM's own cache gets 3 blocks from `shorter`; the tiers add the 4th, less one token
+            {"op": "generate", "prompts": [shorter]},
+            {"op": "generate", "prompts": [whole]},
+            {"op": "records"},
+        ],
+    }
+    r = U.run_engine(spec, workdir / "cache")
+    first, _, rec1, _, again, _, rec2, _, _, after_local, rec3 = r["steps"]
+    assert first["tokens"][:-1] == baseline and again["tokens"] == first["tokens"]
+    # a prompt that ends inside a block: whole blocks as before; one that ends on a block: all but a token
+    assert again["num_cached_tokens"] == [_full_block_prefix(len(p)) for p in prompts[:-1]] + [len(whole) - 1]
+    assert after_local["num_cached_tokens"] == [len(whole) - 1]
+    assert after_local["tokens"] == first["tokens"][-1:]
+    t1, t2, t3 = _worker(rec1)["totals"], _worker(rec2)["totals"], _worker(rec3)["totals"]
+    assert t2["load_errors"] == 0 and t3["load_errors"] == 0
+    # the whole prompt's 4 blocks were loaded on the repeat, and nothing was stored again
+    assert t2["save_blocks"] == t1["save_blocks"]
+    # `shorter` ends its stored prefix at block 3: a tail object of its own (3 blocks x 4 layers)
+    assert t3["save_blocks"] == t2["save_blocks"] + 3 * 4
+    # `shorter` found nothing (no stored object ends at its block 3: chunks are named by their last
+    # block); `whole` then had 3 blocks in vLLM's cache and loaded exactly one block, the 4th
+    assert t3["load_tokens"] - t2["load_tokens"] == BS
+
+
+@pytest.mark.parametrize("extra,name", [({"chunk_tokens": 0}, "chunk_tokens"),
+                                        ({"full_hit_recompute": "half"}, "full_hit_recompute")])
+def test_bad_connector_option_is_a_clear_error(model, workdir, extra, name):
+    spec = {
+        "model": model,
+        "kv_transfer_config": U.connector_config(HOST_STORE, extra=extra),
         "steps": [{"op": "generate", "prompts": _prompts()[:1]}],
     }
-    with pytest.raises(RuntimeError, match="chunk_tokens"):
+    with pytest.raises(RuntimeError, match=name):
         U.run_engine(spec, workdir / "cache")
 
 

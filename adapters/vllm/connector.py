@@ -329,6 +329,11 @@ class TierKVConnector(KVConnectorBase_V1):
         except ValueError as e:
             raise ValueError(f"kv_connector_extra_config['chunk_tokens']: {e}") from None
         self._load_enabled = bool(extra.get("load", True))
+        fh = extra.get("full_hit_recompute", "block")
+        if fh not in ("block", "token"):
+            raise ValueError(
+                f"kv_connector_extra_config['full_hit_recompute'] must be 'block' or 'token', got {fh!r}")
+        self._full_hit_token = fh == "token"
         lw = extra.get("layerwise", "auto")
         if lw not in (True, False, "auto"):
             raise ValueError(f"kv_connector_extra_config['layerwise'] must be true, false or 'auto', got {lw!r}")
@@ -566,8 +571,12 @@ class TierKVConnector(KVConnectorBase_V1):
             return 0, False
         bs = self._block_size
         hashes = request.block_hashes
-        # leave at least one token to compute: vLLM needs its logits
-        max_blocks = min(len(hashes), (request.num_tokens - 1) // bs)
+        # leave at least one token to compute: vLLM needs its logits.  By default the
+        # hit is whole blocks, so a prompt stored in full recomputes its last block
+        # (vLLM's own rule); with full_hit_recompute="token" that block is loaded too
+        # and only the prompt's last token is computed (its KV overwrites the loaded
+        # copy of itself: the same token at the same position after the same prefix).
+        max_blocks = min(len(hashes), (request.num_tokens - (0 if self._full_hit_token else 1)) // bs)
         local = num_computed_tokens // bs
         hits, held, reach = 0, 0, 0
         if time.monotonic() >= self._lookup_down_until:
@@ -586,7 +595,10 @@ class TierKVConnector(KVConnectorBase_V1):
         stored = held if held < local else local + reach
         self._lookups[request.request_id] = (local, hits, stored, max_blocks)
         self._sched_totals["lookups"] += 1
-        return hits * bs, False
+        ext = hits * bs
+        if (local + hits) * bs >= request.num_tokens:  # only with full_hit_recompute="token"
+            ext = max(0, request.num_tokens - 1 - local * bs)
+        return ext, False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         if not self._enabled:
@@ -600,11 +612,15 @@ class TierKVConnector(KVConnectorBase_V1):
         if look is None:
             return
         local, _, stored, _ = look
+        bs = self._block_size
+        num_external_tokens = max(0, int(num_external_tokens))
         st.next_chunk, st.tail_end = stored // self._G, stored
-        st.expect_done = local + max(0, num_external_tokens // self._block_size)
+        # blocks complete once these tokens are in (a hit one token short of the
+        # prompt's end leaves its last block incomplete until that token is computed)
+        st.expect_done = local + num_external_tokens // bs
         st.pending_load = None
         st.hit_sources = {}
-        n_ext = num_external_tokens // self._block_size
+        n_ext = -(-num_external_tokens // bs)  # blocks to load, the last one perhaps for all but a token
         if n_ext <= 0:
             return
         block_ids = blocks.get_block_ids()[0]
@@ -618,13 +634,14 @@ class TierKVConnector(KVConnectorBase_V1):
         except Exception:  # noqa: BLE001 - statistics only
             where = [None] * n_ext
         by_tier = self._sched_totals["hit_tokens_by_tier"]
-        for tm in where:
+        for i, tm in enumerate(where):
             name, medium = tm if tm is not None else ("unknown", None)
-            by_tier[name] = by_tier.get(name, 0) + self._block_size
+            n = min(bs, num_external_tokens - i * bs)  # hit tokens of this block
+            by_tier[name] = by_tier.get(name, 0) + n
             src = _hit_source(name, medium)
             if src is not None:
-                st.hit_sources[src] = st.hit_sources.get(src, 0) + self._block_size
-        self._sched_totals["hit_tokens"] += n_ext * self._block_size
+                st.hit_sources[src] = st.hit_sources.get(src, 0) + n
+        self._sched_totals["hit_tokens"] += num_external_tokens
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int):
         if num_external_tokens == 0:
