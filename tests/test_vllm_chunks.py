@@ -214,3 +214,58 @@ def test_connector_resolve_needs_every_layer_and_at_most_two_store_calls_per_que
             (k,) = c._layer_keys(0, layers - 1, [hashes[last]], None)
             assert where[k] == "dram"
     store.close()
+
+
+def _bare_scheduler(bs: int, token_mode: bool, reach_of):
+    """A scheduler-side TierKVConnector reduced to what the hit arithmetic reads (no engine, no store)."""
+    from types import SimpleNamespace
+
+    from tierkv.adapters.vllm.connector import TierKVConnector
+
+    c = TierKVConnector.__new__(TierKVConnector)
+    c._enabled = c._load_enabled = True
+    c._block_size, c._G, c._full_hit_token = bs, 1, token_mode
+    c._lookup_down_until = 0.0
+    c._lookups, c._reqs = {}, {}
+    c._sched_totals = {"lookups": 0, "hit_tokens": 0, "hit_tokens_by_tier": {}}
+    c._shard = SimpleNamespace(num_shards=1, replicas=1, shard=0)
+    c._leading_hits = lambda request, lo, hi: max(0, min(hi, reach_of) - lo)
+    c._client = lambda rank: SimpleNamespace(
+        call=lambda op, hashes, base, lo, hi, salt: [("dram", "dram")] * (hi - lo))
+    return c
+
+
+@settings(max_examples=200, deadline=None)
+@given(bs=st.sampled_from([1, 2, 16, 32]), n=st.integers(1, 200), token_mode=st.booleans(), data=st.data())
+def test_hit_arithmetic_leaves_a_token_and_loads_whole_blocks(bs, n, token_mode, data):
+    """full_hit_recompute: "block" hits are whole blocks short of the prompt's end; "token" hits reach
+    one token short of it when every block is stored. Either way at least one token is computed, the
+    load covers the hit's blocks (the last one perhaps for all but a token) and the stats add up."""
+    from types import SimpleNamespace
+
+    full = n // bs
+    local = data.draw(st.integers(0, (n - 1) // bs), label="blocks vLLM holds")
+    stored_to = data.draw(st.integers(local, full), label="blocks stored from the start")
+    c = _bare_scheduler(bs, token_mode, stored_to)
+    req = SimpleNamespace(request_id="r", num_tokens=n, block_hashes=[bytes([i % 256]) * 4 for i in range(full)],
+                          cache_salt=None)
+    ext, is_async = c.get_num_new_matched_tokens(req, local * bs)
+    assert is_async is False
+    assert 0 <= ext and local * bs + ext <= n - 1  # vLLM always computes a token
+    blocks_hit = stored_to - local
+    if token_mode and stored_to == full and n % bs == 0:
+        assert ext == max(0, n - 1 - local * bs)
+    else:
+        assert ext == min(blocks_hit, (n - 1) // bs - local) * bs
+    blocks = SimpleNamespace(get_block_ids=lambda: (list(range(100, 100 + full + 1)),))
+    c.update_state_after_alloc(req, blocks, ext)
+    st_ = c._reqs["r"]
+    nload = -(-ext // bs)
+    if ext:
+        assert st_.pending_load == (local, local + nload) and local + nload <= stored_to
+    else:
+        assert st_.pending_load is None
+    # blocks complete once the hit is in; the partly loaded last block is not one of them
+    assert st_.expect_done == (local * bs + ext) // bs
+    assert c._sched_totals["hit_tokens"] == ext == sum(c._sched_totals["hit_tokens_by_tier"].values())
+    assert sum(st_.hit_sources.values()) == ext
