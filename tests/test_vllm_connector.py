@@ -331,6 +331,61 @@ def test_cross_instance_ssd(model, workdir, baseline):
     assert t["load_errors"] == 0
 
 
+def test_beside_another_connector_in_multiconnector(model, workdir, baseline):
+    """MultiConnector with a second real connector ahead of TierKV (ExampleConnector stands in for a
+    prefill/decode transfer connector, which needs an accelerator).
+
+    When the other connector serves a prompt, TierKV loads nothing and stores the blocks that connector
+    put in place; an engine with TierKV alone then hits them with identical outputs.  With the other
+    connector's storage empty, TierKV serves the hit from beside it.
+    """
+    prompts = _prompts()
+    ssd_a, ssd_b = workdir / "ssd-multi-a", workdir / "ssd-multi-b"
+    files, empty = workdir / "example-files", workdir / "example-empty"
+    for d in (ssd_a, ssd_b, files, empty):
+        shutil.rmtree(d, ignore_errors=True)
+    files.mkdir()
+    empty.mkdir()
+
+    def multi(example_dir, ssd):
+        return {
+            "kv_connector": "MultiConnector",
+            "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [
+                U.connector_config(None, name="ExampleConnector", extra={"shared_storage_path": str(example_dir)}),
+                U.connector_config(_ssd_store(ssd)),
+            ]},
+        }
+
+    # 1: both store what the engine computes
+    one = U.run_engine({"model": model, "kv_transfer_config": multi(files, ssd_a),
+                        "steps": [{"op": "generate", "prompts": prompts}, {"op": "drain"}, {"op": "records"}]},
+                       workdir / "cache")
+    assert one["steps"][0]["tokens"] == baseline
+    assert _worker(one["steps"][2])["totals"]["save_blocks"] > 0
+    # 2: ExampleConnector serves every hit; TierKV, on an empty store, loads nothing and stores what it put in place
+    two = U.run_engine({"model": model, "kv_transfer_config": multi(files, ssd_b),
+                        "steps": [{"op": "generate", "prompts": prompts, "one_by_one": True}, {"op": "drain"},
+                                  {"op": "records"}]},
+                       workdir / "cache")
+    gen2, _, rec2 = two["steps"]
+    assert gen2["tokens"] == baseline
+    assert gen2["num_cached_tokens"] == [_full_block_prefix(len(p)) for p in prompts]
+    t2 = _worker(rec2)["totals"]
+    assert t2["load_tokens"] == 0 and t2["save_blocks"] > 0 and t2["save_errors"] == 0
+    # 3: TierKV beside an empty ExampleConnector, on the store engine 2 filled
+    three = U.run_engine({"model": model, "kv_transfer_config": multi(empty, ssd_b),
+                          "steps": [{"op": "generate", "prompts": prompts, "one_by_one": True}, {"op": "records"}]},
+                         workdir / "cache")
+    gen3, rec3 = three["steps"]
+    assert gen3["tokens"] == baseline
+    assert gen3["num_cached_tokens"] == [_full_block_prefix(len(p)) for p in prompts]
+    t3 = _worker(rec3)["totals"]
+    assert set(t3["hit_tokens"]) == {"ssd"} and t3["load_errors"] == 0
+    assert t3["load_tokens"] >= _full_block_prefix(len(prompts[0]))
+
+
 def test_corrupt_chunk_is_recomputed(model, workdir, baseline):
     prompts = _prompts()
     ssd = workdir / "ssd-corrupt"
