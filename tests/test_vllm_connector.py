@@ -457,3 +457,103 @@ def test_cross_instance_dram_pool(model, workdir, baseline, tmp_path):
     t = _worker(rec)["totals"]
     assert set(t["hit_tokens"]) == {"dram_pool"} and t["load_tokens"] >= _full_block_prefix(len(prompts[0]))
     assert t["load_errors"] == 0
+
+
+def _tp2_env() -> dict:
+    """Two CPU workers: vLLM binds each to CPUs of its own (it cannot pick them itself on one NUMA node)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[-1]}",
+            # the test's "records" and "drain" reach the ranks' processes through collective_rpc
+            "VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+
+
+def test_tensor_parallel_ranks_store_their_own_kv_head_shards(model, workdir):
+    """Tensor parallelism 2 over 2 KV heads: each rank stores and loads its own shard, under its own keys."""
+    prompts = _prompts()[:2]
+    spec = {
+        "model": model,
+        "tensor_parallel_size": 2,
+        "env": _tp2_env(),
+        "kv_transfer_config": U.connector_config(HOST_STORE),
+        "steps": [
+            {"op": "generate", "prompts": prompts},
+            {"op": "drain"},
+            {"op": "reset"},
+            {"op": "generate", "prompts": prompts},
+            {"op": "records"},
+        ],
+    }
+    r = U.run_engine(spec, workdir / "cache")
+    first, _, _, again, rec = r["steps"]
+    assert again["tokens"] == first["tokens"]
+    assert again["num_cached_tokens"] == [_full_block_prefix(len(p)) for p in prompts]
+    ranks = sorted(rec["workers"], key=lambda w: w["tp_rank"])
+    assert [w["shard"] for w in ranks] == [[0, 2, 0, 1], [1, 2, 0, 1]]
+    for w in ranks:
+        t = w["totals"]
+        # a shard is saved by its rank alone and loaded by it: every hit token on every rank
+        assert t["save_blocks"] > 0 and t["save_errors"] == 0 and t["load_errors"] == 0
+        # (prompts that share a head, run together: the second takes the shared blocks from vLLM's cache)
+        assert t["load_tokens"] >= max(_full_block_prefix(len(p)) for p in prompts)
+    assert ranks[0]["totals"]["save_blocks"] == ranks[1]["totals"]["save_blocks"]
+    assert ranks[0]["totals"]["load_tokens"] == ranks[1]["totals"]["load_tokens"]
+
+
+def test_tensor_parallel_replicas_share_keys_and_split_writes(workdir, tmp_path):
+    """Tensor parallelism 2 over 1 KV head (both ranks hold identical KV): one key per chunk, the writes
+    split between the ranks in a shared pool, and an engine without tensor parallelism hits all of it."""
+    mooncake_util = pytest.importorskip("mooncake_util")
+    reason = mooncake_util.missing_reason()
+    if reason:
+        pytest.skip(reason)
+    model1 = U.make_tiny_model(workdir / "model-kv1", layers=4, heads=2, kv_heads=1)
+    prompts = [_prompts()[0], _prompts()[3]]  # no shared blocks: each block is written exactly once
+    with mooncake_util.MooncakeMaster() as master:
+        for k, v in mooncake_util.client_env().items():
+            os.environ.setdefault(k, v)
+        # one object per block, so consecutive blocks go to different ranks
+        kv = U.connector_config({"tiers": [master.tier_config(segment="128MiB")]}, extra={"chunk_tokens": BS})
+        ready, release = tmp_path / "ready", tmp_path / "release"
+        p1 = U.start_engine(
+            {"model": model1, "tensor_parallel_size": 2, "env": _tp2_env(), "kv_transfer_config": kv,
+             "steps": [{"op": "generate", "prompts": prompts}, {"op": "drain"}, {"op": "reset"},
+                       {"op": "generate", "prompts": prompts}, {"op": "drain"}, {"op": "records"},
+                       {"op": "signal", "path": str(ready)}, {"op": "wait_file", "path": str(release)}]},
+            workdir / "cache",
+        )
+        try:
+            import time
+
+            deadline = time.monotonic() + 300
+            while not ready.exists():
+                assert p1.poll() is None, U.engine_result(p1)
+                assert time.monotonic() < deadline, "engine 1 did not get ready"
+                time.sleep(0.2)
+            # the objects live in the ranks' segments: engine 1 stays up while engine 2 reads
+            two = U.run_engine(
+                {"model": model1, "kv_transfer_config": kv,
+                 "steps": [{"op": "generate", "prompts": prompts}, {"op": "records"}]},
+                workdir / "cache",
+            )
+        finally:
+            release.write_text("1")
+        one = U.engine_result(p1)
+    first, _, _, again, _, rec = one["steps"][:6]
+    full = [_full_block_prefix(len(p)) for p in prompts]
+    assert again["tokens"] == first["tokens"] and again["num_cached_tokens"] == full
+    ranks = sorted(rec["workers"], key=lambda w: w["tp_rank"])
+    assert [w["shard"] for w in ranks] == [[0, 1, 0, 2], [0, 1, 1, 2]]
+    saved = [w["totals"]["save_blocks"] for w in ranks]
+    layers = 4
+    blocks = len({tuple(p[: (b + 1) * BS]) for p in prompts for b in range(len(p) // BS)})
+    # every block of every layer written once, by one rank or the other, and both ranks took a share
+    assert sum(saved) == blocks * layers and min(saved) > 0
+    for w in ranks:  # each rank loads the whole (shared) KV it needs
+        assert w["totals"]["load_tokens"] >= max(full) and w["totals"]["load_errors"] == 0
+    assert ranks[0]["totals"]["load_tokens"] == ranks[1]["totals"]["load_tokens"]
+    gen, rec2 = two["steps"]
+    assert gen["tokens"] == first["tokens"] and gen["num_cached_tokens"] == full
+    (w2,) = rec2["workers"]
+    assert w2["shard"] == [0, 1, 0, 1]
+    assert set(w2["totals"]["hit_tokens"]) == {"dram_pool"} and w2["totals"]["load_errors"] == 0
+    assert w2["totals"]["load_tokens"] == ranks[0]["totals"]["load_tokens"]

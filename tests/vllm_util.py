@@ -199,6 +199,29 @@ def connector_config(store: dict[str, Any] | str | None, name: str = "TierKVConn
 
 
 # ------------------------------------------------------------------------ in the engine process
+def _rank_records(_worker: Any = None, drain_timeout: float = 0.0) -> list:
+    """This process's worker connectors: their records (after waiting for their saves, if asked).
+
+    ``collective_rpc`` calls it in each worker process with that process's vLLM worker first.
+    """
+    workers, _ = _connectors()
+    if drain_timeout:
+        for w in workers:
+            w.wait_for_all_saves(drain_timeout)
+    return _jsonable([
+        {
+            "tp_rank": w._tp_rank,
+            "shard": [w._shard.shard, w._shard.num_shards, w._shard.replica, w._shard.replicas],
+            "totals": w.totals.data,
+            "layerwise": w._layerwise,
+            "requests": dict(w.request_records),
+            "load_trace": list(w.load_trace),
+            "store": w._store.stats() if w._store is not None else None,
+        }
+        for w in workers
+    ])
+
+
 def _connectors():
     from tierkv.adapters.vllm import live_connectors
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -324,6 +347,8 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         workers, _ = _connectors()
         for w in workers:
             w.wait_for_all_saves(60)
+        if not workers and state.get("ranks_elsewhere"):
+            llm.collective_rpc(_rank_records, args=(60.0,))
     elif op == "corrupt":
         res["corrupted"] = _corrupt_files(step["path"], step.get("limit"))
     elif op == "gate_layers":
@@ -344,16 +369,10 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         if gate is not None:
             res["gate"] = {"timeouts": gate.timeouts, "gated": gate.gated}
         # snapshots: the connector keeps updating its own dicts after this step
-        res["workers"] = _jsonable([
-            {
-                "totals": w.totals.data,
-                "layerwise": w._layerwise,
-                "requests": dict(w.request_records),
-                "load_trace": list(w.load_trace),
-                "store": w._store.stats() if w._store is not None else None,
-            }
-            for w in workers
-        ])
+        if workers or not state.get("ranks_elsewhere"):
+            res["workers"] = _rank_records()
+        else:  # tensor-parallel ranks in worker processes: ask each of them
+            res["workers"] = [r for rank in llm.collective_rpc(_rank_records) for r in rank]
         res["scheduler"] = _jsonable([dict(s._sched_totals) for s in scheds])
     else:
         raise ValueError(f"unknown op {op!r}")
@@ -407,12 +426,17 @@ def _main(spec_path: str) -> None:
         max_model_len=spec.get("max_model_len", 2048),
         max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
     )
+    state: dict[str, Any] = {"gate": None}
+    if spec.get("tensor_parallel_size", 1) > 1:
+        # ranks run in worker processes; "records" and "drain" reach them through collective_rpc
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+        kwargs["distributed_executor_backend"] = "mp"
+        state["ranks_elsewhere"] = True
     if kv is not None:
         kwargs["kv_transfer_config"] = KVTransferConfig(**kv)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     out: dict[str, Any] = {"startup_s": time.perf_counter() - t0, "steps": []}
-    state: dict[str, Any] = {"gate": None}
     if spec["steps"] == "stdin":
         # served one step at a time: a JSON step per input line, a result line per step
         print(RESULT_PREFIX + json.dumps({"ready": True, "startup_s": out["startup_s"]}), flush=True)
