@@ -190,7 +190,8 @@ def test_repeat_of_a_stored_prompt_saves_nothing(model, workdir):
     assert t2["load_tokens"] == _full_block_prefix(len(prompt)) and t2["load_errors"] == 0
 
 
-def test_full_hit_recompute_token_computes_one_token(model, workdir, baseline):
+@pytest.mark.parametrize("layerwise", ["auto", True])
+def test_full_hit_recompute_token_computes_one_token(model, workdir, baseline, layerwise):
     """full_hit_recompute="token": a prompt stored in full loads its last block too and computes one token.
 
     Also when vLLM holds the first blocks itself: then only the last block comes
@@ -202,7 +203,7 @@ def test_full_hit_recompute_token_computes_one_token(model, workdir, baseline):
     prompts = _prompts() + [whole]
     spec = {
         "model": model,
-        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"full_hit_recompute": "token"}),
+        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"full_hit_recompute": "token", "layerwise": layerwise}),
         "steps": [
             {"op": "generate", "prompts": prompts},
             {"op": "drain"},
