@@ -415,6 +415,29 @@ def test_corrupt_chunk_is_recomputed(model, workdir, baseline):
     assert w["totals"]["load_tokens"] > 0
 
 
+def _second_engine_while_first_is_up(first: dict, second: dict, workdir, tmp_path, timeout: float = 300):
+    """Run ``first`` until it has run its steps, then ``second`` while ``first`` stays up; both results.
+
+    For the pooled tiers: the objects live in the first engine's Mooncake segments.
+    """
+    import time
+
+    ready, release = tmp_path / "ready", tmp_path / "release"
+    p1 = U.start_engine({**first, "steps": first["steps"] + [{"op": "signal", "path": str(ready)},
+                                                             {"op": "wait_file", "path": str(release)}]},
+                        workdir / "cache")
+    try:
+        deadline = time.monotonic() + timeout
+        while not ready.exists():
+            assert p1.poll() is None, U.engine_result(p1)
+            assert time.monotonic() < deadline, "the first engine did not get ready"
+            time.sleep(0.2)
+        two = U.run_engine(second, workdir / "cache")
+    finally:
+        release.write_text("1")
+    return U.engine_result(p1), two
+
+
 def test_cross_instance_dram_pool(model, workdir, baseline, tmp_path):
     mooncake_util = pytest.importorskip("mooncake_util")
     if importlib.util.find_spec("tierkv.tiers.dram_pool") is None:
@@ -427,30 +450,13 @@ def test_cross_instance_dram_pool(model, workdir, baseline, tmp_path):
         for k, v in mooncake_util.client_env().items():
             os.environ.setdefault(k, v)
         store = {"tiers": [master.tier_config(segment="128MiB")]}
-        ready, release = tmp_path / "ready", tmp_path / "release"
         # engine 1 stays up (its client's segment holds the objects) while engine 2 reads
-        p1 = U.start_engine(
+        one, two = _second_engine_while_first_is_up(
             {"model": model, "kv_transfer_config": U.connector_config(store),
-             "steps": [{"op": "generate", "prompts": prompts}, {"op": "drain"},
-                       {"op": "signal", "path": str(ready)}, {"op": "wait_file", "path": str(release)}]},
-            workdir / "cache",
-        )
-        try:
-            import time
-
-            deadline = time.monotonic() + 240
-            while not ready.exists():
-                assert p1.poll() is None, U.engine_result(p1)
-                assert time.monotonic() < deadline, "engine 1 did not get ready"
-                time.sleep(0.2)
-            two = U.run_engine(
-                {"model": model, "kv_transfer_config": U.connector_config(store),
-                 "steps": [{"op": "generate", "prompts": prompts, "one_by_one": True}, {"op": "records"}]},
-                workdir / "cache",
-            )
-        finally:
-            release.write_text("1")
-        one = U.engine_result(p1)
+             "steps": [{"op": "generate", "prompts": prompts}, {"op": "drain"}]},
+            {"model": model, "kv_transfer_config": U.connector_config(store),
+             "steps": [{"op": "generate", "prompts": prompts, "one_by_one": True}, {"op": "records"}]},
+            workdir, tmp_path)
     assert one["steps"][0]["tokens"] == baseline
     gen, rec = two["steps"]
     assert gen["tokens"] == baseline
@@ -514,31 +520,14 @@ def test_tensor_parallel_replicas_share_keys_and_split_writes(workdir, tmp_path)
             os.environ.setdefault(k, v)
         # one object per block, so consecutive blocks go to different ranks
         kv = U.connector_config({"tiers": [master.tier_config(segment="128MiB")]}, extra={"chunk_tokens": BS})
-        ready, release = tmp_path / "ready", tmp_path / "release"
-        p1 = U.start_engine(
+        # the objects live in the ranks' segments: engine 1 stays up while engine 2 reads
+        one, two = _second_engine_while_first_is_up(
             {"model": model1, "tensor_parallel_size": 2, "env": _tp2_env(), "kv_transfer_config": kv,
              "steps": [{"op": "generate", "prompts": prompts}, {"op": "drain"}, {"op": "reset"},
-                       {"op": "generate", "prompts": prompts}, {"op": "drain"}, {"op": "records"},
-                       {"op": "signal", "path": str(ready)}, {"op": "wait_file", "path": str(release)}]},
-            workdir / "cache",
-        )
-        try:
-            import time
-
-            deadline = time.monotonic() + 300
-            while not ready.exists():
-                assert p1.poll() is None, U.engine_result(p1)
-                assert time.monotonic() < deadline, "engine 1 did not get ready"
-                time.sleep(0.2)
-            # the objects live in the ranks' segments: engine 1 stays up while engine 2 reads
-            two = U.run_engine(
-                {"model": model1, "kv_transfer_config": kv,
-                 "steps": [{"op": "generate", "prompts": prompts}, {"op": "records"}]},
-                workdir / "cache",
-            )
-        finally:
-            release.write_text("1")
-        one = U.engine_result(p1)
+                       {"op": "generate", "prompts": prompts}, {"op": "drain"}, {"op": "records"}]},
+            {"model": model1, "kv_transfer_config": kv,
+             "steps": [{"op": "generate", "prompts": prompts}, {"op": "records"}]},
+            workdir, tmp_path)
     first, _, _, again, _, rec = one["steps"][:6]
     full = [_full_block_prefix(len(p)) for p in prompts]
     assert again["tokens"] == first["tokens"] and again["num_cached_tokens"] == full
