@@ -221,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
             srv.close()
         for master in masters:
             master.stop()
+        if not args.workdir:  # a temp dir holds GBs of stores and files: never leave it behind
+            shutil.rmtree(work, ignore_errors=True)
 
     def paired(name: str, other: str | None, key_a: str = "warm_times", key_b: str = "warm_times"):
         """Median over rounds of this back end's time over another's in the same round."""
