@@ -344,11 +344,10 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     elif op == "reset":
         _drain(llm)
     elif op == "drain":
-        workers, _ = _connectors()
-        for w in workers:
-            w.wait_for_all_saves(60)
-        if not workers and state.get("ranks_elsewhere"):
+        if state.get("ranks_elsewhere"):
             llm.collective_rpc(_rank_records, args=(60.0,))
+        else:
+            _rank_records(drain_timeout=60.0)
     elif op == "corrupt":
         res["corrupted"] = _corrupt_files(step["path"], step.get("limit"))
     elif op == "gate_layers":
@@ -364,15 +363,15 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
                 raise TimeoutError(f"{step['path']} did not appear")
             time.sleep(0.05)
     elif op == "records":
-        workers, scheds = _connectors()
+        _, scheds = _connectors()
         gate = state["gate"]
         if gate is not None:
             res["gate"] = {"timeouts": gate.timeouts, "gated": gate.gated}
         # snapshots: the connector keeps updating its own dicts after this step
-        if workers or not state.get("ranks_elsewhere"):
-            res["workers"] = _rank_records()
-        else:  # tensor-parallel ranks in worker processes: ask each of them
+        if state.get("ranks_elsewhere"):  # tensor-parallel ranks in worker processes: ask each of them
             res["workers"] = [r for rank in llm.collective_rpc(_rank_records) for r in rank]
+        else:
+            res["workers"] = _rank_records()
         res["scheduler"] = _jsonable([dict(s._sched_totals) for s in scheds])
     else:
         raise ValueError(f"unknown op {op!r}")
