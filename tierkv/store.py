@@ -886,7 +886,26 @@ class TieredStore:
         return keys, values
 
     def tier_names(self) -> list[str]:
+        """The tiers' names, fastest first."""
         return [lvl.name for lvl in self.levels]
+
+    def tier_info(self) -> list[dict[str, Any]]:
+        """What an adapter may know of each tier, fastest first, without reading store internals.
+
+        Each entry: ``name``, ``medium``, ``locality`` (``"device"``, ``"host"``,
+        ``"remote"`` or ``"disk"``), ``persistent`` (objects survive the process),
+        ``shared`` (the tier is a pool other processes see: presence is asked of it),
+        ``capacity_bytes`` and ``available``.
+        """
+        return [{
+            "name": lvl.name,
+            "medium": lvl.tier.medium,
+            "locality": getattr(lvl.tier, "locality", "host"),
+            "persistent": bool(lvl.tier.persistent),
+            "shared": not lvl.managed,
+            "capacity_bytes": lvl.capacity,
+            "available": bool(lvl.tier.available),
+        } for lvl in self.levels]
 
     def __repr__(self) -> str:
         chain = " -> ".join(f"{lvl.name}({lvl.tier.medium})" for lvl in self.levels)

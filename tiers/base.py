@@ -44,7 +44,7 @@ Parts = list[torch.Tensor]
 
 
 class Tier:
-    """Base class of storage media.  Subclasses implement the ``_impl`` hooks' public twins."""
+    """Base class of storage media.  Subclasses implement ``_write`` / ``_read`` / ``_delete`` / ``_contains``."""
 
     #: name used in configs (``{"medium": "dram"}``)
     medium: ClassVar[str] = ""
@@ -52,6 +52,10 @@ class Tier:
     managed: ClassVar[bool] = True
     #: True when objects survive the process (the store rebuilds its index from ``recover()``)
     persistent: ClassVar[bool] = False
+    #: where the bytes live, as the engine sees it: ``"device"`` (this device's memory),
+    #: ``"host"`` (this host's DRAM), ``"remote"`` (another node, or a pool shared over the
+    #: network) or ``"disk"`` (local files)
+    locality: ClassVar[str] = "host"
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
@@ -86,25 +90,74 @@ class Tier:
             raise ConfigError(f"tier {name!r} ({cls.medium}): unknown option(s) {sorted(options)}")
 
     # -- the interface --------------------------------------------------------
+    # Non-virtual: the public methods check the contract (open, keys a sequence of
+    # strings, one buffer list per key) and then call the medium's ``_write`` /
+    # ``_read`` / ``_delete`` / ``_contains``, so no medium can skip the checks.
     def footprint(self, nbytes: int) -> int:
         """Bytes of ``capacity_bytes`` an object of ``nbytes`` consumes here."""
         return nbytes
 
     def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         """Store each ``srcs[i]`` under ``keys[i]``; True where it is now stored."""
-        raise NotImplementedError
+        keys, srcs = self._check_batch(keys, srcs, "srcs")
+        return self._check_results(self._write(keys, srcs), len(keys), "write")
 
     def read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         """Fill each ``dsts[i]`` with the object ``keys[i]``; True where it was exact."""
-        raise NotImplementedError
+        keys, dsts = self._check_batch(keys, dsts, "dsts")
+        return self._check_results(self._read(keys, dsts), len(keys), "read")
 
     def delete(self, keys: Sequence[str]) -> None:
         """Forget the objects (absent keys are ignored)."""
-        raise NotImplementedError
+        keys = self._check_keys(keys)
+        self._delete(keys)
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Which keys are stored (no side effect on recency or leases)."""
-        raise NotImplementedError
+        keys = self._check_keys(keys)
+        return self._check_results(self._contains(keys), len(keys), "contains")
+
+    # -- what a medium implements -------------------------------------------
+    def _write(self, keys: list[str], srcs: list[Parts]) -> list[bool]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _write")
+
+    def _read(self, keys: list[str], dsts: list[Parts]) -> list[bool]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _read")
+
+    def _delete(self, keys: list[str]) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _delete")
+
+    def _contains(self, keys: list[str]) -> list[bool]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _contains")
+
+    # -- contract checks ----------------------------------------------------
+    def _check_keys(self, keys: Sequence[str]) -> list[str]:
+        self._check_open()
+        if isinstance(keys, (str, bytes)) or not isinstance(keys, Sequence):
+            raise TypeError(f"tier {self.name!r}: keys must be a sequence of strings (a list), "
+                            f"got {type(keys).__name__}")
+        keys = list(keys)
+        for k in keys:
+            if not isinstance(k, str):
+                raise TypeError(f"tier {self.name!r}: keys must be strings, got {type(k).__name__}")
+        return keys
+
+    def _check_batch(self, keys: Sequence[str], bufs: Sequence[Parts], what: str) -> tuple[list[str], list[Parts]]:
+        keys = self._check_keys(keys)
+        if isinstance(bufs, torch.Tensor) or not isinstance(bufs, Sequence):
+            raise TypeError(f"tier {self.name!r}: {what} must be a sequence with one list of parts per key")
+        bufs = list(bufs)
+        if len(keys) != len(bufs):
+            raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(bufs)} {what}")
+        for i, parts in enumerate(bufs):
+            if isinstance(parts, torch.Tensor) or not isinstance(parts, (list, tuple)):
+                raise TypeError(f"tier {self.name!r}: {what}[{i}] must be a list of uint8 tensors")
+        return keys, bufs
+
+    def _check_results(self, oks: Any, n: int, op: str) -> Any:
+        if len(oks) != n:
+            raise RuntimeError(f"tier {self.name!r} {op} answered {len(oks)} results for {n} keys")
+        return oks
 
     def recover(self) -> list[tuple[str, int]]:
         """(key, nbytes) of objects left by an earlier process (persistent media)."""

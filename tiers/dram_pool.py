@@ -618,7 +618,7 @@ class RemotePoolTier(Tier):
         return out
 
     # -- the Tier interface ---------------------------------------------------
-    def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+    def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         self._check_open()
         if len(keys) != len(srcs):
             raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(srcs)} sources")
@@ -715,7 +715,7 @@ class RemotePoolTier(Tier):
                 self._counters["refused"] += len(full)
             session.unpin(pins)
 
-    def read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
+    def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         self._check_open()
         if len(keys) != len(dsts):
             raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(dsts)} destinations")
@@ -791,7 +791,7 @@ class RemotePoolTier(Tier):
                 self._counters["local_reads"] += 1
         return [i for i in todo if not ok[i]]
 
-    def contains(self, keys: Sequence[str]) -> list[bool]:
+    def _contains(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()
         fkeys = self._full_keys(keys)
         out = [False] * len(keys)
@@ -823,7 +823,7 @@ class RemotePoolTier(Tier):
                 out[i] = self._known_present(fk)
         return out
 
-    def delete(self, keys: Sequence[str]) -> None:
+    def _delete(self, keys: Sequence[str]) -> None:
         self._check_open()
         fkeys = list(dict.fromkeys(self._full_keys(keys)))
         now = time.monotonic()
@@ -961,6 +961,7 @@ class DramPoolTier(RemotePoolTier):
     """Host DRAM pooled across nodes; ``backend`` "mooncake" (default) or "memcache"."""
 
     medium = "dram_pool"
+    locality = "remote"
     key_tag = "dram_pool"
 
     @classmethod

@@ -31,6 +31,7 @@ class HBMTier(SlabTier):
     """A preallocated pool of device memory."""
 
     medium = "hbm"
+    locality = "device"
 
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "HBMTier":

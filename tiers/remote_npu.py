@@ -35,6 +35,7 @@ class RemoteNPUTier(RemotePoolTier):
     """Other nodes' device memory as a tier (Mooncake Store segments, ``ascend`` protocol on Ascend)."""
 
     medium = "remote_npu"
+    locality = "remote"
     key_tag = "remote_npu"
 
     @classmethod

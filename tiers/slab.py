@@ -127,7 +127,7 @@ class SlabTier(Tier):
             left -= take
         return views
 
-    def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+    def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         self._check_open()
         out = [False] * len(keys)
         last = {key: i for i, key in enumerate(keys)}  # a key given twice keeps its last value
@@ -159,7 +159,7 @@ class SlabTier(Tier):
                 out[i] = True
         return out
 
-    def read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
+    def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         self._check_open()
         out = [False] * len(keys)
         jobs = []
@@ -172,7 +172,7 @@ class SlabTier(Tier):
         copy_many(jobs)
         return out
 
-    def delete(self, keys: Sequence[str]) -> None:
+    def _delete(self, keys: Sequence[str]) -> None:
         with self._lock:
             for key in keys:
                 obj = self._objects.pop(key, None)
@@ -180,7 +180,7 @@ class SlabTier(Tier):
                     self._alloc.free(obj[1])
                     self._used -= obj[0]
 
-    def contains(self, keys: Sequence[str]) -> list[bool]:
+    def _contains(self, keys: Sequence[str]) -> list[bool]:
         return [k in self._objects for k in keys]
 
     @property

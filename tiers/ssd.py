@@ -132,6 +132,7 @@ class SSDTier(Tier):
     """Chunks as checksummed files under ``path``."""
 
     medium = "ssd"
+    locality = "disk"
     persistent = True
 
     def __init__(
@@ -252,15 +253,15 @@ class SSDTier(Tier):
         share_work(one, n, self._pool, self._threads - 1)
         return out
 
-    def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+    def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         self._check_open()
         return self._map(self._write_one, keys, srcs)
 
-    def read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
+    def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         self._check_open()
         return self._map(self._read_one, keys, dsts)
 
-    def delete(self, keys: Sequence[str]) -> None:
+    def _delete(self, keys: Sequence[str]) -> None:
         for key in keys:
             with self._lock:
                 obj = self._objects.pop(key, None)
@@ -277,7 +278,7 @@ class SSDTier(Tier):
                 self._count("io_errors")
                 log.warning("tier %s: cannot delete %s: %s", self.name, key, e)
 
-    def contains(self, keys: Sequence[str]) -> list[bool]:
+    def _contains(self, keys: Sequence[str]) -> list[bool]:
         return [k in self._objects for k in keys]
 
     # -- one object -----------------------------------------------------------------
