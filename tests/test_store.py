@@ -21,12 +21,15 @@ def chunk(i: int, n: int = CHUNK) -> torch.Tensor:
     return torch.full((n,), i % 251, dtype=torch.uint8)
 
 
-def three_tier(tmp_path, hbm=4, dram=4, ssd=64, **extra):
+def three_tier(tmp_path, hbm=4, dram=4, ssd=64, ssd_persist="on_evict", **extra):
+    # the demotion stories below give the SSD only what falls out of DRAM ("on_evict");
+    # tests/test_persistence.py covers the default, write-behind
     cfg = {
         "tiers": [
             {"medium": "hbm", "device": "cpu", "capacity": hbm * CHUNK},
             {"medium": "dram", "capacity": dram * CHUNK, "eviction": "lru"},
-            {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": ssd * (CHUNK + 4096)},
+            {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": ssd * (CHUNK + 4096),
+             "persist": ssd_persist},
         ],
         "promotion": {"policy": "never"},
     }

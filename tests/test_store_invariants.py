@@ -117,16 +117,16 @@ def test_pinned_chunk_survives_a_put_that_needs_room():
     store.put(["a", "b"], [val(1), val(2)])
     lvl = store.levels[0]
     with store._lock:
-        store._pin(lvl, "a")  # as a read in flight would
-        store._pin(lvl, "b")
+        lvl.pin("a")  # as a read in flight would
+        lvl.pin("b")
     assert store.put(["c"], [val(3)]) == [True]
     assert store.locate(["a", "b", "c"]) == ["top", "top", "low"]  # no victim possible: c went lower
     with store._lock:
-        store._unpin(lvl, "a", lvl.index["a"])
+        lvl.unpin("a", lvl.index["a"])
     assert store.put(["d"], [val(4)]) == [True]
     assert store.locate(["a", "d"]) == ["low", "top"]  # a, unpinned, was demoted for d
     with store._lock:
-        store._unpin(lvl, "b", lvl.index["b"])
+        lvl.unpin("b", lvl.index["b"])
     store.close()
 
 

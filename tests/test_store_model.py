@@ -93,6 +93,7 @@ class StoreMachine(RuleBasedStateMachine):
     def restart(self):
         """Close and reopen: the SSD tier's chunks survive; nothing wrong appears."""
         ssd = self.store.levels[2]
+        self.store.drain_write_behind()
         on_ssd = {k for k, e in ssd.index.items() if e.ready}
         self.store.close()
         self.store = TieredStore.from_config(self.cfg)
@@ -107,6 +108,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     @invariant()
     def index_matches_media(self):
+        self.store.drain_write_behind()
         for lvl in self.store.levels:
             ready = [k for k, e in lvl.index.items() if e.ready]
             assert all(lvl.tier.contains(ready)), lvl.name

@@ -6,12 +6,13 @@
 
 from tierkv.errors import BufferSizeError, ConfigError, PolicyError, StoreClosedError, TierKVError
 from tierkv.keys import chunk_keys, keys_from_block_hashes, namespace_root
-from tierkv.store import Level, TieredStore
+from tierkv.level import Level
+from tierkv.store import PutOutcome, TieredStore
 from tierkv.units import parse_size
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "TieredStore", "Level", "chunk_keys", "keys_from_block_hashes", "namespace_root", "parse_size",
+    "TieredStore", "Level", "PutOutcome", "chunk_keys", "keys_from_block_hashes", "namespace_root", "parse_size",
     "TierKVError", "ConfigError", "BufferSizeError", "StoreClosedError", "PolicyError",
 ]

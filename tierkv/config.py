@@ -15,7 +15,10 @@ Shape::
 
 Keys every tier takes: ``medium`` (a built-in name or ``"package.module:Class"``),
 ``name`` (defaults to the medium; must be unique), ``eviction`` (managed media),
-``admission``, ``write_through``.  Everything else goes to the medium, which
+``admission``, ``persist`` (``"write_behind"``: every chunk stored above is copied
+in by a background queue, the default for persistent media; ``"write_through"``:
+copied in synchronously; ``"on_evict"``: only demotions, the default otherwise)
+and ``write_through`` (true is the same as ``"persist": "write_through"``).  Everything else goes to the medium, which
 rejects what it does not know.  Unknown keys are errors, never ignored.
 """
 
@@ -27,9 +30,12 @@ import os
 from typing import Any
 
 from tierkv.errors import ConfigError
+from tierkv.level import Level
+from tierkv.options import check_int, check_str
+from tierkv.tiers import medium_class
 
-TOP_KEYS = {"tiers", "promotion", "io_workers"}
-LEVEL_KEYS = {"medium", "name", "eviction", "admission", "write_through"}
+TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue"}
+LEVEL_KEYS = {"medium", "name", "eviction", "admission", "write_through", "persist"}
 
 
 def default_config(root: str | None = None) -> dict[str, Any]:
@@ -58,6 +64,10 @@ def load_config(config: Any) -> dict[str, Any]:
     unknown = set(cfg) - TOP_KEYS
     if unknown:
         raise ConfigError(f"unknown config key(s) {sorted(unknown)}; known: {sorted(TOP_KEYS)}")
+    if "io_workers" in cfg:
+        check_int(cfg["io_workers"], "config key 'io_workers'", min_value=1, max_value=256)
+    if "write_behind_queue" in cfg:
+        check_int(cfg["write_behind_queue"], "config key 'write_behind_queue'", min_value=0)
     tiers = cfg.get("tiers")
     if not isinstance(tiers, list) or not tiers:
         raise ConfigError("config needs 'tiers': a non-empty list of tier configs, fastest first")
@@ -91,11 +101,8 @@ def _read_file(path: str) -> Any:
     raise ConfigError(f"config file {path}: unknown extension {ext!r} (use .json, .yaml, .yml or .toml)")
 
 
-def build_levels(tier_cfgs: list[Any]) -> list:
+def build_levels(tier_cfgs: list[Any]) -> list[Level]:
     """Instantiate every tier of the chain; on any error, release those already built."""
-    from tierkv.store import Level
-    from tierkv.tiers import medium_class
-
     levels: list = []
     names: set[str] = set()
     try:
@@ -107,16 +114,22 @@ def build_levels(tier_cfgs: list[Any]) -> list:
             if medium is None:
                 raise ConfigError(f"tiers[{pos}] lacks 'medium' (e.g. 'hbm', 'dram', 'ssd', 'dram_pool')")
             cls = medium_class(medium)
-            name = opts.pop("name", None) or (cls.medium or str(medium))
+            name = opts.pop("name", None)
+            name = check_str(name, f"tiers[{pos}] option 'name'") if name is not None else (cls.medium or str(medium))
             if name in names:
                 raise ConfigError(f"tiers[{pos}]: tier name {name!r} is used twice; give one a 'name'")
             names.add(name)
             eviction = opts.pop("eviction", None)
             admission = opts.pop("admission", None)
-            write_through = opts.pop("write_through", False)
+            write_through = opts.pop("write_through", None)
+            persist = opts.pop("persist", None)
+            for key, path in ((k, v) for k, v in opts.items() if k in ("path", "root")):
+                if any(getattr(lvl.tier, "path", None) == os.path.abspath(os.path.expanduser(str(path))) for lvl in levels):
+                    raise ConfigError(f"tiers[{pos}]: {key} {path!r} is used by another tier of this store")
             tier = cls.from_config(name, opts)
             try:
-                levels.append(Level(tier, eviction=eviction, admission=admission, write_through=write_through))
+                levels.append(Level(tier, eviction=eviction, admission=admission, write_through=write_through,
+                                    persist=persist))
             except Exception:
                 tier.close()
                 raise

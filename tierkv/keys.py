@@ -109,6 +109,8 @@ def check_key(key: object) -> str:
     """Return ``key`` if it is a valid key string, else raise ``ValueError`` naming it."""
     if (not isinstance(key, str) or not key or "/" in key or "\x00" in key
             or (len(key) > 50 and len(key.encode()) > 200)):
-        raise ValueError(f"invalid key {key!r}: keys are non-empty strings of at most 200 UTF-8 bytes, "
+        shown = repr(key) if len(repr(key)) <= 60 else repr(key)[:50] + f"...' ({len(key)} chars)" \
+            if isinstance(key, str) else f"<{type(key).__name__}>"
+        raise ValueError(f"invalid key {shown}: keys are non-empty strings of at most 200 UTF-8 bytes, "
                          "without '/' or NUL")
     return key

@@ -17,6 +17,7 @@ class TierCounters:
     demotions: int = 0
     rejected: int = 0  # refused: admission said no, or no room could be made
     errors: int = 0  # failed or corrupt reads and writes
+    persisted: int = 0  # chunks copied in by the write-behind queue
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -35,6 +36,8 @@ class StoreCounters:
     misses: int = 0
     bytes_put: int = 0
     bytes_got: int = 0
+    write_behind_queued: int = 0  # chunks handed to the write-behind queue
+    write_behind_dropped: int = 0  # copies dropped: the queue was full (the device could not keep up)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

@@ -1,8 +1,8 @@
 """``TieredStore``: the one place that knows the order of tiers.
 
-The chain is a list of *levels*, fastest first.  Each level wraps one ``Tier``
-(the medium) with the policies that steer it (eviction, admission) and, for
-*managed* media, the store's own index of what the level holds.
+The chain is a list of *levels* (``tierkv.level.Level``), fastest first.  Each
+level wraps one ``Tier`` (the medium) with the policies that steer it (eviction,
+admission) and, for *managed* media, the index of what the level holds.
 
 Life of a chunk in a managed level::
 
@@ -10,24 +10,37 @@ Life of a chunk in a managed level::
                            |                     |
                            +--write failed--> absent   (pinned while read: freed at last unpin)
 
-Invariants (tested in ``tests/test_store_model.py`` and ``tests/test_concurrency.py``):
+Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.py``
+and ``tests/test_concurrency.py``):
 
-1. **Capacity.**  For every managed level, ``used_bytes`` — the sum of
+1. **Capacity.**  For every managed level, ``used`` — the sum of
    ``tier.footprint(nbytes)`` over its RESERVED and READY entries and of doomed
-   entries still pinned by a reader — never exceeds ``capacity_bytes``.  Space is
+   entries still pinned by a reader — never exceeds ``capacity``.  Space is
    reserved before any byte is written and released only after the bytes are no
-   longer read.
-2. **Pinning.**  A chunk being read (a ``get``, or the source of a demotion) is
-   pinned and is never named as an eviction victim; a chunk being written is
-   RESERVED, unknown to the eviction policy, and so never evicted either.
-   Two-phase write: a RESERVED chunk is neither found by ``lookup`` nor read.
-3. **Exact bytes or a miss.**  ``get`` reports True only for bytes the medium
+   longer read.  Footprint is the one unit of size: eviction policies are told
+   footprints and asked for footprints.
+2. **Pinning.**  A chunk being read (a ``get``, the source of a demotion or of a
+   background copy) is pinned and is never named as an eviction victim; a chunk
+   being written is RESERVED, unknown to the eviction policy, and so never
+   evicted either.  Two-phase write: a RESERVED chunk is neither found by
+   ``lookup`` nor read.
+3. **Nothing outlives its call.**  Every reservation and pin a call takes is
+   released on every path out of it (``try``/``finally``), including a policy or
+   medium that raises; a policy's exception surfaces as ``PolicyError`` and the
+   store stays usable.
+4. **Exact bytes or a miss.**  ``get`` reports True only for bytes the medium
    verified as the ones written; a failed or corrupt read drops that copy,
-   counts an error and falls through to the next level holding the key.
-4. **Demotion never loses a chunk a lower level could accept.**  A victim is
+   counts an error and falls through to the next level holding the key.  A
+   promotion copies up only bytes that were read for that key alone (buffers a
+   caller passed twice, or that overlap, are never promoted).
+5. **Demotion never loses a chunk a lower level could accept.**  A victim is
    copied to the next level that admits it (or is already there: levels are
    inclusive) before it leaves; only when no lower level takes it is it dropped.
-5. **Thread safety.**  One lock guards all metadata; bytes move outside it, with
+6. **Persistence.**  A ``write_behind`` level (the default for persistent media)
+   receives a copy of every chunk stored above it that its admission policy
+   accepts, from a bounded background queue that never blocks the caller (a full
+   queue drops and counts); ``flush()`` and ``close()`` drain it first.
+7. **Thread safety.**  One lock guards all metadata; bytes move outside it, with
    pins and reservations making that safe.  Policies are only called under the
    lock, so they need none of their own.
 
@@ -38,6 +51,7 @@ raises an error that names the problem.
 from __future__ import annotations
 
 import asyncio
+import enum
 import functools
 import logging
 import os
@@ -49,80 +63,95 @@ from typing import Any, Optional, Union
 import torch
 
 from tierkv.buffers import Parts, Value, check_size, staging, to_parts
+from tierkv.config import build_levels, load_config
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
 from tierkv.keys import check_key
-from tierkv.policies import (
-    AdmissionPolicy,
-    EvictionPolicy,
-    PromotionPolicy,
-    build_admission,
-    build_eviction,
-    build_promotion,
-)
-from tierkv.stats import StoreCounters, TierCounters
+from tierkv.level import Level, call_policy
+from tierkv.options import check_int
+from tierkv.policies import AdmissionPolicy, PromotionPolicy, build_promotion
+from tierkv.stats import StoreCounters
 from tierkv.tiers.base import Tier
+from tierkv.writebehind import WriteBehind
 
 log = logging.getLogger("tierkv")
 
 #: how often a reservation retries after its victims were taken by a racing writer
 _RESERVE_ATTEMPTS = 8
+#: most bytes one background copy stages at once
+_COPY_BATCH_BYTES = 64 << 20
+
+# why a chunk was not placed (bit flags gathered while scanning the chain)
+_NO_ROOM, _UNAVAILABLE, _FAILED = 1, 2, 4
 
 
-class _Entry:
-    __slots__ = ("nbytes", "footprint", "ready", "pins", "doomed")
+class PutOutcome(enum.Enum):
+    """Why ``put`` answered what it did for one chunk; true for STORED and PRESENT."""
 
-    def __init__(self, nbytes: int, footprint: int, ready: bool = False) -> None:
-        self.nbytes = nbytes
-        self.footprint = footprint
-        self.ready = ready
-        self.pins = 0
-        self.doomed = False
+    STORED = "stored"  #: written now
+    PRESENT = "present"  #: already stored (or being stored): nothing written
+    REJECTED = "rejected"  #: every tier's admission policy refused it
+    NO_ROOM = "no_room"  #: admitted, but no room could be made
+    ERROR = "error"  #: a medium failed the write, or every tier that would take it is unavailable
 
-
-class Level:
-    """One tier in the chain, as the store sees it (its policies and its index)."""
-
-    def __init__(
-        self,
-        tier: Tier,
-        eviction: Union[str, EvictionPolicy, dict, None] = None,
-        admission: Union[str, AdmissionPolicy, dict, None] = None,
-        write_through: bool = False,
-    ) -> None:
-        if not isinstance(tier, Tier):
-            raise TypeError(f"a level needs a Tier, got {type(tier).__name__}")
-        self.tier = tier
-        self.name = tier.name
-        self.managed = tier.managed
-        if not self.managed and eviction is not None:
-            raise ConfigError(f"tier {tier.name!r} ({tier.medium}) manages its own space: it takes no 'eviction'")
-        self.eviction = build_eviction(eviction) if self.managed else None
-        if self.eviction is not None:
-            self.eviction.capacity_bytes = tier.capacity_bytes
-        self.admission = build_admission(admission)
-        self.write_through = bool(write_through)
-        self.index: dict[str, _Entry] = {}
-        self.pinned: set[str] = set()
-        self.used = 0
-        self.counters = TierCounters()
-        self.bit = 0
-
-    @property
-    def capacity(self) -> int:
-        return self.tier.capacity_bytes
+    def __bool__(self) -> bool:
+        return self is PutOutcome.STORED or self is PutOutcome.PRESENT
 
 
 StoreConfig = Union[dict, str, "os.PathLike[str]"]
+
+
+def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
+    """``keys`` as a list of valid key strings; raises a ``TypeError`` / ``ValueError`` naming the problem.
+
+    ``each=False`` checks only the container: for reads, where a malformed key can
+    never be present, the caller checks the keys it does not find (cheaper on the
+    hot path).
+    """
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of keys, not a single "
+                        f"{'string' if isinstance(keys, str) else 'bytes object'} (wrap it in a list)")
+    if not isinstance(keys, Sequence):
+        raise TypeError(f"{what} must be an ordered sequence (list or tuple) of strings, got {type(keys).__name__}"
+                        + (": a set has no order to pair results with" if isinstance(keys, (set, frozenset)) else ""))
+    keys = list(keys)
+    if each:
+        for k in keys:
+            check_key(k)
+    return keys
+
+
+def _overlapping(prepared: list[tuple[Parts, int]]) -> set[int]:
+    """Indices whose buffers share memory with another index's (or overlap within themselves)."""
+    spans = []
+    for i, (parts, _) in enumerate(prepared):
+        for p in parts:
+            n = p.numel()
+            if n:
+                ptr = p.data_ptr()
+                spans.append((str(p.device), ptr, ptr + n, i))
+    spans.sort()
+    bad: set[int] = set()
+    dev, end, members = None, -1, []
+    for d, lo, hi, i in spans + [(None, 0, 0, -1)]:
+        if d == dev and lo < end:
+            members.append(i)
+            end = max(end, hi)
+            continue
+        if len(members) > 1:
+            bad.update(members)
+        dev, end, members = d, hi, [i]
+    return bad
 
 
 class TieredStore:
     """A chain of tiers, fastest first, behind one batch-first API.
 
     ``put`` writes into the highest level whose admission policy accepts the
-    chunk (and into lower ``write_through`` levels too); a full level's eviction
-    policy names victims, which are demoted down the chain.  ``get`` reads from
-    the fastest level holding the key and promotes per the promotion policy.
-    See the module docstring for the invariants.
+    chunk (and into lower ``write_through`` levels at once, and ``write_behind``
+    levels in the background); a full level's eviction policy names victims,
+    which are demoted down the chain.  ``get`` reads from the fastest level
+    holding the key and promotes per the promotion policy.  See the module
+    docstring for the invariants.
     """
 
     def __init__(
@@ -130,22 +159,28 @@ class TieredStore:
         tiers: Sequence[Union[Tier, Level]],
         promotion: Union[str, PromotionPolicy, dict, None] = None,
         io_workers: int = 4,
+        write_behind_queue: int = 65536,
     ) -> None:
-        if not tiers:
-            raise ConfigError("a store needs at least one tier")
+        if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence) or not tiers:
+            raise ConfigError("a store needs a non-empty list of tiers (Tier or Level objects), fastest first")
+        io_workers = check_int(io_workers, "io_workers", min_value=1, max_value=256)
+        write_behind_queue = check_int(write_behind_queue, "write_behind_queue", min_value=0)
         self.levels: list[Level] = [t if isinstance(t, Level) else Level(t) for t in tiers]
         names = [lvl.name for lvl in self.levels]
         dup = {n for n in names if names.count(n) > 1}
         if dup:
             raise ConfigError(f"tier names must be unique; repeated: {sorted(dup)}")
+        tiers_seen = [id(lvl.tier) for lvl in self.levels]
+        if len(set(tiers_seen)) != len(tiers_seen):
+            raise ConfigError("the same Tier object appears twice in the chain")
+        self._where: dict[str, int] = {}  # key -> bitmask of managed levels holding it READY
         for i, lvl in enumerate(self.levels):
-            lvl.bit = 1 << i
+            lvl.bind(1 << i, self._where)
         self.promotion = build_promotion(promotion)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
         self._in_flight = 0
         self._closed = False
-        self._where: dict[str, int] = {}  # key -> bitmask of managed levels holding it READY
         self._counters = StoreCounters()
         # only admission policies that observe demand are told about accesses
         self._admissions = [a for a in {id(lvl.admission): lvl.admission for lvl in self.levels}.values()
@@ -153,40 +188,48 @@ class TieredStore:
         self._managed_levels = [i for i, lvl in enumerate(self.levels) if lvl.managed]
         self._shared_levels = [i for i, lvl in enumerate(self.levels) if not lvl.managed]
         self._any_write_through = any(lvl.write_through for lvl in self.levels)
-        self._executor = ThreadPoolExecutor(max_workers=max(1, io_workers), thread_name_prefix="tierkv-store")
+        self._behind_levels = [i for i, lvl in enumerate(self.levels) if lvl.write_behind]
+        self._behind = WriteBehind(self._copy_behind, max_queued=write_behind_queue) if self._behind_levels else None
+        self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
         self._recover()
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_config(cls, config: StoreConfig) -> "TieredStore":
         """Build a store from a dict or a JSON / YAML / TOML file (see ``tierkv.config``)."""
-        from tierkv.config import build_levels, load_config
-
         cfg = load_config(config)
         levels = build_levels(cfg["tiers"])
         try:
-            return cls(levels, promotion=cfg.get("promotion"), io_workers=cfg.get("io_workers", 4))
+            return cls(levels, promotion=cfg.get("promotion"), io_workers=cfg.get("io_workers", 4),
+                       write_behind_queue=cfg.get("write_behind_queue", 65536))
         except Exception:
             for lvl in levels:
                 lvl.tier.close()
             raise
 
     def _recover(self) -> None:
-        """Index what persistent media kept from an earlier process, oldest first."""
+        """Index what persistent media kept from an earlier process: the newest that fit."""
         for lvl in self.levels:
             if not (lvl.managed and lvl.tier.persistent):
                 continue
-            for key, nbytes in lvl.tier.recover():
+            found = lvl.tier.recover()  # oldest first
+            keep, drop, room, seen = [], [], lvl.capacity, set()
+            for key, nbytes in reversed(found):
                 fp = lvl.tier.footprint(nbytes)
-                if key in lvl.index or lvl.used + fp > lvl.capacity:
-                    lvl.tier.delete([key])  # the configured capacity shrank: keep the newest that fit
+                if key in seen or fp > room:
+                    drop.append(key)  # a duplicate, or the configured capacity shrank
                     continue
-                lvl.index[key] = _Entry(nbytes, fp, ready=True)
-                lvl.used += fp
-                self._where[key] = self._where.get(key, 0) | lvl.bit
-                lvl.eviction.on_insert(key, nbytes)
-            if lvl.index:
-                log.info("tierkv: tier %s recovered %d chunks (%d bytes)", lvl.name, len(lvl.index), lvl.used)
+                seen.add(key)
+                keep.append((key, nbytes))
+                room -= fp
+            if drop:
+                lvl.tier.delete(drop)
+            for key, nbytes in reversed(keep):
+                if lvl.reserve(key, nbytes):
+                    lvl.commit(key)
+            if keep:
+                log.info("tierkv: tier %s recovered %d chunks (%d bytes); dropped %d", lvl.name, len(keep),
+                         lvl.used, len(drop))
 
     # ------------------------------------------------------------------ lifecycle
     def _enter(self) -> None:
@@ -202,18 +245,25 @@ class TieredStore:
                 self._idle.notify_all()
 
     def close(self) -> None:
-        """Wait for calls in flight, make persistent tiers durable, release every tier.  Idempotent."""
+        """Wait for calls in flight, drain the write-behind queue, make persistent tiers durable, release
+        every tier.  Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             self._idle.wait_for(lambda: self._in_flight == 0, timeout=60)
-        self._executor.shutdown(wait=True)
-        for lvl in self.levels:
-            try:
-                lvl.tier.flush()
-            finally:
-                lvl.tier.close()
+        try:
+            if self._behind is not None:
+                self._behind.close(timeout=120)
+        finally:
+            self._executor.shutdown(wait=True)
+            for lvl in self.levels:
+                try:
+                    lvl.tier.flush()
+                except Exception as e:
+                    log.warning("tierkv: tier %s flush failed: %s", lvl.name, e)
+                finally:
+                    lvl.tier.close()
 
     @property
     def closed(self) -> bool:
@@ -225,14 +275,25 @@ class TieredStore:
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def flush(self) -> None:
-        """Make everything stored so far survive a crash of this process (persistent tiers)."""
+    def flush(self, timeout: Optional[float] = None) -> bool:
+        """Copy everything queued for write-behind tiers, then make persistent tiers durable.
+
+        After it returns, everything stored before the call survives a crash of this
+        process in every persistent tier that admitted it.  False if the queue did
+        not drain within ``timeout`` seconds.
+        """
         self._enter()
         try:
+            drained = self._behind.drain(timeout) if self._behind is not None else True
             for lvl in self.levels:
                 lvl.tier.flush()
+            return drained
         finally:
             self._leave()
+
+    def drain_write_behind(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every background copy queued so far is done (without fsync); False on timeout."""
+        return self._behind.drain(timeout) if self._behind is not None else True
 
     # ------------------------------------------------------------------ put
     def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[bool]:
@@ -240,8 +301,12 @@ class TieredStore:
 
         ``values[i]`` is a contiguous tensor (any dtype, shape, device) or a list of
         them, whose bytes are the chunk.  False means no tier took it (admission,
-        no room, media errors); it is counted, never raised.
+        no room, media errors); it is counted, never raised.  ``put_detailed`` says why.
         """
+        return [bool(o) for o in self.put_detailed(keys, values)]
+
+    def put_detailed(self, keys: Sequence[str], values: Sequence[Value]) -> list[PutOutcome]:
+        """``put``, answering a ``PutOutcome`` per key: stored, present, rejected, no room or error."""
         keys, values = self._pairs(keys, values, "values")
         prepared = [to_parts(v, f"values[{i}]") for i, v in enumerate(values)]
         self._enter()
@@ -250,68 +315,98 @@ class TieredStore:
         finally:
             self._leave()
 
-    def _put(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[bool]:
+    def _put(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[PutOutcome]:
         n = len(keys)
-        results = [False] * n
+        out: list[Optional[PutOutcome]] = [None] * n
         first: dict[str, int] = {}
         todo: list[int] = []
         with self._lock:
             c = self._counters
             c.put_calls += 1
             c.chunks_put += n
-            for i, key in enumerate(keys):
+            for key in keys:
                 for adm in self._admissions:
-                    adm.on_access(key)
+                    call_policy(adm, "on_access", "*", key)
+            for i, key in enumerate(keys):
                 if key in first:  # a repeat inside the batch: takes the first one's result
                     c.chunks_deduped += 1
                     continue
                 first[key] = i
                 if key in self._where or self._busy(key):
-                    results[i] = True
+                    out[i] = PutOutcome.PRESENT
                     c.chunks_deduped += 1
                 else:
                     todo.append(i)
-        # place, write (batched per level), commit; failures fall through to lower levels
         start = {i: 0 for i in todo}
-        while todo:
-            groups: dict[int, list[int]] = {}
-            slow = []
-            with self._lock:  # fast path: the first level that admits has room without evicting
-                for i in todo:
-                    j = self._place_fast(keys[i], prepared[i][1], start[i])
-                    if j is None:
-                        slow.append(i)
-                    else:
-                        groups.setdefault(j, []).append(i)
-            for i in slow:
-                j = self._place(keys[i], prepared[i][1], start[i])
-                if j is None:
-                    with self._lock:
-                        self._counters.chunks_rejected += 1
-                    continue
-                groups.setdefault(j, []).append(i)
-            todo = []
-            for j, idx in sorted(groups.items()):
-                lvl = self.levels[j]
-                oks = self._tier_write(lvl, [keys[i] for i in idx], [prepared[i][0] for i in idx])
-                with self._lock:
-                    for i, ok in zip(idx, oks):
-                        if self._finish_write(lvl, keys[i], prepared[i][1], ok):
-                            results[i] = True
-                            self._counters.chunks_stored += 1
-                            self._counters.bytes_put += prepared[i][1]
+        why = {i: 0 for i in todo}
+        held: dict[tuple[int, str], None] = {}  # reservations this call took and has not finished
+        behind: list[tuple[int, str]] = []
+        try:
+            while todo:
+                groups: dict[int, list[int]] = {}
+                slow = []
+                with self._lock:  # fast path: the first level that admits has room without evicting
+                    for i in todo:
+                        j, flags = self._place_fast(keys[i], prepared[i][1], start[i], held)
+                        why[i] |= flags
+                        if j is None:
+                            slow.append(i)
+                        elif j >= 0:
+                            groups.setdefault(j, []).append(i)
                         else:
-                            start[i] = j + 1
-                            todo.append(i)
-                if self._any_write_through:
-                    for i, ok in zip(idx, oks):
-                        if ok:
-                            self._write_through(j, keys[i], prepared[i])
-        for i, key in enumerate(keys):
-            fi = first[key]
-            if fi != i:
-                results[i] = results[fi]
-        return results
+                            out[i] = self._refusal(why[i])
+                for i in slow:
+                    j, flags = self._place(keys[i], prepared[i][1], start[i], len(self.levels), held)
+                    why[i] |= flags
+                    if j is None:
+                        out[i] = self._refusal(why[i])
+                        continue
+                    groups.setdefault(j, []).append(i)
+                todo = []
+                for j, idx in sorted(groups.items()):
+                    lvl = self.levels[j]
+                    oks = self._tier_io(lvl, "write", [keys[i] for i in idx], [prepared[i][0] for i in idx])
+                    with self._lock:
+                        for i, ok in zip(idx, oks):
+                            held.pop((j, keys[i]), None)
+                            if self._finish_write(lvl, keys[i], prepared[i][1], ok):
+                                out[i] = PutOutcome.STORED
+                                self._counters.chunks_stored += 1
+                                self._counters.bytes_put += prepared[i][1]
+                                behind.append((j, keys[i]))
+                            else:
+                                why[i] |= _FAILED
+                                start[i] = j + 1
+                                todo.append(i)
+                    if self._any_write_through:
+                        for i, ok in zip(idx, oks):
+                            if ok:
+                                self._write_through(j, keys[i], prepared[i], held)
+        finally:
+            self._release(held)
+        if behind and self._behind is not None:
+            self._queue_behind(behind)
+        for i in range(n):
+            if out[i] is None:
+                o = out[first[keys[i]]]
+                out[i] = o if o is not None else PutOutcome.ERROR
+        with self._lock:
+            self._counters.chunks_rejected += sum(1 for o in out if not o)
+        return out  # type: ignore[return-value]
+
+    @staticmethod
+    def _refusal(flags: int) -> PutOutcome:
+        if flags & (_FAILED | _UNAVAILABLE):
+            return PutOutcome.ERROR
+        return PutOutcome.NO_ROOM if flags & _NO_ROOM else PutOutcome.REJECTED
+
+    def _release(self, held: dict[tuple[int, str], None]) -> None:
+        """Abort the reservations a call still holds (a path out through an exception)."""
+        if held:
+            with self._lock:
+                for j, key in held:
+                    self.levels[j].abort(key)
+            held.clear()
 
     def _busy(self, key: str) -> bool:
         """Reserved (being written) in some managed level.  Caller holds the lock."""
@@ -321,67 +416,70 @@ class TieredStore:
                 return True
         return False
 
-    def _tier_write(self, lvl: Level, keys: list[str], parts: list[Parts]) -> list[bool]:
-        return self._tier_io(lvl, "write", keys, parts)
-
-    def _tier_read(self, lvl: Level, keys: list[str], parts: list[Parts]) -> list[bool]:
-        return self._tier_io(lvl, "read", keys, parts)
-
     @staticmethod
-    def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]:
-        """A tier's ``read`` or ``write``: a medium fault costs misses, never the caller's request."""
+    def _tier_io(lvl: Level, op: str, keys: list[str], parts: Optional[list[Parts]] = None) -> Optional[list]:
+        """A tier's ``write`` / ``read`` / ``contains`` / ``delete``: a medium fault costs misses, never the
+        caller's request.  Reads and writes answer all-False on a fault; the others answer None."""
         try:
-            oks = getattr(lvl.tier, op)(keys, parts)
+            res = getattr(lvl.tier, op)(keys, parts) if parts is not None else getattr(lvl.tier, op)(keys)
+            if res is not None and len(res) != len(keys):
+                raise RuntimeError(f"answered {len(res)} results for {len(keys)} keys")
+            return res
         except StoreClosedError:
             raise
         except Exception as e:
-            log.warning("tierkv: tier %s %s failed: %s", lvl.name, op, e)
-            oks = [False] * len(keys)
-        if len(oks) != len(keys):
-            raise PolicyError(f"tier {lvl.name!r} answered {len(oks)} results for {len(keys)} keys")
-        return oks
+            log.warning("tierkv: tier %s %s failed: %s", lvl.name, op, str(e)[:300])
+            return [False] * len(keys) if parts is not None else None
 
-    def _place_fast(self, key: str, nbytes: int, start: int) -> Optional[int]:
+    def _admit(self, lvl: Level, key: str, nbytes: int) -> bool:
+        if call_policy(lvl.admission, "admit", lvl.name, key, nbytes, lvl.name):
+            return True
+        lvl.counters.rejected += 1
+        return False
+
+    def _place_fast(self, key: str, nbytes: int, start: int, held: dict) -> tuple[Optional[int], int]:
         """``_place`` for the common case, under the caller's lock: no eviction needed.
 
-        Returns the level reserved (or the unmanaged level chosen), or None when the
-        first level that admits the chunk would have to evict: the slow path decides.
+        Returns (level reserved or unmanaged level chosen, flags); (None, flags) when
+        the first level that admits would have to evict (the slow path decides), and
+        (-1, flags) when no level admits at all.
         """
+        flags = 0
         for j in range(start, len(self.levels)):
             lvl = self.levels[j]
             if not lvl.tier.available:
+                flags |= _UNAVAILABLE
                 continue
-            if not lvl.admission.admit(key, nbytes, lvl.name):
-                lvl.counters.rejected += 1
+            if not self._admit(lvl, key, nbytes):
                 continue
             if not lvl.managed:
-                return j
-            fp = lvl.tier.footprint(nbytes)
-            if key in lvl.index or lvl.used + fp > lvl.capacity:
-                return None
-            lvl.index[key] = _Entry(nbytes, fp)
-            lvl.used += fp
-            return j
-        return None
+                return j, flags
+            if not lvl.reserve(key, nbytes):
+                return None, flags
+            held[(j, key)] = None
+            return j, flags
+        return -1, flags
 
-    def _place(self, key: str, nbytes: int, start: int, stop: Optional[int] = None) -> Optional[int]:
+    def _place(self, key: str, nbytes: int, start: int, stop: int, held: dict) -> tuple[Optional[int], int]:
         """The first level in [start, stop) that admits the chunk and has (or made) room; reserved there."""
-        stop = len(self.levels) if stop is None else stop
+        flags = 0
         for j in range(start, stop):
             lvl = self.levels[j]
             if not lvl.tier.available:
+                flags |= _UNAVAILABLE
                 continue
             with self._lock:
-                admitted = lvl.admission.admit(key, nbytes, lvl.name)
-                if not admitted:
-                    lvl.counters.rejected += 1
+                admitted = self._admit(lvl, key, nbytes)
             if not admitted:
                 continue
-            if not lvl.managed or self._reserve(j, key, nbytes):
-                return j
-        return None
+            if not lvl.managed:
+                return j, flags
+            if self._reserve(j, key, nbytes, held):
+                return j, flags
+            flags |= _NO_ROOM
+        return None, flags
 
-    def _reserve(self, j: int, key: str, nbytes: int) -> bool:
+    def _reserve(self, j: int, key: str, nbytes: int, held: dict) -> bool:
         """Reserve room for ``key`` in managed level ``j``, evicting (demoting) as needed."""
         lvl = self.levels[j]
         fp = lvl.tier.footprint(nbytes)
@@ -393,119 +491,90 @@ class TieredStore:
             with self._lock:
                 if key in lvl.index:
                     return False  # already there, or a doomed copy still being read
-                free = lvl.capacity - lvl.used
-                if fp <= free:
-                    lvl.index[key] = _Entry(nbytes, fp)
-                    lvl.used += fp
+                if lvl.reserve(key, nbytes):
+                    held[(j, key)] = None
                     return True
-                victims = self._victims(lvl, fp - free)
+                victims = lvl.victims(fp - (lvl.capacity - lvl.used))
                 if victims is None:
                     lvl.counters.rejected += 1
                     return False
                 for v in victims:
-                    self._pin(lvl, v)
+                    lvl.pin(v)
             self._evict(j, victims)
         with self._lock:
             lvl.counters.rejected += 1
         return False
 
-    def _victims(self, lvl: Level, need: int) -> Optional[list[str]]:
-        """Ask the policy, then check its answer (a subclass cannot break the invariants)."""
-        victims = lvl.eviction.victims(need, lvl.pinned)
-        if victims is None:
-            return None
-        victims = list(victims)
-        freed, seen = 0, set()
-        for v in victims:
-            e = lvl.index.get(v)
-            if e is None or not e.ready or e.doomed:
-                raise PolicyError(f"eviction policy {type(lvl.eviction).__name__} of tier {lvl.name!r} named {v!r}, "
-                                  "which the tier does not hold (did on_remove forget it?)")
-            if v in lvl.pinned:
-                raise PolicyError(f"eviction policy {type(lvl.eviction).__name__} named the protected key {v!r}")
-            if v in seen:
-                raise PolicyError(f"eviction policy {type(lvl.eviction).__name__} named {v!r} twice")
-            seen.add(v)
-            freed += e.footprint
-        if freed < need:
-            # sizes in the policy differ from footprints (alignment): ask again for the rest
-            more = lvl.eviction.victims(need, lvl.pinned | seen)
-            if more is None:
-                return None
-            for v in more:
-                e = lvl.index.get(v)
-                if v in seen or e is None or not e.ready or e.doomed or v in lvl.pinned:
-                    continue
-                victims.append(v)
-                seen.add(v)
-                freed += e.footprint
-                if freed >= need:
-                    break
-            if freed < need:
-                return None
-        return victims
-
     def _evict(self, j: int, victims: list[str]) -> None:
-        """Demote then drop pinned victims of level ``j`` (called without the lock)."""
+        """Demote then drop pinned victims of level ``j`` (called without the lock); unpins every one."""
         lvl = self.levels[j]
-        for key in victims:
-            e = lvl.index[key]
-            demoted = self._demote(j, key, e.nbytes)
-            with self._lock:
-                lvl.counters.evictions += 1
-                if demoted:
-                    lvl.counters.demotions += 1
-                self._drop(lvl, key, e)
-                self._unpin(lvl, key, e)
+        left = list(victims)
+        try:
+            while left:
+                key = left[0]
+                e = lvl.index[key]
+                demoted = self._demote(j, key, e.nbytes)
+                with self._lock:
+                    left.pop(0)
+                    try:
+                        lvl.counters.evictions += 1
+                        if demoted:
+                            lvl.counters.demotions += 1
+                        lvl.drop(key, e)
+                    finally:
+                        lvl.unpin(key, e)
+        finally:
+            if left:
+                with self._lock:
+                    for key in left:
+                        lvl.unpin(key, lvl.index[key])
 
     def _demote(self, j: int, key: str, nbytes: int) -> bool:
-        """Copy ``key`` from level ``j`` into the next lower level that takes it.  True if it now lives below."""
-        with self._lock:
-            if self._where.get(key, 0) >> (j + 1):
-                return True  # a lower level already holds it
-        if j + 1 >= len(self.levels):
-            return False
+        """Copy ``key`` from level ``j`` into the next lower level that takes it.  True if it now lives below.
+
+        Walks down from ``j + 1``: a level that already holds the key ends the walk
+        (levels are inclusive); otherwise the first level that admits it and has
+        (or makes) room receives a copy.
+        """
         buf: Optional[torch.Tensor] = None
-        start = j + 1
-        while start < len(self.levels):
-            k = self._place(key, nbytes, start)
-            if k is None:
-                return False
-            if buf is None:
-                buf = staging(nbytes)
-                if not self._tier_read(self.levels[j], [key], [[buf]])[0]:
-                    with self._lock:
-                        self.levels[j].counters.errors += 1
-                    self._finish_write(self.levels[k], key, nbytes, False, count_error=False)
-                    return False
-            ok = self._tier_write(self.levels[k], [key], [[buf]])[0]
-            if self._finish_write(self.levels[k], key, nbytes, ok):
-                return True
-            start = k + 1
-        return False
+        held: dict[tuple[int, str], None] = {}
+        try:
+            for k in range(j + 1, len(self.levels)):
+                with self._lock:
+                    if self._where.get(key, 0) & self.levels[k].bit:
+                        return True
+                if self._place(key, nbytes, k, k + 1, held)[0] is None:
+                    continue
+                if buf is None:
+                    buf = staging(nbytes)
+                    if not self._tier_io(self.levels[j], "read", [key], [[buf]])[0]:
+                        with self._lock:
+                            self.levels[j].counters.errors += 1
+                        return False
+                ok = self._tier_io(self.levels[k], "write", [key], [[buf]])[0]
+                with self._lock:
+                    held.pop((k, key), None)
+                    if self._finish_write(self.levels[k], key, nbytes, ok):
+                        return True
+            return False
+        finally:
+            self._release(held)
 
     def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True) -> bool:
-        """Commit (ok) or abort a write into ``lvl``.  Returns ``ok``."""
-        with self._lock:
-            if lvl.managed:
-                e = lvl.index.get(key)
-                if e is None or e.ready:  # cannot happen: a reservation is only ours
-                    raise PolicyError(f"tier {lvl.name!r}: no reservation for {key!r}")
-                if ok:
-                    e.ready = True
-                    self._where[key] = self._where.get(key, 0) | lvl.bit
-                    lvl.eviction.on_insert(key, nbytes)
-                else:
-                    del lvl.index[key]
-                    lvl.used -= e.footprint
+        """Commit (ok) or abort a write into ``lvl``; caller holds the lock.  Returns ``ok``."""
+        if lvl.managed:
             if ok:
-                lvl.counters.puts += 1
-                lvl.counters.bytes_written += nbytes
-            elif count_error:
-                lvl.counters.errors += 1
+                lvl.commit(key)
+            else:
+                lvl.abort(key)
+        if ok:
+            lvl.counters.puts += 1
+            lvl.counters.bytes_written += nbytes
+        elif count_error:
+            lvl.counters.errors += 1
         return ok
 
-    def _write_through(self, j: int, key: str, prepared: tuple[Parts, int]) -> None:
+    def _write_through(self, j: int, key: str, prepared: tuple[Parts, int], held: dict) -> None:
         parts, nbytes = prepared
         for k in range(j + 1, len(self.levels)):
             lvl = self.levels[k]
@@ -514,49 +583,93 @@ class TieredStore:
             with self._lock:
                 if self._where.get(key, 0) & lvl.bit:
                     continue
-            if self._place(key, nbytes, k, k + 1) is None:
+            if self._place(key, nbytes, k, k + 1, held)[0] is None:
                 continue
-            ok = self._tier_write(lvl, [key], [parts])[0]
-            self._finish_write(lvl, key, nbytes, ok)
+            ok = self._tier_io(lvl, "write", [key], [parts])[0]
+            with self._lock:
+                held.pop((k, key), None)
+                self._finish_write(lvl, key, nbytes, ok)
 
-    # ------------------------------------------------------------------ pins and drops (lock held)
-    def _pin(self, lvl: Level, key: str) -> _Entry:
-        e = lvl.index[key]
-        e.pins += 1
-        lvl.pinned.add(key)
-        return e
-
-    def _unpin(self, lvl: Level, key: str, e: _Entry) -> None:
-        e.pins -= 1
-        if e.pins == 0:
-            lvl.pinned.discard(key)
-            if e.doomed:
-                self._free(lvl, key, e)
-
-    def _drop(self, lvl: Level, key: str, e: _Entry) -> None:
-        """Make a READY entry unreadable now; its space is freed when no reader holds it."""
-        if e.doomed:
+    # ------------------------------------------------------------------ write-behind
+    def _queue_behind(self, stored: list[tuple[int, str]]) -> None:
+        keys = [key for j, key in stored if any(k > j for k in self._behind_levels)]
+        if not keys:
             return
-        if e.ready:
-            e.ready = False
-            lvl.eviction.on_remove(key)
-            mask = self._where.get(key, 0) & ~lvl.bit
-            if mask:
-                self._where[key] = mask
-            else:
-                self._where.pop(key, None)
-        e.doomed = True
-        if e.pins == 0:
-            self._free(lvl, key, e)
+        dropped = self._behind.submit(keys)  # type: ignore[union-attr]
+        with self._lock:
+            self._counters.write_behind_queued += len(keys) - dropped
+            self._counters.write_behind_dropped += dropped
 
-    def _free(self, lvl: Level, key: str, e: _Entry) -> None:
-        if lvl.index.get(key) is e:
-            del lvl.index[key]
-            lvl.used -= e.footprint
+    def _copy_behind(self, keys: list[str]) -> None:
+        """Background: copy each key from the fastest level holding it into the write-behind levels below.
+
+        The source is pinned only while its bytes are read into staging buffers, so a
+        background copy delays no eviction for longer than a read.
+        """
+        todo: dict[int, list[tuple[str, Any, int]]] = {}
+        with self._lock:
+            for key in dict.fromkeys(keys):
+                mask = self._where.get(key, 0)
+                if not mask:
+                    continue  # removed or dropped meanwhile
+                j = (mask & -mask).bit_length() - 1
+                lvl = self.levels[j]
+                e = lvl.index[key]
+                if not any(k > j and not mask & self.levels[k].bit and self.levels[k].tier.available
+                           and call_policy(self.levels[k].admission, "admit", self.levels[k].name, key,
+                                           e.nbytes, self.levels[k].name)
+                           for k in self._behind_levels):
+                    continue  # already everywhere it should be, or nowhere wants it
+                lvl.pin(key)
+                todo.setdefault(j, []).append((key, e, e.nbytes))
+        try:
+            for j, items in todo.items():
+                while items:
+                    batch, size = [], 0
+                    while items and (not batch or size + items[0][2] <= _COPY_BATCH_BYTES):
+                        batch.append(items.pop(0))
+                        size += batch[-1][2]
+                    self._copy_batch(j, batch)
+        finally:
+            with self._lock:  # whatever an exception left pinned
+                for j, items in todo.items():
+                    for key, e, _ in items:
+                        self.levels[j].unpin(key, e)
+
+    def _copy_batch(self, j: int, batch: list[tuple[str, Any, int]]) -> None:
+        """Read a batch of pinned chunks of level ``j`` (unpinning them), then write them below."""
+        keys = [key for key, _, _ in batch]
+        bufs: list[torch.Tensor] = []
+        try:
+            bufs = [staging(nb) for _, _, nb in batch]
+            oks = self._tier_io(self.levels[j], "read", keys, [[b] for b in bufs])
+        finally:
+            with self._lock:
+                for key, e, _ in batch:
+                    self.levels[j].unpin(key, e)
+        for k in self._behind_levels:
+            if k <= j:
+                continue
+            lvl = self.levels[k]
+            held: dict[tuple[int, str], None] = {}
             try:
-                lvl.tier.delete([key])
-            except Exception as exc:  # the bytes are unreachable through the index either way
-                log.warning("tierkv: tier %s delete failed: %s", lvl.name, exc)
+                go = []
+                for i, (key, _, nbytes) in enumerate(batch):
+                    with self._lock:
+                        if not oks[i] or self._where.get(key, 0) & lvl.bit:
+                            continue
+                    if self._place(key, nbytes, k, k + 1, held)[0] is not None:
+                        go.append(i)
+                if not go:
+                    continue
+                wrote = self._tier_io(lvl, "write", [keys[i] for i in go], [[bufs[i]] for i in go])
+                with self._lock:
+                    for i, ok in zip(go, wrote):
+                        held.pop((k, keys[i]), None)
+                        if self._finish_write(lvl, keys[i], batch[i][2], ok):
+                            lvl.counters.persisted += 1
+            finally:
+                self._release(held)
 
     # ------------------------------------------------------------------ get
     def get(self, keys: Sequence[str], outs: Sequence[Value]) -> list[bool]:
@@ -565,7 +678,7 @@ class TieredStore:
         ``outs[i]`` must hold exactly the chunk's bytes (its shape and dtype may be
         any view of them).  A False leaves ``outs[i]`` unspecified.
         """
-        keys, outs = self._pairs(keys, outs, "outs")
+        keys, outs = self._pairs(keys, outs, "outs", each=False)
         prepared = [to_parts(o, f"outs[{i}]") for i, o in enumerate(outs)]
         self._enter()
         try:
@@ -577,139 +690,168 @@ class TieredStore:
         n = len(keys)
         results = [False] * n
         served: list[Optional[int]] = [None] * n
-        # plan: each key's fastest managed level holding it; sizes checked before anything is pinned
-        with self._lock:
+        with self._lock:  # sizes checked before anything is pinned
             self._counters.get_calls += 1
             for i, key in enumerate(keys):
                 mask = self._where.get(key, 0)
                 if mask:
                     j = (mask & -mask).bit_length() - 1
                     check_size(key, prepared[i][1], self.levels[j].index[key].nbytes)
-            for i, key in enumerate(keys):
+                else:
+                    check_key(key)
+            for key in keys:
                 for adm in self._admissions:
-                    adm.on_access(key)
+                    call_policy(adm, "on_access", "*", key)
         pending = list(range(n))
         tried: list[int] = [0] * n  # bitmask of levels already tried for key i
         no_local: list[int] = []
         while pending:
-            groups: dict[int, list[int]] = {}
-            with self._lock:
-                for i in pending:
-                    e = None
-                    mask = self._where.get(keys[i], 0) & ~tried[i]
-                    while mask:
-                        j = (mask & -mask).bit_length() - 1
-                        tried[i] |= 1 << j
-                        mask &= mask - 1
-                        e = self.levels[j].index[keys[i]]
-                        if e.nbytes == prepared[i][1]:
-                            break
-                        e = None
-                    if e is None:
-                        no_local.append(i)
-                        continue
-                    self._pin(self.levels[j], keys[i])
-                    groups.setdefault(j, []).append(i)
-            pending = []
-            for j, idx in groups.items():
-                lvl = self.levels[j]
-                oks = self._tier_read(lvl, [keys[i] for i in idx], [prepared[i][0] for i in idx])
+            groups: dict[int, list[tuple[int, Any]]] = {}
+            try:
                 with self._lock:
-                    for i, ok in zip(idx, oks):
-                        e = lvl.index[keys[i]]
-                        if ok and not e.doomed:
-                            results[i] = True
-                            served[i] = j
-                            lvl.counters.hits += 1
-                            lvl.counters.bytes_read += prepared[i][1]
-                            lvl.eviction.on_access(keys[i])
-                        else:  # lost, torn or corrupt: drop this copy, try the next level
-                            if not ok:
-                                lvl.counters.errors += 1
-                                self._drop(lvl, keys[i], e)
-                            pending.append(i)
-                        self._unpin(lvl, keys[i], e)
+                    for i in pending:
+                        e, j = None, -1
+                        mask = self._where.get(keys[i], 0) & ~tried[i]
+                        while mask:
+                            j = (mask & -mask).bit_length() - 1
+                            tried[i] |= 1 << j
+                            mask &= mask - 1
+                            e = self.levels[j].index[keys[i]]
+                            if e.nbytes == prepared[i][1]:
+                                break
+                            e = None
+                        if e is None:
+                            no_local.append(i)
+                            continue
+                        self.levels[j].pin(keys[i])
+                        groups.setdefault(j, []).append((i, e))
+                pending = []
+                for j, items in groups.items():
+                    lvl = self.levels[j]
+                    oks = self._tier_io(lvl, "read", [keys[i] for i, _ in items], [prepared[i][0] for i, _ in items])
+                    with self._lock:
+                        for (i, e), ok in zip(items, oks):
+                            if ok and not e.doomed:
+                                results[i] = True
+                                served[i] = j
+                                lvl.counters.hits += 1
+                                lvl.counters.bytes_read += prepared[i][1]
+                                call_policy(lvl.eviction, "on_access", lvl.name, keys[i])
+                            else:  # lost, torn or corrupt: drop this copy, try the next level
+                                if not ok:
+                                    lvl.counters.errors += 1
+                                    lvl.drop(keys[i], e)
+                                pending.append(i)
+            finally:
+                with self._lock:
+                    for j, items in groups.items():
+                        for i, e in items:
+                            self.levels[j].unpin(keys[i], e)
         if no_local and self._shared_levels:
-            self._read_shared(keys, prepared, no_local, results, served)
-        # misses, per level consulted: every available level above the one that served
-        available = [lvl.tier.available for lvl in self.levels]
-        missed_above = [0] * (len(self.levels) + 1)
-        got = 0
-        for i in range(n):
-            j = served[i]
-            missed_above[len(self.levels) if j is None else j] += 1
-            if j is not None:
-                got += prepared[i][1]
-        with self._lock:
-            below = 0  # keys served at or below level k (or not at all)
-            for k in range(len(self.levels), -1, -1):
-                if k < len(self.levels) and available[k]:
-                    self.levels[k].counters.misses += below
-                below += missed_above[k]
-            self._counters.misses += missed_above[len(self.levels)]
-            self._counters.hits += n - missed_above[len(self.levels)]
-            self._counters.bytes_got += got
+            self._read_shared(keys, prepared, [i for i in no_local if not results[i]], results, served)
+        self._count_misses(served, prepared)
         if any(j for j in served):  # something was served below the top level
             self._promote(keys, prepared, served)
         return results
 
-    def _read_shared(self, keys, prepared, idx: list[int], results: list[bool], served: list[Optional[int]]) -> None:
-        """Try the unmanaged (shared) levels in chain order for keys no managed level served."""
-        left = [i for i in idx if not results[i]]
+    def _count_misses(self, served: list[Optional[int]], prepared: list[tuple[Parts, int]]) -> None:
+        """Misses per level consulted: every available level above the one that served."""
+        nlev = len(self.levels)
+        available = [lvl.tier.available for lvl in self.levels]
+        missed_above = [0] * (nlev + 1)
+        got = 0
+        for i, j in enumerate(served):
+            missed_above[nlev if j is None else j] += 1
+            if j is not None:
+                got += prepared[i][1]
+        with self._lock:
+            below = 0  # keys served at or below level k (or not at all)
+            for k in range(nlev, -1, -1):
+                if k < nlev and available[k]:
+                    self.levels[k].counters.misses += below
+                below += missed_above[k]
+            self._counters.misses += missed_above[nlev]
+            self._counters.hits += len(served) - missed_above[nlev]
+            self._counters.bytes_got += got
+
+    def _first_shared(self, op: str, keys: list[str], idx: list[int],
+                      parts: Optional[list[Parts]] = None) -> dict[int, int]:
+        """Ask the shared (unmanaged) levels in chain order, each for the keys no earlier one had.
+
+        Returns {index into keys: level that answered True}.  ``op`` is "read" (with
+        ``parts``) or "contains"; a level that fails or is down is skipped.
+        """
+        found: dict[int, int] = {}
+        left = list(idx)
         for j in self._shared_levels:
             if not left:
-                return
+                break
             lvl = self.levels[j]
             if not lvl.tier.available:
                 continue
-            oks = self._tier_read(lvl, [keys[i] for i in left], [prepared[i][0] for i in left])
-            nxt = []
-            with self._lock:
-                for i, ok in zip(left, oks):
-                    if ok:
-                        results[i] = True
-                        served[i] = j
-                        lvl.counters.hits += 1
-                        lvl.counters.bytes_read += prepared[i][1]
-                    else:
-                        nxt.append(i)
-            left = nxt
+            res = self._tier_io(lvl, op, [keys[i] for i in left],
+                                [parts[i] for i in left] if parts is not None else None)
+            if res is None:
+                continue
+            for i, hit in zip(left, res):
+                if hit:
+                    found[i] = j
+            left = [i for i in left if i not in found]
+        return found
+
+    def _read_shared(self, keys, prepared, idx: list[int], results: list[bool], served: list[Optional[int]]) -> None:
+        found = self._first_shared("read", keys, idx, [p for p, _ in prepared])
+        with self._lock:
+            for i, j in found.items():
+                results[i] = True
+                served[i] = j
+                self.levels[j].counters.hits += 1
+                self.levels[j].counters.bytes_read += prepared[i][1]
 
     def _promote(self, keys: list[str], prepared: list[tuple[Parts, int]], served: list[Optional[int]]) -> None:
         """Copy hits served below the top managed level up, as the promotion policy says.
 
         One call promotes at most half of a level's capacity into it: a batch larger
-        than the level would otherwise evict its own earlier chunks (thrashing).
+        than the level would otherwise evict its own earlier chunks (thrashing).  A
+        buffer that shares memory with another key's (or its own parts) is never
+        promoted: it may no longer hold the bytes verified for its key.
         """
+        aliased = _overlapping(prepared)
         budget = {k: self.levels[k].capacity // 2 for k in self._managed_levels}
-        for i, j in enumerate(served):
-            if j is None:
-                continue
-            key, (parts, nbytes) = keys[i], prepared[i]
-            for k in self._managed_levels:
-                if k >= j:
-                    break
-                lvl = self.levels[k]
-                if not lvl.tier.available:
+        held: dict[tuple[int, str], None] = {}
+        try:
+            for i, j in enumerate(served):
+                if not j or i in aliased:
                     continue
-                with self._lock:
-                    if self._where.get(key, 0) & lvl.bit or key in lvl.index:
+                key, (parts, nbytes) = keys[i], prepared[i]
+                for k in self._managed_levels:
+                    if k >= j:
                         break
-                    if budget[k] < nbytes or not lvl.admission.admit(key, nbytes, lvl.name):
+                    lvl = self.levels[k]
+                    if not lvl.tier.available:
                         continue
-                    budget[k] -= nbytes
-                    go = self.promotion.should_promote(key, self.levels[j].name, lvl.name)
-                if go and self._reserve(k, key, nbytes):
-                    ok = self._tier_write(lvl, [key], [parts])[0]
-                    if self._finish_write(lvl, key, nbytes, ok) and ok:
+                    with self._lock:
+                        if self._where.get(key, 0) & lvl.bit or key in lvl.index:
+                            break
+                        if budget[k] < nbytes or not self._admit(lvl, key, nbytes):
+                            continue
+                        budget[k] -= nbytes
+                        go = call_policy(self.promotion, "should_promote", lvl.name, key, self.levels[j].name,
+                                         lvl.name)
+                    if go and self._reserve(k, key, nbytes, held):
+                        ok = self._tier_io(lvl, "write", [key], [parts])[0]
                         with self._lock:
-                            self.levels[j].counters.promotions += 1
-                break
+                            held.pop((k, key), None)
+                            if self._finish_write(lvl, key, nbytes, ok):
+                                self.levels[j].counters.promotions += 1
+                    break
+        finally:
+            self._release(held)
 
     # ------------------------------------------------------------------ lookup, locate, remove
     def lookup(self, keys: Sequence[str]) -> int:
         """How many leading keys are present in some tier.  No side effects."""
-        keys = list(keys)
+        keys = check_keys(keys, each=False)
         self._enter()
         try:
             n = 0
@@ -718,42 +860,23 @@ class TieredStore:
                 where = self._where
                 for k in keys:
                     if k not in where:
+                        check_key(k)
                         break
                     n += 1
-            if n == len(keys) or not self._shared_levels:
-                return n
-            rest = keys[n:]
+                if n == len(keys) or not self._shared_levels:
+                    return n
+                for k in keys[n:]:
+                    check_key(k)
+                ask = [i for i in range(n, len(keys)) if keys[i] not in where]
+            found = self._first_shared("contains", keys, ask)
             with self._lock:
-                local = [k in self._where for k in rest]
-            ask = [i for i, hit in enumerate(local) if not hit]
-            for i, hit in zip(ask, self._shared_contains([rest[i] for i in ask])):
-                local[i] = hit
-            for hit in local:
-                if not hit:
-                    break
-                n += 1
+                for i in range(n, len(keys)):
+                    if keys[i] not in self._where and i not in found:
+                        break
+                    n += 1
             return n
         finally:
             self._leave()
-
-    def _shared_contains(self, keys: list[str]) -> list[bool]:
-        found = [False] * len(keys)
-        for j in self._shared_levels:
-            lvl = self.levels[j]
-            if not lvl.tier.available:
-                continue
-            ask = [i for i, f in enumerate(found) if not f]
-            if not ask:
-                break
-            try:
-                res = lvl.tier.contains([keys[i] for i in ask])
-            except Exception as e:
-                log.warning("tierkv: tier %s contains failed: %s", lvl.name, e)
-                continue
-            for i, hit in zip(ask, res):
-                if hit:
-                    found[i] = True
-        return found
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Presence of each key in some tier (not only the leading ones).  No side effects."""
@@ -761,7 +884,7 @@ class TieredStore:
 
     def locate(self, keys: Sequence[str]) -> list[Optional[str]]:
         """Name of the fastest tier holding each key (None where none does).  No side effects."""
-        keys = list(keys)
+        keys = check_keys(keys, each=False)
         self._enter()
         try:
             out: list[Optional[str]] = [None] * len(keys)
@@ -771,25 +894,18 @@ class TieredStore:
                     if mask:
                         out[i] = self.levels[(mask & -mask).bit_length() - 1].name
             missing = [i for i, o in enumerate(out) if o is None]
-            for j in self._shared_levels:
-                lvl = self.levels[j]
-                if not missing or not lvl.tier.available:
-                    continue
-                try:
-                    res = lvl.tier.contains([keys[i] for i in missing])
-                except Exception:
-                    continue
-                for i, hit in zip(list(missing), res):
-                    if hit:
-                        out[i] = lvl.name
-                missing = [i for i in missing if out[i] is None]
+            for i in missing:
+                check_key(keys[i])
+            if missing and self._shared_levels:
+                for i, j in self._first_shared("contains", keys, missing).items():
+                    out[i] = self.levels[j].name
             return out
         finally:
             self._leave()
 
     def remove(self, keys: Sequence[str]) -> None:
         """Forget the chunks in every tier (absent keys are ignored)."""
-        keys = list(keys)
+        keys = check_keys(keys)
         self._enter()
         try:
             with self._lock:
@@ -798,21 +914,23 @@ class TieredStore:
                         lvl = self.levels[j]
                         e = lvl.index.get(key)
                         if e is not None and e.ready:
-                            self._drop(lvl, key, e)
-                    self.promotion.on_remove(key)
+                            lvl.drop(key, e)
+                    call_policy(self.promotion, "on_remove", "*", key)
             for j in self._shared_levels:
-                lvl = self.levels[j]
-                if lvl.tier.available:
-                    try:
-                        lvl.tier.delete(keys)
-                    except Exception as e:
-                        log.warning("tierkv: tier %s delete failed: %s", lvl.name, e)
+                if self.levels[j].tier.available:
+                    self._tier_io(self.levels[j], "delete", keys)
         finally:
             self._leave()
 
     # ------------------------------------------------------------------ async twins
     async def _run(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self._executor, functools.partial(fn, *args))
+        if self._closed:
+            raise StoreClosedError("the store is closed")
+        try:
+            fut = self._executor.submit(functools.partial(fn, *args))
+        except RuntimeError:  # the executor shut down between the check and the submit
+            raise StoreClosedError("the store is closed") from None
+        return await asyncio.wrap_future(fut)
 
     async def aput(self, keys: Sequence[str], values: Sequence[Value]) -> list[bool]:
         """``put`` on the store's I/O threads, awaitable."""
@@ -844,10 +962,12 @@ class TieredStore:
             for lvl in self.levels:
                 d: dict[str, Any] = {
                     "medium": lvl.tier.medium,
+                    "locality": getattr(lvl.tier, "locality", "host"),
+                    "persist": lvl.persist,
                     "capacity_bytes": lvl.capacity,
                     "used_bytes": lvl.used if lvl.managed else lvl.tier.used_bytes,
                     "stored_bytes": lvl.tier.used_bytes,
-                    "entries": sum(1 for e in lvl.index.values() if e.ready) if lvl.managed else None,
+                    "entries": lvl.entries() if lvl.managed else None,
                     "available": bool(lvl.tier.available),
                     **lvl.counters.as_dict(),
                 }
@@ -862,9 +982,10 @@ class TieredStore:
                 tiers[lvl.name] = d
             total: dict[str, Any] = self._counters.as_dict()
             for field in ("capacity_bytes", "used_bytes", "evictions", "promotions", "demotions", "errors",
-                          "rejected", "bytes_read", "bytes_written"):
+                          "rejected", "bytes_read", "bytes_written", "persisted"):
                 total[field] = sum(t[field] for t in tiers.values())
             total["in_flight"] = self._in_flight
+            total["write_behind_pending"] = self._behind.pending() if self._behind is not None else 0
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         for name, d in tiers.items():
             out.setdefault(name, d)
@@ -872,17 +993,15 @@ class TieredStore:
 
     # ------------------------------------------------------------------ helpers
     @staticmethod
-    def _pairs(keys: Sequence[str], values: Sequence[Any], what: str) -> tuple[list[str], list[Any]]:
-        if isinstance(keys, str):
-            raise TypeError("keys must be a sequence of keys, not a single string (wrap it in a list)")
-        keys = list(keys)
+    def _pairs(keys: Sequence[str], values: Sequence[Any], what: str, each: bool = True) -> tuple[list[str], list[Any]]:
+        keys = check_keys(keys, each=each)
         if isinstance(values, torch.Tensor):
             raise TypeError(f"{what} must be a sequence with one tensor per key, not a single tensor")
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(f"{what} must be an ordered sequence (list or tuple), got {type(values).__name__}")
         values = list(values)
         if len(keys) != len(values):
             raise ValueError(f"got {len(keys)} keys but {len(values)} {what}")
-        for k in keys:
-            check_key(k)
         return keys, values
 
     def tier_names(self) -> list[str]:
@@ -895,7 +1014,8 @@ class TieredStore:
         Each entry: ``name``, ``medium``, ``locality`` (``"device"``, ``"host"``,
         ``"remote"`` or ``"disk"``), ``persistent`` (objects survive the process),
         ``shared`` (the tier is a pool other processes see: presence is asked of it),
-        ``capacity_bytes`` and ``available``.
+        ``persist`` (how it receives chunks stored above it), ``capacity_bytes`` and
+        ``available``.
         """
         return [{
             "name": lvl.name,
@@ -903,6 +1023,7 @@ class TieredStore:
             "locality": getattr(lvl.tier, "locality", "host"),
             "persistent": bool(lvl.tier.persistent),
             "shared": not lvl.managed,
+            "persist": lvl.persist,
             "capacity_bytes": lvl.capacity,
             "available": bool(lvl.tier.available),
         } for lvl in self.levels]
@@ -910,3 +1031,6 @@ class TieredStore:
     def __repr__(self) -> str:
         chain = " -> ".join(f"{lvl.name}({lvl.tier.medium})" for lvl in self.levels)
         return f"TieredStore({chain})"
+
+
+__all__ = ["TieredStore", "Level", "PutOutcome", "PolicyError", "check_keys"]

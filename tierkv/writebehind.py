@@ -1,0 +1,106 @@
+"""The write-behind queue: chunks stored in fast tiers are copied into persistent ones in the background.
+
+``submit`` never blocks the caller: when ``max_queued`` keys already wait, the
+new ones are dropped and counted (the device cannot keep up; the chunk is still
+stored above and may reach the persistent tier later by demotion).  One thread
+drains the queue in batches through the store's ``copy`` callback; ``drain``
+waits until everything submitted so far has been handled (``flush`` and
+``close`` use it).  The queue holds keys only, never the caller's buffers: the
+background copy reads the chunk back from the tier that holds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Optional
+
+log = logging.getLogger("tierkv")
+
+
+class WriteBehind:
+    """A bounded queue of keys and the one thread that copies them down."""
+
+    def __init__(self, copy: Callable[[list[str]], None], max_queued: int = 65536, batch: int = 256) -> None:
+        self._copy = copy
+        self.max_queued = max_queued
+        self._batch = batch
+        self._queue: deque[str] = deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._stop = False
+        self._thread: Optional[threading.Thread] = None
+        self.submitted = 0
+        self.dropped = 0
+        self.failed_batches = 0
+
+    def submit(self, keys: Sequence[str]) -> int:
+        """Queue ``keys``; returns how many were dropped because the queue is full."""
+        if not keys:
+            return 0
+        with self._cv:
+            if self._stop:
+                self.dropped += len(keys)
+                return len(keys)
+            room = max(0, self.max_queued - len(self._queue))
+            take = keys if len(keys) <= room else keys[:room]
+            self._queue.extend(take)
+            self.submitted += len(take)
+            dropped = len(keys) - len(take)
+            self.dropped += dropped
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="tierkv-write-behind", daemon=True)
+                self._thread.start()
+            self._cv.notify_all()
+        return dropped
+
+    def pending(self) -> int:
+        with self._cv:
+            return len(self._queue) + (1 if self._busy else 0)
+
+    def drain(self, timeout: Optional[float] = None) -> bool:
+        """Wait until every key submitted so far has been copied (or failed); False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._busy:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def close(self, timeout: Optional[float] = None) -> bool:
+        """Drain, then stop the thread.  Keys submitted afterwards are dropped."""
+        done = self.drain(timeout)
+        with self._cv:
+            self._stop = True
+            if not done:
+                self.dropped += len(self._queue)
+                self._queue.clear()
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        return done
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._stop:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                batch = [self._queue.popleft() for _ in range(min(self._batch, len(self._queue)))]
+                self._busy = True
+            try:
+                self._copy(batch)
+            except Exception as e:  # a copy that fails costs the copy, never the thread
+                self.failed_batches += 1
+                log.warning("tierkv: write-behind copy of %d chunks failed: %s", len(batch), e)
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
