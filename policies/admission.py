@@ -11,6 +11,10 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from tierkv.errors import ConfigError
+from tierkv.options import check_int
+from tierkv.units import parse_size
+
 
 class AdmissionPolicy:
     """Base class: override ``admit`` (and ``on_access`` to observe demand)."""
@@ -52,10 +56,8 @@ class FrequencyAdmission(AdmissionPolicy):
     def __init__(self, min_accesses: int = 2, max_tracked: int = 1 << 20, *, threshold: int | None = None) -> None:
         if threshold is not None:  # an alias some configs use
             min_accesses = threshold
-        if not isinstance(min_accesses, int) or min_accesses < 1:
-            raise ValueError(f"min_accesses must be an int ≥ 1, got {min_accesses!r}")
-        self.min_accesses = min_accesses
-        self.max_tracked = max_tracked
+        self.min_accesses = check_int(min_accesses, "frequency admission 'min_accesses'", min_value=1)
+        self.max_tracked = check_int(max_tracked, "frequency admission 'max_tracked'", min_value=1)
         self._counts: OrderedDict[Hashable, int] = OrderedDict()
 
     def on_access(self, key):
@@ -74,7 +76,7 @@ class SizeAdmission(AdmissionPolicy):
     name = "size"
 
     def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = int(max_bytes)
+        self.max_bytes = parse_size(max_bytes, "size admission 'max_bytes'")
 
     def admit(self, key, nbytes, tier):
         return nbytes <= self.max_bytes
@@ -86,6 +88,10 @@ class AllOf(AdmissionPolicy):
     name = "all-of"
 
     def __init__(self, *policies: AdmissionPolicy) -> None:
+        for p in policies:
+            if not isinstance(p, AdmissionPolicy):
+                raise ConfigError(f"all-of admission: members must be AdmissionPolicy instances, got "
+                                  f"{type(p).__name__}")
         self.policies = policies
 
     def on_access(self, key):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable
 
+from tierkv.options import check_int
+
 
 class PromotionPolicy:
     """Base class: override ``should_promote``."""
@@ -42,10 +44,8 @@ class PromoteOnHit(PromotionPolicy):
     name = "on-hit"
 
     def __init__(self, min_hits: int = 1, max_tracked: int = 1 << 20) -> None:
-        if not isinstance(min_hits, int) or min_hits < 1:
-            raise ValueError(f"min_hits must be an int ≥ 1, got {min_hits!r}")
-        self.min_hits = min_hits
-        self.max_tracked = max_tracked
+        self.min_hits = check_int(min_hits, "on-hit promotion 'min_hits'", min_value=1)
+        self.max_tracked = check_int(max_tracked, "on-hit promotion 'max_tracked'", min_value=1)
         self._hits: OrderedDict[Hashable, int] = OrderedDict()
 
     def should_promote(self, key, src, dst):

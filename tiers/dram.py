@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from tierkv.options import pop_bool
+
 from .slab import SlabTier
 
 
@@ -22,7 +24,8 @@ class DRAMTier(SlabTier):
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "DRAMTier":
         capacity = cls.pop_capacity(name, options)
-        pin = options.pop("pin_memory", None)
-        prefault = bool(options.pop("prefault", True))
+        what = f"tier {name!r}"
+        pin = pop_bool(options, "pin_memory", None, what)
+        prefault = pop_bool(options, "prefault", True, what)
         cls.reject_unknown(name, options)
         return cls(name, capacity, pin_memory=pin, prefault=prefault)

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from tierkv.errors import ConfigError
+from tierkv.options import pop_bool, pop_str
 
 from .slab import SlabTier
 
@@ -36,8 +37,11 @@ class HBMTier(SlabTier):
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "HBMTier":
         capacity = cls.pop_capacity(name, options)
-        device = options.pop("device", "npu" if _has_npu() else ("cuda" if torch.cuda.is_available() else "cpu"))
-        prefault = bool(options.pop("prefault", True))
+        what = f"tier {name!r}"
+        device = pop_str(options, "device", None, what)
+        if device is None:
+            device = "npu" if _has_npu() else ("cuda" if torch.cuda.is_available() else "cpu")
+        prefault = pop_bool(options, "prefault", True, what)
         cls.reject_unknown(name, options)
         return cls(name, capacity, device=str(resolve_device(device)), prefault=prefault)
 

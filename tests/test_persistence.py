@@ -1,0 +1,173 @@
+"""Persistence semantics: a persistent tier receives every chunk its admission policy accepts.
+
+``persist``: ``write_behind`` (default for persistent media: a background copy that
+never blocks the caller), ``write_through`` (synchronous), ``on_evict`` (demotions only).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+from tierkv import TieredStore
+from tierkv.level import Level
+from tierkv.tiers.dram import DRAMTier
+
+CHUNK = 16 << 10
+
+
+def chunk(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (CHUNK,), dtype=torch.uint8, generator=g)
+
+
+def keys_for(n: int, ns: str = "p") -> list[str]:
+    return [f"{ns}-{i:05d}" for i in range(n)]
+
+
+def chain(path, persist=None, dram_chunks=64, ssd_chunks=256):
+    ssd = {"medium": "ssd", "path": str(path), "capacity": ssd_chunks * (CHUNK + 8192)}
+    if persist is not None:
+        ssd["persist"] = persist
+    return {"tiers": [{"medium": "dram", "capacity": dram_chunks * CHUNK, "prefault": False}, ssd],
+            "promotion": "never"}
+
+
+def ssd_only(path, ssd_chunks=256):
+    return {"tiers": [{"medium": "ssd", "path": str(path), "capacity": ssd_chunks * (CHUNK + 8192)}]}
+
+
+def read_all(store, keys):
+    outs = [torch.empty(CHUNK, dtype=torch.uint8) for _ in keys]
+    found = store.get(keys, outs)
+    return [i for i, (f, o) in enumerate(zip(found, outs)) if f and torch.equal(o, chunk(i))]
+
+
+def test_write_behind_is_the_default_for_persistent_media(tmp_path):
+    with TieredStore.from_config(chain(tmp_path / "ssd")) as store:
+        info = {t["name"]: t for t in store.tier_info()}
+        assert info["ssd"]["persist"] == "write_behind"
+        assert info["dram"]["persist"] == "on_evict"
+
+
+def test_clean_close_reopens_with_every_chunk_on_ssd(tmp_path):
+    keys = keys_for(40)
+    with TieredStore.from_config(chain(tmp_path / "ssd")) as store:
+        assert store.put(keys, [chunk(i) for i in range(40)]) == [True] * 40
+        assert store.locate(keys) == ["dram"] * 40  # everything fits in DRAM; SSD copies come behind
+    with TieredStore.from_config(ssd_only(tmp_path / "ssd")) as store:
+        assert store.locate(keys) == ["ssd"] * 40
+        assert read_all(store, keys) == list(range(40))
+
+
+def test_flush_makes_the_copies_and_counts_them(tmp_path):
+    keys = keys_for(20)
+    with TieredStore.from_config(chain(tmp_path / "ssd")) as store:
+        store.put(keys, [chunk(i) for i in range(20)])
+        assert store.flush() is True
+        s = store.stats()
+        assert s["ssd"]["persisted"] == 20 and s["ssd"]["entries"] == 20
+        assert s["total"]["write_behind_queued"] == 20 and s["total"]["write_behind_pending"] == 0
+        assert s["dram"]["entries"] == 20  # the fast copy stays where it was stored
+
+
+def test_on_evict_keeps_the_old_behaviour(tmp_path):
+    keys = keys_for(10)
+    with TieredStore.from_config(chain(tmp_path / "ssd", persist="on_evict")) as store:
+        store.put(keys, [chunk(i) for i in range(10)])
+    with TieredStore.from_config(ssd_only(tmp_path / "ssd")) as store:
+        assert store.lookup(keys) == 0  # nothing was evicted, so nothing reached the SSD
+
+
+def test_write_through_copies_before_put_returns(tmp_path):
+    keys = keys_for(10)
+    with TieredStore.from_config(chain(tmp_path / "ssd", persist="write_through")) as store:
+        store.put(keys, [chunk(i) for i in range(10)])
+        assert store.stats()["ssd"]["entries"] == 10  # no background queue involved
+        assert store.stats()["total"]["write_behind_queued"] == 0
+
+
+def test_admission_of_the_persistent_tier_is_honoured(tmp_path):
+    cfg = chain(tmp_path / "ssd")
+    cfg["tiers"][1]["admission"] = {"policy": "size", "max_bytes": CHUNK - 1}
+    with TieredStore.from_config(cfg) as store:
+        store.put(keys_for(5), [chunk(i) for i in range(5)])
+        store.flush()
+        assert store.stats()["ssd"]["entries"] == 0
+
+
+class SlowDRAM(DRAMTier):
+    """A persistent-looking DRAM tier whose writes wait at a gate: a device that cannot keep up."""
+
+    persistent = True
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.gate = threading.Event()
+
+    def _write(self, keys, srcs):
+        self.gate.wait(30)
+        return super()._write(keys, srcs)
+
+
+def test_a_full_queue_drops_and_counts_never_blocks_the_caller():
+    slow = SlowDRAM("slow", 64 * CHUNK, prefault=False)
+    store = TieredStore([Level(DRAMTier("fast", 64 * CHUNK, prefault=False)), Level(slow)],
+                        write_behind_queue=4)
+    keys = keys_for(30)
+    done = threading.Event()
+
+    def produce():
+        for i, k in enumerate(keys):
+            store.put([k], [chunk(i)])
+        done.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    assert done.wait(20), "put blocked behind the write-behind queue"
+    s = store.stats()["total"]
+    assert s["write_behind_dropped"] > 0
+    assert s["write_behind_queued"] + s["write_behind_dropped"] == 30
+    slow.gate.set()
+    store.flush()
+    assert store.stats()["slow"]["entries"] == s["write_behind_queued"]
+    t.join()
+    store.close()
+
+
+CHILD = textwrap.dedent("""
+    import os, sys, torch
+    from tierkv import TieredStore
+    sys.path.insert(0, {testdir!r})
+    from test_persistence import chain, chunk, keys_for
+    store = TieredStore.from_config(chain({path!r}))
+    keys = keys_for(60)
+    store.put(keys[:30], [chunk(i) for i in range(30)])
+    store.flush()
+    print("flushed", flush=True)
+    store.put(keys[30:], [chunk(i) for i in range(30, 60)])
+    os.kill(os.getpid(), 9)
+""")
+
+
+@pytest.mark.slow
+def test_sigkill_keeps_everything_before_the_last_flush(tmp_path):
+    code = CHILD.format(testdir=os.path.dirname(__file__), path=str(tmp_path / "ssd"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert "flushed" in p.stdout
+    keys = keys_for(60)
+    with TieredStore.from_config(ssd_only(tmp_path / "ssd")) as store:
+        got = set(read_all(store, keys))
+        assert set(range(30)) <= got  # everything before the flush; later ones may or may not be there
+        for i, k in enumerate(keys):
+            out = torch.empty(CHUNK, dtype=torch.uint8)
+            if store.get([k], [out]) == [True]:
+                assert torch.equal(out, chunk(i)), "a wrong byte after SIGKILL"
