@@ -30,14 +30,17 @@ class GatedDRAM(DRAMTier):
         self.gate.set()
         self.entered = threading.Event()
 
+    gate_writes = True
+
     def read(self, keys, dsts):
         self.entered.set()
         self.gate.wait(10)
         return super().read(keys, dsts)
 
     def write(self, keys, srcs):
-        self.entered.set()
-        self.gate.wait(10)
+        if self.gate_writes:
+            self.entered.set()
+            self.gate.wait(10)
         return super().write(keys, srcs)
 
 
@@ -96,17 +99,23 @@ class SharedPool(Tier):
 def test_a_chunk_being_read_is_not_evicted(tmp_path):
     top = GatedDRAM("top", 2 * C)
     store = TieredStore([top, DRAMTier("low", 8 * C)], promotion="never")
-    store.put(["a", "b"], [val(1), val(2)])
+    store.put(["a", "b"], [val(1), val(2)])  # "a" is the LRU victim-to-be
+    top.gate_writes = False  # only reads wait at the gate
     top.gate.clear()
     top.entered.clear()
     out = torch.zeros(C, dtype=torch.uint8)
-    reader = threading.Thread(target=lambda: results.append(store.get(["a"], [out])))
     results: list = []
+    reader = threading.Thread(target=lambda: results.append(store.get(["a"], [out])))
     reader.start()
-    assert top.entered.wait(5)  # the read of "a" is in flight, "a" is pinned
-    assert "a" in store.levels[0].pinned
-    top.gate.set()  # let writes through; the read still had its pin when victims were chosen
-    reader.join()
+    try:
+        assert top.entered.wait(5)  # the read of "a" is in flight, "a" is pinned
+        assert "a" in store.levels[0].pinned
+        # a put that needs room while the read holds its pin: the victim must be "b", not "a"
+        assert store.put(["c"], [val(3)]) == [True]
+        assert store.locate(["a", "b", "c"]) == ["top", "low", "top"]
+    finally:
+        top.gate.set()
+        reader.join()
     assert results == [[True]] and torch.equal(out, val(1))
     store.close()
 

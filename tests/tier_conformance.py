@@ -90,10 +90,12 @@ class TierConformance:
 
     def test_used_bytes_tracks_contents(self, tier):
         before = tier.used_bytes
-        tier.write([key(1, "u")], [[blob(1, 8192)]])
-        assert tier.used_bytes >= before
+        assert tier.write([key(1, "u")], [[blob(1, 8192)]]) == [True]
+        held = tier.used_bytes
+        assert held > before, "used_bytes did not grow when an object was stored"
+        assert held <= before + tier.footprint(8192)
         tier.delete([key(1, "u")])
-        assert tier.used_bytes <= before + 8192
+        assert tier.used_bytes < held, "used_bytes did not shrink when the object was deleted"
 
     def test_stats_and_availability(self, tier):
         assert tier.available
