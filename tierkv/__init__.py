@@ -10,7 +10,7 @@ from tierkv.level import Level
 from tierkv.store import PutOutcome, TieredStore
 from tierkv.units import parse_size
 
-__version__ = "0.1.0"
+__version__ = "0.2.0.dev0"
 
 __all__ = [
     "TieredStore", "Level", "PutOutcome", "chunk_keys", "keys_from_block_hashes", "namespace_root", "parse_size",
