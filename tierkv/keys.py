@@ -59,7 +59,7 @@ def _as_token_bytes(token_ids: Any) -> memoryview:
         if lo < 0 or hi >= 1 << 32:
             raise ValueError(f"token ids must lie in [0, 2**32); found {lo if lo < 0 else hi}")
         arr = arr.astype("<u4")
-    return memoryview(np.ascontiguousarray(arr)).cast("B")
+    return memoryview(np.ascontiguousarray(arr).data).cast("B")
 
 
 def chunk_keys(token_ids: Sequence[int] | Any, chunk_tokens: int = 256, namespace: str = "") -> list[str]:
@@ -75,7 +75,7 @@ def chunk_keys(token_ids: Sequence[int] | Any, chunk_tokens: int = 256, namespac
     n_full = len(data) // step
     parent = namespace_root(namespace, chunk_tokens)
     sha = hashlib.sha256
-    out = []
+    out: list[str] = []
     append = out.append
     for i in range(n_full):
         h = sha(parent)

@@ -417,19 +417,29 @@ class TieredStore:
         return False
 
     @staticmethod
-    def _tier_io(lvl: Level, op: str, keys: list[str], parts: Optional[list[Parts]] = None) -> Optional[list]:
-        """A tier's ``write`` / ``read`` / ``contains`` / ``delete``: a medium fault costs misses, never the
-        caller's request.  Reads and writes answer all-False on a fault; the others answer None."""
+    def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]:
+        """A tier's ``write`` or ``read``: a medium fault costs misses (all False), never the caller's request."""
+        res = TieredStore._tier_ask(lvl, op, keys, parts)
+        return [False] * len(keys) if res is None else res
+
+    @staticmethod
+    def _tier_ask(lvl: Level, op: str, keys: list[str], parts: Optional[list[Parts]] = None) -> Optional[list]:
+        """Any tier call (``write`` / ``read`` / ``contains`` / ``delete``); None if the medium failed.
+
+        The one choke point where a medium's exception (or a wrong number of answers)
+        becomes a logged miss; only ``StoreClosedError`` passes through.
+        """
         try:
-            res = getattr(lvl.tier, op)(keys, parts) if parts is not None else getattr(lvl.tier, op)(keys)
+            fn = getattr(lvl.tier, op)
+            res = fn(keys, parts) if parts is not None else fn(keys)
             if res is not None and len(res) != len(keys):
                 raise RuntimeError(f"answered {len(res)} results for {len(keys)} keys")
-            return res
+            return res if res is not None else []
         except StoreClosedError:
             raise
         except Exception as e:
             log.warning("tierkv: tier %s %s failed: %s", lvl.name, op, str(e)[:300])
-            return [False] * len(keys) if parts is not None else None
+            return None
 
     def _admit(self, lvl: Level, key: str, nbytes: int) -> bool:
         if call_policy(lvl.admission, "admit", lvl.name, key, nbytes, lvl.name):
@@ -625,7 +635,8 @@ class TieredStore:
         try:
             for j, items in todo.items():
                 while items:
-                    batch, size = [], 0
+                    batch: list[tuple[str, Any, int]] = []
+                    size = 0
                     while items and (not batch or size + items[0][2] <= _COPY_BATCH_BYTES):
                         batch.append(items.pop(0))
                         size += batch[-1][2]
@@ -789,8 +800,8 @@ class TieredStore:
             lvl = self.levels[j]
             if not lvl.tier.available:
                 continue
-            res = self._tier_io(lvl, op, [keys[i] for i in left],
-                                [parts[i] for i in left] if parts is not None else None)
+            res = self._tier_ask(lvl, op, [keys[i] for i in left],
+                                 [parts[i] for i in left] if parts is not None else None)
             if res is None:
                 continue
             for i, hit in zip(left, res):
@@ -918,7 +929,7 @@ class TieredStore:
                     call_policy(self.promotion, "on_remove", "*", key)
             for j in self._shared_levels:
                 if self.levels[j].tier.available:
-                    self._tier_io(self.levels[j], "delete", keys)
+                    self._tier_ask(self.levels[j], "delete", keys)
         finally:
             self._leave()
 
