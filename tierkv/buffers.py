@@ -38,6 +38,8 @@ def as_bytes(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
 
 def to_parts(value: Value, what: str = "value") -> tuple[Parts, int]:
     """Normalise a tensor or a sequence of tensors to (parts, total nbytes)."""
+    if type(value) is torch.Tensor and value.dtype is torch.uint8 and value.dim() == 1 and value.is_contiguous():
+        return [value], value.numel()  # the common case, without the general checks
     if isinstance(value, torch.Tensor):
         p = as_bytes(value, what)
         return [p], p.numel()

@@ -25,7 +25,7 @@ from typing import Any, Optional, Union
 
 from tierkv.errors import ConfigError, PolicyError
 from tierkv.options import check_bool, check_choice
-from tierkv.policies import AdmissionPolicy, EvictionPolicy, build_admission, build_eviction
+from tierkv.policies import AdmissionPolicy, AdmitAll, EvictionPolicy, build_admission, build_eviction
 from tierkv.stats import TierCounters
 from tierkv.tiers.base import Tier
 
@@ -97,6 +97,8 @@ class Level:
         if self.eviction is not None:
             self.eviction.capacity_bytes = tier.capacity_bytes
         self.admission: AdmissionPolicy = build_admission(admission)
+        #: the default admission: the store skips asking it
+        self.admits_all = type(self.admission) is AdmitAll
         self.persist = resolve_persist(tier, persist, write_through)
         if self.persist == "write_behind" and not self.managed:
             raise ConfigError(f"tier {tier.name!r} ({tier.medium}) is a shared pool: 'persist' may be "
@@ -104,6 +106,7 @@ class Level:
         self.index: dict[str, Entry] = {}
         self.pinned: set[str] = set()
         self.used = 0
+        self.ready_count = 0
         self.counters = TierCounters()
         self.bit = 0
         self._where: dict[str, int] = {}
@@ -127,7 +130,7 @@ class Level:
 
     def entries(self) -> int:
         """How many READY objects the level holds."""
-        return sum(1 for e in self.index.values() if e.ready)
+        return self.ready_count
 
     # -- two-phase writes ------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> bool:
@@ -146,6 +149,7 @@ class Level:
             raise PolicyError(f"tier {self.name!r}: no reservation for {key[:80]!r}")
         e.ready = True
         self._where[key] = self._where.get(key, 0) | self.bit
+        self.ready_count += 1
         try:
             call_policy(self.eviction, "on_insert", self.name, key, e.footprint)
         except BaseException:
@@ -159,6 +163,48 @@ class Level:
             except Exception:
                 pass
             raise
+
+    def commit_many(self, keys: list[str]) -> None:
+        """``commit`` for a batch, with one policy call (``on_insert_many`` when the policy has it)."""
+        index, where, bit = self.index, self._where, self.bit
+        entries = []
+        for key in keys:
+            e = index.get(key)
+            if e is None or e.ready or e.doomed:
+                raise PolicyError(f"tier {self.name!r}: no reservation for {key[:80]!r}")
+            entries.append(e)
+        for key, e in zip(keys, entries):
+            e.ready = True
+            where[key] = where.get(key, 0) | bit
+        self.ready_count += len(keys)
+        try:
+            many = getattr(self.eviction, "on_insert_many", None)
+            if many is not None:
+                call_policy(self.eviction, "on_insert_many", self.name, keys, [e.footprint for e in entries])
+            else:
+                for key, e in zip(keys, entries):
+                    call_policy(self.eviction, "on_insert", self.name, key, e.footprint)
+        except BaseException:
+            for key, e in zip(keys, entries):  # none of them may stay unknown to the policy
+                self._unmark(key, e)
+                e.doomed = True
+                if e.pins == 0:
+                    self._free(key, e)
+                try:
+                    self.eviction.on_remove(key)  # type: ignore[union-attr]
+                except Exception:
+                    pass
+            raise
+
+    def accessed(self, keys: list[str]) -> None:
+        """Tell the eviction policy these READY keys were read (one call when it has ``on_access_many``)."""
+        if not keys:
+            return
+        if getattr(self.eviction, "on_access_many", None) is not None:
+            call_policy(self.eviction, "on_access_many", self.name, keys)
+        else:
+            for key in keys:
+                call_policy(self.eviction, "on_access", self.name, key)
 
     def abort(self, key: str) -> None:
         """Release a reservation whose write failed (or never ran)."""
@@ -197,6 +243,7 @@ class Level:
     def _unmark(self, key: str, e: Entry) -> None:
         if e.ready:
             e.ready = False
+            self.ready_count -= 1
             mask = self._where.get(key, 0) & ~self.bit
             if mask:
                 self._where[key] = mask

@@ -367,17 +367,27 @@ class TieredStore:
                     lvl = self.levels[j]
                     oks = self._tier_io(lvl, "write", [keys[i] for i in idx], [prepared[i][0] for i in idx])
                     with self._lock:
+                        done = []
                         for i, ok in zip(idx, oks):
                             held.pop((j, keys[i]), None)
-                            if self._finish_write(lvl, keys[i], prepared[i][1], ok):
-                                out[i] = PutOutcome.STORED
-                                self._counters.chunks_stored += 1
-                                self._counters.bytes_put += prepared[i][1]
-                                behind.append((j, keys[i]))
+                            if ok:
+                                done.append(i)
                             else:
+                                self._finish_write(lvl, keys[i], prepared[i][1], False)
                                 why[i] |= _FAILED
                                 start[i] = j + 1
                                 todo.append(i)
+                        if done:
+                            if lvl.managed:
+                                lvl.commit_many([keys[i] for i in done])
+                            nb = sum(prepared[i][1] for i in done)
+                            lvl.counters.puts += len(done)
+                            lvl.counters.bytes_written += nb
+                            self._counters.chunks_stored += len(done)
+                            self._counters.bytes_put += nb
+                            for i in done:
+                                out[i] = PutOutcome.STORED
+                                behind.append((j, keys[i]))
                     if self._any_write_through:
                         for i, ok in zip(idx, oks):
                             if ok:
@@ -442,6 +452,8 @@ class TieredStore:
             return None
 
     def _admit(self, lvl: Level, key: str, nbytes: int) -> bool:
+        if lvl.admits_all:
+            return True
         if call_policy(lvl.admission, "admit", lvl.name, key, nbytes, lvl.name):
             return True
         lvl.counters.rejected += 1
@@ -741,18 +753,20 @@ class TieredStore:
                     lvl = self.levels[j]
                     oks = self._tier_io(lvl, "read", [keys[i] for i, _ in items], [prepared[i][0] for i, _ in items])
                     with self._lock:
+                        hit = []
                         for (i, e), ok in zip(items, oks):
                             if ok and not e.doomed:
                                 results[i] = True
                                 served[i] = j
-                                lvl.counters.hits += 1
+                                hit.append(keys[i])
                                 lvl.counters.bytes_read += prepared[i][1]
-                                call_policy(lvl.eviction, "on_access", lvl.name, keys[i])
                             else:  # lost, torn or corrupt: drop this copy, try the next level
                                 if not ok:
                                     lvl.counters.errors += 1
                                     lvl.drop(keys[i], e)
                                 pending.append(i)
+                        lvl.counters.hits += len(hit)
+                        lvl.accessed(hit)
             finally:
                 with self._lock:
                     for j, items in groups.items():
