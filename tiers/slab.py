@@ -25,7 +25,7 @@ from typing import Any, Union
 
 import torch
 
-from tierkv.buffers import copy_many, memmove_many
+from tierkv.buffers import PARALLEL_COPY_MIN, _memmove, copy_many, memmove_many
 from tierkv.errors import ConfigError
 
 from .base import Parts, Tier
@@ -41,12 +41,6 @@ _ALIGN_MASK = -ALIGN
 Packed = Union[int, tuple]
 
 
-def _pack(nbytes: int, loc: Any) -> Packed:
-    if type(loc) is int and nbytes <= _NB_MASK:
-        return (loc >> _ALIGN_BITS) << _SHIFT | nbytes
-    return (nbytes, loc)
-
-
 def _unpack(v: Packed) -> tuple[int, Any]:
     """(nbytes, allocator location) of a packed entry."""
     if type(v) is int:
@@ -54,8 +48,13 @@ def _unpack(v: Packed) -> tuple[int, Any]:
     return v
 
 
-def _nbytes(parts: Parts) -> int:
-    return parts[0].numel() if len(parts) == 1 else sum(p.numel() for p in parts)
+def _run_moves(moves: list[tuple[int, int, int]], total: int) -> None:
+    """The memmoves of a batch: on this thread when small, else shared with the copy helper."""
+    if total < PARALLEL_COPY_MIN:
+        for move in moves:
+            _memmove(*move)
+    else:
+        memmove_many(moves)
 
 
 def _host_moves(moves: list, base: int, pieces: Sequence[tuple[int, int]], parts: Parts, into_slab: bool) -> None:
@@ -132,22 +131,45 @@ class SlabTier(Tier):
         n = len(keys)
         out = [False] * n
         last = {key: i for i, key in enumerate(keys)} if n > 1 else None  # a key given twice keeps its last value
-        objects, alloc = self._objects, self._alloc
+        objects, allocate = self._objects, self._alloc.allocate
+        slab = self.slab  # held for the whole call (see the module docstring)
+        base, host = slab.data_ptr(), self._host
         placed: list[tuple[int, int, Packed]] = []  # (index, nbytes, packed location)
+        moves: list[tuple[int, int, int]] = []  # the common case, planned here: one part, one range, host
+        other: list[tuple[int, int, Packed]] = []  # the rest, copied by ``_copy``
+        total = 0
         with self._lock:
             for i, key in enumerate(keys):
                 if last is not None and last[key] != i:
                     out[i] = True  # superseded by a later value in this same call
                     continue
-                nbytes = _nbytes(srcs[i])
+                parts = srcs[i]
+                one = len(parts) == 1
+                nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
                 old = objects.pop(key, None)
                 if old is not None:
                     self._release(old)
-                loc = alloc.allocate((nbytes + ALIGN - 1) & _ALIGN_MASK)
-                if loc is not None:
-                    placed.append((i, nbytes, _pack(nbytes, loc)))
+                loc = allocate((nbytes + ALIGN - 1) & _ALIGN_MASK)
+                if loc is None:
+                    continue
+                if type(loc) is int and nbytes <= _NB_MASK:
+                    v = (loc >> _ALIGN_BITS) << _SHIFT | nbytes
+                    if one and host:
+                        p = parts[0]
+                        if p.is_cpu and p.is_contiguous():
+                            placed.append((i, nbytes, v))
+                            if nbytes:
+                                moves.append((base + loc, p.data_ptr(), nbytes))
+                                total += nbytes
+                            continue
+                else:
+                    v = (nbytes, loc)
+                placed.append((i, nbytes, v))
+                other.append((i, nbytes, v))
         try:
-            self._copy(placed, srcs, True)
+            _run_moves(moves, total)
+            if other:
+                self._copy(slab, other, srcs, True)
         except BaseException:
             with self._lock:
                 for _, nbytes, v in placed:
@@ -160,25 +182,17 @@ class SlabTier(Tier):
                 out[i] = True
         return out
 
-    def _copy(self, placed: list[tuple[int, int, Packed]], bufs: Sequence[Parts], into_slab: bool) -> None:
-        """Move bytes between ``bufs[i]`` and each placed object's slab range."""
-        slab = self.slab  # held for the whole copy (see the module docstring)
+    def _copy(self, slab: torch.Tensor, placed: list[tuple[int, int, Packed]], bufs: Sequence[Parts],
+              into_slab: bool) -> None:
+        """Move bytes between ``bufs[i]`` and each placed object's slab range (any parts, any devices)."""
         moves: list[tuple[int, int, int]] = []
         jobs = []
         base = slab.data_ptr()
-        host = self._host
         for i, nbytes, v in placed:
             parts = bufs[i]
-            if type(v) is int and len(parts) == 1 and host:
-                p = parts[0]
-                if p.is_cpu and p.is_contiguous():
-                    a = base + ((v >> _SHIFT) << _ALIGN_BITS)
-                    if nbytes:
-                        moves.append((a, p.data_ptr(), nbytes) if into_slab else (p.data_ptr(), a, nbytes))
-                    continue
             _, loc = _unpack(v)
             pieces = SlabAllocator.pieces((nbytes + ALIGN - 1) & _ALIGN_MASK, loc)
-            if host and _on_host(parts):
+            if self._host and _on_host(parts):
                 _host_moves(moves, base, pieces, parts, into_slab)
             else:
                 views = _views(slab, pieces, nbytes)
@@ -192,17 +206,36 @@ class SlabTier(Tier):
         self._check_open()
         out = [False] * len(keys)
         objects = self._objects
-        placed = []
+        slab = self.slab
+        base, host = slab.data_ptr(), self._host
+        moves: list[tuple[int, int, int]] = []
+        other = []
+        total = 0
         for i, key in enumerate(keys):
             v = objects.get(key)
             if v is None:
                 continue
-            nbytes = v & _NB_MASK if type(v) is int else v[0]
-            if nbytes != _nbytes(dsts[i]):
+            parts = dsts[i]
+            one = len(parts) == 1
+            nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
+            if type(v) is int:
+                if nbytes != v & _NB_MASK:
+                    continue
+                out[i] = True
+                if one and host:
+                    p = parts[0]
+                    if p.is_cpu and p.is_contiguous():
+                        if nbytes:
+                            moves.append((p.data_ptr(), base + ((v >> _SHIFT) << _ALIGN_BITS), nbytes))
+                            total += nbytes
+                        continue
+            elif nbytes != v[0]:
                 continue
-            placed.append((i, nbytes, v))
             out[i] = True
-        self._copy(placed, dsts, False)
+            other.append((i, nbytes, v))
+        _run_moves(moves, total)
+        if other:
+            self._copy(slab, other, dsts, False)
         return out
 
     def _delete(self, keys: Sequence[str]) -> None:
