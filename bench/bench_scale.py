@@ -322,8 +322,11 @@ def child_big(rounds: int) -> dict:
 
 # ---------------------------------------------------------------------- driver
 def run_child(args: list[str]) -> dict:
+    # small-object children on one OpenMP thread (no spinning workers beside the timed loops);
+    # the big-object baseline is torch's copy with its own default threads
+    env = os.environ if args[0] == "big" else {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", *args],
-                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"child {args} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
