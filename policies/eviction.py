@@ -12,18 +12,46 @@ Contract of ``victims(nbytes, protected)``:
     ``PolicyError``) and then calls ``on_remove`` for each victim it evicts: a
     policy must not forget a key just because it named it.
 
+Batch hooks: ``on_insert_many(keys, sizes)``, ``on_access_many(keys)`` and
+``on_remove_many(keys)`` mean the same as the single hooks called for each key in
+order.  The base class implements them that way, so a subclass that implements only
+the four single hooks works unchanged; the built-ins override them with tighter
+loops, and a store may prefer them when it has a batch in hand.
+
+Memory: sizes are held as shared ``int`` objects (``_Sizes``), so a tracked key costs
+its container entries only; LFU keeps one ordered bucket per frequency instead of a
+sorted list of tuples.
+
 Subclass ``EvictionPolicy`` and implement the four hooks to customise eviction.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Hashable
+from collections.abc import Container, Hashable, Iterable, Sequence
 from typing import Optional
 
-from sortedcontainers import SortedList
-
 Key = Hashable
+
+
+class _Sizes:
+    """Canonical ``int`` objects for chunk sizes: chunks of one model share a few sizes, and
+    a size held by a container then costs nothing per key.  Bounded: past ``limit``
+    distinct sizes, new ones are kept as given."""
+
+    __slots__ = ("_d", "_limit")
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._d: dict[int, int] = {}
+        self._limit = limit
+
+    def __call__(self, n: int) -> int:
+        got = self._d.get(n)
+        if got is not None:
+            return got
+        if len(self._d) < self._limit:
+            self._d[n] = n
+        return n
 
 
 class EvictionPolicy:
@@ -52,6 +80,22 @@ class EvictionPolicy:
         """Keys to evict, in order, freeing ≥ ``nbytes`` without touching ``protected``; None if impossible."""
         raise NotImplementedError
 
+    # -- batch hooks: the single hooks for each key, in order (override for speed)
+    def on_insert_many(self, keys: Sequence[Key], sizes: Sequence[int]) -> None:
+        """``on_insert(keys[i], sizes[i])`` for each i, in order."""
+        for key, nbytes in zip(keys, sizes):
+            self.on_insert(key, nbytes)
+
+    def on_access_many(self, keys: Iterable[Key]) -> None:
+        """``on_access(key)`` for each key, in order."""
+        for key in keys:
+            self.on_access(key)
+
+    def on_remove_many(self, keys: Iterable[Key]) -> None:
+        """``on_remove(key)`` for each key, in order."""
+        for key in keys:
+            self.on_remove(key)
+
     def __len__(self) -> int:  # optional: how many chunks the policy tracks
         return 0
 
@@ -79,9 +123,10 @@ class LRUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         super().__init__()
         self._od: OrderedDict[Key, int] = OrderedDict()
+        self._size = _Sizes()
 
     def on_insert(self, key, nbytes):
-        self._od[key] = nbytes
+        self._od[key] = self._size(nbytes)
         self._od.move_to_end(key)
 
     def on_access(self, key):
@@ -90,6 +135,26 @@ class LRUPolicy(EvictionPolicy):
 
     def on_remove(self, key):
         self._od.pop(key, None)
+
+    def on_insert_many(self, keys, sizes):
+        od, size, move = self._od, self._size, self._od.move_to_end
+        for key, nbytes in zip(keys, sizes):
+            if key in od:
+                od[key] = size(nbytes)
+                move(key)
+            else:  # a new key goes to the end by itself
+                od[key] = size(nbytes)
+
+    def on_access_many(self, keys):
+        od, move = self._od, self._od.move_to_end
+        for key in keys:
+            if key in od:
+                move(key)
+
+    def on_remove_many(self, keys):
+        pop = self._od.pop
+        for key in keys:
+            pop(key, None)
 
     def victims(self, nbytes, protected):
         return _take(iter(self._od), self._od, nbytes, protected)
@@ -106,48 +171,81 @@ class FIFOPolicy(LRUPolicy):
     def on_access(self, key):
         pass
 
+    def on_access_many(self, keys):
+        pass
+
 
 class LFUPolicy(EvictionPolicy):
-    """Least frequently used first; ties go to the oldest access."""
+    """Least frequently used first; ties go to the oldest access.
+
+    One insertion-ordered bucket (key -> size) per frequency: a key enters the end
+    of a bucket each time its frequency changes, so within a bucket keys run from
+    the oldest such change to the newest, and walking the buckets by rising
+    frequency is the eviction order.  Every hook is O(1); ``victims`` sorts the
+    frequencies present (few) and walks from the front.
+    """
 
     name = "lfu"
 
     def __init__(self) -> None:
         super().__init__()
-        self._meta: dict[Key, tuple[int, int]] = {}  # key -> (freq, tick)
-        self._sizes: dict[Key, int] = {}
-        self._order = SortedList()  # (freq, tick, key)
-        self._tick = 0
+        self._freq: dict[Key, int] = {}
+        self._buckets: dict[int, OrderedDict[Key, int]] = {}
+        self._size = _Sizes()
 
-    def _set(self, key, freq):
-        self._tick += 1
-        self._meta[key] = (freq, self._tick)
-        self._order.add((freq, self._tick, key))
+    def _enter(self, key, freq, nbytes):
+        bucket = self._buckets.get(freq)
+        if bucket is None:
+            bucket = self._buckets[freq] = OrderedDict()
+        bucket[key] = nbytes
+        self._freq[key] = freq
+
+    def _leave(self, key, freq):
+        bucket = self._buckets[freq]
+        nbytes = bucket.pop(key)
+        if not bucket:
+            del self._buckets[freq]
+        return nbytes
 
     def on_insert(self, key, nbytes):
-        if key in self._meta:
-            self.on_remove(key)
-        self._sizes[key] = nbytes
-        self._set(key, 1)
+        freq = self._freq.get(key)
+        if freq is not None:
+            self._leave(key, freq)
+        self._enter(key, 1, self._size(nbytes))
 
     def on_access(self, key):
-        meta = self._meta.get(key)
-        if meta is None:
-            return
-        self._order.remove((meta[0], meta[1], key))
-        self._set(key, meta[0] + 1)
+        freq = self._freq.get(key)
+        if freq is not None:
+            self._enter(key, freq + 1, self._leave(key, freq))
 
     def on_remove(self, key):
-        meta = self._meta.pop(key, None)
-        if meta is not None:
-            self._order.remove((meta[0], meta[1], key))
-            del self._sizes[key]
+        freq = self._freq.pop(key, None)
+        if freq is not None:
+            self._leave(key, freq)
+
+    def on_access_many(self, keys):
+        get, enter, leave = self._freq.get, self._enter, self._leave
+        for key in keys:
+            freq = get(key)
+            if freq is not None:
+                enter(key, freq + 1, leave(key, freq))
 
     def victims(self, nbytes, protected):
-        return _take((k for _, _, k in self._order), self._sizes, nbytes, protected)
+        out, freed = [], 0
+        if nbytes <= 0:
+            return out
+        for freq in sorted(self._buckets):
+            for key, n in self._buckets[freq].items():
+                if key in protected:
+                    continue
+                out.append(key)
+                freed += n
+                if freed >= nbytes:
+                    return out
+        return None
 
     def __len__(self):
-        return len(self._meta)
+        return len(self._freq)
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -170,12 +268,13 @@ class S3FIFOPolicy(EvictionPolicy):
         self._small: OrderedDict[Key, int] = OrderedDict()
         self._main: OrderedDict[Key, int] = OrderedDict()
         self._ghost: OrderedDict[Key, int] = OrderedDict()
-        self._freq: dict[Key, int] = {}
+        self._freq: dict[Key, int] = {}  # only keys read since they entered a queue (absent: 0)
         self._small_bytes = self._main_bytes = self._ghost_bytes = 0
+        self._size = _Sizes()
 
     def on_insert(self, key, nbytes):
         self.on_remove(key)
-        self._freq[key] = 0
+        nbytes = self._size(nbytes)
         if key in self._ghost:
             self._ghost_bytes -= self._ghost.pop(key)
             self._main[key] = nbytes
@@ -185,8 +284,18 @@ class S3FIFOPolicy(EvictionPolicy):
             self._small_bytes += nbytes
 
     def on_access(self, key):
-        if key in self._freq:
-            self._freq[key] = min(self._freq[key] + 1, 3)
+        if key in self._small or key in self._main:
+            freq = self._freq.get(key, 0)
+            if freq < 3:
+                self._freq[key] = freq + 1
+
+    def on_access_many(self, keys):
+        small, main, get, freq = self._small, self._main, self._freq.get, self._freq
+        for key in keys:
+            if key in small or key in main:
+                f = get(key, 0)
+                if f < 3:
+                    freq[key] = f + 1
 
     def on_remove(self, key):
         if key in self._small:
@@ -215,10 +324,12 @@ class S3FIFOPolicy(EvictionPolicy):
         # Bounded: every queued chunk is looked at a few times at most, so a queue
         # full of protected chunks ends in None rather than a spin.
         budget = 4 * (len(self._small) + len(self._main)) + 8
+        # chosen and skipped keys never change queue during the walk: count them per queue
+        closed_small = closed_main = 0
         while freed < nbytes and budget > 0:
             budget -= 1
-            small_open = len(self._small) > len(chosen & self._small.keys()) + len(skipped & self._small.keys())
-            main_open = len(self._main) > len(chosen & self._main.keys()) + len(skipped & self._main.keys())
+            small_open = len(self._small) > closed_small
+            main_open = len(self._main) > closed_main
             if not small_open and not main_open:
                 break
             from_small = small_open and (small_left > small_target or not main_open)
@@ -231,28 +342,37 @@ class S3FIFOPolicy(EvictionPolicy):
             if key in protected:
                 skipped.add(key)
                 if from_small:
+                    closed_small += 1
                     small_left -= n  # cannot leave small: do not let it hold eviction there
+                else:
+                    closed_main += 1
                 continue
-            if self._freq.get(key, 0) > 0:
+            freq = self._freq.get(key, 0)
+            if freq > 0:
                 if from_small:  # read while on probation: graduate to main
                     del self._small[key]
                     self._small_bytes -= n
                     small_left -= n
                     self._main[key] = n
                     self._main_bytes += n
-                    self._freq[key] = 0
+                    del self._freq[key]
+                elif freq == 1:
+                    del self._freq[key]
                 else:
-                    self._freq[key] -= 1
+                    self._freq[key] = freq - 1
                 continue
             chosen.add(key)
             out.append(key)
             freed += n
             if from_small:
+                closed_small += 1
                 small_left -= n
+            else:
+                closed_main += 1
         if freed < nbytes:
             return None
         for key in out:
-            self._remember(key, self._small.get(key) or self._main.get(key))
+            self._remember(key, self._small[key] if key in self._small else self._main[key])
         return out
 
     def __len__(self):
@@ -278,12 +398,14 @@ class ARCPolicy(EvictionPolicy):
         self._b2: OrderedDict[Key, int] = OrderedDict()
         self._t1_bytes = self._t2_bytes = self._b1_bytes = self._b2_bytes = 0
         self.p = 0.0  # target bytes for T1
+        self._size = _Sizes()
 
     def _cap(self):
         return self.capacity_bytes or max(1, self._t1_bytes + self._t2_bytes)
 
     def on_insert(self, key, nbytes):
         self.on_remove(key)
+        nbytes = self._size(nbytes)
         cap = self._cap()
         if key in self._b1:
             delta = max(1.0, self._b2_bytes / max(1, self._b1_bytes)) * nbytes

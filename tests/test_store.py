@@ -14,7 +14,8 @@ from tierkv.keys import keys_from_block_hashes
 from tierkv.policies import AdmissionPolicy, PromotionPolicy
 from tierkv.tiers.slab import ALIGN
 
-CHUNK = 16 * ALIGN  # 4 KiB chunks: footprints are exact, so capacities count chunks
+CHUNK = 4096  # 4 KiB chunks, a multiple of ALIGN: footprints are exact, so capacities count chunks
+assert CHUNK % ALIGN == 0
 
 
 def chunk(i: int, n: int = CHUNK) -> torch.Tensor:

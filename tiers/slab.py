@@ -1,93 +1,94 @@
-"""A preallocated byte slab with an extent allocator: the body of the HBM and DRAM tiers.
+"""A preallocated byte slab: the body of the HBM and DRAM tiers.
 
-The slab is allocated once; the hot path never allocates tensors.  An object
-occupies one or more *extents* (offset, length) of the slab, aligned to
-``ALIGN`` bytes.  Allocation prefers a single best-fit extent (one copy per
-object) and falls back to gathering several free extents, so it never fails for
-fragmentation: any set of objects whose ``footprint`` sum fits in
-``capacity_bytes`` can be stored.  Freed extents coalesce with their neighbours.
+The slab is allocated once; the hot path allocates no tensors and keeps no
+per-object views.  Space is managed by ``SlabAllocator`` (``slab_alloc.py``):
+slot classes for small objects, extents for large ones, and a gathering path, so
+any set of objects whose ``footprint`` sum fits in ``capacity_bytes`` can be
+stored (no fragmentation failure).  ``footprint(n)`` is ``align_up(n, ALIGN)``.
+
+Bookkeeping per object is one dict entry, key -> location, where the location is
+packed into one ``int`` for the common case (one contiguous range, fewer than
+``2**24`` bytes): ``(offset // ALIGN) << 24 | nbytes``; any other object is a tuple
+``(nbytes, allocator location)``.  Host copies are ``memmove`` calls on raw
+addresses (``memmove_many``: two threads for a large batch); a device slab, or a
+caller's device buffer, goes through ``copy_many`` on views cut for that call.
+
+An object is readable only once all its bytes are in place (written outside the
+lock, committed under it).  The slab tensor is held by a local reference for the
+whole of a copy, so ``close`` cannot free memory a copy is using.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Union
 
 import torch
-from sortedcontainers import SortedDict, SortedList
 
-from tierkv.buffers import copy_many
+from tierkv.buffers import PARALLEL_COPY_MIN, _memmove, copy_many, memmove_many
 from tierkv.errors import ConfigError
 
 from .base import Parts, Tier
+from .slab_alloc import ALIGN, ExtentAllocator, SlabAllocator, align_up
 
-ALIGN = 256
+__all__ = ["ALIGN", "ExtentAllocator", "SlabAllocator", "SlabTier", "align_up"]
+
+_SHIFT = 24
+_NB_MASK = (1 << _SHIFT) - 1
+_ALIGN_BITS = ALIGN.bit_length() - 1
+_ALIGN_MASK = -ALIGN
+
+Packed = Union[int, tuple]
 
 
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
+def _unpack(v: Packed) -> tuple[int, Any]:
+    """(nbytes, allocator location) of a packed entry."""
+    if type(v) is int:
+        return v & _NB_MASK, (v >> _SHIFT) << _ALIGN_BITS
+    return v
 
 
-class ExtentAllocator:
-    """Free-space map of a ``size``-byte region; not thread-safe (callers lock)."""
+def _run_moves(moves: list[tuple[int, int, int]], total: int) -> None:
+    """The memmoves of a batch: on this thread when small, else shared with the copy helper."""
+    if total < PARALLEL_COPY_MIN:
+        for move in moves:
+            _memmove(*move)
+    else:
+        memmove_many(moves)
 
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._by_off: SortedDict = SortedDict({0: size})  # offset -> length
-        self._by_len: SortedList = SortedList([(size, 0)])  # (length, offset)
-        self.free_bytes = size
 
-    def allocate(self, n: int) -> Optional[list[tuple[int, int]]]:
-        """Extents totalling ``n`` (already aligned) bytes, or None if less is free."""
-        if n > self.free_bytes:
-            return None
-        if n == 0:
-            return []
-        i = self._by_len.bisect_left((n, -1))
-        if i < len(self._by_len):  # best fit: smallest extent that holds it all
-            length, off = self._by_len[i]
-            self._take(off, length, n)
-            return [(off, n)]
-        out, need = [], n  # no single extent is big enough: gather the largest ones
-        while need:
-            length, off = self._by_len[-1]
-            take = min(length, need)
-            self._take(off, length, take)
-            out.append((off, take))
-            need -= take
-        out.sort()
-        return out
+def _host_moves(moves: list, base: int, pieces: Sequence[tuple[int, int]], parts: Parts, into_slab: bool) -> None:
+    """Append the (dst, src, n) memmoves between ``parts`` and slab ``pieces`` (which may hold slack at the end)."""
+    pi = poff = 0
+    for p in parts:
+        ptr, left = p.data_ptr(), p.numel()
+        while left:
+            off, n = pieces[pi]
+            take = min(n - poff, left)
+            a = base + off + poff
+            moves.append((a, ptr, take) if into_slab else (ptr, a, take))
+            ptr += take
+            left -= take
+            poff += take
+            if poff == n:
+                pi, poff = pi + 1, 0
 
-    def _take(self, off: int, length: int, n: int) -> None:
-        self._by_len.remove((length, off))
-        del self._by_off[off]
-        if n < length:
-            self._by_off[off + n] = length - n
-            self._by_len.add((length - n, off + n))
-        self.free_bytes -= n
 
-    def free(self, extents: Sequence[tuple[int, int]]) -> None:
-        for off, n in extents:
-            if n == 0:
-                continue
-            self.free_bytes += n
-            # merge with the free extent before and after
-            i = self._by_off.bisect_left(off)
-            if i > 0:
-                poff = self._by_off.keys()[i - 1]
-                plen = self._by_off[poff]
-                if poff + plen == off:
-                    self._by_len.remove((plen, poff))
-                    del self._by_off[poff]
-                    off, n = poff, n + plen
-            nxt = off + n
-            nlen = self._by_off.get(nxt)
-            if nlen is not None:
-                self._by_len.remove((nlen, nxt))
-                del self._by_off[nxt]
-                n += nlen
-            self._by_off[off] = n
-            self._by_len.add((n, off))
+def _views(slab: torch.Tensor, pieces: Sequence[tuple[int, int]], nbytes: int) -> list[torch.Tensor]:
+    out, left = [], nbytes
+    for off, n in pieces:
+        take = min(n, left)
+        if take:
+            out.append(slab[off:off + take])
+        left -= take
+    return out
+
+
+def _on_host(parts: Parts) -> bool:
+    for p in parts:
+        if not (p.is_cpu and p.is_contiguous()):
+            return False
+    return True
 
 
 class SlabTier(Tier):
@@ -110,89 +111,154 @@ class SlabTier(Tier):
             # commit the pages now: a first-touch page fault on the hot path costs far more than a copy
             slab.zero_()
         self.slab = slab
-        self._alloc = ExtentAllocator(capacity_bytes)
-        # key -> (nbytes, extents, views of the slab over those extents: sliced once, reused by reads)
-        self._objects: dict[str, tuple[int, list[tuple[int, int]], list[torch.Tensor]]] = {}
+        self._host = self.device.type == "cpu"
+        self._alloc = SlabAllocator(capacity_bytes)
+        self._objects: dict[str, Packed] = {}  # key -> packed location (see the module docstring)
         self._used = 0
 
     def footprint(self, nbytes: int) -> int:
-        return align_up(nbytes)
+        return (nbytes + ALIGN - 1) & _ALIGN_MASK
 
-    def _views(self, nbytes: int, extents: list[tuple[int, int]]) -> list[torch.Tensor]:
-        views, left = [], nbytes
-        for off, n in extents:
-            take = min(n, left)
-            if take:
-                views.append(self.slab[off:off + take])
-            left -= take
-        return views
+    def _release(self, v: Packed) -> int:
+        """Free an entry's space (lock held); returns its nbytes."""
+        nbytes, loc = _unpack(v)
+        self._alloc.free((nbytes + ALIGN - 1) & _ALIGN_MASK, loc)
+        self._used -= nbytes
+        return nbytes
 
     def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         self._check_open()
-        out = [False] * len(keys)
-        last = {key: i for i, key in enumerate(keys)}  # a key given twice keeps its last value
-        placed: list[tuple[int, int, list[tuple[int, int]], list[torch.Tensor]]] = []
-        for i, (key, parts) in enumerate(zip(keys, srcs)):
-            if last[key] != i:
-                out[i] = True  # superseded by a later value in this same call
-                continue
-            nbytes = sum(p.numel() for p in parts)
-            with self._lock:
-                old = self._objects.pop(key, None)
+        n = len(keys)
+        out = [False] * n
+        last = {key: i for i, key in enumerate(keys)} if n > 1 else None  # a key given twice keeps its last value
+        objects, allocate = self._objects, self._alloc.allocate
+        slab = self.slab  # held for the whole call (see the module docstring)
+        base, host = slab.data_ptr(), self._host
+        placed: list[tuple[int, int, Packed]] = []  # (index, nbytes, packed location)
+        moves: list[tuple[int, int, int]] = []  # the common case, planned here: one part, one range, host
+        other: list[tuple[int, int, Packed]] = []  # the rest, copied by ``_copy``
+        total = 0
+        with self._lock:
+            for i, key in enumerate(keys):
+                if last is not None and last[key] != i:
+                    out[i] = True  # superseded by a later value in this same call
+                    continue
+                parts = srcs[i]
+                one = len(parts) == 1
+                nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
+                old = objects.pop(key, None)
                 if old is not None:
-                    self._alloc.free(old[1])
-                    self._used -= old[0]
-                extents = self._alloc.allocate(align_up(nbytes))
-            if extents is not None:
-                placed.append((i, nbytes, extents, self._views(nbytes, extents)))
+                    self._release(old)
+                loc = allocate((nbytes + ALIGN - 1) & _ALIGN_MASK)
+                if loc is None:
+                    continue
+                if type(loc) is int and nbytes <= _NB_MASK:
+                    v = (loc >> _ALIGN_BITS) << _SHIFT | nbytes
+                    if one and host:
+                        p = parts[0]
+                        if p.is_cpu and p.is_contiguous():
+                            placed.append((i, nbytes, v))
+                            if nbytes:
+                                moves.append((base + loc, p.data_ptr(), nbytes))
+                                total += nbytes
+                            continue
+                else:
+                    v = (nbytes, loc)
+                placed.append((i, nbytes, v))
+                other.append((i, nbytes, v))
         try:
-            copy_many([(views, srcs[i]) for i, _, _, views in placed])
+            _run_moves(moves, total)
+            if other:
+                self._copy(slab, other, srcs, True)
         except BaseException:
             with self._lock:
-                for _, _, extents, _ in placed:
-                    self._alloc.free(extents)
+                for _, nbytes, v in placed:
+                    self._alloc.free((nbytes + ALIGN - 1) & _ALIGN_MASK, _unpack(v)[1])
             raise
         with self._lock:  # visible only once every byte is in place
-            for i, nbytes, extents, views in placed:
-                self._objects[keys[i]] = (nbytes, extents, views)
+            for i, nbytes, v in placed:
+                objects[keys[i]] = v
                 self._used += nbytes
                 out[i] = True
         return out
 
+    def _copy(self, slab: torch.Tensor, placed: list[tuple[int, int, Packed]], bufs: Sequence[Parts],
+              into_slab: bool) -> None:
+        """Move bytes between ``bufs[i]`` and each placed object's slab range (any parts, any devices)."""
+        moves: list[tuple[int, int, int]] = []
+        jobs = []
+        base = slab.data_ptr()
+        for i, nbytes, v in placed:
+            parts = bufs[i]
+            _, loc = _unpack(v)
+            pieces = SlabAllocator.pieces((nbytes + ALIGN - 1) & _ALIGN_MASK, loc)
+            if self._host and _on_host(parts):
+                _host_moves(moves, base, pieces, parts, into_slab)
+            else:
+                views = _views(slab, pieces, nbytes)
+                jobs.append((views, parts) if into_slab else (parts, views))
+        if moves:
+            memmove_many(moves)
+        if jobs:
+            copy_many(jobs)
+
     def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         self._check_open()
         out = [False] * len(keys)
-        jobs = []
-        for i, (key, parts) in enumerate(zip(keys, dsts)):
-            obj = self._objects.get(key)
-            if obj is None or obj[0] != sum(p.numel() for p in parts):
+        objects = self._objects
+        slab = self.slab
+        base, host = slab.data_ptr(), self._host
+        moves: list[tuple[int, int, int]] = []
+        other = []
+        total = 0
+        for i, key in enumerate(keys):
+            v = objects.get(key)
+            if v is None:
                 continue
-            jobs.append((parts, obj[2]))
+            parts = dsts[i]
+            one = len(parts) == 1
+            nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
+            if type(v) is int:
+                if nbytes != v & _NB_MASK:
+                    continue
+                out[i] = True
+                if one and host:
+                    p = parts[0]
+                    if p.is_cpu and p.is_contiguous():
+                        if nbytes:
+                            moves.append((p.data_ptr(), base + ((v >> _SHIFT) << _ALIGN_BITS), nbytes))
+                            total += nbytes
+                        continue
+            elif nbytes != v[0]:
+                continue
             out[i] = True
-        copy_many(jobs)
+            other.append((i, nbytes, v))
+        _run_moves(moves, total)
+        if other:
+            self._copy(slab, other, dsts, False)
         return out
 
     def _delete(self, keys: Sequence[str]) -> None:
         with self._lock:
+            pop = self._objects.pop
             for key in keys:
-                obj = self._objects.pop(key, None)
-                if obj is not None:
-                    self._alloc.free(obj[1])
-                    self._used -= obj[0]
+                v = pop(key, None)
+                if v is not None:
+                    self._release(v)
 
     def _contains(self, keys: Sequence[str]) -> list[bool]:
-        return [k in self._objects for k in keys]
+        objects = self._objects
+        return [k in objects for k in keys]
 
     @property
     def used_bytes(self) -> int:
         return self._used
 
     def extra_stats(self) -> dict[str, Any]:
-        return {"device": str(self.device), "objects": len(self._objects), "free_extents": len(self._alloc._by_off)}
+        return {"device": str(self.device), "objects": len(self._objects), **self._alloc.stats()}
 
     def close(self) -> None:
         super().close()
         with self._lock:
             self._objects.clear()
             self.slab = torch.empty(0, dtype=torch.uint8)
-
