@@ -431,3 +431,22 @@ class FaultMachine(RuleBasedStateMachine):
 
 FaultMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 TestFaultModel = FaultMachine.TestCase
+
+
+def test_a_subclass_overriding_a_single_hook_is_still_called():
+    seen = []
+
+    class Counting(LRUPolicy):  # overrides on_insert and on_access only, not the batch hooks
+        def on_insert(self, key, nbytes):
+            seen.append(("insert", key))
+            super().on_insert(key, nbytes)
+
+        def on_access(self, key):
+            seen.append(("access", key))
+            super().on_access(key)
+
+    store = TieredStore([Level(dram("d", 8), eviction=Counting())])
+    store.put(["a", "b"], [val(1), val(2)])
+    store.get(["a"], [torch.empty(C, dtype=torch.uint8)])
+    assert seen == [("insert", "a"), ("insert", "b"), ("access", "a")]
+    store.close()

@@ -59,6 +59,26 @@ def call_policy(policy: Any, hook: str, tier: str, *args: Any) -> Any:
                           f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
+def batch_hook(policy: Any, single: str, many: str) -> bool:
+    """Whether ``policy.many`` may stand for a loop over ``policy.single``.
+
+    Only when the class that defines the batch hook is the one that defines the single
+    hook, or derives from it: a subclass that overrides ``on_insert`` of a built-in
+    policy, but not its ``on_insert_many``, must still have its override called.
+    """
+    if policy is None:
+        return False
+
+    def owner(name: str) -> Optional[type]:
+        for k in type(policy).__mro__:
+            if name in k.__dict__:
+                return k
+        return None
+
+    o_many, o_single = owner(many), owner(single)
+    return o_many is not None and o_single is not None and issubclass(o_many, o_single)
+
+
 def resolve_persist(tier: Tier, persist: Optional[str], write_through: Optional[bool]) -> str:
     """The level's persistence mode from the two options (``write_through`` is the older spelling)."""
     what = f"tier {tier.name!r}"
@@ -96,6 +116,8 @@ class Level:
         self.eviction: Optional[EvictionPolicy] = build_eviction(eviction) if self.managed else None
         if self.eviction is not None:
             self.eviction.capacity_bytes = tier.capacity_bytes
+        self._insert_many = batch_hook(self.eviction, "on_insert", "on_insert_many")
+        self._access_many = batch_hook(self.eviction, "on_access", "on_access_many")
         self.admission: AdmissionPolicy = build_admission(admission)
         #: the default admission: the store skips asking it
         self.admits_all = type(self.admission) is AdmitAll
@@ -178,8 +200,7 @@ class Level:
             where[key] = where.get(key, 0) | bit
         self.ready_count += len(keys)
         try:
-            many = getattr(self.eviction, "on_insert_many", None)
-            if many is not None:
+            if self._insert_many:
                 call_policy(self.eviction, "on_insert_many", self.name, keys, [e.footprint for e in entries])
             else:
                 for key, e in zip(keys, entries):
@@ -200,7 +221,7 @@ class Level:
         """Tell the eviction policy these READY keys were read (one call when it has ``on_access_many``)."""
         if not keys:
             return
-        if getattr(self.eviction, "on_access_many", None) is not None:
+        if self._access_many:
             call_policy(self.eviction, "on_access_many", self.name, keys)
         else:
             for key in keys:
