@@ -1,0 +1,115 @@
+"""Laying callers' parts out as (pointer, size) lists a backend can move, staging what it cannot reach.
+
+A backend moves bytes only from or into registered memory it can address
+(``RemoteClient.accepts_device``).  Parts it can reach are registered by their
+whole storage (``Session.pin``; released by the caller with ``Session.unpin``).
+Parts it cannot reach (a device tensor over ``tcp``) are laid out in one
+tier-owned host buffer, copied there before a put and out of it after a get.
+
+Ownership: the staging buffer belongs to the tier.  Calls that stage hold
+``Staging.lock`` for their whole duration (one staging buffer, one user); calls
+that do not stage run concurrently.  A call abandoned at its deadline may still
+use the buffer, so the tier then ``drop()``s it and the next call allocates a
+fresh one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..base import Parts
+from .session import Registration, Session
+
+#: (object index, part index, offset in the staging buffer) of each staged part
+Staged = list[tuple[int, int, int]]
+
+
+class Staging:
+    """The tier's host staging buffer and the layout of batches onto caller memory or it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._buf: torch.Tensor | None = None
+
+    @property
+    def buffer(self) -> torch.Tensor:
+        if self._buf is None:
+            raise RuntimeError("no staging buffer: layout() did not stage anything")
+        return self._buf
+
+    def drop(self) -> None:
+        """Forget the buffer (an abandoned call may still use it); the next staging allocates anew."""
+        self._buf = None
+
+    def _ensure(self, nbytes: int) -> torch.Tensor:
+        if self._buf is None or self._buf.numel() < nbytes:
+            self._buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
+        return self._buf
+
+    def guard(self, session: Session, objs: Sequence[Parts]) -> Any:
+        """The staging lock when some part of ``objs`` must be staged; a no-op context otherwise."""
+        accepts = session.client.accepts_device
+        for parts in objs:
+            types = {p.device.type for p in parts if p.numel()}
+            if len(types) > 1 or not all(accepts(t) for t in types):
+                return self.lock
+        return contextlib.nullcontext()
+
+    def layout(self, session: Session, objs: Sequence[Parts], pins: list[Registration],
+               staged: Staged) -> tuple[list[list[int]], list[list[int]]] | None:
+        """(ptrs, sizes) per object, empty parts left out; registered storages are appended to ``pins``.
+
+        Parts the backend cannot reach are laid out in the staging buffer and
+        listed in ``staged``.  An object mixing devices is moved as host memory
+        (one copy direction per object).  None when a registration fails.
+        """
+        ptrs: list[list[int]] = []
+        sizes: list[list[int]] = []
+        rebase: list[tuple[int, int, int]] = []  # (object, slot in its ptr list, staging offset)
+        off = 0
+        client = session.client
+        for i, parts in enumerate(objs):
+            pl, sl = [], []
+            mixed = len({p.device.type for p in parts if p.numel()}) > 1
+            for j, p in enumerate(parts):
+                n = p.numel()
+                if n == 0:
+                    continue
+                if client.accepts_device(p.device.type) and not (mixed and p.device.type != "cpu"):
+                    reg = session.pin(p)
+                    if reg is None:
+                        return None
+                    pins.append(reg)
+                    pl.append(p.data_ptr())
+                else:
+                    staged.append((i, j, off))
+                    rebase.append((i, len(pl), off))
+                    pl.append(0)
+                    off += n
+                sl.append(n)
+            ptrs.append(pl)
+            sizes.append(sl)
+        if rebase:
+            buf = self._ensure(off)
+            reg = session.pin(buf)
+            if reg is None:
+                return None
+            pins.append(reg)
+            for i, slot, soff in rebase:
+                ptrs[i][slot] = buf.data_ptr() + soff
+        return ptrs, sizes
+
+    @staticmethod
+    def devices(session: Session, objs: Sequence[Parts]) -> list[str]:
+        """Per object, the device type its bytes move from/to ("cpu" when staged through host)."""
+        out = []
+        for parts in objs:
+            types = {p.device.type for p in parts if p.numel()}
+            dev = types.pop() if len(types) == 1 else "cpu"
+            out.append(dev if session.client.accepts_device(dev) else "cpu")
+        return out
