@@ -120,14 +120,17 @@ class RemotePoolTier(Tier):
             log.warning("tier %r (%s) unavailable: %s", self.name, self.description, why)
         self._wake.set()
 
-    def _pool_lost(self) -> None:
-        """The sentinel is gone: the pool this tier knew is gone (master restarted or sentinel evicted)."""
+    def _pool_lost(self, wake: bool = True) -> None:
+        """The sentinel is gone: the pool this tier knew is gone (master restarted or sentinel evicted).
+
+        ``wake`` asks the prober to store a new sentinel now; the prober itself passes False."""
         with self._state_lock:
             if self._sentinel_ok:
                 self._counters["pool_lost"] += 1
             self._sentinel_ok = False
             self._presence.clear()
-        self._wake.set()
+        if wake:
+            self._wake.set()
 
     def _deadline(self, nbytes: int = 0) -> float:
         return self.timeout + nbytes / self.min_bandwidth
@@ -167,7 +170,7 @@ class RemotePoolTier(Tier):
                 self._counters["abandoned_clients"] += 1
             return False
         if r[0] != 1:
-            self._pool_lost()
+            self._pool_lost(wake=False)
             rc = self._probe_call(session, lambda c: c.put_sentinel(self._sentinel))
             if not isinstance(rc, int) or session.client.outcome(rc) not in (Outcome.OK, Outcome.EXISTS):
                 self._last_error = f"{self.description}: cannot store the sentinel key ({rc!r})"
