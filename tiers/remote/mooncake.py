@@ -26,12 +26,15 @@ Invariants this wrapper keeps (the client crashes or misbehaves otherwise):
 
 from __future__ import annotations
 
+import ctypes
 import ipaddress
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from tierkv.buffers import memmove_many
 from tierkv.errors import ConfigError
@@ -56,6 +59,8 @@ MIN_SEGMENT = 16 << 20
 STANDALONE_CAPACITY = 1 << 40
 
 PROTOCOLS = ("tcp", "rdma", "ascend")
+_SENTINEL = b"tierkv"
+_SENTINEL_SLOT = 4096  # bytes at the end of the IPC shared memory kept for the sentinel
 MODES = ("embedded", "standalone")
 
 
@@ -93,6 +98,9 @@ class MooncakeSettings:
     local_reads: bool = False
     #: put new objects into this segment (a standalone client's segment name, "host:port") when it has room
     preferred_segment: str = ""
+    #: standalone mode: attach to the node's standalone client at this address over IPC (shared memory)
+    standalone_address: str = ""
+    ipc_buffer_bytes: int = 64 << 20
 
     @property
     def master_addr(self) -> tuple[str, int]:
@@ -139,39 +147,83 @@ class MooncakeClient:
         if settings.preferred_segment:
             self._config.preferred_segment = settings.preferred_segment
         self.settings = settings
-        rc = self._store.setup(
-            settings.local_hostname,
-            settings.metadata_server,
-            settings.segment_bytes,  # 0 in standalone mode: this client contributes no memory
-            settings.buffer_bytes,
-            settings.protocol,
-            settings.device_name,
-            settings.master,
-        )
-        if rc != 0:
-            # setup failed: the client holds no segment; it is dropped without further calls
-            raise ConnectionError(
-                f"Mooncake setup failed with code {rc} (master {settings.master}, "
-                f"metadata {settings.metadata_server}, protocol {settings.protocol})"
+        #: memory shared with the standalone client (IPC attachment): the only memory this client moves
+        self.staging_memory: torch.Tensor | None = None
+        self._shared: tuple[int, int] | None = None
+        if settings.standalone_address:
+            self._attach_ipc(settings)
+        else:
+            rc = self._store.setup(
+                settings.local_hostname,
+                settings.metadata_server,
+                settings.segment_bytes,  # 0 in standalone mode: this client contributes no memory
+                settings.buffer_bytes,
+                settings.protocol,
+                settings.device_name,
+                settings.master,
             )
+            if rc != 0:
+                # setup failed: the client holds no segment; it is dropped without further calls
+                raise ConnectionError(
+                    f"Mooncake setup failed with code {rc} (master {settings.master}, "
+                    f"metadata {settings.metadata_server}, protocol {settings.protocol})"
+                )
         self._complete = getattr(getattr(store, "ReplicaStatus", None), "COMPLETE", None)
         self._own_endpoint: str | None = None
-        if settings.local_reads and settings.segment_bytes and self._complete is not None and hasattr(self._store, "batch_get_replica_desc"):
+        if (settings.local_reads and settings.segment_bytes and self._complete is not None
+                and hasattr(self._store, "batch_get_replica_desc")):
             try:
                 self._own_endpoint = str(self._store.get_hostname())
             except Exception:  # noqa: BLE001 (an older client without it: every read goes through the engine)
                 self._own_endpoint = None
 
+    def _attach_ipc(self, settings: MooncakeSettings) -> None:
+        """Attach to the standalone client at ``standalone_address`` over IPC and map the shared memory.
+
+        The standalone client moves bytes between its segment and this shared
+        memory by local copies (no network); this process copies between the
+        shared memory and its callers' buffers (the tier's staging path).
+        """
+        n = settings.ipc_buffer_bytes
+        rc = self._store.setup_dummy(n, settings.buffer_bytes, settings.standalone_address)
+        if rc != 0:
+            raise ConnectionError(f"Mooncake IPC attach to {settings.standalone_address} failed with code {rc}")
+        base = int(self._store.alloc_from_mem_pool(n) or 0)
+        if not base or self._store.register_buffer(base, n) != 0:
+            raise ConnectionError(f"Mooncake IPC attach: cannot map {n} bytes of shared memory")
+        self._shared = (base, n)
+        shared = torch.frombuffer((ctypes.c_uint8 * n).from_address(base), dtype=torch.uint8)
+        # the tail holds the sentinel's bytes: bytes puts use the local buffer, which a reconnect to a
+        # restarted standalone client does not share again (the shared pool it does)
+        self._sentinel_ptr = base + n - _SENTINEL_SLOT
+        shared[n - _SENTINEL_SLOT:n - _SENTINEL_SLOT + len(_SENTINEL)] = torch.frombuffer(
+            bytearray(_SENTINEL), dtype=torch.uint8)
+        self.staging_memory = shared[:n - _SENTINEL_SLOT]
+
+    def _in_shared(self, ptr: int, nbytes: int) -> bool:
+        return self._shared is not None and self._shared[0] <= ptr and ptr + nbytes <= sum(self._shared)
+
+    @property
+    def owns_segment(self) -> bool:
+        """Closing a client that contributed a segment unmounts it (seconds, holding the interpreter lock)."""
+        return self.settings.segment_bytes > 0
+
     def accepts_device(self, device_type: str) -> bool:
         """Whether parts on ``device_type`` can be moved without a host staging copy."""
+        if self._shared is not None:
+            return False  # over IPC only the shared memory moves: every part is staged through it
         if device_type == "cpu":
             return True
         return self.settings.protocol == "ascend" and device_type == "npu"
 
     def register(self, ptr: int, nbytes: int) -> int:
+        if self._in_shared(ptr, nbytes):
+            return 0  # registered once, at attach
         return self._store.register_buffer(ptr, nbytes)
 
     def unregister(self, ptr: int) -> int:
+        if self._in_shared(ptr, 1):
+            return 0
         return self._store.unregister_buffer(ptr)
 
     def put(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
@@ -251,7 +303,9 @@ class MooncakeClient:
         return list(self._store.batch_remove(list(keys), False))
 
     def put_sentinel(self, key: str) -> int:
-        return self._store.put(key, b"tierkv", self._config)
+        if self._shared is not None:
+            return self._store.batch_put_from([key], [self._sentinel_ptr], [len(_SENTINEL)], self._config)[0]
+        return self._store.put(key, _SENTINEL, self._config)
 
     def close(self) -> None:
         self._store.close()
@@ -302,6 +356,14 @@ def pop_mooncake_settings(tier: str, medium: str, options: dict[str, Any],
     preferred = pop_str(options, "preferred_segment", "", w, allow_empty=True)
     if preferred:
         parse_host_port(preferred, f"{w} option 'preferred_segment'")
+    address = pop_str(options, "standalone_address", "", w, allow_empty=True)
+    ipc_buffer = pop_size(options, "ipc_buffer", None, w)
+    if address:
+        if segment:
+            raise ConfigError(f"{w} option 'standalone_address': IPC attachment is a standalone-mode option")
+        parse_host_port(address, f"{w} option 'standalone_address'")
+    elif ipc_buffer is not None:
+        raise ConfigError(f"{w} option 'ipc_buffer': needs 'standalone_address' (IPC attachment)")
     local_reads = False
     if medium == "dram_pool":
         local_reads = pop_bool(options, "local_reads", None, w)
@@ -310,7 +372,8 @@ def pop_mooncake_settings(tier: str, medium: str, options: dict[str, Any],
         local_reads = segment > 0 if local_reads is None else local_reads
     return MooncakeSettings(master=master, metadata_server=metadata, protocol=protocol, segment_bytes=segment,
                             buffer_bytes=buffer, local_hostname=hostname, device_name=device_name,
-                            local_reads=local_reads, preferred_segment=preferred)
+                            local_reads=local_reads, preferred_segment=preferred, standalone_address=address,
+                            ipc_buffer_bytes=ipc_buffer or 64 << 20)
 
 
 class MooncakeBackend(Backend):
@@ -323,8 +386,12 @@ class MooncakeBackend(Backend):
         default_protocol = "ascend" if device.startswith("npu") else "tcp"
         settings = pop_mooncake_settings(tier, medium, options, default_protocol)
         import_mooncake()  # a missing client is a config error now, not a probe failure later
-        host, port = settings.master_addr
+        # over IPC every call goes to the standalone client, which talks to the master itself
+        host, port = (parse_host_port(settings.standalone_address, "standalone_address")
+                      if settings.standalone_address else settings.master_addr)
         mode = "standalone" if settings.standalone else "embedded"
+        if settings.standalone_address:
+            mode += f" over IPC to {settings.standalone_address}"
         where = f", {device}" if medium != "dram_pool" else ""
         return BackendSpec(
             open_client=lambda: MooncakeClient(settings),

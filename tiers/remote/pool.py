@@ -163,23 +163,31 @@ class RemotePoolTier(Tier):
         if not isinstance(r, list) or not r or r[0] < 0:
             why = "timed out" if r is TIMEOUT else repr(r)
             self._last_error = f"{self.description}: probe failed ({why})"
-            self._counters["probe_failures"] += 1
-            if self._counters["probe_failures"] % 5 == 0 and session is self._session:
-                # the master answers TCP but this client keeps failing: start over with a fresh one
-                session.retire(close=False)
-                self._counters["abandoned_clients"] += 1
+            self._probe_failed(session)
             return False
         if r[0] != 1:
             self._pool_lost(wake=False)
             rc = self._probe_call(session, lambda c: c.put_sentinel(self._sentinel))
-            if not isinstance(rc, int) or session.client.outcome(rc) not in (Outcome.OK, Outcome.EXISTS):
+            outcome = session.client.outcome(rc) if isinstance(rc, int) else None
+            if outcome not in (Outcome.OK, Outcome.EXISTS):
                 self._last_error = f"{self.description}: cannot store the sentinel key ({rc!r})"
+                if outcome is not Outcome.NO_SPACE:  # a pool without room is normal; a refusing client is not
+                    self._probe_failed(session)
                 return False
             with self._state_lock:
                 self._sentinel_ok = True
         self._counters["probe_failures"] = 0
         self._reap_tombstones(session)
         return True
+
+    def _probe_failed(self, session: Session) -> None:
+        """Count a failed probe; every fifth in a row starts over with a fresh client."""
+        self._counters["probe_failures"] += 1
+        if self._counters["probe_failures"] % 5 == 0 and session is self._session:
+            # the service answers but this client keeps failing.  A client that contributed a segment is
+            # left open (closing unmounts it, holding the interpreter lock for seconds); others are closed
+            session.retire(close=not getattr(session.client, "owns_segment", True))
+            self._counters["abandoned_clients"] += 1
 
     def _connect(self) -> Any:
         """A freshly set-up client, or None.  Setup that outlives ``connect_timeout`` is abandoned."""
@@ -296,8 +304,8 @@ class RemotePoolTier(Tier):
                 todo.append(i)
         first = set(todo)
         dups = [i for i in range(len(keys)) if not ok[i] and i not in first]
-        if todo:
-            self._put(todo, fkeys, srcs, ok)
+        for batch in self._batches(todo, srcs):
+            self._put(batch, fkeys, srcs, ok)
         for i in dups:  # a key repeated within the batch: stored iff its first copy was
             ok[i] = self._presence.held(fkeys[i])
         return ok
@@ -307,14 +315,17 @@ class RemotePoolTier(Tier):
         if session is None:
             return
         objs = [srcs[i] for i in todo]
-        with self._staging.guard(session, objs):
+        with self._staging.guard(session, objs) as live:
+            if not live:
+                self._counters["refused"] += len(todo)
+                return
             pins: list[Registration] = []
             staged: list[tuple[int, int, int]] = []
             layout = self._staging.layout(session, objs, pins, staged)
             if layout is None:
                 session.unpin(pins)
                 self._counters["refused"] += len(todo)
-                self._last_error = "memory registration failed"
+                self._last_error = "memory registration or staging failed"
                 return
             if staged:
                 buf = self._staging.buffer
@@ -347,7 +358,7 @@ class RemotePoolTier(Tier):
                 if codes is None:
                     abandoned.set()
                     if staged:  # the abandoned call may still read it: later calls get a fresh buffer
-                        self._staging.drop()
+                        self._staging.abandon(session)
                     break
                 full = []
                 for k, code in zip(pending, codes):
@@ -390,17 +401,43 @@ class RemotePoolTier(Tier):
             return ok
         if getattr(session.client, "reads_locally", False):
             todo = self._read_local(session, todo, fkeys, dsts, ok)
-            if not todo:
-                return ok
+        for batch in self._batches(todo, dsts):
+            self._get(session, batch, fkeys, dsts, ok)
+        return ok
+
+    def _batches(self, todo: list[int], bufs: Sequence[Parts]) -> list[list[int]]:
+        """``todo`` cut into batches that fit the client's staging memory (one batch when it has none)."""
+        session = self._session
+        limit = None if session is None else Staging.max_batch_bytes(session)
+        if limit is None:
+            return [todo] if todo else []
+        out: list[list[int]] = []
+        cur: list[int] = []
+        n = 0
+        for i in todo:
+            size = sum(p.numel() for p in bufs[i])
+            if cur and n + size > limit:
+                out.append(cur)
+                cur, n = [], 0
+            cur.append(i)  # an object larger than the limit goes alone, and is refused by the layout
+            n += size
+        if cur:
+            out.append(cur)
+        return out
+
+    def _get(self, session: Session, todo: list[int], fkeys: list[str], dsts: Sequence[Parts],
+             ok: list[bool]) -> None:
         objs = [dsts[i] for i in todo]
-        with self._staging.guard(session, objs):
+        with self._staging.guard(session, objs) as live:
+            if not live:
+                return
             pins: list[Registration] = []
             staged: list[tuple[int, int, int]] = []
             layout = self._staging.layout(session, objs, pins, staged)
             if layout is None:
                 session.unpin(pins)
-                self._last_error = "memory registration failed"
-                return ok
+                self._last_error = "memory registration or staging failed"
+                return
             ptrs, sizes = layout
             devices = self._staging.devices(session, objs)
             want = [sum(s) for s in sizes]
@@ -409,8 +446,8 @@ class RemotePoolTier(Tier):
                               lambda _fut: session.unpin(pins))
             if codes is None:
                 if staged:  # the abandoned call may still write into it: later calls get a fresh buffer
-                    self._staging.drop()
-                return ok
+                    self._staging.abandon(session)
+                return
             for k, code in enumerate(codes):
                 i = todo[k]
                 if code == want[k]:
@@ -426,7 +463,7 @@ class RemotePoolTier(Tier):
                         p = objs[oi][pj]
                         host_copy(p, buf[soff:soff + p.numel()])
             self._check_codes(session.client, codes, "get")
-        return ok
+        return
 
     def _read_local(self, session: Session, todo: list[int], fkeys: list[str], dsts: Sequence[Parts],
                     ok: list[bool]) -> list[int]:

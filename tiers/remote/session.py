@@ -23,11 +23,12 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -185,6 +186,17 @@ class Session:
         except concurrent.futures.TimeoutError:
             fut.cancel()  # only succeeds if it had not started: then it never runs
             return TIMEOUT
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[bool]:
+        """Keep the client open for the block (the caller uses memory the client owns); yields False, and
+        holds nothing, when the session is retired."""
+        entered = self._enter()
+        try:
+            yield entered
+        finally:
+            if entered:
+                self._leave()
 
     def direct(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(client)`` on the calling thread, for local, non-blocking client calls (registration)."""

@@ -6,19 +6,26 @@ whole storage (``Session.pin``; released by the caller with ``Session.unpin``).
 Parts it cannot reach (a device tensor over ``tcp``) are laid out in one
 tier-owned host buffer, copied there before a put and out of it after a get.
 
-Ownership: the staging buffer belongs to the tier.  Calls that stage hold
-``Staging.lock`` for their whole duration (one staging buffer, one user); calls
-that do not stage run concurrently.  A call abandoned at its deadline may still
-use the buffer, so the tier then ``drop()``s it and the next call allocates a
-fresh one.
+A client may bring its own staging memory (``client.staging_memory``: a host
+tensor, e.g. memory shared with another process, the only memory that client
+can move); it is then used instead of a tier-owned buffer, and a batch must fit
+in it (``max_batch_bytes``).
+
+Ownership: the staging buffer belongs to the tier (or, when the client brought
+it, to the client).  Calls that stage hold ``Staging.lock`` for their whole
+duration (one staging buffer, one user); calls that do not stage run
+concurrently.  A call abandoned at its deadline may still use the buffer, so
+the tier then ``abandon()``s it: a tier-owned buffer is dropped and the next
+call allocates a fresh one; a client's memory cannot be replaced, so the whole
+session is retired (its client is closed once that call has finished) and the
+next session brings fresh memory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -42,23 +49,43 @@ class Staging:
             raise RuntimeError("no staging buffer: layout() did not stage anything")
         return self._buf
 
-    def drop(self) -> None:
-        """Forget the buffer (an abandoned call may still use it); the next staging allocates anew."""
+    def abandon(self, session: Session) -> None:
+        """A call that staged was abandoned and may still use the buffer: never hand it out again."""
+        if getattr(session.client, "staging_memory", None) is not None:
+            session.retire()  # the client's own memory goes with its client
         self._buf = None
 
-    def _ensure(self, nbytes: int) -> torch.Tensor:
+    @staticmethod
+    def max_batch_bytes(session: Session) -> int | None:
+        """The most bytes one backend call may stage (None: no limit)."""
+        mem = getattr(session.client, "staging_memory", None)
+        return None if mem is None else mem.numel()
+
+    def _ensure(self, session: Session, nbytes: int) -> torch.Tensor | None:
+        mem = getattr(session.client, "staging_memory", None)
+        if mem is not None:
+            self._buf = mem if nbytes <= mem.numel() else None
+            return self._buf
         if self._buf is None or self._buf.numel() < nbytes:
             self._buf = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8)
         return self._buf
 
-    def guard(self, session: Session, objs: Sequence[Parts]) -> Any:
-        """The staging lock when some part of ``objs`` must be staged; a no-op context otherwise."""
+    @contextlib.contextmanager
+    def guard(self, session: Session, objs: Sequence[Parts]) -> Iterator[bool]:
+        """For one call over ``objs``: the staging lock when some part must be staged, and the session held
+        open (its client's memory may be in use).  Yields False when the session is retired: touch nothing."""
+        with self.lock if self._stages(session, objs) else contextlib.nullcontext():
+            with session.hold() as live:
+                yield live
+
+    @staticmethod
+    def _stages(session: Session, objs: Sequence[Parts]) -> bool:
         accepts = session.client.accepts_device
         for parts in objs:
             types = {p.device.type for p in parts if p.numel()}
             if len(types) > 1 or not all(accepts(t) for t in types):
-                return self.lock
-        return contextlib.nullcontext()
+                return True
+        return False
 
     def layout(self, session: Session, objs: Sequence[Parts], pins: list[Registration],
                staged: Staged) -> tuple[list[list[int]], list[list[int]]] | None:
@@ -66,7 +93,8 @@ class Staging:
 
         Parts the backend cannot reach are laid out in the staging buffer and
         listed in ``staged``.  An object mixing devices is moved as host memory
-        (one copy direction per object).  None when a registration fails.
+        (one copy direction per object).  None when a registration fails or
+        the staged bytes exceed the client's staging memory.
         """
         ptrs: list[list[int]] = []
         sizes: list[list[int]] = []
@@ -95,7 +123,9 @@ class Staging:
             ptrs.append(pl)
             sizes.append(sl)
         if rebase:
-            buf = self._ensure(off)
+            buf = self._ensure(session, off)
+            if buf is None:
+                return None  # more than the client's staging memory holds: refused, never overrun
             reg = session.pin(buf)
             if reg is None:
                 return None

@@ -222,11 +222,16 @@ class StandalonePool:
             return ""
 
     # -- what engines need -------------------------------------------------------
-    def tier_config(self, **extra: Any) -> dict[str, Any]:
-        """A ``dram_pool`` tier config attached to this pool (standalone mode)."""
+    def tier_config(self, ipc: bool = False, **extra: Any) -> dict[str, Any]:
+        """A ``dram_pool`` tier config attached to this pool (standalone mode).
+
+        With ``ipc`` the engine talks to this client over IPC and shared memory
+        (same node only) instead of through the Transfer Engine."""
         cfg: dict[str, Any] = {"medium": "dram_pool", "backend": "mooncake", "mode": "standalone",
                                "master": self.master, "metadata_server": self.metadata_server,
                                "protocol": self.protocol, "capacity": self.segment_bytes}
+        if ipc:
+            cfg["standalone_address"] = f"{self.host}:{self.port}"
         if _is_ip(self.host):
             cfg["local_hostname"] = self.host
         cfg.update(extra)
