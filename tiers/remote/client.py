@@ -49,6 +49,14 @@ class RemoteClient(Protocol):
     ``ptrs[i]`` / ``sizes[i]`` are the parts of object ``i``, concatenated in order.
     Batch calls answer one integer code per key; ``get`` answers the byte count on
     success.  ``devices[i]`` is where object ``i``'s parts live ("cpu", "npu").
+
+    Optional members the tier looks for:
+        ``staging_memory``  a host tensor, the only memory this client can move
+                            (every part is staged through it; batches must fit)
+        ``owns_segment``    True when closing the client unmounts pool memory it
+                            contributed (slow; a wedged client is then left open)
+        ``reads_locally`` / ``read_local(keys, ptrs, sizes, guard_s)``
+                            copy objects held in this client's own segment directly
     """
 
     def outcome(self, code: int) -> Outcome: ...

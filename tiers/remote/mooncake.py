@@ -12,8 +12,13 @@ Two modes (config ``"mode"``):
     ``standalone``  this process contributes nothing (segment 0): a node-local
                     ``mooncake_client`` process owns the pool memory (see
                     ``standalone.py``), so stored objects outlive the engine.
-                    Every byte crosses the Transfer Engine; ``segment: 0``
-                    selects this mode too.
+                    ``segment: 0`` selects this mode too.  Two attachments:
+                    by default a client of the master whose every byte crosses
+                    the Transfer Engine; with ``standalone_address`` (the
+                    node's ``mooncake_client``) an IPC client that shares memory
+                    with it (``setup_dummy``): the standalone client copies
+                    between its segment and that memory, and the tier stages
+                    every part through it (batches cut to fit ``ipc_buffer``).
 
 Invariants this wrapper keeps (the client crashes or misbehaves otherwise):
     * chunk data moves only by pointer (``batch_put_from`` / ``batch_get_into``

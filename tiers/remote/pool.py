@@ -251,9 +251,13 @@ class RemotePoolTier(Tier):
         return out
 
     def _run(self, fn: Callable[[Any], Any], nbytes: int, what: str,
-             after: Callable[[concurrent.futures.Future], None] | None = None) -> Any:
-        """Run a data/control call on the current session; None (and unavailable) on failure."""
-        session = self._session
+             after: Callable[[concurrent.futures.Future], None] | None = None,
+             session: Session | None = None) -> Any:
+        """Run a data/control call on ``session`` (default: the current one); None (and unavailable) on failure.
+
+        Calls that laid out memory pass the session they registered it with: a
+        newer session's client must never see another client's registrations."""
+        session = session or self._session
         if session is None or not self._available:
             if after is not None:
                 after(None)
@@ -304,16 +308,15 @@ class RemotePoolTier(Tier):
                 todo.append(i)
         first = set(todo)
         dups = [i for i in range(len(keys)) if not ok[i] and i not in first]
-        for batch in self._batches(todo, srcs):
-            self._put(batch, fkeys, srcs, ok)
+        session = self._session
+        for batch in self._staging.batches(session, todo, srcs) if session is not None else ():
+            self._put(session, batch, fkeys, srcs, ok)
         for i in dups:  # a key repeated within the batch: stored iff its first copy was
             ok[i] = self._presence.held(fkeys[i])
         return ok
 
-    def _put(self, todo: list[int], fkeys: list[str], srcs: Sequence[Parts], ok: list[bool]) -> None:
-        session = self._session
-        if session is None:
-            return
+    def _put(self, session: Session, todo: list[int], fkeys: list[str], srcs: Sequence[Parts],
+             ok: list[bool]) -> None:
         objs = [srcs[i] for i in todo]
         with self._staging.guard(session, objs) as live:
             if not live:
@@ -354,7 +357,7 @@ class RemotePoolTier(Tier):
 
                 codes = self._run(lambda c, keys=keys, pending=pending: c.put(
                     keys, [ptrs[k] for k in pending], [sizes[k] for k in pending], [devices[k] for k in pending]),
-                    nbytes, "put", cleanup)
+                    nbytes, "put", cleanup, session)
                 if codes is None:
                     abandoned.set()
                     if staged:  # the abandoned call may still read it: later calls get a fresh buffer
@@ -401,29 +404,9 @@ class RemotePoolTier(Tier):
             return ok
         if getattr(session.client, "reads_locally", False):
             todo = self._read_local(session, todo, fkeys, dsts, ok)
-        for batch in self._batches(todo, dsts):
+        for batch in self._staging.batches(session, todo, dsts):
             self._get(session, batch, fkeys, dsts, ok)
         return ok
-
-    def _batches(self, todo: list[int], bufs: Sequence[Parts]) -> list[list[int]]:
-        """``todo`` cut into batches that fit the client's staging memory (one batch when it has none)."""
-        session = self._session
-        limit = None if session is None else Staging.max_batch_bytes(session)
-        if limit is None:
-            return [todo] if todo else []
-        out: list[list[int]] = []
-        cur: list[int] = []
-        n = 0
-        for i in todo:
-            size = sum(p.numel() for p in bufs[i])
-            if cur and n + size > limit:
-                out.append(cur)
-                cur, n = [], 0
-            cur.append(i)  # an object larger than the limit goes alone, and is refused by the layout
-            n += size
-        if cur:
-            out.append(cur)
-        return out
 
     def _get(self, session: Session, todo: list[int], fkeys: list[str], dsts: Sequence[Parts],
              ok: list[bool]) -> None:
@@ -443,7 +426,7 @@ class RemotePoolTier(Tier):
             want = [sum(s) for s in sizes]
             # pins of a call that outlives its caller are released when it finishes
             codes = self._run(lambda c: c.get([fkeys[i] for i in todo], ptrs, sizes, devices), sum(want), "get",
-                              lambda _fut: session.unpin(pins))
+                              lambda _fut: session.unpin(pins), session)
             if codes is None:
                 if staged:  # the abandoned call may still write into it: later calls get a fresh buffer
                     self._staging.abandon(session)
@@ -475,7 +458,7 @@ class RemotePoolTier(Tier):
         sizes = [[p.numel() for p in dsts[i] if p.numel()] for i in host]
         want = [sum(s) for s in sizes]
         got = self._run(lambda c: c.read_local([fkeys[i] for i in host], ptrs, sizes, LOCAL_LEASE_GUARD_S),
-                        sum(want), "local read")
+                        sum(want), "local read", session=session)
         if got is None:
             return []  # the pool failed: the tier is unavailable and every key is a miss
         for i, n, w in zip(host, got, want):
@@ -524,7 +507,7 @@ class RemotePoolTier(Tier):
         session = self._session
         if not self.available or session is None:
             return
-        codes = self._run(lambda c: c.remove(fkeys), 0, "remove")
+        codes = self._run(lambda c: c.remove(fkeys), 0, "remove", session=session)
         if codes is None:
             return
         for fk, code in zip(fkeys, codes):

@@ -61,6 +61,25 @@ class Staging:
         mem = getattr(session.client, "staging_memory", None)
         return None if mem is None else mem.numel()
 
+    def batches(self, session: Session | None, todo: list[int], bufs: Sequence[Parts]) -> list[list[int]]:
+        """``todo`` cut into batches that fit the client's staging memory (one batch when it has none)."""
+        limit = None if session is None else self.max_batch_bytes(session)
+        if limit is None:
+            return [todo] if todo else []
+        out: list[list[int]] = []
+        cur: list[int] = []
+        n = 0
+        for i in todo:
+            size = sum(p.numel() for p in bufs[i])
+            if cur and n + size > limit:
+                out.append(cur)
+                cur, n = [], 0
+            cur.append(i)  # an object larger than the limit goes alone, and is refused by the layout
+            n += size
+        if cur:
+            out.append(cur)
+        return out
+
     def _ensure(self, session: Session, nbytes: int) -> torch.Tensor | None:
         mem = getattr(session.client, "staging_memory", None)
         if mem is not None:

@@ -18,6 +18,10 @@ advertises.)  The same from Python or the command line::
     python -m tierkv.tiers.remote.standalone --master 10.0.0.1:50051 \\
         --metadata-server http://10.0.0.1:8080/metadata --segment 8GiB --host 10.0.0.2
 
+Engines on other nodes attach with ``pool.tier_config()`` (through the Transfer
+Engine); engines on this node do better with ``pool.tier_config(ipc=True)``
+(over IPC and shared memory with this process).
+
 ``StandalonePool.start`` returns once the segment is mounted: the master's HTTP
 endpoint (``master_http``, the master's ``--metrics_port``, default 9003) lists
 a segment it did not list before.  Where that endpoint cannot be reached it
@@ -302,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     try:
         print(json.dumps({"pool": "started", "pid": pool.proc.pid, "segment": pool.segment,
-                          "log": pool.log_path, "tier_config": pool.tier_config()}), flush=True)
+                          "log": pool.log_path, "tier_config": pool.tier_config(),
+                          "tier_config_ipc": pool.tier_config(ipc=True)}), flush=True)
         while not stop["now"] and pool.running:
             time.sleep(0.2)
         code = 0 if stop["now"] else (pool.proc.returncode or 1)
