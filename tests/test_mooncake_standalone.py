@@ -109,6 +109,9 @@ def test_pool_command_line_and_cli_dry_run(capsys):
     assert main(["--master", "nohost", "--metadata-server", "http://x/metadata"]) == 2
     with pytest.raises(ConfigError, match="segment"):
         StandalonePool("10.0.0.1:50051", "http://x/metadata", "lots")
+    for bad, match in ((dict(port="50052"), "port"), (dict(threads="2"), "threads"), (dict(protocol="udp"), "protocol")):
+        with pytest.raises(ConfigError, match=match):
+            StandalonePool("10.0.0.1:50051", "http://x/metadata", "1GiB", **bad)
 
 
 # -- the contract, attached to a standalone pool (through the Transfer Engine, or over IPC) --------

@@ -35,7 +35,8 @@ def _prompts() -> list[list[int]]:
     return [head + [rng.randrange(1024) for _ in range(40)], [rng.randrange(1024) for _ in range(75)]]
 
 
-def test_engine_restart_hits_the_standalone_pool(tmp_path):
+@pytest.mark.parametrize("ipc", [False, True], ids=["transfer-engine", "ipc"])
+def test_engine_restart_hits_the_standalone_pool(tmp_path, ipc):
     reason = mooncake_util.missing_reason() or (None if client_binary() else "mooncake_client not found")
     if reason:
         pytest.skip(reason)
@@ -44,7 +45,7 @@ def test_engine_restart_hits_the_standalone_pool(tmp_path):
     with mooncake_util.MooncakeMaster() as master, master.standalone_pool("256MiB") as pool:
         for k, v in mooncake_util.client_env().items():
             os.environ.setdefault(k, v)
-        store = {"tiers": [pool.tier_config(namespace=f"restart-{uuid.uuid4().hex}")]}
+        store = {"tiers": [pool.tier_config(ipc=ipc, namespace=f"restart-{uuid.uuid4().hex}")]}
         kv = U.connector_config(store)
         one = U.run_engine({"model": model, "kv_transfer_config": kv,
                             "steps": [{"op": "generate", "prompts": prompts}, {"op": "drain"}]},

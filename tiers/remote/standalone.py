@@ -53,6 +53,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tierkv.errors import ConfigError
+from tierkv.options import check_choice, check_float, check_int, check_str
 from tierkv.units import parse_size
 
 from .client import parse_host_port, tcp_reachable
@@ -95,18 +96,16 @@ class StandalonePool:
                  device_names: str = "", master_http: str | None = None, threads: int = 1,
                  binary: str | None = None, log_path: str | None = None, mount_grace: float = 1.0) -> None:
         parse_host_port(master, "standalone pool master")
-        if not isinstance(metadata_server, str) or not metadata_server:
-            raise ConfigError(f"standalone pool metadata_server: expected a URL, got {metadata_server!r}")
-        if protocol not in ("tcp", "rdma", "ascend"):
-            raise ConfigError(f"standalone pool protocol: expected 'tcp', 'rdma' or 'ascend', got {protocol!r}")
-        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-            raise ConfigError(f"standalone pool threads: expected a positive integer, got {threads!r}")
+        check_str(metadata_server, "standalone pool metadata_server")
+        check_choice(protocol, "standalone pool protocol", ("tcp", "rdma", "ascend"))
         self.master, self.metadata_server, self.protocol = master, metadata_server, protocol
         self.segment_bytes = parse_size(segment, "standalone pool segment")
-        self.host, self.device_names, self.threads = host, device_names, threads
-        self.port = port if port is not None else _free_port(host)
-        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 < self.port < 65536:
-            raise ConfigError(f"standalone pool port: expected 1..65535, got {port!r}")
+        self.host = check_str(host, "standalone pool host")
+        self.device_names = check_str(device_names, "standalone pool device_names", allow_empty=True)
+        self.threads = check_int(threads, "standalone pool threads", min_value=1)
+        self.port = check_int(port if port is not None else _free_port(host), "standalone pool port",
+                              min_value=1, max_value=65535)
+        mount_grace = check_float(mount_grace, "standalone pool mount_grace", min_value=0.0)
         mhost = parse_host_port(master, "master")[0]
         self.master_http = master_http or f"{mhost}:{DEFAULT_MASTER_HTTP_PORT}"
         parse_host_port(self.master_http, "standalone pool master_http")
