@@ -297,9 +297,10 @@ while True:  # batches of 1 MiB chunks whose bytes follow from their index, unti
 
 @needs_pool
 @pytest.mark.slow
-def test_engine_killed_mid_transfer_leaves_the_pool_consistent():
+@pytest.mark.parametrize("ipc", [False, True], ids=["transfer-engine", "ipc"])
+def test_engine_killed_mid_transfer_leaves_the_pool_consistent(ipc):
     with MooncakeMaster() as m, m.standalone_pool("96MiB") as pool:
-        opts = opts_of(pool.tier_config(namespace=uuid.uuid4().hex, presence_ttl=0.01))
+        opts = opts_of(pool.tier_config(ipc=ipc, namespace=uuid.uuid4().hex, presence_ttl=0.01))
         eng = subprocess.Popen([sys.executable, "-c", FLOOD, json.dumps(opts)], cwd=HERE,
                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
         try:
