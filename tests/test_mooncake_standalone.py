@@ -109,7 +109,8 @@ def test_pool_command_line_and_cli_dry_run(capsys):
     assert main(["--master", "nohost", "--metadata-server", "http://x/metadata"]) == 2
     with pytest.raises(ConfigError, match="segment"):
         StandalonePool("10.0.0.1:50051", "http://x/metadata", "lots")
-    for bad, match in ((dict(port="50052"), "port"), (dict(threads="2"), "threads"), (dict(protocol="udp"), "protocol")):
+    for bad, match in ((dict(port="50052"), "port"), (dict(threads="2"), "threads"),
+                       (dict(protocol="udp"), "protocol")):
         with pytest.raises(ConfigError, match=match):
             StandalonePool("10.0.0.1:50051", "http://x/metadata", "1GiB", **bad)
 
@@ -266,7 +267,7 @@ def test_standalone_client_killed_misses_then_the_store_recovers_by_itself(ipc):
             assert wait_for(lambda: not tier.available, 10)
 
             pool.restart()
-            assert wait_for(lambda: tier.available, 15), json.dumps(tier.extra_stats())
+            assert wait_for(lambda: tier.available, 30), json.dumps(tier.extra_stats())
             # the engine's store restarted nothing; through the Transfer Engine even its client is the same
             # (over IPC a client the restarted pool does not know is replaced by the tier itself)
             if not ipc:

@@ -8,6 +8,7 @@ reach the tier only as ``Outcome`` values.
 from __future__ import annotations
 
 import ctypes
+import time
 
 import pytest
 import torch
@@ -148,3 +149,32 @@ def test_unknown_and_unfit_backends_are_config_errors(dict_backend):
 ])
 def test_mooncake_codes_map_to_outcomes(code, outcome):
     assert mooncake_outcome(code) is outcome
+
+
+@pytest.mark.parametrize("op", ["put", "get"])
+def test_a_raising_backend_call_costs_a_miss_and_releases_its_pins(dict_backend, monkeypatch, op):
+    tier = DramPoolTier.from_config("p", {"backend": "dict", "probe_interval": 0.05})
+    try:
+        v = blob(1, 5000)
+        assert tier.write([key(1)], [[v]]) == [True]
+        client = dict_backend.made[-1]
+
+        def boom(*a, **k):
+            raise RuntimeError("injected backend fault")
+
+        monkeypatch.setattr(client, op, boom)
+        out = torch.zeros(5000, dtype=torch.uint8)
+        if op == "put":
+            assert tier.write([key(2)], [[blob(2, 5000)]]) == [False]
+        else:
+            assert tier.read([key(1)], [[out]]) == [False]
+        assert "injected backend fault" in tier.extra_stats()["last_error"]
+        regs = list(tier._session._regs.values())
+        assert regs and all(r.pins == 0 for r in regs), [r.pins for r in regs]
+        monkeypatch.undo()  # the backend heals: the probe brings the tier back
+        end = time.monotonic() + 10
+        while not tier.available and time.monotonic() < end:
+            time.sleep(0.02)
+        assert tier.read([key(1)], [[out]]) == [True] and torch.equal(out, v)
+    finally:
+        tier.close()

@@ -172,7 +172,8 @@ class RemotePoolTier(Tier):
             if outcome not in (Outcome.OK, Outcome.EXISTS):
                 self._last_error = f"{self.description}: cannot store the sentinel key ({rc!r})"
                 if outcome is not Outcome.NO_SPACE:  # a pool without room is normal; a refusing client is not
-                    self._probe_failed(session)
+                    # a client without a segment of its own is cheap to replace: at once
+                    self._probe_failed(session, now=not getattr(session.client, "owns_segment", True))
                 return False
             with self._state_lock:
                 self._sentinel_ok = True
@@ -180,10 +181,10 @@ class RemotePoolTier(Tier):
         self._reap_tombstones(session)
         return True
 
-    def _probe_failed(self, session: Session) -> None:
-        """Count a failed probe; every fifth in a row starts over with a fresh client."""
+    def _probe_failed(self, session: Session, now: bool = False) -> None:
+        """Count a failed probe; every fifth in a row (or this one, ``now``) starts over with a fresh client."""
         self._counters["probe_failures"] += 1
-        if self._counters["probe_failures"] % 5 == 0 and session is self._session:
+        if (now or self._counters["probe_failures"] % 5 == 0) and session is self._session:
             # the service answers but this client keeps failing.  A client that contributed a segment is
             # left open (closing unmounts it, holding the interpreter lock for seconds); others are closed
             session.retire(close=not getattr(session.client, "owns_segment", True))
@@ -324,67 +325,68 @@ class RemotePoolTier(Tier):
                 return
             pins: list[Registration] = []
             staged: list[tuple[int, int, int]] = []
-            layout = self._staging.layout(session, objs, pins, staged)
-            if layout is None:
+            try:  # every exit releases what the layout pinned; a call that outlives us holds its own pins
+                layout = self._staging.layout(session, objs, pins, staged)
+                if layout is None:
+                    self._counters["refused"] += len(todo)
+                    self._last_error = "memory registration or staging failed"
+                    return
+                if staged:
+                    buf = self._staging.buffer
+                    for oi, pj, soff in staged:
+                        p = objs[oi][pj]
+                        host_copy(buf[soff:soff + p.numel()], p)
+                ptrs, sizes = layout
+                devices = self._staging.devices(session, objs)
+                nbytes = sum(sum(s) for s in sizes)
+                pending = list(range(len(todo)))
+                for attempt in (0, 1):
+                    keys = [fkeys[todo[k]] for k in pending]
+                    abandoned = threading.Event()
+
+                    session.repin(pins)  # released when this call finishes, even if abandoned
+
+                    def cleanup(fut: concurrent.futures.Future | None, keys: list[str] = keys,
+                                abandoned: threading.Event = abandoned) -> None:
+                        session.unpin(pins)
+                        # a put that finished after its caller gave up may have read a buffer the caller
+                        # reused meanwhile: never leave such an object behind
+                        if fut is not None and abandoned.is_set() and not fut.cancelled() and fut.exception() is None:
+                            stored = [k for k, c in zip(keys, fut.result()) if c == 0]
+                            if stored:
+                                session.client.remove(stored)
+
+                    codes = self._run(lambda c, keys=keys, pending=pending: c.put(
+                        keys, [ptrs[k] for k in pending], [sizes[k] for k in pending], [devices[k] for k in pending]),
+                        nbytes, "put", cleanup, session)
+                    if codes is None:
+                        abandoned.set()
+                        if staged:  # the abandoned call may still read it: later calls get a fresh buffer
+                            self._staging.abandon(session)
+                        break
+                    full = []
+                    for k, code in zip(pending, codes):
+                        cls = session.client.outcome(code)
+                        i = todo[k]
+                        if cls in (Outcome.OK, Outcome.EXISTS):
+                            ok[i] = True
+                            self._presence.remember(fkeys[i], sum(sizes[k]))
+                        elif cls is Outcome.NO_SPACE:
+                            full.append(k)
+                        else:
+                            self._counters["put_errors"] += 1
+                            self._counters["refused"] += 1
+                    self._check_codes(session.client, codes, "put")
+                    if not full:
+                        break
+                    if attempt == 0 and self.available:
+                        self._counters["full_retries"] += 1
+                        time.sleep(self.full_retry_delay)
+                        pending = full
+                        continue
+                    self._counters["refused"] += len(full)
+            finally:
                 session.unpin(pins)
-                self._counters["refused"] += len(todo)
-                self._last_error = "memory registration or staging failed"
-                return
-            if staged:
-                buf = self._staging.buffer
-                for oi, pj, soff in staged:
-                    p = objs[oi][pj]
-                    host_copy(buf[soff:soff + p.numel()], p)
-            ptrs, sizes = layout
-            devices = self._staging.devices(session, objs)
-            nbytes = sum(sum(s) for s in sizes)
-            pending = list(range(len(todo)))
-            for attempt in (0, 1):
-                keys = [fkeys[todo[k]] for k in pending]
-                abandoned = threading.Event()
-
-                session.repin(pins)  # released when this call finishes, even if abandoned
-
-                def cleanup(fut: concurrent.futures.Future | None, keys: list[str] = keys,
-                            abandoned: threading.Event = abandoned) -> None:
-                    session.unpin(pins)
-                    # a put that finished after its caller gave up may have read a buffer the caller
-                    # reused meanwhile: never leave such an object behind
-                    if fut is not None and abandoned.is_set() and not fut.cancelled() and fut.exception() is None:
-                        stored = [k for k, c in zip(keys, fut.result()) if c == 0]
-                        if stored:
-                            session.client.remove(stored)
-
-                codes = self._run(lambda c, keys=keys, pending=pending: c.put(
-                    keys, [ptrs[k] for k in pending], [sizes[k] for k in pending], [devices[k] for k in pending]),
-                    nbytes, "put", cleanup, session)
-                if codes is None:
-                    abandoned.set()
-                    if staged:  # the abandoned call may still read it: later calls get a fresh buffer
-                        self._staging.abandon(session)
-                    break
-                full = []
-                for k, code in zip(pending, codes):
-                    cls = session.client.outcome(code)
-                    i = todo[k]
-                    if cls in (Outcome.OK, Outcome.EXISTS):
-                        ok[i] = True
-                        self._presence.remember(fkeys[i], sum(sizes[k]))
-                    elif cls is Outcome.NO_SPACE:
-                        full.append(k)
-                    else:
-                        self._counters["put_errors"] += 1
-                        self._counters["refused"] += 1
-                self._check_codes(session.client, codes, "put")
-                if not full:
-                    break
-                if attempt == 0 and self.available:
-                    self._counters["full_retries"] += 1
-                    time.sleep(self.full_retry_delay)
-                    pending = full
-                    continue
-                self._counters["refused"] += len(full)
-            session.unpin(pins)
 
     def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         self._check_open()
@@ -416,17 +418,21 @@ class RemotePoolTier(Tier):
                 return
             pins: list[Registration] = []
             staged: list[tuple[int, int, int]] = []
-            layout = self._staging.layout(session, objs, pins, staged)
-            if layout is None:
-                session.unpin(pins)
-                self._last_error = "memory registration or staging failed"
-                return
-            ptrs, sizes = layout
-            devices = self._staging.devices(session, objs)
-            want = [sum(s) for s in sizes]
-            # pins of a call that outlives its caller are released when it finishes
-            codes = self._run(lambda c: c.get([fkeys[i] for i in todo], ptrs, sizes, devices), sum(want), "get",
-                              lambda _fut: session.unpin(pins), session)
+            handed = False  # once the call has the pins, it releases them when it finishes (even abandoned)
+            try:
+                layout = self._staging.layout(session, objs, pins, staged)
+                if layout is None:
+                    self._last_error = "memory registration or staging failed"
+                    return
+                ptrs, sizes = layout
+                devices = self._staging.devices(session, objs)
+                want = [sum(s) for s in sizes]
+                handed = True
+                codes = self._run(lambda c: c.get([fkeys[i] for i in todo], ptrs, sizes, devices), sum(want),
+                                  "get", lambda _fut: session.unpin(pins), session)
+            finally:
+                if not handed:
+                    session.unpin(pins)
             if codes is None:
                 if staged:  # the abandoned call may still write into it: later calls get a fresh buffer
                     self._staging.abandon(session)
@@ -446,7 +452,6 @@ class RemotePoolTier(Tier):
                         p = objs[oi][pj]
                         host_copy(p, buf[soff:soff + p.numel()])
             self._check_codes(session.client, codes, "get")
-        return
 
     def _read_local(self, session: Session, todo: list[int], fkeys: list[str], dsts: Sequence[Parts],
                     ok: list[bool]) -> list[int]:
