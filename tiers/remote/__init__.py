@@ -4,7 +4,8 @@ Modules, one concern each:
 
     ``client``      what a backend provides: the ``RemoteClient`` protocol, ``Outcome``
                     (backend codes mapped to OK / NOT_FOUND / EXISTS / NO_SPACE / ...),
-                    ``Backend`` / ``BackendSpec``; the only module backends share
+                    ``Backend`` / ``BackendSpec``
+    ``options``     the options every remote tier shares (typed readers)
     ``backends``    the backend table (name → ``Backend`` class), resolved lazily
     ``mooncake``    Mooncake Store (embedded or standalone mode)
     ``memcache``    MemFabric memcache (Ascend; tested against a fake)
@@ -16,7 +17,8 @@ Modules, one concern each:
     ``media``       ``DramPoolTier`` and ``RemoteNPUTier`` (config → backend → tier)
     ``standalone``  running a standalone Mooncake pool (``mooncake_client``) on a node
 
-Importing this package imports no backend library.
+Backends import only ``client`` and ``options``, never each other.  Importing
+this package imports no backend library.
 """
 
 from __future__ import annotations
