@@ -1,13 +1,22 @@
 """dram_pool over Mooncake vs raw Mooncake calls, in one run.
 
-    .venv/bin/python bench/bench_dram_pool.py [--reps 5] [--sizes 2,16] [--batch 32]
+    .venv/bin/python bench/bench_dram_pool.py [--reps 5] [--sizes 2,16] [--batch 32] [--modes same,cross,standalone,ipc]
 
 Starts its own ``mooncake_master`` on free loopback ports and measures, for
 chunks of each size in batches of ``--batch``:
 
 * same-process: the objects land in this process's own segment;
 * cross-process: a second process owns the segment the objects land in, so
-  every byte crosses the Transfer Engine (``tcp`` here).
+  every byte crosses the Transfer Engine (``tcp`` here);
+* standalone: the tier attaches to a standalone pool (``"mode": "standalone"``,
+  segment 0) whose memory a ``mooncake_client`` process owns; "raw" is the same
+  segment-0 client, so the ratio compares like with like.  The summary also
+  gives standalone throughput as a fraction of the embedded same-process case
+  (what giving up the local segment costs: no local-segment copies);
+* ipc: attached to the same kind of standalone pool over IPC
+  (``standalone_address``: shared memory with the ``mooncake_client``); "raw"
+  is a separate IPC client moving the same data from its own shared memory
+  (the tier adds one copy between callers' buffers and the shared memory).
 
 "raw" is ``batch_put_from`` / ``batch_get_into`` on the very client the tier
 uses, from buffers registered beforehand; "tier" is ``DramPoolTier.write`` /
@@ -72,6 +81,40 @@ class Buffers:
         for t in self.srcs + self.dsts:
             rc = raw.register_buffer(t.data_ptr(), size)
             assert rc == 0, f"register_buffer failed: {rc}"
+
+
+class IpcBuffers(Buffers):
+    """Buffers for a raw IPC client: only memory from its shared pool can move."""
+
+    def __init__(self, raw, size: int, batch: int) -> None:
+        import ctypes
+
+        self.raw = raw
+
+        def shared(n: int) -> torch.Tensor:
+            base = raw.alloc_from_mem_pool(n)
+            assert base, "alloc_from_mem_pool failed"
+            return torch.frombuffer((ctypes.c_uint8 * n).from_address(base), dtype=torch.uint8)
+
+        region = shared(2 * size * batch)
+        assert raw.register_buffer(region.data_ptr(), region.numel()) == 0
+        self.srcs = [region[i * size:(i + 1) * size] for i in range(batch)]
+        for s in self.srcs:
+            s.copy_(torch.randint(0, 256, (size,), dtype=torch.uint8))
+        self.dsts = [region[(batch + i) * size:(batch + i + 1) * size] for i in range(batch)]
+        for d in self.dsts:
+            d.zero_()
+        self.srcs_t = [s.clone() for s in self.srcs]
+        self.dsts_t = [torch.zeros(size, dtype=torch.uint8) for _ in range(batch)]
+
+
+def ipc_client(pool, nbytes: int):
+    from mooncake.store import MooncakeDistributedStore
+
+    raw = MooncakeDistributedStore()
+    rc = raw.setup_dummy(nbytes, 16 * MiB, f"{pool.host}:{pool.port}")
+    assert rc == 0, f"setup_dummy failed: {rc}"
+    return raw
 
 
 def bench_size(tier: DramPoolTier, bufs: Buffers, size: int, batch: int, reps: int) -> dict[str, float]:
@@ -145,7 +188,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="2,16", help="chunk sizes in MiB, comma-separated")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--modes", default="same,cross")
+    ap.add_argument("--modes", default="same,cross,standalone,ipc")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     reason = missing_reason()
@@ -158,18 +201,29 @@ def main() -> None:
     rows = []
     with MooncakeMaster() as m:
         for mode in args.modes.split(","):
-            provider = None
+            provider = pool = None
+            if mode in ("standalone", "ipc"):
+                pool = m.standalone_pool(f"{need}").start()
             if mode == "cross":
                 provider = subprocess.Popen([sys.executable, "-c", PROVIDER, m.master, m.metadata_server, str(need)],
                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
                 assert provider.stdout.readline().strip() == "0", "segment provider failed to start"
-            opts = m.tier_config(segment=f"{need if mode == 'same' else 16 * MiB}", namespace=f"bench-{mode}",
-                                 min_bandwidth="20MB")  # a loaded machine must not look like a dead peer
+            # a loaded machine must not look like a dead peer: a low min_bandwidth
+            if pool is not None:
+                ipc = {"ipc": True, "ipc_buffer": max(sizes) * args.batch + MiB} if mode == "ipc" else {}
+                opts = pool.tier_config(namespace=f"bench-{mode}", min_bandwidth="20MB", **ipc)
+            else:
+                opts = m.tier_config(segment=f"{need if mode == 'same' else 16 * MiB}", namespace=f"bench-{mode}",
+                                     min_bandwidth="20MB")
             opts.pop("medium")
             tier = DramPoolTier.from_config("pool", opts)
             try:
                 ballast = fill_own_segment(tier) if mode == "cross" else None  # noqa: F841 (kept alive)
-                bufs = Buffers(tier._session.client._store, max(sizes), args.batch)
+                if mode == "ipc":
+                    raw_ipc = ipc_client(pool, 2 * max(sizes) * args.batch + 16 * MiB)
+                    bufs = IpcBuffers(raw_ipc, max(sizes), args.batch)
+                else:
+                    bufs = Buffers(tier._session.client._store, max(sizes), args.batch)
                 for size in sizes:
                     r = bench_size(tier, bufs, size, args.batch, args.reps)
                     nbytes = size * args.batch
@@ -183,6 +237,8 @@ def main() -> None:
                 if provider is not None:
                     provider.stdin.close()
                     provider.wait(30)
+                if pool is not None:
+                    pool.stop()
 
         # the latency a caller sees while the master is down
         opts = m.tier_config(segment="32MiB", namespace="bench-down", timeout=0.5)
@@ -204,11 +260,20 @@ def main() -> None:
 
     print(f"\ndram_pool (mooncake, tcp) vs raw Mooncake, batch {args.batch}, median of {args.reps} rounds "
           "(ratio: median over rounds of raw time / tier time, each pair back to back)")
-    print(f"{'mode':<6} {'op':<4} {'chunk':>6} {'raw GB/s':>9} {'tier GB/s':>10} {'ratio':>6}")
+    print(f"{'mode':<10} {'op':<4} {'chunk':>6} {'raw GB/s':>9} {'tier GB/s':>10} {'ratio':>6}")
     for r in rows:
         flag = "" if r["ratio"] >= 0.9 else "  < 0.9"
-        print(f"{r['mode']:<6} {r['op']:<4} {r['chunk_mib']:>4}Mi {r['raw_gbs']:>9.2f} {r['tier_gbs']:>10.2f} "
+        print(f"{r['mode']:<10} {r['op']:<4} {r['chunk_mib']:>4}Mi {r['raw_gbs']:>9.2f} {r['tier_gbs']:>10.2f} "
               f"{r['ratio']:>6.2f}{flag}")
+    by = {(r["mode"], r["op"], r["chunk_mib"]): r for r in rows}
+    for att in ("standalone", "ipc"):
+        pairs = [(op, c) for (mo, op, c) in by if mo == att and ("same", op, c) in by]
+        if pairs:
+            print(f"\n{att} vs embedded (same-process): tier GB/s {att} / tier GB/s embedded")
+            for op, c in pairs:
+                s, e = by[(att, op, c)], by[("same", op, c)]
+                print(f"  {op:<4} {c:>4}Mi  {s['tier_gbs']:.2f} / {e['tier_gbs']:.2f} = "
+                      f"{s['tier_gbs'] / e['tier_gbs']:.2f}")
     print("\nmaster down (32 keys per call):")
     print(f"  detecting call {down['detect_s'] * 1e3:.1f} ms; then read miss median {down['read_miss_median_us']:.1f} us "
           f"(p99 {down['read_miss_p99_us']:.1f} us), contains median {down['contains_median_us']:.1f} us "

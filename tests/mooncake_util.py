@@ -3,6 +3,8 @@
     with MooncakeMaster() as m:
         cfg = m.tier_config(segment="64MiB")       # a dram_pool tier config dict
         tier = DramPoolTier.from_config("pool", {k: v for k, v in cfg.items() if k != "medium"})
+        with m.standalone_pool("256MiB") as pool:   # a mooncake_client owning the pool memory
+            cfg = pool.tier_config()                # a dram_pool in standalone mode (segment 0)
 
 Each master gets free loopback ports of its own (RPC, HTTP metadata, metrics),
 and is always stopped (SIGKILL after a grace period) when the ``with`` block or
@@ -121,6 +123,18 @@ class MooncakeMaster:
             cfg.pop("backend")
         cfg.update(extra)
         return cfg
+
+    @property
+    def master_http(self) -> str:
+        """The master's HTTP endpoint (metrics, segment list)."""
+        return f"{HOST}:{self.metrics_port}"
+
+    def standalone_pool(self, segment: str = "256MiB", **kwargs: Any):
+        """A ``StandalonePool`` (a ``mooncake_client`` owning the pool memory) for this master, not started."""
+        from tierkv.tiers.remote.standalone import StandalonePool
+
+        return StandalonePool(self.master, self.metadata_server, segment, host=HOST, master_http=self.master_http,
+                              **kwargs)
 
     def start(self) -> "MooncakeMaster":
         if self.proc is not None and self.proc.poll() is None:

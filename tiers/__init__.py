@@ -18,8 +18,8 @@ MEDIA: dict[str, object] = {
     "hbm": "tierkv.tiers.hbm:HBMTier",
     "dram": "tierkv.tiers.dram:DRAMTier",
     "ssd": "tierkv.tiers.ssd:SSDTier",
-    "dram_pool": "tierkv.tiers.dram_pool:DramPoolTier",
-    "remote_npu": "tierkv.tiers.remote_npu:RemoteNPUTier",
+    "dram_pool": "tierkv.tiers.remote.media:DramPoolTier",
+    "remote_npu": "tierkv.tiers.remote.media:RemoteNPUTier",
 }
 
 

@@ -1,0 +1,597 @@
+"""``RemotePoolTier``: a tier over a distributed object store, whatever the backend.
+
+A backend (``backends.BACKENDS``) supplies a blocking ``RemoteClient``; this
+class supplies everything the remote media share: deadlines, availability,
+reconnection, presence caching, staging and the Tier operations.
+
+Invariants
+    * The caller's path never makes a blocking backend call it cannot abandon:
+      every call runs on a session worker (``session.Session``) and the caller
+      waits at most ``timeout + nbytes / min_bandwidth`` seconds.  A call that
+      does not answer in time, or answers ``UNAVAILABLE`` (master down) or
+      ``PEER_UNREACHABLE`` (the memory holding an object is gone), marks the tier
+      unavailable; from then on every operation answers a miss / refusal at
+      once, without touching the backend, until the background probe has
+      confirmed the backend answers again.
+    * Lookups never claim a key that a restarted pool has lost: every
+      ``contains`` batch carries this tier's sentinel key, and when the sentinel
+      is gone every remembered key is forgotten (``pool_lost``).  Presence
+      learned within ``presence_ttl`` seconds answers without asking again.
+      While the sentinel cannot be stored (a pool with no segment mounted) the
+      tier stays unavailable: misses, never errors.
+    * ``read`` returns True only when the backend reports exactly the object's
+      size filled in; ``write`` counts an existing key as stored (dedup).
+    * A pool that is full (``NO_SPACE``) is retried once after
+      ``full_retry_delay`` seconds, then the write is refused and counted.
+    * A put abandoned at its deadline that later succeeds is removed again: it
+      may have read a buffer its caller reused meanwhile.
+    * What a call pins (registrations, the staging buffer) is released when the
+      backend call finishes, on every path, even if the caller gave up on it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tierkv.buffers import host_copy
+
+from ..base import Parts, Tier
+from .client import Outcome
+from .presence import Presence
+from .session import REFUSED, TIMEOUT, Registration, Session
+from .staging import Staging
+
+log = logging.getLogger("tierkv.tiers.remote")
+
+#: a read copied out of the local segment counts only if it ended this soon after the master granted
+#: its lease (Mooncake's read lease lasts several seconds; a copy takes milliseconds)
+LOCAL_LEASE_GUARD_S = 1.0
+
+
+class RemotePoolTier(Tier):
+    """An unmanaged tier over a distributed object store (see the module docstring for invariants)."""
+
+    managed = False
+    persistent = False
+    #: prefix of every key this medium writes: f"{namespace}/{key_tag}/{key}"
+    key_tag = "pool"
+    max_key_len = 4096
+
+    def __init__(self, name: str, capacity_bytes: int, open_client: Callable[[], Any], *,
+                 reachable: Callable[[], bool] | None = None, namespace: str = "tierkv",
+                 timeout: float = 1.0, min_bandwidth: float = 100e6, connect_timeout: float = 30.0,
+                 connect_wait: float = 5.0, probe_interval: float = 1.0, presence_ttl: float = 1.0,
+                 full_retry_delay: float = 0.02, register_limit: int = 4 << 30, workers: int = 4,
+                 description: str = "", max_key_len: int | None = None) -> None:
+        super().__init__(name, capacity_bytes)
+        if max_key_len is not None:
+            self.max_key_len = max_key_len
+        self._open_client = open_client
+        self._reachable = reachable or (lambda: True)
+        self._prefix = f"{namespace}/{self.key_tag}/"
+        self.timeout, self.min_bandwidth = timeout, min_bandwidth
+        self.connect_timeout, self.probe_interval = connect_timeout, probe_interval
+        self.presence_ttl, self.full_retry_delay = presence_ttl, full_retry_delay
+        self.register_limit, self.workers = register_limit, workers
+        self.description = description or type(self).__name__
+        self._sentinel = f"{namespace}/sentinel/{self.key_tag}/{os.getpid()}-{id(self):x}-{time.time_ns():x}"
+        self._session: Session | None = None
+        self._available = False
+        self._sentinel_ok = False  # the sentinel is known to be stored in the current pool
+        self._wake = threading.Event()
+        self._state_lock = threading.Lock()
+        self._presence = Presence(presence_ttl)
+        self._staging = Staging()
+        self._counters = collections.Counter()
+        self._last_error = ""
+        self._unavailable_since: float | None = time.monotonic()
+        self._prober = threading.Thread(target=self._probe_loop, name=f"tierkv-probe-{name}", daemon=True)
+        self._prober.start()
+        deadline = time.monotonic() + connect_wait
+        while not self._available and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if not self._available:
+            log.warning("tier %r (%s): not connected after %.1fs (%s); serving misses while it keeps trying",
+                        name, self.description, connect_wait, self._last_error or "no answer")
+
+    # -- availability ---------------------------------------------------------
+    @property
+    def available(self) -> bool:
+        return self._available and not self._closed
+
+    def _fail(self, why: str) -> None:
+        with self._state_lock:
+            was = self._available
+            self._available = False
+            self._last_error = why
+            if was:
+                self._counters["failures"] += 1
+                self._unavailable_since = time.monotonic()
+        if was:
+            log.warning("tier %r (%s) unavailable: %s", self.name, self.description, why)
+        self._wake.set()
+
+    def _pool_lost(self, wake: bool = True) -> None:
+        """The sentinel is gone: the pool this tier knew is gone (master restarted or sentinel evicted).
+
+        ``wake`` asks the prober to store a new sentinel now; the prober itself passes False."""
+        with self._state_lock:
+            if self._sentinel_ok:
+                self._counters["pool_lost"] += 1
+            self._sentinel_ok = False
+            self._presence.clear()
+        if wake:
+            self._wake.set()
+
+    def _deadline(self, nbytes: int = 0) -> float:
+        return self.timeout + nbytes / self.min_bandwidth
+
+    def _probe_call(self, session: Session, fn: Callable[[Any], Any]) -> Any:
+        try:
+            return session.call(fn, self.timeout)
+        except Exception as e:  # noqa: BLE001
+            return e
+
+    def _probe_once(self) -> bool:
+        """One step of (re)connection; True when the tier is available afterwards."""
+        if not self._reachable():
+            self._last_error = f"{self.description}: master not reachable"
+            return False
+        session = self._session
+        if session is None or session.retired:
+            client = self._connect()
+            if client is None:
+                return False
+            session = Session(client, self.workers, self.register_limit)
+            if self._closed:
+                session.retire()
+                return False
+            with self._state_lock:
+                self._session = session
+                self._sentinel_ok = False
+                self._presence.clear()
+        r = self._probe_call(session, lambda c: c.exists([self._sentinel]))
+        if not isinstance(r, list) or not r or r[0] < 0:
+            why = "timed out" if r is TIMEOUT else repr(r)
+            self._last_error = f"{self.description}: probe failed ({why})"
+            self._probe_failed(session)
+            return False
+        if r[0] != 1:
+            self._pool_lost(wake=False)
+            rc = self._probe_call(session, lambda c: c.put_sentinel(self._sentinel))
+            outcome = session.client.outcome(rc) if isinstance(rc, int) else None
+            if outcome not in (Outcome.OK, Outcome.EXISTS):
+                self._last_error = f"{self.description}: cannot store the sentinel key ({rc!r})"
+                if outcome is not Outcome.NO_SPACE:  # a pool without room is normal; a refusing client is not
+                    # a client without a segment of its own is cheap to replace: at once
+                    self._probe_failed(session, now=not getattr(session.client, "owns_segment", True))
+                return False
+            with self._state_lock:
+                self._sentinel_ok = True
+        self._counters["probe_failures"] = 0
+        self._reap_tombstones(session)
+        return True
+
+    def _probe_failed(self, session: Session, now: bool = False) -> None:
+        """Count a failed probe; every fifth in a row (or this one, ``now``) starts over with a fresh client."""
+        self._counters["probe_failures"] += 1
+        if (now or self._counters["probe_failures"] % 5 == 0) and session is self._session:
+            # the service answers but this client keeps failing.  A client that contributed a segment is
+            # left open (closing unmounts it, holding the interpreter lock for seconds); others are closed
+            session.retire(close=not getattr(session.client, "owns_segment", True))
+            self._counters["abandoned_clients"] += 1
+
+    def _connect(self) -> Any:
+        """A freshly set-up client, or None.  Setup that outlives ``connect_timeout`` is abandoned."""
+        box: dict[str, Any] = {}
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                box["client"] = self._open_client()
+            except Exception as e:  # noqa: BLE001
+                box["error"] = e
+            done.set()
+
+        threading.Thread(target=run, name=f"tierkv-connect-{self.name}", daemon=True).start()
+        if not done.wait(self.connect_timeout):
+            # an abandoned setup keeps running; whatever it builds is never used nor closed
+            self._last_error = f"{self.description}: setup did not finish in {self.connect_timeout:.0f}s"
+            return None
+        if "error" in box:
+            self._last_error = f"{self.description}: {box['error']}"
+            return None
+        return box["client"]
+
+    def _probe_loop(self) -> None:
+        backoff = 0.05
+        while not self._closed:
+            if self._available:
+                self._wake.wait(self.probe_interval)
+                self._wake.clear()
+                if self._closed:
+                    break
+                if self._available and not self._probe_once():
+                    self._fail(self._last_error)
+                backoff = 0.05
+                continue
+            if self._probe_once() and not self._closed:
+                with self._state_lock:
+                    recovered = self._unavailable_since is not None and self._counters["connects"] > 0
+                    self._available = True
+                    self._unavailable_since = None
+                    self._counters["connects"] += 1
+                    if recovered:
+                        self._counters["reconnects"] += 1
+                backoff = 0.05
+                continue
+            self._wake.wait(backoff)
+            self._wake.clear()
+            backoff = min(backoff * 2, 2.0)
+
+    # -- helpers ----------------------------------------------------------------
+    def _full_keys(self, keys: Sequence[str]) -> list[str]:
+        out = []
+        for k in keys:
+            if not isinstance(k, str) or not k:
+                raise TypeError(f"tier {self.name!r}: keys must be non-empty strings, got {k!r}")
+            fk = self._prefix + k
+            if len(fk.encode()) > self.max_key_len:
+                raise ValueError(f"tier {self.name!r}: key {k[:32]!r}… is too long for {self.description} "
+                                 f"({len(fk)} > {self.max_key_len} bytes with its prefix)")
+            out.append(fk)
+        return out
+
+    def _run(self, fn: Callable[[Any], Any], nbytes: int, what: str,
+             after: Callable[[concurrent.futures.Future], None] | None = None,
+             session: Session | None = None) -> Any:
+        """Run a data/control call on ``session`` (default: the current one); None (and unavailable) on failure.
+
+        Calls that laid out memory pass the session they registered it with: a
+        newer session's client must never see another client's registrations."""
+        session = session or self._session
+        if session is None or not self._available:
+            if after is not None:
+                after(None)
+            return None
+        try:
+            r = session.call(fn, self._deadline(nbytes), after)
+        except Exception as e:  # noqa: BLE001 (a backend exception is a fault, not a caller error)
+            self._counters["errors"] += 1
+            self._fail(f"{what} raised {e!r}")
+            return None
+        if r is TIMEOUT:
+            self._counters["timeouts"] += 1
+            self._fail(f"{what} did not answer within {self._deadline(nbytes):.2f}s")
+            return None
+        if r is REFUSED:
+            if after is not None:
+                after(None)
+            return None
+        return r
+
+    def _check_codes(self, client: Any, codes: Sequence[int], what: str) -> None:
+        outcomes = {client.outcome(c) for c in codes}
+        if Outcome.UNAVAILABLE in outcomes:
+            self._fail(f"{what}: master unreachable (codes {sorted(set(codes))})")
+        elif Outcome.PEER_UNREACHABLE in outcomes:
+            self._counters["transfer_errors"] += 1
+            self._fail(f"{what}: segment owner unreachable (codes {sorted(set(codes))})")
+
+    # -- the Tier interface ---------------------------------------------------
+    def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+        self._check_open()
+        if len(keys) != len(srcs):
+            raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(srcs)} sources")
+        fkeys = self._full_keys(keys)
+        ok = [False] * len(keys)
+        if not self.available:
+            self._counters["refused_unavailable"] += len(keys)
+            return ok
+        todo: list[int] = []
+        seen: set[str] = set()
+        for i, fk in enumerate(fkeys):
+            if sum(p.numel() for p in srcs[i]) == 0:
+                raise ValueError(f"tier {self.name!r}: cannot store an empty object under {keys[i][:32]!r}")
+            if self._presence.known(fk):
+                ok[i] = True  # dedup: the pool already holds this content
+            elif fk not in seen:
+                seen.add(fk)
+                todo.append(i)
+        first = set(todo)
+        dups = [i for i in range(len(keys)) if not ok[i] and i not in first]
+        session = self._session
+        for batch in self._staging.batches(session, todo, srcs) if session is not None else ():
+            self._put(session, batch, fkeys, srcs, ok)
+        for i in dups:  # a key repeated within the batch: stored iff its first copy was
+            ok[i] = self._presence.held(fkeys[i])
+        return ok
+
+    def _put(self, session: Session, todo: list[int], fkeys: list[str], srcs: Sequence[Parts],
+             ok: list[bool]) -> None:
+        objs = [srcs[i] for i in todo]
+        with self._staging.guard(session, objs) as live:
+            if not live:
+                self._counters["refused"] += len(todo)
+                return
+            pins: list[Registration] = []
+            staged: list[tuple[int, int, int]] = []
+            try:  # every exit releases what the layout pinned; a call that outlives us holds its own pins
+                layout = self._staging.layout(session, objs, pins, staged)
+                if layout is None:
+                    self._counters["refused"] += len(todo)
+                    self._last_error = "memory registration or staging failed"
+                    return
+                if staged:
+                    buf = self._staging.buffer
+                    for oi, pj, soff in staged:
+                        p = objs[oi][pj]
+                        host_copy(buf[soff:soff + p.numel()], p)
+                ptrs, sizes = layout
+                devices = self._staging.devices(session, objs)
+                nbytes = sum(sum(s) for s in sizes)
+                pending = list(range(len(todo)))
+                for attempt in (0, 1):
+                    keys = [fkeys[todo[k]] for k in pending]
+                    abandoned = threading.Event()
+
+                    session.repin(pins)  # released when this call finishes, even if abandoned
+
+                    def cleanup(fut: concurrent.futures.Future | None, keys: list[str] = keys,
+                                abandoned: threading.Event = abandoned) -> None:
+                        session.unpin(pins)
+                        # a put that finished after its caller gave up may have read a buffer the caller
+                        # reused meanwhile: never leave such an object behind
+                        if fut is not None and abandoned.is_set() and not fut.cancelled() and fut.exception() is None:
+                            stored = [k for k, c in zip(keys, fut.result()) if c == 0]
+                            if stored:
+                                session.client.remove(stored)
+
+                    codes = self._run(lambda c, keys=keys, pending=pending: c.put(
+                        keys, [ptrs[k] for k in pending], [sizes[k] for k in pending], [devices[k] for k in pending]),
+                        nbytes, "put", cleanup, session)
+                    if codes is None:
+                        abandoned.set()
+                        if staged:  # the abandoned call may still read it: later calls get a fresh buffer
+                            self._staging.abandon(session)
+                        break
+                    full = []
+                    for k, code in zip(pending, codes):
+                        cls = session.client.outcome(code)
+                        i = todo[k]
+                        if cls in (Outcome.OK, Outcome.EXISTS):
+                            ok[i] = True
+                            self._presence.remember(fkeys[i], sum(sizes[k]))
+                        elif cls is Outcome.NO_SPACE:
+                            full.append(k)
+                        else:
+                            self._counters["put_errors"] += 1
+                            self._counters["refused"] += 1
+                    self._check_codes(session.client, codes, "put")
+                    if not full:
+                        break
+                    if attempt == 0 and self.available:
+                        self._counters["full_retries"] += 1
+                        time.sleep(self.full_retry_delay)
+                        pending = full
+                        continue
+                    self._counters["refused"] += len(full)
+            finally:
+                session.unpin(pins)
+
+    def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
+        self._check_open()
+        if len(keys) != len(dsts):
+            raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(dsts)} destinations")
+        fkeys = self._full_keys(keys)
+        ok = [False] * len(keys)
+        if not self.available:
+            self._counters["misses_unavailable"] += len(keys)
+            return ok
+        todo = [i for i, fk in enumerate(fkeys)
+                if not self._presence.buried(fk) and sum(p.numel() for p in dsts[i]) > 0]
+        if not todo:
+            return ok
+        session = self._session
+        if session is None:
+            return ok
+        if getattr(session.client, "reads_locally", False):
+            todo = self._read_local(session, todo, fkeys, dsts, ok)
+        for batch in self._staging.batches(session, todo, dsts):
+            self._get(session, batch, fkeys, dsts, ok)
+        return ok
+
+    def _get(self, session: Session, todo: list[int], fkeys: list[str], dsts: Sequence[Parts],
+             ok: list[bool]) -> None:
+        objs = [dsts[i] for i in todo]
+        with self._staging.guard(session, objs) as live:
+            if not live:
+                return
+            pins: list[Registration] = []
+            staged: list[tuple[int, int, int]] = []
+            handed = False  # once the call has the pins, it releases them when it finishes (even abandoned)
+            try:
+                layout = self._staging.layout(session, objs, pins, staged)
+                if layout is None:
+                    self._last_error = "memory registration or staging failed"
+                    return
+                ptrs, sizes = layout
+                devices = self._staging.devices(session, objs)
+                want = [sum(s) for s in sizes]
+                handed = True
+                codes = self._run(lambda c: c.get([fkeys[i] for i in todo], ptrs, sizes, devices), sum(want),
+                                  "get", lambda _fut: session.unpin(pins), session)
+            finally:
+                if not handed:
+                    session.unpin(pins)
+            if codes is None:
+                if staged:  # the abandoned call may still write into it: later calls get a fresh buffer
+                    self._staging.abandon(session)
+                return
+            for k, code in enumerate(codes):
+                i = todo[k]
+                if code == want[k]:
+                    ok[i] = True
+                    self._presence.remember(fkeys[i], want[k])
+                else:
+                    self._presence.forget(fkeys[i])
+                    self._counters["misses"] += 1
+            if staged and any(ok):
+                buf = self._staging.buffer
+                for oi, pj, soff in staged:
+                    if ok[todo[oi]]:
+                        p = objs[oi][pj]
+                        host_copy(p, buf[soff:soff + p.numel()])
+            self._check_codes(session.client, codes, "get")
+
+    def _read_local(self, session: Session, todo: list[int], fkeys: list[str], dsts: Sequence[Parts],
+                    ok: list[bool]) -> list[int]:
+        """Serve what lies in this node's own segment by a plain copy; returns the keys left for a get."""
+        host = [i for i in todo if all(p.device.type == "cpu" and p.is_contiguous() for p in dsts[i])]
+        if not host:
+            return todo
+        ptrs = [[p.data_ptr() for p in dsts[i] if p.numel()] for i in host]
+        sizes = [[p.numel() for p in dsts[i] if p.numel()] for i in host]
+        want = [sum(s) for s in sizes]
+        got = self._run(lambda c: c.read_local([fkeys[i] for i in host], ptrs, sizes, LOCAL_LEASE_GUARD_S),
+                        sum(want), "local read", session=session)
+        if got is None:
+            return []  # the pool failed: the tier is unavailable and every key is a miss
+        for i, n, w in zip(host, got, want):
+            if n == w:
+                ok[i] = True
+                self._presence.remember(fkeys[i], w)
+                self._counters["local_reads"] += 1
+        return [i for i in todo if not ok[i]]
+
+    def _contains(self, keys: Sequence[str]) -> list[bool]:
+        self._check_open()
+        fkeys = self._full_keys(keys)
+        out = [False] * len(keys)
+        if not self.available or not keys:
+            return out
+        ask = sorted({fk for fk in fkeys if not self._presence.buried(fk) and not self._presence.known(fk)})
+        # one exists call per lookup; the sentinel in it proves the remembered keys still stand
+        codes = self._run(lambda c: c.exists([self._sentinel, *ask]), 0, "exists")
+        if codes is None:
+            return out
+        if codes[0] != 1:
+            if codes[0] == 0:
+                self._pool_lost()
+            elif codes[0] < 0:
+                self._fail(f"exists: code {codes[0]}")
+                return out
+        answers = dict(zip(ask, codes[1:]))
+        for i, fk in enumerate(fkeys):
+            if self._presence.buried(fk):
+                continue
+            if fk in answers:
+                if answers[fk] == 1:
+                    out[i] = True
+                    self._presence.remember(fk, -1)
+                else:
+                    self._presence.forget(fk)
+            else:
+                out[i] = self._presence.known(fk)
+        return out
+
+    def _delete(self, keys: Sequence[str]) -> None:
+        self._check_open()
+        fkeys = list(dict.fromkeys(self._full_keys(keys)))
+        for fk in fkeys:
+            self._presence.bury(fk)  # until the backend confirms the removal
+        session = self._session
+        if not self.available or session is None:
+            return
+        codes = self._run(lambda c: c.remove(fkeys), 0, "remove", session=session)
+        if codes is None:
+            return
+        for fk, code in zip(fkeys, codes):
+            if session.client.outcome(code) in (Outcome.OK, Outcome.NOT_FOUND):
+                self._presence.unbury(fk)
+
+    def _reap_tombstones(self, session: Session) -> None:
+        """Retry removals the backend refused (objects leased by readers); runs on the probe thread."""
+        if not self._presence.tombstones:
+            return
+        keys = list(self._presence.tombstones)[:1024]
+        codes = self._probe_call(session, lambda c: c.remove(keys))
+        if isinstance(codes, list):
+            for fk, code in zip(keys, codes):
+                if session.client.outcome(code) in (Outcome.OK, Outcome.NOT_FOUND):
+                    self._presence.unbury(fk)
+
+    # -- memory registration for callers with long-lived buffers -------------
+    def register(self, tensor: torch.Tensor) -> bool:
+        """Register a long-lived buffer (an engine's KV pool) so its parts move without per-call setup."""
+        self._check_open()
+        session = self._session
+        if session is None or not session.client.accepts_device(tensor.device.type):
+            return False
+        reg = session.pin(tensor, permanent=True)
+        if reg is None:
+            return False
+        session.unpin([reg])
+        return True
+
+    def unregister(self, tensor: torch.Tensor) -> None:
+        session = self._session
+        if session is not None:
+            session.forget(tensor)
+
+    # -- accounting -----------------------------------------------------------
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of objects this instance stored or read and believes present (an estimate: the pool is shared)."""
+        return self._presence.used_bytes
+
+    def extra_stats(self) -> dict[str, Any]:
+        c = self._counters
+        session = self._session
+        down_for = None
+        if self._unavailable_since is not None:
+            down_for = round(time.monotonic() - self._unavailable_since, 3)
+        return {
+            "backend": self.description,
+            "available": self.available,
+            "unavailable_for_s": down_for,
+            "last_error": self._last_error,
+            "refused": c["refused"],
+            "refused_unavailable": c["refused_unavailable"],
+            "misses_unavailable": c["misses_unavailable"],
+            "full_retries": c["full_retries"],
+            "local_reads": c["local_reads"],
+            "failures": c["failures"],
+            "timeouts": c["timeouts"],
+            "transfer_errors": c["transfer_errors"],
+            "reconnects": c["reconnects"],
+            "pool_lost": c["pool_lost"],
+            "pending_deletes": len(self._presence.tombstones),
+            "abandoned_clients": c["abandoned_clients"],
+            "registered_bytes": session.registered_bytes if session else 0,
+            "external_regions": session.external_regions if session else 0,
+        }
+
+    def close(self) -> None:
+        """Stop serving; the client is closed in the background once no call is in flight.
+
+        Closing a Mooncake client takes about two seconds and holds the interpreter
+        lock meanwhile; the process's exit waits (at most 10 s) for pending closes.
+        """
+        if self._closed:
+            return
+        super().close()
+        self._available = False
+        self._wake.set()
+        session, self._session = self._session, None
+        if session is not None:
+            session.retire()  # the client is closed once no call is in flight, never before
