@@ -202,8 +202,8 @@ class TierKVConnector(KVConnectorBase_V1):
     def _watch(worker: TierKVWorker) -> None:
         watcher = lifecycle.Watcher.get()
         if watcher is not None:
-            worker.on_totals = watcher.watch(f"tp{worker.tp_rank}-{id(worker):x}", worker.lookup_path)
-            worker.on_totals(worker.totals.reduce())
+            worker.report = watcher.watch(f"tp{worker.tp_rank}-{id(worker):x}", worker.lookup_path)
+            worker.report("totals", worker.totals.reduce())
 
     # ---- scheduler side -----------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:

@@ -145,11 +145,7 @@ class Watcher:
             except (OSError, ValueError):
                 pass  # the watcher is gone: nothing more to tell it
 
-    def watch(self, ident: str, socket_path: str | None) -> Callable[[dict | None], None]:
-        """Register a worker; returns the callback it reports its totals to (None: shut down cleanly)."""
+    def watch(self, ident: str, socket_path: str | None) -> Callable[[str, dict | None], None]:
+        """Register a worker; returns its ``report(kind, payload)`` (kinds: totals, logged, clean)."""
         self.send("start", ident, {"socket": socket_path})
-
-        def report(totals: dict | None) -> None:
-            self.send("totals" if totals is not None else "clean", ident, totals)
-
-        return report
+        return lambda kind, payload=None: self.send(kind, ident, payload)

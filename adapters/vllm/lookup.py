@@ -172,6 +172,16 @@ class LookupServer:
             _local.pop(self.path, None)
         listener, self._listener = self._listener, None
         if listener is not None:
+            # a thread blocked in accept() keeps the socket bound: wake it with a connection
+            # it will drop (it sees _closed), then close, so the name is free at once
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.settimeout(1.0)
+                    s.connect(self.path)
+            except OSError:
+                pass
+            if self._thread is not threading.current_thread():
+                self._thread.join(timeout=2.0)
             try:
                 listener.close()  # unlinks a file socket too
             except OSError:

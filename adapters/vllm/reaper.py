@@ -7,11 +7,12 @@ its process group.  It reads JSON lines ``[kind, worker id, payload]``:
 
 * ``start`` (payload ``{"socket": path | None}``): a worker began;
 * ``totals`` (payload: the worker's reduced totals): its latest counters;
+* ``logged``: the worker printed its totals line itself (its shutdown began);
 * ``clean``: that worker shut down its connector itself.
 
 At end of input (the worker process ended, however: the kernel closes the
-pipe) it prints the totals line of every worker that did not shut down
-cleanly, removes any file socket they left, and exits.  It uses the standard
+pipe) it prints the totals line of every worker that neither shut down nor
+printed it, removes any file socket they left, and exits.  It uses the standard
 library only, writes no file and holds nothing else open.
 """
 
@@ -33,9 +34,11 @@ def _main(worker_pid: str) -> None:
         except ValueError:
             continue
         if kind == "start":
-            workers[ident] = {"socket": (payload or {}).get("socket"), "totals": None}
+            workers[ident] = {"socket": (payload or {}).get("socket"), "totals": None, "logged": False}
         elif kind == "totals" and ident in workers:
             workers[ident]["totals"] = payload
+        elif kind == "logged" and ident in workers:
+            workers[ident]["logged"] = True
         elif kind == "clean":
             workers.pop(ident, None)
     for ident, w in workers.items():
@@ -45,6 +48,8 @@ def _main(worker_pid: str) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+        if w["logged"]:
+            continue
         totals = w["totals"] or {}
         sys.stdout.write(f"TierKVConnector totals: {totals} (worker {ident}, pid {worker_pid}, ended before "
                          "its connector shut down)\n")

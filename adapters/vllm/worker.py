@@ -101,8 +101,9 @@ class TierKVWorker:
         self.load_trace: collections.deque = collections.deque(maxlen=64)
         self._closing = threading.Lock()
         self.closed = False
-        #: called with this worker's reduced totals whenever they change, and with None at shutdown
-        self.on_totals: Callable[[dict | None], None] | None = None
+        #: told ("totals", reduced totals) when they change, ("logged", None) once the totals line is
+        #: out and ("clean", None) when the shutdown is complete (see lifecycle.Watcher)
+        self.report: Callable[[str, dict | None], None] | None = None
         self._totals_sent: dict | None = None
         self._server: LookupServer | None = None
         if serve:
@@ -428,18 +429,20 @@ class TierKVWorker:
         with self._lock:
             return self._lock.wait_for(lambda: not self._pending, timeout=timeout)
 
+    def _report(self, kind: str, payload: dict | None = None) -> None:
+        cb = self.report
+        if cb is not None:
+            try:
+                cb(kind, payload)
+            except Exception:  # noqa: BLE001 - bookkeeping only
+                pass
+
     def _publish_totals(self) -> None:
-        cb = self.on_totals
-        if cb is None:
-            return
         with self._lock:
             reduced = self.totals.reduce()
         if reduced != self._totals_sent:
             self._totals_sent = reduced
-            try:
-                cb(reduced)
-            except Exception:  # noqa: BLE001 - bookkeeping only
-                pass
+            self._report("totals", reduced)
 
     def shutdown(self, timeout: float | None = None) -> None:
         """Drain queued saves (up to ``timeout``, default ``shutdown_timeout_s``), log the totals,
@@ -463,6 +466,7 @@ class TierKVWorker:
                 with self._lock:
                     reduced = self.totals.reduce()
                 logger.info("TierKVConnector totals: %s", reduced)
+                self._report("logged")
             finally:
                 if self._server is not None:
                     self._server.close()
@@ -472,9 +476,8 @@ class TierKVWorker:
                     if store is not None:
                         self._release(store)
                 finally:
-                    cb, self.on_totals = self.on_totals, None
-                    if cb is not None:
-                        cb(None)
+                    self._report("clean")
+                    self.report = None
         finally:
             self._closing.release()
 
