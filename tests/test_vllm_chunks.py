@@ -215,7 +215,12 @@ def test_connector_resolve_needs_every_layer_and_at_most_two_store_calls_per_que
         for first, last in got:
             (k,) = c.layer_keys(layers - 1, [hashes[last]], None)
             assert where[k] == "dram"
+    # the scheduler's "locate": each covered block names its tier and the tier's declared locality
+    located = c.answer("locate", hashes, 0, 0, nblocks, None)
+    last_chunks = c.resolve(hashes, 0, 0, nblocks, None, all_layers=False)
+    assert located == [("dram", "host") if any(f <= b <= e for f, e in last_chunks) else None for b in range(nblocks)]
     c.shutdown()
+    assert c.closed and store.closed is False  # release=no-op here: the test owns the store
     store.close()
 
 
