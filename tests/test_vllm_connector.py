@@ -21,8 +21,8 @@ if importlib.util.find_spec("vllm") is None:
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is needed to build the test model", allow_module_level=True)
 
-import mooncake_util  # noqa: E402
-import vllm_util as U  # noqa: E402
+import mooncake_util
+import vllm_util as U
 
 BS = 32
 HOST_STORE = {
@@ -555,7 +555,10 @@ def _lookup_names_bound(engine_id: str) -> list[str]:
     """Lookup sockets of ``engine_id`` still bound (abstract names) or present as files."""
     from tierkv.adapters.vllm.lookup import endpoint
 
-    bound = open("/proc/net/unix").read() if os.path.exists("/proc/net/unix") else ""
+    bound = ""
+    if os.path.exists("/proc/net/unix"):
+        with open("/proc/net/unix") as f:
+            bound = f.read()
     left = []
     for rank in range(4):
         path, _ = endpoint(engine_id, 0, rank)

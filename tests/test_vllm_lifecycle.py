@@ -17,8 +17,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed")
 
-from tierkv import TieredStore  # noqa: E402
-from tierkv.adapters.vllm import lookup  # noqa: E402
+from tierkv.adapters.vllm import lookup
+
+from tierkv import TieredStore
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -26,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _run(script: str, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``script`` in a new interpreter; its output is read to the end (orphans that inherit it too)."""
     return subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, check=False)
 
 
 _WORKER = """
@@ -125,6 +126,11 @@ def test_watcher_reports_a_worker_that_died_before_its_shutdown(tmp_path, ending
     assert sock.exists() == (ending == "clean")
 
 
+def _unix_sockets() -> str:
+    with open("/proc/net/unix") as f:
+        return f.read()
+
+
 def _bind_and_abandon(path: str) -> None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     s.bind(path)
@@ -161,7 +167,7 @@ def test_lookup_socket_leaves_no_file_and_answers_other_processes(tmp_path):
         """, timeout=60)
         assert out.stdout.strip() == "('ok', ['lookup', 1, 2])", out.stderr
         assert not any(n.startswith("tierkv-") and "engine" in n for n in os.listdir(tmp_path))
-        assert "@" + path[1:] in open("/proc/net/unix").read()
+        assert "@" + path[1:] in _unix_sockets()
     finally:
         srv.close()
-    assert "@" + path[1:] not in open("/proc/net/unix").read()  # the name is gone with the server
+    assert "@" + path[1:] not in _unix_sockets()  # the name is gone with the server

@@ -124,7 +124,7 @@ class EngineInfo:
     block_size: int
     layers: tuple[str, ...]
     num_blocks: int
-    shard: "ShardInfo"
+    shard: ShardInfo
     namespaces: dict[int, str]
     tp_rank: int = 0
     tp_size: int = 1

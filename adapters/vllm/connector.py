@@ -22,7 +22,6 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -63,8 +62,15 @@ if TYPE_CHECKING:
 # under "vllm." so that the lines go through vLLM's own log handlers and format
 logger = logging.getLogger("vllm.tierkv.connector")
 
-__all__ = ["TierKVConnector", "TierKVConnectorMetadata", "TierKVConnectorStats", "LoadSpec", "SaveSpec",
-           "live_connectors", "engine_info"]
+__all__ = [
+    "LoadSpec",
+    "SaveSpec",
+    "TierKVConnector",
+    "TierKVConnectorMetadata",
+    "TierKVConnectorStats",
+    "engine_info",
+    "live_connectors",
+]
 
 #: every live connector of this process (the test suite and tools read their records)
 _LIVE: weakref.WeakSet = weakref.WeakSet()

@@ -35,7 +35,8 @@ import subprocess
 import sys
 import threading
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("vllm.tierkv.lifecycle")
 
@@ -59,12 +60,7 @@ def _run_callbacks(signum: int) -> None:
 
 def _handler(signum: int, frame: Any) -> None:
     _run_callbacks(signum)
-    prev = _chained.get(signum)
-    if callable(prev):
-        prev(signum, frame)
-    elif prev == signal.SIG_DFL:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+    _chained[signum](signum, frame)  # the engine's own handler (only callables are chained)
 
 
 def on_engine_signal(fn: Callable[[], None]) -> bool:
@@ -92,11 +88,6 @@ def on_engine_signal(fn: Callable[[], None]) -> bool:
         return True
 
 
-def forget_signal(fn: Callable[[], None]) -> None:
-    with _lock:
-        _on_signal[:] = [r for r in _on_signal if r() is not None and r() != fn]
-
-
 def on_exit(owner: object, fn: Callable[[], None]) -> weakref.finalize:
     """Run ``fn`` when ``owner`` is collected or the interpreter exits, whichever comes first."""
     return weakref.finalize(owner, fn)
@@ -112,7 +103,7 @@ class Watcher:
     _instance_pid = 0
 
     def __init__(self) -> None:
-        import tierkv.adapters.vllm.reaper as reaper
+        from tierkv.adapters.vllm import reaper
 
         self._lock = threading.Lock()
         proc = subprocess.Popen(

@@ -33,8 +33,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from multiprocessing.connection import Client, Listener
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("tierkv.adapters.vllm")
 

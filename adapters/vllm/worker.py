@@ -34,8 +34,9 @@ import collections
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ from tierkv import keys_from_block_hashes
 
 from .chunks import Chunk, covered, resolve
 from .config import ConnectorOptions, EngineInfo, block_hash_bytes, layer_namespace
-from .loading import LoadJob, Loader
+from .loading import Loader, LoadJob
 from .lookup import LookupServer, endpoint, sweep_stale_sockets
 from .metadata import SaveSpec, TierKVConnectorMetadata
 from .paged import PagedLayer
