@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=128, help="vLLM block size (128 is vLLM's CPU default)")
     ap.add_argument("--backends", default="none,dram,ssd,dram_pool,example",
                     help="comma-separated; NAME/whole or NAME/layer forces that load mode for one back end, "
-                         "NAME/token sets full_hit_recompute=token (modes join with +, e.g. ssd/layer+token)")
+                         "NAME/token sets full_hit_recompute=token, NAME/nowait save_wait=false "
+                         "(modes join with +, e.g. ssd/layer+token)")
     ap.add_argument("--layerwise", default="auto", choices=["auto", "true", "false"],
                     help="TierKVConnector's layerwise loading (auto: the connector's default, whole-step on CPU)")
     ap.add_argument("--chunk-tokens", type=int, default=None,
@@ -127,8 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                     conn_extra["layerwise"] = mode == "layer"
                 elif mode in ("token", "block"):
                     conn_extra["full_hit_recompute"] = mode
+                elif mode == "nowait":  # saves run on past the step instead of ending with it
+                    conn_extra["save_wait"] = False
                 else:
-                    raise SystemExit(f"unknown mode {mode!r} in {name!r} (whole, layer, token or block)")
+                    raise SystemExit(f"unknown mode {mode!r} in {name!r} (whole, layer, token, block or nowait)")
             if backend == "none":
                 kv = None
             elif backend == "dram":

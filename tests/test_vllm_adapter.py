@@ -11,11 +11,13 @@ import torch
 from tierkv import TieredStore, keys_from_block_hashes
 from tierkv.adapters.vllm.config import (
     DEFAULT_STORE_CONFIG,
+    ConnectorOptions,
     acquire_store,
     base_namespace,
     block_hash_bytes,
     kv_shard,
     layer_namespace,
+    parse_options,
     release_store,
     shard_from_replicas,
     store_config_from_extra,
@@ -76,8 +78,11 @@ def test_strided_layer_view_is_staged_not_lost():
     assert torch.all(base[1, 1] == 7.0) and base[1, 0].abs().sum() == 0 and base[0].abs().sum() == 0
 
 
-def test_find_block_dim_rejects_unrelated_shapes():
-    with pytest.raises(ValueError):
+def test_find_block_dim():
+    assert find_block_dim((6, 2, 32, 32), 6) == (0, 1)  # CPU layout: blocks outermost
+    assert find_block_dim((2, 6, 32, 2, 16), 6) == (1, 1)  # K/V first: past the leading 2
+    assert find_block_dim((2, 12, 16, 2, 8), 6, 32) == (1, 2)  # 2 kernel blocks per engine block
+    with pytest.raises(ValueError, match="num_blocks=4"):
         find_block_dim((7, 3, 5), 4)
 
 
@@ -142,9 +147,44 @@ def test_store_config_from_extra(tmp_path):
         store_config_from_extra({"tierkv": "{not json"})
 
 
-def test_default_store_config_builds():
-    s = TieredStore.from_config(DEFAULT_STORE_CONFIG)
-    s.close()
+def test_default_store_config_builds_and_stores():
+    with TieredStore.from_config(DEFAULT_STORE_CONFIG) as s:
+        info = s.tier_info()
+        assert [(t["medium"], t["capacity_bytes"]) for t in info] == [("hbm", 256 << 20), ("dram", 2 << 30)]
+        x = torch.arange(64, dtype=torch.float32)
+        assert s.put(["k"], [x]) == [True]
+        out = torch.zeros_like(x)
+        assert s.get(["k"], [out]) == [True] and torch.equal(out, x)
+
+
+def test_connector_options_are_checked_by_type():
+    opts = parse_options({"load": False, "chunk_tokens": 64, "layerwise": True, "save_wait": False,
+                          "full_hit_recompute": "token", "model_id": "m", "shutdown_timeout_s": 2})
+    assert (opts.load, opts.save, opts.chunk_tokens, opts.layerwise, opts.save_wait) == (False, True, 64, True, False)
+    assert (opts.full_hit_recompute, opts.model_id, opts.shutdown_timeout_s) == ("token", "m", 2.0)
+    assert parse_options({}) == ConnectorOptions()
+    assert parse_options({"layerwise": "auto"}).layerwise is None
+    assert parse_options(None).store_config is DEFAULT_STORE_CONFIG
+    inline = {"tiers": [{"medium": "dram", "capacity": "1MiB"}]}
+    assert parse_options({"tierkv": inline}).store_config == inline
+
+
+@pytest.mark.parametrize("extra,name", [
+    ({"load": "false"}, "'load'"),  # a string is never a bool
+    ({"save": 0}, "'save'"),
+    ({"save_wait": "no"}, "'save_wait'"),
+    ({"chunk_tokens": 0}, "'chunk_tokens'"),
+    ({"chunk_tokens": "256"}, "'chunk_tokens'"),
+    ({"layerwise": "yes"}, "'layerwise'"),
+    ({"full_hit_recompute": "half"}, "'full_hit_recompute'"),
+    ({"load_failure_policy": "fail"}, "'load_failure_policy'"),
+    ({"shutdown_timeout_s": -1}, "'shutdown_timeout_s'"),
+    ({"model_id": 3}, "'model_id'"),
+    ({"chunk_token": 256}, "chunk_token"),  # a typo is named, never ignored
+])
+def test_bad_connector_options_are_named(extra, name):
+    with pytest.raises(ConfigError, match=name):
+        parse_options(extra)
 
 
 def test_one_store_per_process_and_config():

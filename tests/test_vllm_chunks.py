@@ -146,19 +146,21 @@ def test_plan_saves_covers_each_block_once_per_object_kind(G, prompt_blocks, dat
     assert set(range(G * (start // G), first_end_at_prefill)) - set(range(start)) <= cover
 
 
-def _bare_connector(store, layers: int, G: int):
-    """A worker-side TierKVConnector reduced to what ``_resolve`` reads (no engine)."""
-    from types import SimpleNamespace
+def _info(layers: int, G: int, bs: int = 16):
+    from tierkv.adapters.vllm.config import EngineInfo, kv_shard
 
-    from tierkv.adapters.vllm.connector import TierKVConnector
+    return EngineInfo(block_size=bs, layers=tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers)),
+                      num_blocks=64, shard=kv_shard(0, 1, 2), namespaces={0: "test-ns"})
 
-    c = TierKVConnector.__new__(TierKVConnector)
-    c._store = store
-    c._layers = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-    c._shard = SimpleNamespace(shard=0)
-    c._base_ns = {0: "test-ns"}
-    c._G = G
-    return c
+
+def _worker(store, layers: int, G: int):
+    """A worker side over ``store`` with ``layers`` layers and chunks of ``G`` blocks (no engine, no socket)."""
+    from tierkv.adapters.vllm.config import ConnectorOptions
+    from tierkv.adapters.vllm.worker import TierKVWorker
+
+    bs = 16
+    return TierKVWorker(ConnectorOptions(chunk_tokens=G * bs), _info(layers, G, bs), store,
+                        release=lambda s: None, serve=False)
 
 
 class _CountingStore:
@@ -188,7 +190,7 @@ def test_connector_resolve_needs_every_layer_and_at_most_two_store_calls_per_que
 
     store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "64MiB"}]})
     counting = _CountingStore(store)
-    c = _bare_connector(counting, layers, G)
+    c = _worker(counting, layers, G)
     hashes = [bytes([i]) * 8 for i in range(nblocks)]
     # full chunks (and tails from each chunk start) that some subset of layers holds
     candidates = [(f, last) for f in range(0, nblocks, G) for last in range(f, min(f + G, nblocks))]
@@ -198,41 +200,42 @@ def test_connector_resolve_needs_every_layer_and_at_most_two_store_calls_per_que
     one = torch.zeros(1, dtype=torch.uint8)
     for (first, last), held in stored.items():
         for layer in held:
-            k = c._layer_keys(0, layer, [hashes[last]], None)
+            k = c.layer_keys(layer, [hashes[last]], None)
             store.put(k, [one])
     complete = {ch for ch, held in stored.items() if len(held) == layers}
     last_layer = {ch for ch, held in stored.items() if layers - 1 in held}
     for all_layers, ok in ((True, complete), (False, last_layer)):
         counting.calls = 0
         where: dict = {}
-        got = c._resolve(hashes, 0, 0, nblocks, None, all_layers=all_layers, where=where)
+        got = c.resolve(hashes, 0, 0, nblocks, None, all_layers=all_layers, where=where)
         # the same chunks as the reference resolver over what is stored that way
         fp, tp, calls = _resolver(ok, G)
         assert got == resolve(0, nblocks, nblocks, G, fp, tp)
         assert counting.calls <= 2 * len(calls)
         for first, last in got:
-            (k,) = c._layer_keys(0, layers - 1, [hashes[last]], None)
+            (k,) = c.layer_keys(layers - 1, [hashes[last]], None)
             assert where[k] == "dram"
+    # the scheduler's "locate": each covered block names its tier and the tier's declared locality
+    located = c.answer("locate", hashes, 0, 0, nblocks, None)
+    last_chunks = c.resolve(hashes, 0, 0, nblocks, None, all_layers=False)
+    assert located == [("dram", "host") if any(f <= b <= e for f, e in last_chunks) else None for b in range(nblocks)]
+    c.shutdown()
+    assert c.closed and store.closed is False  # release=no-op here: the test owns the store
     store.close()
 
 
-def _bare_scheduler(bs: int, token_mode: bool, reach_of):
-    """A scheduler-side TierKVConnector reduced to what the hit arithmetic reads (no engine, no store)."""
-    from types import SimpleNamespace
+def _scheduler(bs: int, token_mode: bool, reach_of: int):
+    """A scheduler side whose workers report blocks ``0..reach_of-1`` stored, in a "dram" tier (no engine)."""
+    from tierkv.adapters.vllm.config import ConnectorOptions
+    from tierkv.adapters.vllm.scheduler import TierKVScheduler
 
-    from tierkv.adapters.vllm.connector import TierKVConnector
+    def ask(rank, op, hashes, base, lo, hi, salt):
+        if op == "lookup":
+            return max(0, min(hi, reach_of) - lo)
+        return [("dram", "host")] * (hi - lo)
 
-    c = TierKVConnector.__new__(TierKVConnector)
-    c._enabled = c._load_enabled = True
-    c._block_size, c._G, c._full_hit_token = bs, 1, token_mode
-    c._lookup_down_until = 0.0
-    c._lookups, c._reqs = {}, {}
-    c._sched_totals = {"lookups": 0, "hit_tokens": 0, "hit_tokens_by_tier": {}}
-    c._shard = SimpleNamespace(num_shards=1, replicas=1, shard=0)
-    c._leading_hits = lambda request, lo, hi: max(0, min(hi, reach_of) - lo)
-    c._client = lambda rank: SimpleNamespace(
-        call=lambda op, hashes, base, lo, hi, salt: [("dram", "dram")] * (hi - lo))
-    return c
+    opts = ConnectorOptions(chunk_tokens=bs, full_hit_recompute="token" if token_mode else "block")
+    return TierKVScheduler(opts, _info(1, 1, bs), ask=ask)
 
 
 @settings(max_examples=200, deadline=None)
@@ -243,10 +246,12 @@ def test_hit_arithmetic_leaves_a_token_and_loads_whole_blocks(bs, n, token_mode,
     load covers the hit's blocks (the last one perhaps for all but a token) and the stats add up."""
     from types import SimpleNamespace
 
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
     full = n // bs
     local = data.draw(st.integers(0, (n - 1) // bs), label="blocks vLLM holds")
     stored_to = data.draw(st.integers(local, full), label="blocks stored from the start")
-    c = _bare_scheduler(bs, token_mode, stored_to)
+    c = _scheduler(bs, token_mode, stored_to)
     req = SimpleNamespace(request_id="r", num_tokens=n, block_hashes=[bytes([i % 256]) * 4 for i in range(full)],
                           cache_salt=None)
     ext, is_async = c.get_num_new_matched_tokens(req, local * bs)
@@ -259,7 +264,7 @@ def test_hit_arithmetic_leaves_a_token_and_loads_whole_blocks(bs, n, token_mode,
         assert ext == min(blocks_hit, (n - 1) // bs - local) * bs
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(100, 100 + full + 1)),))
     c.update_state_after_alloc(req, blocks, ext)
-    st_ = c._reqs["r"]
+    st_ = c.requests["r"]
     nload = -(-ext // bs)
     if ext:
         assert st_.pending_load == (local, local + nload) and local + nload <= stored_to
@@ -267,5 +272,7 @@ def test_hit_arithmetic_leaves_a_token_and_loads_whole_blocks(bs, n, token_mode,
         assert st_.pending_load is None
     # blocks complete once the hit is in; the partly loaded last block is not one of them
     assert st_.expect_done == (local * bs + ext) // bs
-    assert c._sched_totals["hit_tokens"] == ext == sum(c._sched_totals["hit_tokens_by_tier"].values())
+    assert c.totals["hit_tokens"] == ext == sum(c.totals["hit_tokens_by_tier"].values())
     assert sum(st_.hit_sources.values()) == ext
+    # the hit's source comes from the tier's declared locality ("host" here)
+    assert set(st_.hit_sources) <= {CacheHitSource.HOST}

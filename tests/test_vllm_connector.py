@@ -21,7 +21,8 @@ if importlib.util.find_spec("vllm") is None:
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is needed to build the test model", allow_module_level=True)
 
-import vllm_util as U  # noqa: E402
+import mooncake_util
+import vllm_util as U
 
 BS = 32
 HOST_STORE = {
@@ -439,12 +440,7 @@ def _second_engine_while_first_is_up(first: dict, second: dict, workdir, tmp_pat
 
 
 def test_cross_instance_dram_pool(model, workdir, baseline, tmp_path):
-    mooncake_util = pytest.importorskip("mooncake_util")
-    if importlib.util.find_spec("tierkv.tiers.dram_pool") is None:
-        pytest.skip("tierkv.tiers.dram_pool is not available")
-    reason = mooncake_util.missing_reason()
-    if reason:
-        pytest.skip(reason)
+    mooncake_util.require_mooncake()  # the dram_pool tier needs the Mooncake client and master
     prompts = _prompts()
     with mooncake_util.MooncakeMaster() as master:
         for k, v in mooncake_util.client_env().items():
@@ -509,10 +505,7 @@ def test_tensor_parallel_ranks_store_their_own_kv_head_shards(model, workdir):
 def test_tensor_parallel_replicas_share_keys_and_split_writes(workdir, tmp_path):
     """Tensor parallelism 2 over 1 KV head (both ranks hold identical KV): one key per chunk, the writes
     split between the ranks in a shared pool, and an engine without tensor parallelism hits all of it."""
-    mooncake_util = pytest.importorskip("mooncake_util")
-    reason = mooncake_util.missing_reason()
-    if reason:
-        pytest.skip(reason)
+    mooncake_util.require_mooncake()
     model1 = U.make_tiny_model(workdir / "model-kv1", layers=4, heads=2, kv_heads=1)
     prompts = [_prompts()[0], _prompts()[3]]  # no shared blocks: each block is written exactly once
     with mooncake_util.MooncakeMaster() as master:
@@ -547,3 +540,103 @@ def test_tensor_parallel_replicas_share_keys_and_split_writes(workdir, tmp_path)
     assert w2["shard"] == [0, 1, 0, 1]
     assert set(w2["totals"]["hit_tokens"]) == {"dram_pool"} and w2["totals"]["load_errors"] == 0
     assert w2["totals"]["load_tokens"] == ranks[0]["totals"]["load_tokens"]
+
+
+# ------------------------------------------------------------------ the OpenAI server, stopped
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _lookup_names_bound(engine_id: str) -> list[str]:
+    """Lookup sockets of ``engine_id`` still bound (abstract names) or present as files."""
+    from tierkv.adapters.vllm.lookup import endpoint
+
+    bound = ""
+    if os.path.exists("/proc/net/unix"):
+        with open("/proc/net/unix") as f:
+            bound = f.read()
+    left = []
+    for rank in range(4):
+        path, _ = endpoint(engine_id, 0, rank)
+        if path.startswith("\0"):
+            if "@" + path[1:] in bound:
+                left.append(path)
+        elif os.path.exists(path):
+            left.append(path)
+        file_path, _ = endpoint(engine_id, 0, rank, abstract=False)
+        if os.path.exists(file_path):
+            left.append(file_path)
+    return left
+
+
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_openai_server_stopped_by_signal_keeps_saves_and_leaves_nothing(model, workdir, tmp_path, signame):
+    """vLLM's OpenAI server, stopped the default way (a signal, --shutdown-timeout 0: the engine's
+    processes are killed at once): the saves of answered requests are in the SSD tier (a new store
+    over it holds them), the totals line is printed, and no lookup socket or watcher is left."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+    import uuid
+
+    ssd = tmp_path / "ssd"
+    engine_id = f"test-{uuid.uuid4()}"
+    kv = U.connector_config(_ssd_store(ssd))
+    kv["engine_id"] = engine_id
+    port = _free_port()
+    env = {**U.engine_env(workdir / "cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+           "VLLM_LOGGING_LEVEL": "INFO"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
+           "--enforce-eager", "--block-size", str(BS), "--kv-cache-memory-bytes", str(64 << 20), "--dtype", "float32",
+           "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
+           "--kv-transfer-config", json.dumps(kv)]
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        # stdout is a pipe too: it reaches EOF only once every process holding it (the watcher too) is gone
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
+    lines: list[str] = []
+    import threading
+
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, "".join(lines)[-4000:] + log.read_text()[-4000:]
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up"
+                time.sleep(1)
+        prompts = [p for p in _prompts() if len(p) >= BS]
+        for p in prompts:
+            body = json.dumps({"model": model, "prompt": p, "max_tokens": 4, "temperature": 0}).encode()
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            assert json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"]
+        proc.send_signal(getattr(signal, signame))  # the server alone, as `kill` or a supervisor does
+        proc.wait(timeout=120)
+        reader.join(timeout=60)
+        assert not reader.is_alive(), "something still holds the server's output open (a watcher left behind?)"
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = "".join(lines) + log.read_text()
+    totals = [x for x in text.splitlines() if "TierKVConnector totals:" in x]
+    assert len(totals) == 1, text[-6000:]
+    assert "'saved_blocks': 0," not in totals[0] and "'save_errors': 0" in totals[0]
+    assert _lookup_names_bound(engine_id) == []
+    # durable: every answered prompt's stored prefix is in the SSD tier (an object per chunk and layer)
+    from tierkv import TieredStore
+
+    expected = _expected_objects(prompts, 256 // BS) * 4
+    with TieredStore.from_config(_ssd_store(ssd)) as s:
+        assert s.stats()["ssd"]["entries"] == expected

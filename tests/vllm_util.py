@@ -204,37 +204,35 @@ def _rank_records(_worker: Any = None, drain_timeout: float = 0.0) -> list:
 
     ``collective_rpc`` calls it in each worker process with that process's vLLM worker first.
     """
-    workers, _ = _connectors()
+    workers = [c.worker for c in _connectors()[0]]
     if drain_timeout:
         for w in workers:
             w.wait_for_all_saves(drain_timeout)
     return _jsonable([
         {
-            "tp_rank": w._tp_rank,
-            "shard": [w._shard.shard, w._shard.num_shards, w._shard.replica, w._shard.replicas],
+            "tp_rank": w.tp_rank,
+            "shard": [w.shard.shard, w.shard.num_shards, w.shard.replica, w.shard.replicas],
             "totals": w.totals.data,
-            "layerwise": w._layerwise,
+            "layerwise": w.layerwise,
             "requests": dict(w.request_records),
             "load_trace": list(w.load_trace),
-            "store": w._store.stats() if w._store is not None else None,
+            "store": w.store.stats() if w.store is not None else None,
         }
         for w in workers
     ])
 
 
 def _connectors():
+    """This process's connectors with a worker side, and those with a scheduler side."""
     from tierkv.adapters.vllm import live_connectors
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
-    workers = [c for c in live_connectors() if c.role == KVConnectorRole.WORKER]
-    scheds = [c for c in live_connectors() if c.role == KVConnectorRole.SCHEDULER]
+    workers = [c for c in live_connectors() if c.worker is not None]
+    scheds = [c for c in live_connectors() if c.scheduler is not None]
     return workers, scheds
 
 
 def _drain(llm, timeout: float = 60.0) -> None:
     """Step the engine until delayed block frees are done and the prefix cache can be reset."""
-    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole  # noqa: F401
-
     workers, _ = _connectors()
     for w in workers:
         w.wait_for_all_saves(timeout)
@@ -254,14 +252,14 @@ def _drain(llm, timeout: float = 60.0) -> None:
 class _LayerGate:
     """Store proxy: layer l+1's get may not finish before layer l's wait_for_layer_load returned.
 
-    A connector that loads layer by layer passes straight through; one that waits
+    ``worker`` is a TierKVWorker.  A connector that loads layer by layer passes straight through; one that waits
     for all layers before letting layer 0 compute would stall here (and is
     recorded as such after ``timeout``).
     """
 
-    def __init__(self, store, connector, timeout: float = 20.0):
+    def __init__(self, store, worker, timeout: float = 20.0):
         self._store = store
-        self._conn = connector
+        self._worker = worker
         self._timeout = timeout
         self._job = None
         self._n = 0
@@ -272,7 +270,7 @@ class _LayerGate:
         return getattr(self._store, name)
 
     def get(self, keys, outs):
-        job = self._conn._load_job
+        job = self._worker.load_job
         if job is not self._job:
             self._job, self._n = job, 0
         layer = self._n
@@ -352,8 +350,9 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         res["corrupted"] = _corrupt_files(step["path"], step.get("limit"))
     elif op == "gate_layers":
         workers, _ = _connectors()
-        state["gate"] = _LayerGate(workers[0]._store, workers[0])
-        workers[0]._store = state["gate"]
+        w = workers[0].worker
+        state["gate"] = _LayerGate(w.store, w)
+        w.store = state["gate"]
     elif op == "signal":
         Path(step["path"]).write_text("1")
     elif op == "wait_file":
@@ -372,7 +371,7 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
             res["workers"] = [r for rank in llm.collective_rpc(_rank_records) for r in rank]
         else:
             res["workers"] = _rank_records()
-        res["scheduler"] = _jsonable([dict(s._sched_totals) for s in scheds])
+        res["scheduler"] = _jsonable([dict(s.scheduler.totals) for s in scheds])
     else:
         raise ValueError(f"unknown op {op!r}")
     return res

@@ -8,7 +8,8 @@ Use it from vLLM with::
                            "kv_connector_extra_config": {"tierkv": {...store config...}}}'
 
 The connector class is imported on first use, so the engine-free helpers in
-``tierkv.adapters.vllm.config`` and ``.paged`` work without vLLM installed.
+``tierkv.adapters.vllm.config``, ``.chunks`` and ``.paged`` work without vLLM
+installed.  See ``docs/vllm.md`` for the options and the shutdown behaviour.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ from typing import Any
 
 _LAZY = {
     "TierKVConnector": "connector",
-    "TierKVConnectorMetadata": "connector",
-    "TierKVConnectorStats": "connector",
-    "LoadSpec": "connector",
-    "SaveSpec": "connector",
     "live_connectors": "connector",
+    "TierKVScheduler": "scheduler",
+    "TierKVWorker": "worker",
+    "TierKVConnectorMetadata": "metadata",
+    "LoadSpec": "metadata",
+    "SaveSpec": "metadata",
+    "TierKVConnectorStats": "stats",
+    "ConnectorOptions": "config",
+    "EngineInfo": "config",
+    "parse_options": "config",
 }
 
 __all__ = sorted(_LAZY)

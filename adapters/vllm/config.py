@@ -1,6 +1,9 @@
-"""Engine-independent pieces of the vLLM connector: store config, namespaces, shards.
+"""Engine-independent pieces of the vLLM connector: options, store config, namespaces, shards.
 
 Nothing here imports vLLM, so these rules can be checked on their own.
+:func:`parse_options` is the one place that reads ``kv_connector_extra_config``:
+every option is checked by type (``tierkv.options``; the string ``"false"`` is
+never true) and an option it does not know is an error that names it.
 """
 
 from __future__ import annotations
@@ -9,10 +12,11 @@ import atexit
 import json
 import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.errors import ConfigError
+from tierkv.options import pop_bool, pop_choice, pop_float, pop_int, pop_str, short
 
 #: Used when the connector config names no store: a small host tier over DRAM.
 DEFAULT_STORE_CONFIG: dict[str, Any] = {
@@ -49,6 +53,87 @@ def store_config_from_extra(extra: dict[str, Any] | None) -> dict[str, Any] | st
             raise ConfigError(f"tierkv_config_file {path!r} does not exist")
         return path
     return DEFAULT_STORE_CONFIG
+
+
+# -- connector options ------------------------------------------------------------
+_WHAT = "kv_connector_extra_config"
+
+#: every option ``kv_connector_extra_config`` may hold (see :class:`ConnectorOptions`)
+OPTION_NAMES = (
+    "tierkv", "tierkv_config_file", "model_id", "load", "save", "chunk_tokens", "layerwise",
+    "full_hit_recompute", "load_failure_policy", "save_wait", "shutdown_timeout_s",
+)
+
+
+@dataclass(frozen=True)
+class ConnectorOptions:
+    """The connector's options, checked (see ``docs/vllm.md``).
+
+    ``layerwise`` is None for ``"auto"``: settled once the KV cache's device is known.
+    """
+
+    store_config: dict[str, Any] | str = field(default_factory=lambda: DEFAULT_STORE_CONFIG)
+    model_id: str | None = None
+    load: bool = True
+    save: bool = True
+    chunk_tokens: int = 256
+    layerwise: bool | None = None
+    full_hit_recompute: str = "block"
+    load_failure_policy: str = "recompute"
+    #: wait_for_save returns once the step's saves are in the store (vLLM's contract)
+    save_wait: bool = True
+    #: how long a shutdown waits for saves still queued before abandoning them
+    shutdown_timeout_s: float = 30.0
+
+
+def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
+    """Check ``kv_connector_extra_config``; a ``ConfigError`` names the first bad or unknown option."""
+    if extra is not None and not isinstance(extra, dict):
+        raise ConfigError(f"{_WHAT} must be a mapping, got {type(extra).__name__}")
+    opts = dict(extra or {})
+    store = store_config_from_extra({k: opts.pop(k) for k in ("tierkv", "tierkv_config_file") if k in opts})
+    model_id = pop_str(opts, "model_id", None, _WHAT)
+    load = pop_bool(opts, "load", True, _WHAT)
+    save = pop_bool(opts, "save", True, _WHAT)
+    chunk_tokens = pop_int(opts, "chunk_tokens", 256, _WHAT, min_value=1)
+    lw = opts.pop("layerwise", "auto")
+    if lw == "auto":
+        layerwise = None
+    elif isinstance(lw, bool):
+        layerwise = lw
+    else:
+        raise ConfigError(f"{_WHAT} option 'layerwise': expected true, false or \"auto\", got {short(lw)}")
+    full_hit = pop_choice(opts, "full_hit_recompute", "block", _WHAT, ("block", "token"))
+    policy = pop_choice(opts, "load_failure_policy", "recompute", _WHAT, ("recompute", "keep"))
+    save_wait = pop_bool(opts, "save_wait", True, _WHAT)
+    shutdown_timeout = pop_float(opts, "shutdown_timeout_s", 30.0, _WHAT, min_value=0.0)
+    if opts:
+        raise ConfigError(f"{_WHAT}: unknown option(s) {sorted(opts)}; known: {sorted(OPTION_NAMES)}")
+    return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, save_wait,
+                            shutdown_timeout)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What the connector takes from the engine: block geometry, layers, ranks, key namespaces.
+
+    Built from vLLM's config by the connector facade; tests build it directly.
+    ``namespaces[s]`` is the base namespace of KV-head shard ``s`` (see :func:`base_namespace`).
+    """
+
+    block_size: int
+    layers: tuple[str, ...]
+    num_blocks: int
+    shard: ShardInfo
+    namespaces: dict[int, str]
+    tp_rank: int = 0
+    tp_size: int = 1
+    engine_id: str = "engine"
+    dp_rank: int = 0
+
+    @property
+    def layer_index(self) -> dict[str, int]:
+        return {name: i for i, name in enumerate(self.layers)}
 
 
 # -- one store per process and config ------------------------------------------------

@@ -1,0 +1,241 @@
+"""The worker's load path: fill planned blocks from the store, every layer at once or layer by layer.
+
+A :class:`LoadJob` is one step's loads.  ``Loader.start`` plans the stored chunks
+that cover each request's blocks (a block none covers fails at once) and reads
+them, in the engine's thread (whole step) or on one background thread (layer by
+layer: ``wait(layer)`` returns as soon as that layer is in place).  A block that
+fails to load is recorded in the job; the worker reports it to vLLM, which
+recomputes it.  The loader owns its thread and its discard buffers; the engine
+owns the KV cache it writes into.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .metadata import LoadSpec
+from .paged import PagedLayer
+
+logger = logging.getLogger("vllm.tierkv.loading")
+
+
+@dataclass
+class LoadObj:
+    """One stored chunk to read: ``targets[i]`` receives block ``first+i`` (None: read and dropped)."""
+
+    req_id: str
+    salt: str | None
+    key_hash: bytes
+    first: int
+    targets: list[int | None]
+
+    @property
+    def num_targets(self) -> int:
+        return sum(1 for b in self.targets if b is not None)
+
+
+@dataclass
+class LoadJob:
+    """One step's loads: per-layer events and timestamps, and what was read or failed."""
+
+    submit_t: float
+    num_layers: int
+    events: list[threading.Event]
+    begin: list[float]
+    end: list[float]
+    wait_return: list[float]
+    failed_blocks: set[int] = field(default_factory=set)
+    failed_reqs: set[str] = field(default_factory=set)
+    future: Future | None = None
+    nbytes: int = 0
+    nblocks: int = 0
+    ntokens: int = 0
+    hit_tokens: dict[str, int] = field(default_factory=dict)
+    per_req: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def new(cls, num_layers: int) -> LoadJob:
+        return cls(time.perf_counter(), num_layers, [threading.Event() for _ in range(num_layers)],
+                   [0.0] * num_layers, [0.0] * num_layers, [0.0] * num_layers)
+
+    def count_hits(self, rid: str, tier: str, tokens: int) -> None:
+        self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + tokens
+        hits = self.per_req[rid]["hit_tokens"]
+        hits[tier] = hits.get(tier, 0) + tokens
+
+    def trace(self) -> dict[str, Any]:
+        return {"submit": self.submit_t, "begin": list(self.begin), "end": list(self.end),
+                "wait_return": list(self.wait_return), "blocks": self.nblocks,
+                "failed_blocks": sorted(self.failed_blocks)}
+
+
+class Loader:
+    """Runs load jobs for one worker.
+
+    ``resolve(hashes, base, lo, hi, salt, where)`` names the stored chunks (the
+    worker's, last layer only); ``keys_for(layer, items)`` the keys of (hash, salt)
+    items; ``store()`` the store to read (looked up on each job, so a test may wrap it).
+    """
+
+    def __init__(self, *, layers: list[str], paged: dict[str, PagedLayer], block_size: int,
+                 store: Callable[[], Any], resolve: Callable[..., list], keys_for: Callable[..., list[str]],
+                 tp_rank: int = 0, tp_size: int = 1) -> None:
+        self._layers = layers
+        self._paged = paged
+        self._bs = block_size
+        self._store = store
+        self._resolve = resolve
+        self._keys_for = keys_for
+        self._tp_rank, self._tp_size = tp_rank, tp_size
+        self._discard: dict = {}  # buffers for bytes read and dropped (one job at a time uses them)
+        self._pool: ThreadPoolExecutor | None = None
+        self.layerwise = False
+
+    def start(self, specs: list[LoadSpec]) -> LoadJob:
+        job = LoadJob.new(len(self._layers))
+        if self.layerwise:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-load")
+            job.future = self._pool.submit(self._run, job, specs)
+        else:
+            self._run(job, specs)
+        return job
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+
+    # ---- planning -------------------------------------------------------------------
+    def plan(self, job: LoadJob, specs: list[LoadSpec], where: dict[str, str | None] | None = None) -> list[LoadObj]:
+        """The stored chunks that fill the specs' blocks; blocks none covers fail at once.
+
+        ``where`` is filled with the tier of each last-layer key looked at.
+        """
+        objs: list[LoadObj] = []
+        for spec in specs:
+            lo, hi = spec.start, spec.start + len(spec.block_ids)
+            job.per_req.setdefault(spec.req_id, {"tokens": 0, "bytes": 0, "hit_tokens": {}})["tokens"] += \
+                (hi - lo) * self._bs
+            job.nblocks += hi - lo
+            try:
+                chunks = self._resolve(spec.block_hashes, spec.hash_base, lo, hi, spec.cache_salt, where)
+            except Exception as e:  # noqa: BLE001 - a broken backend is a miss
+                logger.warning("TierKVConnector: lookup failed for %s: %s", spec.req_id, e)
+                chunks = []
+            reach = lo
+            for first, last in chunks:
+                targets = [spec.block_ids[b - lo] if lo <= b < hi else None for b in range(first, last + 1)]
+                objs.append(LoadObj(spec.req_id, spec.cache_salt, spec.block_hashes[last - spec.hash_base],
+                                    first, targets))
+                reach = last + 1
+            lost = spec.block_ids[max(0, reach - lo):]
+            if lost:  # evicted since the scheduler looked: recomputed
+                job.failed_blocks.update(lost)
+                job.failed_reqs.add(spec.req_id)
+                job.count_hits(spec.req_id, "miss", len(lost) * self._bs)
+        # stagger: each tensor-parallel rank starts at a different offset
+        off = (self._tp_rank * len(objs)) // max(1, self._tp_size)
+        return objs[off:] + objs[:off]
+
+    # ---- reading --------------------------------------------------------------------
+    def _run(self, job: LoadJob, specs: list[LoadSpec]) -> None:
+        # the engine runs its forward in inference mode, where views of the cache are made;
+        # in-place writes through such views are allowed only in inference mode (per thread)
+        with torch.inference_mode():
+            try:
+                self._run_inner(job, specs)
+            finally:
+                for ev in job.events:  # never leave a waiter hanging
+                    ev.set()
+                job.ntokens = job.nblocks * self._bs
+
+    def _run_inner(self, job: LoadJob, specs: list[LoadSpec]) -> None:
+        found: dict[str, str | None] = {}
+        objs = self.plan(job, specs, found)
+        items = [(o.key_hash, o.salt) for o in objs]
+        # which tier serves each chunk (for stats; the load itself does not depend on it),
+        # as the plan's own store calls found it
+        where = [found.get(k) for k in self._keys_for(job.num_layers - 1, items)] if objs else []
+        for o, tier in zip(objs, where):
+            job.count_hits(o.req_id, tier or "miss", o.num_targets * self._bs)
+        if not self.layerwise:
+            t = time.perf_counter()
+            try:
+                if objs:
+                    self._load_all_layers(job, objs, items)
+            finally:
+                for layer in range(job.num_layers):
+                    job.begin[layer], job.end[layer] = t, time.perf_counter()
+                    job.events[layer].set()
+            return
+        for layer in range(job.num_layers):
+            job.begin[layer] = time.perf_counter()
+            try:
+                if objs:
+                    keys, outs, copies, _ = self._prepare_layer(layer, objs, items, 0)
+                    self._finish_layer(job, layer, objs, self._get(keys, outs, f"layer {layer}"), copies)
+            finally:
+                job.end[layer] = time.perf_counter()
+                job.events[layer].set()
+
+    def _prepare_layer(self, layer: int, objs: list[LoadObj], items: list, spare: int) -> tuple[list, list, list, int]:
+        """Keys, destination parts and pending copies of one layer's chunks.
+
+        Blocks of a chunk this request has, or does not need, are read into discard
+        buffers; ``spare`` of them are already taken by other layers of the same get.
+        """
+        paged = self._paged[self._layers[layer]]
+        n = sum(len(o.targets) - o.num_targets for o in objs)
+        discard = iter(paged.discard_targets(spare + n, self._discard)[spare:])
+        keys = self._keys_for(layer, items)
+        outs, copies = [], []
+        for o in objs:
+            bufs, pend = paged.byte_runs(o.targets, lambda: next(discard))
+            outs.append(bufs)
+            copies.append(pend)
+        return keys, outs, copies, n
+
+    def _get(self, keys: list[str], outs: list, what: str) -> list[bool]:
+        try:
+            return self._store().get(keys, outs)
+        except Exception as e:  # noqa: BLE001 - a broken backend is a miss
+            logger.warning("TierKVConnector: get failed for %s: %s", what, e)
+            return [False] * len(keys)
+
+    def _finish_layer(self, job: LoadJob, layer: int, objs: list[LoadObj], ok: list[bool], copies: list) -> None:
+        nb = self._paged[self._layers[layer]].block_nbytes
+        for o, good, pend in zip(objs, ok, copies):
+            if good:
+                for stage, dst in pend:
+                    dst.copy_(stage)
+                job.nbytes += nb * o.num_targets
+                job.per_req[o.req_id]["bytes"] += nb * o.num_targets
+            else:
+                job.failed_blocks.update(b for b in o.targets if b is not None)
+                job.failed_reqs.add(o.req_id)
+
+    def _load_all_layers(self, job: LoadJob, objs: list[LoadObj], items: list) -> None:
+        """Every layer in one get: the tiers batch it as a whole (one round trip, one I/O queue)."""
+        L, n = job.num_layers, len(objs)
+        keys: list[str] = []
+        outs: list = []
+        copies: list = []
+        spare = 0
+        for layer in range(L):
+            k, o, c, used = self._prepare_layer(layer, objs, items, spare)
+            spare += used
+            keys += k
+            outs += o
+            copies.append(c)
+        ok = self._get(keys, outs, "all layers")
+        for layer in range(L):
+            self._finish_layer(job, layer, objs, ok[layer * n:(layer + 1) * n], copies[layer])

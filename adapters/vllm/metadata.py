@@ -1,0 +1,53 @@
+"""What the scheduler sends the workers each step: loads to run and saves to make.
+
+Block indices are positions in the request; block ids are the engine's.  Block
+hashes are vLLM's (bytes), which name the stored chunks (see chunks.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass
+class LoadSpec:
+    """Fill ``block_ids`` (the request's blocks ``start .. start+len-1``) from the store.
+
+    ``block_hashes[i]`` is the hash of block ``hash_base + i``; they reach past the
+    last block to fill up to the end of its chunk, so the worker can name the
+    objects that hold the blocks.
+    """
+
+    req_id: str
+    start: int
+    block_ids: list[int]
+    block_hashes: list[bytes]
+    cache_salt: str | None = None
+    hash_base: int = 0
+
+
+@dataclass
+class SaveSpec:
+    """Put the request's ``chunks`` (blocks computed by the end of this step).
+
+    ``chunks[i] = (first, last)`` block indices in the request; ``block_ids[i]``
+    their engine block ids; ``block_hashes[i]`` the hash of block ``last``.
+    """
+
+    req_id: str
+    chunks: list[tuple[int, int]]
+    block_ids: list[list[int]]
+    block_hashes: list[bytes]
+    #: the request's block table up to the last saved block: a failed load of
+    #: any of these blocks taints the saves after it
+    table: list[int]
+    cache_salt: str | None = None
+
+
+@dataclass
+class TierKVConnectorMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)

@@ -1,0 +1,287 @@
+"""The connector's scheduler side: how many tokens to load, and the plans shipped to the workers.
+
+``get_num_new_matched_tokens`` counts the leading blocks the store holds (for
+every layer of every KV-head shard) beyond what vLLM holds locally: whole blocks
+only, and never the prompt's last token.  ``update_state_after_alloc`` records
+the block ids to fill; ``build_connector_meta`` turns each scheduled request into
+a step's load and save plans; ``request_finished`` keeps a finished request's
+blocks while saves still read them.
+
+The store lives with the workers; questions go to them through ``ask`` (the
+lookup channel of lookup.py by default), one rank per KV-head shard, and the
+smallest answer wins.  An unreachable worker is a miss for a while, never a crash.
+The scheduler owns no store and no engine memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .chunks import plan_saves
+from .config import ConnectorOptions, EngineInfo
+from .lookup import LookupClient, endpoint
+from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
+
+try:  # vLLM >= 0.32
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:  # pragma: no cover - older engines
+    CacheHitSource = None  # type: ignore[assignment]
+
+logger = logging.getLogger("vllm.tierkv.scheduler")
+
+#: how long lookups are skipped (every request a miss) after one failed
+LOOKUP_BACKOFF_S = 10.0
+
+#: ask(tp_rank, op, hashes, base, lo, hi, salt) -> the worker's answer (see lookup.py)
+Ask = Callable[..., Any]
+
+
+def hit_source(locality: str | None):
+    """vLLM's cache-hit source for a tier of ``locality`` (declared by the tier, see tiers/base.py)."""
+    if CacheHitSource is None:
+        return None
+    return {
+        "device": CacheHitSource.DEVICE,
+        "host": CacheHitSource.HOST,
+        "remote": CacheHitSource.P2P,
+        "disk": CacheHitSource.DISK,
+    }.get(locality or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
+
+
+@dataclass
+class RequestState:
+    """What the scheduler side tracks for one request between steps."""
+
+    request: Any
+    block_ids: list[int] = field(default_factory=list)
+    #: the first chunk not saved (nor known stored), and one past the longest tail saved
+    next_chunk: int = 0
+    tail_end: int = 0
+    #: blocks vLLM should have computed by the next step; fewer means it rolled back
+    expect_done: int = 0
+    pending_load: tuple[int, int] | None = None
+    hit_sources: dict[Any, int] = field(default_factory=dict)
+
+
+class TierKVScheduler:
+    """Scheduler-side logic of ``TierKVConnector`` (one per engine)."""
+
+    def __init__(self, options: ConnectorOptions, info: EngineInfo, ask: Ask | None = None) -> None:
+        self.options = options
+        self.info = info
+        self._bs = info.block_size
+        self._G = max(1, options.chunk_tokens // info.block_size)
+        self._clients: dict[int, LookupClient] = {}
+        self._ask = ask or self._ask_worker
+        self._lookup_down_until = 0.0
+        self.requests: dict[str, RequestState] = {}
+        self._lookups: dict[str, tuple[int, int, int, int]] = {}
+        self._planned_saves: set[str] = set()
+        #: lookups made, tokens hit, and hit tokens by tier name
+        self.totals: dict[str, Any] = {"lookups": 0, "hit_tokens": 0, "hit_tokens_by_tier": {}}
+
+    # ---- asking the workers -------------------------------------------------------
+    def _ask_worker(self, tp_rank: int, op: str, *args: Any) -> Any:
+        c = self._clients.get(tp_rank)
+        if c is None:
+            path, key = endpoint(self.info.engine_id, self.info.dp_rank, tp_rank)
+            c = self._clients[tp_rank] = LookupClient(path, key)
+        return c.call(op, *args)
+
+    def _shard_ranks(self) -> list[int]:
+        """One tensor-parallel rank per KV-head shard (the first replica)."""
+        s = self.info.shard
+        return [i * s.replicas for i in range(s.num_shards)]
+
+    def hash_window(self, request: Any, lo: int, hi: int) -> tuple[list[bytes], int]:
+        """The request's block hashes that name the chunks around ``lo..hi-1``, and the first one's index."""
+        G = self._G
+        base = (lo // G) * G
+        top = min(len(request.block_hashes), -(-hi // G) * G)
+        return [bytes(h) for h in request.block_hashes[base:top]], base
+
+    def leading_hits(self, request: Any, lo: int, hi: int) -> int:
+        """Blocks ``lo..hi-1`` stored for every layer of every shard, counted from ``lo``."""
+        if hi <= lo:
+            return 0
+        hashes, base = self.hash_window(request, lo, hi)
+        n = hi - lo
+        for rank in self._shard_ranks():
+            n = min(n, int(self._ask(rank, "lookup", hashes, base, lo, lo + n, request.cache_salt)))
+            if n == 0:
+                break
+        return n
+
+    # ---- vLLM's scheduler hooks -----------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.options.load:
+            return 0, False
+        bs = self._bs
+        hashes = request.block_hashes
+        # leave at least one token to compute: vLLM needs its logits.  By default the
+        # hit is whole blocks, so a prompt stored in full recomputes its last block
+        # (vLLM's own rule); with full_hit_recompute="token" that block is loaded too
+        # and only the prompt's last token is computed (its KV overwrites the loaded
+        # copy of itself: the same token at the same position after the same prefix).
+        token_mode = self.options.full_hit_recompute == "token"
+        max_blocks = min(len(hashes), (request.num_tokens - (0 if token_mode else 1)) // bs)
+        local = num_computed_tokens // bs
+        hits, held, reach = 0, 0, 0
+        if time.monotonic() >= self._lookup_down_until:
+            try:
+                # look as far as the full blocks go: what is stored past max_blocks needs no save
+                reach = self.leading_hits(request, local, len(hashes)) if len(hashes) > local else 0
+                hits = max(0, min(reach, max_blocks - local))
+                # does the store already hold what vLLM has locally?  (decides what to save)
+                held = self.leading_hits(request, 0, local) if local else 0
+            except Exception as e:  # noqa: BLE001 - an unreachable worker is a miss, never a crash
+                # do not stall scheduling on it: treat everything as a miss for a while
+                self._lookup_down_until = time.monotonic() + LOOKUP_BACKOFF_S
+                logger.warning("TierKVConnector: lookup failed (%s); misses for the next %.0f s", e,
+                               LOOKUP_BACKOFF_S)
+                hits, held, reach = 0, 0, 0
+        # what is in the store needs no save: from the first block it lacks
+        stored = held if held < local else local + reach
+        self._lookups[request.request_id] = (local, hits, stored, max_blocks)
+        self.totals["lookups"] += 1
+        ext = hits * bs
+        if (local + hits) * bs >= request.num_tokens:  # only with full_hit_recompute="token"
+            ext = max(0, request.num_tokens - 1 - local * bs)
+        return ext, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        rid = request.request_id
+        st = self.requests.get(rid)
+        if st is None:
+            st = self.requests[rid] = RequestState(request=request)
+        st.request = request
+        look = self._lookups.pop(rid, None)
+        if look is None:
+            return
+        local, _, stored, _ = look
+        bs = self._bs
+        num_external_tokens = max(0, int(num_external_tokens))
+        st.next_chunk, st.tail_end = stored // self._G, stored
+        # blocks complete once these tokens are in (a hit one token short of the
+        # prompt's end leaves its last block incomplete until that token is computed)
+        st.expect_done = local + num_external_tokens // bs
+        st.pending_load = None
+        st.hit_sources = {}
+        n_ext = -(-num_external_tokens // bs)  # blocks to load, the last one perhaps for all but a token
+        if n_ext <= 0:
+            return
+        st.block_ids = list(blocks.get_block_ids()[0])
+        st.pending_load = (local, local + n_ext)
+        # which tier will serve the hit (for stats and vLLM's cache-hit sources)
+        try:
+            hashes, base = self.hash_window(request, local, local + n_ext)
+            where = self._ask(self._shard_ranks()[0], "locate", hashes, base, local, local + n_ext,
+                              request.cache_salt)
+        except Exception:  # noqa: BLE001 - statistics only
+            where = [None] * n_ext
+        by_tier = self.totals["hit_tokens_by_tier"]
+        for i, tl in enumerate(where):
+            name, locality = tl if tl is not None else ("unknown", None)
+            n = min(bs, num_external_tokens - i * bs)  # hit tokens of this block
+            by_tier[name] = by_tier.get(name, 0) + n
+            src = hit_source(locality)
+            if src is not None:
+                st.hit_sources[src] = st.hit_sources.get(src, 0) + n
+        self.totals["hit_tokens"] += num_external_tokens
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict | None:
+        """Hit tokens by source, or None when they do not add up (the caller falls back)."""
+        if num_external_tokens == 0:
+            return {}
+        st = self.requests.get(request.request_id)
+        if st is None or sum(st.hit_sources.values()) != num_external_tokens:
+            return None
+        return dict(st.hit_sources)
+
+    def build_connector_meta(self, scheduler_output: Any) -> TierKVConnectorMetadata:
+        meta = TierKVConnectorMetadata(preempted=set(scheduler_output.preempted_req_ids or ()))
+        bs = self._bs
+        computed: dict[str, int] = {}
+        for nr in scheduler_output.scheduled_new_reqs:
+            st = self.requests.get(nr.req_id)
+            if st is None:
+                continue
+            st.block_ids = list(nr.block_ids[0])
+            computed[nr.req_id] = nr.num_computed_tokens
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self.requests.get(rid)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+            elif new_ids is not None:
+                st.block_ids.extend(new_ids[0])
+            computed[rid] = cached.num_computed_tokens[i]
+
+        for rid, num_computed in computed.items():
+            st = self.requests[rid]
+            req = st.request
+            if st.pending_load is not None:
+                lo, hi = st.pending_load
+                st.pending_load = None
+                hashes, base = self.hash_window(req, lo, hi)
+                meta.loads.append(LoadSpec(rid, lo, st.block_ids[lo:hi], hashes, req.cache_salt, base))
+            if not self.options.save:
+                continue
+            G = self._G
+            done = num_computed // bs
+            if done < st.expect_done:  # vLLM rolled back (a failed load, a preemption): save again from there
+                st.next_chunk = min(st.next_chunk, done // G)
+                st.tail_end = min(st.tail_end, done)
+            new_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
+            st.expect_done = new_tokens // bs
+            end = min(new_tokens // bs, len(req.block_hashes), len(st.block_ids))
+            # the step that completes the prompt also saves its blocks after the last full chunk
+            prefilled = num_computed < req.num_prompt_tokens <= new_tokens
+            chunks, st.next_chunk, st.tail_end = plan_saves(st.next_chunk, st.tail_end, end, prefilled, G)
+            if not chunks:
+                continue
+            meta.saves.append(SaveSpec(
+                rid,
+                chunks,
+                [st.block_ids[a:b + 1] for a, b in chunks],
+                [bytes(req.block_hashes[b]) for _, b in chunks],
+                list(st.block_ids[:end]),
+                req.cache_salt,
+            ))
+            self._planned_saves.add(rid)
+        return meta
+
+    def request_finished(self, request: Any) -> tuple[bool, None]:
+        """``(delay_free, None)``: blocks stay allocated until every worker reports the request's saves done."""
+        rid = request.request_id
+        self.requests.pop(rid, None)
+        self._lookups.pop(rid, None)
+        delay = rid in self._planned_saves
+        self._planned_saves.discard(rid)
+        return delay, None
+
+    # ---- lifecycle ----------------------------------------------------------------
+    def ask_workers_to_shut_down(self) -> None:
+        """Tell every rank's worker to drain and close now (the engine is going down); waits for none."""
+        for rank in range(self.info.tp_size):
+            try:
+                path, key = endpoint(self.info.engine_id, self.info.dp_rank, rank)
+                c = LookupClient(path, key, connect_timeout=0.2)
+                try:
+                    c.post("shutdown")
+                finally:
+                    c.close()
+            except Exception:  # noqa: BLE001 - gone already, or never started
+                pass
+
+    def shutdown(self) -> None:
+        for c in self._clients.values():
+            c.close()
+        self._clients.clear()

@@ -1,0 +1,160 @@
+"""The connector's counters: vLLM's stats payload, per-request records, and how a put is counted.
+
+``TierKVConnectorStats`` travels from the workers to vLLM's logger (one interval
+at a time) and also keeps a worker's totals.  :func:`put_outcome` is the one
+place that decides what a put's answer counts as, so when the store can say
+*why* a put was refused (admission, as opposed to an error) only that function
+changes.  Nothing here touches a store or an engine.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+from .chunks import Chunk
+
+COUNTERS = (
+    "load_requests", "load_blocks", "load_tokens", "load_bytes", "load_s", "load_errors",
+    "save_blocks", "save_bytes", "save_s", "save_errors", "save_refused",
+)
+
+
+@dataclass
+class TierKVConnectorStats(KVConnectorStats):
+    """Counters of one interval: loads, saves, errors and hit tokens by tier."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.reset()
+
+    def reset(self) -> None:
+        self.data = {k: 0 for k in COUNTERS}
+        self.data["hit_tokens"] = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        od = other.data or {}
+        for k in COUNTERS:
+            self.data[k] = self.data.get(k, 0) + od.get(k, 0)
+        hits = self.data.setdefault("hit_tokens", {})
+        for tier, n in (od.get("hit_tokens") or {}).items():
+            hits[tier] = hits.get(tier, 0) + n
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        d = self.data
+        out: dict[str, int | float] = {
+            "loaded_tokens": d.get("load_tokens", 0),
+            "load_MiB": round(d.get("load_bytes", 0) / 2**20, 3),
+            "load_ms": round(d.get("load_s", 0.0) * 1e3, 3),
+            "load_errors": d.get("load_errors", 0),
+            "saved_blocks": d.get("save_blocks", 0),
+            "save_MiB": round(d.get("save_bytes", 0) / 2**20, 3),
+            "save_ms": round(d.get("save_s", 0.0) * 1e3, 3),
+            "save_errors": d.get("save_errors", 0),
+            "save_refused": d.get("save_refused", 0),
+        }
+        for tier, n in sorted((d.get("hit_tokens") or {}).items()):
+            out[f"hit_tokens[{tier}]"] = n
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data.get(k, 0) for k in COUNTERS) and not self.data.get("hit_tokens")
+
+    @classmethod
+    def from_payload(cls, data: dict[str, Any] | None) -> TierKVConnectorStats:
+        """Stats rebuilt from a payload another process sent (never aliasing its dicts)."""
+        if not data:
+            return cls()
+        return cls(data={k: dict(v) if isinstance(v, dict) else v for k, v in data.items()})
+
+
+# ---------------------------------------------------------------------------------------
+# saves: what a put's answer counts as
+# ---------------------------------------------------------------------------------------
+SAVED, REFUSED, FAILED = "saved", "refused", "failed"
+
+
+def put_outcome(result: Any) -> str:
+    """``SAVED``, ``REFUSED`` (the store declined to keep it) or ``FAILED`` for one key's put result.
+
+    Today ``TieredStore.put`` answers a bool and a False is counted as an error,
+    whatever its cause; a detailed answer (admission refusal vs. error) maps here.
+    """
+    return SAVED if result else FAILED
+
+
+@dataclass
+class SaveTally:
+    """One put call's outcome, in the units the counters use."""
+
+    blocks: int = 0
+    nbytes: int = 0
+    errors: int = 0
+    refused: int = 0
+    seconds: float = 0.0
+
+    @classmethod
+    def of(cls, results: list[Any], values: list[list[Any]], chunks: list[Chunk]) -> SaveTally:
+        t = cls()
+        for res, parts, (first, last) in zip(results, values, chunks):
+            kind = put_outcome(res)
+            if kind == SAVED:
+                t.nbytes += sum(p.numel() * p.element_size() for p in parts)
+                t.blocks += last - first + 1
+            elif kind == REFUSED:
+                t.refused += 1
+            else:
+                t.errors += 1
+        return t
+
+    def add_to(self, stats: TierKVConnectorStats) -> None:
+        d = stats.data
+        d["save_blocks"] += self.blocks
+        d["save_bytes"] += self.nbytes
+        d["save_s"] += self.seconds
+        d["save_errors"] += self.errors
+        d["save_refused"] = d.get("save_refused", 0) + self.refused
+
+
+# ---------------------------------------------------------------------------------------
+# per-request records
+# ---------------------------------------------------------------------------------------
+class RequestRecords(collections.OrderedDict):
+    """Loads and saves per request (bytes, seconds, tokens by tier), the newest ``limit`` requests."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        super().__init__()
+        self.limit = limit
+
+    def record(self, rid: str) -> dict[str, Any]:
+        rec = self.get(rid)
+        if rec is None:
+            rec = self[rid] = {
+                "load_tokens": 0, "load_bytes": 0, "load_s": 0.0, "load_errors": 0, "hit_tokens": {},
+                "save_blocks": 0, "save_bytes": 0, "save_s": 0.0, "save_errors": 0, "save_refused": 0,
+            }
+            while len(self) > self.limit:
+                self.popitem(last=False)
+        return rec
+
+    def add_save(self, rid: str, tally: SaveTally) -> None:
+        rec = self.record(rid)
+        rec["save_blocks"] += tally.blocks
+        rec["save_bytes"] += tally.nbytes
+        rec["save_s"] += tally.seconds
+        rec["save_errors"] += tally.errors
+        rec["save_refused"] += tally.refused
+
+    @staticmethod
+    def summary(rid: str, rec: dict[str, Any]) -> str | None:
+        """The log line for a finished request (None when it moved nothing)."""
+        if not (rec["load_tokens"] or rec["save_blocks"] or rec["save_errors"]):
+            return None
+        return (f"TierKVConnector: request {rid} loaded {rec['load_tokens']} tokens {rec['hit_tokens']} "
+                f"({rec['load_bytes'] / 2**20:.2f} MiB, {rec['load_s'] * 1e3:.1f} ms, {rec['load_errors']} errors); "
+                f"saved {rec['save_blocks']} block-layers ({rec['save_bytes'] / 2**20:.2f} MiB, "
+                f"{rec['save_s'] * 1e3:.1f} ms)")

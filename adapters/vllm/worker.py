@@ -1,0 +1,490 @@
+"""The connector's worker side: the KV cache, the store, loads, saves and the lookups it answers.
+
+Objects
+    A request's KV is stored in chunks of ``chunk_tokens`` (whole blocks; see
+    chunks.py): one object per (chunk, layer, KV-head shard), named from vLLM's
+    hash of the chunk's last block.  Full chunks are saved as they complete; the
+    blocks after the last full chunk are saved as a shorter *tail* once the
+    prompt is prefilled.
+
+Loads (loading.py)
+    ``start_load_kv`` fills the step's planned blocks; a block that fails is
+    reported by ``get_block_ids_with_load_errors`` and its request's saves from
+    that block on are dropped, so vLLM recomputes it and nothing computed from
+    bad KV reaches the store.
+
+Saves
+    ``save_kv_layer`` queues the layer's newly completed chunks for a background
+    put; ``wait_for_save`` settles the step's loads, releases the saves they held
+    back and (``save_wait``, the default) returns once the step's saves are in
+    the store, so nothing is queued between steps and an engine killed between
+    steps loses no save.  ``get_finished`` reports requests whose saves are done.
+
+Ownership
+    The worker owns its store reference (released at ``shutdown``), its lookup
+    server and its save thread; vLLM owns the KV cache.  ``shutdown`` is
+    idempotent and may come from vLLM, a signal, the lookup channel or the exit
+    of the interpreter: it drains (up to ``shutdown_timeout_s``), logs the
+    totals, flushes and closes the store and removes the lookup socket.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from tierkv import keys_from_block_hashes
+
+from .chunks import Chunk, covered, resolve
+from .config import ConnectorOptions, EngineInfo, block_hash_bytes, layer_namespace
+from .loading import Loader, LoadJob
+from .lookup import LookupServer, endpoint, sweep_stale_sockets
+from .metadata import SaveSpec, TierKVConnectorMetadata
+from .paged import PagedLayer
+from .stats import RequestRecords, SaveTally, TierKVConnectorStats
+
+logger = logging.getLogger("vllm.tierkv.worker")
+
+_SaveItem = tuple[SaveSpec, int, list[Chunk], list[str], list[list[torch.Tensor]]]
+
+
+class TierKVWorker:
+    """Worker-side logic of ``TierKVConnector`` (one per tensor-parallel rank).
+
+    ``store`` is a ``TieredStore`` (or anything with its API); ``release(store)``
+    is called once at shutdown (default: ``store.flush()`` then ``store.close()``).
+    ``serve``: answer the scheduler's lookups on this rank's socket.
+    """
+
+    def __init__(self, options: ConnectorOptions, info: EngineInfo, store: Any, *,
+                 release: Callable[[Any], None] | None = None, serve: bool = True) -> None:
+        self.options = options
+        self.info = info
+        self.store = store
+        self._release = release or _flush_and_close
+        self._bs = info.block_size
+        self._G = max(1, options.chunk_tokens // info.block_size)
+        self._layers = list(info.layers)
+        self._layer_index = info.layer_index
+        self.shard = info.shard
+        self.tp_rank = info.tp_rank
+        tiers = store.tier_info()
+        self._locality = {t["name"]: t["locality"] for t in tiers}
+        # replicas of a shard split the writes only when every tier is shared between
+        # processes; with private tiers each replica must hold what it will load
+        self._split_writes = self.shard.replicas > 1 and all(t["shared"] for t in tiers)
+        self._paged: dict[str, PagedLayer] = {}
+        self._loader = Loader(layers=self._layers, paged=self._paged, block_size=self._bs, store=lambda: self.store,
+                              resolve=self._resolve_last_layer, keys_for=self.keys_for,
+                              tp_rank=info.tp_rank, tp_size=info.tp_size)
+        self._loader.layerwise = options.layerwise is True  # "auto" is settled in register_kv_caches
+        self._metadata: TierKVConnectorMetadata | None = None
+        self.load_job: LoadJob | None = None
+        self._deferred: list[_SaveItem] = []
+        self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-save")
+        self._lock = threading.Condition()
+        self._pending: collections.Counter = collections.Counter()
+        self._seen_save_reqs: set[str] = set()
+        self._finished_waiting: set[str] = set()
+        self._to_log: set[str] = set()
+        self._load_errors: set[int] = set()
+        self._interval = TierKVConnectorStats()
+        self.totals = TierKVConnectorStats()
+        self.request_records = RequestRecords()
+        #: the last load jobs' per-layer timestamps (submit, begin, end, wait_return)
+        self.load_trace: collections.deque = collections.deque(maxlen=64)
+        self._closing = threading.Lock()
+        self.closed = False
+        #: told ("totals", reduced totals) when they change, ("logged", None) once the totals line is
+        #: out and ("clean", None) when the shutdown is complete (see lifecycle.Watcher)
+        self.report: Callable[[str, dict | None], None] | None = None
+        self._totals_sent: dict | None = None
+        self._server: LookupServer | None = None
+        if serve:
+            sweep_stale_sockets()  # file sockets of killed predecessors
+            path, key = endpoint(info.engine_id, info.dp_rank, info.tp_rank)
+            self._server = LookupServer(path, key, self.answer)
+
+    @property
+    def layerwise(self) -> bool:
+        return self._loader.layerwise
+
+    @property
+    def lookup_path(self) -> str | None:
+        return self._server.path if self._server is not None else None
+
+    # ---- keys and lookups ---------------------------------------------------------
+    def layer_keys(self, layer: int, hashes: list, cache_salt: str | None, shard: int | None = None) -> list[str]:
+        """Store keys of the chunks named by ``hashes`` for one layer (of this rank's shard by default)."""
+        ns = layer_namespace(self.info.namespaces[self.shard.shard if shard is None else shard],
+                             self._layers[layer], cache_salt)
+        return keys_from_block_hashes([block_hash_bytes(h) for h in hashes], namespace=ns)
+
+    def keys_for(self, layer: int, items: list[tuple[bytes, str | None]]) -> list[str]:
+        """Keys of (hash, salt) items for one layer, grouped by salt."""
+        out: list[str | None] = [None] * len(items)
+        by_salt: dict[str | None, list[int]] = {}
+        for i, (_, salt) in enumerate(items):
+            by_salt.setdefault(salt, []).append(i)
+        for salt, pos in by_salt.items():
+            for i, k in zip(pos, self.layer_keys(layer, [items[i][0] for i in pos], salt)):
+                out[i] = k
+        return out  # type: ignore[return-value]
+
+    def resolve(self, hashes: list, base: int, lo: int, hi: int, salt: str | None,
+                all_layers: bool = True, where: dict[str, str | None] | None = None) -> list[Chunk]:
+        """Stored chunks covering the leading blocks of ``lo..hi-1`` (``hashes[i]`` = block ``base+i``).
+
+        ``all_layers``: every layer must hold a chunk (else only the last layer is
+        asked, the one written last).  ``where``: filled with the tier holding each
+        last-layer key asked about (None: none), from the same store calls.  Two
+        store calls at most per question, whatever the layer count: a shared tier
+        answers each with one round trip to its service.
+        """
+        store = self.store
+        if store is None or self.closed:
+            raise RuntimeError("the connector's worker is shut down")
+        L = len(self._layers)
+        layers = list(reversed(range(L))) if all_layers else [L - 1]
+
+        def keys(layer: int, ends: list[int]) -> list[str]:
+            return self.layer_keys(layer, [hashes[e - base] for e in ends], salt)
+
+        def first_layer(ends: list[int]) -> list[bool]:
+            ks = keys(layers[0], ends)
+            if where is None:
+                return store.contains(ks)
+            tiers = store.locate(ks)
+            where.update(zip(ks, tiers))
+            return [t is not None for t in tiers]
+
+        def full_present(ends: list[int]) -> int:
+            # the last layer is written last: asked alone first, it fails fastest
+            if not ends:
+                return 0
+            if where is None:
+                n = int(store.lookup(keys(layers[0], ends)))
+            else:
+                there = first_layer(ends)
+                n = there.index(False) if False in there else len(ends)
+            if n == 0 or len(layers) == 1:
+                return n
+            w = n
+            present = store.contains([k for layer in layers[1:] for k in keys(layer, ends[:w])])
+            for row in range(len(layers) - 1):
+                lead = present[row * w:(row + 1) * w]
+                if False in lead:
+                    n = min(n, lead.index(False))
+            return n
+
+        def tail_present(ends: list[int]) -> int | None:
+            cands = [j for j, there in zip(ends, first_layer(ends)) if there]
+            if not cands or len(layers) == 1:
+                return cands[0] if cands else None
+            m = len(cands)
+            present = store.contains([k for layer in layers[1:] for k in keys(layer, cands)])
+            for i, j in enumerate(cands):
+                if all(present[row * m + i] for row in range(len(layers) - 1)):
+                    return j
+            return None
+
+        return resolve(lo, hi, base + len(hashes), self._G, full_present, tail_present)
+
+    def _resolve_last_layer(self, hashes, base, lo, hi, salt, where) -> list[Chunk]:
+        return self.resolve(hashes, base, lo, hi, salt, all_layers=False, where=where)
+
+    def answer(self, op: str, *args: Any) -> Any:
+        """The scheduler's questions, on this worker's store and KV shard (see lookup.py)."""
+        if op == "shutdown":
+            self.shutdown()
+            return None
+        hashes, base, lo, hi, salt = args
+        if op == "lookup":
+            return covered(self.resolve(hashes, base, lo, hi, salt), lo, hi)
+        if op == "locate":
+            found: dict[str, str | None] = {}
+            chunks = self.resolve(hashes, base, lo, hi, salt, all_layers=False, where=found)
+            where = [found.get(k) for k in self.layer_keys(len(self._layers) - 1,
+                                                           [hashes[c[1] - base] for c in chunks], salt)]
+            out: list[Any] = [None] * (hi - lo)
+            for (first, last), t in zip(chunks, where):
+                for b in range(max(first, lo), min(last + 1, hi)):
+                    out[b - lo] = None if t is None else (t, self._locality.get(t))
+            return out
+        raise ValueError(f"unknown lookup op {op!r}")
+
+    # ---- vLLM's worker hooks --------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        for name in self._layers:
+            t = kv_caches.get(name)
+            if t is None:
+                raise ValueError(f"TierKVConnector: no KV cache tensor for layer {name!r}")
+            self._paged[name] = PagedLayer.wrap(t, self.info.num_blocks, self._bs)
+        for paged in self._paged.values():
+            paged.prepare()  # views of the cache made here, outside the engine's inference mode
+        first = self._paged[self._layers[0]]
+        if self.options.layerwise is None:
+            # on CPU a background loader competes with compute for the same cores (copies,
+            # reader threads, checksums): one get for the whole step measured faster
+            self._loader.layerwise = first.tensor.device.type != "cpu"
+        logger.info(
+            "TierKVConnector: %d layers, KV %s %s on %s, block dim %d (x%d), %d B per block and layer, %s, %s loads",
+            len(self._layers), tuple(first.tensor.shape), first.tensor.dtype, first.tensor.device, first.block_dim,
+            first.kernel_blocks_per_block, first.block_nbytes, "zero-copy" if first.is_direct() else "staged",
+            "layerwise" if self.layerwise else "whole-step",
+        )
+
+    def bind_metadata(self, meta: Any) -> None:
+        self._metadata = meta if isinstance(meta, TierKVConnectorMetadata) else None
+        if self._metadata is not None and self._metadata.saves:
+            # the scheduler holds the blocks of every request it planned a save for until
+            # each worker reports it (get_finished), whether or not this worker saves any
+            with self._lock:
+                self._seen_save_reqs.update(spec.req_id for spec in self._metadata.saves)
+
+    def clear_metadata(self) -> None:
+        self._metadata = None
+
+    def start_load_kv(self) -> None:
+        meta = self._metadata
+        self.load_job = None
+        if self.closed or meta is None or not meta.loads or not self._paged:
+            return
+        specs = [spec for spec in meta.loads if spec.block_ids]
+        if specs:
+            self.load_job = self._loader.start(specs)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        job = self.load_job
+        i = self._layer_index.get(layer_name)
+        if job is None or i is None:
+            return
+        job.events[i].wait()
+        job.wait_return[i] = time.perf_counter()
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        meta = self._metadata
+        if self.closed or meta is None or not meta.saves:
+            return
+        layer = self._layer_index.get(layer_name)
+        paged = self._paged.get(layer_name)
+        if layer is None or paged is None:
+            return
+        shard = self.shard
+        for spec in meta.saves:
+            if self._split_writes:
+                pos = [j for j, (first, _) in enumerate(spec.chunks)
+                       if (first // self._G) % shard.replicas == shard.replica]
+            else:
+                pos = list(range(len(spec.chunks)))
+            if not pos:
+                continue
+            keys = self.layer_keys(layer, [spec.block_hashes[j] for j in pos], spec.cache_salt)
+            values = [paged.read_runs(spec.block_ids[j]) for j in pos]
+            with self._lock:
+                self._pending[spec.req_id] += 1
+            item = (spec, layer, [spec.chunks[j] for j in pos], keys, values)
+            if self.load_job is not None:
+                # this step loads: a failed load may taint these blocks, so wait for the verdict
+                self._deferred.append(item)
+            else:
+                self._submit_save(item)
+
+    def _submit_save(self, item: _SaveItem) -> None:
+        try:
+            self._save_pool.submit(self._run_save, item)
+        except RuntimeError:  # shut down meanwhile: the save is abandoned
+            self._save_done(item[0].req_id)
+
+    def _save_done(self, rid: str) -> None:
+        with self._lock:
+            self._pending[rid] -= 1
+            if self._pending[rid] <= 0:
+                del self._pending[rid]
+            self._lock.notify_all()
+
+    def _run_save(self, item: _SaveItem) -> None:
+        spec, layer, chunks, keys, values = item
+        t0 = time.perf_counter()
+        tally = SaveTally()
+        try:
+            try:
+                ok: list[Any] = self.store.put(keys, values)
+            except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
+                logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
+                ok = [False] * len(keys)
+            tally = SaveTally.of(ok, values, chunks)
+        finally:
+            tally.seconds = time.perf_counter() - t0
+            with self._lock:
+                tally.add_to(self._interval)
+                tally.add_to(self.totals)
+                self.request_records.add_save(spec.req_id, tally)
+            self._save_done(spec.req_id)
+
+    def _finish_load_job(self) -> None:
+        job, self.load_job = self.load_job, None
+        if job is not None:
+            self._account_load(job)
+        failed = job.failed_blocks if job is not None else set()
+        # submit the step's saves, dropping everything computed on a failed block
+        deferred, self._deferred = self._deferred, []
+        for spec, layer, chunks, keys, values in deferred:
+            cut = next((p for p, bid in enumerate(spec.table) if bid in failed), None) if failed else None
+            if cut is not None:
+                keep = [j for j, (_, last) in enumerate(chunks) if last < cut]
+                if not keep:
+                    self._save_done(spec.req_id)
+                    continue
+                chunks, keys, values = [chunks[j] for j in keep], [keys[j] for j in keep], [values[j] for j in keep]
+            self._submit_save((spec, layer, chunks, keys, values))
+
+    def _account_load(self, job: LoadJob) -> None:
+        if job.future is not None:
+            job.future.result()
+        elapsed = max(job.end) - job.submit_t if job.end else 0.0
+        failed = set(job.failed_blocks)
+        with self._lock:
+            self._load_errors |= failed
+            for s in (self._interval, self.totals):
+                d = s.data
+                d["load_requests"] += len(job.per_req)
+                d["load_blocks"] += job.nblocks
+                d["load_tokens"] += job.ntokens
+                d["load_bytes"] += job.nbytes
+                d["load_s"] += elapsed
+                d["load_errors"] += len(failed)
+                hits = d.setdefault("hit_tokens", {})
+                for tier, n in job.hit_tokens.items():
+                    hits[tier] = hits.get(tier, 0) + n
+            for rid, pr in job.per_req.items():
+                rec = self.request_records.record(rid)
+                rec["load_tokens"] += pr["tokens"]
+                rec["load_bytes"] += pr["bytes"]
+                rec["load_s"] += elapsed
+                for tier, n in pr["hit_tokens"].items():
+                    rec["hit_tokens"][tier] = rec["hit_tokens"].get(tier, 0) + n
+                if rid in job.failed_reqs:
+                    rec["load_errors"] += 1
+        self.load_trace.append(job.trace())
+        if failed:
+            logger.warning("TierKVConnector: %d block(s) failed to load; vLLM recomputes them", len(failed))
+
+    def wait_for_save(self) -> None:
+        # the step's loads are over once the forward is; settle them, then release saves
+        if self.load_job is not None or self._deferred:
+            self._finish_load_job()
+        if self.options.save_wait:
+            self.wait_for_all_saves()
+
+    def handle_preemptions(self, preempted: set[str]) -> None:
+        # a preempted request's blocks are freed now: let pending saves finish reading them
+        if preempted:
+            with self._lock:
+                self._lock.wait_for(lambda: not any(self._pending.get(r) for r in preempted))
+
+    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        with self._lock:
+            self._finished_waiting |= finished_req_ids & self._seen_save_reqs
+            done = {r for r in self._finished_waiting if not self._pending.get(r)}
+            self._finished_waiting -= done
+            self._seen_save_reqs -= done
+            # a finished request is logged once its saves (if any) are in the store
+            self._to_log |= finished_req_ids
+            loggable = {r for r in self._to_log if r not in self._finished_waiting}
+            self._to_log -= loggable
+        for rid in loggable:
+            rec = self.request_records.get(rid)
+            line = RequestRecords.summary(rid, rec) if rec is not None else None
+            if line:
+                logger.info("%s", line)
+        self._publish_totals()
+        return done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def get_stats(self) -> TierKVConnectorStats | None:
+        with self._lock:
+            if self._interval.is_empty():
+                return None
+            out, self._interval = self._interval, TierKVConnectorStats()
+        return out
+
+    # ---- lifecycle ----------------------------------------------------------------
+    def pending_saves(self) -> int:
+        with self._lock:
+            return sum(self._pending.values())
+
+    def wait_for_all_saves(self, timeout: float | None = None) -> bool:
+        """Block until every queued save is in the store; False on timeout."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._pending, timeout=timeout)
+
+    def _report(self, kind: str, payload: dict | None = None) -> None:
+        cb = self.report
+        if cb is not None:
+            try:
+                cb(kind, payload)
+            except Exception:  # noqa: BLE001 - bookkeeping only
+                pass
+
+    def _publish_totals(self) -> None:
+        with self._lock:
+            reduced = self.totals.reduce()
+        if reduced != self._totals_sent:
+            self._totals_sent = reduced
+            self._report("totals", reduced)
+
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Drain queued saves (up to ``timeout``, default ``shutdown_timeout_s``), log the totals,
+        then flush and close the store and remove the lookup socket.  Idempotent, thread-safe."""
+        if not self._closing.acquire(blocking=False):
+            return  # another thread is shutting down
+        try:
+            if self.closed:
+                return
+            self.closed = True
+            timeout = self.options.shutdown_timeout_s if timeout is None else timeout
+            try:
+                if self.load_job is not None or self._deferred:
+                    self._finish_load_job()
+                if not self.wait_for_all_saves(timeout):
+                    logger.warning("TierKVConnector: %d save(s) still queued after %.1f s: abandoned",
+                                   self.pending_saves(), timeout)
+                    self._save_pool.shutdown(wait=False, cancel_futures=True)
+                self._save_pool.shutdown(wait=True)
+                self._loader.close()
+                with self._lock:
+                    reduced = self.totals.reduce()
+                logger.info("TierKVConnector totals: %s", reduced)
+                self._report("logged")
+            finally:
+                if self._server is not None:
+                    self._server.close()
+                    self._server = None
+                store, self.store = self.store, None
+                try:
+                    if store is not None:
+                        self._release(store)
+                finally:
+                    self._report("clean")
+                    self.report = None
+        finally:
+            self._closing.release()
+
+
+def _flush_and_close(store: Any) -> None:
+    try:
+        store.flush()
+    finally:
+        store.close()
