@@ -253,3 +253,13 @@ def test_byte_runs_match_block_by_block(shape):
         got = torch.cat([p.reshape(-1).view(torch.uint8) for p in paged.read_runs(real)]) if real else None
         if real:
             assert torch.equal(got, torch.cat([p.reshape(-1).view(torch.uint8) for b in real for p in paged.read_parts(b)]))
+
+
+def test_a_refused_save_is_not_counted_as_an_error():
+    from tierkv.adapters.vllm.stats import FAILED, REFUSED, SAVED, put_outcome
+    from tierkv.store import PutOutcome
+
+    assert put_outcome(PutOutcome.STORED) == SAVED and put_outcome(PutOutcome.PRESENT) == SAVED
+    assert put_outcome(PutOutcome.REJECTED) == REFUSED and put_outcome(PutOutcome.NO_ROOM) == REFUSED
+    assert put_outcome(PutOutcome.ERROR) == FAILED
+    assert put_outcome(True) == SAVED and put_outcome(False) == FAILED

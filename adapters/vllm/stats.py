@@ -15,6 +15,8 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from tierkv.store import PutOutcome
+
 from .chunks import Chunk
 
 COUNTERS = (
@@ -81,9 +83,14 @@ SAVED, REFUSED, FAILED = "saved", "refused", "failed"
 def put_outcome(result: Any) -> str:
     """``SAVED``, ``REFUSED`` (the store declined to keep it) or ``FAILED`` for one key's put result.
 
-    Today ``TieredStore.put`` answers a bool and a False is counted as an error,
-    whatever its cause; a detailed answer (admission refusal vs. error) maps here.
+    ``result`` is a ``PutOutcome`` from ``TieredStore.put_detailed`` (stored or
+    present: saved; rejected by admission or no room: refused; a medium error:
+    failed), or a plain bool from a store without it (False counts as failed).
     """
+    if isinstance(result, PutOutcome):
+        if result:
+            return SAVED
+        return FAILED if result is PutOutcome.ERROR else REFUSED
     return SAVED if result else FAILED
 
 

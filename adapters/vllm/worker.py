@@ -316,7 +316,8 @@ class TierKVWorker:
         tally = SaveTally()
         try:
             try:
-                ok: list[Any] = self.store.put(keys, values)
+                put = getattr(self.store, "put_detailed", None) or self.store.put
+                ok: list[Any] = put(keys, values)
             except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
                 logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
                 ok = [False] * len(keys)
