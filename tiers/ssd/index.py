@@ -116,7 +116,7 @@ class DigestIndex:
         """Replace the contents with these entries (digests unique), vectorised."""
         n = len(digest)
         size = 16
-        while n > _MAX_LOAD * size / 1.5:  # room to grow before the first resize
+        while n > _MAX_LOAD * size:
             size *= 2
         self._alloc(size)
         self._bulk(np.asarray(digest, dtype=np.uint64), region, offset, rec_len, raw_len)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -111,10 +111,13 @@ class Persistence:
                                 cols["raw_len"], np.zeros(n, dtype=np.uint8), key_start, key_len, b"".join(blobs))
         return recovery.take(c, np.flatnonzero(have))
 
-    def _checkpoint(self) -> None:
-        """Write the index (with keys) atomically; a failure is counted, never raised."""
+    def _checkpoint(self, cands: Optional[recovery.Candidates] = None) -> None:
+        """Write the index (with keys; ``cands`` when the caller has them) atomically.
+
+        A failure is counted, never raised.
+        """
         try:
-            c = self._gather()
+            c = self._gather() if cands is None else cands
             covered = self._active.seq if self._active is not None else self._next_seq
             nreg = max(self._regions) + 1 if self._regions else 0
             seqs = np.zeros(nreg, dtype=np.uint64)

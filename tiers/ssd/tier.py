@@ -340,9 +340,9 @@ class SSDTier(ReadPath, Persistence, Tier):
                 for kb in recovery.key_list(dropped):
                     self._tombstone(kb.encode(), F.key_digest(kb.encode()))
         if any(valid[i].seq >= self._covered for i in loaded.read_regions) or len(dropped.digest):
-            self._changed = True
-            with self._wlock:
-                self._flush_locked(checkpoint=True)
+            with self._wlock:  # the keys are at hand: the checkpoint needs no summary read
+                self._flush_locked(checkpoint=False)
+                self._checkpoint(c)
 
     def _seal_scanned(self, r: R.Region, sc: recovery.Scanned) -> None:
         count = len(sc.entries)
