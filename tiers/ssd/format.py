@@ -11,7 +11,7 @@ Region file ``regions/rNNNNNN.region`` (``region_size`` bytes, preallocated)::
 
 Record (header 64 bytes, then the key, then the stored payload)::
 
-    magic "TKVO", version u8, flags u8 (1 lz4, 2 payload sum is CRC32C, 4 tombstone),
+    magic "TKVO", version u8, flags u8 (1 lz4, 2 payload sum is CRC32C, 4 reserved: never served),
     key_len u16, seq u64 (the region's seq: a record left from an earlier use of the
     region never parses as current), raw_len u32, stored_len u32, payload sum u64,
     header check u64 (xxh3-64 of the 64 header bytes with this field zeroed, and the key)
@@ -104,9 +104,21 @@ def align_down(n: int, a: int = BLOCK) -> int:
     return n // a * a
 
 
-def aligned_buffer(n: int) -> mmap.mmap:
-    """A zeroed, page-aligned anonymous buffer (what O_DIRECT needs)."""
-    return mmap.mmap(-1, max(align_up(n), BLOCK))
+def aligned_buffer(n: int, populate: bool = False) -> mmap.mmap:
+    """A zeroed, page-aligned anonymous buffer (what O_DIRECT needs).
+
+    ``populate`` faults its pages in at once: touching fresh pages one by one costs
+    more than the copy into them on a virtual machine.
+    """
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+    return mmap.mmap(-1, max(align_up(n), BLOCK), flags=flags)
+
+
+_ENTRY_STRUCT = struct.Struct("<QIIIHBB")
+
+
+def pack_entry(digest: int, offset: int, rec_len: int, raw_len: int, key_len: int, flags: int) -> bytes:
+    return _ENTRY_STRUCT.pack(digest, offset, rec_len, raw_len, key_len, flags, 0)
 
 
 def record_len(key_len: int, stored_len: int) -> int:
@@ -151,11 +163,14 @@ def is_region_magic(b) -> bool:
 def pack_record_header(buf, pos: int, flags: int, kb: bytes, seq: int, raw_len: int, stored_len: int,
                        psum: int) -> None:
     """Header and key at ``buf[pos:]`` (the payload follows, already in place or not)."""
+    head = bytearray(REC_HDR)
+    _RECORD.pack_into(head, 0, RECORD_MAGIC, VERSION, flags, len(kb), seq, raw_len, stored_len, psum)
+    h = xxhash.xxh3_64(head)
+    h.update(kb)
+    _CHECK.pack_into(head, _RECORD.size, h.intdigest())
     end = pos + REC_HDR
-    buf[pos:end] = bytes(REC_HDR)
-    _RECORD.pack_into(buf, pos, RECORD_MAGIC, VERSION, flags, len(kb), seq, raw_len, stored_len, psum)
+    buf[pos:end] = head
     buf[end:end + len(kb)] = kb
-    _CHECK.pack_into(buf, pos + _RECORD.size, xxh3([buf[pos:end], kb]))
 
 
 def reseq_record(buf, pos: int, seq: int) -> None:

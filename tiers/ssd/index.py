@@ -60,11 +60,11 @@ class DigestIndex:
         return self.region.item(i), self.offset.item(i), self.rec_len.item(i), self.raw_len.item(i)
 
     def put(self, d: int, region: int, offset: int, rec_len: int, raw_len: int) -> Optional[tuple[int, int]]:
-        """Insert or replace; returns the replaced entry's (region, rec_len), if any."""
+        """Insert or replace; returns the replaced entry's (region, offset, rec_len), if any."""
         i = self.find(d)
         old = None
         if i >= 0:
-            old = (self.region.item(i), self.rec_len.item(i))
+            old = (self.region.item(i), self.offset.item(i), self.rec_len.item(i))
         else:
             if (self.used + 1) > _MAX_LOAD * (self.mask + 1):
                 self._resize(max(16, 2 * (self.mask + 1) if self.count + 1 > _MAX_LOAD * (self.mask + 1) / 2
@@ -91,13 +91,13 @@ class DigestIndex:
         self.offset[slot] = offset
 
     def remove(self, d: int) -> Optional[tuple[int, int]]:
-        """Delete; returns the entry's (region, rec_len), if it was there."""
+        """Delete; returns the entry's (region, offset, rec_len), if it was there."""
         i = self.find(d)
         if i < 0:
             return None
         self.digest[i] = TOMB
         self.count -= 1
-        return self.region.item(i), self.rec_len.item(i)
+        return self.region.item(i), self.offset.item(i), self.rec_len.item(i)
 
     def live(self) -> np.ndarray:
         """Slots of live entries."""
@@ -125,12 +125,15 @@ class DigestIndex:
         """Insert unique digests absent from the table, probing for all of them at once."""
         todo = np.arange(len(digest))
         pos = (digest & np.uint64(self.mask)).astype(np.int64)
+        owner = np.full(self.mask + 1, -1, dtype=np.int64)
         while todo.size:
             free = self.digest[pos] <= TOMB
             cand, cpos = todo[free], pos[free]
-            # one winner per free slot; losers and those on taken slots probe on
-            slots, first = np.unique(cpos, return_index=True)
-            win = cand[first]
+            # one winner per free slot (the last to claim it); losers and those on taken slots probe on
+            owner[cpos] = cand
+            won = owner[cpos] == cand
+            first = np.flatnonzero(won)
+            slots, win = cpos[won], cand[won]
             self.used += int(np.count_nonzero(self.digest[slots] == EMPTY))
             self.digest[slots] = digest[win]
             self.region[slots] = region[win]

@@ -17,6 +17,7 @@ import numpy as np
 from tierkv.errors import ConfigError
 
 from . import checkpoint as C
+from . import deadlog
 from . import format as F
 from . import recovery
 from . import region as R
@@ -68,7 +69,7 @@ def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[s
                      "covered_seq": ckpt.covered_seq if ckpt is not None else None}
         if ckpt is not None and ckpt.region_size != region_size:
             ckpt = None
-        loaded = recovery.load(path, regions, region_size, False, ckpt) if regions else None
+        loaded = recovery.load(path, regions, region_size, False, ckpt, deadlog.read(path)) if regions else None
         c = loaded.cands if loaded is not None else None
         corrupt: list[str] = []
         if verify and c is not None:

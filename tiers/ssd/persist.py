@@ -36,6 +36,10 @@ class Persistence:
             except OSError as e:
                 self._io_error(e, f"recreating {r.path}")
             self._write_out(r, F.align_up(r.pos), r.pos)
+        try:
+            self._dead.write(self.fsync != "never")
+        except OSError as e:
+            self._io_error(e, "writing the dead log")
         if self.fsync != "never":
             for fd in list(self._dirty_fds):
                 try:
@@ -118,6 +122,7 @@ class Persistence:
         """
         try:
             c = self._gather() if cands is None else cands
+            c = recovery.take(c, np.lexsort((c.offset, c.seq)))  # oldest first: a reopen need not sort
             covered = self._active.seq if self._active is not None else self._next_seq
             nreg = max(self._regions) + 1 if self._regions else 0
             seqs = np.zeros(nreg, dtype=np.uint64)
@@ -145,10 +150,15 @@ class Persistence:
             return
         self._count("checkpoints")
         self._changed = False
+        try:
+            if self._dead.size() > max(1 << 16, 4 * self._dead.compacted):
+                self._dead.write(self.fsync != "never")
+                self._dead.compact({i: r.seq for i, r in self._regions.items() if not r.foreign},
+                                   self.fsync != "never")
+        except OSError as e:
+            self._io_error(e, "compacting the dead log")
         self._covered = covered
         self._sealed_since_ckpt = 0
-        for r in self._regions.values():
-            r.tombs = 0
 
     # -- bookkeeping ------------------------------------------------------------------------
     def _count(self, what: str, n: int = 1) -> None:

@@ -26,24 +26,46 @@ _OK, _BAD, _OTHER, _SIZE = 1, 2, 3, 4  # exact; corrupt or moved; another key's 
 class ReadPath:
     def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         n = len(keys)
-        locs: list = [None] * n
+        out = [False] * n
+        todo: list = []
         with self._lock:
             for i, k in enumerate(keys):
-                locs[i] = self._locate(k.encode())
-        total = sum(p.numel() for b in dsts for p in b)
-        out = [False] * n
+                loc = self._locate(k.encode())
+                if loc is None:
+                    continue
+                if loc[7] is None:
+                    todo.append((i, loc))
+                else:  # in the active image: copied and checked under the lock, so it cannot be reused meanwhile
+                    out[i] = self._image_read(keys[i], loc, dsts[i])
+        total = sum(p.numel() for i, _ in todo for p in dsts[i])
 
-        def one(i: int) -> None:
-            out[i] = self._read_one(keys[i], locs[i], dsts[i])
+        def one(j: int) -> None:
+            i, loc = todo[j]
+            out[i] = self._read_one(keys[i], loc, dsts[i])
 
-        if n <= 1 or total < (1 << 20):
-            for i in range(n):
-                one(i)
+        if len(todo) <= 1 or total < (1 << 20):
+            for j in range(len(todo)):
+                one(j)
         else:
             from tierkv.buffers import share_work
 
-            share_work(one, n, self._pool, self._threads - 1)
+            share_work(one, len(todo), self._pool, self._threads - 1)
         return out
+
+    def _image_read(self, key: str, loc, parts: Parts) -> bool:
+        """A read from the active image.  Caller holds ``_lock``."""
+        if loc[5] != sum(p.numel() for p in parts):
+            return False
+        kb, d, r, off, rec_len = loc[:5]
+        res = self._from_view(memoryview(loc[7])[off:off + rec_len], kb, loc[6], parts)
+        if res == _OTHER:
+            self._counters["collisions"] += 1
+        elif res == _BAD:  # an image is never torn: memory went bad, or a bug; never serve it
+            self._index.remove(d)
+            self._unlive(r.index, rec_len)
+            self._dead.add(r.index, off, loc[6])
+            self._counters["corrupt"] += 1
+        return res == _OK
 
     def _locate(self, kb: bytes):
         """(key bytes, digest, region, offset, rec_len, raw_len, seq, image or None).  Caller holds ``_lock``."""
@@ -75,10 +97,13 @@ class ReadPath:
                 return False
             with self._lock:
                 now = self._locate(loc[0])
+                if now is not None and now[7] is not None:  # moved into the active region
+                    return self._image_read(key, now, parts)
                 if now is not None and now[2:4] == loc[2:4] and now[6] == loc[6]:
                     # still where it was: the bytes there are bad
                     self._index.remove(loc[1])
                     self._unlive(loc[2].index, loc[4])
+                    self._dead.add(loc[2].index, loc[3], loc[6])
                     self._changed = True
                     now = None
                     self._counters["corrupt"] += 1
@@ -89,12 +114,12 @@ class ReadPath:
 
     def _fetch(self, loc, parts: Parts) -> int:
         kb, _, r, off, rec_len, raw_len, seq, image = loc
-        if image is not None:
-            return self._from_view(memoryview(image)[off:off + rec_len], kb, seq, parts)
+        if image is not None:  # moved into the active region since: read the file copy it came from
+            return _BAD
         fd = r.fd
         if not self.direct_io and rec_len == F.record_len(len(kb), raw_len) and raw_len:
             return self._direct_into(fd, off, rec_len, kb, seq, raw_len, parts)
-        return self._from_view(R.read_span(fd, off, rec_len, self.direct_io), kb, seq, parts)
+        return self._from_view(R.read_span(fd, off, rec_len, self.direct_io, scratch=True), kb, seq, parts)
 
     def _from_view(self, view, kb: bytes, seq: int, parts: Parts) -> int:
         klen = F.record_key_len(view)
@@ -129,15 +154,23 @@ class ReadPath:
 
     def _direct_into(self, fd: int, off: int, rec_len: int, kb: bytes, seq: int, raw_len: int, parts: Parts) -> int:
         """One preadv: header and key into a small buffer, the payload into the caller's parts."""
+        from .tier import cbuffer
+
         head = bytearray(F.REC_HDR + len(kb))
-        host = [p if p.device.type == "cpu" and p.is_contiguous() else torch.empty(p.numel(), dtype=torch.uint8)
-                for p in parts]
-        views = [memoryview(h.numpy()).cast("B") for h in host if h.numel()]
+        host, views = [], []
+        for p in parts:
+            b = cbuffer(p)
+            if b is None:  # a device or strided part: through a host copy
+                h = torch.empty(p.numel(), dtype=torch.uint8)
+                host.append((p, h))
+                b = cbuffer(h)
+            if len(b):
+                views.append(b)
         got = os.preadv(fd, [head, *views], off)
         h = F.parse_record_header(head[:F.REC_HDR], bytes(head[F.REC_HDR:]))
         if h is None or h.seq != seq or h.flags & (F.FLAG_TOMB | F.FLAG_LZ4) or h.key != kb:
             # not what the index said: a private read of the record tells corrupt from another key's
-            return self._from_view(R.read_span(fd, off, rec_len, False), kb, seq, parts)
+            return self._from_view(R.read_span(fd, off, rec_len, False, scratch=True), kb, seq, parts)
         if got != len(head) + raw_len or h.stored_len != raw_len:
             return _BAD
         s = F.payload_sum(views, h.flags)
@@ -153,7 +186,6 @@ class ReadPath:
 
             _scatter(memoryview(data), parts)
             return _OK
-        for p, hp in zip(parts, host):
-            if hp is not p:
-                p.copy_(hp)
+        for p, hp in host:
+            p.copy_(hp)
         return _OK

@@ -9,7 +9,8 @@ Sources of candidate entries, each (digest, region, seq, offset, rec_len, raw_le
   (a torn tail).
 
 Resolution is the log's order: for each digest the entry of the highest (seq, offset)
-wins, and a winning tombstone means the key was removed.  All of it is vectorised.
+wins.  Records named in the dead log (``deadlog.py``) are dropped first: removed,
+replaced or moved, they are no objects.  All of it is vectorised.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def _empty() -> dict:
                             "key_len")}
 
 
-def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Optional[C.Checkpoint]) -> Loaded:
+def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Optional[C.Checkpoint],
+         dead: Optional[np.ndarray] = None) -> Loaded:
     """Collect and resolve candidates.  ``regions``: index -> Region with fd and seq set (valid headers only)."""
     parts = _empty()
     blobs: list[bytes] = []
@@ -130,13 +132,19 @@ def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Opti
         parts["key_len"].append(entries["key_len"])
         blobs.append(keys)
         base += len(keys)
+    in_order = not read_regions  # a checkpoint alone: unique entries, written oldest first
     cat = {k: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for k, v in parts.items()}
     keys = b"".join(blobs) if len(blobs) != 1 else blobs[0]
     cands = Candidates(
         cat["digest"].astype(np.uint64), cat["region"].astype(np.int64), cat["seq"].astype(np.uint64),
         cat["offset"].astype(np.int64), cat["rec_len"].astype(np.int64), cat["raw_len"].astype(np.int64),
         cat["flags"].astype(np.uint8), cat["key_start"].astype(np.int64), cat["key_len"].astype(np.int64), keys)
-    return Loaded(resolve(cands), source, read_regions, scanned, torn, tombstones)
+    if dead is not None and len(dead) and len(cands.digest):  # records that died after they were written
+        from .deadlog import dead_keys
+
+        alive = ~np.isin(dead_keys(cands.region, cands.offset, cands.seq), dead)
+        cands = take(cands, np.flatnonzero(alive))
+    return Loaded(cands if in_order else resolve(cands), source, read_regions, scanned, torn, tombstones)
 
 
 def _looks_torn(r, end: int, direct: bool) -> bool:
@@ -168,7 +176,26 @@ def resolve(c: Candidates) -> Candidates:
 
 
 def key_list(c: Candidates) -> list[str]:
+    """The candidates' keys as strings, in order."""
     keys = c.keys
+    n = len(c.key_len)
+    if n and keys.isascii() and b"\0" not in keys:
+        # all ASCII without NULs: one vectorised conversion through a fixed-width array
+        width = int(c.key_len.max())
+        s0 = int(c.key_start[0])
+        if (c.key_len == width).all() and (c.key_start == s0 + width * np.arange(n)).all():
+            # keys of one length back to back (a checkpoint of content keys): no gathering at all
+            return np.frombuffer(keys, dtype=f"S{width}", count=n, offset=s0).astype(f"U{width}").tolist()
+        src = np.frombuffer(keys, dtype=np.uint8)
+        col = np.arange(width)
+        out = []
+        for a in range(0, n, 1 << 16):  # in slices: the index grid is 8 bytes a key byte
+            starts, lens = c.key_start[a:a + (1 << 16)], c.key_len[a:a + (1 << 16)]
+            grid = np.zeros((len(starts), width), dtype=np.uint8)
+            mask = col[None, :] < lens[:, None]
+            grid[mask] = src[(starts[:, None] + col[None, :])[mask]]
+            out += grid.view(f"S{width}").ravel().astype(f"U{width}").tolist()
+        return out
     out = []
     for s, n in zip(c.key_start.tolist(), c.key_len.tolist()):
         out.append(keys[s:s + n].decode("utf-8", "replace"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import os
+import threading
 from typing import Optional
 
 import numpy as np
@@ -32,7 +33,7 @@ def parse_region_name(name: str) -> Optional[int]:
 
 
 class Region:
-    __slots__ = ("index", "path", "fd", "ino", "seq", "state", "live_bytes", "live_count", "tombs",
+    __slots__ = ("index", "path", "fd", "ino", "seq", "state", "live_bytes", "live_count",
                  "buf", "pos", "written", "entries", "keys", "count", "foreign")
 
     def __init__(self, index: int, path: str) -> None:
@@ -44,34 +45,31 @@ class Region:
         self.state = FREE
         self.live_bytes = 0  # slot bytes (record + summary entry) of live objects
         self.live_count = 0
-        self.tombs = 0  # tombstones in it (the checkpoint must cover them before it is reused)
         self.foreign = False  # a file we cannot interpret: never written, never deleted
         self.buf = None
         self.pos = self.written = self.count = 0
         self.entries = self.keys = None
 
     # -- the active image ------------------------------------------------------------
-    def start(self, seq: int, region_size: int) -> None:
-        """Become the active region: a fresh zeroed image with its header."""
+    def start(self, seq: int, region_size: int, image) -> None:
+        """Become the active region, filling ``image`` (a region-sized aligned buffer, maybe reused)."""
         self.seq = seq
         self.state = ACTIVE
-        self.buf = F.aligned_buffer(region_size)
+        self.buf = image
         F.pack_region_header(self.buf, self.index, seq, region_size)
         self.pos = F.BLOCK
         self.written = 0
         self.entries = bytearray()
         self.keys = bytearray()
         self.count = 0
-        self.live_bytes = self.live_count = self.tombs = 0
+        self.live_bytes = self.live_count = 0
 
     def fits(self, rec_len: int, key_len: int, region_size: int) -> bool:
         end = F.align_up(self.pos + rec_len, F.ALIGN)
         return F.summary_start(region_size, self.count + 1, len(self.keys) + key_len) >= end
 
     def add_entry(self, digest: int, offset: int, rec_len: int, raw_len: int, kb: bytes, flags: int) -> None:
-        e = np.zeros(1, dtype=F.ENTRY_DTYPE)
-        e[0] = (digest, offset, rec_len, raw_len, len(kb), flags, 0)
-        self.entries += e.tobytes()
+        self.entries += F.pack_entry(digest, offset, rec_len, raw_len, len(kb), flags)
         self.keys += kb
         self.count += 1
 
@@ -103,16 +101,31 @@ def pwrite_all(fd: int, view, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def read_span(fd: int, offset: int, length: int, direct: bool) -> memoryview:
-    """Bytes ``[offset, offset+length)`` of a file in one aligned read (fewer at end of file)."""
+_tls = threading.local()
+
+
+def _scratch(n: int):
+    """This thread's reusable aligned read buffer, at least ``n`` bytes."""
+    buf = getattr(_tls, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _tls.buf = F.aligned_buffer(max(n, 1 << 20), populate=True)
+    return buf
+
+
+def read_span(fd: int, offset: int, length: int, direct: bool, scratch: bool = False) -> memoryview:
+    """Bytes ``[offset, offset+length)`` of a file in one aligned read (fewer at end of file).
+
+    With ``scratch`` the bytes land in this thread's reusable buffer: valid until its
+    next ``read_span(scratch=True)``.
+    """
     if not direct:
-        buf = bytearray(length)
-        got = os.preadv(fd, [buf], offset)
+        buf = _scratch(length) if scratch else bytearray(length)
+        got = os.preadv(fd, [memoryview(buf)[:length]], offset)
         return memoryview(buf)[:got]
     start = F.align_down(offset)
     end = F.align_up(offset + length)
-    buf = F.aligned_buffer(end - start)
-    got = os.preadv(fd, [buf], start)
+    buf = _scratch(end - start) if scratch else F.aligned_buffer(end - start)
+    got = os.preadv(fd, [memoryview(buf)[:end - start]], start)
     return memoryview(buf)[offset - start:max(offset - start, min(got, offset - start + length))]
 
 

@@ -21,9 +21,10 @@ Invariants:
       for lack of space.  Objects whose slot exceeds ``M`` are refused (``too_large``).
     * Durability.  ``flush()`` writes out the active image, fsyncs, and checkpoints the
       index; after it, everything written survives SIGKILL (and power loss unless
-      ``fsync: "never"``).  Removals are tombstone records, so a removed key is never
-      resurrected; of a key re-put, the newest record wins.  A region holding tombstones
-      is reused only after a checkpoint covers them.
+      ``fsync: "never"``).  Every record that stops being an object (removed, replaced,
+      moved by reclamation, dropped as corrupt) is named in the dead log (``deadlog.py``),
+      which a reopen applies to the checkpoint and the summaries alike: a removed key is
+      never resurrected, and of a key re-put only the newest record can win.
     * Reopen reads the checkpoint plus the regions written after it; without a valid
       checkpoint, one read per region (its summary, or for an unsealed region the region
       itself, up to its first bad record).  ``recover()`` lists objects oldest first, and
@@ -40,6 +41,7 @@ guards the index and region states, held only briefly, so reads run beside a wri
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import os
@@ -63,6 +65,8 @@ from . import format as F
 from . import recovery
 from . import region as R
 from .index import DigestIndex
+from . import deadlog
+from .deadlog import DeadLog
 from .lock import DirLock
 from .persist import Persistence
 from .readpath import ReadPath
@@ -77,7 +81,7 @@ WRITE_UNIT = 2 << 20
 REGIONS_DIR = "regions"
 _COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
              "gc_relocated", "gc_dropped", "checkpoints", "checkpoint_errors", "torn_regions", "skipped_files",
-             "trimmed", "tombstones")
+             "trimmed")
 
 
 def check_old_layout(path: str) -> None:
@@ -98,6 +102,31 @@ def _host_view(p: torch.Tensor) -> memoryview:
     if p.device.type != "cpu":
         p = p.cpu()
     return memoryview(p.contiguous().numpy()).cast("B")
+
+
+_CTYPES: dict[int, type] = {}
+
+
+def cbuffer(p: torch.Tensor):
+    """A writable buffer over a contiguous host tensor's bytes, or None for any other tensor.
+
+    Cheaper than a numpy view: per-object overhead decides small-object throughput.
+    """
+    if p.device.type != "cpu" or not p.is_contiguous():
+        return None
+    n = p.numel() * p.element_size()
+    typ = _CTYPES.get(n)
+    if typ is None:
+        if len(_CTYPES) > 256:
+            _CTYPES.clear()
+        typ = _CTYPES[n] = ctypes.c_ubyte * n
+    return typ.from_address(p.data_ptr())
+
+
+def image_address(image) -> tuple[int, object]:
+    """(address, keeper) of an image buffer; the keeper holds the export the address relies on."""
+    keeper = ctypes.c_char.from_buffer(image)
+    return ctypes.addressof(keeper), keeper
 
 
 def _scatter(src, parts: Parts) -> None:
@@ -165,7 +194,9 @@ class SSDTier(ReadPath, Persistence, Tier):
         self._next_seq = 1
         self._dirty_fds: set[int] = set()
         self._recovered: Optional[list] = None
-        self._tls = threading.local()
+        self._spare_image = None  # the last sealed region's image, reused by the next
+        self._image_addrs: dict[int, tuple] = {}  # id(image) -> (address, keeper)
+        self._image_addr = 0
         self._prepare_dir()
         check_old_layout(self.path)
         self._lock_file = DirLock(self.path, what)
@@ -304,7 +335,8 @@ class SSDTier(ReadPath, Persistence, Tier):
         ckpt = C.read(self.path)
         if ckpt is not None and ckpt.region_size != self.region_size:
             ckpt = None
-        loaded = recovery.load(self.path, valid, self.region_size, self.direct_io, ckpt)
+        self._dead = DeadLog(self.path)
+        loaded = recovery.load(self.path, valid, self.region_size, self.direct_io, ckpt, deadlog.read(self.path))
         self._counters["torn_regions"] = loaded.torn
         self.recovered_from = loaded.source if valid else "empty"
         seqs = [r.seq for r in valid.values()]
@@ -328,17 +360,14 @@ class SSDTier(ReadPath, Persistence, Tier):
                 r = self._regions[idx]
                 r.state, r.live_bytes, r.live_count = R.SEALED, int(live[idx]), int(cnt[idx])
             self._live_total = int(meas.sum())
-        for idx, n in loaded.tombstones.items():
-            self._regions[idx].tombs = n
         self._covered = ckpt.covered_seq if ckpt is not None else 0
         for idx, sc in loaded.scanned.items():  # seal what an earlier process left unsealed
             self._seal_scanned(valid[idx], sc)
         self._recovered = (recovery.key_list(c), c.raw_len.tolist())
         if len(dropped.digest):
             self._counters["trimmed"] = len(dropped.digest)
-            with self._wlock:
-                for kb in recovery.key_list(dropped):
-                    self._tombstone(kb.encode(), F.key_digest(kb.encode()))
+            for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
+                self._dead.add(rg, off, sq)
         if any(valid[i].seq >= self._covered for i in loaded.read_regions) or len(dropped.digest):
             with self._wlock:  # the keys are at hand: the checkpoint needs no summary read
                 self._flush_locked(checkpoint=False)
@@ -382,17 +411,26 @@ class SSDTier(ReadPath, Persistence, Tier):
         if len(kb) > F.MAX_KEY:
             self._count("bad_key")
             return False
-        raw_len = sum(p.numel() for p in parts)
-        views = [_host_view(p) for p in parts if p.numel()]
+        raw_len = 0
+        direct = []  # (address, nbytes) of host parts copied with one memmove each
+        for p in parts:
+            n = p.numel()
+            raw_len += n
+            if n:
+                direct.append((p.data_ptr(), n) if p.device.type == "cpu" and p.is_contiguous() else None)
         flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
-        payload = views
+        if None in direct or self.compression:
+            payload = [_host_view(p) for p in parts if p.numel()]
+            direct = None
+        else:
+            payload = direct
         if self.compression and raw_len:
             import lz4.block
 
-            packed = lz4.block.compress(views[0] if len(views) == 1 else b"".join(views), store_size=False)
+            packed = lz4.block.compress(payload[0] if len(payload) == 1 else b"".join(payload), store_size=False)
             if len(packed) < raw_len:
                 payload, flags = [memoryview(packed)], flags | F.FLAG_LZ4
-        stored = sum(len(v) for v in payload)
+        stored = raw_len if direct is not None else sum(len(v) for v in payload)
         rec_len = F.record_len(len(kb), stored)
         if _measure(rec_len) > self.max_slot or raw_len >= 1 << 32:
             self._count("too_large")
@@ -403,10 +441,16 @@ class SSDTier(ReadPath, Persistence, Tier):
         pos = r.pos
         buf = r.buf
         p = pos + F.REC_HDR + len(kb)
-        for v in payload:
-            buf[p:p + len(v)] = v
-            p += len(v)
         mv = memoryview(buf)
+        if direct is not None:
+            base = self._image_addr
+            for addr, n in direct:
+                ctypes.memmove(base + p, addr, n)
+                p += n
+        else:
+            for v in payload:
+                mv[p:p + len(v)] = v
+                p += len(v)
         psum = F.payload_sum([mv[pos + F.REC_HDR + len(kb):p]], flags)
         F.pack_record_header(buf, pos, flags, kb, r.seq, raw_len, stored, psum)
         end = F.align_up(pos + rec_len, F.ALIGN)
@@ -415,8 +459,9 @@ class SSDTier(ReadPath, Persistence, Tier):
         d = F.key_digest(kb)
         with self._lock:
             old = self._index.put(d, r.index, pos, rec_len, raw_len)
-            if old is not None:
-                self._unlive(old[0], old[1])
+            if old is not None:  # the older version is dead: it must never come back
+                self._unlive(old[0], old[2])
+                self._dead.add(old[0], old[1], self._regions[old[0]].seq)
             m = _measure(rec_len)
             r.live_bytes += m
             r.live_count += 1
@@ -439,6 +484,8 @@ class SSDTier(ReadPath, Persistence, Tier):
         ``data_end`` (a partial last block is written again next time)."""
         if end <= r.written:
             return True
+        if end > data_end:  # the tail of a partial block: zeros, not an earlier region's bytes
+            memoryview(r.buf)[data_end:end] = bytes(end - data_end)
         try:
             R.pwrite_all(r.fd, memoryview(r.buf)[r.written:end], r.written)
         except OSError as e:
@@ -489,8 +536,6 @@ class SSDTier(ReadPath, Persistence, Tier):
         victim = None
         if len(free) == 1:  # the spare: refill it with the emptiest region's live objects
             victim = self._pick_victim()
-            if victim is not None and victim.tombs and victim.seq >= self._covered:
-                self._checkpoint()  # its tombstones must outlive it
         new = self._begin(free[0])
         if victim is not None:
             self._reclaim(victim, new)
@@ -519,7 +564,12 @@ class SSDTier(ReadPath, Persistence, Tier):
             if r.fd >= 0:
                 self._close_region_fd(r)
             r.fd, r.ino = fd, os.fstat(fd).st_ino
-        r.start(self._next_seq, self.region_size)
+        image, self._spare_image = self._spare_image, None
+        if image is None:
+            image = F.aligned_buffer(self.region_size, populate=True)
+            self._image_addrs[id(image)] = image_address(image)
+        self._image_addr = self._image_addrs[id(image)][0]
+        r.start(self._next_seq, self.region_size, image)
         # the new seq reaches the disk before anything refers to it
         R.pwrite_all(r.fd, memoryview(r.buf)[:F.BLOCK], 0)
         r.written = F.BLOCK
@@ -534,13 +584,14 @@ class SSDTier(ReadPath, Persistence, Tier):
         """Write the rest of the active image and its summary; raises OSError (the region stays active)."""
         start = F.pack_summary(r.buf, self.region_size, r.seq, bytes(r.entries), bytes(r.keys), r.count)
         mv = memoryview(r.buf)
+        mv[r.pos:F.align_up(r.pos)] = bytes(F.align_up(r.pos) - r.pos)  # (a reused image holds old bytes)
         if F.align_up(r.pos) > r.written:
             R.pwrite_all(r.fd, mv[r.written:F.align_up(r.pos)], r.written)
         R.pwrite_all(r.fd, mv[start:self.region_size], start)
         self._dirty_fds.add(r.fd)
-        with self._lock:
+        with self._lock:  # readers copy from the image under this lock: none is using it now
             r.state = R.SEALED
-            r.buf = None  # readers still copying from it hold their own reference
+            self._spare_image, r.buf = r.buf, None
             r.entries = r.keys = None
             self._active = None
             self._changed = True
@@ -580,6 +631,7 @@ class SSDTier(ReadPath, Persistence, Tier):
                     self._index.digest[slot] = F.TOMB
                     self._index.count -= 1
                     self._unlive(victim.index, ln)
+                    self._dead.add(victim.index, off, victim.seq)
                     self._changed = True
                 continue
             pos = dest.pos
@@ -588,8 +640,11 @@ class SSDTier(ReadPath, Persistence, Tier):
             end = F.align_up(pos + ln, F.ALIGN)
             d = F.key_digest(h.key)
             with self._lock:
+                if self._index.digest.item(slot) <= F.TOMB or self._index.region.item(slot) != victim.index:
+                    continue  # dropped meanwhile by a reader that found it corrupt
                 self._index.move(slot, dest.index, pos)
                 self._unlive(victim.index, ln)
+                self._dead.add(victim.index, off, victim.seq)  # until the victim is reused
                 m = _measure(ln)
                 dest.live_bytes += m
                 dest.live_count += 1
@@ -602,37 +657,17 @@ class SSDTier(ReadPath, Persistence, Tier):
                 self._write_out(dest, F.align_down(end), end)
         with self._lock:
             victim.state = R.FREE
-            victim.live_bytes = victim.live_count = victim.tombs = 0
+            victim.live_bytes = victim.live_count = 0
 
     # -- deletes ----------------------------------------------------------------------------
     def _delete(self, keys: Sequence[str]) -> None:
-        with self._wlock:
+        with self._wlock, self._lock:  # (_wlock: reclamation may be moving these very objects)
             for key in keys:
-                kb = key.encode()
-                d = F.key_digest(kb)
-                with self._lock:
-                    old = self._index.remove(d)
-                    if old is None:
-                        continue
-                    self._unlive(old[0], old[1])
+                old = self._index.remove(F.key_digest(key.encode()))
+                if old is not None:
+                    self._unlive(old[0], old[2])
+                    self._dead.add(old[0], old[1], self._regions[old[0]].seq)
                     self._changed = True
-                self._tombstone(kb, d)
-
-    def _tombstone(self, kb: bytes, d: int) -> None:
-        """Log the removal, so it survives a restart.  Caller holds ``_wlock``."""
-        if len(kb) > F.MAX_KEY:
-            return
-        rec_len = F.record_len(len(kb), 0)
-        r = self._room(rec_len, len(kb))
-        if r is None:
-            return  # removed here; the next checkpoint records it
-        pos = r.pos
-        F.pack_record_header(r.buf, pos, F.FLAG_TOMB, kb, r.seq, 0, 0, 0)
-        with self._lock:
-            r.pos = F.align_up(pos + rec_len, F.ALIGN)
-        r.add_entry(d, pos, rec_len, 0, kb, F.FLAG_TOMB)
-        r.tombs += 1
-        self._count("tombstones")
 
     def _contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
