@@ -38,11 +38,13 @@ def paired(base, fn, rounds: int, base_setup=None, setup=None):
     for _ in range(rounds):
         if base_setup:
             base_setup()
+        os.sync()  # each side starts without the other's dirty pages to write back
         t0 = time.perf_counter()
         base()
         b = time.perf_counter() - t0
         if setup:
             setup()
+        os.sync()
         t0 = time.perf_counter()
         fn()
         t = time.perf_counter() - t0
