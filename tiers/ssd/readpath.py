@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Optional
 
 import torch
+
+from tierkv.buffers import share_work
 
 from ..base import Parts
 from . import format as F
 from . import region as R
+from .hostbuf import cbuffer, scatter
 
 _OK, _BAD, _OTHER, _SIZE = 1, 2, 3, 4  # exact; corrupt or moved; another key's record; size mismatch
 
@@ -47,8 +49,6 @@ class ReadPath:
             for j in range(len(todo)):
                 one(j)
         else:
-            from tierkv.buffers import share_work
-
             share_work(one, len(todo), self._pool, self._threads - 1)
         return out
 
@@ -147,15 +147,11 @@ class ReadPath:
             body = memoryview(raw)
         if len(body) != sum(p.numel() for p in parts):
             return _SIZE
-        from .tier import _scatter
-
-        _scatter(body, parts)
+        scatter(body, parts)
         return _OK
 
     def _direct_into(self, fd: int, off: int, rec_len: int, kb: bytes, seq: int, raw_len: int, parts: Parts) -> int:
         """One preadv: header and key into a small buffer, the payload into the caller's parts."""
-        from .tier import cbuffer
-
         head = bytearray(F.REC_HDR + len(kb))
         host, views = [], []
         for p in parts:
@@ -182,9 +178,7 @@ class ReadPath:
             if os.preadv(fd, [data], off + len(head)) != raw_len or F.payload_sum([data], h.flags) != h.psum:
                 return _BAD
             self._count("rereads")
-            from .tier import _scatter
-
-            _scatter(memoryview(data), parts)
+            scatter(memoryview(data), parts)
             return _OK
         for p, hp in host:
             p.copy_(hp)

@@ -177,26 +177,16 @@ def resolve(c: Candidates) -> Candidates:
 
 def key_list(c: Candidates) -> list[str]:
     """The candidates' keys as strings, in order."""
+    import gc
+
     keys = c.keys
-    n = len(c.key_len)
-    if n and keys.isascii() and b"\0" not in keys:
-        # all ASCII without NULs: one vectorised conversion through a fixed-width array
-        width = int(c.key_len.max())
-        s0 = int(c.key_start[0])
-        if (c.key_len == width).all() and (c.key_start == s0 + width * np.arange(n)).all():
-            # keys of one length back to back (a checkpoint of content keys): no gathering at all
-            return np.frombuffer(keys, dtype=f"S{width}", count=n, offset=s0).astype(f"U{width}").tolist()
-        src = np.frombuffer(keys, dtype=np.uint8)
-        col = np.arange(width)
-        out = []
-        for a in range(0, n, 1 << 16):  # in slices: the index grid is 8 bytes a key byte
-            starts, lens = c.key_start[a:a + (1 << 16)], c.key_len[a:a + (1 << 16)]
-            grid = np.zeros((len(starts), width), dtype=np.uint8)
-            mask = col[None, :] < lens[:, None]
-            grid[mask] = src[(starts[:, None] + col[None, :])[mask]]
-            out += grid.view(f"S{width}").ravel().astype(f"U{width}").tolist()
-        return out
-    out = []
-    for s, n in zip(c.key_start.tolist(), c.key_len.tolist()):
-        out.append(keys[s:s + n].decode("utf-8", "replace"))
-    return out
+    gc_was = gc.isenabled()
+    gc.disable()  # a million new strings would run the cycle collector over and over, for nothing
+    try:
+        if keys.isascii():  # one decode; byte offsets are character offsets
+            text = keys.decode("ascii")
+            return [text[a:a + n] for a, n in zip(c.key_start.tolist(), c.key_len.tolist())]
+        return [keys[a:a + n].decode("utf-8", "replace") for a, n in zip(c.key_start.tolist(), c.key_len.tolist())]
+    finally:
+        if gc_was:
+            gc.enable()

@@ -51,9 +51,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
-import torch
 
-from tierkv.buffers import host_copy, share_work
 from tierkv.errors import ConfigError
 from tierkv.options import check_bool, check_choice, check_int, check_str, pop_bool, pop_choice, pop_int, \
     pop_size, pop_str
@@ -66,6 +64,7 @@ from . import recovery
 from . import region as R
 from .index import DigestIndex
 from . import deadlog
+from .hostbuf import _host_view, cbuffer, image_address  # noqa: F401  (cbuffer: tests)
 from .deadlog import DeadLog
 from .lock import DirLock
 from .persist import Persistence
@@ -96,46 +95,6 @@ def check_old_layout(path: str) -> None:
                 f.endswith(".kv") for f in os.listdir(p))):
             raise ConfigError(f"ssd directory {path} holds the old one-file-per-object layout (*.kv files); "
                               "this tier keeps regions: give it a new directory, or remove the old files")
-
-
-def _host_view(p: torch.Tensor) -> memoryview:
-    if p.device.type != "cpu":
-        p = p.cpu()
-    return memoryview(p.contiguous().numpy()).cast("B")
-
-
-_CTYPES: dict[int, type] = {}
-
-
-def cbuffer(p: torch.Tensor):
-    """A writable buffer over a contiguous host tensor's bytes, or None for any other tensor.
-
-    Cheaper than a numpy view: per-object overhead decides small-object throughput.
-    """
-    if p.device.type != "cpu" or not p.is_contiguous():
-        return None
-    n = p.numel() * p.element_size()
-    typ = _CTYPES.get(n)
-    if typ is None:
-        if len(_CTYPES) > 256:
-            _CTYPES.clear()
-        typ = _CTYPES[n] = ctypes.c_ubyte * n
-    return typ.from_address(p.data_ptr())
-
-
-def image_address(image) -> tuple[int, object]:
-    """(address, keeper) of an image buffer; the keeper holds the export the address relies on."""
-    keeper = ctypes.c_char.from_buffer(image)
-    return ctypes.addressof(keeper), keeper
-
-
-def _scatter(src, parts: Parts) -> None:
-    arr = torch.from_numpy(np.frombuffer(src, dtype=np.uint8))
-    pos = 0
-    for p in parts:
-        n = p.numel()
-        host_copy(p, arr[pos:pos + n])
-        pos += n
 
 
 def footprint_of(nbytes):
@@ -390,9 +349,17 @@ class SSDTier(ReadPath, Persistence, Tier):
     def recover(self) -> list[tuple[str, int]]:
         """(key, nbytes) of the objects found on open, oldest first (within ``capacity_bytes``)."""
         if self._recovered is not None:
+            import gc
+
             keys, sizes = self._recovered
             self._recovered = None  # the tier keeps no key strings once the store has them
-            return list(zip(keys, sizes))
+            gc_was = gc.isenabled()
+            gc.disable()  # (a million tuples: see recovery.key_list)
+            try:
+                return list(zip(keys, sizes))
+            finally:
+                if gc_was:
+                    gc.enable()
         with self._wlock:
             c = self._gather()
         c = recovery.take(c, np.lexsort((c.offset, c.seq)))
