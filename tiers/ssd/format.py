@@ -125,6 +125,15 @@ def record_len(key_len: int, stored_len: int) -> int:
     return REC_HDR + key_len + stored_len
 
 
+#: the active image is written out once this much of it is unwritten
+WRITE_UNIT = 2 << 20
+
+
+def measure(rec_len: int) -> int:
+    """Live bytes accounted for a record: an upper bound of its region space, summary entry and key included."""
+    return (rec_len + ALIGN - 1) // ALIGN * ALIGN + ENTRY + MAX_KEY
+
+
 def slot_len(rec_len: int) -> int:
     """Bytes of region space a record takes, summary entry included."""
     return align_up(rec_len, ALIGN) + ENTRY

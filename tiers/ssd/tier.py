@@ -66,17 +66,17 @@ from .index import DigestIndex
 from . import deadlog
 from .hostbuf import _host_view, cbuffer, image_address  # noqa: F401  (cbuffer: tests)
 from .deadlog import DeadLog
+from .format import WRITE_UNIT
 from .lock import DirLock
 from .persist import Persistence
 from .readpath import ReadPath
+from .reclaim import Reclaim
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REGION = 64 << 20
 MIN_REGION = 1 << 20
 MAX_REGION = 2 << 30
-#: the active image is written out once this much of it is unwritten
-WRITE_UNIT = 2 << 20
 REGIONS_DIR = "regions"
 _COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
              "gc_relocated", "gc_dropped", "checkpoints", "checkpoint_errors", "torn_regions", "skipped_files",
@@ -102,12 +102,7 @@ def footprint_of(nbytes):
     return (F.REC_HDR + F.MAX_KEY + nbytes + F.ALIGN - 1) // F.ALIGN * F.ALIGN + F.ENTRY + F.MAX_KEY
 
 
-def _measure(rec_len: int) -> int:
-    """Live bytes accounted for a record (an upper bound of its region space)."""
-    return F.align_up(rec_len, F.ALIGN) + F.ENTRY + F.MAX_KEY
-
-
-class SSDTier(ReadPath, Persistence, Tier):
+class SSDTier(ReadPath, Reclaim, Persistence, Tier):
     """Chunks in a log of large region files under ``path`` (see the module docstring)."""
 
     medium = "ssd"
@@ -399,7 +394,7 @@ class SSDTier(ReadPath, Persistence, Tier):
                 payload, flags = [memoryview(packed)], flags | F.FLAG_LZ4
         stored = raw_len if direct is not None else sum(len(v) for v in payload)
         rec_len = F.record_len(len(kb), stored)
-        if _measure(rec_len) > self.max_slot or raw_len >= 1 << 32:
+        if F.measure(rec_len) > self.max_slot or raw_len >= 1 << 32:
             self._count("too_large")
             return False
         r = self._room(rec_len, len(kb))
@@ -429,7 +424,7 @@ class SSDTier(ReadPath, Persistence, Tier):
             if old is not None:  # the older version is dead: it must never come back
                 self._unlive(old[0], old[2])
                 self._dead.add(old[0], old[1], self._regions[old[0]].seq)
-            m = _measure(rec_len)
+            m = F.measure(rec_len)
             r.live_bytes += m
             r.live_count += 1
             self._live_total += m
@@ -441,7 +436,7 @@ class SSDTier(ReadPath, Persistence, Tier):
     def _unlive(self, idx: int, rec_len: int) -> None:
         """An object left region ``idx``.  Caller holds ``_lock``."""
         o = self._regions[idx]
-        m = _measure(rec_len)
+        m = F.measure(rec_len)
         o.live_bytes -= m
         o.live_count -= 1
         self._live_total -= m
@@ -563,68 +558,6 @@ class SSDTier(ReadPath, Persistence, Tier):
             self._active = None
             self._changed = True
         self._sealed_since_ckpt += 1
-
-    def _pick_victim(self) -> Optional[R.Region]:
-        sealed = [r for r in self._regions.values() if r.state == R.SEALED and not r.foreign]
-        return min(sealed, key=lambda r: (r.live_bytes, r.seq)) if sealed else None
-
-    def _reclaim(self, victim: R.Region, dest: R.Region) -> None:
-        """Re-append the victim's live objects into ``dest``, then free the victim."""
-        self._count("gc_runs")
-        with self._lock:
-            slots = self._index.in_region(victim.index)
-            offs = self._index.offset[slots].astype(np.int64)
-            order = np.argsort(offs)
-            slots, offs = slots[order], offs[order]
-            lens = self._index.rec_len[slots].astype(np.int64)
-        whole = None
-        if len(slots) > 16:
-            try:
-                whole = R.read_span(victim.fd, 0, self.region_size, self.direct_io)
-            except OSError as e:
-                self._io_error(e, f"reading {victim.path}")
-        for slot, off, ln in zip(slots.tolist(), offs.tolist(), lens.tolist()):
-            try:
-                data = whole[off:off + ln] if whole is not None else R.read_span(victim.fd, off, ln,
-                                                                                 self.direct_io)
-            except OSError as e:
-                self._io_error(e, f"reading {victim.path}")
-                data = b""
-            h = F.parse_record(data, victim.seq)
-            klen = len(h.key) if h is not None else 0
-            if h is None or not dest.fits(ln, klen, self.region_size):
-                self._count("corrupt" if h is None else "gc_dropped")
-                with self._lock:
-                    self._index.digest[slot] = F.TOMB
-                    self._index.count -= 1
-                    self._unlive(victim.index, ln)
-                    self._dead.add(victim.index, off, victim.seq)
-                    self._changed = True
-                continue
-            pos = dest.pos
-            dest.buf[pos:pos + ln] = data
-            F.reseq_record(dest.buf, pos, dest.seq)
-            end = F.align_up(pos + ln, F.ALIGN)
-            d = F.key_digest(h.key)
-            with self._lock:
-                if self._index.digest.item(slot) <= F.TOMB or self._index.region.item(slot) != victim.index:
-                    continue  # dropped meanwhile by a reader that found it corrupt
-                self._index.move(slot, dest.index, pos)
-                self._unlive(victim.index, ln)
-                self._dead.add(victim.index, off, victim.seq)  # until the victim is reused
-                m = _measure(ln)
-                dest.live_bytes += m
-                dest.live_count += 1
-                self._live_total += m
-                dest.pos = end
-                self._changed = True
-            dest.add_entry(d, pos, ln, h.raw_len, h.key, h.flags)
-            self._count("gc_relocated")
-            if end - dest.written >= WRITE_UNIT:
-                self._write_out(dest, F.align_down(end), end)
-        with self._lock:
-            victim.state = R.FREE
-            victim.live_bytes = victim.live_count = 0
 
     # -- deletes ----------------------------------------------------------------------------
     def _delete(self, keys: Sequence[str]) -> None:
