@@ -129,14 +129,7 @@ class Persistence:
             for i, r in self._regions.items():
                 if not r.foreign:
                     seqs[i] = r.seq
-            keys = np.frombuffer(c.keys, dtype=np.uint8) if c.keys else np.zeros(0, dtype=np.uint8)
-            if len(c.key_start):
-                starts, lens = c.key_start, c.key_len
-                ends = np.cumsum(lens)
-                idx = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(ends - lens - starts, lens)
-                blob = keys[idx].tobytes()
-            else:
-                blob = b""
+            blob = _gather_keys(c)
             cols = {"digest": c.digest, "region": c.region, "offset": c.offset, "rec_len": c.rec_len,
                     "raw_len": c.raw_len, "key_len": c.key_len}
             for fd in list(self._dirty_fds):  # the records the checkpoint points at reach the disk first
@@ -215,3 +208,24 @@ class Persistence:
                 self._active = None
                 if self._lock_file is not None:
                     self._lock_file.release()
+
+
+def _gather_keys(c: recovery.Candidates) -> bytes:
+    """The candidates' keys back to back, in their order."""
+    n = len(c.key_start)
+    if not n:
+        return b""
+    starts, lens = c.key_start, c.key_len
+    s0 = int(starts[0])
+    if (starts[1:] == s0 + np.cumsum(lens[:-1])).all():  # already back to back
+        return c.keys[s0:s0 + int(lens.sum())]
+    import gc
+
+    keys = c.keys
+    gc_was = gc.isenabled()
+    gc.disable()  # (a million short-lived slices: see recovery.key_list)
+    try:
+        return b"".join([keys[a:a + m] for a, m in zip(starts.tolist(), lens.tolist())])
+    finally:
+        if gc_was:
+            gc.enable()
