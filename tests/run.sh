@@ -34,6 +34,13 @@ if [ "${TIERKV_SKIP_VLLM:-0}" != 1 ]; then
   fi
 fi
 
+# lint and types before the tests: ruff on everything, mypy on the library (config in pyproject.toml)
+if [ "${TIERKV_SKIP_LINT:-0}" != 1 ]; then
+  "${VPIP[@]}" install "${PIP_QUIET[@]}" "ruff==0.17.6" "mypy==2.4.1"
+  .venv/bin/ruff check .
+  .venv/bin/python -m mypy tierkv tiers policies adapters
+fi
+
 export PYTHONDONTWRITEBYTECODE=1
 # Mooncake's master and clients log every connection at INFO: keep the test output readable.
 export GLOG_minloglevel="${GLOG_minloglevel:-2}" MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"

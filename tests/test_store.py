@@ -13,9 +13,23 @@ from tierkv import BufferSizeError, ConfigError, StoreClosedError, TieredStore, 
 from tierkv.keys import keys_from_block_hashes
 from tierkv.policies import AdmissionPolicy, PromotionPolicy
 from tierkv.tiers.slab import ALIGN
+from tierkv.tiers.ssd.tier import footprint_of
 
 CHUNK = 4096  # 4 KiB chunks, a multiple of ALIGN: footprints are exact, so capacities count chunks
 assert CHUNK % ALIGN == 0
+SSD_FP = int(footprint_of(CHUNK))  # what one chunk takes in the ssd tier's regions
+
+
+def record_at(path, key: str) -> tuple[str, int]:
+    """(region file, offset of the record) holding ``key`` in an ssd tier's directory."""
+    for r, _, fs in os.walk(path):
+        for f in fs:
+            if f.endswith(".region"):
+                data = open(os.path.join(r, f), "rb").read()
+                at = data.find(key.encode())
+                if at >= 0:
+                    return os.path.join(r, f), at - 64
+    raise AssertionError(f"no record of {key}")
 
 
 def chunk(i: int, n: int = CHUNK) -> torch.Tensor:
@@ -29,7 +43,7 @@ def three_tier(tmp_path, hbm=4, dram=4, ssd=64, ssd_persist="on_evict", **extra)
         "tiers": [
             {"medium": "hbm", "device": "cpu", "capacity": hbm * CHUNK},
             {"medium": "dram", "capacity": dram * CHUNK, "eviction": "lru"},
-            {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": ssd * (CHUNK + 4096),
+            {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": ssd * SSD_FP,
              "persist": ssd_persist},
         ],
         "promotion": {"policy": "never"},
@@ -310,10 +324,9 @@ def test_corrupt_ssd_object_is_a_miss_then_dropped(tmp_path):
     vals = [torch.randint(0, 255, (CHUNK,), dtype=torch.uint8) for _ in keys]
     with TieredStore.from_config(cfg) as store:
         store.put(keys, vals)
-    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "s") for f in fs)
-    victim = next(f for f in files if os.path.basename(f).startswith(keys[1]))
+    victim, at = record_at(tmp_path / "s", keys[1])
     with open(victim, "r+b") as f:  # flip bytes in the middle of the payload
-        f.seek(os.path.getsize(victim) - 100)
+        f.seek(at + 64 + len(keys[1]) + 2000)
         b = f.read(4)
         f.seek(-4, 1)
         f.write(bytes(x ^ 0xFF for x in b))
@@ -324,20 +337,29 @@ def test_corrupt_ssd_object_is_a_miss_then_dropped(tmp_path):
         s = store.stats()["ssd"]
         assert s["errors"] == 1 and s["corrupt"] == 1
         assert store.locate(keys) == ["ssd", None, "ssd"]  # dropped from the index
-        assert not os.path.exists(victim)
+    with TieredStore.from_config(cfg) as store:  # and it stays dropped
+        assert store.locate(keys) == ["ssd", None, "ssd"]
 
 
-def test_truncated_ssd_object_is_swept_on_open(tmp_path):
+def test_torn_ssd_region_tail_is_skipped_on_open(tmp_path):
+    """A process killed mid-write leaves a torn tail: the records before it stay, the torn one is gone."""
     cfg = {"tiers": [{"medium": "ssd", "path": str(tmp_path / "s"), "capacity": "1MiB"}]}
     keys = keys_for(2)
-    with TieredStore.from_config(cfg) as store:
-        store.put(keys, [chunk(0), chunk(1)])
-    files = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "s") for f in fs]
-    victim = next(f for f in files if os.path.basename(f).startswith(keys[0]))
-    os.truncate(victim, 100)
-    with TieredStore.from_config(cfg) as store:
-        assert store.locate(keys) == [None, "ssd"]
-        assert store.stats()["ssd"]["corrupt"] == 1
+    store = TieredStore.from_config(cfg)
+    store.put(keys, [chunk(0), chunk(1)])
+    store.flush()  # on disk, but the region is not sealed (no summary): as after a crash
+    victim, at = record_at(tmp_path / "s", keys[1])
+    with open(victim, "r+b") as f:
+        f.seek(at + 64 + len(keys[1]) + 100)
+        f.write(bytes(CHUNK - 200))  # the second record's payload never fully landed
+    for lvl in store.levels:  # abandon the store without closing it (no seal, no checkpoint)
+        lvl.tier._lock_file.release()
+    os.unlink(os.path.join(tmp_path / "s", "checkpoint"))
+    with TieredStore.from_config(cfg) as store2:
+        assert store2.locate(keys) == ["ssd", None]
+        assert store2.stats()["ssd"]["torn_regions"] == 1
+        out = torch.zeros(CHUNK, dtype=torch.uint8)
+        assert store2.get(keys[:1], [out]) == [True] and torch.equal(out, chunk(0))
 
 
 def test_recovered_ssd_respects_a_smaller_capacity(tmp_path):
@@ -346,40 +368,43 @@ def test_recovered_ssd_respects_a_smaller_capacity(tmp_path):
     with TieredStore.from_config({"tiers": [{"medium": "ssd", "path": path, "capacity": "1MiB"}]}) as store:
         for i, k in enumerate(keys):
             store.put([k], [chunk(i)])
-    small = {"tiers": [{"medium": "ssd", "path": path, "capacity": 4 * (CHUNK + 4096)}]}
+    small = {"tiers": [{"medium": "ssd", "path": path, "capacity": 4 * SSD_FP}]}
     with TieredStore.from_config(small) as store:
         s = store.stats()["ssd"]
         assert s["used_bytes"] <= s["capacity_bytes"]
-        assert sum(x is not None for x in store.locate(keys)) == 4
+        # the newest four are kept
+        assert [x is not None for x in store.locate(keys)] == [False] * 4 + [True] * 4
+    with TieredStore.from_config({"tiers": [{"medium": "ssd", "path": path, "capacity": "1MiB"}]}) as store:
+        assert [x is not None for x in store.locate(keys)] == [False] * 4 + [True] * 4  # dropped for good
 
 
 @pytest.mark.parametrize("compression", ["none", "lz4"])
 def test_any_flipped_byte_is_a_miss_never_wrong_bytes(tmp_path, compression):
-    """Flip one byte at many offsets (header, key, payload): each read is exact or a counted miss."""
+    """Flip one byte at many offsets of a record (header, key, payload): each read is exact or a counted miss."""
     path = str(tmp_path / "s")
     cfg = {"tiers": [{"medium": "ssd", "path": path, "capacity": "8MiB", "compression": compression}]}
     val = torch.arange(CHUNK, dtype=torch.int32).to(torch.uint8)  # compressible but not trivial
     k = keys_for(1)
     with TieredStore.from_config(cfg) as store:
         store.put(k, [val])
-    fpath = next(os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs)
+    fpath, at = record_at(path, k[0])
     pristine = open(fpath, "rb").read()
-    offsets = sorted({0, 4, 6, 8, 16, 24, 32, 34, 40, 63, 64, 100, len(pristine) // 2, len(pristine) - 1})
+    end = pristine.find(b"\0" * 64, at + 64 + len(k[0]))  # the record ends before the zeros
+    offsets = sorted({0, 4, 6, 8, 16, 24, 32, 34, 40, 63, 64, 100, (end - at) // 2, end - at - 1})
     for off in offsets:
-        if off >= len(pristine):
-            continue
         bad = bytearray(pristine)
-        bad[off] ^= 0x5A
+        bad[at + off] ^= 0x5A
         with open(fpath, "wb") as f:
             f.write(bad)
+        os.unlink(os.path.join(path, "checkpoint"))  # a fresh look at the region each time
         with TieredStore.from_config(cfg) as store:
             out = torch.zeros(CHUNK, dtype=torch.uint8)
             found = store.get(k, [out])  # never raises, whichever field was hit
             assert found == [False], f"flip at {off} was served"
             s = store.stats()["ssd"]
-            assert s["errors"] + s["corrupt"] >= 1, f"flip at {off} was not counted"
+            assert s["errors"] + s["corrupt"] + s["torn_regions"] >= 1 or store.stats()["ssd"]["entries"] == 0, \
+                f"flip at {off} was not noticed"
             assert store.lookup(k) == 0
-        assert not os.path.exists(fpath), f"corrupt object (flip at {off}) was not dropped"
         with open(fpath, "wb") as f:
             f.write(pristine)
 

@@ -48,6 +48,14 @@ def _direct_ok(path) -> bool:
         return False
 
 
+class TestSSDSmallRegions(TierConformance):
+    """1 MiB regions: the conformance suite crosses regions and reclaims them."""
+
+    @pytest.fixture
+    def make_tier(self, factory, tmp_path):
+        return lambda cap: factory(SSDTier("ssd", cap, str(tmp_path / "ssdr"), region_size="1MiB"))
+
+
 class TestSSDDirect(TierConformance):
     @pytest.fixture
     def make_tier(self, factory, tmp_path):
@@ -86,7 +94,7 @@ def test_slab_tier_fills_to_capacity_despite_fragmentation():
         assert t.read([keys[i]], [[o]]) == [True] and torch.equal(o, blob(i, ALIGN))
 
 
-# -- SSD specifics ----------------------------------------------------------------------
+# -- slab and SSD specifics ----------------------------------------------------------------------
 def test_slab_batch_with_a_key_twice_keeps_the_last_value_and_leaks_nothing():
     t = DRAMTier("d", 64 << 20)
     a, b = blob(1, 5 << 20), blob(2, 5 << 20)  # a batch large enough to copy on two threads
@@ -131,24 +139,6 @@ def test_ssd_compression_shrinks_compressible_data(tmp_path):
     assert t.used_bytes < 64 << 10
     out = torch.ones(1 << 20, dtype=torch.uint8)
     assert t.read(["z"], [[out]]) == [True] and not out.any()
-    t.close()
-
-
-def test_ssd_disk_write_error_is_refused_and_counted(tmp_path, monkeypatch):
-    import errno
-
-    t = SSDTier("ssd", 1 << 20, str(tmp_path / "f"))
-    real = os.writev
-
-    def full(fd, bufs):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(os, "writev", full)
-    assert t.write([key(1)], [[blob(1, 100)]]) == [False]
-    monkeypatch.setattr(os, "writev", real)
-    assert t.extra_stats()["enospc"] == 1
-    assert t.contains([key(1)]) == [False]
-    assert not [f for _, _, fs in os.walk(tmp_path / "f") for f in fs]  # no temp file left behind
     t.close()
 
 
@@ -213,102 +203,58 @@ def test_ssd_read_into_overlapping_buffers_keeps_a_good_object(tmp_path, opts):
     t.close()
 
 
-def test_ssd_bad_payload_is_still_dropped_after_the_second_look(tmp_path):
-    d = tmp_path / "ssd"
-    t = SSDTier("ssd", 1 << 22, str(d))
-    t.write([key(3)], [[blob(3, 8192)]])
-    (f,) = [os.path.join(r, n) for r, _, fs in os.walk(d) for n in fs]
-    with open(f, "r+b") as fh:
-        fh.seek(-100, os.SEEK_END)
-        fh.write(b"\xff" * 8)
-    out = torch.zeros(8192, dtype=torch.uint8)
-    assert t.read([key(3)], [[out]]) == [False]
-    assert t.contains([key(3)]) == [False] and not os.path.exists(f)
-    assert t.extra_stats()["corrupt"] == 1
-    t.close()
-
-
-def _flags_of(path) -> int:
-    import struct
-
-    with open(path, "rb") as fh:
-        return struct.unpack_from("<4sHH", fh.read(8))[2]
-
-
-@pytest.mark.parametrize("opts", [{}, {"compression": "lz4"}, {"direct_io": True}], ids=["plain", "lz4", "o_direct"])
-def test_ssd_payload_sums_xxh3_by_default_crc32c_on_request_and_both_verify(tmp_path, opts):
-    """New files carry an xxh3-64 sum (no flag) unless the tier asks for CRC32C (flag 2); a tier of
-    either setting reads both kinds, and a flipped byte is caught under either sum."""
-    import tierkv.tiers.ssd as ssd
-
-    if opts.get("direct_io"):
-        try:
-            SSDTier("probe", 1 << 20, str(tmp_path / "probe"), direct_io=True).close()
-        except Exception:  # noqa: BLE001
-            pytest.skip("O_DIRECT is not supported here")
-    d = tmp_path / "ssd"
-    data = blob(11, 65536)
-    t = SSDTier("ssd", 1 << 24, str(d), **opts)
-    assert t.checksum == "xxh3" and t.extra_stats()["checksum"] == "xxh3"
-    assert t.write([key(1)], [[data]]) == [True]
-    t.close()
-    t = SSDTier("ssd", 1 << 24, str(d), checksum="crc32c", **opts)
-    t.recover()
-    assert t.write([key(2)], [[data]]) == [True]
-    files = {n: os.path.join(r, n) for r, _, fs in os.walk(d) for n in fs}
-    f1, f2 = files[ssd._file_name(key(1))], files[ssd._file_name(key(2))]
-    assert not _flags_of(f1) & ssd.FLAG_CRC32C and _flags_of(f2) & ssd.FLAG_CRC32C
-    t.close()
-    for setting in ssd.CHECKSUMS:
-        t = SSDTier("ssd", 1 << 24, str(d), checksum=setting, **opts)
-        assert sorted(k for k, _ in t.recover()) == [key(1), key(2)]
-        for k in (key(1), key(2)):
-            out = torch.zeros(65536, dtype=torch.uint8)
-            assert t.read([k], [[out]]) == [True] and torch.equal(out, data)
-        t.close()
-    t = SSDTier("ssd", 1 << 24, str(d), **opts)
-    t.recover()
-    if not opts.get("compression"):  # (compressed payloads may fail to decompress before the sum)
-        for f, k in ((f1, key(1)), (f2, key(2))):
-            with open(f, "r+b") as fh:
-                fh.seek(-1000, os.SEEK_END)
-                b = fh.read(1)
-                fh.seek(-1000, os.SEEK_END)
-                fh.write(bytes([b[0] ^ 0x01]))
-            out = torch.zeros(65536, dtype=torch.uint8)
-            assert t.read([k], [[out]]) == [False]
-            assert not os.path.exists(f)
-        assert t.extra_stats()["corrupt"] == 2
-    t.close()
-
-
 def test_ssd_checksum_option_is_checked(tmp_path, monkeypatch):
-    import tierkv.tiers.ssd as ssd
+    import tierkv.tiers.ssd.format as fmt
 
-    with pytest.raises(ConfigError, match="checksum must be one of"):
+    with pytest.raises(ConfigError, match="checksum"):
         SSDTier("ssd", 1 << 20, str(tmp_path / "a"), checksum="md5")
     with pytest.raises(ConfigError, match="checksum"):
         SSDTier.from_config("ssd", {"capacity": "1MiB", "path": str(tmp_path / "b"), "checksum": 7})
-    monkeypatch.setattr(ssd, "_crc", None)
+    monkeypatch.setattr(fmt, "crc32c_sum", None)
     with pytest.raises(ConfigError, match="needs the crc32c package"):
         SSDTier("ssd", 1 << 20, str(tmp_path / "c"), checksum="crc32c")
 
 
 @pytest.mark.parametrize("opts", [{}, {"compression": "lz4"}], ids=["plain", "lz4"])
-def test_ssd_file_summed_with_an_unavailable_algorithm_is_a_miss_and_kept(tmp_path, monkeypatch, opts):
-    import tierkv.tiers.ssd as ssd
+def test_ssd_object_summed_with_an_unavailable_algorithm_is_a_miss_and_kept(tmp_path, monkeypatch, opts):
+    import tierkv.tiers.ssd.format as fmt
 
     d = tmp_path / "ssd"
     t = SSDTier("ssd", 1 << 24, str(d), checksum="crc32c", **opts)
     data = blob(5, 8192)
     assert t.write([key(5)], [[data]]) == [True]
-    monkeypatch.setattr(ssd, "_crc", None)
+    t.flush()
+    monkeypatch.setattr(fmt, "crc32c_sum", None)
     out = torch.zeros(8192, dtype=torch.uint8)
     assert t.read([key(5)], [[out]]) == [False]
     assert t.contains([key(5)]) == [True] and t.extra_stats()["corrupt"] == 0
     monkeypatch.undo()
     assert t.read([key(5)], [[out]]) == [True] and torch.equal(out, data)
     t.close()
+
+
+@pytest.mark.parametrize("opts", [{}, {"compression": "lz4"}, {"direct_io": True}], ids=["plain", "lz4", "o_direct"])
+def test_ssd_payload_sums_xxh3_by_default_crc32c_on_request_and_both_verify(tmp_path, opts):
+    """Records carry an xxh3-64 sum unless the tier asks for CRC32C; a tier of either setting reads both."""
+    if opts.get("direct_io") and not _direct_ok(tmp_path / "probe"):
+        pytest.skip("O_DIRECT is not supported here")
+    d = tmp_path / "ssd"
+    data = blob(11, 65536)
+    t = SSDTier("ssd", 1 << 24, str(d), region_size="1MiB", **opts)
+    assert t.checksum == "xxh3" and t.extra_stats()["checksum"] == "xxh3"
+    assert t.write([key(1)], [[data]]) == [True]
+    t.close()
+    t = SSDTier("ssd", 1 << 24, str(d), checksum="crc32c", **opts)
+    t.recover()
+    assert t.write([key(2)], [[data]]) == [True]
+    t.close()
+    for setting in ("xxh3", "crc32c"):
+        t = SSDTier("ssd", 1 << 24, str(d), checksum=setting, **opts)
+        assert sorted(k for k, _ in t.recover()) == [key(1), key(2)]
+        for k in (key(1), key(2)):
+            out = torch.zeros(65536, dtype=torch.uint8)
+            assert t.read([k], [[out]]) == [True] and torch.equal(out, data)
+        t.close()
 
 
 def test_ssd_batch_runs_on_the_caller_and_the_pool_and_stays_exact(tmp_path, monkeypatch):
@@ -319,12 +265,15 @@ def test_ssd_batch_runs_on_the_caller_and_the_pool_and_stays_exact(tmp_path, mon
     keys = [key(i) for i in range(16)]
     vals = [blob(i, 256 << 10) for i in range(16)]
     assert t.write(keys, [[v] for v in vals]) == [True] * 16
+    t.close()
+    t = SSDTier("ssd", 1 << 28, str(tmp_path / "ssd"), io_threads=2)  # reads from the files now
+    t.recover()
     seen: list[int] = []
     inner = t._read_one
 
-    def spy(k, parts):
+    def spy(k, loc, parts):
         seen.append(threading.get_ident())
-        return inner(k, parts)
+        return inner(k, loc, parts)
 
     monkeypatch.setattr(t, "_read_one", spy)
     outs = [torch.zeros(256 << 10, dtype=torch.uint8) for _ in keys]

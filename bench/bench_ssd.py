@@ -1,0 +1,261 @@
+"""Benchmarks of the ssd tier's log engine, each figure beside a baseline measured in the same run.
+
+    .venv/bin/python bench/bench_ssd.py [--quick] [--dir DIR] [--json out.json]
+
+* put / get of 256 KiB, 2 MiB and 4 MiB objects (batches of 8) vs raw sequential
+  ``pwrite`` / ``pread`` of the same bytes into one file on the same file system
+  (O_DIRECT on both sides when the tier uses it; both sides fsync at the end of a put round);
+* 16 KiB puts/s and gets/s from the page cache (``direct_io: false``, batches of 32) vs raw
+  ``pwrite`` / ``pread`` of 16 KiB (targets ≥ 50 K puts/s, ≥ 100 K gets/s);
+* reopen of 1 M objects (``--quick``: 200 K) from the checkpoint (target ≤ 1 s) and from the
+  region summaries alone (≤ 10 s), vs a raw read of the same files;
+* the index's bytes per object at that count (target ≤ 64).
+Ratios are tier / baseline throughput (above 1: faster than the baseline), medians of paired rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from tierkv.tiers.ssd import SSDTier
+from tierkv.tiers.ssd.format import aligned_buffer
+
+MiB = 1 << 20
+
+
+def paired(base, fn, rounds: int, base_setup=None, setup=None):
+    """(median base s, median tier s, median base/tier time ratio) of back-to-back rounds."""
+    tb, tt, ratios = [], [], []
+    for _ in range(rounds):
+        if base_setup:
+            base_setup()
+        os.sync()  # each side starts without the other's dirty pages to write back
+        t0 = time.perf_counter()
+        base()
+        b = time.perf_counter() - t0
+        if setup:
+            setup()
+        os.sync()
+        t0 = time.perf_counter()
+        fn()
+        t = time.perf_counter() - t0
+        tb.append(b)
+        tt.append(t)
+        ratios.append(b / t)
+    return statistics.median(tb), statistics.median(tt), statistics.median(ratios)
+
+
+class Raw:
+    """Sequential pwrite / pread of the same objects into one preallocated file."""
+
+    def __init__(self, path: str, sizes: list[int], direct: bool) -> None:
+        self.path, self.direct = path, direct
+        self.offs, pos = [], 0
+        for n in sizes:
+            self.offs.append(pos)
+            pos += (n + 4095) // 4096 * 4096
+        flags = os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0)
+        self.fd = os.open(path, flags, 0o600)
+        os.posix_fallocate(self.fd, 0, pos)
+
+    def buffers(self, srcs):
+        if not self.direct:
+            return [memoryview(s.numpy()) for s in srcs]
+        out = []
+        for s in srcs:  # O_DIRECT needs aligned memory: the baseline gets it for free
+            b = aligned_buffer(s.numel())
+            b[:s.numel()] = s.numpy().tobytes()
+            out.append(memoryview(b)[:(s.numel() + 4095) // 4096 * 4096])
+        return out
+
+    def write(self, bufs) -> None:
+        for b, off in zip(bufs, self.offs):
+            os.pwrite(self.fd, b, off)
+        os.fsync(self.fd)
+
+    def read(self, bufs) -> None:
+        for b, off in zip(bufs, self.offs):
+            os.preadv(self.fd, [b], off)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.unlink(self.path)
+
+
+def bench_large(root: str, size: int, total: int, rounds: int) -> dict:
+    n = max(8, total // size)
+    srcs = [torch.randint(0, 255, (size,), dtype=torch.uint8) for _ in range(n)]
+    dsts = [torch.zeros(size, dtype=torch.uint8) for _ in range(n)]
+    path = os.path.join(root, f"tier-{size}")
+    t = SSDTier("ssd", 2 * n * size + 256 * MiB, path)
+    raw = Raw(os.path.join(root, f"raw-{size}"), [size] * n, t.direct_io)
+    rbufs = raw.buffers(srcs)
+    dbufs = raw.buffers(dsts)
+    keys = [f"o{size}-{i}" for i in range(n)]
+
+    def put():
+        for i in range(0, n, 8):
+            t.write(keys[i:i + 8], [[s] for s in srcs[i:i + 8]])
+        t.flush()
+
+    def get():
+        for i in range(0, n, 8):
+            assert all(t.read(keys[i:i + 8], [[d] for d in dsts[i:i + 8]]))
+
+    raw_w, put_s, put_ratio = paired(lambda: raw.write(rbufs), put, rounds, setup=lambda: t.delete(keys))
+    raw_r, get_s, get_ratio = paired(lambda: raw.read(dbufs), get, rounds)
+    assert all(torch.equal(a, b) for a, b in zip(srcs, dsts))
+    direct = t.direct_io
+    t.close()
+    raw.close()
+    shutil.rmtree(path)
+    gb = n * size / 2**30
+    return {"size_KiB": size >> 10, "objects": n, "direct_io": direct, "raw_write_GiBps": gb / raw_w,
+            "put_GiBps": gb / put_s, "put_ratio": put_ratio, "raw_read_GiBps": gb / raw_r,
+            "get_GiBps": gb / get_s, "get_ratio": get_ratio}
+
+
+def bench_small(root: str, n: int, rounds: int) -> dict:
+    size = 16 << 10
+    srcs = [torch.randint(0, 255, (size,), dtype=torch.uint8) for _ in range(64)]
+    dst = [torch.zeros(size, dtype=torch.uint8) for _ in range(32)]
+    path = os.path.join(root, "tier-16k")
+    t = SSDTier("ssd", n * 20 * 1024 + 256 * MiB, path, direct_io=False)
+    raw = Raw(os.path.join(root, "raw-16k"), [size] * n, False)
+    rviews = [memoryview(s.numpy()) for s in srcs]
+    dview = memoryview(dst[0].numpy())
+    keys = [f"{i:064x}" for i in range(n)]
+
+    def raw_put():
+        fd = raw.fd
+        for i, off in enumerate(raw.offs):
+            os.pwrite(fd, rviews[i & 63], off)
+
+    def raw_get():
+        fd = raw.fd
+        for off in raw.offs:
+            os.preadv(fd, [dview], off)
+
+    def put():
+        for i in range(0, n, 32):
+            t.write(keys[i:i + 32], [[srcs[(i + j) & 63]] for j in range(32)])
+
+    def get():
+        for i in range(0, n, 32):
+            t.read(keys[i:i + 32], [[d] for d in dst])
+
+    raw_w, put_s, put_ratio = paired(raw_put, put, rounds, setup=lambda: t.delete(keys))
+    t.flush()
+    raw_r, get_s, get_ratio = paired(raw_get, get, rounds)
+    ok = t.read(keys[:32], [[d] for d in dst])
+    assert all(ok) and all(torch.equal(d, srcs[j & 63]) for j, d in enumerate(dst))
+    t.close()
+    raw.close()
+    shutil.rmtree(path)
+    return {"objects": n, "raw_puts_per_s": n / raw_w, "puts_per_s": n / put_s, "put_ratio": put_ratio,
+            "raw_gets_per_s": n / raw_r, "gets_per_s": n / get_s, "get_ratio": get_ratio}
+
+
+def _read_files(path: str) -> float:
+    t0 = time.perf_counter()
+    for r, _, fs in os.walk(path):
+        for f in fs:
+            with open(os.path.join(r, f), "rb") as fh:
+                while fh.read(8 * MiB):
+                    pass
+    return time.perf_counter() - t0
+
+
+def bench_reopen(root: str, n: int) -> dict:
+    path = os.path.join(root, "tier-many")
+    cap = n * 700 + 256 * MiB
+    t = SSDTier("ssd", cap, path, direct_io=False)
+    one = torch.ones(64, dtype=torch.uint8)
+    t0 = time.perf_counter()
+    step = 1000
+    for i in range(0, n, step):
+        t.write([f"{j:064x}" for j in range(i, min(n, i + step))], [[one]] * min(step, n - i))
+    fill = time.perf_counter() - t0
+    t.close()
+    ckpt_bytes = os.path.getsize(os.path.join(path, "checkpoint"))
+    t0 = time.perf_counter()
+    ckpt_raw = time.perf_counter()
+    with open(os.path.join(path, "checkpoint"), "rb") as f:
+        f.read()
+    ckpt_raw = time.perf_counter() - ckpt_raw
+    t0 = time.perf_counter()
+    t = SSDTier("ssd", cap, path, direct_io=False)
+    got = t.recover()
+    from_ckpt = time.perf_counter() - t0
+    assert len(got) == n and t.extra_stats()["recovered_from"] == "checkpoint"
+    index_bpo = t.index_bytes / len(got)
+    del got
+    t.close()
+    os.unlink(os.path.join(path, "checkpoint"))
+    regions_bytes = sum(os.path.getsize(os.path.join(path, "regions", f)) for f in os.listdir(os.path.join(path,
+                                                                                                          "regions")))
+    t0 = time.perf_counter()
+    t = SSDTier("ssd", cap, path, direct_io=False)
+    got = t.recover()
+    from_summaries = time.perf_counter() - t0
+    assert len(got) == n and t.extra_stats()["recovered_from"] == "summaries"
+    regions = t.extra_stats()["regions"]
+    del got
+    t.close()
+    raw_all = _read_files(os.path.join(path, "regions"))
+    shutil.rmtree(path)
+    return {"objects": n, "fill_s": fill, "checkpoint_MiB": ckpt_bytes / MiB, "raw_checkpoint_read_s": ckpt_raw,
+            "reopen_checkpoint_s": from_ckpt, "regions": regions, "regions_MiB": regions_bytes / MiB,
+            "raw_regions_read_s": raw_all, "reopen_summaries_s": from_summaries, "index_bytes_per_object": index_bpo}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds")
+    ap.add_argument("--dir", help="directory on the file system to measure (default: a temp dir)")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args(argv)
+    root = tempfile.mkdtemp(prefix="tierkv-bench-ssd-", dir=args.dir)
+    rounds = 3 if args.quick else 5
+    try:
+        res = {"large": [bench_large(root, s, (64 if args.quick else 256) * MiB, rounds)
+                         for s in (256 << 10, 2 * MiB, 4 * MiB)],
+               "small": bench_small(root, 20_000 if args.quick else 100_000, rounds),
+               "reopen": bench_reopen(root, 200_000 if args.quick else 1_000_000)}
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{'figure':<40}{'tier':>14}{'baseline':>14}{'ratio':>8}  target")
+    for r in res["large"]:
+        io = "O_DIRECT" if r["direct_io"] else "buffered"
+        print(f"{'put ' + str(r['size_KiB']) + ' KiB (' + io + ')':<40}{r['put_GiBps']:>10.2f} GiB/s"
+              f"{r['raw_write_GiBps']:>10.2f} GiB/s{r['put_ratio']:>8.2f}  vs raw pwrite")
+        print(f"{'get ' + str(r['size_KiB']) + ' KiB (' + io + ')':<40}{r['get_GiBps']:>10.2f} GiB/s"
+              f"{r['raw_read_GiBps']:>10.2f} GiB/s{r['get_ratio']:>8.2f}  vs raw pread")
+    s = res["small"]
+    print(f"{'16 KiB puts/s (page cache)':<40}{s['puts_per_s']:>14,.0f}{s['raw_puts_per_s']:>14,.0f}"
+          f"{s['put_ratio']:>8.2f}  >= 50,000/s")
+    print(f"{'16 KiB gets/s (page cache)':<40}{s['gets_per_s']:>14,.0f}{s['raw_gets_per_s']:>14,.0f}"
+          f"{s['get_ratio']:>8.2f}  >= 100,000/s")
+    o = res["reopen"]
+    print(f"{'reopen ' + format(o['objects'], ',') + ' objects, checkpoint (s)':<40}{o['reopen_checkpoint_s']:>14.2f}"
+          f"{o['raw_checkpoint_read_s']:>14.2f}{o['raw_checkpoint_read_s'] / o['reopen_checkpoint_s']:>8.2f}  <= 1 s")
+    print(f"{'reopen, summaries only (s)':<40}{o['reopen_summaries_s']:>14.2f}{o['raw_regions_read_s']:>14.2f}"
+          f"{o['raw_regions_read_s'] / o['reopen_summaries_s']:>8.2f}  <= 10 s")
+    print(f"{'index bytes per object':<40}{o['index_bytes_per_object']:>14.1f}{'':>14}{'':>8}  <= 64")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,295 @@
+"""Faults under the ssd tier: SIGKILL mid-write and mid-checkpoint, flipped bytes, a full disk, I/O errors."""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from tier_conformance import blob, key
+from tierkv import TieredStore
+from tierkv.tiers.ssd import SSDTier
+
+MiB = 1 << 20
+
+
+def val(i: int, n: int = 256 << 10) -> torch.Tensor:
+    return torch.full((n,), i % 251, dtype=torch.uint8)
+
+
+def region_files(path):
+    d = os.path.join(path, "regions")
+    return sorted(os.path.join(d, f) for f in os.listdir(d))
+
+
+def flip(path, offset, mask=0x5A):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ mask]))
+
+
+def read_all(t, keys, n):
+    outs = [torch.zeros(n, dtype=torch.uint8) for _ in keys]
+    return t.read(keys, [[o] for o in outs]), outs
+
+
+WRITER = textwrap.dedent("""
+    import sys, torch
+    from tierkv.tiers.ssd import SSDTier
+    path, flushed_n = sys.argv[1], int(sys.argv[2])
+    t = SSDTier("ssd", 64 << 20, path, region_size="4MiB")
+    t.recover()
+    val = lambda i: torch.full((256 << 10,), i % 251, dtype=torch.uint8)
+    t.write([f"c{i:05d}" for i in range(flushed_n)], [[val(i)] for i in range(flushed_n)])
+    t.flush()
+    print("flushed", flush=True)
+    i = flushed_n
+    while True:  # regions fill, seal and are reclaimed until the kill
+        if i >= flushed_n + 150:
+            i = flushed_n
+        names = [f"c{i:05d}", f"c{i + 1:05d}"]
+        t.delete(names)
+        t.write(names, [[val(i)], [val(i + 1)]])
+        i += 2
+""")
+
+
+@pytest.mark.parametrize("round_", range(3))
+def test_sigkill_mid_region_write_keeps_flushed_objects_and_serves_no_torn_one(tmp_path, round_):
+    path = str(tmp_path / "ssd")
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, path, "40"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "flushed"
+        time.sleep(0.3 + 0.4 * round_)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    t = SSDTier("ssd", 64 * MiB, path, region_size="4MiB")
+    found = dict(t.recover())
+    assert {f"c{i:05d}" for i in range(40)} <= set(found), "a flushed object was lost"
+    names = sorted(found)
+    ok, outs = read_all(t, names, 256 << 10)
+    for name, f, o in zip(names, ok, outs):
+        if f:
+            assert torch.equal(o, val(int(name[1:]))), f"torn object {name}"
+    assert all(f for name, f in zip(names, ok) if int(name[1:]) < 40)
+    t.close()
+
+
+CHECKPOINTER = textwrap.dedent("""
+    import os, sys, time, torch
+    from tierkv.tiers.ssd import SSDTier
+    from tierkv.tiers.ssd import checkpoint as C
+    path = sys.argv[1]
+    t = SSDTier("ssd", 64 << 20, path, region_size="1MiB")
+    t.write([f"a{i:04d}" for i in range(100)], [[torch.full((9000,), i, dtype=torch.uint8)] for i in range(100)])
+    t.flush()  # a good checkpoint
+    real = C.write
+    def slow_write(dirpath, bufs, fsync):
+        data = b"".join(bytes(b) for b in bufs)
+        fd = os.open(os.path.join(dirpath, C.NAME + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, data[: len(data) // 2])
+        print("mid-checkpoint", flush=True)
+        time.sleep(60)
+    C.write = slow_write
+    t.delete([f"a{i:04d}" for i in range(0, 100, 3)])
+    t.write([f"b{i:04d}" for i in range(50)], [[torch.full((9000,), i, dtype=torch.uint8)] for i in range(50)])
+    t.flush()
+""")
+
+
+def test_sigkill_mid_checkpoint_keeps_everything_flushed(tmp_path):
+    path = str(tmp_path / "ssd")
+    proc = subprocess.Popen([sys.executable, "-c", CHECKPOINTER, path], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "mid-checkpoint"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert os.path.exists(os.path.join(path, "checkpoint.tmp"))
+    t = SSDTier("ssd", 64 * MiB, path, region_size="1MiB")
+    found = dict(t.recover())
+    # the removals and puts reached the region files before the checkpoint began: all of them count
+    want = {f"a{i:04d}" for i in range(100) if i % 3} | {f"b{i:04d}" for i in range(50)}
+    assert set(found) == want
+    ok, outs = read_all(t, sorted(want), 9000)
+    assert all(ok)
+    assert all(torch.equal(o, torch.full((9000,), int(k[1:]), dtype=torch.uint8)) for k, o in zip(sorted(want), outs))
+    t.close()
+
+
+# -- flipped bytes -------------------------------------------------------------------------------
+def _filled(tmp_path, n=30, size=5000):
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    t.write([key(i) for i in range(n)], [[blob(i, size)] for i in range(n)])
+    t.close()
+    return d
+
+
+def _check_exact_or_miss(d, n=30, size=5000):
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    found = {k for k, _ in t.recover()}
+    keys = [key(i) for i in range(n)]
+    ok, outs = read_all(t, keys, size)
+    for i, (f, o) in enumerate(zip(ok, outs)):
+        if f:
+            assert torch.equal(o, blob(i, size)), f"wrong bytes for {keys[i]}"
+    stats = t.extra_stats()
+    t.close()
+    return found, ok, stats
+
+
+@pytest.mark.parametrize("where", ["header", "key", "payload"])
+def test_a_flipped_record_byte_is_a_counted_miss(tmp_path, where):
+    d = _filled(tmp_path)
+    (f,) = region_files(d)
+    at = open(f, "rb").read().find(key(7).encode()) - 64
+    flip(f, at + {"header": 20, "key": 64 + 3, "payload": 64 + len(key(7)) + 1234}[where])
+    found, ok, stats = _check_exact_or_miss(d)
+    assert ok[7] is False and sum(ok) == 29
+    assert stats["corrupt"] == 1
+
+
+def test_a_flipped_summary_byte_falls_back_to_reading_the_region(tmp_path):
+    d = _filled(tmp_path)
+    os.unlink(os.path.join(d, "checkpoint"))
+    (f,) = region_files(d)
+    flip(f, os.path.getsize(f) - 64 - 100)  # inside the summary body (keys)
+    found, ok, stats = _check_exact_or_miss(d)
+    assert all(ok)  # the records themselves are sound: the region was scanned instead
+
+
+def test_a_flipped_footer_byte_falls_back_to_reading_the_region(tmp_path):
+    d = _filled(tmp_path)
+    os.unlink(os.path.join(d, "checkpoint"))
+    (f,) = region_files(d)
+    flip(f, os.path.getsize(f) - 30)
+    found, ok, stats = _check_exact_or_miss(d)
+    assert all(ok)
+
+
+def test_a_flipped_checkpoint_byte_falls_back_to_the_summaries(tmp_path):
+    d = _filled(tmp_path)
+    for off in (10, 70, os.path.getsize(os.path.join(d, "checkpoint")) - 3):
+        flip(os.path.join(d, "checkpoint"), off)
+        found, ok, stats = _check_exact_or_miss(d)
+        assert all(ok) and stats["recovered_from"] == "summaries"
+
+
+def test_a_flipped_region_header_loses_that_region_only(tmp_path):
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    for i in range(60):
+        t.write([key(i)], [[blob(i, 40000)]])
+    t.close()
+    files = region_files(d)
+    assert len(files) >= 2
+    os.unlink(os.path.join(d, "checkpoint"))
+    flip(files[0], 12)  # region 0's seq
+    found, ok, stats = _check_exact_or_miss(d, 60, 40000)
+    assert 0 < sum(ok) < 60 and not ok[0] and ok[59]
+
+
+# -- a full disk and I/O errors -------------------------------------------------------------------
+def _small_fs(tmp_path, size_mib: int):
+    """A tmpfs of ``size_mib`` MiB mounted at tmp_path/fs (None if mounting is not permitted)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mib}m", "tmpfs", str(mnt)],
+                       capture_output=True)
+    return str(mnt) if r.returncode == 0 else None
+
+
+def test_disk_full_refuses_writes_counts_them_and_never_raises(tmp_path):
+    mnt = _small_fs(tmp_path, 3)
+    if mnt is None:
+        pytest.skip("mounting a small tmpfs is not permitted here (see the RLIMIT_FSIZE test)")
+    try:
+        t = SSDTier("ssd", 64 * MiB, os.path.join(mnt, "s"), region_size="1MiB")
+        oks = [t.write([key(i)], [[blob(i, 60000)]])[0] for i in range(80)]
+        assert oks[0] and not all(oks)
+        assert t.extra_stats()["enospc"] > 0
+        good = [key(i) for i, f in enumerate(oks) if f]
+        got, outs = read_all(t, good, 60000)
+        assert all(got)
+        assert all(torch.equal(o, blob(int(k[1:5]), 60000)) for k, o in zip(good, outs))
+        t.flush()
+        t.close()  # no exception, even if the checkpoint finds no room
+        t = SSDTier("ssd", 64 * MiB, os.path.join(mnt, "s"), region_size="1MiB")
+        assert {k for k, _ in t.recover()} <= set(good)
+        t.close()
+    finally:
+        subprocess.run(["umount", "-l", mnt])
+
+
+FSIZE = textwrap.dedent("""
+    import os, resource, signal, sys, torch
+    from tierkv.tiers.ssd import SSDTier
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # over the limit: EFBIG, not death
+    path = sys.argv[1]
+    t = SSDTier("ssd", 64 << 20, path, region_size="1MiB")
+    resource.setrlimit(resource.RLIMIT_FSIZE, (512 << 10, 512 << 10))  # no file may reach a region's size
+    oks = t.write(["a", "b"], [[torch.ones(1000, dtype=torch.uint8)]] * 2)
+    t.flush()
+    t.close()
+    print(oks, t.extra_stats()["enospc"] + t.extra_stats()["checkpoint_errors"], flush=True)
+""")
+
+
+def test_file_size_limit_refuses_writes_and_never_raises(tmp_path):
+    out = subprocess.run([sys.executable, "-c", FSIZE, str(tmp_path / "s")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split("]")[0] + "]" == "[False, False]"
+    assert int(out.stdout.split("]")[1]) >= 1
+
+
+def test_io_errors_on_write_out_refuse_the_write_and_never_raise(tmp_path, monkeypatch):
+    t = SSDTier("ssd", 64 * MiB, str(tmp_path / "s"))
+    assert t.write([key(0)], [[blob(0, 1000)]]) == [True]
+    real = os.pwrite
+
+    def broken(fd, data, off):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pwrite", broken)
+    big = [key(i) for i in range(1, 4)]
+    assert t.write(big, [[blob(i, 3 * MiB)] for i in range(1, 4)]) == [False, False, False]
+    assert t.extra_stats()["io_errors"] >= 1
+    t.flush()  # counted, not raised
+    monkeypatch.setattr(os, "pwrite", real)
+    assert t.contains(big) == [False] * 3
+    assert t.write(big[:1], [[blob(1, 3 * MiB)]]) == [True]
+    got, outs = read_all(t, [key(0)], 1000)
+    assert got == [True] and torch.equal(outs[0], blob(0, 1000))
+    t.close()
+    t = SSDTier("ssd", 64 * MiB, str(tmp_path / "s"))
+    assert sorted(k for k, _ in t.recover()) == [key(0), key(1)]
+    t.close()
+
+
+# -- the store on top -----------------------------------------------------------------------------
+def test_store_dram_over_ssd_restarts_and_finds_everything(tmp_path):
+    cfg = {"tiers": [{"medium": "dram", "capacity": "1MiB"},
+                     {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB", "region_size": "4MiB",
+                      "write_through": True}]}
+    keys = [f"{i:064x}" for i in range(200)]
+    with TieredStore.from_config(cfg) as store:
+        assert store.put(keys, [val(i, 50000) for i in range(200)]) == [True] * 200
+        store.remove(keys[:10])
+    with TieredStore.from_config(cfg) as store:
+        assert store.locate(keys) == [None] * 10 + ["ssd"] * 190
+        outs = [torch.zeros(50000, dtype=torch.uint8) for _ in keys[10:]]
+        assert store.get(keys[10:], outs) == [True] * 190
+        assert all(torch.equal(o, val(i + 10, 50000)) for i, o in enumerate(outs))
+        assert store.locate(keys[10:20]) == ["dram"] * 10  # promoted on the hit

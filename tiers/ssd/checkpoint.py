@@ -1,0 +1,120 @@
+"""The index checkpoint: every live object's location and key, so a reopen reads one file.
+
+Layout of ``checkpoint`` (written to ``checkpoint.tmp``, synced, then renamed over)::
+
+    header (64 bytes): magic "TKVC", version u16, pad u16, count u32, regions u32,
+                       covered_seq u64, region_size u64, body length u64, body sum u64
+                       (xxh3-64), header check u64 (of the 48 bytes before it)
+    body: region seqs u64[regions] (0: never used), then per object digest u64,
+          region u32, offset u32, rec_len u32, raw_len u32, key_len u16 (each a column),
+          then the keys back to back
+
+``covered_seq``: every record in a region whose seq is below it (and matches the seq
+the checkpoint lists for that region) is reflected in the checkpoint; regions of
+that seq or later are read again on open.  A checkpoint that fails a check is
+ignored (the regions' summaries are read instead), never trusted in part.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from typing import NamedTuple, Optional
+
+import numpy as np
+
+from .format import VERSION, xxh3
+
+NAME = "checkpoint"
+MAGIC = b"TKVC"
+_HDR = struct.Struct("<4sHHIIQQQQ")  # 48 bytes, then check u64
+HDR = 64
+_COLS = (("digest", np.uint64), ("region", np.uint32), ("offset", np.uint32), ("rec_len", np.uint32),
+         ("raw_len", np.uint32), ("key_len", np.uint16))
+
+
+class Checkpoint(NamedTuple):
+    covered_seq: int
+    region_size: int
+    region_seqs: np.ndarray
+    cols: dict  # column name -> array
+    keys: bytes
+    key_offs: np.ndarray
+
+
+def encode(covered_seq: int, region_size: int, region_seqs, cols: dict, keys: bytes) -> list:
+    """The checkpoint file's bytes, as a list of buffers."""
+    n = len(cols["digest"])
+    body = [np.ascontiguousarray(region_seqs, dtype=np.uint64).tobytes()]
+    body += [np.ascontiguousarray(cols[c], dtype=t).tobytes() for c, t in _COLS]
+    body.append(keys)
+    blen = sum(len(b) for b in body)
+    head = bytearray(HDR)
+    _HDR.pack_into(head, 0, MAGIC, VERSION, 0, n, len(region_seqs), covered_seq, region_size, blen, xxh3(body))
+    struct.pack_into("<Q", head, _HDR.size, xxh3([bytes(head[:_HDR.size])]))
+    return [bytes(head), *body]
+
+
+def write(dirpath: str, bufs: list, fsync: bool) -> None:
+    """Atomically replace the checkpoint (temp file, fsync, rename, fsync of the directory)."""
+    tmp = os.path.join(dirpath, NAME + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+    try:
+        for b in bufs:
+            view = memoryview(b)
+            while view:
+                n = os.write(fd, view)
+                view = view[n:]
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    os.close(fd)
+    os.rename(tmp, os.path.join(dirpath, NAME))
+    if fsync:
+        dfd = os.open(dirpath, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+
+def read(dirpath: str) -> Optional[Checkpoint]:
+    """The checkpoint, or None when absent or failing any check."""
+    try:
+        with open(os.path.join(dirpath, NAME), "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    return decode(data)
+
+
+def decode(data: bytes) -> Optional[Checkpoint]:
+    if len(data) < HDR:
+        return None
+    magic, version, _, n, nreg, covered, region_size, blen, bsum = _HDR.unpack_from(data, 0)
+    if magic != MAGIC or version != VERSION:
+        return None
+    if struct.unpack_from("<Q", data, _HDR.size)[0] != xxh3([data[:_HDR.size]]):
+        return None
+    body = memoryview(data)[HDR:]
+    if len(body) != blen or xxh3([body]) != bsum:
+        return None
+    pos = 0
+    seqs = np.frombuffer(body, dtype=np.uint64, count=nreg, offset=pos)
+    pos += 8 * nreg
+    cols = {}
+    for c, t in _COLS:
+        cols[c] = np.frombuffer(body, dtype=t, count=n, offset=pos)
+        pos += np.dtype(t).itemsize * n
+    keys = bytes(body[pos:])
+    offs = np.zeros(n + 1, dtype=np.int64)
+    np.cumsum(cols["key_len"], out=offs[1:])
+    if int(offs[-1]) != len(keys):
+        return None
+    return Checkpoint(covered, region_size, seqs, cols, keys, offs)

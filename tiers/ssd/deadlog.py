@@ -1,0 +1,122 @@
+"""The dead log: which records on disk are no longer objects (removed, replaced, moved, dropped).
+
+A region's summary lists every record it holds, live or not; this file says which of
+them died after they were written.  Each entry is 16 bytes: a key naming the record
+(region index, offset, the region's seq) and a check of the key, appended on ``write``.
+Reopening reads it whole (one file) and drops the records it names, from the
+checkpoint and from the summaries alike, so a removed key never comes back and of
+several versions of a key only the newest can.  An entry whose region has since been
+reused (another seq) names nothing any more; compaction rewrites the file without them.
+A torn or flipped entry fails its check and is ignored.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+NAME = "dead"
+_DTYPE = np.dtype([("key", "<u8"), ("check", "<u8")])
+_SEQ_BITS = 19
+_OFF_BITS = 25  # offset / 64 for regions up to 2 GiB
+
+
+def dead_keys(region, offset, seq) -> np.ndarray:
+    """The key of each record (vectorised)."""
+    region = np.asarray(region, dtype=np.uint64)
+    offset = np.asarray(offset, dtype=np.uint64)
+    seq = np.asarray(seq, dtype=np.uint64)
+    return ((region << np.uint64(_OFF_BITS + _SEQ_BITS)) | ((offset >> np.uint64(6)) << np.uint64(_SEQ_BITS))
+            | (seq & np.uint64((1 << _SEQ_BITS) - 1)))
+
+
+def key_region_seq(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    return keys >> np.uint64(_OFF_BITS + _SEQ_BITS), keys & np.uint64((1 << _SEQ_BITS) - 1)
+
+
+def _check(keys: np.ndarray) -> np.ndarray:
+    """A 64-bit mix of each key (splitmix64): any flipped bit fails it."""
+    with np.errstate(over="ignore"):
+        z = keys + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def read(dirpath: str) -> np.ndarray:
+    """Keys of the valid entries (absent file: none)."""
+    try:
+        with open(os.path.join(dirpath, NAME), "rb") as f:
+            data = f.read()
+    except OSError:
+        return np.zeros(0, dtype=np.uint64)
+    e = np.frombuffer(data, dtype=_DTYPE, count=len(data) // _DTYPE.itemsize)
+    return e["key"][_check(e["key"]) == e["check"]].copy()
+
+
+def encode(keys: np.ndarray) -> bytes:
+    e = np.zeros(len(keys), dtype=_DTYPE)
+    e["key"] = keys
+    e["check"] = _check(e["key"])
+    return e.tobytes()
+
+
+class DeadLog:
+    """Entries added in memory, appended to the file by ``write`` (which may raise OSError)."""
+
+    def __init__(self, dirpath: str) -> None:
+        self.dirpath = dirpath
+        self.pending: list[tuple[int, int, int]] = []
+        self.compacted = 0  # entries in the file after the last compaction
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.dirpath, NAME)
+
+    def add(self, region: int, offset: int, seq: int) -> None:
+        self.pending.append((region, offset, seq))
+
+    def write(self, fsync: bool) -> None:
+        if not self.pending:
+            return
+        a = np.array(self.pending, dtype=np.uint64)
+        data = encode(dead_keys(a[:, 0], a[:, 1], a[:, 2]))
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.pending.clear()
+
+    def size(self) -> int:
+        try:
+            return os.path.getsize(self.path) // _DTYPE.itemsize
+        except OSError:
+            return 0
+
+    def compact(self, current_seq: dict, fsync: bool) -> None:
+        """Rewrite without the entries of reused regions (``current_seq``: region index -> seq)."""
+        keys = read(self.dirpath)
+        reg, sq = key_region_seq(keys)
+        table = np.full(max(current_seq, default=0) + 2, -1, dtype=np.int64)
+        for i, s in current_seq.items():
+            table[i] = s & ((1 << _SEQ_BITS) - 1)
+        reg = np.minimum(reg.astype(np.int64), len(table) - 1)
+        keep = keys[table[reg] == sq.astype(np.int64)]
+        tmp = self.path + ".tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
+        try:
+            view = memoryview(encode(keep))
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, self.path)
+        self.compacted = len(keep)

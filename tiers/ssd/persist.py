@@ -1,0 +1,231 @@
+"""Durability of ``SSDTier``: flush, checkpoints, stats and close.
+
+A checkpoint holds every live object's location and key.  Key strings are not kept in
+memory, so writing one gathers them from the regions' summaries (one read per region
+with live objects; the active region's from memory).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Optional
+
+import numpy as np
+
+from . import checkpoint as C
+from . import format as F
+from . import recovery
+from . import region as R
+
+log = logging.getLogger(__name__)
+
+
+class Persistence:
+    def flush(self) -> None:
+        if self._closed:
+            return
+        with self._wlock:
+            self._flush_locked(checkpoint=True)
+
+    def _flush_locked(self, checkpoint: bool) -> None:
+        r = self._active
+        if r is not None:
+            try:
+                self._revive(r)
+            except OSError as e:
+                self._io_error(e, f"recreating {r.path}")
+            self._write_out(r, F.align_up(r.pos), r.pos)
+        try:
+            self._dead.write(self.fsync != "never")
+        except OSError as e:
+            self._io_error(e, "writing the dead log")
+        if self.fsync != "never":
+            for fd in list(self._dirty_fds):
+                try:
+                    os.fsync(fd)
+                except OSError as e:
+                    self._io_error(e, "fsync")
+            self._dirty_fds.clear()
+        if checkpoint and self._changed:
+            self._checkpoint()
+
+    def _revive(self, r) -> None:
+        """Recreate the active region's file if it was removed, from its image."""
+        try:
+            if os.stat(r.path).st_ino == r.ino:
+                return
+        except FileNotFoundError:
+            pass
+        self._ensure_dirs()
+        fd = R.open_fd(r.path, self.direct_io, create=True)
+        try:
+            R.preallocate(fd, self.region_size)
+            R.pwrite_all(fd, memoryview(r.buf)[:r.written], 0)
+        except OSError:
+            os.close(fd)
+            raise
+        self._close_region_fd(r)
+        r.fd, r.ino = fd, os.fstat(fd).st_ino
+
+    def _gather(self) -> recovery.Candidates:
+        """Every live object with its key, read from the summaries.  Caller holds ``_wlock``."""
+        with self._lock:
+            slots = self._index.live()
+            ix = self._index
+            cols = {"digest": ix.digest[slots].copy(), "region": ix.region[slots].astype(np.int64),
+                    "offset": ix.offset[slots].astype(np.int64), "rec_len": ix.rec_len[slots].astype(np.int64),
+                    "raw_len": ix.raw_len[slots].astype(np.int64)}
+        n = len(slots)
+        key_start = np.zeros(n, dtype=np.int64)
+        key_len = np.zeros(n, dtype=np.int64)
+        have = np.ones(n, dtype=bool)
+        blobs, base = [], 0
+        order = np.argsort(cols["region"], kind="stable")
+        bounds = np.flatnonzero(np.diff(cols["region"][order])) + 1
+        for grp in np.split(order, bounds) if n else []:
+            r = self._regions[int(cols["region"][grp[0]])]
+            if r is self._active:
+                ent = np.frombuffer(bytes(r.entries), dtype=F.ENTRY_DTYPE)
+                keys = bytes(r.keys)
+                offs = np.zeros(len(ent) + 1, dtype=np.int64)
+                np.cumsum(ent["key_len"], out=offs[1:])
+                got = (ent, keys, offs)
+            else:
+                got = R.read_summary(r.fd, self.region_size, r.seq, self.direct_io)
+            if got is None:
+                have[grp] = False
+                continue
+            ent, keys, offs = got
+            eo = ent["offset"].astype(np.int64)
+            srt = np.argsort(eo, kind="stable")
+            want = cols["offset"][grp]
+            pos = np.searchsorted(eo[srt], want)
+            pos = np.minimum(pos, len(eo) - 1)
+            hit = eo[srt][pos] == want
+            e = srt[pos]
+            have[grp[~hit]] = False
+            key_start[grp] = offs[e] + base
+            key_len[grp] = ent["key_len"][e]
+            blobs.append(keys)
+            base += len(keys)
+        seqs = np.array([self._regions[i].seq for i in cols["region"].tolist()], dtype=np.uint64) if n else \
+            np.zeros(0, dtype=np.uint64)
+        c = recovery.Candidates(cols["digest"], cols["region"], seqs, cols["offset"], cols["rec_len"],
+                                cols["raw_len"], np.zeros(n, dtype=np.uint8), key_start, key_len, b"".join(blobs))
+        return recovery.take(c, np.flatnonzero(have))
+
+    def _checkpoint(self, cands: Optional[recovery.Candidates] = None) -> None:
+        """Write the index (with keys; ``cands`` when the caller has them) atomically.
+
+        A failure is counted, never raised.
+        """
+        try:
+            c = self._gather() if cands is None else cands
+            c = recovery.take(c, np.lexsort((c.offset, c.seq)))  # oldest first: a reopen need not sort
+            covered = self._active.seq if self._active is not None else self._next_seq
+            nreg = max(self._regions) + 1 if self._regions else 0
+            seqs = np.zeros(nreg, dtype=np.uint64)
+            for i, r in self._regions.items():
+                if not r.foreign:
+                    seqs[i] = r.seq
+            blob = _gather_keys(c)
+            cols = {"digest": c.digest, "region": c.region, "offset": c.offset, "rec_len": c.rec_len,
+                    "raw_len": c.raw_len, "key_len": c.key_len}
+            for fd in list(self._dirty_fds):  # the records the checkpoint points at reach the disk first
+                if self.fsync != "never":
+                    os.fsync(fd)
+            self._dirty_fds.clear()
+            C.write(self.path, C.encode(covered, self.region_size, seqs, cols, blob), self.fsync != "never")
+        except OSError as e:
+            self._count("checkpoint_errors")
+            log.warning("%s: checkpoint failed: %s", self._what, e)
+            return
+        self._count("checkpoints")
+        self._changed = False
+        try:
+            if self._dead.size() > max(1 << 16, 4 * self._dead.compacted):
+                self._dead.write(self.fsync != "never")
+                self._dead.compact({i: r.seq for i, r in self._regions.items() if not r.foreign},
+                                   self.fsync != "never")
+        except OSError as e:
+            self._io_error(e, "compacting the dead log")
+        self._covered = covered
+        self._sealed_since_ckpt = 0
+
+    # -- bookkeeping ------------------------------------------------------------------------
+    def _count(self, what: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[what] += n
+
+    @property
+    def used_bytes(self) -> int:
+        return self._live_total
+
+    @property
+    def index_bytes(self) -> int:
+        return self._index.nbytes
+
+    def extra_stats(self) -> dict[str, Any]:
+        with self._lock:
+            regions = [r for r in self._regions.values() if not r.foreign]
+            return {"path": self.path, "objects": len(self._index), "compression": self.compression or "none",
+                    "checksum": self.checksum, "direct_io": self.direct_io, "region_size": self.region_size,
+                    "regions": len(regions), "regions_free": sum(r.state == R.FREE for r in regions),
+                    "index_bytes": self._index.nbytes, "recovered_from": self.recovered_from,
+                    **self._counters}
+
+    def _close_region_fd(self, r) -> None:
+        if r.fd >= 0:
+            self._dirty_fds.discard(r.fd)
+            try:
+                os.close(r.fd)
+            except OSError:
+                pass
+            r.fd = -1
+
+    def _close_fds(self) -> None:
+        for r in self._regions.values():
+            self._close_region_fd(r)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            with self._wlock:
+                if self._active is not None:  # sealed, the next open reads its summary, not its records
+                    try:
+                        self._revive(self._active)
+                        self._seal(self._active)
+                    except OSError as e:
+                        self._io_error(e, "sealing at close")
+                self._flush_locked(checkpoint=True)
+        finally:
+            self._pool.shutdown(wait=True)
+            super().close()
+            with self._wlock:
+                self._close_fds()
+                self._active = None
+                if self._lock_file is not None:
+                    self._lock_file.release()
+
+
+def _gather_keys(c: recovery.Candidates) -> bytes:
+    """The candidates' keys back to back, in their order."""
+    n = len(c.key_start)
+    if not n:
+        return b""
+    starts, lens = c.key_start, c.key_len
+    s0 = int(starts[0])
+    if (starts[1:] == s0 + np.cumsum(lens[:-1])).all():  # already back to back
+        return c.keys[s0:s0 + int(lens.sum())]
+    import gc
+
+    keys = c.keys
+    gc_was = gc.isenabled()
+    gc.disable()  # (a million short-lived slices: see recovery.key_list)
+    try:
+        return b"".join([keys[a:a + m] for a, m in zip(starts.tolist(), lens.tolist())])
+    finally:
+        if gc_was:
+            gc.enable()
