@@ -42,6 +42,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
@@ -154,6 +155,8 @@ class TieredStore:
         self._shared_levels = [i for i, lvl in enumerate(self.levels) if not lvl.managed]
         self._any_write_through = any(lvl.write_through for lvl in self.levels)
         self._executor = ThreadPoolExecutor(max_workers=max(1, io_workers), thread_name_prefix="tierkv-store")
+        self._observers: list[Any] = []  # see add_observer
+        self._observer_faults: set[int] = set()
         self._recover()
 
     # ------------------------------------------------------------------ construction
@@ -165,11 +168,15 @@ class TieredStore:
         cfg = load_config(config)
         levels = build_levels(cfg["tiers"])
         try:
-            return cls(levels, promotion=cfg.get("promotion"), io_workers=cfg.get("io_workers", 4))
+            store = cls(levels, promotion=cfg.get("promotion"), io_workers=cfg.get("io_workers", 4))
         except Exception:
             for lvl in levels:
                 lvl.tier.close()
             raise
+        from tierkv.observe import attach_from_config
+
+        attach_from_config(store, cfg)
+        return store
 
     def _recover(self) -> None:
         """Index what persistent media kept from an earlier process, oldest first."""
@@ -209,6 +216,8 @@ class TieredStore:
             self._closed = True
             self._idle.wait_for(lambda: self._in_flight == 0, timeout=60)
         self._executor.shutdown(wait=True)
+        for obs in self._observers:
+            getattr(obs, "close", lambda: None)()
         for lvl in self.levels:
             try:
                 lvl.tier.flush()
@@ -245,10 +254,14 @@ class TieredStore:
         keys, values = self._pairs(keys, values, "values")
         prepared = [to_parts(v, f"values[{i}]") for i, v in enumerate(values)]
         self._enter()
+        t0 = time.perf_counter()
         try:
-            return self._put(keys, prepared)
+            res = self._put(keys, prepared)
         finally:
             self._leave()
+        if self._observers:
+            self._observe("put", keys, res, t0, prepared)
+        return res
 
     def _put(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[bool]:
         n = len(keys)
@@ -568,10 +581,14 @@ class TieredStore:
         keys, outs = self._pairs(keys, outs, "outs")
         prepared = [to_parts(o, f"outs[{i}]") for i, o in enumerate(outs)]
         self._enter()
+        t0 = time.perf_counter()
         try:
-            return self._get(keys, prepared)
+            res = self._get(keys, prepared)
         finally:
             self._leave()
+        if self._observers:
+            self._observe("get", keys, res, t0, prepared)
+        return res
 
     def _get(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[bool]:
         n = len(keys)
@@ -710,6 +727,13 @@ class TieredStore:
     def lookup(self, keys: Sequence[str]) -> int:
         """How many leading keys are present in some tier.  No side effects."""
         keys = list(keys)
+        t0 = time.perf_counter()
+        n = self._lookup(keys)
+        if self._observers:
+            self._observe("lookup", keys, n, t0, None)
+        return n
+
+    def _lookup(self, keys: list[str]) -> int:
         self._enter()
         try:
             n = 0
@@ -836,6 +860,27 @@ class TieredStore:
     lookup_async = alookup
     remove_async = aremove
 
+    # ------------------------------------------------------------------ observers
+    def add_observer(self, observer: Any) -> None:
+        """After each ``put`` / ``get`` / ``lookup`` batch, call ``observer.observe(op, keys, result, seconds,
+        sizes)`` (outside the lock; ``sizes`` is None for lookups).  An observer's ``tier_stats()`` (``{tier:
+        {...}}``) is merged into ``stats()``, its ``close()`` called by ``close``.  See ``tierkv.observe``."""
+        self._observers = [*self._observers, observer]  # copy on write: batches in flight keep their list
+
+    def remove_observer(self, observer: Any) -> None:
+        self._observers = [o for o in self._observers if o is not observer]
+
+    def _observe(self, op: str, keys: list[str], result: Any, t0: float, prepared: Any) -> None:
+        dt = time.perf_counter() - t0
+        sizes = None if prepared is None else [n for _, n in prepared]
+        for obs in self._observers:
+            try:
+                obs.observe(op, keys, result, dt, sizes)
+            except Exception as e:  # an observer's fault never reaches the caller (logged once per observer)
+                first = id(obs) not in self._observer_faults
+                self._observer_faults.add(id(obs))
+                (log.warning if first else log.debug)("tierkv: observer %s failed: %s", type(obs).__name__, e)
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Counters per tier (under ``"tiers"`` and at the top level, by name) and store totals (``"total"``)."""
@@ -865,6 +910,9 @@ class TieredStore:
                           "rejected", "bytes_read", "bytes_written"):
                 total[field] = sum(t[field] for t in tiers.values())
             total["in_flight"] = self._in_flight
+        for obs in self._observers:
+            for name, extra in (obs.tier_stats() if hasattr(obs, "tier_stats") else {}).items():
+                tiers.get(name, {}).update(extra)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         for name, d in tiers.items():
             out.setdefault(name, d)

@@ -20,6 +20,7 @@ MEDIA: dict[str, object] = {
     "ssd": "tierkv.tiers.ssd:SSDTier",
     "dram_pool": "tierkv.tiers.dram_pool:DramPoolTier",
     "remote_npu": "tierkv.tiers.remote_npu:RemoteNPUTier",
+    "null": "tierkv.tiers.null:NullTier",  # payload-free, for the simulator
 }
 
 
