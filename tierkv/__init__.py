@@ -6,8 +6,16 @@
 
 from tierkv.errors import BufferSizeError, ConfigError, PolicyError, StoreClosedError, TierKVError
 from tierkv.keys import chunk_keys, keys_from_block_hashes, namespace_root
-from tierkv.store import Level, TieredStore
 from tierkv.units import parse_size
+
+
+def __getattr__(name: str):
+    # the store (and torch under it) loads on first use: `tierkv --help` and the trace tools start fast
+    if name in ("TieredStore", "Level"):
+        from tierkv import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
 
 __version__ = "0.1.0"
 

@@ -107,7 +107,8 @@ def plot(rows: Sequence[dict], path: str, title: str = "", metric: str = "token_
         ax.set_ylabel(metric.replace("_", " "))
         ax.set_title(title or f"{metric.replace('_', ' ')} vs {tier} capacity")
         ax.grid(True, alpha=0.3)
-        ax.legend(title="eviction")
+        # outside the axes: nothing but the curves is drawn inside the plot area
+        ax.legend(title="eviction", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)
         fig.tight_layout()
         fig.savefig(path)
     finally:
