@@ -20,7 +20,7 @@ instance of ``T``'s eviction policy class:
   tiers above at their real size).
 
 Factor 1 is simulated too: compare it with the tier's real counters to see how
-far the model is from the store.  Cost: one 64-bit hash per key per batch, and
+far the model is from the store.  Cost: one string hash per key per batch (cached by Python on the key), and
 policy bookkeeping for the sampled ``rate`` of keys in each shadow.
 """
 
@@ -30,17 +30,22 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import xxhash
-
 from tierkv.errors import ConfigError
 from tierkv.options import check_float
 
 _SCALE = 1 << 24
+_MASK = _SCALE - 1
 DEFAULT_FACTORS = (0.5, 1.0, 2.0, 4.0)
 
 
 def sampled(key: str, threshold: int) -> bool:
-    return xxhash.xxh3_64_intdigest(key.encode()) % _SCALE < threshold
+    """Whether ``key`` is in the sample: the same answer for the same key for the life of the process.
+
+    Python's own string hash (SipHash, cached on the string) is a good spatial
+    hash here and costs a fraction of any other: sampling is per process, so its
+    per-process seed does not matter.
+    """
+    return hash(key) & _MASK < threshold
 
 
 class ShadowCache:
@@ -100,7 +105,8 @@ class ShadowObserver:
         self.factors = factors
         self._threshold = max(1, int(rate * _SCALE))
         self._lock = threading.Lock()
-        self.requests = 0
+        self.requests = 0  # sampled chunk requests
+        self.demand = 0  # all chunk requests
         self._tiers: list[tuple[str, dict[float, ShadowCache]]] = []
         above = 0
         for lvl in store.levels:
@@ -114,14 +120,19 @@ class ShadowObserver:
 
     def observe(self, op: str, keys: list[str], result: Any, seconds: float, sizes: Optional[list[int]]) -> None:
         if op == "put":
-            picks = [(k, n) for k, n in zip(keys, sizes) if sampled(k, self._threshold)]
+            demand = len(keys)
+            t = self._threshold  # inlined ``sampled``: this runs for every key of every batch
+            picks = [(k, n) for k, n in zip(keys, sizes) if hash(k) & _MASK < t]
         elif op == "get":
-            picks = [(k, n) for k, n, ok in zip(keys, sizes, result) if ok and sampled(k, self._threshold)]
+            demand = sum(result)
+            t = self._threshold
+            picks = [(k, n) for k, n, ok in zip(keys, sizes, result) if ok and hash(k) & _MASK < t]
         else:
             return
-        if not picks:
-            return
         with self._lock:
+            self.demand += demand
+            if not picks:
+                return
             self.requests += len(picks)
             for _, shadows in self._tiers:
                 for sh in shadows.values():
@@ -133,15 +144,19 @@ class ShadowObserver:
         out: dict[str, dict[str, Any]] = {}
         with self._lock:
             above_rate = 0.0
+            # SHARDS-adj: the sample holds more or fewer requests than rate x all; the difference
+            # is mostly repeats of hot keys, so it is counted as hits at every size
+            expected = self.rate * self.demand
+            adjust = expected - self.requests
             for name, shadows in self._tiers:
                 per: dict[str, Any] = {}
                 for f, sh in shadows.items():
-                    cum = sh.hits / sh.requests if sh.requests else 0.0
+                    cum = min(1.0, max(0.0, (sh.hits + adjust) / expected)) if expected >= 1 else 0.0
                     per[f"{f:g}"] = {"capacity_bytes": int(f * self._caps[name]), "cumulative_hit_rate": cum,
-                                     "hit_rate": max(0.0, cum - above_rate)}
-                out[name] = {"sample_rate": self.rate, "sampled_requests": self.requests, "factors": per}
-                one = shadows[1.0]
-                above_rate = one.hits / one.requests if one.requests else 0.0
+                                     "hit_rate": max(0.0, cum - above_rate), "sampled_chunks": len(sh.sizes)}
+                out[name] = {"sample_rate": self.rate, "sampled_requests": self.requests, "requests": self.demand,
+                             "factors": per}
+                above_rate = per["1"]["cumulative_hit_rate"]
         return out
 
     def tier_stats(self) -> dict[str, dict[str, Any]]:
