@@ -173,10 +173,11 @@ class Exporter:
             self._server.server_close()
             self._server = None
         self.store.remove_observer(self.latency)
-        try:
-            self.registry.unregister(self.collector)
-        except KeyError:
-            pass
+        for c in (self.collector, *self.latency.hists.values()):
+            try:
+                self.registry.unregister(c)
+            except KeyError:
+                pass
 
     close = stop
 

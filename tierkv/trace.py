@@ -108,7 +108,7 @@ class TraceWriter:
                 self._f.write(line)
                 self._size += len(line)
                 self.records += 1
-            except OSError as e:
+            except (OSError, ValueError) as e:  # ValueError: the file was closed under us
                 self._fail(e)
 
     def _open(self) -> None:
@@ -139,7 +139,7 @@ class TraceWriter:
         self.rotations += 1
         self._open()
 
-    def _fail(self, e: OSError) -> None:
+    def _fail(self, e: Exception) -> None:
         self.failed = str(e)
         log.warning("tierkv: trace %s disabled after a write error: %s", self.path, e)
         try:
