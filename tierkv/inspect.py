@@ -9,7 +9,7 @@ layout itself (``<shard>/<name>.kv`` files with a 64-byte header, see
 repaired, checkpoint``.  Nothing is written unless ``repair`` is True.
 
 ``inspect_pool(master, ...)`` counts tierkv's objects in a Mooncake pool through
-the master's HTTP endpoint (``/get_all_keys``, ``/query_key``): the client API
+the master's HTTP endpoint (``/get_all_keys``, ``/batch_query_keys``): the client API
 has no listing call.
 """
 
@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 import urllib.error
-import urllib.parse
 import urllib.request
 from typing import Any, Optional
 
@@ -174,8 +174,7 @@ def _http_get(url: str, timeout: float = 5.0) -> str:
         return r.read().decode("utf-8", "replace")
 
 
-def inspect_pool(master: str, metadata_server: Optional[str] = None, metrics_port: int = 9003,
-                 namespace: str = "tierkv") -> dict[str, Any]:
+def inspect_pool(master: str, metrics_port: int = 9003, namespace: str = "tierkv") -> dict[str, Any]:
     """tierkv's objects and bytes in a Mooncake pool, per medium tag (``<namespace>/<tag>/<key>``)."""
     host = master.rsplit(":", 1)[0] if ":" in master else master
     base = f"http://{host}:{metrics_port}"
@@ -189,38 +188,38 @@ def inspect_pool(master: str, metadata_server: Optional[str] = None, metrics_por
     ours = [k for k in keys if k.startswith(prefix) and not k.startswith(prefix + "sentinel/")]
     by_tag: dict[str, dict[str, int]] = {}
     notes = []
-    sized = 0
+    sizes = _query_sizes(base, ours)
     total = 0
     for k in ours:
         tag = k[len(prefix):].split("/", 1)[0]
         d = by_tag.setdefault(tag, {"objects": 0, "bytes": 0})
         d["objects"] += 1
-        size = _query_size(base, k)
-        if size is not None:
-            d["bytes"] += size
-            total += size
-            sized += 1
-    if ours and sized < len(ours):
-        notes.append(f"sizes known for {sized} of {len(ours)} objects (the master's /query_key answered "
-                     "without a size for the others)")
+        n = sizes.get(k)
+        if n is not None:
+            d["bytes"] += n
+            total += n
+    if len(sizes) < len(ours):
+        notes.append(f"sizes known for {len(sizes)} of {len(ours)} objects (the others were gone or unreadable "
+                     "when asked)")
     return {"master": master, "namespace": namespace, "objects": len(ours), "bytes": total, "by_tag": by_tag,
             "pool_keys": len(keys), "notes": notes}
 
 
-def _query_size(base: str, key: str) -> Optional[int]:
-    try:
-        text = _http_get(f"{base}/query_key?key={urllib.parse.quote(key, safe='')}")
-    except (urllib.error.URLError, OSError):
-        return None
-    try:
-        doc = json.loads(text)
-    except json.JSONDecodeError:
-        doc = None
-    if isinstance(doc, dict):
-        for field in ("size", "value_size", "object_size", "length"):
-            if isinstance(doc.get(field), int):
-                return doc[field]
-    import re
+_PLAIN = re.compile(r"^[A-Za-z0-9._/-]+$")  # keys the master's HTTP endpoint takes unescaped
 
-    m = re.search(r'"?(?:size|value_size|length)"?\s*[:=]\s*(\d+)', text)
-    return int(m.group(1)) if m else None
+
+def _query_sizes(base: str, keys: list[str], batch: int = 64) -> dict[str, int]:
+    """Object size per key from ``/batch_query_keys`` (one replica's ``size_``)."""
+    out: dict[str, int] = {}
+    plain = [k for k in keys if _PLAIN.match(k)]
+    for i in range(0, len(plain), batch):
+        part = plain[i:i + batch]
+        try:
+            doc = json.loads(_http_get(f"{base}/batch_query_keys?keys={','.join(part)}"))
+        except (urllib.error.URLError, OSError, json.JSONDecodeError):
+            continue
+        for k, v in ((doc or {}).get("data") or {}).items():
+            vals = (v or {}).get("values") or []
+            if (v or {}).get("ok") and vals and isinstance(vals[0].get("size_"), int):
+                out[k] = vals[0]["size_"]
+    return out

@@ -17,7 +17,8 @@ stray temporary files).  --verify reads every object and checks its checksum;
 without it only headers are checked.  Exit 1 when corrupt objects were found.
 
 With --master HOST:PORT (and no PATH): a Mooncake pool's view, as far as the
-Mooncake client API allows: tierkv's objects (under --namespace) and their bytes."""
+Mooncake client API allows: it has no listing call, so the master's HTTP endpoint
+(its --metrics_port) is asked: tierkv's objects (under --namespace) and their bytes."""
 
 
 def add_parser(sub) -> None:
@@ -28,7 +29,6 @@ def add_parser(sub) -> None:
     p.add_argument("--repair", action="store_true", help="delete corrupt objects and stray temporary files")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE", help="JSON instead of a table (stdout: -)")
     p.add_argument("--master", metavar="HOST:PORT", help="inspect a Mooncake pool instead of a directory")
-    p.add_argument("--metadata-server", help="Mooncake metadata server URL (default http://HOST:8080/metadata)")
     p.add_argument("--metrics-port", type=int, default=9003,
                    help="the master's HTTP metrics port, which lists keys (default 9003)")
     p.add_argument("--namespace", default="tierkv", help="tierkv's key namespace in the pool (default tierkv)")
@@ -41,7 +41,7 @@ def run(args) -> int:
             raise CommandError("give either PATH or --master, not both")
         from tierkv.inspect import inspect_pool
 
-        info = inspect_pool(args.master, args.metadata_server, args.metrics_port, args.namespace)
+        info = inspect_pool(args.master, args.metrics_port, args.namespace)
         if args.json:
             dump_json(info, args.json)
             if args.json == "-":
