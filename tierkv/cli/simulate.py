@@ -190,7 +190,7 @@ def _print_result(out: dict[str, Any]) -> None:
     elif out.get("load_s") is not None:
         print(f"load time: {out['load_s']:.1f} s (give --prefill-tokens-per-s to compare with recompute)")
     rps = out.get("requests_per_s")
-    print(f"replayed in {out['wall_s']:.2f} s ({fmt_num(rps, 0)} requests/s)")
+    print(f"replayed in {out['wall_s']:.2f} s ({fmt_num(rps, 0)} requests/s; {out['cpu_s']:.2f} s of CPU)")
 
 
 def _run_sweep(args, reqs, cfg, bpt, bws, capacities, evictions) -> int:
