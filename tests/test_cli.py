@@ -272,3 +272,16 @@ def test_demo_entry_points(tmp_path):
         assert "repeated request" in r.stdout
     r = tierkv("--chunks", "8", exe="tierkv-demo")
     assert r.returncode == 0 and "bytes exact: True" in r.stdout
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_demo_vllm_cold_then_warm(tmp_path):
+    pytest.importorskip("vllm")
+    r = tierkv("demo", "--vllm", "--prompt-tokens", "512", "--dir", tmp_path, "--json", timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["same_tokens"]  # the warm run, served from tierkv, computes the same next token
+    assert summary["warm_hit_tokens"] >= 256  # at least one 256-token chunk came from the tiers
+    assert sum(t["hits"] for t in summary["tiers"].values()) > 0
+    assert "cold TTFT" in r.stdout and "warm TTFT" in r.stdout

@@ -33,7 +33,7 @@ def _tiny_model(path: str) -> str:
 def run_vllm_demo(root: str, config: Optional[str] = None, prompt_tokens: int = 1024) -> dict[str, Any]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(root, "vllm-cache"))
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         from vllm import LLM, SamplingParams
