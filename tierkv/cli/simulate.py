@@ -116,8 +116,10 @@ def _generate(args) -> Optional[list]:
 
 def run(args) -> int:
     from tierkv.sim import DEFAULT_BYTES_PER_TOKEN
+    from tierkv.sim.replay import tune_allocator
     from tierkv.sim.traces import read_trace
 
+    tune_allocator()
     if args.generate:
         reqs = _generate(args)
         if reqs is None or not args.config:

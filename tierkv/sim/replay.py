@@ -205,6 +205,27 @@ def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: int
     return res
 
 
+def tune_allocator() -> bool:
+    """For a process that only simulates: let glibc serve the store's 64 MiB staging buffers from its heap.
+
+    Every demotion stages the victim in a fresh ``torch.empty(nbytes)``; above glibc's
+    mmap threshold (32 MiB at most) each one is an mmap and a munmap, which was half
+    the CPU time of a three-tier replay here.  Null media never touch those buffers,
+    so serving them from the heap costs no memory.  Process-wide: ``tierkv simulate``
+    calls it, a library user decides for their own process.  False where it is not glibc.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 1 << 30))
+
+
 def simulate(requests: Iterable[Request], config: Any, **kw: Any) -> SimResult:
     """``replay`` on a fresh ``null_store(config)``; ``capacities`` / ``evictions`` pass to ``null_store``."""
     store = null_store(config, capacities=kw.pop("capacities", None), evictions=kw.pop("evictions", None))
