@@ -70,7 +70,7 @@ class TraceWriter:
 
     @classmethod
     def from_options(cls, path: str, options: Optional[dict[str, Any]] = None) -> "TraceWriter":
-        """From a config's ``trace_path`` and ``trace`` options (``max_bytes``, ``max_files``, ``block_tokens``, ``salt``)."""
+        """From a config's ``trace_path`` and its ``trace`` options (max_bytes, max_files, block_tokens, salt)."""
         opts = dict(options or {})
         unknown = set(opts) - {"max_bytes", "max_files", "block_tokens", "salt"}
         if unknown:

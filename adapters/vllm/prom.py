@@ -112,7 +112,7 @@ def _prom_class():
                     self._hit_tokens.labels(*labels, tier).inc(n)
             snaps = d.get(SNAPSHOT_KEY) or {}
             gauges: dict[tuple[str, str], float] = {}
-            for rank, tiers in snaps.items():
+            for rank, tiers in snaps.items():  # noqa: B007 (rank is part of the key below)
                 for tier, vals in tiers.items():
                     for f, c in self._tier.items():
                         cur = float(vals.get(f, 0))

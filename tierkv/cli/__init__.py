@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"tierkv {__version__}")
     ap.add_argument("-v", "--verbose", action="store_true", help="log tierkv's warnings and progress to stderr")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    for name, mod in COMMANDS.items():
+    for mod in COMMANDS.values():
         mod.add_parser(sub)
     return ap
 

@@ -44,7 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("trace", nargs="?", metavar="TRACE", help="trace file, directory of rotated files, or glob")
     p.add_argument("--config", "-c", help="store config (.json, .yaml, .toml) whose tiers and policies to simulate")
     p.add_argument("--format", choices=("mooncake", "bailian", "tierkv"), help="trace format (default: detect)")
-    p.add_argument("--block-tokens", type=int, help="tokens per hash id (default: the format's: 512, 16, or the file's)")
+    p.add_argument("--block-tokens", type=int, help="tokens per hash id (default: 512, 16, or the file's)")
     p.add_argument("--bytes-per-token", type=int, default=None,
                    help="KV bytes per token (default 131072: K+V, 32 layers, 8 KV heads, head dim 128, fp16)")
     p.add_argument("--limit", type=int, help="replay only the first N requests")
@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
     g.add_argument("--sweep", metavar="TIER=LO..HI[:N]", help="vary TIER's capacity over N geometric points")
     g.add_argument("--policies", default=None, help="eviction policies to sweep, comma-separated (default: the "
                    "tier's own); names or package.module:Class")
-    g.add_argument("--out", default="tierkv-sweep", help="directory for sweep.csv and sweep.png (default ./tierkv-sweep)")
+    g.add_argument("--out", default="tierkv-sweep", help="where sweep.csv and sweep.png go (default ./tierkv-sweep)")
     g.add_argument("--metric", choices=("token_hit_rate", "chunk_hit_rate"), default="token_hit_rate",
                    help="what the plot shows (both are in the CSV)")
     gen = p.add_argument_group("generate")
@@ -83,7 +83,7 @@ def bandwidths_from(args, cfg: Optional[dict]) -> Optional[dict[str, float]]:
         from tierkv.benchmarks import read_bandwidths
 
         by_medium = read_bandwidths(args.bench_json)
-        for i, t in enumerate((cfg or {}).get("tiers", [])):
+        for t in (cfg or {}).get("tiers", []):
             medium = str(t.get("medium"))
             name = t.get("name") or medium
             bw = by_medium.get(BENCH_MEDIUM.get(medium, medium))

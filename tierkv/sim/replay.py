@@ -136,7 +136,8 @@ class SimResult:
                 "prefill_tokens_saved": self.hit_tokens, "token_hit_rate": self.token_hit_rate,
                 "chunk_hit_rate": self.chunk_hit_rate, "leading_hits": self.leading_hits,
                 "block_bytes": self.block_bytes, "load_s": self.load_s, "recompute_s": self.recompute_s,
-                "wall_s": self.wall_s, "cpu_s": self.cpu_s, "requests_per_s": self.requests / self.wall_s if self.wall_s else None,
+                "wall_s": self.wall_s, "cpu_s": self.cpu_s,
+                "requests_per_s": self.requests / self.wall_s if self.wall_s else None,
                 "tiers": self.tiers}
 
 
