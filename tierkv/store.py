@@ -52,6 +52,7 @@ import torch
 from tierkv.buffers import Parts, Value, check_size, staging, to_parts
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
 from tierkv.keys import check_key
+from tierkv.observe import Observable
 from tierkv.policies import (
     AdmissionPolicy,
     EvictionPolicy,
@@ -116,7 +117,7 @@ class Level:
 StoreConfig = Union[dict, str, "os.PathLike[str]"]
 
 
-class TieredStore:
+class TieredStore(Observable):
     """A chain of tiers, fastest first, behind one batch-first API.
 
     ``put`` writes into the highest level whose admission policy accepts the
@@ -155,8 +156,7 @@ class TieredStore:
         self._shared_levels = [i for i, lvl in enumerate(self.levels) if not lvl.managed]
         self._any_write_through = any(lvl.write_through for lvl in self.levels)
         self._executor = ThreadPoolExecutor(max_workers=max(1, io_workers), thread_name_prefix="tierkv-store")
-        self._observers: list[Any] = []  # see add_observer
-        self._observer_faults: set[int] = set()
+        self._observers: list[Any] = []  # see Observable (tierkv.observe)
         self._recover()
 
     # ------------------------------------------------------------------ construction
@@ -173,9 +173,7 @@ class TieredStore:
             for lvl in levels:
                 lvl.tier.close()
             raise
-        from tierkv.observe import attach_from_config
-
-        attach_from_config(store, cfg)
+        store._attach_from_config(cfg)
         return store
 
     def _recover(self) -> None:
@@ -216,8 +214,7 @@ class TieredStore:
             self._closed = True
             self._idle.wait_for(lambda: self._in_flight == 0, timeout=60)
         self._executor.shutdown(wait=True)
-        for obs in self._observers:
-            getattr(obs, "close", lambda: None)()
+        self._close_observers()
         for lvl in self.levels:
             try:
                 lvl.tier.flush()
@@ -860,27 +857,6 @@ class TieredStore:
     lookup_async = alookup
     remove_async = aremove
 
-    # ------------------------------------------------------------------ observers
-    def add_observer(self, observer: Any) -> None:
-        """After each ``put`` / ``get`` / ``lookup`` batch, call ``observer.observe(op, keys, result, seconds,
-        sizes)`` (outside the lock; ``sizes`` is None for lookups).  An observer's ``tier_stats()`` (``{tier:
-        {...}}``) is merged into ``stats()``, its ``close()`` called by ``close``.  See ``tierkv.observe``."""
-        self._observers = [*self._observers, observer]  # copy on write: batches in flight keep their list
-
-    def remove_observer(self, observer: Any) -> None:
-        self._observers = [o for o in self._observers if o is not observer]
-
-    def _observe(self, op: str, keys: list[str], result: Any, t0: float, prepared: Any) -> None:
-        dt = time.perf_counter() - t0
-        sizes = None if prepared is None else [n for _, n in prepared]
-        for obs in self._observers:
-            try:
-                obs.observe(op, keys, result, dt, sizes)
-            except Exception as e:  # an observer's fault never reaches the caller (logged once per observer)
-                first = id(obs) not in self._observer_faults
-                self._observer_faults.add(id(obs))
-                (log.warning if first else log.debug)("tierkv: observer %s failed: %s", type(obs).__name__, e)
-
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Counters per tier (under ``"tiers"`` and at the top level, by name) and store totals (``"total"``)."""
@@ -910,9 +886,7 @@ class TieredStore:
                           "rejected", "bytes_read", "bytes_written"):
                 total[field] = sum(t[field] for t in tiers.values())
             total["in_flight"] = self._in_flight
-        for obs in self._observers:
-            for name, extra in (obs.tier_stats() if hasattr(obs, "tier_stats") else {}).items():
-                tiers.get(name, {}).update(extra)
+        self._observer_stats(tiers)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         for name, d in tiers.items():
             out.setdefault(name, d)
