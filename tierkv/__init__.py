@@ -6,9 +6,17 @@
 
 from tierkv.errors import BufferSizeError, ConfigError, PolicyError, StoreClosedError, TierKVError
 from tierkv.keys import chunk_keys, keys_from_block_hashes, namespace_root
-from tierkv.level import Level
-from tierkv.store import PutOutcome, TieredStore
 from tierkv.units import parse_size
+
+
+def __getattr__(name: str):
+    # the store (and torch under it) loads on first use: `tierkv --help` and the trace tools start fast
+    if name in ("TieredStore", "Level", "PutOutcome"):
+        from tierkv import store
+
+        return getattr(store, name)
+    raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
+
 
 __version__ = "0.2.0.dev0"
 

@@ -1,5 +1,5 @@
-"""``python -m tierkv`` runs the demo."""
+"""``python -m tierkv`` runs the ``tierkv`` command (``python -m tierkv.demo`` runs the demo alone)."""
 
-from tierkv.demo import main
+from tierkv.cli import main
 
 raise SystemExit(main())

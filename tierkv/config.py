@@ -10,7 +10,10 @@ Shape::
          "compression": "lz4", "admission": {"policy": "frequency", "min_accesses": 2}}
       ],
       "promotion": {"policy": "on-hit", "min_hits": 2},
-      "io_workers": 4
+      "io_workers": 4,
+      "trace_path": "/var/log/tierkv/trace",       # optional: hash-only request traces (tierkv.trace)
+      "trace": {"max_bytes": "64MiB", "max_files": 8},
+      "shadow": {"rate": 0.05}                     # optional: what more capacity would buy (tierkv.shadow)
     }
 
 Keys every tier takes: ``medium`` (a built-in name or ``"package.module:Class"``),
@@ -34,7 +37,8 @@ from tierkv.level import Level
 from tierkv.options import check_int, check_str
 from tierkv.tiers import medium_class
 
-TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue"}
+TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue",
+            "trace_path", "trace", "shadow"}  # the last three: tierkv.observe
 LEVEL_KEYS = {"medium", "name", "eviction", "admission", "write_through", "persist"}
 
 

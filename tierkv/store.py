@@ -56,6 +56,7 @@ import functools
 import logging
 import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, Union
@@ -67,6 +68,7 @@ from tierkv.config import build_levels, load_config
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
 from tierkv.keys import check_key
 from tierkv.level import Level, call_policy
+from tierkv.observe import Observable
 from tierkv.options import check_int
 from tierkv.policies import AdmissionPolicy, PromotionPolicy, build_promotion
 from tierkv.stats import StoreCounters
@@ -143,7 +145,7 @@ def _overlapping(prepared: list[tuple[Parts, int]]) -> set[int]:
     return bad
 
 
-class TieredStore:
+class TieredStore(Observable):
     """A chain of tiers, fastest first, behind one batch-first API.
 
     ``put`` writes into the highest level whose admission policy accepts the
@@ -191,6 +193,7 @@ class TieredStore:
         self._behind_levels = [i for i, lvl in enumerate(self.levels) if lvl.write_behind]
         self._behind = WriteBehind(self._copy_behind, max_queued=write_behind_queue) if self._behind_levels else None
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
+        self._observers: list[Any] = []  # see Observable (tierkv.observe)
         self._recover()
 
     # ------------------------------------------------------------------ construction
@@ -200,12 +203,14 @@ class TieredStore:
         cfg = load_config(config)
         levels = build_levels(cfg["tiers"])
         try:
-            return cls(levels, promotion=cfg.get("promotion"), io_workers=cfg.get("io_workers", 4),
-                       write_behind_queue=cfg.get("write_behind_queue", 65536))
+            store = cls(levels, promotion=cfg.get("promotion"), io_workers=cfg.get("io_workers", 4),
+                        write_behind_queue=cfg.get("write_behind_queue", 65536))
         except Exception:
             for lvl in levels:
                 lvl.tier.close()
             raise
+        store._attach_from_config(cfg)
+        return store
 
     def _recover(self) -> None:
         """Index what persistent media kept from an earlier process: the newest that fit."""
@@ -257,6 +262,7 @@ class TieredStore:
                 self._behind.close(timeout=120)
         finally:
             self._executor.shutdown(wait=True)
+            self._close_observers()
             for lvl in self.levels:
                 try:
                     lvl.tier.flush()
@@ -310,10 +316,14 @@ class TieredStore:
         keys, values = self._pairs(keys, values, "values")
         prepared = [to_parts(v, f"values[{i}]") for i, v in enumerate(values)]
         self._enter()
+        t0 = time.perf_counter()
         try:
-            return self._put(keys, prepared)
+            res = self._put(keys, prepared)
         finally:
             self._leave()
+        if self._observers:
+            self._observe("put", keys, res, t0, prepared)
+        return res
 
     def _put(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[PutOutcome]:
         n = len(keys)
@@ -704,10 +714,14 @@ class TieredStore:
         keys, outs = self._pairs(keys, outs, "outs", each=False)
         prepared = [to_parts(o, f"outs[{i}]") for i, o in enumerate(outs)]
         self._enter()
+        t0 = time.perf_counter()
         try:
-            return self._get(keys, prepared)
+            res = self._get(keys, prepared)
         finally:
             self._leave()
+        if self._observers:
+            self._observe("get", keys, res, t0, prepared)
+        return res
 
     def _get(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[bool]:
         n = len(keys)
@@ -877,6 +891,13 @@ class TieredStore:
     def lookup(self, keys: Sequence[str]) -> int:
         """How many leading keys are present in some tier.  No side effects."""
         keys = check_keys(keys, each=False)
+        t0 = time.perf_counter()
+        n = self._lookup(keys)
+        if self._observers:
+            self._observe("lookup", keys, n, t0, None)
+        return n
+
+    def _lookup(self, keys: list[str]) -> int:
         self._enter()
         try:
             n = 0
@@ -1011,6 +1032,7 @@ class TieredStore:
                 total[field] = sum(t[field] for t in tiers.values())
             total["in_flight"] = self._in_flight
             total["write_behind_pending"] = self._behind.pending() if self._behind is not None else 0
+        self._observer_stats(tiers)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         for name, d in tiers.items():
             out.setdefault(name, d)

@@ -20,6 +20,7 @@ MEDIA: dict[str, object] = {
     "ssd": "tierkv.tiers.ssd:SSDTier",
     "dram_pool": "tierkv.tiers.remote.media:DramPoolTier",
     "remote_npu": "tierkv.tiers.remote.media:RemoteNPUTier",
+    "null": "tierkv.tiers.null:NullTier",  # payload-free, for the simulator
 }
 
 

@@ -1,0 +1,13 @@
+"""A custom eviction policy for the simulator tests, loadable as ``sim_policies:MRUPolicy``."""
+
+from tierkv.policies import LRUPolicy
+from tierkv.policies.eviction import _take
+
+
+class MRUPolicy(LRUPolicy):
+    """Most recently used first: the opposite of LRU, so a wrong hook order shows at once."""
+
+    name = "mru"
+
+    def victims(self, nbytes, protected):
+        return _take(reversed(self._od), self._od, nbytes, protected)

@@ -1,0 +1,109 @@
+"""Store observers: the hook ``TieredStore`` calls once per batch, and those a config turns on.
+
+``Observable`` (a base of ``TieredStore``) keeps the observers: after each
+``put`` / ``get`` / ``lookup`` batch the store calls
+``observer.observe(op, keys, result, seconds, sizes)`` outside its lock (``sizes``:
+bytes per key, None for lookups); an observer's ``tier_stats()`` (``{tier: {...}}``)
+is merged into ``stats()`` and its ``close()`` is called by ``close()``.  An
+observer that raises is logged once and never reaches the caller; observers that
+share state between threads lock it themselves.
+
+Config keys (``tierkv.config``):
+
+``"trace_path": PATH`` records every ``lookup`` as a hash-only request trace
+(``tierkv.trace``); ``"trace": {"max_bytes": "64MiB", "max_files": 8,
+"block_tokens": 256, "salt": "..."}`` tunes it.  ``"shadow": true`` or
+``{"rate": 0.05, "factors": [0.5, 2, 4]}`` estimates hit rates at other
+capacities (``tierkv.shadow``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import logging
+import time
+
+from tierkv.errors import ConfigError
+from tierkv.options import check_bool, check_str
+
+log = logging.getLogger("tierkv")
+
+
+class Observable:
+    """The observer hook of ``TieredStore`` (which sets ``self._observers = []``)."""
+
+    _observers: list[Any]
+
+    def add_observer(self, observer: Any) -> None:
+        """Call ``observer`` after every batch (see the module docstring)."""
+        self._observers = [*self._observers, observer]  # copy on write: batches in flight keep their list
+
+    def remove_observer(self, observer: Any) -> None:
+        self._observers = [o for o in self._observers if o is not observer]
+
+    def _observe(self, op: str, keys: list[str], result: Any, t0: float, prepared: Any) -> None:
+        dt = time.perf_counter() - t0
+        sizes = None if prepared is None else [n for _, n in prepared]
+        for obs in self._observers:
+            try:
+                obs.observe(op, keys, result, dt, sizes)
+            except Exception as e:  # an observer's fault never reaches the caller
+                self._observer_failed(obs, "observe", e)
+
+    def _observer_stats(self, tiers: dict[str, dict[str, Any]]) -> None:
+        for obs in self._observers:
+            try:
+                extra = obs.tier_stats() if hasattr(obs, "tier_stats") else {}
+                for name, d in extra.items():
+                    tiers.get(name, {}).update(d)
+            except Exception as e:
+                self._observer_failed(obs, "tier_stats", e)
+
+    def _close_observers(self) -> None:
+        for obs in self._observers:
+            try:
+                getattr(obs, "close", lambda: None)()
+            except Exception as e:
+                self._observer_failed(obs, "close", e)
+
+    def _observer_failed(self, obs: Any, what: str, e: Exception) -> None:
+        faults = self.__dict__.setdefault("_observer_faults", set())
+        first = (id(obs), what) not in faults
+        faults.add((id(obs), what))
+        (log.warning if first else log.debug)("tierkv: observer %s %s failed: %s", type(obs).__name__, what, e)
+
+    def _attach_from_config(self, cfg: dict[str, Any]) -> None:
+        attach_from_config(self, cfg)
+
+
+def attach_from_config(store: Any, cfg: dict[str, Any]) -> None:
+    """Attach the observers ``cfg`` asks for; on a bad value the store is closed and ``ConfigError`` raised."""
+    try:
+        path = cfg.get("trace_path")
+        if cfg.get("trace") is not None and path is None:
+            raise ConfigError("config key 'trace' needs 'trace_path'")
+        if path is not None:
+            from tierkv.trace import StoreTracer, TraceWriter
+
+            opts = cfg.get("trace") or {}
+            if not isinstance(opts, dict):
+                raise ConfigError(f"config key 'trace' must be a mapping, got {opts!r}")
+            store.add_observer(StoreTracer(TraceWriter.from_options(check_str(path, "config key 'trace_path'"),
+                                                                    opts)))
+        shadow = cfg.get("shadow")
+        if shadow is not None and shadow is not False:
+            from tierkv.shadow import attach
+
+            if isinstance(shadow, dict):
+                opts = dict(shadow)
+                unknown = set(opts) - {"rate", "factors"}
+                if unknown:
+                    raise ConfigError(f"config key 'shadow': unknown option(s) {sorted(unknown)}; known: factors, rate")
+                attach(store, **opts)
+            else:
+                check_bool(shadow, "config key 'shadow'")
+                attach(store)
+    except Exception:
+        store.close()
+        raise

@@ -1,0 +1,187 @@
+"""Request traces: reading Mooncake, Qwen-Bailian and tierkv capture files.
+
+A trace is a sequence of ``Request`` records, each a prompt described only by
+the hash ids of its blocks (``hash_ids[i]`` names block ``i`` and, because the
+ids are chained over the prefix, everything before it).  No token ids.
+
+Formats (JSON lines, one request per line; ``.gz`` files are read as gzip):
+
+``mooncake``  Mooncake's published traces: ``timestamp`` (ms), ``input_length``,
+              ``output_length``, ``hash_ids`` of 512-token blocks.
+``bailian``   The Qwen-Bailian traces: ``chat_id``, ``parent_chat_id``,
+              ``timestamp`` (s), ``input_length``, ``output_length``, ``type``,
+              ``turn``, ``hash_ids`` of 16-token blocks.
+``tierkv``    tierkv's capture format (``tierkv.trace.TraceWriter``): Mooncake's
+              fields plus ``block_tokens``; a first line ``{"format": "tierkv-trace",
+              ...}`` may carry defaults for the file.
+
+``read_trace`` detects the format from the first record unless told.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import io
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tierkv.errors import ConfigError
+
+FORMATS = ("mooncake", "bailian", "tierkv")
+#: tokens per hash id, by format
+BLOCK_TOKENS = {"mooncake": 512, "bailian": 16, "tierkv": 512}
+HEADER_FORMAT = "tierkv-trace"
+
+
+@dataclass(slots=True)
+class Request:
+    """One request of a trace; ``timestamp`` in seconds from the trace's origin."""
+
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+    block_tokens: int
+    session: Optional[str] = None
+    extra: dict = field(default_factory=dict)
+
+    def to_mooncake(self) -> dict:
+        """The record in Mooncake's JSONL shape (timestamp in ms), with tierkv's ``block_tokens``."""
+        rec = {"timestamp": int(round(self.timestamp * 1000)), "input_length": self.input_length,
+               "output_length": self.output_length, "hash_ids": self.hash_ids, "block_tokens": self.block_tokens}
+        if self.session is not None:
+            rec["session"] = self.session
+        return rec
+
+
+def trace_files(path: str) -> list[str]:
+    """The files of a trace: a file, a directory of rotated captures (oldest first), or a glob."""
+    if os.path.isdir(path):
+        files = sorted(f for f in glob.glob(os.path.join(path, "*")) if os.path.isfile(f)
+                       and (f.endswith(".jsonl") or f.endswith(".jsonl.gz") or ".jsonl." in os.path.basename(f)))
+        return sorted(files, key=_rotation_order)
+    if any(c in path for c in "*?["):
+        return sorted(glob.glob(path), key=_rotation_order)
+    if not os.path.exists(path):
+        raise ConfigError(f"trace {path!r}: no such file or directory")
+    return [path]
+
+
+def _rotation_order(path: str) -> tuple:
+    """Rotated captures are ``name.jsonl`` (newest) and ``name.jsonl.N`` (older as N grows)."""
+    base = os.path.basename(path)
+    stem, _, suffix = base.rpartition(".")
+    if suffix.isdigit():
+        return (stem, -int(suffix))
+    return (base, 0)
+
+
+def _open(path: str) -> io.TextIOBase:
+    if path.endswith(".gz"):
+        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+    return open(path, encoding="utf-8")
+
+
+def detect_format(rec: dict) -> str:
+    if rec.get("format") == HEADER_FORMAT or "block_tokens" in rec:
+        return "tierkv"
+    if "chat_id" in rec or "parent_chat_id" in rec or "turn" in rec:
+        return "bailian"
+    if "hash_ids" in rec and "timestamp" in rec:
+        return "mooncake"
+    raise ConfigError(f"cannot tell the trace format from a record with keys {sorted(rec)[:8]}; "
+                      f"pass --format ({', '.join(FORMATS)})")
+
+
+def read_trace(path: str, fmt: Optional[str] = None, block_tokens: Optional[int] = None,
+               limit: Optional[int] = None) -> Iterator[Request]:
+    """Requests of a trace in file order.  ``block_tokens`` overrides the format's block size."""
+    if fmt is not None and fmt not in FORMATS:
+        raise ConfigError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
+    n = 0
+    for fpath in trace_files(path):
+        file_fmt, file_bt = fmt, block_tokens
+        with _open(fpath) as f:
+            for lineno, line in enumerate(f, 1):
+                line = line.strip()
+                if not line:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ConfigError(f"{fpath}:{lineno}: not JSON: {e}") from e
+                if not isinstance(rec, dict):
+                    raise ConfigError(f"{fpath}:{lineno}: expected a JSON object per line")
+                if rec.get("format") == HEADER_FORMAT:
+                    file_fmt = file_fmt or "tierkv"
+                    file_bt = file_bt or rec.get("block_tokens")
+                    continue
+                if file_fmt is None:
+                    file_fmt = detect_format(rec)
+                try:
+                    yield _parse(rec, file_fmt, file_bt)
+                except (KeyError, TypeError, ValueError) as e:
+                    raise ConfigError(f"{fpath}:{lineno}: bad {file_fmt} record: {e!r}") from e
+                n += 1
+                if limit is not None and n >= limit:
+                    return
+
+
+def _parse(rec: dict, fmt: str, block_tokens: Optional[int]) -> Request:
+    hash_ids = rec["hash_ids"]
+    if not isinstance(hash_ids, list):
+        raise TypeError("hash_ids must be a list")
+    if fmt == "bailian":
+        ts = float(rec["timestamp"])
+        session = rec.get("chat_id")
+        extra = {k: rec[k] for k in ("parent_chat_id", "type", "turn") if k in rec}
+        bt = block_tokens or BLOCK_TOKENS["bailian"]
+        return Request(ts, int(rec["input_length"]), int(rec.get("output_length", 0)), hash_ids, int(bt),
+                       None if session is None else str(session), extra)
+    bt = block_tokens or rec.get("block_tokens") or BLOCK_TOKENS[fmt]
+    session = rec.get("session")
+    return Request(float(rec["timestamp"]) / 1000.0, int(rec["input_length"]), int(rec.get("output_length", 0)),
+                   hash_ids, int(bt), None if session is None else str(session))
+
+
+def write_trace(requests, path: str, header: Optional[dict] = None) -> int:
+    """Write requests in tierkv's capture format (Mooncake's JSONL plus ``block_tokens``).  Returns the count."""
+    n = 0
+    opener = (lambda p: io.TextIOWrapper(gzip.open(p, "wb"), encoding="utf-8")) if path.endswith(".gz") else \
+        (lambda p: open(p, "w", encoding="utf-8"))
+    with opener(path) as f:
+        if header is not None:
+            f.write(json.dumps({"format": HEADER_FORMAT, **header}) + "\n")
+        for r in requests:
+            f.write(json.dumps(r.to_mooncake(), separators=(",", ":")) + "\n")
+            n += 1
+    return n
+
+
+def summarize(requests) -> dict:
+    """Counts of a trace: requests, blocks, distinct blocks, tokens, duration, sessions."""
+    n = blocks = tokens = out_tokens = 0
+    distinct: set = set()
+    sessions: set = set()
+    t0 = t1 = None
+    bts: set = set()
+    for r in requests:
+        n += 1
+        blocks += len(r.hash_ids)
+        distinct.update(r.hash_ids)
+        tokens += r.input_length
+        out_tokens += r.output_length
+        bts.add(r.block_tokens)
+        if r.session is not None:
+            sessions.add(r.session)
+        t0 = r.timestamp if t0 is None else min(t0, r.timestamp)
+        t1 = r.timestamp if t1 is None else max(t1, r.timestamp)
+    return {"requests": n, "blocks": blocks, "distinct_blocks": len(distinct),
+            "reuse_ratio": (1 - len(distinct) / blocks) if blocks else 0.0,
+            "input_tokens": tokens, "output_tokens": out_tokens,
+            "mean_input_tokens": tokens / n if n else 0.0, "duration_s": (t1 - t0) if n else 0.0,
+            "sessions": len(sessions), "block_tokens": sorted(bts)}
