@@ -855,7 +855,9 @@ class TieredStore(Observable):
         buffer that shares memory with another key's (or its own parts) is never
         promoted: it may no longer hold the bytes verified for its key.
         """
-        aliased = _overlapping(prepared)
+        # buffers that alias matter only where a promotion would really copy bytes
+        aliased = _overlapping(prepared) if any(self.levels[k].tier.keeps_bytes for k in self._managed_levels) \
+            else set()
         budget = {k: self.levels[k].capacity // 2 for k in self._managed_levels}
         held: dict[tuple[int, str], None] = {}
         try:

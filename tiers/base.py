@@ -56,6 +56,8 @@ class Tier:
     #: ``"host"`` (this host's DRAM), ``"remote"`` (another node, or a pool shared over the
     #: network) or ``"disk"`` (local files)
     locality: ClassVar[str] = "host"
+    #: False for a payload-free medium (the simulator's): it accounts bytes but holds none
+    keeps_bytes: ClassVar[bool] = True
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:

@@ -25,6 +25,7 @@ class NullTier(Tier):
     """Objects as (key -> nbytes) entries; ``footprint`` is a given rule (default: ``nbytes``)."""
 
     medium = "null"
+    keeps_bytes = False
 
     def __init__(self, name: str, capacity_bytes: int, footprint: Optional[Callable[[int], int]] = None,
                  locality: str = "host", persistent: bool = False) -> None:

@@ -94,14 +94,23 @@ def null_store(config: Any, capacities: Optional[dict[str, int]] = None,
         names.append(name)
         eviction = evictions.pop(name, opts.pop("eviction", None))
         admission = opts.pop("admission", None)
-        write_through = opts.pop("write_through", False)
+        write_through = opts.pop("write_through", None)
+        persist = opts.pop("persist", None)
+        if persist is None:
+            if write_through is True:
+                persist = "write_through"
+            else:
+                persist = "write_behind" if (cls.persistent and cls.managed) else "on_evict"
+        if persist == "write_behind":
+            # the same placement as the background copy, made synchronously: a replay is deterministic
+            persist = "write_through"
         raw_cap = capacities.pop(name, opts.pop("capacity", None))
         if raw_cap is None:
             raise ConfigError(f"tier {name!r} has no 'capacity' in the config: give the simulator one "
                               f"(--capacity {name}=SIZE)")
         cap = parse_size(raw_cap, f"tier {name!r} capacity")
         tier = NullTier(name, cap, footprint=footprint_rule(cls, opts), locality=getattr(cls, "locality", "host"))
-        levels.append(Level(tier, eviction=eviction, admission=admission, write_through=write_through))
+        levels.append(Level(tier, eviction=eviction, admission=admission, persist=persist))
     left = sorted(set(capacities) | set(evictions))
     if left:
         raise ConfigError(f"no tier named {left} in the config; tiers: {names}")
