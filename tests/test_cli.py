@@ -282,3 +282,13 @@ def test_demo_vllm_cold_then_warm(tmp_path):
     assert summary["warm_hit_tokens"] >= 256  # at least one 256-token chunk came from the tiers
     assert sum(t["hits"] for t in summary["tiers"].values()) > 0
     assert "cold TTFT" in r.stdout and "warm TTFT" in r.stdout
+
+
+def test_pool_start_runs_the_standalone_pool_command():
+    r = tierkv("pool", "start", "--master", "127.0.0.1:50051", "--metadata-server",
+               "http://127.0.0.1:8080/metadata", "--segment", "1GiB", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "mooncake_client" in r.stdout and "--global_segment_size=1GB" in r.stdout
+    assert "--master_server_address=127.0.0.1:50051" in r.stdout
+    r = tierkv("pool", "start", "--metadata-server", "http://127.0.0.1:8080/metadata", "--dry-run")
+    assert r.returncode == 2 and "--master" in r.stderr

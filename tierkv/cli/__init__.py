@@ -5,6 +5,7 @@
     tierkv inspect     an SSD tier's directory (or a Mooncake pool's view)
     tierkv simulate    replay a request trace through the real store over payload-free media
     tierkv trace       captured traces: show, convert
+    tierkv pool start  a standalone Mooncake pool on this node that outlives the engines
 
 Exit codes: 0 ok, 1 failure (a check failed, a run went wrong), 2 usage or configuration error.
 """
@@ -18,10 +19,10 @@ from typing import Optional
 
 from tierkv.errors import ConfigError
 
-from . import bench, demo, inspect, simulate, trace
+from . import bench, demo, inspect, pool, simulate, trace
 from ._common import EXIT_USAGE, CommandError
 
-COMMANDS = {"demo": demo, "bench": bench, "inspect": inspect, "simulate": simulate, "trace": trace}
+COMMANDS = {"demo": demo, "bench": bench, "inspect": inspect, "simulate": simulate, "trace": trace, "pool": pool}
 
 
 def build_parser() -> argparse.ArgumentParser:
