@@ -53,3 +53,26 @@ def test_restarted_engine_hits_the_prefix_its_predecessor_stored(tmp_path):
     assert gen["tokens"] == expected
     # every full block of every prompt (less the block holding the last token) came from the SSD
     assert gen["num_cached_tokens"] == [(len(p) - 1) // BS * BS for p in prompts]
+
+
+def test_connector_trace_path_captures_hash_only_request_traces(tmp_path):
+    """Option trace_path: one record per request in Mooncake's format, replayable by the simulator."""
+    import json
+
+    from tierkv.sim.traces import read_trace
+
+    model = U.make_tiny_model(tmp_path / "model", layers=2)
+    prompts = _prompts()
+    trace = tmp_path / "trace" / "requests.jsonl"
+    cfg = U.connector_config({"tiers": [{"medium": "dram", "capacity": "64MiB"}]},
+                             extra={"trace_path": str(trace), "trace_max_files": 3})
+    U.run_engine({"model": model, "kv_transfer_config": cfg,
+                  "steps": [{"op": "generate", "prompts": prompts, "one_by_one": True}]}, tmp_path / "cache")
+    lines = [json.loads(x) for x in trace.read_text().splitlines() if x.strip()]
+    records = [r for r in lines if "hash_ids" in r]
+    assert len(records) == len(prompts)
+    assert [len(r["hash_ids"]) for r in records] == [len(p) // BS for p in prompts]
+    assert records[0]["hash_ids"][:4] == records[1]["hash_ids"][:4]  # the shared 130-token head
+    text = trace.read_text()
+    assert all(str(t) not in text.split() for t in prompts[2][:5])  # no token ids in the file
+    assert len(list(read_trace(str(trace)))) == len(prompts)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.options import pop_bool, pop_choice, pop_float, pop_int, pop_str, short
+from tierkv.options import pop_bool, pop_choice, pop_float, pop_int, pop_size, pop_str, short
 
 #: Used when the connector config names no store: a small host tier over DRAM.
 DEFAULT_STORE_CONFIG: dict[str, Any] = {
@@ -62,6 +62,7 @@ _WHAT = "kv_connector_extra_config"
 OPTION_NAMES = (
     "tierkv", "tierkv_config_file", "model_id", "load", "save", "chunk_tokens", "layerwise",
     "full_hit_recompute", "load_failure_policy", "save_wait", "shutdown_timeout_s",
+    "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt",
 )
 
 
@@ -84,6 +85,8 @@ class ConnectorOptions:
     save_wait: bool = True
     #: how long a shutdown waits for saves still queued before abandoning them
     shutdown_timeout_s: float = 30.0
+    #: request-trace capture (``trace_path`` and its rotation options), checked; empty: no capture
+    trace: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -107,10 +110,21 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     policy = pop_choice(opts, "load_failure_policy", "recompute", _WHAT, ("recompute", "keep"))
     save_wait = pop_bool(opts, "save_wait", True, _WHAT)
     shutdown_timeout = pop_float(opts, "shutdown_timeout_s", 30.0, _WHAT, min_value=0.0)
+    trace: dict[str, Any] = {}
+    path = pop_str(opts, "trace_path", None, _WHAT)
+    if path is not None:
+        trace["trace_path"] = path
+    for key, value in (("trace_max_bytes", pop_size(opts, "trace_max_bytes", None, _WHAT)),
+                       ("trace_max_files", pop_int(opts, "trace_max_files", None, _WHAT, min_value=1)),
+                       ("trace_salt", pop_str(opts, "trace_salt", None, _WHAT))):
+        if value is not None:
+            if path is None:
+                raise ConfigError(f"{_WHAT} option {key!r} needs 'trace_path'")
+            trace[key] = value
     if opts:
         raise ConfigError(f"{_WHAT}: unknown option(s) {sorted(opts)}; known: {sorted(OPTION_NAMES)}")
     return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, save_wait,
-                            shutdown_timeout)
+                            shutdown_timeout, trace)
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from .config import (
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
 from .scheduler import TierKVScheduler
 from .stats import TierKVConnectorStats
+from .trace_hook import RequestTracer
 from .worker import TierKVWorker
 
 try:  # vLLM >= 0.32
@@ -176,6 +177,7 @@ class TierKVConnector(KVConnectorBase_V1):
         self.options = options
         self.scheduler: TierKVScheduler | None = None
         self.worker: TierKVWorker | None = None
+        self._tracer: RequestTracer | None = None
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
         if len(groups) != 1:
             logger.warning("TierKVConnector: %d KV cache groups; only single-group models are supported, "
@@ -185,6 +187,8 @@ class TierKVConnector(KVConnectorBase_V1):
         info = engine_info(vllm_config, role, kv_cache_config, options)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = TierKVScheduler(options, info)
+            # hash-only request traces (option trace_path), for `tierkv simulate`
+            self._tracer = RequestTracer.from_extra_config(options.trace, info.block_size) if options.trace else None
             # vLLM aborts at once (shutdown_timeout 0) and kills the workers right after:
             # ask them to drain now; when vLLM drains instead, the workers finish first
             if getattr(vllm_config, "shutdown_timeout", 0) == 0:
@@ -215,6 +219,8 @@ class TierKVConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
+        if self._tracer is not None:
+            self._tracer.on_lookup(request)
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
@@ -288,6 +294,13 @@ class TierKVConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return TierKVConnectorStats.from_payload(data)
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        """tierkv's per-tier counters and gauges on vLLM's own ``/metrics`` (see ``prom.py``)."""
+        from .prom import build_prom_metrics
+
+        return build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
     # ---- lifecycle ----------------------------------------------------------------
     def wait_for_all_saves(self, timeout: float | None = None) -> bool:
         """Block until every queued save is in the store; False on timeout."""
@@ -298,3 +311,6 @@ class TierKVConnector(KVConnectorBase_V1):
             self.worker.shutdown()
         if self.scheduler is not None:
             self.scheduler.shutdown()
+        if self._tracer is not None:
+            self._tracer.close()
+            self._tracer = None

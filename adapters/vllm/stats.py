@@ -18,6 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from tierkv.store import PutOutcome
 
 from .chunks import Chunk
+from .prom import merge_store_snapshots
 
 COUNTERS = (
     "load_requests", "load_blocks", "load_tokens", "load_bytes", "load_s", "load_errors",
@@ -44,6 +45,7 @@ class TierKVConnectorStats(KVConnectorStats):
         hits = self.data.setdefault("hit_tokens", {})
         for tier, n in (od.get("hit_tokens") or {}).items():
             hits[tier] = hits.get(tier, 0) + n
+        merge_store_snapshots(self.data, od)
         return self
 
     def reduce(self) -> dict[str, int | float]:

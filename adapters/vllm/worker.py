@@ -48,6 +48,7 @@ from .loading import Loader, LoadJob
 from .lookup import LookupServer, endpoint, sweep_stale_sockets
 from .metadata import SaveSpec, TierKVConnectorMetadata
 from .paged import PagedLayer
+from .prom import attach_store_snapshot
 from .stats import RequestRecords, SaveTally, TierKVConnectorStats
 
 logger = logging.getLogger("vllm.tierkv.worker")
@@ -419,6 +420,10 @@ class TierKVWorker:
             if self._interval.is_empty():
                 return None
             out, self._interval = self._interval, TierKVConnectorStats()
+        try:  # the store's cumulative per-tier numbers ride along, for vLLM's /metrics
+            attach_store_snapshot(out.data, self.store, self.tp_rank)
+        except Exception as e:  # noqa: BLE001 - metrics never fail a step
+            logger.debug("TierKVConnector: no store snapshot: %s", e)
         return out
 
     # ---- lifecycle ----------------------------------------------------------------
