@@ -25,8 +25,8 @@ TTFT <= 0.8x MooncakeStoreConnector's, with higher throughput.
     python bench/bench_serve.py [--backends none,mooncake,tierkv] [--requests 120] [--concurrency 4]
                                 [--rounds 2] [--json out.json] [--quick] [--profile]
 
---profile samples the tierkv server's processes with py-spy during the last
-round (``py-spy record --native --subprocesses``, raw folded stacks) and prints
+--profile runs one more tierkv round (not in the table: sampling slows what it
+samples) under py-spy (``py-spy record --native --subprocesses``, raw folded stacks) and prints
 where their time goes: the engine thread's share in forward, connector hooks and
 scheduling, and the connector's background threads.
 """
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mooncake-segment", default="1GB", help="the Mooncake pool size")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 12 requests, 3 prefixes, short prompts, 1 round")
-    ap.add_argument("--profile", action="store_true", help="py-spy the tierkv server during the last round")
+    ap.add_argument("--profile", action="store_true", help="one extra tierkv round under py-spy (not in the table)")
     ap.add_argument("--profile-rate", type=int, default=50, help="py-spy samples per second")
     ap.add_argument("--warmup", type=int, default=None, help="requests per server before round 1 (not measured)")
     ap.add_argument("--start-timeout", type=float, default=900)
@@ -315,23 +315,29 @@ def main(argv: list[str] | None = None) -> int:
         names = list(servers)
         for r in range(args.rounds):
             for name in _rotated(names, r):
-                prof = None
-                if args.profile and name == "tierkv" and r == args.rounds - 1:
-                    prof = start_profile(servers[name], work / "tierkv-profile.txt", args.profile_rate)
-                    time.sleep(1.0)  # py-spy attaches to each process
                 t0 = time.monotonic()
-                try:
-                    res = run_load(args, servers[name], model, 1000 + r, args.requests, bench_log)
-                finally:
-                    stop_profile(prof)
+                res = run_load(args, servers[name], model, 1000 + r, args.requests, bench_log)
                 print(f"round {r + 1}/{args.rounds} {name}: {res['request_throughput']:.3f} req/s, "
                       f"TTFT p50 {res['median_ttft_ms']:.0f} ms p99 {res['p99_ttft_ms']:.0f} ms "
                       f"({time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True)
                 runs[name].append({k: res.get(k) for k in METRICS} | {"ttfts": res.get("ttfts"), "round": r})
-                if prof is not None and (work / "tierkv-profile.txt").exists():
-                    profile = summarise_profile(work / "tierkv-profile.txt")
+        if args.profile and "tierkv" in servers:
+            # a round of its own, not in the table: sampling slows what it samples
+            raw = work / "tierkv-profile.txt"
+            prof = start_profile(servers["tierkv"], raw, args.profile_rate)
+            if prof is not None:
+                time.sleep(2.0)  # py-spy attaches to each process
+                try:
+                    res = run_load(args, servers["tierkv"], model, 1000 + args.rounds, args.requests, bench_log)
+                finally:
+                    stop_profile(prof)
+                if raw.exists():
+                    profile = summarise_profile(raw)
+                    profile["run"] = {k: res.get(k) for k in METRICS}
                     if keep:
-                        profile["raw"] = str(work / "tierkv-profile.txt")
+                        profile["raw"] = str(raw)
+                else:
+                    print(f"--profile: py-spy wrote nothing; see {raw.with_suffix('.log')}", file=sys.stderr)
     finally:
         bench_log.close()
         for srv in servers.values():

@@ -1,9 +1,10 @@
 """Pieces of the real-serving benchmark (``bench/bench_serve.py``) that own processes and files.
 
-* :func:`make_word_tokenizer` saves a WordLevel tokenizer (``w0`` .. ``wN-1``, split
-  on whitespace) beside a model, so the OpenAI server and vLLM's benchmark datasets
-  have a tokenizer without a download.  Decoding joins words with spaces and
-  encoding splits them again, so every token sequence survives a round trip
+* :func:`make_word_tokenizer` saves a WordLevel tokenizer (fixed-width words over a
+  64-character alphabet, written back to back) beside a model, so the OpenAI server
+  and vLLM's benchmark datasets have a tokenizer without a download.  Decoding
+  concatenates words and encoding cuts the text every ``width`` characters, so every
+  token sequence survives a round trip
   (the ``prefix_repetition`` dataset relies on that for exact prompt lengths).
 * :class:`ApiServer` is one ``python -m vllm.entrypoints.openai.api_server``
   process in a process group of its own; :meth:`ApiServer.stop` sends SIGINT,
@@ -38,8 +39,9 @@ import mooncake_util  # noqa: E402  (tests/ helpers: loopback ports, the master 
 HOST = "127.0.0.1"
 
 
-#: word characters: 64 of them, so 4096 ids are two-character words (the server caps a
-#: prompt's characters at a few per token of the context, so words must be short)
+#: word characters: 64 of them, so 4096 ids are two-character words.  The server caps a
+#: prompt's characters at (longest token's length) x (context length), so words are
+#: written back to back, without separators, each exactly ``width`` characters
 _ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-"
 
 
@@ -53,7 +55,7 @@ def word(i: int, width: int) -> str:
 
 
 def make_word_tokenizer(model_dir: str | os.PathLike, vocab: int) -> None:
-    """Save a whitespace WordLevel tokenizer of ``vocab`` words into ``model_dir`` (idempotent).
+    """Save a fixed-width WordLevel tokenizer of ``vocab`` words into ``model_dir`` (idempotent).
 
     No special tokens: the dataset draws ids uniformly from ``0..vocab-1`` and every
     id must decode to a plain word that encodes back to itself.  (Word 0 doubles as the
@@ -62,7 +64,7 @@ def make_word_tokenizer(model_dir: str | os.PathLike, vocab: int) -> None:
     model_dir = Path(model_dir)
     if (model_dir / "tokenizer.json").exists():
         return
-    from tokenizers import Tokenizer, models, pre_tokenizers
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     width = 1
@@ -70,7 +72,9 @@ def make_word_tokenizer(model_dir: str | os.PathLike, vocab: int) -> None:
         width += 1
     words = {word(i, width): i for i in range(vocab)}
     tok = Tokenizer(models.WordLevel(words, unk_token=word(0, width)))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # split the text into width-character pieces, and decode by concatenation
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("." * width), behavior="isolated")
+    tok.decoder = decoders.Fuse()
     PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False).save_pretrained(str(model_dir))
 
 
