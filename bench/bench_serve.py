@@ -148,32 +148,47 @@ def stop_profile(proc: subprocess.Popen | None) -> None:
         proc.wait(10)
 
 
-#: frame substrings that classify a sample, checked in order (first match wins)
+#: what a busy sample is doing, by the frames on its stack (first match wins)
 _BUCKETS = (
-    ("connector: load (start_load_kv / wait)", ("start_load_kv", "wait_for_layer_load", "_run_load",
-                                                "_load_all_layers", "_load_layer")),
-    ("connector: save (save_kv_layer / put)", ("save_kv_layer", "_run_save", "_submit_save")),
-    ("connector: get_finished / wait_for_save", ("get_finished", "wait_for_save", "_finish_load_job")),
-    ("connector: scheduler lookup", ("get_num_new_matched_tokens", "update_state_after_alloc",
-                                     "_leading_hits", "LookupServer", "lookup.py")),
-    ("connector: build_connector_meta", ("build_connector_meta",)),
-    ("model forward", ("execute_model", "forward", "_C.")),
-    ("scheduler (vLLM)", ("schedule", "scheduler.py")),
-    ("output / detokenize / API", ("output_processor", "detokeniz", "serving_", "uvicorn", "api_server")),
+    ("tierkv load (start_load_kv, the engine thread waits)", ("start_load_kv", "_run_load", "_load_all_layers",
+                                                               "_load_layer", "wait_for_layer_load")),
+    ("tierkv save (save_kv_layer, queued puts)", ("save_kv_layer", "_run_save", "_submit_save")),
+    ("tierkv step bookkeeping (wait_for_save, get_finished)", ("get_finished", "wait_for_save",
+                                                               "_finish_load_job")),
+    ("tierkv scheduler lookup (get_num_new_matched_tokens, update_state_after_alloc)",
+     ("get_num_new_matched_tokens", "update_state_after_alloc", "_leading_hits")),
+    ("tierkv lookup service (worker side)", ("lookup.py", "_answer")),
+    ("tierkv build_connector_meta", ("build_connector_meta",)),
+    ("tierkv write-behind / tiers", ("writebehind.py", "tierkv/store.py", "tierkv/tiers/", "tierkv/buffers.py")),
+    ("model forward", ("execute_model", "_model_forward", "forward (")),
+    ("vLLM scheduler", ("schedule (", "update_from_output")),
+    ("API server / detokenize / output", ("output_processor", "detokeniz", "serving", "uvicorn", "fastapi",
+                                          "starlette", "api_server")),
 )
+#: a sample whose leaf or Python frames are one of these is waiting, not working
+_WAIT_LEAVES = ("poll (", "epoll_wait", "epoll_pwait", "select (", "accept", "read (libc", "recv", "nanosleep",
+                "futex", "pthread_cond", "sem_wait", "sem_timedwait", "sched_yield")
+_WAIT_FRAMES = ("wait (threading.py", "_wait_for_tstate_lock", "get (queue.py", "select (selectors.py",
+                "_recv_bytes (multiprocessing", "accept (multiprocessing", "_worker (concurrent/futures",
+                "sleep (", "poll (multiprocessing", "recv_multipart", "_poll (")
 
 
-def summarise_profile(raw: Path, top: int = 25) -> dict[str, Any]:
-    """Where the sampled time went: per thread, per bucket, and the hottest tierkv frames.
+def _short_process(frame: str) -> str:
+    cmd = frame.partition(":")[2].strip('"')
+    if cmd.startswith("VLLM::"):
+        return cmd.split()[0]
+    return "api_server" if "api_server" in cmd else cmd.split()[0].rsplit("/", 1)[-1][:30]
 
-    ``raw`` is py-spy's folded format: ``frame;frame;...;leaf COUNT`` per line, the
-    first frame naming the process and thread (with --subprocesses --threads).
+
+def summarise_profile(raw: Path, top: int = 15) -> dict[str, Any]:
+    """Where the sampled time went, per process and thread: waiting, or busy and in what.
+
+    ``raw`` is py-spy's folded output (``frame;frame;...;leaf COUNT`` per line); with
+    --subprocesses --threads a stack starts with the chain of processes (API server,
+    engine core, worker) and then the thread.
     """
-    per_thread: collections.Counter = collections.Counter()
-    buckets: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    tierkv_self: collections.Counter = collections.Counter()
-    tierkv_incl: collections.Counter = collections.Counter()
-    idle = 0
+    per: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    hot: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     total = 0
     for line in raw.read_text(errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
@@ -181,48 +196,44 @@ def summarise_profile(raw: Path, top: int = 25) -> dict[str, Any]:
             continue
         n = int(n)
         frames = stack.split(";")
-        thread = ";".join(f for f in frames[:2] if f.startswith(("process", "thread")) or "(" not in f)[:120]
+        procs = [f for f in frames if f.startswith("process ")]
+        thread = next((f for f in frames if f.startswith("thread (")), "thread (?): ?")
+        key = f"{_short_process(procs[-1]) if procs else '?'} / {thread.partition(': ')[2]}"
+        body = [f for f in frames if not f.startswith(("process ", "thread ("))]
         total += n
-        per_thread[thread] += n
-        leaf = frames[-1]
-        if any(w in leaf for w in ("epoll_wait", "select", "futex", "sem_wait", "pthread_cond", "poll ",
-                                   "_wait_for_tstate_lock", "wait (threading", "acquire", "sleep")):
-            idle += n
-            buckets[thread]["idle/waiting"] += n
+        per[key]["samples"] += n
+        leaf = body[-1] if body else ""
+        py = [f for f in body if ".py:" in f]
+        if any(w in leaf for w in _WAIT_LEAVES) or (py and any(w in py[-1] for w in _WAIT_FRAMES)):
+            per[key]["waiting"] += n
             continue
+        per[key]["busy"] += n
         for name, keys in _BUCKETS:
-            if any(k in f for f in frames for k in keys):
-                buckets[thread][name] += n
+            if any(k in f for f in body for k in keys):
+                per[key][name] += n
                 break
         else:
-            buckets[thread]["other"] += n
-        tk = [f for f in frames if "tierkv" in f or "/adapters/vllm/" in f]
-        if tk:
-            tierkv_self[tk[-1]] += n
-            for f in dict.fromkeys(tk):
-                tierkv_incl[f] += n
+            per[key]["other"] += n
+        if py:
+            hot[key][py[-1]] += n  # the innermost Python frame: where the busy time is spent
+    threads = sorted(per, key=lambda k: -per[k]["busy"])
     return {
         "samples": total,
-        "idle_samples": idle,
-        "threads": {t: {"samples": c, "buckets": dict(buckets[t].most_common())}
-                    for t, c in per_thread.most_common(12)},
-        "tierkv_inclusive": dict(tierkv_incl.most_common(top)),
-        "tierkv_self": dict(tierkv_self.most_common(top)),
+        "threads": {k: {**dict(per[k]), "hot": dict(hot[k].most_common(top))} for k in threads},
     }
 
 
-def print_profile(summary: dict[str, Any]) -> None:
-    print(f"\npy-spy: {summary['samples']} samples ({summary['idle_samples']} idle/waiting)")
-    for t, info in summary["threads"].items():
-        busy = sum(v for k, v in info["buckets"].items() if k != "idle/waiting")
-        if busy == 0:
+def print_profile(summary: dict[str, Any], threads: int = 8) -> None:
+    print(f"\npy-spy: {summary['samples']} samples over all threads; busy threads (samples busy / total):")
+    for k, info in list(summary["threads"].items())[:threads]:
+        if not info.get("busy"):
             continue
-        print(f"  {t}: {info['samples']} samples, {busy} busy")
-        for k, v in info["buckets"].items():
-            print(f"      {v:>7}  {k}")
-    print("  hottest tierkv frames (inclusive samples):")
-    for f, v in list(summary["tierkv_inclusive"].items())[:15]:
-        print(f"      {v:>7}  {f[:140]}")
+        print(f"  {k}: {info['busy']} / {info['samples']}")
+        for name, v in sorted(((n, v) for n, v in info.items()
+                               if n not in ("samples", "busy", "waiting", "hot")), key=lambda x: -x[1]):
+            print(f"      {v:>6}  {name}")
+        for f, v in list(info["hot"].items())[:5]:
+            print(f"      {v:>6}  at {f[:110]}")
 
 
 # -- main --------------------------------------------------------------------------------
@@ -251,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 12 requests, 3 prefixes, short prompts, 1 round")
     ap.add_argument("--profile", action="store_true", help="one extra tierkv round under py-spy (not in the table)")
-    ap.add_argument("--profile-rate", type=int, default=50, help="py-spy samples per second")
+    ap.add_argument("--profile-rate", type=int, default=20, help="py-spy samples per second")
     ap.add_argument("--warmup", type=int, default=None, help="requests per server before round 1 (not measured)")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--workdir", default=None, help="keep model, stores and logs here (default: a temp dir)")
