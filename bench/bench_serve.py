@@ -52,8 +52,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 
-import serve_util as S  # noqa: E402
-import vllm_util as U  # noqa: E402
+import serve_util as S
+import vllm_util as U
 
 BACKENDS = ("none", "mooncake", "tierkv")
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
@@ -131,8 +131,8 @@ def start_profile(srv: S.ApiServer, out: Path, rate: int) -> subprocess.Popen | 
         return None
     cmd = [exe, "record", "--native", "--subprocesses", "--threads", "--idle", "--format", "raw",
            "--rate", str(rate), "-o", str(out), "--pid", str(srv.proc.pid)]
-    log = open(out.with_suffix(".log"), "w")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    with open(out.with_suffix(".log"), "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def stop_profile(proc: subprocess.Popen | None) -> None:
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
     startup: dict[str, float] = {}
     profile: dict[str, Any] | None = None
-    bench_log = open(work / "bench-serve-client.log", "a")
+    bench_log = open(work / "bench-serve-client.log", "a")  # noqa: SIM115 - closed in the finally below
     try:
         for name in backends:  # started one after another: two cold starts at once would crawl here
             env = dict(base_env)

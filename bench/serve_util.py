@@ -34,7 +34,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import mooncake_util  # noqa: E402  (tests/ helpers: loopback ports, the master binary)
+import mooncake_util  # tests/ helpers: loopback ports, the master binary
 
 HOST = "127.0.0.1"
 
@@ -108,11 +108,11 @@ class ApiServer:
         self.model = model
         self.port = mooncake_util.free_port()
         self.log_path = log_dir / f"server-{name}.log"
-        self._log = open(self.log_path, "w")
         cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", HOST,
                "--port", str(self.port), "--model", model, *args]
-        self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log,
-                                     stderr=subprocess.STDOUT, start_new_session=True)
+        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
         self.started = time.monotonic()
 
     @property
@@ -156,7 +156,6 @@ class ApiServer:
 
     def stop(self, grace: float = 30.0) -> None:
         _stop_group(self.proc, signal.SIGINT, grace)
-        self._log.close()
 
 
 class MooncakePool:
@@ -176,7 +175,6 @@ class MooncakePool:
         self.work = work
         self.master = mooncake_util.MooncakeMaster().start()
         self.client: subprocess.Popen | None = None
-        self._client_log = None
         try:
             if mode == "standalone":
                 self._start_client()
@@ -200,14 +198,14 @@ class MooncakePool:
         if not binary.exists():
             raise RuntimeError(f"mooncake_client not found beside {self.master.binary}")
         port = mooncake_util.free_port()
-        self._client_log = open(self.work / "mooncake_client.log", "w")
         env = dict(os.environ, **mooncake_util.client_env())
-        self.client = subprocess.Popen(
-            [str(binary), f"--master_server_address={self.master.master}",
-             f"--metadata_server={self.master.metadata_server}", f"--global_segment_size={self.segment}",
-             "--local_buffer_size=0", f"--host={HOST}", f"--port={port}", "--protocol=tcp"],
-            env=env, stdin=subprocess.DEVNULL, stdout=self._client_log, stderr=subprocess.STDOUT,
-            start_new_session=True)
+        with open(self.work / "mooncake_client.log", "w") as log:
+            self.client = subprocess.Popen(
+                [str(binary), f"--master_server_address={self.master.master}",
+                 f"--metadata_server={self.master.metadata_server}", f"--global_segment_size={self.segment}",
+                 "--local_buffer_size=0", f"--host={HOST}", f"--port={port}", "--protocol=tcp"],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
         if not mooncake_util._wait_port(port, 30):
             raise RuntimeError("mooncake_client did not open its port")
         time.sleep(1.5)  # its segment is mounted about a second after the port opens
@@ -219,7 +217,4 @@ class MooncakePool:
         if self.client is not None:
             _stop_group(self.client, signal.SIGTERM, 5)
             self.client = None
-        if self._client_log is not None:
-            self._client_log.close()
-            self._client_log = None
         self.master.stop()
