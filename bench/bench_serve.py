@@ -287,7 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     kv_per_token = 2 * args.hidden * 4 * args.layers  # float32 K and V, every layer
     kv_bytes = int(kv_per_token * args.concurrency * (prompt_len + args.output_len) * args.kv_cache_prompts)
     kv_bytes = max(kv_bytes, kv_per_token * max_len * 2)  # two longest requests fit, at least
-    model = U.make_tiny_model(work / f"model-{args.layers}x{args.hidden}", layers=args.layers, hidden=args.hidden,
+    # every shape in the name: a kept --workdir reuses a model only when it fits this run
+    model_dir = work / f"model-{args.layers}x{args.hidden}h{args.heads}-v{args.vocab}-p{max_len + 64}"
+    model = U.make_tiny_model(model_dir, layers=args.layers, hidden=args.hidden,
                               heads=args.heads, kv_heads=args.heads, vocab=args.vocab, max_positions=max_len + 64)
     S.make_word_tokenizer(model, args.vocab)
 
