@@ -1,0 +1,406 @@
+"""Real serving: vLLM's OpenAI server under vLLM's own serving benchmark, per KV back end.
+
+Each back end gets its own ``python -m vllm.entrypoints.openai.api_server`` on a
+free loopback port, over the same random-weight Llama (8 layers x hidden 512 by
+default; no download) and a local WordLevel tokenizer, with a vLLM KV cache small
+enough that vLLM's own prefix cache evicts: the connector has to serve prefixes
+vLLM has dropped.  Back ends:
+
+    none      no connector (vLLM recomputes what its prefix cache lost)
+    mooncake  vLLM's MooncakeStoreConnector over a loopback mooncake_master
+              (embedded by default, --mooncake-mode standalone for a mooncake_client pool);
+              extra config {"load_async": true}
+    tierkv    TierKVConnector, store dram -> ssd (SSD in a temp dir)
+
+The load is vLLM's ``vllm.benchmarks.serve`` (called in-process) with the
+``prefix_repetition`` dataset: --num-prefixes shared prefixes, each followed by
+a random suffix, shuffled, at a fixed concurrency.  Every server stays up; each
+round runs every back end once (the order rotates) on a new dataset seed (fresh
+prefixes: nothing stored in an earlier round hits), so all back ends see the same
+machine conditions.  Reported per back end: request throughput, median and p99
+TTFT, median TPOT (medians over rounds), and ratios to MooncakeStoreConnector's
+figure in the same round (median over rounds).  Target: tierkv's median and p99
+TTFT <= 0.8x MooncakeStoreConnector's, with higher throughput.
+
+    python bench/bench_serve.py [--backends none,mooncake,tierkv] [--requests 120] [--concurrency 4]
+                                [--rounds 2] [--json out.json] [--quick] [--profile]
+
+--profile runs one more tierkv round (not in the table: sampling slows what it
+samples) under py-spy (``py-spy record --native --subprocesses``, raw folded stacks) and prints
+where their time goes: the engine thread's share in forward, connector hooks and
+scheduling, and the connector's background threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import io
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE))
+
+import serve_util as S
+import vllm_util as U
+
+BACKENDS = ("none", "mooncake", "tierkv")
+METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
+           "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "duration", "completed")
+#: the table's columns: (result key, header, higher is better)
+SHOWN = (("request_throughput", "req/s", True), ("median_ttft_ms", "TTFT p50 ms", False),
+         ("p99_ttft_ms", "TTFT p99 ms", False), ("median_tpot_ms", "TPOT p50 ms", False))
+
+
+def _rotated(names: list[str], i: int) -> list[str]:
+    k = i % len(names)
+    return names[k:] + names[:k]
+
+
+def _server_args(args: argparse.Namespace, max_len: int, kv_bytes: int, kv: dict | None) -> list[str]:
+    out = ["--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
+           "--block-size", str(args.block_size), "--max-model-len", str(max_len),
+           "--max-num-batched-tokens", str(max(max_len, 2048)), "--max-num-seqs", str(max(8, args.concurrency * 2)),
+           "--kv-cache-memory-bytes", str(kv_bytes), "--enable-prefix-caching", "--seed", "0",
+           "--uvicorn-log-level", "warning"]
+    if kv is not None:
+        out += ["--kv-transfer-config", json.dumps(kv)]
+    return out
+
+
+def _bench_args(args: argparse.Namespace, srv: S.ApiServer, model: str, seed: int, num_requests: int):
+    """The ``vllm bench serve`` namespace for one run against ``srv``."""
+    from vllm.benchmarks import serve as vbs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    p = FlexibleArgumentParser()
+    vbs.add_cli_args(p)
+    argv = ["--backend", "openai", "--base-url", srv.base_url, "--endpoint", "/v1/completions",
+            "--model", model, "--served-model-name", "tiny", "--tokenizer", model,
+            "--dataset-name", "prefix_repetition", "--num-prompts", str(num_requests),
+            "--prefix-repetition-prefix-len", str(args.prefix_len),
+            "--prefix-repetition-suffix-len", str(args.suffix_len),
+            "--prefix-repetition-num-prefixes", str(args.num_prefixes),
+            "--prefix-repetition-output-len", str(args.output_len),
+            "--max-concurrency", str(args.concurrency), "--request-rate", "inf",
+            "--ignore-eos", "--temperature", "0", "--seed", str(seed), "--disable-tqdm",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
+            "--ready-check-timeout-sec", "0"]
+    return p.parse_args(argv)
+
+
+def run_load(args: argparse.Namespace, srv: S.ApiServer, model: str, seed: int, num_requests: int,
+             log: io.TextIOBase) -> dict[str, Any]:
+    """One benchmark run; vLLM's printed report goes to ``log``."""
+    from vllm.benchmarks import serve as vbs
+
+    ns = _bench_args(args, srv, model, seed, num_requests)
+    with contextlib.redirect_stdout(log):
+        res = vbs.main(ns)
+    log.flush()
+    if not res.get("completed"):
+        raise RuntimeError(f"{srv.name}: no request completed (failed={res.get('failed')}); "
+                           f"server log tail:\n{srv.log_tail()}")
+    return res
+
+
+# -- py-spy ------------------------------------------------------------------------------
+def _ensure_py_spy() -> str | None:
+    exe = Path(sys.executable).with_name("py-spy")
+    if not exe.exists():
+        found = shutil.which("py-spy")
+        return found
+    return str(exe)
+
+
+def start_profile(srv: S.ApiServer, out: Path, rate: int) -> subprocess.Popen | None:
+    exe = _ensure_py_spy()
+    if exe is None:
+        print("--profile: py-spy not found (python -m pip install py-spy)", file=sys.stderr)
+        return None
+    cmd = [exe, "record", "--native", "--subprocesses", "--threads", "--idle", "--format", "raw",
+           "--rate", str(rate), "-o", str(out), "--pid", str(srv.proc.pid)]
+    with open(out.with_suffix(".log"), "w") as log:  # the child keeps its own descriptor
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def stop_profile(proc: subprocess.Popen | None) -> None:
+    if proc is None:
+        return
+    import signal
+
+    proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+#: what a busy sample is doing, by the frames on its stack (first match wins)
+_BUCKETS = (
+    ("tierkv load (start_load_kv, the engine thread waits)", ("start_load_kv", "_run_load", "_load_all_layers",
+                                                               "_load_layer", "wait_for_layer_load")),
+    ("tierkv save (save_kv_layer, queued puts)", ("save_kv_layer", "_run_save", "_submit_save")),
+    ("tierkv step bookkeeping (wait_for_save, get_finished)", ("get_finished", "wait_for_save",
+                                                               "_finish_load_job")),
+    ("tierkv scheduler lookup (get_num_new_matched_tokens, update_state_after_alloc)",
+     ("get_num_new_matched_tokens", "update_state_after_alloc", "_leading_hits")),
+    ("tierkv lookup service (worker side)", ("lookup.py", "_answer")),
+    ("tierkv build_connector_meta", ("build_connector_meta",)),
+    ("tierkv write-behind / tiers", ("writebehind.py", "tierkv/store.py", "tierkv/tiers/", "tierkv/buffers.py")),
+    ("model forward", ("execute_model", "_model_forward", "forward (")),
+    ("vLLM scheduler", ("schedule (", "update_from_output")),
+    ("API server / detokenize / output", ("output_processor", "detokeniz", "serving", "uvicorn", "fastapi",
+                                          "starlette", "api_server")),
+)
+#: a sample whose leaf or Python frames are one of these is waiting, not working
+_WAIT_LEAVES = ("poll (", "epoll_wait", "epoll_pwait", "select (", "accept", "read (libc", "recv", "nanosleep",
+                "futex", "pthread_cond", "sem_wait", "sem_timedwait", "sched_yield")
+_WAIT_FRAMES = ("wait (threading.py", "_wait_for_tstate_lock", "get (queue.py", "select (selectors.py",
+                "_recv_bytes (multiprocessing", "accept (multiprocessing", "_worker (concurrent/futures",
+                "sleep (", "poll (multiprocessing", "recv_multipart", "_poll (")
+
+
+def _short_process(frame: str) -> str:
+    cmd = frame.partition(":")[2].strip('"')
+    if cmd.startswith("VLLM::"):
+        return cmd.split()[0]
+    return "api_server" if "api_server" in cmd else cmd.split()[0].rsplit("/", 1)[-1][:30]
+
+
+def summarise_profile(raw: Path, top: int = 15) -> dict[str, Any]:
+    """Where the sampled time went, per process and thread: waiting, or busy and in what.
+
+    ``raw`` is py-spy's folded output (``frame;frame;...;leaf COUNT`` per line); with
+    --subprocesses --threads a stack starts with the chain of processes (API server,
+    engine core, worker) and then the thread.
+    """
+    per: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    hot: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    total = 0
+    for line in raw.read_text(errors="replace").splitlines():
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        n = int(n)
+        frames = stack.split(";")
+        procs = [f for f in frames if f.startswith("process ")]
+        thread = next((f for f in frames if f.startswith("thread (")), "thread (?): ?")
+        key = f"{_short_process(procs[-1]) if procs else '?'} / {thread.partition(': ')[2]}"
+        body = [f for f in frames if not f.startswith(("process ", "thread ("))]
+        total += n
+        per[key]["samples"] += n
+        leaf = body[-1] if body else ""
+        py = [f for f in body if ".py:" in f]
+        if any(w in leaf for w in _WAIT_LEAVES) or (py and any(w in py[-1] for w in _WAIT_FRAMES)):
+            per[key]["waiting"] += n
+            continue
+        per[key]["busy"] += n
+        for name, keys in _BUCKETS:
+            if any(k in f for f in body for k in keys):
+                per[key][name] += n
+                break
+        else:
+            per[key]["other"] += n
+        if py:
+            hot[key][py[-1]] += n  # the innermost Python frame: where the busy time is spent
+    threads = sorted(per, key=lambda k: -per[k]["busy"])
+    return {
+        "samples": total,
+        "threads": {k: {**dict(per[k]), "hot": dict(hot[k].most_common(top))} for k in threads},
+    }
+
+
+def print_profile(summary: dict[str, Any], threads: int = 8) -> None:
+    print(f"\npy-spy: {summary['samples']} samples over all threads; busy threads (samples busy / total):")
+    for k, info in list(summary["threads"].items())[:threads]:
+        if not info.get("busy"):
+            continue
+        print(f"  {k}: {info['busy']} / {info['samples']}")
+        for name, v in sorted(((n, v) for n, v in info.items()
+                               if n not in ("samples", "busy", "waiting", "hot")), key=lambda x: -x[1]):
+            print(f"      {v:>6}  {name}")
+        for f, v in list(info["hot"].items())[:5]:
+            print(f"      {v:>6}  at {f[:110]}")
+
+
+# -- main --------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--requests", type=int, default=120)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prefix-len", type=int, default=1024)
+    ap.add_argument("--suffix-len", type=int, default=64)
+    ap.add_argument("--num-prefixes", type=int, default=10)
+    ap.add_argument("--output-len", type=int, default=16)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--kv-cache-prompts", type=float, default=1.5,
+                    help="vLLM's KV cache size in units of (concurrency x request length): small, so its "
+                         "own prefix cache evicts")
+    ap.add_argument("--dram", default="1GiB", help="tierkv's DRAM tier capacity (SSD below it)")
+    ap.add_argument("--ssd", default="8GiB", help="tierkv's SSD tier capacity")
+    ap.add_argument("--mooncake-mode", default="embedded", choices=["embedded", "standalone"])
+    ap.add_argument("--mooncake-segment", default="1GB", help="the Mooncake pool size")
+    ap.add_argument("--quick", action="store_true",
+                    help="a smoke run: 12 requests, 3 prefixes, short prompts, 1 round")
+    ap.add_argument("--profile", action="store_true", help="one extra tierkv round under py-spy (not in the table)")
+    ap.add_argument("--profile-rate", type=int, default=20, help="py-spy samples per second")
+    ap.add_argument("--warmup", type=int, default=None, help="requests per server before round 1 (not measured)")
+    ap.add_argument("--start-timeout", type=float, default=900)
+    ap.add_argument("--workdir", default=None, help="keep model, stores and logs here (default: a temp dir)")
+    ap.add_argument("--json", default=None, help="write every number to this file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.requests, args.num_prefixes, args.rounds = 12, 3, 1
+        args.prefix_len, args.suffix_len, args.output_len = 256, 32, 4
+        args.block_size = 64
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    for b in backends:
+        if b not in BACKENDS:
+            raise SystemExit(f"unknown back end {b!r} (choose from {', '.join(BACKENDS)})")
+    if args.requests < args.num_prefixes:
+        raise SystemExit(f"--requests {args.requests} must be at least --num-prefixes {args.num_prefixes}")
+
+    keep = args.workdir is not None
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="tierkv-bench-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+    prompt_len = args.prefix_len + args.suffix_len
+    max_len = -(-(prompt_len + args.output_len + 16) // args.block_size) * args.block_size
+    kv_per_token = 2 * args.hidden * 4 * args.layers  # float32 K and V, every layer
+    kv_bytes = int(kv_per_token * args.concurrency * (prompt_len + args.output_len) * args.kv_cache_prompts)
+    kv_bytes = max(kv_bytes, kv_per_token * max_len * 2)  # two longest requests fit, at least
+    # every shape in the name: a kept --workdir reuses a model only when it fits this run
+    model_dir = work / f"model-{args.layers}x{args.hidden}h{args.heads}-v{args.vocab}-p{max_len + 64}"
+    model = U.make_tiny_model(model_dir, layers=args.layers, hidden=args.hidden,
+                              heads=args.heads, kv_heads=args.heads, vocab=args.vocab, max_positions=max_len + 64)
+    S.make_word_tokenizer(model, args.vocab)
+
+    base_env = U.engine_env(work / "cache")
+    base_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core in a child
+    base_env.update({"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                     "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    servers: dict[str, S.ApiServer] = {}
+    pools: list[S.MooncakePool] = []
+    runs: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
+    startup: dict[str, float] = {}
+    profile: dict[str, Any] | None = None
+    bench_log = open(work / "bench-serve-client.log", "a")  # noqa: SIM115 - closed in the finally below
+    try:
+        for name in backends:  # started one after another: two cold starts at once would crawl here
+            env = dict(base_env)
+            if name == "none":
+                kv = None
+            elif name == "mooncake":
+                pool = S.MooncakePool(work, args.mooncake_mode, args.mooncake_segment)
+                pools.append(pool)
+                env.update(pool.env())
+                kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
+                      "kv_connector_extra_config": {"load_async": True}}
+            else:
+                ssd = work / "tierkv-ssd"
+                shutil.rmtree(ssd, ignore_errors=True)
+                kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": args.dram},
+                                                   {"medium": "ssd", "path": str(ssd), "capacity": args.ssd}]})
+            print(f"[{name}] starting server ...", file=sys.stderr, flush=True)
+            srv = servers[name] = S.ApiServer(name, model, _server_args(args, max_len, kv_bytes, kv), env, work)
+            startup[name] = srv.wait_ready(args.start_timeout)
+            print(f"[{name}] healthy after {startup[name]:.0f}s on port {srv.port}", file=sys.stderr, flush=True)
+            # first-request costs (compilation of kernels, connector threads, pool setup): not measured
+            run_load(args, srv, model, 10_000, args.warmup or max(args.num_prefixes, args.concurrency), bench_log)
+        names = list(servers)
+        for r in range(args.rounds):
+            for name in _rotated(names, r):
+                t0 = time.monotonic()
+                res = run_load(args, servers[name], model, 1000 + r, args.requests, bench_log)
+                print(f"round {r + 1}/{args.rounds} {name}: {res['request_throughput']:.3f} req/s, "
+                      f"TTFT p50 {res['median_ttft_ms']:.0f} ms p99 {res['p99_ttft_ms']:.0f} ms "
+                      f"({time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True)
+                runs[name].append({k: res.get(k) for k in METRICS} | {"ttfts": res.get("ttfts"), "round": r})
+        if args.profile and "tierkv" in servers:
+            # a round of its own, not in the table: sampling slows what it samples
+            raw = work / "tierkv-profile.txt"
+            prof = start_profile(servers["tierkv"], raw, args.profile_rate)
+            if prof is not None:
+                time.sleep(2.0)  # py-spy attaches to each process
+                try:
+                    res = run_load(args, servers["tierkv"], model, 1000 + args.rounds, args.requests, bench_log)
+                finally:
+                    stop_profile(prof)
+                if raw.exists():
+                    profile = summarise_profile(raw)
+                    profile["run"] = {k: res.get(k) for k in METRICS}
+                    if keep:
+                        profile["raw"] = str(raw)
+                else:
+                    print(f"--profile: py-spy wrote nothing; see {raw.with_suffix('.log')}", file=sys.stderr)
+    finally:
+        bench_log.close()
+        for srv in servers.values():
+            srv.stop()
+        for pool in pools:
+            pool.stop()
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+    # -- report ---------------------------------------------------------------------------
+    summary: dict[str, dict[str, Any]] = {}
+    for name, rs in runs.items():
+        if not rs:
+            continue
+        s: dict[str, Any] = {"startup_s": startup.get(name), "rounds": rs}
+        for key in METRICS:
+            vals = [x[key] for x in rs if x.get(key) is not None]
+            s[key] = statistics.median(vals) if vals else None
+        for key, _, _ in SHOWN:
+            for ref in ("mooncake", "none"):
+                if ref in runs and ref != name and runs[ref]:
+                    ratios = [a[key] / b[key] for a, b in zip(rs, runs[ref]) if a.get(key) and b.get(key)]
+                    s[f"{key}_vs_{ref}"] = statistics.median(ratios) if ratios else None
+        summary[name] = s
+
+    print(f"\nvLLM OpenAI server, prefix_repetition: {args.requests} requests, {args.num_prefixes} prefixes of "
+          f"{args.prefix_len} + {args.suffix_len}-token suffixes, {args.output_len} output tokens, concurrency "
+          f"{args.concurrency}; model {args.layers} layers x hidden {args.hidden} (float32), block "
+          f"{args.block_size}, vLLM KV cache {kv_bytes >> 20} MiB ({kv_bytes // kv_per_token} tokens); "
+          f"{args.rounds} round(s), medians over rounds; 'vs mc' = ratio to MooncakeStoreConnector in the "
+          f"same round (median over rounds)")
+    head = f"{'backend':<10}" + "".join(f"{h:>13}{'vs mc':>7}" for _, h, _ in SHOWN)
+    print(head)
+    for name, s in summary.items():
+        row = f"{name:<10}"
+        for key, _, _ in SHOWN:
+            v = s.get(key)
+            ratio = s.get(f"{key}_vs_mooncake")
+            row += f"{v:>13.3f}" if key == "request_throughput" else f"{v:>13.0f}"
+            row += f"{ratio:>7.2f}" if ratio is not None else f"{'-':>7}"
+        print(row)
+    if profile is not None:
+        print_profile(profile)
+    if args.json:
+        out = {"args": vars(args), "kv_cache_bytes": kv_bytes, "max_model_len": max_len,
+               "results": summary, "profile": profile}
+        Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,220 @@
+"""Pieces of the real-serving benchmark (``bench/bench_serve.py``) that own processes and files.
+
+* :func:`make_word_tokenizer` saves a WordLevel tokenizer (fixed-width words over a
+  64-character alphabet, written back to back) beside a model, so the OpenAI server
+  and vLLM's benchmark datasets have a tokenizer without a download.  Decoding
+  concatenates words and encoding cuts the text every ``width`` characters, so every
+  token sequence survives a round trip
+  (the ``prefix_repetition`` dataset relies on that for exact prompt lengths).
+* :class:`ApiServer` is one ``python -m vllm.entrypoints.openai.api_server``
+  process in a process group of its own; :meth:`ApiServer.stop` sends SIGINT,
+  then SIGKILL to the whole group after a grace period, so the engine-core child
+  never outlives it.
+* :class:`MooncakePool` is a loopback ``mooncake_master`` (and, in standalone
+  mode, a ``mooncake_client`` that owns the pool) plus the JSON file that
+  vLLM's ``MooncakeStoreConnector`` reads from ``MOONCAKE_CONFIG_PATH``.
+
+Every process started here is stopped by its owner's ``stop()`` (the benchmark
+calls them in ``finally``); logs go to files, never to pipes nobody reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+import mooncake_util  # tests/ helpers: loopback ports, the master binary
+
+HOST = "127.0.0.1"
+
+
+#: word characters: 64 of them, so 4096 ids are two-character words.  The server caps a
+#: prompt's characters at (longest token's length) x (context length), so words are
+#: written back to back, without separators, each exactly ``width`` characters
+_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-"
+
+
+def word(i: int, width: int) -> str:
+    """Token ``i`` as a ``width``-character word."""
+    out = []
+    for _ in range(width):
+        i, r = divmod(i, len(_ALPHABET))
+        out.append(_ALPHABET[r])
+    return "".join(out)
+
+
+def make_word_tokenizer(model_dir: str | os.PathLike, vocab: int) -> None:
+    """Save a fixed-width WordLevel tokenizer of ``vocab`` words into ``model_dir`` (idempotent).
+
+    No special tokens: the dataset draws ids uniformly from ``0..vocab-1`` and every
+    id must decode to a plain word that encodes back to itself.  (Word 0 doubles as the
+    unknown token, which no benchmark prompt ever produces.)
+    """
+    model_dir = Path(model_dir)
+    if (model_dir / "tokenizer.json").exists():
+        return
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    width = 1
+    while len(_ALPHABET) ** width < vocab:
+        width += 1
+    words = {word(i, width): i for i in range(vocab)}
+    tok = Tokenizer(models.WordLevel(words, unk_token=word(0, width)))
+    # split the text into width-character pieces, and decode by concatenation
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("." * width), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False).save_pretrained(str(model_dir))
+
+
+def _kill_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop_group(proc: subprocess.Popen, sig: int, grace: float) -> None:
+    """Send ``sig`` to the process group, wait ``grace`` seconds, then SIGKILL what is left."""
+    if proc.poll() is None:
+        _kill_group(proc, sig)
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            pass
+    _kill_group(proc, signal.SIGKILL)  # children (engine core) that outlived the parent
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+class ApiServer:
+    """One vLLM OpenAI server on a free loopback port."""
+
+    def __init__(self, name: str, model: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+        self.name = name
+        self.model = model
+        self.port = mooncake_util.free_port()
+        self.log_path = log_dir / f"server-{name}.log"
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", HOST,
+               "--port", str(self.port), "--model", model, *args]
+        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        self.started = time.monotonic()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def wait_ready(self, timeout: float) -> float:
+        """Block until ``/health`` answers 200; returns the seconds it took.  Raises with the log tail."""
+        end = self.started + timeout
+        while time.monotonic() < end:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.name} exited (rc={self.proc.returncode}):\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.started
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"server {self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+
+    def engine_pids(self) -> list[int]:
+        """The server's pid and its descendants' (the engine core runs in a child process)."""
+        pids, frontier = [self.proc.pid], [self.proc.pid]
+        while frontier:
+            p = frontier.pop()
+            try:
+                kids = Path(f"/proc/{p}/task/{p}/children").read_text().split()
+            except OSError:
+                continue
+            for k in kids:
+                pids.append(int(k))
+                frontier.append(int(k))
+        return pids
+
+    def log_tail(self, n: int = 6000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 30.0) -> None:
+        _stop_group(self.proc, signal.SIGINT, grace)
+
+
+class MooncakePool:
+    """A loopback Mooncake pool for ``MooncakeStoreConnector``.
+
+    ``mode="embedded"``: the engine contributes ``segment`` bytes itself.
+    ``mode="standalone"``: a ``mooncake_client`` process owns the pool; the engine
+    contributes none (vLLM's ``standalone-store`` mode).
+    """
+
+    def __init__(self, work: Path, mode: str = "embedded", segment: str = "1GB",
+                 local_buffer: str = "512MB") -> None:
+        if mode not in ("embedded", "standalone"):
+            raise ValueError(f"mooncake mode must be embedded or standalone, got {mode!r}")
+        self.mode = mode
+        self.segment = segment
+        self.work = work
+        self.master = mooncake_util.MooncakeMaster().start()
+        self.client: subprocess.Popen | None = None
+        try:
+            if mode == "standalone":
+                self._start_client()
+            cfg: dict[str, Any] = {
+                "metadata_server": self.master.metadata_server,
+                "master_server_address": self.master.master,
+                "protocol": "tcp",
+                "device_name": "",
+                "mode": "embedded" if mode == "embedded" else "standalone-store",
+                "global_segment_size": segment if mode == "embedded" else 0,
+                "local_buffer_size": local_buffer,
+            }
+            self.config_path = work / f"mooncake-{mode}.json"
+            self.config_path.write_text(json.dumps(cfg, indent=1))
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start_client(self) -> None:
+        binary = Path(self.master.binary).with_name("mooncake_client")
+        if not binary.exists():
+            raise RuntimeError(f"mooncake_client not found beside {self.master.binary}")
+        port = mooncake_util.free_port()
+        env = dict(os.environ, **mooncake_util.client_env())
+        with open(self.work / "mooncake_client.log", "w") as log:
+            self.client = subprocess.Popen(
+                [str(binary), f"--master_server_address={self.master.master}",
+                 f"--metadata_server={self.master.metadata_server}", f"--global_segment_size={self.segment}",
+                 "--local_buffer_size=0", f"--host={HOST}", f"--port={port}", "--protocol=tcp"],
+                env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True)
+        if not mooncake_util._wait_port(port, 30):
+            raise RuntimeError("mooncake_client did not open its port")
+        time.sleep(1.5)  # its segment is mounted about a second after the port opens
+
+    def env(self) -> dict[str, str]:
+        return {"MOONCAKE_CONFIG_PATH": str(self.config_path), **mooncake_util.client_env()}
+
+    def stop(self) -> None:
+        if self.client is not None:
+            _stop_group(self.client, signal.SIGTERM, 5)
+            self.client = None
+        self.master.stop()
