@@ -114,3 +114,23 @@ def check_key(key: object) -> str:
         raise ValueError(f"invalid key {shown}: keys are non-empty strings of at most 200 UTF-8 bytes, "
                          "without '/' or NUL")
     return key
+
+
+def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
+    """``keys`` as a list of valid key strings; raises a ``TypeError`` / ``ValueError`` naming the problem.
+
+    ``each=False`` checks only the container: for reads, where a malformed key can
+    never be present, the caller checks the keys it does not find (cheaper on the
+    hot path).
+    """
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(f"{what} must be a sequence of keys, not a single "
+                        f"{'string' if isinstance(keys, str) else 'bytes object'} (wrap it in a list)")
+    if not isinstance(keys, Sequence):
+        raise TypeError(f"{what} must be an ordered sequence (list or tuple) of strings, got {type(keys).__name__}"
+                        + (": a set has no order to pair results with" if isinstance(keys, (set, frozenset)) else ""))
+    keys = list(keys)
+    if each:
+        for k in keys:
+            check_key(k)
+    return keys

@@ -51,10 +51,8 @@ raises an error that names the problem.
 from __future__ import annotations
 
 import asyncio
-import enum
 import functools
 import logging
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -63,89 +61,29 @@ from typing import Any, Optional, Union
 
 import torch
 
-from tierkv.buffers import Parts, Value, check_size, staging, to_parts
+from tierkv.buffers import Parts, Value, to_parts
 from tierkv.config import build_levels, load_config
+from tierkv.copying import Copying
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
-from tierkv.keys import check_key
+from tierkv.keys import check_key, check_keys
 from tierkv.level import Level, call_policy
 from tierkv.observe import Observable
 from tierkv.options import check_int
+from tierkv.outcome import PutOutcome
+from tierkv.placement import FAILED, Placement
 from tierkv.policies import AdmissionPolicy, PromotionPolicy, build_promotion
+from tierkv.readpath import ReadPath
 from tierkv.stats import StoreCounters
 from tierkv.tiers.base import Tier
 from tierkv.writebehind import WriteBehind
 
 log = logging.getLogger("tierkv")
 
-#: how often a reservation retries after its victims were taken by a racing writer
-_RESERVE_ATTEMPTS = 8
-#: most bytes one background copy stages at once
-_COPY_BATCH_BYTES = 64 << 20
-
-# why a chunk was not placed (bit flags gathered while scanning the chain)
-_NO_ROOM, _UNAVAILABLE, _FAILED = 1, 2, 4
-
-
-class PutOutcome(enum.Enum):
-    """Why ``put`` answered what it did for one chunk; true for STORED and PRESENT."""
-
-    STORED = "stored"  #: written now
-    PRESENT = "present"  #: already stored (or being stored): nothing written
-    REJECTED = "rejected"  #: every tier's admission policy refused it
-    NO_ROOM = "no_room"  #: admitted, but no room could be made
-    ERROR = "error"  #: a medium failed the write, or every tier that would take it is unavailable
-
-    def __bool__(self) -> bool:
-        return self is PutOutcome.STORED or self is PutOutcome.PRESENT
-
-
 StoreConfig = Union[dict, str, "os.PathLike[str]"]
 
 
-def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
-    """``keys`` as a list of valid key strings; raises a ``TypeError`` / ``ValueError`` naming the problem.
 
-    ``each=False`` checks only the container: for reads, where a malformed key can
-    never be present, the caller checks the keys it does not find (cheaper on the
-    hot path).
-    """
-    if isinstance(keys, (str, bytes)):
-        raise TypeError(f"{what} must be a sequence of keys, not a single "
-                        f"{'string' if isinstance(keys, str) else 'bytes object'} (wrap it in a list)")
-    if not isinstance(keys, Sequence):
-        raise TypeError(f"{what} must be an ordered sequence (list or tuple) of strings, got {type(keys).__name__}"
-                        + (": a set has no order to pair results with" if isinstance(keys, (set, frozenset)) else ""))
-    keys = list(keys)
-    if each:
-        for k in keys:
-            check_key(k)
-    return keys
-
-
-def _overlapping(prepared: list[tuple[Parts, int]]) -> set[int]:
-    """Indices whose buffers share memory with another index's (or overlap within themselves)."""
-    spans = []
-    for i, (parts, _) in enumerate(prepared):
-        for p in parts:
-            n = p.numel()
-            if n:
-                ptr = p.data_ptr()
-                spans.append((str(p.device), ptr, ptr + n, i))
-    spans.sort()
-    bad: set[int] = set()
-    dev, end, members = None, -1, []
-    for d, lo, hi, i in spans + [(None, 0, 0, -1)]:
-        if d == dev and lo < end:
-            members.append(i)
-            end = max(end, hi)
-            continue
-        if len(members) > 1:
-            bad.update(members)
-        dev, end, members = d, hi, [i]
-    return bad
-
-
-class TieredStore(Observable):
+class TieredStore(Placement, ReadPath, Copying, Observable):
     """A chain of tiers, fastest first, behind one batch-first API.
 
     ``put`` writes into the highest level whose admission policy accepts the
@@ -198,7 +136,7 @@ class TieredStore(Observable):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_config(cls, config: StoreConfig) -> "TieredStore":
+    def from_config(cls, config: StoreConfig) -> TieredStore:
         """Build a store from a dict or a JSON / YAML / TOML file (see ``tierkv.config``)."""
         cfg = load_config(config)
         levels = build_levels(cfg["tiers"])
@@ -266,7 +204,7 @@ class TieredStore(Observable):
             for lvl in self.levels:
                 try:
                     lvl.tier.flush()
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - one tier failing to flush must not keep the rest open
                     log.warning("tierkv: tier %s flush failed: %s", lvl.name, e)
                 finally:
                     lvl.tier.close()
@@ -275,7 +213,7 @@ class TieredStore(Observable):
     def closed(self) -> bool:
         return self._closed
 
-    def __enter__(self) -> "TieredStore":
+    def __enter__(self) -> TieredStore:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -347,8 +285,8 @@ class TieredStore(Observable):
                     c.chunks_deduped += 1
                 else:
                     todo.append(i)
-        start = {i: 0 for i in todo}
-        why = {i: 0 for i in todo}
+        start = dict.fromkeys(todo, 0)
+        why = dict.fromkeys(todo, 0)
         held: dict[tuple[int, str], None] = {}  # reservations this call took and has not finished
         behind: list[tuple[int, str]] = []
         try:
@@ -384,7 +322,7 @@ class TieredStore(Observable):
                                 done.append(i)
                             else:
                                 self._finish_write(lvl, keys[i], prepared[i][1], False)
-                                why[i] |= _FAILED
+                                why[i] |= FAILED
                                 start[i] = j + 1
                                 todo.append(i)
                         if done:
@@ -414,296 +352,6 @@ class TieredStore(Observable):
             self._counters.chunks_rejected += sum(1 for o in out if not o)
         return out  # type: ignore[return-value]
 
-    @staticmethod
-    def _refusal(flags: int) -> PutOutcome:
-        if flags & (_FAILED | _UNAVAILABLE):
-            return PutOutcome.ERROR
-        return PutOutcome.NO_ROOM if flags & _NO_ROOM else PutOutcome.REJECTED
-
-    def _release(self, held: dict[tuple[int, str], None]) -> None:
-        """Abort the reservations a call still holds (a path out through an exception)."""
-        if held:
-            with self._lock:
-                for j, key in held:
-                    self.levels[j].abort(key)
-            held.clear()
-
-    def _busy(self, key: str) -> bool:
-        """Reserved (being written) in some managed level.  Caller holds the lock."""
-        for j in self._managed_levels:
-            e = self.levels[j].index.get(key)
-            if e is not None and not e.doomed:
-                return True
-        return False
-
-    @staticmethod
-    def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]:
-        """A tier's ``write`` or ``read``: a medium fault costs misses (all False), never the caller's request."""
-        res = TieredStore._tier_ask(lvl, op, keys, parts)
-        return [False] * len(keys) if res is None else res
-
-    @staticmethod
-    def _tier_ask(lvl: Level, op: str, keys: list[str], parts: Optional[list[Parts]] = None) -> Optional[list]:
-        """Any tier call (``write`` / ``read`` / ``contains`` / ``delete``); None if the medium failed.
-
-        The one choke point where a medium's exception (or a wrong number of answers)
-        becomes a logged miss; only ``StoreClosedError`` passes through.
-        """
-        try:
-            fn = getattr(lvl.tier, op)
-            res = fn(keys, parts) if parts is not None else fn(keys)
-            if res is not None and len(res) != len(keys):
-                raise RuntimeError(f"answered {len(res)} results for {len(keys)} keys")
-            return res if res is not None else []
-        except StoreClosedError:
-            raise
-        except Exception as e:
-            log.warning("tierkv: tier %s %s failed: %s", lvl.name, op, str(e)[:300])
-            return None
-
-    def _admit(self, lvl: Level, key: str, nbytes: int) -> bool:
-        if lvl.admits_all:
-            return True
-        if call_policy(lvl.admission, "admit", lvl.name, key, nbytes, lvl.name):
-            return True
-        lvl.counters.rejected += 1
-        return False
-
-    def _place_fast(self, key: str, nbytes: int, start: int, held: dict) -> tuple[Optional[int], int]:
-        """``_place`` for the common case, under the caller's lock: no eviction needed.
-
-        Returns (level reserved or unmanaged level chosen, flags); (None, flags) when
-        the first level that admits would have to evict (the slow path decides), and
-        (-1, flags) when no level admits at all.
-        """
-        flags = 0
-        for j in range(start, len(self.levels)):
-            lvl = self.levels[j]
-            if not lvl.tier.available:
-                flags |= _UNAVAILABLE
-                continue
-            if not self._admit(lvl, key, nbytes):
-                continue
-            if not lvl.managed:
-                return j, flags
-            if not lvl.reserve(key, nbytes):
-                return None, flags
-            held[(j, key)] = None
-            return j, flags
-        return -1, flags
-
-    def _place(self, key: str, nbytes: int, start: int, stop: int, held: dict) -> tuple[Optional[int], int]:
-        """The first level in [start, stop) that admits the chunk and has (or made) room; reserved there."""
-        flags = 0
-        for j in range(start, stop):
-            lvl = self.levels[j]
-            if not lvl.tier.available:
-                flags |= _UNAVAILABLE
-                continue
-            with self._lock:
-                admitted = self._admit(lvl, key, nbytes)
-            if not admitted:
-                continue
-            if not lvl.managed:
-                return j, flags
-            if self._reserve(j, key, nbytes, held):
-                return j, flags
-            flags |= _NO_ROOM
-        return None, flags
-
-    def _reserve(self, j: int, key: str, nbytes: int, held: dict) -> bool:
-        """Reserve room for ``key`` in managed level ``j``, evicting (demoting) as needed."""
-        lvl = self.levels[j]
-        fp = lvl.tier.footprint(nbytes)
-        if fp > lvl.capacity:
-            with self._lock:
-                lvl.counters.rejected += 1
-            return False
-        for _ in range(_RESERVE_ATTEMPTS):
-            with self._lock:
-                if key in lvl.index:
-                    return False  # already there, or a doomed copy still being read
-                if lvl.reserve(key, nbytes):
-                    held[(j, key)] = None
-                    return True
-                victims = lvl.victims(fp - (lvl.capacity - lvl.used))
-                if victims is None:
-                    lvl.counters.rejected += 1
-                    return False
-                for v in victims:
-                    lvl.pin(v)
-            self._evict(j, victims)
-        with self._lock:
-            lvl.counters.rejected += 1
-        return False
-
-    def _evict(self, j: int, victims: list[str]) -> None:
-        """Demote then drop pinned victims of level ``j`` (called without the lock); unpins every one."""
-        lvl = self.levels[j]
-        left = list(victims)
-        try:
-            while left:
-                key = left[0]
-                e = lvl.index[key]
-                demoted = self._demote(j, key, e.nbytes)
-                with self._lock:
-                    left.pop(0)
-                    try:
-                        lvl.counters.evictions += 1
-                        if demoted:
-                            lvl.counters.demotions += 1
-                        lvl.drop(key, e)
-                    finally:
-                        lvl.unpin(key, e)
-        finally:
-            if left:
-                with self._lock:
-                    for key in left:
-                        lvl.unpin(key, lvl.index[key])
-
-    def _demote(self, j: int, key: str, nbytes: int) -> bool:
-        """Copy ``key`` from level ``j`` into the next lower level that takes it.  True if it now lives below.
-
-        Walks down from ``j + 1``: a level that already holds the key ends the walk
-        (levels are inclusive); otherwise the first level that admits it and has
-        (or makes) room receives a copy.
-        """
-        buf: Optional[torch.Tensor] = None
-        held: dict[tuple[int, str], None] = {}
-        try:
-            for k in range(j + 1, len(self.levels)):
-                with self._lock:
-                    if self._where.get(key, 0) & self.levels[k].bit:
-                        return True
-                if self._place(key, nbytes, k, k + 1, held)[0] is None:
-                    continue
-                if buf is None:
-                    buf = staging(nbytes)
-                    if not self._tier_io(self.levels[j], "read", [key], [[buf]])[0]:
-                        with self._lock:
-                            self.levels[j].counters.errors += 1
-                        return False
-                ok = self._tier_io(self.levels[k], "write", [key], [[buf]])[0]
-                with self._lock:
-                    held.pop((k, key), None)
-                    if self._finish_write(self.levels[k], key, nbytes, ok):
-                        return True
-            return False
-        finally:
-            self._release(held)
-
-    def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True) -> bool:
-        """Commit (ok) or abort a write into ``lvl``; caller holds the lock.  Returns ``ok``."""
-        if lvl.managed:
-            if ok:
-                lvl.commit(key)
-            else:
-                lvl.abort(key)
-        if ok:
-            lvl.counters.puts += 1
-            lvl.counters.bytes_written += nbytes
-        elif count_error:
-            lvl.counters.errors += 1
-        return ok
-
-    def _write_through(self, j: int, key: str, prepared: tuple[Parts, int], held: dict) -> None:
-        parts, nbytes = prepared
-        for k in range(j + 1, len(self.levels)):
-            lvl = self.levels[k]
-            if not lvl.write_through:
-                continue
-            with self._lock:
-                if self._where.get(key, 0) & lvl.bit:
-                    continue
-            if self._place(key, nbytes, k, k + 1, held)[0] is None:
-                continue
-            ok = self._tier_io(lvl, "write", [key], [parts])[0]
-            with self._lock:
-                held.pop((k, key), None)
-                self._finish_write(lvl, key, nbytes, ok)
-
-    # ------------------------------------------------------------------ write-behind
-    def _queue_behind(self, stored: list[tuple[int, str]]) -> None:
-        keys = [key for j, key in stored if any(k > j for k in self._behind_levels)]
-        if not keys:
-            return
-        dropped = self._behind.submit(keys)  # type: ignore[union-attr]
-        with self._lock:
-            self._counters.write_behind_queued += len(keys) - dropped
-            self._counters.write_behind_dropped += dropped
-
-    def _copy_behind(self, keys: list[str]) -> None:
-        """Background: copy each key from the fastest level holding it into the write-behind levels below.
-
-        The source is pinned only while its bytes are read into staging buffers, so a
-        background copy delays no eviction for longer than a read.
-        """
-        todo: dict[int, list[tuple[str, Any, int]]] = {}
-        with self._lock:
-            for key in dict.fromkeys(keys):
-                mask = self._where.get(key, 0)
-                if not mask:
-                    continue  # removed or dropped meanwhile
-                j = (mask & -mask).bit_length() - 1
-                lvl = self.levels[j]
-                e = lvl.index[key]
-                if not any(k > j and not mask & self.levels[k].bit and self.levels[k].tier.available
-                           and call_policy(self.levels[k].admission, "admit", self.levels[k].name, key,
-                                           e.nbytes, self.levels[k].name)
-                           for k in self._behind_levels):
-                    continue  # already everywhere it should be, or nowhere wants it
-                lvl.pin(key)
-                todo.setdefault(j, []).append((key, e, e.nbytes))
-        try:
-            for j, items in todo.items():
-                while items:
-                    batch: list[tuple[str, Any, int]] = []
-                    size = 0
-                    while items and (not batch or size + items[0][2] <= _COPY_BATCH_BYTES):
-                        batch.append(items.pop(0))
-                        size += batch[-1][2]
-                    self._copy_batch(j, batch)
-        finally:
-            with self._lock:  # whatever an exception left pinned
-                for j, items in todo.items():
-                    for key, e, _ in items:
-                        self.levels[j].unpin(key, e)
-
-    def _copy_batch(self, j: int, batch: list[tuple[str, Any, int]]) -> None:
-        """Read a batch of pinned chunks of level ``j`` (unpinning them), then write them below."""
-        keys = [key for key, _, _ in batch]
-        bufs: list[torch.Tensor] = []
-        try:
-            bufs = [staging(nb) for _, _, nb in batch]
-            oks = self._tier_io(self.levels[j], "read", keys, [[b] for b in bufs])
-        finally:
-            with self._lock:
-                for key, e, _ in batch:
-                    self.levels[j].unpin(key, e)
-        for k in self._behind_levels:
-            if k <= j:
-                continue
-            lvl = self.levels[k]
-            held: dict[tuple[int, str], None] = {}
-            try:
-                go = []
-                for i, (key, _, nbytes) in enumerate(batch):
-                    with self._lock:
-                        if not oks[i] or self._where.get(key, 0) & lvl.bit:
-                            continue
-                    if self._place(key, nbytes, k, k + 1, held)[0] is not None:
-                        go.append(i)
-                if not go:
-                    continue
-                wrote = self._tier_io(lvl, "write", [keys[i] for i in go], [[bufs[i]] for i in go])
-                with self._lock:
-                    for i, ok in zip(go, wrote):
-                        held.pop((k, keys[i]), None)
-                        if self._finish_write(lvl, keys[i], batch[i][2], ok):
-                            lvl.counters.persisted += 1
-            finally:
-                self._release(held)
-
     # ------------------------------------------------------------------ get
     def get(self, keys: Sequence[str], outs: Sequence[Value]) -> list[bool]:
         """Copy each stored chunk into ``outs[i]``; one bool per key, True where found exact.
@@ -722,172 +370,6 @@ class TieredStore(Observable):
         if self._observers:
             self._observe("get", keys, res, t0, prepared)
         return res
-
-    def _get(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[bool]:
-        n = len(keys)
-        results = [False] * n
-        served: list[Optional[int]] = [None] * n
-        with self._lock:  # sizes checked before anything is pinned
-            self._counters.get_calls += 1
-            for i, key in enumerate(keys):
-                mask = self._where.get(key, 0)
-                if mask:
-                    j = (mask & -mask).bit_length() - 1
-                    check_size(key, prepared[i][1], self.levels[j].index[key].nbytes)
-                else:
-                    check_key(key)
-            for key in keys:
-                for adm in self._admissions:
-                    call_policy(adm, "on_access", "*", key)
-        pending = list(range(n))
-        tried: list[int] = [0] * n  # bitmask of levels already tried for key i
-        no_local: list[int] = []
-        while pending:
-            groups: dict[int, list[tuple[int, Any]]] = {}
-            try:
-                with self._lock:
-                    for i in pending:
-                        e, j = None, -1
-                        mask = self._where.get(keys[i], 0) & ~tried[i]
-                        while mask:
-                            j = (mask & -mask).bit_length() - 1
-                            tried[i] |= 1 << j
-                            mask &= mask - 1
-                            e = self.levels[j].index[keys[i]]
-                            if e.nbytes == prepared[i][1]:
-                                break
-                            e = None
-                        if e is None:
-                            no_local.append(i)
-                            continue
-                        self.levels[j].pin(keys[i])
-                        groups.setdefault(j, []).append((i, e))
-                pending = []
-                for j, items in groups.items():
-                    lvl = self.levels[j]
-                    oks = self._tier_io(lvl, "read", [keys[i] for i, _ in items], [prepared[i][0] for i, _ in items])
-                    with self._lock:
-                        hit = []
-                        for (i, e), ok in zip(items, oks):
-                            if ok and not e.doomed:
-                                results[i] = True
-                                served[i] = j
-                                hit.append(keys[i])
-                                lvl.counters.bytes_read += prepared[i][1]
-                            else:  # lost, torn or corrupt: drop this copy, try the next level
-                                if not ok:
-                                    lvl.counters.errors += 1
-                                    lvl.drop(keys[i], e)
-                                pending.append(i)
-                        lvl.counters.hits += len(hit)
-                        lvl.accessed(hit)
-            finally:
-                with self._lock:
-                    for j, items in groups.items():
-                        for i, e in items:
-                            self.levels[j].unpin(keys[i], e)
-        if no_local and self._shared_levels:
-            self._read_shared(keys, prepared, [i for i in no_local if not results[i]], results, served)
-        self._count_misses(served, prepared)
-        if any(j for j in served):  # something was served below the top level
-            self._promote(keys, prepared, served)
-        return results
-
-    def _count_misses(self, served: list[Optional[int]], prepared: list[tuple[Parts, int]]) -> None:
-        """Misses per level consulted: every available level above the one that served."""
-        nlev = len(self.levels)
-        available = [lvl.tier.available for lvl in self.levels]
-        missed_above = [0] * (nlev + 1)
-        got = 0
-        for i, j in enumerate(served):
-            missed_above[nlev if j is None else j] += 1
-            if j is not None:
-                got += prepared[i][1]
-        with self._lock:
-            below = 0  # keys served at or below level k (or not at all)
-            for k in range(nlev, -1, -1):
-                if k < nlev and available[k]:
-                    self.levels[k].counters.misses += below
-                below += missed_above[k]
-            self._counters.misses += missed_above[nlev]
-            self._counters.hits += len(served) - missed_above[nlev]
-            self._counters.bytes_got += got
-
-    def _first_shared(self, op: str, keys: list[str], idx: list[int],
-                      parts: Optional[list[Parts]] = None) -> dict[int, int]:
-        """Ask the shared (unmanaged) levels in chain order, each for the keys no earlier one had.
-
-        Returns {index into keys: level that answered True}.  ``op`` is "read" (with
-        ``parts``) or "contains"; a level that fails or is down is skipped.
-        """
-        found: dict[int, int] = {}
-        left = list(idx)
-        for j in self._shared_levels:
-            if not left:
-                break
-            lvl = self.levels[j]
-            if not lvl.tier.available:
-                continue
-            res = self._tier_ask(lvl, op, [keys[i] for i in left],
-                                 [parts[i] for i in left] if parts is not None else None)
-            if res is None:
-                continue
-            for i, hit in zip(left, res):
-                if hit:
-                    found[i] = j
-            left = [i for i in left if i not in found]
-        return found
-
-    def _read_shared(self, keys, prepared, idx: list[int], results: list[bool], served: list[Optional[int]]) -> None:
-        found = self._first_shared("read", keys, idx, [p for p, _ in prepared])
-        with self._lock:
-            for i, j in found.items():
-                results[i] = True
-                served[i] = j
-                self.levels[j].counters.hits += 1
-                self.levels[j].counters.bytes_read += prepared[i][1]
-
-    def _promote(self, keys: list[str], prepared: list[tuple[Parts, int]], served: list[Optional[int]]) -> None:
-        """Copy hits served below the top managed level up, as the promotion policy says.
-
-        One call promotes at most half of a level's capacity into it: a batch larger
-        than the level would otherwise evict its own earlier chunks (thrashing).  A
-        buffer that shares memory with another key's (or its own parts) is never
-        promoted: it may no longer hold the bytes verified for its key.
-        """
-        # buffers that alias matter only where a promotion would really copy bytes
-        aliased = _overlapping(prepared) if any(self.levels[k].tier.keeps_bytes for k in self._managed_levels) \
-            else set()
-        budget = {k: self.levels[k].capacity // 2 for k in self._managed_levels}
-        held: dict[tuple[int, str], None] = {}
-        try:
-            for i, j in enumerate(served):
-                if not j or i in aliased:
-                    continue
-                key, (parts, nbytes) = keys[i], prepared[i]
-                for k in self._managed_levels:
-                    if k >= j:
-                        break
-                    lvl = self.levels[k]
-                    if not lvl.tier.available:
-                        continue
-                    with self._lock:
-                        if self._where.get(key, 0) & lvl.bit or key in lvl.index:
-                            break
-                        if budget[k] < nbytes or not self._admit(lvl, key, nbytes):
-                            continue
-                        budget[k] -= nbytes
-                        go = call_policy(self.promotion, "should_promote", lvl.name, key, self.levels[j].name,
-                                         lvl.name)
-                    if go and self._reserve(k, key, nbytes, held):
-                        ok = self._tier_io(lvl, "write", [key], [parts])[0]
-                        with self._lock:
-                            held.pop((k, key), None)
-                            if self._finish_write(lvl, key, nbytes, ok):
-                                self.levels[j].counters.promotions += 1
-                    break
-        finally:
-            self._release(held)
 
     # ------------------------------------------------------------------ lookup, locate, remove
     def lookup(self, keys: Sequence[str]) -> int:
@@ -1023,7 +505,7 @@ class TieredStore(Observable):
                     d["eviction"] = getattr(lvl.eviction, "name", type(lvl.eviction).__name__)
                 try:
                     extra = lvl.tier.extra_stats()
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - a medium's stats never break stats()
                     extra = {"extra_stats_error": str(e)}
                 for k, v in extra.items():
                     d.setdefault(k, v)
@@ -1082,4 +564,4 @@ class TieredStore(Observable):
         return f"TieredStore({chain})"
 
 
-__all__ = ["TieredStore", "Level", "PutOutcome", "PolicyError", "check_keys"]
+__all__ = ["Level", "PolicyError", "PutOutcome", "TieredStore", "check_keys"]

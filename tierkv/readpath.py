@@ -1,0 +1,153 @@
+"""How ``TieredStore`` reads: the fastest level holding each key, pinned while read; then the shared tiers.
+
+Part of ``TieredStore`` (a mixin it inherits), split out so each module holds one
+concern.  A read pins its entries under the store's lock, reads outside it, and
+unpins every entry in a ``finally``; a failed or corrupt copy is dropped and the
+next level holding the key is tried.  Shared (unmanaged) tiers are asked in chain
+order, each only for the keys no earlier one had (``_first_shared``, the one
+fan-out that ``get``, ``lookup``, ``locate`` and ``contains`` use).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from tierkv.buffers import Parts, check_size
+from tierkv.keys import check_key
+from tierkv.level import Level, call_policy
+
+
+class ReadPath:
+    """The read path of ``TieredStore`` (see the module docstring)."""
+
+    levels: list[Level]
+    _lock: Any
+    _where: dict[str, int]
+    _counters: Any
+    _admissions: list[Any]
+    _shared_levels: list[int]
+
+    def _get(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[bool]:
+        n = len(keys)
+        results = [False] * n
+        served: list[Optional[int]] = [None] * n
+        with self._lock:  # sizes checked before anything is pinned
+            self._counters.get_calls += 1
+            for i, key in enumerate(keys):
+                mask = self._where.get(key, 0)
+                if mask:
+                    j = (mask & -mask).bit_length() - 1
+                    check_size(key, prepared[i][1], self.levels[j].index[key].nbytes)
+                else:
+                    check_key(key)
+            for key in keys:
+                for adm in self._admissions:
+                    call_policy(adm, "on_access", "*", key)
+        pending = list(range(n))
+        tried: list[int] = [0] * n  # bitmask of levels already tried for key i
+        no_local: list[int] = []
+        while pending:
+            groups: dict[int, list[tuple[int, Any]]] = {}
+            try:
+                with self._lock:
+                    for i in pending:
+                        e, j = None, -1
+                        mask = self._where.get(keys[i], 0) & ~tried[i]
+                        while mask:
+                            j = (mask & -mask).bit_length() - 1
+                            tried[i] |= 1 << j
+                            mask &= mask - 1
+                            e = self.levels[j].index[keys[i]]
+                            if e.nbytes == prepared[i][1]:
+                                break
+                            e = None
+                        if e is None:
+                            no_local.append(i)
+                            continue
+                        self.levels[j].pin(keys[i])
+                        groups.setdefault(j, []).append((i, e))
+                pending = []
+                for j, items in groups.items():
+                    lvl = self.levels[j]
+                    oks = self._tier_io(lvl, "read", [keys[i] for i, _ in items], [prepared[i][0] for i, _ in items])
+                    with self._lock:
+                        hit = []
+                        for (i, e), ok in zip(items, oks):
+                            if ok and not e.doomed:
+                                results[i] = True
+                                served[i] = j
+                                hit.append(keys[i])
+                                lvl.counters.bytes_read += prepared[i][1]
+                            else:  # lost, torn or corrupt: drop this copy, try the next level
+                                if not ok:
+                                    lvl.counters.errors += 1
+                                    lvl.drop(keys[i], e)
+                                pending.append(i)
+                        lvl.counters.hits += len(hit)
+                        lvl.accessed(hit)
+            finally:
+                with self._lock:
+                    for j, items in groups.items():
+                        for i, e in items:
+                            self.levels[j].unpin(keys[i], e)
+        if no_local and self._shared_levels:
+            self._read_shared(keys, prepared, [i for i in no_local if not results[i]], results, served)
+        self._count_misses(served, prepared)
+        if any(j for j in served):  # something was served below the top level
+            self._promote(keys, prepared, served)
+        return results
+
+    def _count_misses(self, served: list[Optional[int]], prepared: list[tuple[Parts, int]]) -> None:
+        """Misses per level consulted: every available level above the one that served."""
+        nlev = len(self.levels)
+        available = [lvl.tier.available for lvl in self.levels]
+        missed_above = [0] * (nlev + 1)
+        got = 0
+        for i, j in enumerate(served):
+            missed_above[nlev if j is None else j] += 1
+            if j is not None:
+                got += prepared[i][1]
+        with self._lock:
+            below = 0  # keys served at or below level k (or not at all)
+            for k in range(nlev, -1, -1):
+                if k < nlev and available[k]:
+                    self.levels[k].counters.misses += below
+                below += missed_above[k]
+            self._counters.misses += missed_above[nlev]
+            self._counters.hits += len(served) - missed_above[nlev]
+            self._counters.bytes_got += got
+
+    def _first_shared(self, op: str, keys: list[str], idx: list[int],
+                      parts: Optional[list[Parts]] = None) -> dict[int, int]:
+        """Ask the shared (unmanaged) levels in chain order, each for the keys no earlier one had.
+
+        Returns {index into keys: level that answered True}.  ``op`` is "read" (with
+        ``parts``) or "contains"; a level that fails or is down is skipped.
+        """
+        found: dict[int, int] = {}
+        left = list(idx)
+        for j in self._shared_levels:
+            if not left:
+                break
+            lvl = self.levels[j]
+            if not lvl.tier.available:
+                continue
+            res = self._tier_ask(lvl, op, [keys[i] for i in left],
+                                 [parts[i] for i in left] if parts is not None else None)
+            if res is None:
+                continue
+            for i, hit in zip(left, res):
+                if hit:
+                    found[i] = j
+            left = [i for i in left if i not in found]
+        return found
+
+    def _read_shared(self, keys, prepared, idx: list[int], results: list[bool], served: list[Optional[int]]) -> None:
+        found = self._first_shared("read", keys, idx, [p for p, _ in prepared])
+        with self._lock:
+            for i, j in found.items():
+                results[i] = True
+                served[i] = j
+                self.levels[j].counters.hits += 1
+                self.levels[j].counters.bytes_read += prepared[i][1]
+
