@@ -41,9 +41,9 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from mooncake_util import MooncakeMaster, client_env, missing_reason  # noqa: E402
+from mooncake_util import MooncakeMaster, client_env, missing_reason
 
-from tierkv.tiers.dram_pool import DramPoolTier  # noqa: E402
+from tierkv.tiers.dram_pool import DramPoolTier
 
 MiB = 1 << 20
 

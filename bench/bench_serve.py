@@ -302,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
     startup: dict[str, float] = {}
     profile: dict[str, Any] | None = None
-    bench_log = open(work / "bench-serve-client.log", "a")  # noqa: SIM115 - closed in the finally below
+    bench_log = open(work / "bench-serve-client.log", "a")
     try:
         for name in backends:  # started one after another: two cold starts at once would crawl here
             env = dict(base_env)

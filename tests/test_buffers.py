@@ -56,7 +56,7 @@ def test_copy_parts_between_any_two_cuts(data):
     src = data.draw(part_lists(), "src")
     total = sum(p.numel() for p in src)
     dst_sizes = data.draw(st.lists(st.integers(1, total), min_size=1, max_size=6), "cuts")
-    cuts = sorted(set(min(total, c) for c in dst_sizes) | {total})
+    cuts = sorted({min(total, c) for c in dst_sizes} | {total})
     dst_base = torch.full((total + 64,), 255, dtype=torch.uint8)
     gap = data.draw(st.sampled_from([0, 3]), "gap")
     dst, prev, off = [], 0, 0

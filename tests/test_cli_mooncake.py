@@ -6,15 +6,15 @@ import json
 
 import pytest
 import torch
-
 from mooncake_util import mooncake_master  # noqa: F401  (fixture)
 from test_cli import tierkv
+
 from tierkv import TieredStore
 
 pytestmark = pytest.mark.mooncake
 
 
-def test_inspect_a_pool_and_bench_dram_pool(mooncake_master):  # noqa: F811
+def test_inspect_a_pool_and_bench_dram_pool(mooncake_master):
     m = mooncake_master
     store = TieredStore.from_config({"tiers": [m.tier_config(segment="64MiB")]})
     try:

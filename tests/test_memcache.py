@@ -17,8 +17,8 @@ import types
 
 import pytest
 import torch
-
 from tier_conformance import TierConformance, blob, key
+
 from tierkv.errors import ConfigError
 from tierkv.tiers.dram_pool import DramPoolTier
 

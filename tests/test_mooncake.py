@@ -6,9 +6,9 @@ import uuid
 
 import pytest
 import torch
-
 from mooncake_util import MooncakeMaster, missing_reason, shared_mooncake_master  # noqa: F401 (fixture)
 from tier_conformance import TierConformance, blob, key
+
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.store import TieredStore
 from tierkv.tiers import medium_class

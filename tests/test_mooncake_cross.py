@@ -9,7 +9,6 @@ import sys
 import uuid
 
 import pytest
-
 from mooncake_util import MooncakeMaster, missing_reason
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.slow,

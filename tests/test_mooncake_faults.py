@@ -16,9 +16,9 @@ import uuid
 
 import pytest
 import torch
-
 from mooncake_util import MooncakeMaster, missing_reason
 from tier_conformance import blob
+
 from tierkv.store import TieredStore
 from tierkv.tiers.dram_pool import DramPoolTier
 

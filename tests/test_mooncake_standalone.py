@@ -17,9 +17,9 @@ import uuid
 
 import pytest
 import torch
-
 from mooncake_util import MooncakeMaster, missing_reason
 from tier_conformance import TierConformance, blob
+
 from tierkv.errors import ConfigError
 from tierkv.store import TieredStore
 from tierkv.tiers.dram_pool import DramPoolTier
@@ -109,8 +109,8 @@ def test_pool_command_line_and_cli_dry_run(capsys):
     assert main(["--master", "nohost", "--metadata-server", "http://x/metadata"]) == 2
     with pytest.raises(ConfigError, match="segment"):
         StandalonePool("10.0.0.1:50051", "http://x/metadata", "lots")
-    for bad, match in ((dict(port="50052"), "port"), (dict(threads="2"), "threads"),
-                       (dict(protocol="udp"), "protocol")):
+    for bad, match in (({"port": "50052"}, "port"), ({"threads": "2"}, "threads"),
+                       ({"protocol": "udp"}, "protocol")):
         with pytest.raises(ConfigError, match=match):
             StandalonePool("10.0.0.1:50051", "http://x/metadata", "1GiB", **bad)
 

@@ -8,10 +8,10 @@ The live policy is driven through its batch hooks as often as through the single
 from __future__ import annotations
 
 import pytest
+import reference_policies as ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import reference_policies as ref
 from tierkv.policies import ARCPolicy, EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy, S3FIFOPolicy
 
 PAIRS = [(LRUPolicy, ref.LRUPolicy), (FIFOPolicy, ref.FIFOPolicy), (LFUPolicy, ref.LFUPolicy),

@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-
 from tier_conformance import blob, key
+
 from tierkv.errors import ConfigError
 from tierkv.options import pop_int
 from tierkv.tiers.dram_pool import DramPoolTier

@@ -174,8 +174,8 @@ def test_chain_accounts_every_hit_to_one_tier_and_demotes():
 
 def test_null_media_keep_footprint_rules_and_no_bytes():
     ssd = medium_class("ssd")
-    from tierkv.tiers.ssd.tier import footprint_of
     from tierkv.tiers.slab import align_up
+    from tierkv.tiers.ssd.tier import footprint_of
 
     rule = footprint_rule(ssd, {"direct_io": False})
     assert rule(1000) == int(footprint_of(1000))  # the SSD engine's record, rounded to its alignment

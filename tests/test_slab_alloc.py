@@ -39,7 +39,7 @@ class Model:
         oid = self.next_id
         self.next_id += 1
         for off, n in pieces:
-            assert off % ALIGN == 0 and n % ALIGN == 0 and n > 0 and 0 <= off and off + n <= self.size
+            assert off % ALIGN == 0 and n % ALIGN == 0 and n > 0 and off >= 0 and off + n <= self.size
             span = self.owner[off // ALIGN:(off + n) // ALIGN]
             assert not span.any(), f"object {oid} overlaps live objects {set(span[span > 0].tolist())}"
             span[:] = oid

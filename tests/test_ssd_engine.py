@@ -15,8 +15,8 @@ import torch
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
-
 from tier_conformance import blob, key
+
 from tierkv.errors import ConfigError
 from tierkv.tiers.ssd import SSDTier, inspect_dir
 from tierkv.tiers.ssd import format as fmt

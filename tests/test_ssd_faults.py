@@ -12,8 +12,8 @@ import time
 
 import pytest
 import torch
-
 from tier_conformance import blob, key
+
 from tierkv import TieredStore
 from tierkv.tiers.ssd import SSDTier
 

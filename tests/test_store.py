@@ -62,9 +62,9 @@ def test_chunk_keys_chain_over_the_prefix():
     assert len(a) == 3  # only full chunks
     b = chunk_keys(list(range(1000)), 256, "m")
     assert a == b
-    c = chunk_keys([5] + list(range(1, 1000)), 256, "m")  # change the first token
+    c = chunk_keys([5, *list(range(1, 1000))], 256, "m")  # change the first token
     assert all(x != y for x, y in zip(a, c))
-    d = chunk_keys(list(range(512)) + [0] + list(range(513, 1000)), 256, "m")  # change in chunk 3
+    d = chunk_keys([*list(range(512)), 0, *list(range(513, 1000))], 256, "m")  # change in chunk 3
     assert d[:2] == a[:2] and d[2] != a[2]
     assert chunk_keys(list(range(1000)), 256, "other")[0] != a[0]  # namespace separates tenants
     assert chunk_keys(torch.arange(1000), 256, "m") == a
@@ -417,7 +417,7 @@ def test_hits_and_misses_are_counted_per_tier(tmp_path):
         assert store.locate(keys) == ["ssd", "dram", "hbm"]
         before = store.stats()
         outs = [torch.empty(CHUNK, dtype=torch.uint8) for _ in range(4)]
-        found = store.get(keys + [keys_for(4)[3]], outs)  # one in each tier, and one absent
+        found = store.get([*keys, keys_for(4)[3]], outs)  # one in each tier, and one absent
         assert found == [True, True, True, False]
         after = store.stats()
         delta = {t: (after[t]["hits"] - before[t]["hits"], after[t]["misses"] - before[t]["misses"])

@@ -19,7 +19,6 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tierkv import ConfigError, PolicyError, PutOutcome, StoreClosedError, TieredStore
 from tierkv.level import Level
 from tierkv.policies import AdmissionPolicy, LRUPolicy
-from tierkv.tiers.base import Tier
 from tierkv.tiers.dram import DRAMTier
 from tierkv.tiers.slab import ALIGN
 

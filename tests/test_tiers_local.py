@@ -6,8 +6,8 @@ import os
 
 import pytest
 import torch
-
 from tier_conformance import TierConformance, blob, key
+
 from tierkv.errors import ConfigError
 from tierkv.tiers import medium_class
 from tierkv.tiers.dram import DRAMTier

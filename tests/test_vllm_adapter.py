@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -247,7 +248,7 @@ def test_byte_runs_match_block_by_block(shape):
         assert torch.equal(torch.cat([p.reshape(-1).view(torch.uint8) for p in parts]), torch.cat(expect))
         if paged.is_direct() and paged.block_dim == 0:
             # runs of consecutive blocks come as one part each
-            runs = 1 + sum(1 for a, b in zip(ids, ids[1:]) if a is None or b is None or b != a + 1)
+            runs = 1 + sum(1 for a, b in itertools.pairwise(ids) if a is None or b is None or b != a + 1)
             assert len(parts) == runs and not pending
         real = [b for b in ids if b is not None]
         got = torch.cat([p.reshape(-1).view(torch.uint8) for p in paged.read_runs(real)]) if real else None

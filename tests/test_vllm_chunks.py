@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -103,7 +105,7 @@ def test_resolve_is_maximal_and_only_names_stored_objects(G, known, data):
     for first, last in chunks:
         assert (first, last) in stored
         assert first % G == 0 and last - first < G and last < known
-    for (_, a), (b, _) in zip(chunks, chunks[1:]):
+    for (_, a), (b, _) in itertools.pairwise(chunks):
         assert b == a + 1, "chunks are consecutive"
     if chunks:
         assert chunks[0][0] == G * (lo // G)
@@ -121,7 +123,7 @@ def test_plan_saves_covers_each_block_once_per_object_kind(G, prompt_blocks, dat
     total = prompt_blocks + data.draw(st.integers(0, 10), "decode blocks")
     start = data.draw(st.integers(0, prompt_blocks), "blocks already stored")
     next_chunk, tail_end = start // G, start
-    ends = sorted(set(data.draw(st.lists(st.integers(0, total), max_size=8), "step ends") + [total]))
+    ends = sorted(set([*data.draw(st.lists(st.integers(0, total), max_size=8), "step ends"), total]))
     saved = []
     prefilled = False
     for end in ends:
@@ -256,7 +258,7 @@ def test_hit_arithmetic_leaves_a_token_and_loads_whole_blocks(bs, n, token_mode,
                           cache_salt=None)
     ext, is_async = c.get_num_new_matched_tokens(req, local * bs)
     assert is_async is False
-    assert 0 <= ext and local * bs + ext <= n - 1  # vLLM always computes a token
+    assert ext >= 0 and local * bs + ext <= n - 1  # vLLM always computes a token
     blocks_hit = stored_to - local
     if token_mode and stored_to == full and n % bs == 0:
         assert ext == max(0, n - 1 - local * bs)

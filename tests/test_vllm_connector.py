@@ -201,7 +201,7 @@ def test_full_hit_recompute_token_computes_one_token(model, workdir, baseline, l
     rng = random.Random(11)
     whole = [rng.randrange(1024) for _ in range(4 * BS)]  # 4 full blocks, nothing after them
     shorter = whole[: 3 * BS] + [rng.randrange(1024) for _ in range(5)]  # shares 3 blocks with it
-    prompts = _prompts() + [whole]
+    prompts = [*_prompts(), whole]
     spec = {
         "model": model,
         "kv_transfer_config": U.connector_config(HOST_STORE, extra={"full_hit_recompute": "token", "layerwise": layerwise}),

@@ -17,9 +17,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="vllm is not installed")
 
-from tierkv.adapters.vllm import lookup
-
 from tierkv import TieredStore
+from tierkv.adapters.vllm import lookup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

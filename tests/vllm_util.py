@@ -171,7 +171,7 @@ class EngineServer:
             self._stdin.write(json.dumps({"op": "quit"}) + "\n")
             self._stdin.flush()
             self.proc.wait(timeout=60)
-        except Exception:  # noqa: BLE001 - it is going anyway
+        except Exception:
             pass
         _kill_group(self.proc)
         self._log.close()
@@ -412,18 +412,18 @@ def _main(spec_path: str) -> None:
     kv = spec.get("kv_transfer_config")
     if kv and spec.get("time_loads"):
         _time_loads(kv["kv_connector"])
-    kwargs = dict(
-        model=spec["model"],
-        skip_tokenizer_init=True,
-        enforce_eager=True,
-        block_size=spec.get("block_size", 32),
-        kv_cache_memory_bytes=spec.get("kv_cache_memory_bytes", 64 << 20),
-        dtype="float32",
-        seed=0,
-        enable_prefix_caching=spec.get("enable_prefix_caching", True),
-        max_model_len=spec.get("max_model_len", 2048),
-        max_num_batched_tokens=spec.get("max_num_batched_tokens", 8192),
-    )
+    kwargs = {
+        "model": spec["model"],
+        "skip_tokenizer_init": True,
+        "enforce_eager": True,
+        "block_size": spec.get("block_size", 32),
+        "kv_cache_memory_bytes": spec.get("kv_cache_memory_bytes", 64 << 20),
+        "dtype": "float32",
+        "seed": 0,
+        "enable_prefix_caching": spec.get("enable_prefix_caching", True),
+        "max_model_len": spec.get("max_model_len", 2048),
+        "max_num_batched_tokens": spec.get("max_num_batched_tokens", 8192),
+    }
     state: dict[str, Any] = {"gate": None}
     if spec.get("tensor_parallel_size", 1) > 1:
         # ranks run in worker processes; "records" and "drain" reach them through collective_rpc
@@ -460,7 +460,7 @@ def _main(spec_path: str) -> None:
     # stop engine-core / worker processes (they would hold our output pipes open)
     try:
         llm.llm_engine.engine_core.shutdown(timeout=30)
-    except Exception as e:  # noqa: BLE001
+    except Exception as e:
         print(f"engine shutdown: {e}", file=sys.stderr)
     os._exit(0)
 

@@ -21,6 +21,16 @@ def __getattr__(name: str):
 __version__ = "0.2.0.dev0"
 
 __all__ = [
-    "TieredStore", "Level", "PutOutcome", "chunk_keys", "keys_from_block_hashes", "namespace_root", "parse_size",
-    "TierKVError", "ConfigError", "BufferSizeError", "StoreClosedError", "PolicyError",
+    "BufferSizeError",
+    "ConfigError",
+    "Level",
+    "PolicyError",
+    "PutOutcome",
+    "StoreClosedError",
+    "TierKVError",
+    "TieredStore",
+    "chunk_keys",
+    "keys_from_block_hashes",
+    "namespace_root",
+    "parse_size",
 ]

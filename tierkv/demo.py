@@ -78,7 +78,7 @@ def run(n_chunks: int, root: str, config: str | None) -> dict:
                 for k, o, f in zip(keys, outs, found) if f)
     stats = store.stats()
     print(f"\n  repeated request: {hit}/{len(keys)} chunks found ({hit * CHUNK_TOKENS} tokens need no prefill); "
-          f"served from {dict((t, where[:hit].count(t)) for t in store.tier_names())}; bytes exact: {exact}")
+          f"served from { {t: where[:hit].count(t) for t in store.tier_names()} }; bytes exact: {exact}")
     print(f"\n  {'tier':<8}{'capacity':>12}{'used':>12}{'hits':>7}{'read':>12}{'written':>12}"
           f"{'evicted':>9}{'demoted':>9}{'promoted':>9}")
     for name, t in stats["tiers"].items():

@@ -95,8 +95,9 @@ def _settle(llm, timeout: float = 60.0) -> None:
 
 def _workers() -> list:
     try:
-        from tierkv.adapters.vllm import live_connectors
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from tierkv.adapters.vllm import live_connectors
     except ImportError:
         return []
     return [c for c in live_connectors() if c.role == KVConnectorRole.WORKER]

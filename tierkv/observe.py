@@ -19,10 +19,9 @@ capacities (``tierkv.shadow``).
 
 from __future__ import annotations
 
-from typing import Any
-
 import logging
 import time
+from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.options import check_bool, check_str
@@ -48,7 +47,7 @@ class Observable:
         for obs in self._observers:
             try:
                 obs.observe(op, keys, result, dt, sizes)
-            except Exception as e:  # an observer's fault never reaches the caller
+            except Exception as e:  # an observer's fault never reaches the caller  # noqa: BLE001 - a plug-in or medium fault is contained here by design
                 self._observer_failed(obs, "observe", e)
 
     def _observer_stats(self, tiers: dict[str, dict[str, Any]]) -> None:
@@ -57,14 +56,14 @@ class Observable:
                 extra = obs.tier_stats() if hasattr(obs, "tier_stats") else {}
                 for name, d in extra.items():
                     tiers.get(name, {}).update(d)
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
                 self._observer_failed(obs, "tier_stats", e)
 
     def _close_observers(self) -> None:
         for obs in self._observers:
             try:
                 getattr(obs, "close", lambda: None)()
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
                 self._observer_failed(obs, "close", e)
 
     def _observer_failed(self, obs: Any, what: str, e: Exception) -> None:

@@ -79,7 +79,7 @@ from tierkv.writebehind import WriteBehind
 
 log = logging.getLogger("tierkv")
 
-StoreConfig = Union[dict, str, "os.PathLike[str]"]
+StoreConfig = Union[dict, str, "os.PathLike[str]"]  # noqa: F821 - a name for type checkers only
 
 
 

@@ -115,7 +115,7 @@ class TraceWriter:
         header = json.dumps({"format": HEADER_FORMAT, "version": 1, "block_tokens": self.block_tokens,
                              "started_unix_ms": self._started_ms}) + "\n"
         try:
-            self._f = open(self.path, "a", encoding="utf-8", buffering=1 << 16)
+            self._f = open(self.path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115 - the handle outlives this block on purpose
             self._size = self._f.tell()
             if self._size == 0:
                 self._f.write(header)

@@ -63,4 +63,4 @@ def medium_class(name: str) -> type[Tier]:
     return cls
 
 
-__all__ = ["Tier", "MEDIA", "register_medium", "medium_class", "load_object"]
+__all__ = ["MEDIA", "Tier", "load_object", "medium_class", "register_medium"]

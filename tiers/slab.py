@@ -85,10 +85,7 @@ def _views(slab: torch.Tensor, pieces: Sequence[tuple[int, int]], nbytes: int) -
 
 
 def _on_host(parts: Parts) -> bool:
-    for p in parts:
-        if not (p.is_cpu and p.is_contiguous()):
-            return False
-    return True
+    return all(p.is_cpu and p.is_contiguous() for p in parts)
 
 
 class SlabTier(Tier):

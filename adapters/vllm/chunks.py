@@ -74,7 +74,7 @@ def resolve(
     if top < bottom:
         return out
     reach = hi - 1
-    cands = [j for j in range(bottom, top + 1) if j >= reach] + [j for j in range(min(top, reach - 1), bottom - 1, -1)]
+    cands = [j for j in range(bottom, top + 1) if j >= reach] + list(range(min(top, reach - 1), bottom - 1, -1))
     j = tail_present(cands)
     if j is not None:
         if j not in cands:

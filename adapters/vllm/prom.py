@@ -93,11 +93,11 @@ def _prom_class():
                           for k, (n, d) in CONNECTOR_COUNTERS.items()}
             self._hit_tokens = counter_cls(name="tierkv_connector_hit_tokens",
                                            documentation="Prompt tokens found in tierkv, by the tier serving them",
-                                           labelnames=names + ["tier"])
-            self._tier = {f: counter_cls(name=f"tierkv_tier_{suffix}", documentation=doc, labelnames=names + ["tier"])
+                                           labelnames=[*names, "tier"])
+            self._tier = {f: counter_cls(name=f"tierkv_tier_{suffix}", documentation=doc, labelnames=[*names, "tier"])
                           for f, (suffix, doc) in TIER_COUNTERS.items()}
             self._gauges = {f: _gauge(gauge_cls, f"tierkv_tier_{f}", f"tierkv tier {f} (all ranks)",
-                                      names + ["tier"]) for f in SNAPSHOT_GAUGES}
+                                      [*names, "tier"]) for f in SNAPSHOT_GAUGES}
             self._last: dict[tuple, float] = {}  # (engine, rank, tier, field) -> last cumulative value
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
@@ -112,7 +112,7 @@ def _prom_class():
                     self._hit_tokens.labels(*labels, tier).inc(n)
             snaps = d.get(SNAPSHOT_KEY) or {}
             gauges: dict[tuple[str, str], float] = {}
-            for rank, tiers in snaps.items():  # noqa: B007 (rank is part of the key below)
+            for rank, tiers in snaps.items():
                 for tier, vals in tiers.items():
                     for f, c in self._tier.items():
                         cur = float(vals.get(f, 0))
@@ -124,7 +124,7 @@ def _prom_class():
                             c.labels(*labels, tier).inc(grow)
                     for f in SNAPSHOT_GAUGES:
                         self._last[(engine_idx, rank, tier, f)] = float(vals.get(f, 0))
-            for (e, rank, tier, f), v in self._last.items():
+            for (e, rank, tier, f), v in self._last.items():  # noqa: B007 - the name documents the loop
                 if e == engine_idx and f in SNAPSHOT_GAUGES:
                     gauges[(tier, f)] = gauges.get((tier, f), 0.0) + v
             for (tier, f), v in gauges.items():

@@ -35,7 +35,7 @@ class TierKVConnectorStats(KVConnectorStats):
             self.reset()
 
     def reset(self) -> None:
-        self.data = {k: 0 for k in COUNTERS}
+        self.data = dict.fromkeys(COUNTERS, 0)
         self.data["hit_tokens"] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:

@@ -10,8 +10,17 @@ from typing import Any, Optional
 
 from tierkv.errors import ConfigError
 
-from ._common import (EXIT_OK, CommandError, dump_json, fmt_bytes, fmt_num, load_store_config, parse_kv_sizes,
-                      progress, table)
+from ._common import (
+    EXIT_OK,
+    CommandError,
+    dump_json,
+    fmt_bytes,
+    fmt_num,
+    load_store_config,
+    parse_kv_sizes,
+    progress,
+    table,
+)
 
 HELP = "replay a request trace through the real store (payload-free media)"
 DESCRIPTION = """\

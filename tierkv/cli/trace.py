@@ -75,9 +75,10 @@ def run_show(args) -> int:
 
 
 def run_convert(args) -> int:
-    from tierkv.sim.traces import read_trace
     import gzip
     import io
+
+    from tierkv.sim.traces import read_trace
 
     if args.limit is not None and args.limit < 1:
         raise CommandError("--limit must be positive")
@@ -87,7 +88,7 @@ def run_convert(args) -> int:
         raise CommandError(f"trace {args.trace!r} holds no requests", code=1)
     t0 = first.timestamp if args.rebase else 0.0
     opener = (lambda p: io.TextIOWrapper(gzip.open(p, "wb"), encoding="utf-8")) if args.output.endswith(".gz") \
-        else (lambda p: open(p, "w", encoding="utf-8"))
+        else (lambda p: open(p, "w", encoding="utf-8"))  # noqa: SIM115 - the handle outlives this block on purpose
     n = 0
     with opener(args.output) as f:
         if args.to == "tierkv":

@@ -10,6 +10,21 @@ from .replay import DEFAULT_BYTES_PER_TOKEN, SimResult, null_store, replay, simu
 from .sweep import parse_sweep, plot, sweep, write_csv
 from .traces import FORMATS, Request, read_trace, summarize, write_trace
 
-__all__ = ["Request", "read_trace", "write_trace", "summarize", "FORMATS", "generate", "KINDS",
-           "null_store", "replay", "simulate", "SimResult", "DEFAULT_BYTES_PER_TOKEN",
-           "parse_sweep", "sweep", "plot", "write_csv"]
+__all__ = [
+           "DEFAULT_BYTES_PER_TOKEN",
+           "FORMATS",
+           "KINDS",
+           "Request",
+           "SimResult",
+           "generate",
+           "null_store",
+           "parse_sweep",
+           "plot",
+           "read_trace",
+           "replay",
+           "simulate",
+           "summarize",
+           "sweep",
+           "write_csv",
+           "write_trace",
+]

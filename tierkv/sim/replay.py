@@ -66,7 +66,7 @@ def footprint_rule(cls: type[Tier], options: dict[str, Any]):
             setattr(probe, k, default)
     try:
         int(cls.footprint(probe, 4096))
-    except Exception:
+    except Exception:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
         return None
     return lambda n: cls.footprint(probe, n)
 

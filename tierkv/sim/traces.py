@@ -152,7 +152,7 @@ def write_trace(requests, path: str, header: Optional[dict] = None) -> int:
     """Write requests in tierkv's capture format (Mooncake's JSONL plus ``block_tokens``).  Returns the count."""
     n = 0
     opener = (lambda p: io.TextIOWrapper(gzip.open(p, "wb"), encoding="utf-8")) if path.endswith(".gz") else \
-        (lambda p: open(p, "w", encoding="utf-8"))
+        (lambda p: open(p, "w", encoding="utf-8"))  # noqa: SIM115 - the handle outlives this block on purpose
     with opener(path) as f:
         if header is not None:
             f.write(json.dumps({"format": HEADER_FORMAT, **header}) + "\n")

@@ -27,4 +27,4 @@ from .client import Backend, BackendSpec, Outcome, RemoteClient
 from .media import DramPoolTier, RemoteNPUTier
 from .pool import RemotePoolTier
 
-__all__ = ["Backend", "BackendSpec", "Outcome", "RemoteClient", "DramPoolTier", "RemoteNPUTier", "RemotePoolTier"]
+__all__ = ["Backend", "BackendSpec", "DramPoolTier", "Outcome", "RemoteClient", "RemoteNPUTier", "RemotePoolTier"]

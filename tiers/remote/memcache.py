@@ -48,7 +48,7 @@ class MemcacheSettings:
 
 def import_memcache() -> Any:
     try:
-        import memcache_hybrid  # noqa: PLC0415 (imported only when selected)
+        import memcache_hybrid
     except ImportError as e:
         raise ConfigError(
             "backend 'memcache' needs MemFabric's memcache_hybrid module (Ascend only; installed with "

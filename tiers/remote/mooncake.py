@@ -119,7 +119,7 @@ class MooncakeSettings:
 def import_mooncake() -> Any:
     """The ``mooncake.store`` module, or ``ConfigError`` saying what to install."""
     try:
-        from mooncake import store  # noqa: PLC0415 (imported only when selected)
+        from mooncake import store
     except ImportError as e:
         raise ConfigError(
             "backend 'mooncake' needs the Mooncake Store client: pip install "

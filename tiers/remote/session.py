@@ -69,7 +69,7 @@ def _wait_for_closers(timeout: float = 10.0) -> None:
 class Registration:
     """One registered storage: its base address, size, pin count; it keeps the storage alive."""
 
-    __slots__ = ("ptr", "nbytes", "storage", "pins", "permanent", "external")
+    __slots__ = ("external", "nbytes", "permanent", "pins", "ptr", "storage")
 
     def __init__(self, ptr: int, nbytes: int, storage: Any, permanent: bool) -> None:
         self.ptr, self.nbytes, self.storage, self.pins, self.permanent = ptr, nbytes, storage, 0, permanent

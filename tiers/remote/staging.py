@@ -93,9 +93,8 @@ class Staging:
     def guard(self, session: Session, objs: Sequence[Parts]) -> Iterator[bool]:
         """For one call over ``objs``: the staging lock when some part must be staged, and the session held
         open (its client's memory may be in use).  Yields False when the session is retired: touch nothing."""
-        with self.lock if self._stages(session, objs) else contextlib.nullcontext():
-            with session.hold() as live:
-                yield live
+        with self.lock if self._stages(session, objs) else contextlib.nullcontext(), session.hold() as live:
+            yield live
 
     @staticmethod
     def _stages(session: Session, objs: Sequence[Parts]) -> bool:

@@ -112,7 +112,7 @@ class StandalonePool:
         self.binary = binary or client_binary()
         self.mount_grace = mount_grace
         self._own_log = log_path is None
-        self.log_path = log_path or tempfile.NamedTemporaryFile(
+        self.log_path = log_path or tempfile.NamedTemporaryFile(  # noqa: SIM115 - the handle outlives this block on purpose
             prefix="mooncake_client-", suffix=".log", delete=False).name
         self.proc: subprocess.Popen | None = None
         #: the mounted segment's name ("host:port") as the master lists it, once known

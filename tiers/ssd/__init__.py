@@ -13,4 +13,4 @@ from .format import CHECKSUMS, FLAG_CRC32C, FLAG_LZ4
 from .inspect import inspect_dir
 from .tier import DEFAULT_REGION, SSDTier
 
-__all__ = ["SSDTier", "inspect_dir", "CHECKSUMS", "FLAG_CRC32C", "FLAG_LZ4", "DEFAULT_REGION"]
+__all__ = ["CHECKSUMS", "DEFAULT_REGION", "FLAG_CRC32C", "FLAG_LZ4", "SSDTier", "inspect_dir"]

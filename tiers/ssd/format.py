@@ -184,7 +184,7 @@ def pack_record_header(buf, pos: int, flags: int, kb: bytes, seq: int, raw_len: 
 
 def reseq_record(buf, pos: int, seq: int) -> None:
     """Move a record (already copied to ``buf[pos:]``) into a region of another seq."""
-    magic, version, flags, key_len, _, raw_len, stored_len, psum = _RECORD.unpack_from(buf, pos)
+    magic, version, flags, key_len, _, raw_len, stored_len, psum = _RECORD.unpack_from(buf, pos)  # noqa: RUF059 - the unpacked names document the layout
     kb = bytes(buf[pos + REC_HDR:pos + REC_HDR + key_len])
     pack_record_header(buf, pos, flags, kb, seq, raw_len, stored_len, psum)
 

@@ -73,7 +73,7 @@ class DigestIndex:
             i = d & self.mask
             while True:
                 v = dig.item(i)
-                if v == EMPTY or v == TOMB:
+                if v in (EMPTY, TOMB):
                     break
                 i = (i + 1) & self.mask
             if dig.item(i) == EMPTY:

@@ -17,9 +17,8 @@ import numpy as np
 from tierkv.errors import ConfigError
 
 from . import checkpoint as C
-from . import deadlog
+from . import deadlog, recovery
 from . import format as F
-from . import recovery
 from . import region as R
 
 

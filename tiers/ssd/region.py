@@ -33,8 +33,23 @@ def parse_region_name(name: str) -> Optional[int]:
 
 
 class Region:
-    __slots__ = ("index", "path", "fd", "ino", "seq", "state", "live_bytes", "live_count",
-                 "buf", "pos", "written", "entries", "keys", "count", "foreign")
+    __slots__ = (
+        "buf",
+        "count",
+        "entries",
+        "fd",
+        "foreign",
+        "index",
+        "ino",
+        "keys",
+        "live_bytes",
+        "live_count",
+        "path",
+        "pos",
+        "seq",
+        "state",
+        "written",
+    )
 
     def __init__(self, index: int, path: str) -> None:
         self.index = index

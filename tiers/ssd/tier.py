@@ -53,20 +53,28 @@ from typing import Any, Optional
 import numpy as np
 
 from tierkv.errors import ConfigError
-from tierkv.options import check_bool, check_choice, check_int, check_str, pop_bool, pop_choice, pop_int, \
-    pop_size, pop_str
+from tierkv.options import (
+    check_bool,
+    check_choice,
+    check_int,
+    check_str,
+    pop_bool,
+    pop_choice,
+    pop_int,
+    pop_size,
+    pop_str,
+)
 from tierkv.units import parse_size
 
 from ..base import Parts, Tier
 from . import checkpoint as C
+from . import deadlog, recovery
 from . import format as F
-from . import recovery
 from . import region as R
-from .index import DigestIndex
-from . import deadlog
-from .hostbuf import _host_view, cbuffer, image_address  # noqa: F401  (cbuffer: tests)
 from .deadlog import DeadLog
 from .format import WRITE_UNIT
+from .hostbuf import _host_view, cbuffer, image_address  # noqa: F401  (cbuffer: tests)
+from .index import DigestIndex
 from .lock import DirLock
 from .persist import Persistence
 from .readpath import ReadPath
@@ -172,14 +180,14 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         path = pop_str(options, "path", None, what)
         if not path:
             raise ConfigError(f"{what}: 'path' is required (a directory tierkv may own)")
-        kw = dict(
-            compression=pop_choice(options, "compression", None, what, ("lz4", "none")),
-            direct_io=pop_bool(options, "direct_io", None, what),
-            io_threads=pop_int(options, "io_threads", None, what, min_value=1, max_value=64),
-            fsync=pop_choice(options, "fsync", "flush", what, ("flush", "always", "never")),
-            checksum=pop_choice(options, "checksum", "xxh3", what, F.CHECKSUMS),
-            region_size=pop_size(options, "region_size", DEFAULT_REGION, what),
-        )
+        kw = {
+            "compression": pop_choice(options, "compression", None, what, ("lz4", "none")),
+            "direct_io": pop_bool(options, "direct_io", None, what),
+            "io_threads": pop_int(options, "io_threads", None, what, min_value=1, max_value=64),
+            "fsync": pop_choice(options, "fsync", "flush", what, ("flush", "always", "never")),
+            "checksum": pop_choice(options, "checksum", "xxh3", what, F.CHECKSUMS),
+            "region_size": pop_size(options, "region_size", DEFAULT_REGION, what),
+        }
         cls.reject_unknown(name, options)
         return cls(name, capacity, path, **kw)
 
@@ -294,7 +302,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         self._counters["torn_regions"] = loaded.torn
         self.recovered_from = loaded.source if valid else "empty"
         seqs = [r.seq for r in valid.values()]
-        self._next_seq = max(seqs + [ckpt.covered_seq if ckpt is not None else 0]) + 1
+        self._next_seq = max([*seqs, ckpt.covered_seq if ckpt is not None else 0]) + 1
         c = loaded.cands
         # a smaller capacity keeps the newest that fit
         fps = footprint_of(c.raw_len)
@@ -303,7 +311,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         c = recovery.take(c, np.flatnonzero(keep_from_end))
         self._index.bulk_load(c.digest, c.region.astype(np.uint32), c.offset.astype(np.uint32),
                               c.rec_len.astype(np.uint32), c.raw_len.astype(np.uint32))
-        for idx, r in valid.items():
+        for idx, r in valid.items():  # noqa: B007 - the name documents the loop
             r.state = R.FREE
         if len(c.digest):
             meas = ((c.rec_len + F.ALIGN - 1) // F.ALIGN * F.ALIGN + F.ENTRY + F.MAX_KEY)
