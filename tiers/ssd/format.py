@@ -46,7 +46,7 @@ try:
             v = _crc32c_mod.crc32c(c, v)
         return v
 except ImportError:  # pragma: no cover - a dependency; records then carry xxh3 sums
-    crc32c_sum = None
+    crc32c_sum = None  # type: ignore[assignment]  # None marks the missing package
 
 BLOCK = 4096  # the unit of every write and of O_DIRECT reads
 ALIGN = 64  # records start on this boundary
@@ -147,7 +147,7 @@ def pack_region_header(buf, index: int, seq: int, region_size: int) -> None:
 
 
 class RegionHeader(NamedTuple):
-    index: int
+    index: int  # type: ignore[assignment]  # a field that shadows tuple.index, by name only
     seq: int
     region_size: int
 
@@ -262,7 +262,7 @@ def pack_summary(buf, region_size: int, seq: int, entries: bytes, keys: bytes, c
 
 class Footer(NamedTuple):
     seq: int
-    count: int
+    count: int  # type: ignore[assignment]  # a field that shadows tuple.count, by name only
     body_len: int
     body_sum: int
 

@@ -13,10 +13,10 @@ from tierkv.buffers import Parts, host_copy
 def _host_view(p: torch.Tensor) -> memoryview:
     if p.device.type != "cpu":
         p = p.cpu()
-    return memoryview(p.contiguous().numpy()).cast("B")
+    return memoryview(p.contiguous().numpy()).cast("B")  # type: ignore[arg-type]  # ndarray exports a buffer
 
 
-_CTYPES: dict[int, type] = {}
+_CTYPES: dict[int, type[ctypes.Array[ctypes.c_ubyte]]] = {}
 
 
 def cbuffer(p: torch.Tensor):

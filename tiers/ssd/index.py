@@ -59,7 +59,7 @@ class DigestIndex:
             return None
         return self.region.item(i), self.offset.item(i), self.rec_len.item(i), self.raw_len.item(i)
 
-    def put(self, d: int, region: int, offset: int, rec_len: int, raw_len: int) -> Optional[tuple[int, int]]:
+    def put(self, d: int, region: int, offset: int, rec_len: int, raw_len: int) -> Optional[tuple[int, int, int]]:
         """Insert or replace; returns the replaced entry's (region, offset, rec_len), if any."""
         i = self.find(d)
         old = None
@@ -90,7 +90,7 @@ class DigestIndex:
         self.region[slot] = region
         self.offset[slot] = offset
 
-    def remove(self, d: int) -> Optional[tuple[int, int]]:
+    def remove(self, d: int) -> Optional[tuple[int, int, int]]:
         """Delete; returns the entry's (region, offset, rec_len), if it was there."""
         i = self.find(d)
         if i < 0:

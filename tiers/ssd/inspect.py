@@ -74,6 +74,7 @@ def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[s
         if verify and c is not None:
             for i, k in enumerate(recovery.key_list(c)):
                 r = regions[int(c.region[i])]
+                data: memoryview | bytes
                 try:
                     data = R.read_span(r.fd, int(c.offset[i]), int(c.rec_len[i]), False)
                 except OSError:
@@ -87,7 +88,7 @@ def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[s
             st = os.fstat(r.fd)
             out_regions.append({
                 "index": idx, "seq": r.seq, "objects": int(len(sel)),
-                "live_bytes": int(c.rec_len[sel].sum()) if len(sel) else 0,
+                "live_bytes": int(c.rec_len[sel].sum()) if c is not None and len(sel) else 0,
                 "size_bytes": region_size, "file_bytes": st.st_size,
                 "sealed": R.read_summary(r.fd, region_size, r.seq, False) is not None,
                 "read": loaded is not None and idx in loaded.read_regions})

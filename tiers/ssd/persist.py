@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Optional
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import numpy as np
 
@@ -17,11 +19,46 @@ from . import checkpoint as C
 from . import format as F
 from . import recovery
 from . import region as R
+from .deadlog import DeadLog
+from .index import DigestIndex
+from .lock import DirLock
 
 log = logging.getLogger(__name__)
 
 
 class Persistence:
+    # state of ``SSDTier`` (set in its ``__init__`` and ``Tier.__init__``)
+    path: str
+    compression: Optional[str]
+    checksum: str
+    fsync: str
+    direct_io: bool
+    region_size: int
+    recovered_from: str
+    _what: str
+    _closed: bool
+    _lock: threading.Lock
+    _wlock: threading.Lock
+    _lock_file: Optional[DirLock]
+    _counters: dict[str, int]
+    _regions: dict[int, R.Region]
+    _active: Optional[R.Region]
+    _index: DigestIndex
+    _dead: DeadLog
+    _live_total: int
+    _changed: bool
+    _covered: int
+    _sealed_since_ckpt: int
+    _next_seq: int
+    _dirty_fds: set[int]
+    _pool: ThreadPoolExecutor
+
+    if TYPE_CHECKING:  # defined by ``SSDTier``
+        def _io_error(self, e: OSError, what: str) -> None: ...
+        def _write_out(self, r: R.Region, end: int, data_end: int) -> bool: ...
+        def _ensure_dirs(self) -> None: ...
+        def _seal(self, r: R.Region) -> None: ...
+
     def flush(self) -> None:
         if self._closed:
             return
@@ -86,8 +123,8 @@ class Persistence:
         for grp in np.split(order, bounds) if n else []:
             r = self._regions[int(cols["region"][grp[0]])]
             if r is self._active:
-                ent = np.frombuffer(bytes(r.entries), dtype=F.ENTRY_DTYPE)
-                keys = bytes(r.keys)
+                ent = np.frombuffer(bytes(cast(bytearray, r.entries)), dtype=F.ENTRY_DTYPE)  # (set while ACTIVE)
+                keys = bytes(cast(bytearray, r.keys))
                 offs = np.zeros(len(ent) + 1, dtype=np.int64)
                 np.cumsum(ent["key_len"], out=offs[1:])
                 got = (ent, keys, offs)
@@ -202,7 +239,7 @@ class Persistence:
                 self._flush_locked(checkpoint=True)
         finally:
             self._pool.shutdown(wait=True)
-            super().close()
+            super().close()  # type: ignore[misc]  # Tier.close, next in SSDTier's MRO
             with self._wlock:
                 self._close_fds()
                 self._active = None

@@ -11,7 +11,10 @@ is corrupt, counted and dropped.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -20,12 +23,31 @@ from tierkv.buffers import share_work
 from ..base import Parts
 from . import format as F
 from . import region as R
+from .deadlog import DeadLog
 from .hostbuf import cbuffer, scatter
+from .index import DigestIndex
 
 _OK, _BAD, _OTHER, _SIZE = 1, 2, 3, 4  # exact; corrupt or moved; another key's record; size mismatch
 
 
 class ReadPath:
+    # state of ``SSDTier`` (set in its ``__init__`` and ``Tier.__init__``)
+    direct_io: bool
+    _lock: threading.Lock
+    _counters: dict[str, int]
+    _regions: dict[int, R.Region]
+    _active: Optional[R.Region]
+    _index: DigestIndex
+    _dead: DeadLog
+    _changed: bool
+    _threads: int
+    _pool: ThreadPoolExecutor
+
+    if TYPE_CHECKING:  # defined by ``SSDTier`` and ``Persistence``
+        def _count(self, what: str, n: int = 1) -> None: ...
+        def _io_error(self, e: OSError, what: str) -> None: ...
+        def _unlive(self, idx: int, rec_len: int) -> None: ...
+
     def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         n = len(keys)
         out = [False] * n
@@ -157,9 +179,9 @@ class ReadPath:
         for p in parts:
             b = cbuffer(p)
             if b is None:  # a device or strided part: through a host copy
-                h = torch.empty(p.numel(), dtype=torch.uint8)
-                host.append((p, h))
-                b = cbuffer(h)
+                tmp = torch.empty(p.numel(), dtype=torch.uint8)
+                host.append((p, tmp))
+                b = cbuffer(tmp)
             if len(b):
                 views.append(b)
         got = os.preadv(fd, [head, *views], off)

@@ -9,16 +9,36 @@ guarantees the victim's live bytes fit with room to spare (see its module docstr
 
 from __future__ import annotations
 
-from typing import Optional
+import mmap
+import threading
+from typing import TYPE_CHECKING, Optional, cast
 
 import numpy as np
 
 from . import format as F
 from . import region as R
+from .deadlog import DeadLog
 from .format import WRITE_UNIT
+from .index import DigestIndex
 
 
 class Reclaim:
+    # state of ``SSDTier`` (set in its ``__init__`` and ``Tier.__init__``)
+    direct_io: bool
+    region_size: int
+    _lock: threading.Lock
+    _regions: dict[int, R.Region]
+    _index: DigestIndex
+    _dead: DeadLog
+    _live_total: int
+    _changed: bool
+
+    if TYPE_CHECKING:  # defined by ``SSDTier`` and ``Persistence``
+        def _count(self, what: str, n: int = 1) -> None: ...
+        def _io_error(self, e: OSError, what: str) -> None: ...
+        def _unlive(self, idx: int, rec_len: int) -> None: ...
+        def _write_out(self, r: R.Region, end: int, data_end: int) -> bool: ...
+
     def _pick_victim(self) -> Optional[R.Region]:
         sealed = [r for r in self._regions.values() if r.state == R.SEALED and not r.foreign]
         return min(sealed, key=lambda r: (r.live_bytes, r.seq)) if sealed else None
@@ -38,6 +58,7 @@ class Reclaim:
                 whole = R.read_span(victim.fd, 0, self.region_size, self.direct_io)
             except OSError as e:
                 self._io_error(e, f"reading {victim.path}")
+        data: memoryview | bytes
         for slot, off, ln in zip(slots.tolist(), offs.tolist(), lens.tolist()):
             try:
                 data = whole[off:off + ln] if whole is not None else R.read_span(victim.fd, off, ln,
@@ -57,8 +78,9 @@ class Reclaim:
                     self._changed = True
                 continue
             pos = dest.pos
-            dest.buf[pos:pos + ln] = data
-            F.reseq_record(dest.buf, pos, dest.seq)
+            buf = cast(mmap.mmap, dest.buf)  # (the active image)
+            buf[pos:pos + ln] = data
+            F.reseq_record(buf, pos, dest.seq)
             end = F.align_up(pos + ln, F.ALIGN)
             d = F.key_digest(h.key)
             with self._lock:

@@ -157,7 +157,7 @@ def _looks_torn(r, end: int, direct: bool) -> bool:
 
 
 def take(c: Candidates, sel: np.ndarray) -> Candidates:
-    return Candidates(*(a[sel] for a in c[:-1]), c.keys)
+    return Candidates(*(a[sel] for a in c[:-1]), c.keys)  # type: ignore[call-arg]  # one array per field but keys
 
 
 def resolve(c: Candidates) -> Candidates:

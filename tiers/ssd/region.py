@@ -9,9 +9,10 @@ are served from there) and ``SEALED`` (written out with its summary).
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import threading
-from typing import Optional
+from typing import Optional, cast
 
 import numpy as np
 
@@ -50,6 +51,9 @@ class Region:
         "state",
         "written",
     )
+    buf: Optional[mmap.mmap]  # the image while ACTIVE (``format.aligned_buffer``)
+    entries: Optional[bytearray]  # summary entries and keys while ACTIVE
+    keys: Optional[bytearray]
 
     def __init__(self, index: int, path: str) -> None:
         self.index = index
@@ -66,7 +70,7 @@ class Region:
         self.entries = self.keys = None
 
     # -- the active image ------------------------------------------------------------
-    def start(self, seq: int, region_size: int, image) -> None:
+    def start(self, seq: int, region_size: int, image: mmap.mmap) -> None:
         """Become the active region, filling ``image`` (a region-sized aligned buffer, maybe reused)."""
         self.seq = seq
         self.state = ACTIVE
@@ -81,11 +85,12 @@ class Region:
 
     def fits(self, rec_len: int, key_len: int, region_size: int) -> bool:
         end = F.align_up(self.pos + rec_len, F.ALIGN)
-        return F.summary_start(region_size, self.count + 1, len(self.keys) + key_len) >= end
+        return F.summary_start(region_size, self.count + 1, len(cast(bytearray, self.keys)) + key_len) >= end
 
     def add_entry(self, digest: int, offset: int, rec_len: int, raw_len: int, kb: bytes, flags: int) -> None:
-        self.entries += F.pack_entry(digest, offset, rec_len, raw_len, len(kb), flags)
-        self.keys += kb
+        entries, keys = cast(bytearray, self.entries), cast(bytearray, self.keys)  # (set while ACTIVE)
+        entries += F.pack_entry(digest, offset, rec_len, raw_len, len(kb), flags)
+        keys += kb
         self.count += 1
 
 

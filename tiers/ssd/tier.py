@@ -44,11 +44,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import logging
+import mmap
 import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import numpy as np
 
@@ -155,8 +156,8 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         self._sealed_since_ckpt = 0
         self._next_seq = 1
         self._dirty_fds: set[int] = set()
-        self._recovered: Optional[list] = None
-        self._spare_image = None  # the last sealed region's image, reused by the next
+        self._recovered: Optional[tuple[list[str], list[int]]] = None
+        self._spare_image: Optional[mmap.mmap] = None  # the last sealed region's image, reused by the next
         self._image_addrs: dict[int, tuple] = {}  # id(image) -> (address, keeper)
         self._image_addr = 0
         self._prepare_dir()
@@ -382,18 +383,20 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
             self._count("bad_key")
             return False
         raw_len = 0
-        direct = []  # (address, nbytes) of host parts copied with one memmove each
+        hosts: list[Optional[tuple[int, int]]] = []  # (address, nbytes) of host parts copied with one memmove each
         for p in parts:
             n = p.numel()
             raw_len += n
             if n:
-                direct.append((p.data_ptr(), n) if p.device.type == "cpu" and p.is_contiguous() else None)
+                hosts.append((p.data_ptr(), n) if p.device.type == "cpu" and p.is_contiguous() else None)
         flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
-        if None in direct or self.compression:
+        direct: Optional[list[Optional[tuple[int, int]]]]
+        payload: list[Any]
+        if None in hosts or self.compression:
             payload = [_host_view(p) for p in parts if p.numel()]
             direct = None
         else:
-            payload = direct
+            payload = direct = cast("list[Any]", hosts)
         if self.compression and raw_len:
             import lz4.block
 
@@ -409,19 +412,19 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         if r is None:
             return False
         pos = r.pos
-        buf = r.buf
-        p = pos + F.REC_HDR + len(kb)
+        buf = cast("mmap.mmap", r.buf)  # (the active image)
+        at = pos + F.REC_HDR + len(kb)
         mv = memoryview(buf)
         if direct is not None:
             base = self._image_addr
-            for addr, n in direct:
-                ctypes.memmove(base + p, addr, n)
-                p += n
+            for addr, n in cast("list[tuple[int, int]]", direct):  # (no None: those went to ``payload``)
+                ctypes.memmove(base + at, addr, n)
+                at += n
         else:
             for v in payload:
-                mv[p:p + len(v)] = v
-                p += len(v)
-        psum = F.payload_sum([mv[pos + F.REC_HDR + len(kb):p]], flags)
+                mv[at:at + len(v)] = v
+                at += len(v)
+        psum = cast(int, F.payload_sum([mv[pos + F.REC_HDR + len(kb):at]], flags))  # (a checksum this build has)
         F.pack_record_header(buf, pos, flags, kb, r.seq, raw_len, stored, psum)
         end = F.align_up(pos + rec_len, F.ALIGN)
         if end - r.written >= WRITE_UNIT and not self._write_out(r, F.align_down(end), end):
@@ -454,10 +457,11 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         ``data_end`` (a partial last block is written again next time)."""
         if end <= r.written:
             return True
+        buf = cast("mmap.mmap", r.buf)  # (the active image)
         if end > data_end:  # the tail of a partial block: zeros, not an earlier region's bytes
-            memoryview(r.buf)[data_end:end] = bytes(end - data_end)
+            memoryview(buf)[data_end:end] = bytes(end - data_end)
         try:
-            R.pwrite_all(r.fd, memoryview(r.buf)[r.written:end], r.written)
+            R.pwrite_all(r.fd, memoryview(buf)[r.written:end], r.written)
         except OSError as e:
             self._io_error(e, f"writing {r.path}")
             return False
@@ -541,7 +545,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         self._image_addr = self._image_addrs[id(image)][0]
         r.start(self._next_seq, self.region_size, image)
         # the new seq reaches the disk before anything refers to it
-        R.pwrite_all(r.fd, memoryview(r.buf)[:F.BLOCK], 0)
+        R.pwrite_all(r.fd, memoryview(cast("mmap.mmap", r.buf))[:F.BLOCK], 0)
         r.written = F.BLOCK
         self._dirty_fds.add(r.fd)
         self._next_seq += 1
@@ -552,8 +556,10 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
 
     def _seal(self, r: R.Region) -> None:
         """Write the rest of the active image and its summary; raises OSError (the region stays active)."""
-        start = F.pack_summary(r.buf, self.region_size, r.seq, bytes(r.entries), bytes(r.keys), r.count)
-        mv = memoryview(r.buf)
+        buf = cast("mmap.mmap", r.buf)  # (set while ACTIVE, as are entries and keys)
+        start = F.pack_summary(buf, self.region_size, r.seq, bytes(cast(bytearray, r.entries)),
+                               bytes(cast(bytearray, r.keys)), r.count)
+        mv = memoryview(buf)
         mv[r.pos:F.align_up(r.pos)] = bytes(F.align_up(r.pos) - r.pos)  # (a reused image holds old bytes)
         if F.align_up(r.pos) > r.written:
             R.pwrite_all(r.fd, mv[r.written:F.align_up(r.pos)], r.written)
