@@ -9,7 +9,7 @@ holds for copies as for puts; the sources are pinned only while they are read.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -55,6 +55,15 @@ class Copying:
     _behind: Any
     _counters: Any
     promotion: Any
+
+    if TYPE_CHECKING:  # defined by ``Placement``
+        @staticmethod
+        def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]: ...
+        def _release(self, held: dict[tuple[int, str], None]) -> None: ...
+        def _admit(self, lvl: Level, key: str, nbytes: int) -> bool: ...
+        def _place(self, key: str, nbytes: int, start: int, stop: int, held: dict) -> tuple[Optional[int], int]: ...
+        def _reserve(self, j: int, key: str, nbytes: int, held: dict) -> bool: ...
+        def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True) -> bool: ...
 
     # ------------------------------------------------------------------ write-behind
     def _queue_behind(self, stored: list[tuple[int, str]]) -> None:

@@ -10,7 +10,7 @@ fan-out that ``get``, ``lookup``, ``locate`` and ``contains`` use).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from tierkv.buffers import Parts, check_size
 from tierkv.keys import check_key
@@ -26,6 +26,15 @@ class ReadPath:
     _counters: Any
     _admissions: list[Any]
     _shared_levels: list[int]
+
+    if TYPE_CHECKING:  # defined by ``Placement`` and ``Copying``
+        @staticmethod
+        def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]: ...
+        @staticmethod
+        def _tier_ask(lvl: Level, op: str, keys: list[str],
+                      parts: Optional[list[Parts]] = None) -> Optional[list]: ...
+        def _promote(self, keys: list[str], prepared: list[tuple[Parts, int]],
+                     served: list[Optional[int]]) -> None: ...
 
     def _get(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[bool]:
         n = len(keys)

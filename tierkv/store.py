@@ -57,7 +57,7 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -77,9 +77,12 @@ from tierkv.stats import StoreCounters
 from tierkv.tiers.base import Tier
 from tierkv.writebehind import WriteBehind
 
+if TYPE_CHECKING:
+    import os
+
 log = logging.getLogger("tierkv")
 
-StoreConfig = Union[dict, str, "os.PathLike[str]"]  # noqa: F821 - a name for type checkers only
+StoreConfig = Union[dict, str, "os.PathLike[str]"]  # (a name for type checkers only)
 
 
 
