@@ -51,4 +51,4 @@ def _has_npu() -> bool:
         import torch_npu  # noqa: F401
     except ImportError:
         return False
-    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())  # type: ignore[attr-defined]  # torch_npu adds it

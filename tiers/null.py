@@ -32,8 +32,8 @@ class NullTier(Tier):
         super().__init__(name, capacity_bytes)
         if locality not in LOCALITIES:
             raise ConfigError(f"tier {name!r} (null): locality must be one of {LOCALITIES}, got {locality!r}")
-        self.locality = locality  # shadows the class attribute: a null tier stands in for any medium
-        self.persistent = persistent
+        self.locality = locality  # type: ignore[misc]  # shadows the class attribute: a null tier stands in for any medium
+        self.persistent = persistent  # type: ignore[misc]  # (likewise)
         self._footprint = footprint
         self._fp_cache: dict[int, int] = {}
         self._objects: dict[str, int] = {}

@@ -21,7 +21,7 @@ whole of a copy, so ``close`` cannot free memory a copy is using.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any, Union, cast
 
 import torch
 
@@ -45,7 +45,7 @@ def _unpack(v: Packed) -> tuple[int, Any]:
     """(nbytes, allocator location) of a packed entry."""
     if type(v) is int:
         return v & _NB_MASK, (v >> _SHIFT) << _ALIGN_BITS
-    return v
+    return cast("tuple[int, Any]", v)
 
 
 def _run_moves(moves: list[tuple[int, int, int]], total: int) -> None:
@@ -135,6 +135,7 @@ class SlabTier(Tier):
         moves: list[tuple[int, int, int]] = []  # the common case, planned here: one part, one range, host
         other: list[tuple[int, int, Packed]] = []  # the rest, copied by ``_copy``
         total = 0
+        v: Packed
         with self._lock:
             for i, key in enumerate(keys):
                 if last is not None and last[key] != i:
@@ -226,7 +227,7 @@ class SlabTier(Tier):
                             moves.append((p.data_ptr(), base + ((v >> _SHIFT) << _ALIGN_BITS), nbytes))
                             total += nbytes
                         continue
-            elif nbytes != v[0]:
+            elif nbytes != cast("tuple[int, Any]", v)[0]:
                 continue
             out[i] = True
             other.append((i, nbytes, v))

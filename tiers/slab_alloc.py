@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from array import array
 from collections.abc import Sequence
-from typing import Optional, Union
+from typing import Optional, Union, cast
 
 from sortedcontainers import SortedDict, SortedList
 
@@ -187,12 +187,12 @@ class SlabAllocator:
             else:
                 self._ext.free(((loc, f),))
         else:
-            self._ext.free(loc)
+            self._ext.free(cast("tuple[tuple[int, int], ...]", loc))
 
     @staticmethod
     def pieces(f: int, loc: Location) -> Sequence[tuple[int, int]]:
         """The (offset, length) pieces of a location, in address order."""
-        return ((loc, f),) if type(loc) is int else loc
+        return ((loc, f),) if type(loc) is int else cast("tuple[tuple[int, int], ...]", loc)
 
     def _carve(self, f: int) -> Optional[int]:
         """Cut a run of class-``f`` slots from the extents; the first slot is returned, the rest stacked."""
@@ -200,7 +200,7 @@ class SlabAllocator:
         if largest < f:
             return None
         take = min(max(f, self.run_bytes // f * f), largest // f * f)
-        off = self._ext.allocate_one(take)
+        off = cast(int, self._ext.allocate_one(take))  # (take <= largest: it fits)
         if take > f:
             st = self._stacks.get(f)
             if st is None:

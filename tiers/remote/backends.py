@@ -8,6 +8,8 @@ the remote tiers names a backend.
 
 from __future__ import annotations
 
+from typing import cast
+
 from tierkv.errors import ConfigError
 
 from .. import load_object
@@ -38,7 +40,7 @@ def backend_class(name: object, tier: str, medium: str) -> type[Backend]:
         cls = load_object(entry, f"backend {name!r}")
         if not (isinstance(cls, type) and issubclass(cls, Backend)):
             raise ConfigError(f"backend {name!r} resolved to {cls!r}, which is not a Backend")
-        BACKENDS[name] = cls
+        BACKENDS[cast(str, name)] = cls  # (a str: only a str key found an entry)
     else:
         cls = entry
     if medium not in cls.media:

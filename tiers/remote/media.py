@@ -30,7 +30,7 @@ segments, which is how it is tested.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from tierkv.errors import ConfigError
 from tierkv.options import pop_str
@@ -40,13 +40,15 @@ from .client import BackendSpec
 from .options import pop_remote_options, what
 from .pool import RemotePoolTier
 
+_M = TypeVar("_M", bound="_RemoteMedium")
+
 
 class _RemoteMedium(RemotePoolTier):
     """Builds a remote medium from config through the backend table."""
 
     @classmethod
-    def _build(cls, name: str, options: dict[str, Any], device: str = "cpu",
-               check: Callable[[BackendSpec], None] | None = None) -> RemotePoolTier:
+    def _build(cls: type[_M], name: str, options: dict[str, Any], device: str = "cpu",
+               check: Callable[[BackendSpec], None] | None = None) -> _M:
         backend = options.pop("backend", DEFAULT_BACKEND)
         spec = backend_class(backend, name, cls.medium).configure(name, cls.medium, options, device=device)
         if check is not None:

@@ -91,7 +91,7 @@ class RemotePoolTier(Tier):
         self._state_lock = threading.Lock()
         self._presence = Presence(presence_ttl)
         self._staging = Staging()
-        self._counters = collections.Counter()
+        self._counters: collections.Counter[str] = collections.Counter()
         self._last_error = ""
         self._unavailable_since: float | None = time.monotonic()
         self._prober = threading.Thread(target=self._probe_loop, name=f"tierkv-probe-{name}", daemon=True)
@@ -252,7 +252,7 @@ class RemotePoolTier(Tier):
         return out
 
     def _run(self, fn: Callable[[Any], Any], nbytes: int, what: str,
-             after: Callable[[concurrent.futures.Future], None] | None = None,
+             after: Callable[[concurrent.futures.Future | None], None] | None = None,
              session: Session | None = None) -> Any:
         """Run a data/control call on ``session`` (default: the current one); None (and unavailable) on failure.
 
@@ -310,8 +310,9 @@ class RemotePoolTier(Tier):
         first = set(todo)
         dups = [i for i in range(len(keys)) if not ok[i] and i not in first]
         session = self._session
-        for batch in self._staging.batches(session, todo, srcs) if session is not None else ():
-            self._put(session, batch, fkeys, srcs, ok)
+        if session is not None:
+            for batch in self._staging.batches(session, todo, srcs):
+                self._put(session, batch, fkeys, srcs, ok)
         for i in dups:  # a key repeated within the batch: stored iff its first copy was
             ok[i] = self._presence.held(fkeys[i])
         return ok
@@ -356,7 +357,7 @@ class RemotePoolTier(Tier):
                             if stored:
                                 session.client.remove(stored)
 
-                    codes = self._run(lambda c, keys=keys, pending=pending: c.put(
+                    codes = self._run(lambda c, keys=keys, pending=pending: c.put(  # type: ignore[misc]  # (a lambda's defaults)
                         keys, [ptrs[k] for k in pending], [sizes[k] for k in pending], [devices[k] for k in pending]),
                         nbytes, "put", cleanup, session)
                     if codes is None:

@@ -276,7 +276,7 @@ class Session:
                 victims.append(reg)
         for reg in victims:
             if not reg.external:
-                self.direct(lambda c, p=reg.ptr: c.unregister(p))
+                self.direct(lambda c, p=reg.ptr: c.unregister(p))  # type: ignore[misc]  # (a lambda's default argument)
 
     @property
     def registered_bytes(self) -> int:

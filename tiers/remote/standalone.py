@@ -50,7 +50,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from tierkv.errors import ConfigError
 from tierkv.options import check_choice, check_float, check_int, check_str
@@ -168,8 +168,8 @@ class StandalonePool:
     def _wait(self, pred: Any, end: float, what: str) -> None:
         while not pred():
             if not self.running:
-                raise RuntimeError(f"mooncake_client exited (code {self.proc.returncode}) before it could "
-                                   f"{what}; log: {self.log_tail()}")
+                raise RuntimeError(f"mooncake_client exited (code {cast(subprocess.Popen, self.proc).returncode}) "
+                                   f"before it could {what}; log: {self.log_tail()}")
             if time.monotonic() > end:
                 raise RuntimeError(f"mooncake_client did not {what} in time; log: {self.log_tail()}")
             time.sleep(0.05)
@@ -304,14 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"tierkv pool start: {e}", file=sys.stderr)
         return 1
     try:
-        print(json.dumps({"pool": "started", "pid": pool.proc.pid, "segment": pool.segment,
+        print(json.dumps({"pool": "started", "pid": cast(subprocess.Popen, pool.proc).pid, "segment": pool.segment,
                           "log": pool.log_path, "tier_config": pool.tier_config(),
                           "tier_config_ipc": pool.tier_config(ipc=True)}), flush=True)
         while not stop["now"] and pool.running:
             time.sleep(0.2)
-        code = 0 if stop["now"] else (pool.proc.returncode or 1)
+        code = 0 if stop["now"] else (cast(subprocess.Popen, pool.proc).returncode or 1)  # (started)
         if code:
-            print(f"tierkv pool start: mooncake_client exited with code {pool.proc.returncode}; "
+            print(f"tierkv pool start: mooncake_client exited with code {cast(subprocess.Popen, pool.proc).returncode}; "
                   f"log: {pool.log_tail()}", file=sys.stderr)
         return code
     finally:
