@@ -102,7 +102,8 @@ class EvictionPolicy:
 
 def _take(order, sizes: dict, nbytes: int, protected: Container[Key]) -> Optional[list[Key]]:
     """Walk ``order`` collecting unprotected keys until ``nbytes`` are covered."""
-    out, freed = [], 0
+    out: list[Key] = []
+    freed = 0
     if nbytes <= 0:
         return out
     for key in order:

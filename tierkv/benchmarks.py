@@ -112,8 +112,8 @@ def bench_ssd(chunk: int, rounds: int, root: str, direct: bool = False, batch: i
     srcs, dsts = _chunks(chunk, n)
     raw_dir = os.path.join(root, "raw")
     os.makedirs(raw_dir, exist_ok=True)
-    views = [memoryview(s.numpy()) for s in srcs]
-    dviews = [memoryview(d.numpy()) for d in dsts]
+    views = [memoryview(s.numpy()) for s in srcs]  # type: ignore[arg-type]  # ndarray exports a buffer
+    dviews = [memoryview(d.numpy()) for d in dsts]  # type: ignore[arg-type]
 
     def raw_write():
         for i, v in enumerate(views):
@@ -153,7 +153,7 @@ def bench_ssd(chunk: int, rounds: int, root: str, direct: bool = False, batch: i
             "exact": exact}
 
 
-def bench_dram_pool(master: str, metadata: str, chunk: int, rounds: int, batch: int = BATCH) -> dict:
+def bench_dram_pool(master: str, metadata: Optional[str], chunk: int, rounds: int, batch: int = BATCH) -> dict:
     """``dram_pool`` put / get vs raw ``batch_put_from`` / ``batch_get_into`` of a client through the same master."""
     from tierkv.tiers._mooncake import import_mooncake
 

@@ -25,8 +25,10 @@ def _tiny_model(path: str) -> str:
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=1024, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
-                      initializer_range=0.2, tie_word_embeddings=False, torch_dtype="float32")
-    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(path, safe_serialization=True)
+                      initializer_range=0.2, tie_word_embeddings=False,
+                      torch_dtype="float32")  # type: ignore[call-arg]  # a PretrainedConfig keyword the stub lacks
+    LlamaForCausalLM(cfg).to(torch.float32).save_pretrained(  # type: ignore[arg-type]  # transformers' typing of .to
+        path, safe_serialization=True)
     return path
 
 

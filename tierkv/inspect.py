@@ -119,7 +119,7 @@ def _check_file(fpath: str, verify: bool) -> tuple[Optional[dict], Optional[str]
 
 
 def _inspect_files(path: str, verify: bool, repair: bool) -> dict[str, Any]:
-    regions = []
+    regions: list[dict] = []
     corrupt: list[dict] = []
     temp_files = repaired = objects = live = 0
     for shard in sorted(os.listdir(path)):

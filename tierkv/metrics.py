@@ -30,10 +30,15 @@ Latency (one observation per batch, timed in the store): histograms
 from __future__ import annotations
 
 import threading
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
+
+    from prometheus_client.registry import Collector
 
 #: stats() field -> (metric suffix, help); counters
 TIER_COUNTERS = {
@@ -146,7 +151,7 @@ class Exporter:
         self.registry.register(self.collector)
         self.latency = LatencyObserver(self.registry)
         store.add_observer(self.latency)
-        self._server = None
+        self._server: Optional[WSGIServer] = None
         self._thread: Optional[threading.Thread] = None
         self.port: Optional[int] = None
         self.addr: Optional[str] = None
@@ -175,7 +180,7 @@ class Exporter:
         self.store.remove_observer(self.latency)
         for c in (self.collector, *self.latency.hists.values()):
             try:
-                self.registry.unregister(c)
+                self.registry.unregister(cast("Collector", c))
             except KeyError:
                 pass
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 from tierkv.errors import ConfigError
 from tierkv.options import check_float
@@ -122,11 +122,11 @@ class ShadowObserver:
         if op == "put":
             demand = len(keys)
             t = self._threshold  # inlined ``sampled``: this runs for every key of every batch
-            picks = [(k, n) for k, n in zip(keys, sizes) if hash(k) & _MASK < t]
+            picks = [(k, n) for k, n in zip(keys, cast("list[int]", sizes)) if hash(k) & _MASK < t]  # (given for puts)
         elif op == "get":
             demand = sum(result)
             t = self._threshold
-            picks = [(k, n) for k, n, ok in zip(keys, sizes, result) if ok and hash(k) & _MASK < t]
+            picks = [(k, n) for k, n, ok in zip(keys, cast("list[int]", sizes), result) if ok and hash(k) & _MASK < t]
         else:
             return
         with self._lock:

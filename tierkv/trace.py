@@ -28,7 +28,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any, Optional, TextIO, Union, cast
 
 from tierkv.errors import ConfigError
 from tierkv.options import check_int, check_str
@@ -56,7 +56,7 @@ class TraceWriter:
         self._lock = threading.Lock()
         self._t0 = time.monotonic()
         self._started_ms = int(time.time() * 1000)
-        self._f = None
+        self._f: Optional[TextIO] = None
         self._size = 0
         self.records = 0
         self.rotations = 0
@@ -125,7 +125,7 @@ class TraceWriter:
         self._header_len = len(header)
 
     def _rotate(self) -> None:
-        self._f.close()
+        cast(TextIO, self._f).close()  # (open: the caller checked)
         self._f = None
         for i in range(self.max_files - 1, 0, -1):
             src = self.path if i == 1 else f"{self.path}.{i - 1}"

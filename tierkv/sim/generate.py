@@ -50,14 +50,14 @@ class _Hasher:
 
 def _zipf_index(rng: random.Random, n: int, s: float = 1.1) -> int:
     """An index in [0, n) with Zipf(s)-like popularity (rank 0 the most popular)."""
-    weights = _zipf_index.cache.get((n, s))
+    weights = _zipf_index.cache.get((n, s))  # type: ignore[attr-defined]  # (a cache kept on the function)
     if weights is None:
         weights = list(itertools.accumulate(1 / (k + 1) ** s for k in range(n)))
-        _zipf_index.cache[(n, s)] = weights
+        _zipf_index.cache[(n, s)] = weights  # type: ignore[attr-defined]
     return min(n - 1, bisect.bisect_left(weights, rng.random() * weights[-1]))
 
 
-_zipf_index.cache = {}
+_zipf_index.cache = {}  # type: ignore[attr-defined]
 
 
 def generate(kind: str, requests: int = 1000, block_tokens: int = 512, seed: int = 0,

@@ -27,7 +27,7 @@ import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, cast
 
 from tierkv.errors import ConfigError
 
@@ -183,5 +183,5 @@ def summarize(requests) -> dict:
     return {"requests": n, "blocks": blocks, "distinct_blocks": len(distinct),
             "reuse_ratio": (1 - len(distinct) / blocks) if blocks else 0.0,
             "input_tokens": tokens, "output_tokens": out_tokens,
-            "mean_input_tokens": tokens / n if n else 0.0, "duration_s": (t1 - t0) if n else 0.0,
+            "mean_input_tokens": tokens / n if n else 0.0, "duration_s": (cast(float, t1) - cast(float, t0)) if n else 0.0,
             "sessions": len(sessions), "block_tokens": sorted(bts)}
