@@ -49,7 +49,7 @@ from .worker import TierKVWorker
 try:  # vLLM >= 0.32
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - older engines
-    CacheHitSource = None  # type: ignore[assignment]
+    CacheHitSource = None  # type: ignore[assignment, misc]
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -100,7 +100,8 @@ def _layout_descriptor(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
         try:
             from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
-            isa = _get_attn_isa(vllm_config.model_config.dtype, spec.block_size, getattr(spec, "head_size", None),
+            isa = _get_attn_isa(vllm_config.model_config.dtype,  # type: ignore[arg-type]  # a torch.dtype by now
+                                spec.block_size, getattr(spec, "head_size", None),
                                 vllm_config.cache_config.cache_dtype)
         except Exception:  # noqa: BLE001 - unknown ISA: still a valid, private namespace
             import platform
@@ -152,7 +153,7 @@ def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config:
     group = kv_cache_config.kv_cache_groups[0]
     return EngineInfo(block_size=block_size, layers=tuple(group.layer_names), num_blocks=int(kv_cache_config.num_blocks),
                       shard=shard, namespaces=namespaces, tp_rank=tp_rank, tp_size=tp_size,
-                      engine_id=str(vllm_config.kv_transfer_config.engine_id),
+                      engine_id=str(vllm_config.kv_transfer_config.engine_id),  # type: ignore[union-attr]  # (set for a connector)
                       dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0))
 
 
@@ -163,7 +164,7 @@ class TierKVConnector(KVConnectorBase_V1):
     checked by :func:`~.config.parse_options`.
     """
 
-    _cache_hit_source = CacheHitSource.HOST if CacheHitSource is not None else None
+    _cache_hit_source = CacheHitSource.HOST if CacheHitSource is not None else None  # type: ignore[assignment]  # (older engines)
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)

@@ -36,7 +36,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import IO, Any, cast
 
 logger = logging.getLogger("vllm.tierkv.lifecycle")
 
@@ -131,12 +131,13 @@ class Watcher:
         line = json.dumps([kind, ident, payload], default=str) + "\n"
         with self._lock:
             try:
-                self._pipe.write(line.encode())
-                self._pipe.flush()
+                pipe = cast("IO[bytes]", self._pipe)  # (stdin=PIPE)
+                pipe.write(line.encode())
+                pipe.flush()
             except (OSError, ValueError):
                 pass  # the watcher is gone: nothing more to tell it
 
     def watch(self, ident: str, socket_path: str | None) -> Callable[[str, dict | None], None]:
         """Register a worker; returns its ``report(kind, payload)`` (kinds: totals, logged, clean)."""
         self.send("start", ident, {"socket": socket_path})
-        return lambda kind, payload=None: self.send(kind, ident, payload)
+        return lambda kind, payload=None: self.send(kind, ident, payload)  # type: ignore[misc]  # (a lambda's default)

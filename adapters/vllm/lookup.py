@@ -35,7 +35,10 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Listener
-from typing import Any
+from typing import TYPE_CHECKING, Any, Optional, cast
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
 
 log = logging.getLogger("tierkv.adapters.vllm")
 
@@ -125,7 +128,7 @@ class LookupServer:
         try:
             if self._is_file and os.path.exists(path) and _is_stale(path, _bound_unix_paths()):
                 os.unlink(path)
-            self._listener = Listener(path, family="AF_UNIX", authkey=authkey)
+            self._listener: Optional[Listener] = Listener(path, family="AF_UNIX", authkey=authkey)
         except OSError as e:  # the in-process path still works
             log.warning("tierkv: lookup socket %s unavailable: %s", path, e)
             self._listener = None
@@ -137,7 +140,7 @@ class LookupServer:
     def _accept(self) -> None:
         while not self._closed:
             try:
-                conn = self._listener.accept()
+                conn = cast(Listener, self._listener).accept()  # (None once closed: raises, handled below)
             except Exception:  # noqa: BLE001 - closed, or a client that failed auth
                 if self._closed:
                     return
@@ -201,7 +204,7 @@ class LookupClient:
         self.path = path
         self._authkey = authkey
         self._timeout = connect_timeout
-        self._conn = None
+        self._conn: Optional[Connection] = None
         self._lock = threading.Lock()
 
     def _handler(self) -> Handler | None:

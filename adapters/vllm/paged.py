@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -105,7 +107,7 @@ class PagedLayer:
             self.__dict__["_flat_view"] = f
         return f
 
-    def byte_runs(self, block_ids: list[int | None], filler) -> tuple[list[torch.Tensor], list]:
+    def byte_runs(self, block_ids: Sequence[int | None], filler) -> tuple[list[torch.Tensor], list]:
         """Buffers for ``block_ids`` in order, consecutive blocks merged into one part.
 
         ``None`` entries take ``filler()`` (a list of parts); returns (parts,
@@ -130,14 +132,14 @@ class PagedLayer:
                 prev = bid
                 continue
             if start is not None:
-                parts.append(flat[start * nb:(prev + 1) * nb])
+                parts.append(flat[start * nb:(cast(int, prev) + 1) * nb])  # (set with start)
             if bid is None:
                 parts.extend(filler())
                 start = prev = None
             else:
                 start = prev = bid
         if start is not None:
-            parts.append(flat[start * nb:(prev + 1) * nb])
+            parts.append(flat[start * nb:(cast(int, prev) + 1) * nb])
         return parts, pending
 
     # -- staging --------------------------------------------------------------

@@ -29,7 +29,7 @@ from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
 try:  # vLLM >= 0.32
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 except ImportError:  # pragma: no cover - older engines
-    CacheHitSource = None  # type: ignore[assignment]
+    CacheHitSource = None  # type: ignore[assignment, misc]
 
 logger = logging.getLogger("vllm.tierkv.scheduler")
 
