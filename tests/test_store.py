@@ -191,10 +191,10 @@ def test_custom_promotion_and_admission(tmp_path):
 def test_frequency_admission_spares_the_ssd(tmp_path):
     cfg = {"tiers": [
         {"medium": "dram", "capacity": 2 * CHUNK},
-        {"medium": "ssd", "path": str(tmp_path / "s"), "capacity": "1MiB",
+        {"medium": "ssd", "path": str(tmp_path / "s"), "capacity": "1MiB", "persist": "on_evict",
          "admission": {"policy": "frequency", "min_accesses": 2}},
     ]}
-    with TieredStore.from_config(cfg) as store:
+    with TieredStore.from_config(cfg) as store:  # the demotion path (write-behind: tests/test_persistence.py)
         keys = keys_for(4)
         store.put(keys[:1], [chunk(0)])
         store.put(keys[:1], [chunk(0)])  # a second access

@@ -287,22 +287,35 @@ class _LayerGate:
 
 
 def _corrupt_files(root: str, limit: int | None = None) -> int:
-    """Flip bytes in the middle of every regular file under ``root``; returns how many."""
+    """Flip bytes in the middle of the payload of stored objects under ``root`` (an ssd tier's directory).
+
+    Walks the region files' records (64-byte aligned headers: magic, version, flags,
+    key length, seq, raw and stored length) and damages each payload, leaving headers
+    intact so only the payload checksum can tell; returns how many objects were hit.
+    """
+    import struct
+
+    rec = struct.Struct("<4sBBHQIIQ")
     n = 0
     for dirpath, _, files in os.walk(root):
         for f in sorted(files):
-            p = os.path.join(dirpath, f)
-            size = os.path.getsize(p)
-            if size < 64:
+            if not f.endswith(".region"):
                 continue
+            p = os.path.join(dirpath, f)
             with open(p, "r+b") as fh:
-                fh.seek(size // 2)
-                b = fh.read(16)
-                fh.seek(size // 2)
-                fh.write(bytes(x ^ 0x5A for x in b))
-            n += 1
-            if limit is not None and n >= limit:
-                return n
+                data = fh.read()
+                at = data.find(b"TKVO")
+                while at >= 0:
+                    if at % 64 == 0 and at + 64 <= len(data):
+                        _, _, _, key_len, _, _, stored, _ = rec.unpack_from(data, at)
+                        mid = at + 64 + key_len + stored // 2
+                        if stored >= 32 and mid + 16 <= len(data):
+                            fh.seek(mid)
+                            fh.write(bytes(x ^ 0x5A for x in data[mid:mid + 16]))
+                            n += 1
+                            if limit is not None and n >= limit:
+                                return n
+                    at = data.find(b"TKVO", at + 4)
     return n
 
 

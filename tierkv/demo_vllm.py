@@ -108,7 +108,8 @@ def _workers() -> list:
 def _store_stats() -> dict[str, dict]:
     out: dict[str, dict] = {}
     for w in _workers():
-        store = getattr(w, "store", None) or getattr(w, "_store", None)
+        side = getattr(w, "worker", None) or w  # the connector's worker side holds the store
+        store = getattr(side, "store", None)
         if store is None or not hasattr(store, "stats"):
             continue
         for name, t in store.stats()["tiers"].items():

@@ -30,8 +30,15 @@ import threading
 from collections.abc import Sequence
 from typing import Any, Optional, cast
 
+import xxhash
+
 from tierkv.errors import ConfigError
 from tierkv.options import check_float
+
+
+def _xxh(key: str) -> int:
+    return xxhash.xxh3_64_intdigest(key.encode())
+
 
 _SCALE = 1 << 24
 _MASK = _SCALE - 1
@@ -39,13 +46,13 @@ DEFAULT_FACTORS = (0.5, 1.0, 2.0, 4.0)
 
 
 def sampled(key: str, threshold: int) -> bool:
-    """Whether ``key`` is in the sample: the same answer for the same key for the life of the process.
+    """Whether ``key`` is in the sample: the same answer for the same key, in every process.
 
-    Python's own string hash (SipHash, cached on the string) is a good spatial
-    hash here and costs a fraction of any other: sampling is per process, so its
-    per-process seed does not matter.
+    xxh3 of the key: a stable spatial hash, so an estimate is reproducible run to
+    run and agrees with ``tierkv simulate`` on the same trace (Python's own string
+    hash is seeded per process, so the sample, and the estimate, would change with it).
     """
-    return hash(key) & _MASK < threshold
+    return _xxh(key) & _MASK < threshold
 
 
 class ShadowCache:
@@ -122,11 +129,11 @@ class ShadowObserver:
         if op == "put":
             demand = len(keys)
             t = self._threshold  # inlined ``sampled``: this runs for every key of every batch
-            picks = [(k, n) for k, n in zip(keys, cast("list[int]", sizes)) if hash(k) & _MASK < t]  # (given for puts)
+            picks = [(k, n) for k, n in zip(keys, cast("list[int]", sizes)) if _xxh(k) & _MASK < t]  # (given for puts)
         elif op == "get":
             demand = sum(result)
             t = self._threshold
-            picks = [(k, n) for k, n, ok in zip(keys, cast("list[int]", sizes), result) if ok and hash(k) & _MASK < t]
+            picks = [(k, n) for k, n, ok in zip(keys, cast("list[int]", sizes), result) if ok and _xxh(k) & _MASK < t]
         else:
             return
         with self._lock:
