@@ -166,28 +166,14 @@ class Level:
 
     def commit(self, key: str) -> None:
         """Make a reservation READY: readable, known to the eviction policy."""
-        e = self.index.get(key)
-        if e is None or e.ready or e.doomed:
-            raise PolicyError(f"tier {self.name!r}: no reservation for {key[:80]!r}")
-        e.ready = True
-        self._where[key] = self._where.get(key, 0) | self.bit
-        self.ready_count += 1
-        try:
-            call_policy(self.eviction, "on_insert", self.name, key, e.footprint)
-        except BaseException:
-            # the policy does not know the entry, so it could never be evicted: undo it
-            self._unmark(key, e)
-            e.doomed = True
-            if e.pins == 0:
-                self._free(key, e)
-            try:
-                self.eviction.on_remove(key)  # type: ignore[union-attr]
-            except Exception:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
-                pass
-            raise
+        self.commit_many([key])
 
     def commit_many(self, keys: list[str]) -> None:
-        """``commit`` for a batch, with one policy call (``on_insert_many`` when the policy has it)."""
+        """``commit`` for a batch, with one policy call (``on_insert_many`` when the policy has it).
+
+        If the policy raises, none of the batch stays: an entry the policy does not
+        know could never be evicted.
+        """
         index, where, bit = self.index, self._where, self.bit
         entries = []
         for key in keys:
