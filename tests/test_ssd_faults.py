@@ -293,3 +293,32 @@ def test_store_dram_over_ssd_restarts_and_finds_everything(tmp_path):
         assert store.get(keys[10:], outs) == [True] * 190
         assert all(torch.equal(o, val(i + 10, 50000)) for i, o in enumerate(outs))
         assert store.locate(keys[10:20]) == ["dram"] * 10  # promoted on the hit
+
+
+def test_an_acknowledged_write_survives_sigkill_without_flush(tmp_path):
+    """What a write batch acknowledged is in the region file when write returns: a kill right after keeps it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import os, torch
+        from tierkv.tiers.ssd import SSDTier
+        t = SSDTier("ssd", 8 << 20, {str(tmp_path / "d")!r}, region_size=1 << 20)
+        vals = [torch.full((3000,), i, dtype=torch.uint8) for i in range(5)]
+        assert t.write([f"k{{i}}" for i in range(5)], [[v] for v in vals]) == [True] * 5
+        print("written", flush=True)
+        os.kill(os.getpid(), 9)
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "written" in p.stdout, p.stderr[-2000:]
+    from tierkv.tiers.ssd import SSDTier
+
+    t = SSDTier("ssd", 8 << 20, str(tmp_path / "d"), region_size=1 << 20)
+    try:
+        assert sorted(k for k, _ in t.recover()) == [f"k{i}" for i in range(5)]
+        for i in range(5):
+            out = torch.empty(3000, dtype=torch.uint8)
+            assert t.read([f"k{i}"], [[out]]) == [True] and torch.equal(out, torch.full((3000,), i, dtype=torch.uint8))
+    finally:
+        t.close()

@@ -373,8 +373,14 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
     def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         with self._wlock:
             out = [self._put_one(k, parts) for k, parts in zip(keys, srcs)]
-            if self.fsync == "always" and self._active is not None:
-                self._flush_locked(checkpoint=False)
+            r = self._active
+            if r is not None:
+                if self.fsync == "always":
+                    self._flush_locked(checkpoint=False)
+                elif r.pos > r.written:
+                    # the batch's bytes reach the file before write returns (its last partial block
+                    # is written again later): a process killed right after loses nothing it acknowledged
+                    self._write_out(r, F.align_up(r.pos), r.pos)
         return out
 
     def _put_one(self, key: str, parts: Parts) -> bool:
