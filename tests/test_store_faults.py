@@ -12,6 +12,7 @@ import asyncio
 
 import pytest
 import torch
+from fake_media import FakeTier
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
@@ -170,15 +171,8 @@ def test_exception_during_demotion_unpins_victims():
 
 
 # -- 9. one unit for eviction: footprints ---------------------------------------------------------
-class Overhead(DRAMTier):
-    """A medium whose objects cost more than their bytes (headers, block rounding)."""
-
-    def footprint(self, nbytes):
-        return nbytes + 4096
-
-
 def test_full_tier_of_small_chunks_makes_room_for_a_large_one():
-    tier = Overhead("ssdlike", 1 << 20, prefault=False)
+    tier = FakeTier("ssdlike", 1 << 20, overhead=4096)  # objects cost more than their bytes (headers, rounding)
     sizes = {}
 
     class Recording(LRUPolicy):
@@ -294,11 +288,6 @@ class Never(AdmissionPolicy):
         return False
 
 
-class Failing(DRAMTier):
-    def _write(self, keys, srcs):
-        raise OSError("device gone")
-
-
 def test_put_detailed_says_why():
     store = TieredStore([Level(dram("d", 2))])
     out = store.put_detailed(["a", "a", "big"], [val(1), val(1), val(9, 3 * C)])
@@ -310,7 +299,9 @@ def test_put_detailed_says_why():
     assert store.put_detailed(["a"], [val(1)]) == [PutOutcome.REJECTED]
     assert store.put(["a"], [val(1)]) == [False]
     store.close()
-    store = TieredStore([Level(Failing("d", 2 * C, prefault=False))])
+    failing = FakeTier("d", 2 * C)
+    failing.fail_writes = True
+    store = TieredStore([Level(failing)])
     assert store.put_detailed(["a"], [val(1)]) == [PutOutcome.ERROR]
     assert_clean(store)
     store.close()
@@ -359,22 +350,6 @@ class FlakyAdmission(AdmissionPolicy):
         return True
 
 
-class FlakyMedium(DRAMTier):
-    def __init__(self, name, cap, switch):
-        super().__init__(name, cap, prefault=False)
-        self.switch = switch
-
-    def _write(self, keys, srcs):
-        if self.switch.on:
-            raise OSError("write exploded")
-        return super()._write(keys, srcs)
-
-    def _read(self, keys, dsts):
-        if self.switch.on:
-            raise OSError("read exploded")
-        return super()._read(keys, dsts)
-
-
 KEYS = [f"k{i}" for i in range(16)]
 
 
@@ -386,10 +361,11 @@ def content(key: str) -> torch.Tensor:
 class FaultMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
-        self.pol, self.adm, self.med = Switch(), Switch(), Switch()
+        self.pol, self.adm = Switch(), Switch()
+        self.mid = FakeTier("mid", 6 * C)  # a medium whose reads and writes can raise
         self.store = TieredStore([
             Level(dram("top", 4), eviction=FlakyLRU(self.pol)),
-            Level(FlakyMedium("mid", 6 * C, self.med), admission=FlakyAdmission(self.adm)),
+            Level(self.mid, admission=FlakyAdmission(self.adm)),
             Level(dram("low", 8), eviction="s3fifo"),
         ], promotion="on-hit")
 
@@ -398,7 +374,10 @@ class FaultMachine(RuleBasedStateMachine):
 
     @rule(which=st.sampled_from(["pol", "adm", "med"]), on=st.booleans())
     def toggle(self, which, on):
-        getattr(self, which).on = on
+        if which == "med":
+            self.mid.fail_writes = self.mid.fail_reads = on
+        else:
+            getattr(self, which).on = on
 
     @rule(ks=st.lists(st.sampled_from(KEYS), min_size=1, max_size=5))
     def put(self, ks):

@@ -6,11 +6,11 @@ import threading
 
 import pytest
 import torch
+from fake_media import FakeTier
 
 from tierkv import PolicyError, TieredStore
 from tierkv.policies import EvictionPolicy
 from tierkv.store import Level
-from tierkv.tiers.base import Tier
 from tierkv.tiers.dram import DRAMTier
 from tierkv.tiers.slab import ALIGN
 
@@ -21,79 +21,14 @@ def val(i: int) -> torch.Tensor:
     return torch.full((C,), i, dtype=torch.uint8)
 
 
-class GatedDRAM(DRAMTier):
-    """A DRAM tier whose reads and writes can be held at a gate, to freeze a call mid-flight."""
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.gate = threading.Event()
-        self.gate.set()
-        self.entered = threading.Event()
-
-    gate_writes = True
-
-    def read(self, keys, dsts):
-        self.entered.set()
-        self.gate.wait(10)
-        return super().read(keys, dsts)
-
-    def write(self, keys, srcs):
-        if self.gate_writes:
-            self.entered.set()
-            self.gate.wait(10)
-        return super().write(keys, srcs)
+def GatedDRAM(name: str, capacity: int) -> FakeTier:
+    """A tier whose reads and writes can be held at a gate, to freeze a call mid-flight."""
+    return FakeTier(name, capacity)
 
 
-class SharedPool(Tier):
+def SharedPool(name: str = "pool") -> FakeTier:
     """A stand-in for a pool shared with other processes: unmanaged, can go down, can lose objects."""
-
-    medium = "shared-test"
-    managed = False
-
-    def __init__(self, name="pool", capacity_bytes=1 << 30):
-        super().__init__(name, capacity_bytes)
-        self.data: dict[str, bytes] = {}
-        self.up = True
-        self.calls = 0
-
-    def write(self, keys, srcs):
-        self.calls += 1
-        if not self.up:
-            return [False] * len(keys)
-        for k, parts in zip(keys, srcs):
-            self.data.setdefault(k, torch.cat(parts).clone())
-        return [True] * len(keys)
-
-    def read(self, keys, dsts):
-        self.calls += 1
-        out = []
-        for k, parts in zip(keys, dsts):
-            v = self.data.get(k) if self.up else None
-            if v is None or v.numel() != sum(p.numel() for p in parts):
-                out.append(False)
-                continue
-            pos = 0
-            for p in parts:
-                p.copy_(v[pos:pos + p.numel()])
-                pos += p.numel()
-            out.append(True)
-        return out
-
-    def delete(self, keys):
-        for k in keys:
-            self.data.pop(k, None)
-
-    def contains(self, keys):
-        self.calls += 1
-        return [self.up and k in self.data for k in keys]
-
-    @property
-    def available(self):
-        return self.up
-
-    @property
-    def used_bytes(self):
-        return sum(v.numel() for v in self.data.values())
+    return FakeTier(name, managed=False)
 
 
 def test_a_chunk_being_read_is_not_evicted(tmp_path):
