@@ -15,6 +15,7 @@ import threading
 
 import pytest
 import torch
+from fake_media import FakeTier
 
 from tierkv import TieredStore
 from tierkv.level import Level
@@ -103,22 +104,9 @@ def test_admission_of_the_persistent_tier_is_honoured(tmp_path):
         assert store.stats()["ssd"]["entries"] == 0
 
 
-class SlowDRAM(DRAMTier):
-    """A persistent-looking DRAM tier whose writes wait at a gate: a device that cannot keep up."""
-
-    persistent = True
-
-    def __init__(self, *a, **k):
-        super().__init__(*a, **k)
-        self.gate = threading.Event()
-
-    def _write(self, keys, srcs):
-        self.gate.wait(30)
-        return super()._write(keys, srcs)
-
-
 def test_a_full_queue_drops_and_counts_never_blocks_the_caller():
-    slow = SlowDRAM("slow", 64 * CHUNK, prefault=False)
+    slow = FakeTier("slow", 64 * CHUNK, persistent=True)  # a device that cannot keep up: writes wait
+    slow.gate.clear()
     store = TieredStore([Level(DRAMTier("fast", 64 * CHUNK, prefault=False)), Level(slow)],
                         write_behind_queue=4)
     keys = keys_for(30)
