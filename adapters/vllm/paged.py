@@ -18,6 +18,7 @@ This module needs only torch; it knows nothing of the engine.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Sequence
@@ -64,11 +65,12 @@ class PagedLayer:
         dim, r = find_block_dim(tuple(tensor.shape), num_blocks, block_size)
         return cls(tensor, dim, r)
 
-    @property
+    @functools.cached_property
     def num_parts(self) -> int:
+        """Pages per block: the product of the dimensions outside the block dimension (fixed per layer)."""
         return math.prod(self.tensor.shape[: self.block_dim])
 
-    @property
+    @functools.cached_property
     def block_nbytes(self) -> int:
         """Bytes of one engine block of this layer (all parts)."""
         per_entry = self.tensor[(0,) * (self.block_dim + 1)].numel() * self.tensor.element_size()
