@@ -47,6 +47,7 @@ import sys
 import time
 import uuid
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -182,7 +183,7 @@ def bench_size(tier: DramPoolTier, bufs: Buffers, size: int, batch: int, reps: i
                 got = raw.get_batch([keys[i] for i in sub])
                 for i, b in zip(sub, got):
                     assert len(b) == size, f"get_batch: {len(b)} bytes, wanted {size}"
-                    dsts_t[i].copy_(torch.frombuffer(b, dtype=torch.uint8))
+                    dsts_t[i].numpy()[:] = np.frombuffer(b, dtype=np.uint8)
 
         times["copy_put"].append(timed(put))
         times["copy_get"].append(timed(get))

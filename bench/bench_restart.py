@@ -121,7 +121,7 @@ def run_round(backend: str, spec: dict[str, Any], work: Path, prompts: list[list
     """Engine 1 stores, exits; engine 2 (a new process) is timed.  One fresh pool."""
     pool = Pool(backend, work, segment_bytes, args.ipc_buffer) if backend != "none" else None
     cache = work / "cache"
-    out: dict[str, Any] = {"cold": [], "warm": [], "again": [], "cached": [], "in_hooks": []}
+    out: dict[str, Any] = {"cold": [], "warm": [], "again": [], "local": [], "cached": [], "in_hooks": []}
     try:
         spec = dict(spec, kv_transfer_config=pool.kv if pool else None, env=pool.env if pool else {})
         one = U.EngineServer(spec, cache, timeout=1800)
@@ -154,6 +154,8 @@ def run_round(backend: str, spec: dict[str, Any], work: Path, prompts: list[list
                 out.setdefault("first_2", []).append(r["token"])
             out["tokens_2"] = two.step({"op": "generate", "prompts": prompts, "max_tokens": args.gen_tokens,
                                         "one_by_one": True})["tokens"]
+            for p in prompts:  # vLLM's own prefix cache holds them now: the floor under any load
+                out["local"].append(_ttft(two, p, args.settle)["s"])
             for _ in range(args.repeats):
                 for p in prompts:
                     two.step({"op": "reset"})  # vLLM forgets the prompt: it loads from the pool again
@@ -249,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nWarm TTFT after an engine restart (standalone Mooncake pool), {args.layers} layers x hidden "
           f"{args.hidden} fp32, prompts of {lengths} tokens, block size {args.block_size}, {args.rounds} rounds; "
           f"ratios are medians over rounds and prompts of per-prompt ratios")
-    print(f"{'backend':<10} {'cold s':>7} {'warm s':>7} {'again s':>8} {'warm/cold':>10} {'warm/cold(none)':>16} "
-          f"{'vs mooncake':>12} {'served tokens':>22} {'same tokens':>12}")
+    print(f"{'backend':<10} {'cold s':>7} {'warm s':>7} {'again s':>8} {'local s':>8} {'warm/cold':>10} "
+          f"{'warm/cold(none)':>16} {'vs mooncake':>12} {'load cost':>10} {'vs mooncake':>12} {'in hooks':>9} "
+          f"{'served tokens':>22} {'same tokens':>12}")
     for b in backends:
         rs = rounds[b]
         same = all(x["tokens_1"] == x.get("tokens_2", x["tokens_1"]) and x["first_1"] == x.get("first_2", x["first_1"])
@@ -260,9 +263,18 @@ def main(argv: list[str] | None = None) -> int:
             "cold_s": statistics.median(per_round(b, "cold")),
             "warm_s": statistics.median(per_round(b, "warm")) if b != "none" else None,
             "again_s": statistics.median(per_round(b, "again")) if b != "none" and args.repeats else None,
+            "local_s": statistics.median(per_round(b, "local")) if b != "none" else None,
+            "in_hooks_s": statistics.median(per_round(b, "in_hooks")) if b != "none" else None,
+            # what loading adds above vLLM's own prefix-cache hit, prompt by prompt
+            "load_cost_s": (statistics.median(w - lo for x in rs for w, lo in zip(x["warm"], x["local"]))
+                            if b != "none" else None),
             "warm_over_cold": paired(b, "warm", b, "cold") if b != "none" else None,
             "warm_over_cold_none": paired(b, "warm", "none", "cold") if b != "none" else None,
             "warm_over_mooncake": paired(b, "warm", "mooncake", "warm") if b != "none" else None,
+            "load_cost_over_mooncake": (statistics.median(
+                (w - lo) / (mw - mlo) for x, m in zip(rs, rounds.get("mooncake", []))
+                for w, lo, mw, mlo in zip(x["warm"], x["local"], m["warm"], m["local"]) if mw > mlo)
+                if b != "none" and "mooncake" in rounds else None),
             "again_over_mooncake": (paired(b, "again", "mooncake", "again")
                                     if b != "none" and args.repeats else None),
             "cached_tokens": [x["cached"] for x in rs],
@@ -276,11 +288,14 @@ def main(argv: list[str] | None = None) -> int:
             return f"{x:>{w}.3f}" if x is not None else f"{'-':>{w}}"
 
         served = str(rs[0]["cached"]) if rs and rs[0]["cached"] else "-"
-        print(f"{b:<10} {row['cold_s']:>7.3f} {f(row['warm_s'], 7)} {f(row['again_s'], 8)} "
+        print(f"{b:<10} {row['cold_s']:>7.3f} {f(row['warm_s'], 7)} {f(row['again_s'], 8)} {f(row['local_s'], 8)} "
               f"{f(row['warm_over_cold'], 10)} {f(row['warm_over_cold_none'], 16)} {f(row['warm_over_mooncake'], 12)} "
+              f"{f(row['load_cost_s'], 10)} {f(row['load_cost_over_mooncake'], 12)} {f(row['in_hooks_s'], 9)} "
               f"{served:>22} {same and same_ref!s:>12}")
     print(f"served tokens: num_cached_tokens of engine 2's first run of each prompt (round 1), of {lengths}; "
-          "again: the prompts once more in engine 2, reloaded from the pool")
+          "again: the prompts once more in engine 2, reloaded from the pool;\nlocal: once more with vLLM's own "
+          "prefix cache holding them (the floor under any connector); load cost: warm - local, prompt by prompt; "
+          "in hooks: seconds the engine's thread spent in the connector's load hooks")
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
