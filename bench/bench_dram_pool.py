@@ -1,6 +1,7 @@
 """dram_pool over Mooncake vs raw Mooncake calls, in one run.
 
-    .venv/bin/python bench/bench_dram_pool.py [--reps 5] [--sizes 2,16] [--batch 32] [--modes same,cross,standalone,ipc]
+    .venv/bin/python bench/bench_dram_pool.py [--reps 5] [--sizes 2,16] [--batch 32] \
+        [--modes same,same-te,cross,standalone,ipc]
 
 Starts its own ``mooncake_master`` on free loopback ports and measures, for
 chunks of each size in batches of ``--batch``:
@@ -18,11 +19,21 @@ chunks of each size in batches of ``--batch``:
   is a separate IPC client moving the same data from its own shared memory
   (the tier adds one copy between callers' buffers and the shared memory).
 
+* same-te: embedded like "same", with ``local_reads`` off: gets of objects in
+  the own segment go through the Transfer Engine instead of a plain copy out of
+  it (what the local-segment read path is worth).
+
 "raw" is ``batch_put_from`` / ``batch_get_into`` on the very client the tier
-uses, from buffers registered beforehand; "tier" is ``DramPoolTier.write`` /
-``read`` from ordinary (unregistered) tensors, everything included.  The ratio
-is tier throughput / raw throughput (target ≥ 0.9).  Then it kills the master
-and reports the latency callers see: the detecting call, and the misses after.
+uses, from buffers registered beforehand (zero-copy: the client moves bytes
+straight between the caller's memory and the segment); "tier" is
+``DramPoolTier.write`` / ``read`` from ordinary (unregistered) tensors,
+everything included.  The ratio is tier throughput / raw throughput (target ≥
+0.9).  "copy" is Mooncake's copying calls on the same client (``put_batch`` of
+the tensors' bytes, ``get_batch`` into ``bytes`` then copied into the
+destination tensors; both go through the client's local buffer, so the batch is
+cut to fit it): the zero-copy path's gain is raw / copy (not measured over IPC,
+where the tier itself is the copy path).  Then it kills the master and reports
+the latency callers see: the detecting call, and the misses after.
 """
 
 from __future__ import annotations
@@ -36,6 +47,7 @@ import sys
 import time
 import uuid
 
+import numpy as np
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -117,8 +129,13 @@ def ipc_client(pool, nbytes: int):
     return raw
 
 
-def bench_size(tier: DramPoolTier, bufs: Buffers, size: int, batch: int, reps: int) -> dict[str, float]:
-    """Median seconds of raw put/get and tier put/get for one batch of ``batch`` chunks of ``size`` bytes."""
+#: bytes of the local buffer the tier's client gets, through which Mooncake's copying calls go
+COPY_BUFFER = 64 * MiB
+
+
+def bench_size(tier: DramPoolTier, bufs: Buffers, size: int, batch: int, reps: int,
+               copy: bool = True) -> dict[str, float]:
+    """Median seconds of raw, copy and tier put/get for one batch of ``batch`` chunks of ``size`` bytes."""
     raw = bufs.raw
     srcs = [t[:size] for t in bufs.srcs]
     dsts = [t[:size] for t in bufs.dsts]
@@ -127,7 +144,12 @@ def bench_size(tier: DramPoolTier, bufs: Buffers, size: int, batch: int, reps: i
     sptr = [t.data_ptr() for t in srcs]
     dptr = [t.data_ptr() for t in dsts]
     sizes = [size] * batch
-    times: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "tier_put": [], "tier_get": []}
+    times: dict[str, list[float]] = {"raw_put": [], "raw_get": [], "tier_put": [], "tier_get": [],
+                                     "copy_put": [], "copy_get": []}
+    # the copying calls stage through the client's local buffer: sub-batches that fit half of it
+    per_call = max(1, (COPY_BUFFER // 2) // size)
+    subs = [range(i, min(batch, i + per_call)) for i in range(0, batch, per_call)]
+    copy = copy and size <= COPY_BUFFER // 2
 
     def raw_round() -> None:
         keys = [f"bench/raw/{uuid.uuid4().hex}" for _ in range(batch)]
@@ -147,24 +169,43 @@ def bench_size(tier: DramPoolTier, bufs: Buffers, size: int, batch: int, reps: i
         assert all(res[1]), tier.extra_stats()
         raw.batch_remove([tier._prefix + k for k in keys], True)  # bench cleanup, not timed
 
-    # warm-up (registration caches, connections), then alternate so neither side gets the warmer cache
-    raw_round()
-    tier_round()
+    def copy_round() -> None:
+        keys = [f"bench/copy/{uuid.uuid4().hex}" for _ in range(batch)]
+        views = [t.numpy() for t in srcs_t]
+
+        def put() -> None:
+            for sub in subs:
+                rc = raw.put_batch([keys[i] for i in sub], [views[i] for i in sub])
+                assert rc == 0, f"put_batch failed: {rc}"
+
+        def get() -> None:
+            for sub in subs:
+                got = raw.get_batch([keys[i] for i in sub])
+                for i, b in zip(sub, got):
+                    assert len(b) == size, f"get_batch: {len(b)} bytes, wanted {size}"
+                    dsts_t[i].numpy()[:] = np.frombuffer(b, dtype=np.uint8)
+
+        times["copy_put"].append(timed(put))
+        times["copy_get"].append(timed(get))
+        raw.batch_remove(keys, True)
+
+    sides = [raw_round, tier_round] + ([copy_round] if copy else [])
+    # warm-up (registration caches, connections), then rotate so no side always gets the warmer cache
+    for fn in sides:
+        fn()
     for t in times.values():
         t.clear()
     for r in range(reps):
-        if r % 2:
-            raw_round()
-            tier_round()
-        else:
-            tier_round()
-            raw_round()
+        for fn in sides[r % len(sides):] + sides[:r % len(sides)]:
+            fn()
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs)), "raw: bytes differ"
-    assert all(torch.equal(d, s) for d, s in zip(dsts_t, srcs)), "tier: bytes differ"
-    out = {k: statistics.median(v) for k, v in times.items()}
-    # rounds alternate raw and tier back to back: the ratio of each pair cancels the machine's drift
+    assert all(torch.equal(d, s) for d, s in zip(dsts_t, srcs)), "tier (or copy): bytes differ"
+    out = {k: statistics.median(v) for k, v in times.items() if v}
+    # each round runs every side back to back: the ratio within a round cancels the machine's drift
     for op in ("put", "get"):
         out[f"ratio_{op}"] = statistics.median(r / t for r, t in zip(times[f"raw_{op}"], times[f"tier_{op}"]))
+        if copy:  # the zero-copy call's gain over the copying one
+            out[f"zc_gain_{op}"] = statistics.median(c / r for r, c in zip(times[f"raw_{op}"], times[f"copy_{op}"]))
     return out
 
 
@@ -183,12 +224,22 @@ def fill_own_segment(tier: DramPoolTier) -> torch.Tensor:
     return ballast  # registered: must outlive the client
 
 
+def wait_unlisted(pool, timeout: float = 15.0) -> None:
+    """Wait until the master no longer lists a stopped pool's segment (puts would pick it and fail, -800)."""
+    end = time.monotonic() + timeout
+    while pool.segment and time.monotonic() < end:
+        listed = pool._segments()
+        if listed is None or pool.segment not in listed:
+            return
+        time.sleep(0.1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="2,16", help="chunk sizes in MiB, comma-separated")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--modes", default="same,cross,standalone,ipc")
+    ap.add_argument("--modes", default="same,same-te,cross,standalone,ipc")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     reason = missing_reason()
@@ -211,10 +262,13 @@ def main() -> None:
             # a loaded machine must not look like a dead peer: a low min_bandwidth
             if pool is not None:
                 ipc = {"ipc": True, "ipc_buffer": max(sizes) * args.batch + MiB} if mode == "ipc" else {}
-                opts = pool.tier_config(namespace=f"bench-{mode}", min_bandwidth="20MB", **ipc)
+                opts = pool.tier_config(namespace=f"bench-{mode}", min_bandwidth="20MB",
+                                        **(ipc or {"buffer": COPY_BUFFER}))
             else:
-                opts = m.tier_config(segment=f"{need if mode == 'same' else 16 * MiB}", namespace=f"bench-{mode}",
-                                     min_bandwidth="20MB")
+                own = mode in ("same", "same-te")
+                opts = m.tier_config(segment=f"{need if own else 16 * MiB}", namespace=f"bench-{mode}",
+                                     min_bandwidth="20MB", buffer=COPY_BUFFER,
+                                     **({"local_reads": False} if mode == "same-te" else {}))
             opts.pop("medium")
             tier = DramPoolTier.from_config("pool", opts)
             try:
@@ -225,13 +279,15 @@ def main() -> None:
                 else:
                     bufs = Buffers(tier._session.client._store, max(sizes), args.batch)
                 for size in sizes:
-                    r = bench_size(tier, bufs, size, args.batch, args.reps)
+                    r = bench_size(tier, bufs, size, args.batch, args.reps, copy=mode != "ipc")
                     nbytes = size * args.batch
                     for op in ("put", "get"):
                         raw_gbs = nbytes / r[f"raw_{op}"] / 1e9
                         tier_gbs = nbytes / r[f"tier_{op}"] / 1e9
+                        copy_gbs = nbytes / r[f"copy_{op}"] / 1e9 if f"copy_{op}" in r else None
                         rows.append({"mode": mode, "op": op, "chunk_mib": size // MiB, "batch": args.batch,
-                                     "raw_gbs": raw_gbs, "tier_gbs": tier_gbs, "ratio": r[f"ratio_{op}"]})
+                                     "raw_gbs": raw_gbs, "tier_gbs": tier_gbs, "ratio": r[f"ratio_{op}"],
+                                     "copy_gbs": copy_gbs, "zc_gain": r.get(f"zc_gain_{op}")})
             finally:
                 tier.close()
                 if provider is not None:
@@ -239,6 +295,7 @@ def main() -> None:
                     provider.wait(30)
                 if pool is not None:
                     pool.stop()
+                    wait_unlisted(pool)
 
         # the latency a caller sees while the master is down
         opts = m.tier_config(segment="32MiB", namespace="bench-down", timeout=0.5)
@@ -260,13 +317,18 @@ def main() -> None:
 
     print(f"\ndram_pool (mooncake, tcp) vs raw Mooncake, batch {args.batch}, median of {args.reps} rounds "
           "(ratio: median over rounds of raw time / tier time, each pair back to back)")
-    print(f"{'mode':<10} {'op':<4} {'chunk':>6} {'raw GB/s':>9} {'tier GB/s':>10} {'ratio':>6}")
+    print(f"{'mode':<10} {'op':<4} {'chunk':>6} {'raw GB/s':>9} {'tier GB/s':>10} {'ratio':>6} "
+          f"{'copy GB/s':>10} {'raw/copy':>9}")
     for r in rows:
         flag = "" if r["ratio"] >= 0.9 else "  < 0.9"
+        cp = (f"{r['copy_gbs']:>10.2f} {r['zc_gain']:>9.2f}" if r["copy_gbs"] is not None
+              else f"{'-':>10} {'-':>9}")
         print(f"{r['mode']:<10} {r['op']:<4} {r['chunk_mib']:>4}Mi {r['raw_gbs']:>9.2f} {r['tier_gbs']:>10.2f} "
-              f"{r['ratio']:>6.2f}{flag}")
+              f"{r['ratio']:>6.2f} {cp}{flag}")
+    print("copy: Mooncake's copying calls (put_batch / get_batch + a copy into the destination) on the same client; "
+          "raw/copy: the zero-copy calls' gain, median over rounds")
     by = {(r["mode"], r["op"], r["chunk_mib"]): r for r in rows}
-    for att in ("standalone", "ipc"):
+    for att in ("same-te", "standalone", "ipc"):
         pairs = [(op, c) for (mo, op, c) in by if mo == att and ("same", op, c) in by]
         if pairs:
             print(f"\n{att} vs embedded (same-process): tier GB/s {att} / tier GB/s embedded")

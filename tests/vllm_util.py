@@ -401,6 +401,10 @@ def _time_loads(name: str) -> None:
         from tierkv.adapters.vllm.connector import TierKVConnector as cls
     elif name == "ExampleConnector":
         from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import ExampleConnector as cls
+    elif name == "MooncakeStoreConnector":
+        from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.store.connector import (
+            MooncakeStoreConnector as cls,
+        )
     else:
         return
 
