@@ -114,6 +114,9 @@ def test_async_load_fault_is_recomputed(model, workdir, baseline, mode):
     # outputs never depend on KV that failed to load
     assert bad["tokens"] == baseline
     assert bad_batch["tokens"] == baseline
+    # and they were recomputed, not taken as loaded
+    full = [_full_block_prefix(len(p)) for p in prompts]
+    assert any(n < f for n, f in zip(bad["num_cached_tokens"], full))
     w = _worker(rec)
     assert rec["faults"]["hit"] >= 2
     assert "tierkv-async-load" in rec["faults"]["threads"]

@@ -291,6 +291,8 @@ class _LayerGate:
 class _FaultyGets:
     """Store proxy whose gets fail: ``"raise"`` (the get raises, as a broken tier would) or
     ``"drop"`` (the chunks asked for are removed just before the get: gone since the lookup).
+    A raising get first writes garbage into half of the destination blocks, so that a
+    failure not reported to vLLM would change the outputs.
 
     Only the first ``limit`` gets are hit (all when None); ``threads`` records which threads ran
     them (the engine's, or the connector's background loader).
@@ -307,10 +309,16 @@ class _FaultyGets:
         return getattr(self._store, name)
 
     def get(self, keys, outs):
+        import torch
+
         self.threads.add(threading.current_thread().name)
         if self._limit is None or self.hit < self._limit:
             self.hit += 1
             if self._mode == "raise":
+                # a read that wrote part of its bytes, then failed: garbage in the blocks
+                for parts in outs[: max(1, len(outs) // 2)]:
+                    for t in parts:
+                        t.view(-1).view(torch.uint8).fill_(0x41)
                 raise OSError("injected: the medium is down")
             # one layer's chunks of every object asked for: a partial miss
             self._store.remove(list(keys[: max(1, len(keys) // 2)]))
