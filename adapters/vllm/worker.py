@@ -45,9 +45,9 @@ import torch
 
 from tierkv import keys_from_block_hashes
 
+from .async_loading import AsyncLoads
 from .chunks import Chunk, covered, resolve
 from .config import ConnectorOptions, EngineInfo, block_hash_bytes, layer_namespace
-from .async_loading import AsyncLoads
 from .loading import Loader, LoadJob
 from .lookup import LookupServer, endpoint, sweep_stale_sockets
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
