@@ -261,6 +261,11 @@ class TierKVWorker:
             # each worker reports it (get_finished), whether or not this worker saves any
             with self._lock:
                 self._seen_save_reqs.update(spec.req_id for spec in self._metadata.saves)
+        if self._metadata is not None and self._metadata.async_loads:
+            # started now, not in start_load_kv (which vLLM calls after the forward on steps
+            # without synchronous loads): the load overlaps this step's forward, so it is
+            # usually done by this step's get_finished and the request runs in the next step
+            self._start_async_loads(self._metadata.async_loads)
 
     def clear_metadata(self) -> None:
         self._metadata = None
@@ -268,8 +273,6 @@ class TierKVWorker:
     def start_load_kv(self) -> None:
         meta = self._metadata
         self.load_job = None
-        if meta is not None and meta.async_loads:
-            self._start_async_loads(meta.async_loads)
         if self.closed or meta is None or not meta.loads or not self._paged:
             return
         specs = [spec for spec in meta.loads if spec.block_ids]
