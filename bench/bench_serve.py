@@ -23,7 +23,7 @@ TTFT, median TPOT (medians over rounds), and ratios to MooncakeStoreConnector's
 figure in the same round (median over rounds).  Target: tierkv's median and p99
 TTFT <= 0.8x MooncakeStoreConnector's, with higher throughput.
 
-    python bench/bench_serve.py [--backends none,mooncake,tierkv] [--requests 120] [--concurrency 4]
+    python bench/bench_serve.py [--backends none,mooncake,tierkv,tierkv-async] [--requests 120] [--concurrency 4]
                                 [--rounds 2] [--json out.json] [--quick] [--profile]
 
 --profile runs one more tierkv round (not in the table: sampling slows what it
