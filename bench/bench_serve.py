@@ -11,6 +11,7 @@ vLLM has dropped.  Back ends:
               (embedded by default, --mooncake-mode standalone for a mooncake_client pool);
               extra config {"load_async": true}
     tierkv    TierKVConnector, store dram -> ssd (SSD in a temp dir)
+    tierkv-async  the same with {"load_async": true}: hits load between steps, the request waits
 
 The load is vLLM's ``vllm.benchmarks.serve`` (called in-process) with the
 ``prefix_repetition`` dataset: --num-prefixes shared prefixes, each followed by
@@ -22,7 +23,7 @@ TTFT, median TPOT (medians over rounds), and ratios to MooncakeStoreConnector's
 figure in the same round (median over rounds).  Target: tierkv's median and p99
 TTFT <= 0.8x MooncakeStoreConnector's, with higher throughput.
 
-    python bench/bench_serve.py [--backends none,mooncake,tierkv] [--requests 120] [--concurrency 4]
+    python bench/bench_serve.py [--backends none,mooncake,tierkv,tierkv-async] [--requests 120] [--concurrency 4]
                                 [--rounds 2] [--json out.json] [--quick] [--profile]
 
 --profile runs one more tierkv round (not in the table: sampling slows what it
@@ -55,7 +56,9 @@ sys.path.insert(0, str(HERE))
 import serve_util as S
 import vllm_util as U
 
-BACKENDS = ("none", "mooncake", "tierkv")
+BACKENDS = ("none", "mooncake", "tierkv", "tierkv-async")
+#: the back ends of a run without --backends
+DEFAULT_BACKENDS = ("none", "mooncake", "tierkv")
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
            "median_tpot_ms", "p99_tpot_ms", "median_e2el_ms", "duration", "completed")
 #: the table's columns: (result key, header, higher is better)
@@ -239,7 +242,7 @@ def print_profile(summary: dict[str, Any], threads: int = 8) -> None:
 # -- main --------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backends", default=",".join(BACKENDS))
+    ap.add_argument("--backends", default=",".join(DEFAULT_BACKENDS), help=f"from {', '.join(BACKENDS)}")
     ap.add_argument("--requests", type=int, default=120)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
@@ -315,10 +318,11 @@ def main(argv: list[str] | None = None) -> int:
                 kv = {"kv_connector": "MooncakeStoreConnector", "kv_role": "kv_both",
                       "kv_connector_extra_config": {"load_async": True}}
             else:
-                ssd = work / "tierkv-ssd"
+                ssd = work / f"{name}-ssd"
                 shutil.rmtree(ssd, ignore_errors=True)
                 kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": args.dram},
-                                                   {"medium": "ssd", "path": str(ssd), "capacity": args.ssd}]})
+                                                   {"medium": "ssd", "path": str(ssd), "capacity": args.ssd}]},
+                                        extra={"load_async": True} if name == "tierkv-async" else None)
             print(f"[{name}] starting server ...", file=sys.stderr, flush=True)
             srv = servers[name] = S.ApiServer(name, model, _server_args(args, max_len, kv_bytes, kv), env, work)
             startup[name] = srv.wait_ready(args.start_timeout)
@@ -382,10 +386,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.block_size}, vLLM KV cache {kv_bytes >> 20} MiB ({kv_bytes // kv_per_token} tokens); "
           f"{args.rounds} round(s), medians over rounds; 'vs mc' = ratio to MooncakeStoreConnector in the "
           f"same round (median over rounds)")
-    head = f"{'backend':<10}" + "".join(f"{h:>13}{'vs mc':>7}" for _, h, _ in SHOWN)
+    head = f"{'backend':<13}" + "".join(f"{h:>13}{'vs mc':>7}" for _, h, _ in SHOWN)
     print(head)
     for name, s in summary.items():
-        row = f"{name:<10}"
+        row = f"{name:<13}"
         for key, _, _ in SHOWN:
             v = s.get(key)
             ratio = s.get(f"{key}_vs_mooncake")

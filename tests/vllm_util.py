@@ -214,6 +214,8 @@ def _rank_records(_worker: Any = None, drain_timeout: float = 0.0) -> list:
             "shard": [w.shard.shard, w.shard.num_shards, w.shard.replica, w.shard.replicas],
             "totals": w.totals.data,
             "layerwise": w.layerwise,
+            "sync_loads": w.load_counts["sync"],
+            "async_loads": w.load_counts["async"],
             "requests": dict(w.request_records),
             "load_trace": list(w.load_trace),
             "store": w.store.stats() if w.store is not None else None,
@@ -283,6 +285,43 @@ class _LayerGate:
                     self.timeouts += 1
                     break
                 time.sleep(0.0005)
+        return self._store.get(keys, outs)
+
+
+class _FaultyGets:
+    """Store proxy whose gets fail: ``"raise"`` (the get raises, as a broken tier would) or
+    ``"drop"`` (the chunks asked for are removed just before the get: gone since the lookup).
+    A raising get first writes garbage into half of the destination blocks, so that a
+    failure not reported to vLLM would change the outputs.
+
+    Only the first ``limit`` gets are hit (all when None); ``threads`` records which threads ran
+    them (the engine's, or the connector's background loader).
+    """
+
+    def __init__(self, store, mode: str, limit: int | None = None):
+        self._store = store
+        self._mode = mode
+        self._limit = limit
+        self.hit = 0
+        self.threads: set[str] = set()
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def get(self, keys, outs):
+        import torch
+
+        self.threads.add(threading.current_thread().name)
+        if self._limit is None or self.hit < self._limit:
+            self.hit += 1
+            if self._mode == "raise":
+                # a read that wrote part of its bytes, then failed: garbage in the blocks
+                for parts in outs[: max(1, len(outs) // 2)]:
+                    for t in parts:
+                        t.view(-1).view(torch.uint8).fill_(0x41)
+                raise OSError("injected: the medium is down")
+            # one layer's chunks of every object asked for: a partial miss
+            self._store.remove(list(keys[: max(1, len(keys) // 2)]))
         return self._store.get(keys, outs)
 
 
@@ -361,6 +400,11 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
             _rank_records(drain_timeout=60.0)
     elif op == "corrupt":
         res["corrupted"] = _corrupt_files(step["path"], step.get("limit"))
+    elif op == "fault_gets":
+        workers, _ = _connectors()
+        w = workers[0].worker
+        state["faults"] = _FaultyGets(w.store, step["mode"], step.get("limit"))
+        w.store = state["faults"]
     elif op == "gate_layers":
         workers, _ = _connectors()
         w = workers[0].worker
@@ -379,6 +423,9 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         gate = state["gate"]
         if gate is not None:
             res["gate"] = {"timeouts": gate.timeouts, "gated": gate.gated}
+        faults = state.get("faults")
+        if faults is not None:
+            res["faults"] = {"hit": faults.hit, "threads": sorted(faults.threads)}
         # snapshots: the connector keeps updating its own dicts after this step
         if state.get("ranks_elsewhere"):  # tensor-parallel ranks in worker processes: ask each of them
             res["workers"] = [r for rank in llm.collective_rpc(_rank_records) for r in rank]

@@ -61,7 +61,7 @@ _WHAT = "kv_connector_extra_config"
 #: every option ``kv_connector_extra_config`` may hold (see :class:`ConnectorOptions`)
 OPTION_NAMES = (
     "tierkv", "tierkv_config_file", "model_id", "load", "save", "chunk_tokens", "layerwise",
-    "full_hit_recompute", "load_failure_policy", "save_wait", "shutdown_timeout_s",
+    "full_hit_recompute", "load_failure_policy", "load_async", "save_wait", "shutdown_timeout_s",
     "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt",
 )
 
@@ -81,6 +81,8 @@ class ConnectorOptions:
     layerwise: bool | None = None
     full_hit_recompute: str = "block"
     load_failure_policy: str = "recompute"
+    #: a hit is loaded between engine steps (the request waits, the batch does not); see docs/vllm.md
+    load_async: bool = False
     #: wait_for_save returns once the step's saves are in the store (vLLM's contract)
     save_wait: bool = True
     #: how long a shutdown waits for saves still queued before abandoning them
@@ -108,6 +110,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
         raise ConfigError(f"{_WHAT} option 'layerwise': expected true, false or \"auto\", got {short(lw)}")
     full_hit = pop_choice(opts, "full_hit_recompute", "block", _WHAT, ("block", "token"))
     policy = pop_choice(opts, "load_failure_policy", "recompute", _WHAT, ("recompute", "keep"))
+    load_async = pop_bool(opts, "load_async", False, _WHAT)
     save_wait = pop_bool(opts, "save_wait", True, _WHAT)
     shutdown_timeout = pop_float(opts, "shutdown_timeout_s", 30.0, _WHAT, min_value=0.0)
     trace: dict[str, Any] = {}
@@ -123,8 +126,8 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
             trace[key] = value
     if opts:
         raise ConfigError(f"{_WHAT}: unknown option(s) {sorted(opts)}; known: {sorted(OPTION_NAMES)}")
-    return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, save_wait,
-                            shutdown_timeout, trace)
+    return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, load_async,
+                            save_wait, shutdown_timeout, trace)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ class SaveSpec:
 
 @dataclass
 class TierKVConnectorMetadata(KVConnectorMetadata):
+    #: loads this step's forward needs (the request is scheduled in this step)
     loads: list[LoadSpec] = field(default_factory=list)
+    #: loads of requests vLLM parked until they are done (``load_async``): they run between steps
+    async_loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)

@@ -7,6 +7,13 @@ the block ids to fill; ``build_connector_meta`` turns each scheduled request int
 a step's load and save plans; ``request_finished`` keeps a finished request's
 blocks while saves still read them.
 
+With ``load_async`` a hit is loaded between steps: vLLM parks the request
+(``WAITING_FOR_REMOTE_KVS``), the load goes out in the same step's metadata
+(``async_loads``) and the workers report it done through ``get_finished``; a
+request whose load failed is recomputed from the failed block, and a lookup of it
+after that is a miss once (a medium that keeps failing must not send the request
+round the same failed load for ever).
+
 The store lives with the workers; questions go to them through ``ask`` (the
 lookup channel of lookup.py by default), one rank per KV-head shard, and the
 smallest answer wins.  An unreachable worker is a miss for a while, never a crash.
@@ -64,6 +71,8 @@ class RequestState:
     #: blocks vLLM should have computed by the next step; fewer means it rolled back
     expect_done: int = 0
     pending_load: tuple[int, int] | None = None
+    #: the pending load runs between steps (vLLM parks the request until it is done)
+    load_async: bool = False
     hit_sources: dict[Any, int] = field(default_factory=dict)
 
 
@@ -79,7 +88,11 @@ class TierKVScheduler:
         self._ask = ask or self._ask_worker
         self._lookup_down_until = 0.0
         self.requests: dict[str, RequestState] = {}
-        self._lookups: dict[str, tuple[int, int, int, int]] = {}
+        self._lookups: dict[str, tuple[int, int, int, int, bool]] = {}
+        #: loads between steps not yet reported done: request id -> the blocks they fill
+        self._async_in_flight: dict[str, set[int]] = {}
+        #: requests an async load failed for: their next lookup is a miss
+        self._async_failed: set[str] = set()
         self._planned_saves: set[str] = set()
         #: lookups made, tokens hit, and hit tokens by tier name
         self.totals: dict[str, Any] = {"lookups": 0, "hit_tokens": 0, "hit_tokens_by_tier": {}}
@@ -146,12 +159,18 @@ class TierKVScheduler:
                 hits, held, reach = 0, 0, 0
         # what is in the store needs no save: from the first block it lacks
         stored = held if held < local else local + reach
-        self._lookups[request.request_id] = (local, hits, stored, max_blocks)
+        if request.request_id in self._async_failed:
+            # its load failed (an error, or a chunk gone since the lookup): recompute it this time,
+            # and save what it computes
+            self._async_failed.discard(request.request_id)
+            hits, stored = 0, min(stored, local)
         self.totals["lookups"] += 1
         ext = hits * bs
         if (local + hits) * bs >= request.num_tokens:  # only with full_hit_recompute="token"
             ext = max(0, request.num_tokens - 1 - local * bs)
-        return ext, False
+        is_async = self.options.load_async and ext > 0  # vLLM: never True with nothing to load
+        self._lookups[request.request_id] = (local, hits, stored, max_blocks, is_async)
+        return ext, is_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -162,7 +181,7 @@ class TierKVScheduler:
         look = self._lookups.pop(rid, None)
         if look is None:
             return
-        local, _, stored, _ = look
+        local, _, stored, _, is_async = look
         bs = self._bs
         num_external_tokens = max(0, int(num_external_tokens))
         st.next_chunk, st.tail_end = stored // self._G, stored
@@ -170,12 +189,14 @@ class TierKVScheduler:
         # prompt's end leaves its last block incomplete until that token is computed)
         st.expect_done = local + num_external_tokens // bs
         st.pending_load = None
+        st.load_async = False
         st.hit_sources = {}
         n_ext = -(-num_external_tokens // bs)  # blocks to load, the last one perhaps for all but a token
         if n_ext <= 0:
             return
         st.block_ids = list(blocks.get_block_ids()[0])
         st.pending_load = (local, local + n_ext)
+        st.load_async = is_async
         # which tier will serve the hit (for stats and vLLM's cache-hit sources)
         try:
             hashes, base = self.hash_window(request, local, local + n_ext)
@@ -224,6 +245,19 @@ class TierKVScheduler:
                 st.block_ids.extend(new_ids[0])
             computed[rid] = cached.num_computed_tokens[i]
 
+        # loads between steps: their requests are parked, not scheduled
+        for rid, st in self.requests.items():
+            if st.pending_load is None or not st.load_async or rid in computed:
+                continue
+            lo, hi = st.pending_load
+            st.pending_load, st.load_async = None, False
+            hashes, base = self.hash_window(st.request, lo, hi)
+            meta.async_loads.append(LoadSpec(rid, lo, st.block_ids[lo:hi], hashes, st.request.cache_salt, base))
+            self._async_in_flight[rid] = set(st.block_ids[lo:hi])
+            # the workers no longer hold saves of an earlier life of it (before a preemption):
+            # the blocks wait for this load's report only
+            self._planned_saves.discard(rid)
+
         for rid, num_computed in computed.items():
             st = self.requests[rid]
             req = st.request
@@ -258,11 +292,26 @@ class TierKVScheduler:
             self._planned_saves.add(rid)
         return meta
 
+    def update_connector_output(self, output: Any) -> None:
+        """The workers' report of a step: which async loads are done, which blocks failed."""
+        bad = getattr(output, "invalid_block_ids", None) or ()
+        if bad:
+            for rid, blocks in self._async_in_flight.items():
+                if not blocks.isdisjoint(bad):
+                    self._async_failed.add(rid)
+        for rid in getattr(output, "finished_recving", None) or ():
+            self._async_in_flight.pop(rid, None)
+
     def request_finished(self, request: Any) -> tuple[bool, None]:
-        """``(delay_free, None)``: blocks stay allocated until every worker reports the request's saves done."""
+        """``(delay_free, None)``: blocks stay allocated until every worker reports the request's saves done.
+
+        A request finished during its async load has no saves (it never ran since): vLLM itself
+        keeps its blocks until the workers report the load (``finished_recving``).
+        """
         rid = request.request_id
         self.requests.pop(rid, None)
         self._lookups.pop(rid, None)
+        self._async_failed.discard(rid)
         delay = rid in self._planned_saves
         self._planned_saves.discard(rid)
         return delay, None

