@@ -108,10 +108,13 @@ class DigestIndex:
         return slots
 
     def get_many(self, d: np.ndarray):
-        """(slots, region, offset, rec_len, raw_len) of each digest; slots -1 (and the rest 0) where absent."""
+        """(slots, region, offset, rec_len, raw_len) of each digest; slots -1 and rec_len 0 where absent."""
         slots = self.find_many(d)
         at = np.maximum(slots, 0)
-        return slots, self.region[at], self.offset[at], self.rec_len[at], self.raw_len[at]
+        absent = slots < 0
+        rec_len = self.rec_len[at]
+        rec_len[absent] = 0
+        return slots, self.region[at], self.offset[at], rec_len, self.raw_len[at]
 
     def put_many(self, d: list[int], region: int, offset: list[int], rec_len: list[int],
                  raw_len: list[int]) -> list[tuple[int, int, int]]:
@@ -140,20 +143,29 @@ class DigestIndex:
         # where absent: the first free (empty or deleted) slot, which is at or before the empty one
         col = np.where(found, match.argmax(axis=1), (win <= TOMB).argmax(axis=1))
         slots = at[np.arange(n), col]
-        sl = slots.tolist()
-        if not ends.all() or len(set(sl)) != n:
-            olds = []
-            for x, o, rl, wl in zip(d, offset, rec_len, raw_len):
-                old = self.put(x, region, o, rl, wl)
-                if old is not None:
-                    olds.append(old)
-            return olds
+        # the first of several entries claiming one free slot takes it; those and any whose probe runs
+        # past the window are put one by one after the rest
+        _, first = np.unique(slots, return_index=True)
+        ok = np.zeros(n, dtype=bool)
+        ok[first] = True
+        ok &= ends
         olds = []
+        if not ok.all():
+            rest = np.flatnonzero(~ok).tolist()
+            keep = np.flatnonzero(ok)
+            dig, slots, found = dig[keep], slots[keep], found[keep]
+            kept = keep.tolist()
+            later = [(d[i], offset[i], rec_len[i], raw_len[i]) for i in rest]
+            offset = [offset[i] for i in kept]
+            rec_len = [rec_len[i] for i in kept]
+            raw_len = [raw_len[i] for i in kept]
+        else:
+            later = []
         if found.any():
             fs = slots[found]
             olds = list(zip(self.region[fs].tolist(), self.offset[fs].tolist(), self.rec_len[fs].tolist()))
         new = ~found
-        k = n - len(olds)
+        k = len(slots) - len(olds)
         if k:
             ns = slots[new]
             self.used += int(np.count_nonzero(self.digest[ns] == EMPTY))
@@ -163,6 +175,10 @@ class DigestIndex:
         self.offset[slots] = offset
         self.rec_len[slots] = rec_len
         self.raw_len[slots] = raw_len
+        for x, o, rl, wl in later:
+            old = self.put(x, region, o, rl, wl)
+            if old is not None:
+                olds.append(old)
         return olds
 
     def move(self, slot: int, region: int, offset: int) -> None:

@@ -88,6 +88,8 @@ DEFAULT_REGION = 64 << 20
 MIN_REGION = 1 << 20
 MAX_REGION = 2 << 30
 REGIONS_DIR = "regions"
+#: a batch's finished bytes go to the writer thread in pieces of at least this much
+PIPE_UNIT = 512 << 10
 _COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
              "gc_relocated", "gc_dropped", "checkpoints", "checkpoint_errors", "torn_regions", "skipped_files",
              "trimmed")
@@ -375,21 +377,23 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
     # -- writes ---------------------------------------------------------------------------
     def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         with self._wlock:
-            out = self._append_batch(keys, srcs)
+            out, one_by_one = self._append_batch(keys, srcs)
             r = self._active
             if r is not None:
                 if self.fsync == "always":
                     self._flush_locked(checkpoint=False)
-                elif r.pos > r.written:  # (left by objects that took the per-object path)
+                elif one_by_one and r.pos > r.written:  # (the others reached the file when committed)
                     self._write_out(r, F.align_up(r.pos), r.pos)
         return out
 
-    def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+    def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
         """Append a batch: host objects are copied into the active image one after another (each
-        finished stretch of 2 MiB or more written out by the writer thread while the next is
+        finished stretch of ``PIPE_UNIT`` or more written out by the writer thread while the next is
         copied) and committed per region in one go: the batch's bytes reach the file, then its
-        digests enter the index together.  Compressed or device objects take ``_put_one``."""
+        digests enter the index together.  Compressed or device objects take ``_put_one``.
+        Returns the results and whether any object took ``_put_one``."""
         out = [False] * len(keys)
+        one_by_one = False
         seg = _Segment()
         flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
         psum_of = F.sum_function(flags)
@@ -421,6 +425,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
             if not host:
                 self._commit(seg, out)
                 out[i] = self._put_one(key, parts)
+                one_by_one = True
                 r = self._active
                 if r is not None:
                     buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
@@ -432,7 +437,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
             pos = seg.end if seg.n else (r.pos if r is not None else 0)
             end = (pos + rec_len + F.ALIGN - 1) & -F.ALIGN
             if r is None or F.summary_start(region_size, r.count + seg.n + 1,
-                                            len(cast(bytearray, r.keys)) + seg.key_bytes + klen) < end:
+                                            len(r.keys) + seg.key_bytes + klen) < end:  # type: ignore[arg-type]  # (set while ACTIVE)
                 self._commit(seg, out)
                 r = self._room(rec_len, klen)
                 if r is None:
@@ -454,10 +459,10 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
             mv[pos + F.REC_HDR:at] = kb
             chk(buf, pos + F.RECORD_CHECK_AT, digest_of(mv[pos:at]))
             seg.add(i, F.key_digest(kb), pos, rec_len, raw_len, kb, flags, end)
-            if end - seg.submitted >= WRITE_UNIT:
+            if end - seg.submitted >= PIPE_UNIT and i + 1 < len(keys):  # (the last piece: written by the commit)
                 seg.submit(self._writer_pool(), r, F.align_down(end))
         self._commit(seg, out)
-        return out
+        return out, one_by_one
 
     def _writer_pool(self) -> ThreadPoolExecutor:
         w = self._writer
@@ -634,7 +639,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         new = self._begin(free[0])
         if victim is not None:
             self._reclaim(victim, new)
-        if self._sealed_since_ckpt >= max(4, len(self._regions) // 4):
+        if self._sealed_since_ckpt >= max(8, len(self._regions) // 2):
             self._checkpoint()
         return new
 
