@@ -268,18 +268,18 @@ def test_ssd_batch_runs_on_the_caller_and_the_pool_and_stays_exact(tmp_path, mon
     t.close()
     t = SSDTier("ssd", 1 << 28, str(tmp_path / "ssd"), io_threads=2)  # reads from the files now
     t.recover()
-    seen: list[int] = []
-    inner = t._read_one
+    seen: list[tuple[int, int]] = []  # (thread, objects) of each run read
+    inner = t._read_run
 
-    def spy(k, loc, parts):
-        seen.append(threading.get_ident())
-        return inner(k, loc, parts)
+    def spy(run, keys, dsts, out):
+        seen.append((threading.get_ident(), len(run[1])))
+        return inner(run, keys, dsts, out)
 
-    monkeypatch.setattr(t, "_read_one", spy)
+    monkeypatch.setattr(t, "_read_run", spy)
     outs = [torch.zeros(256 << 10, dtype=torch.uint8) for _ in keys]
     assert t.read(keys, [[o] for o in outs]) == [True] * 16
     assert all(torch.equal(o, v) for o, v in zip(outs, vals))
-    assert len(seen) == 16 and threading.get_ident() in seen
+    assert sum(n for _, n in seen) == 16 and len(seen) > 1 and threading.get_ident() in {th for th, _ in seen}
     assert t.read([key(99), *keys[:3]], [[torch.zeros(256 << 10, dtype=torch.uint8)] for _ in range(4)]) == \
         [False, True, True, True]
     t.close()

@@ -139,9 +139,10 @@ class Tier:
             raise TypeError(f"tier {self.name!r}: keys must be a sequence of strings (a list), "
                             f"got {type(keys).__name__}")
         keys = list(keys)
-        for k in keys:
-            if not isinstance(k, str):
-                raise TypeError(f"tier {self.name!r}: keys must be strings, got {type(k).__name__}")
+        if not all(type(k) is str for k in keys):  # (the common case in one pass, the error names the culprit)
+            for k in keys:
+                if not isinstance(k, str):
+                    raise TypeError(f"tier {self.name!r}: keys must be strings, got {type(k).__name__}")
         return keys
 
     def _check_batch(self, keys: Sequence[str], bufs: Sequence[Parts], what: str) -> tuple[list[str], list[Parts]]:
@@ -151,9 +152,10 @@ class Tier:
         bufs = list(bufs)
         if len(keys) != len(bufs):
             raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(bufs)} {what}")
-        for i, parts in enumerate(bufs):
-            if isinstance(parts, torch.Tensor) or not isinstance(parts, (list, tuple)):
-                raise TypeError(f"tier {self.name!r}: {what}[{i}] must be a list of uint8 tensors")
+        if not all(type(parts) is list for parts in bufs):
+            for i, parts in enumerate(bufs):
+                if isinstance(parts, torch.Tensor) or not isinstance(parts, (list, tuple)):
+                    raise TypeError(f"tier {self.name!r}: {what}[{i}] must be a list of uint8 tensors")
         return keys, bufs
 
     def _check_results(self, oks: Any, n: int, op: str) -> Any:

@@ -65,7 +65,11 @@ SUMMARY_MAGIC = b"TKVS"
 _REGION = struct.Struct("<4sHHIQQ")  # 32 bytes, then check u64
 _RECORD = struct.Struct("<4sBBHQIIQ")  # 32 bytes, then header check u64 at 32, zero to 64
 REC_HDR = 64
+#: the whole 64-byte record header, its check zero (packed in one call, then the check at RECORD_CHECK_AT)
+RECORD_STRUCT = struct.Struct("<4sBBHQIIQQ24x")
+RECORD_CHECK_AT = _RECORD.size
 _CHECK = struct.Struct("<Q")
+CHECK_STRUCT = _CHECK
 _FOOTER = struct.Struct("<4sHHQIIQ")  # 36 bytes, then check u64
 FOOTER = 64
 ENTRY_DTYPE = np.dtype([("digest", "<u8"), ("offset", "<u4"), ("rec_len", "<u4"), ("raw_len", "<u4"),
@@ -88,6 +92,13 @@ def payload_sum(chunks, flags: int) -> Optional[int]:
     if flags & FLAG_CRC32C:
         return None if crc32c_sum is None else crc32c_sum(chunks)
     return xxh3(chunks)
+
+
+def sum_function(flags: int):
+    """The one-call payload sum a record's flags name (a buffer -> int), or None when this build lacks it."""
+    if flags & FLAG_CRC32C:
+        return None if crc32c_sum is None else _crc32c_mod.crc32c
+    return xxhash.xxh3_64_intdigest
 
 
 def key_digest(kb: bytes) -> int:

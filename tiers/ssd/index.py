@@ -18,6 +18,7 @@ import numpy as np
 from .format import EMPTY, TOMB
 
 _MAX_LOAD = 0.7
+_WINDOW = np.arange(16)  # slots probed at once per digest by the batch operations
 
 
 class DigestIndex:
@@ -86,6 +87,100 @@ class DigestIndex:
         self.raw_len[i] = raw_len
         return old
 
+    def find_many(self, d: np.ndarray) -> np.ndarray:
+        """The slot of each digest of ``d`` (uint64), -1 where absent: a window of slots per digest at once."""
+        n = len(d)
+        slots = np.full(n, -1, dtype=np.int64)
+        todo = np.arange(n)
+        start = (d & np.uint64(self.mask)).astype(np.int64)
+        want = d[:, None]
+        while todo.size:
+            at = (start[:, None] + _WINDOW) & self.mask
+            win = self.digest[at]
+            stop = (win == want) | (win == EMPTY)
+            done = stop.any(axis=1)
+            rows = np.flatnonzero(done)
+            first = stop.argmax(axis=1)[rows]
+            hit = win[rows, first] == want[rows, 0]
+            slots[todo[rows[hit]]] = at[rows[hit], first[hit]]
+            go = ~done
+            todo, start, want = todo[go], start[go] + len(_WINDOW), want[go]
+        return slots
+
+    def get_many(self, d: np.ndarray):
+        """(slots, region, offset, rec_len, raw_len) of each digest; slots -1 and rec_len 0 where absent."""
+        slots = self.find_many(d)
+        at = np.maximum(slots, 0)
+        absent = slots < 0
+        rec_len = self.rec_len[at]
+        rec_len[absent] = 0
+        return slots, self.region[at], self.offset[at], rec_len, self.raw_len[at]
+
+    def put_many(self, d: list[int], region: int, offset: list[int], rec_len: list[int],
+                 raw_len: list[int]) -> list[tuple[int, int, int]]:
+        """``put`` of each entry (one batch's, in order, all in ``region``): of a digest given twice the
+        later replaces the earlier.  Returns the replaced entries' (region, offset, rec_len).
+
+        Distinct digests whose probe ends within a window of slots, and that do not compete for one
+        free slot, are placed together (a few numpy operations for the batch); any other batch is
+        put entry by entry.
+        """
+        n = len(d)
+        if n < 4 or len(set(d)) != n or self.used + n > _MAX_LOAD * (self.mask + 1):
+            olds = []
+            for x, o, rl, wl in zip(d, offset, rec_len, raw_len):
+                old = self.put(x, region, o, rl, wl)
+                if old is not None:
+                    olds.append(old)
+            return olds
+        dig = np.array(d, dtype=np.uint64)
+        at = ((dig & np.uint64(self.mask)).astype(np.int64)[:, None] + _WINDOW) & self.mask
+        win = self.digest[at]
+        match = win == dig[:, None]
+        found = match.any(axis=1)
+        stop = match | (win == EMPTY)  # a probe ends at the digest or at an empty slot
+        ends = stop.any(axis=1)
+        # where absent: the first free (empty or deleted) slot, which is at or before the empty one
+        col = np.where(found, match.argmax(axis=1), (win <= TOMB).argmax(axis=1))
+        slots = at[np.arange(n), col]
+        # the first of several entries claiming one free slot takes it; those and any whose probe runs
+        # past the window are put one by one after the rest
+        _, first = np.unique(slots, return_index=True)
+        ok = np.zeros(n, dtype=bool)
+        ok[first] = True
+        ok &= ends
+        olds = []
+        if not ok.all():
+            rest = np.flatnonzero(~ok).tolist()
+            keep = np.flatnonzero(ok)
+            dig, slots, found = dig[keep], slots[keep], found[keep]
+            kept = keep.tolist()
+            later = [(d[i], offset[i], rec_len[i], raw_len[i]) for i in rest]
+            offset = [offset[i] for i in kept]
+            rec_len = [rec_len[i] for i in kept]
+            raw_len = [raw_len[i] for i in kept]
+        else:
+            later = []
+        if found.any():
+            fs = slots[found]
+            olds = list(zip(self.region[fs].tolist(), self.offset[fs].tolist(), self.rec_len[fs].tolist()))
+        new = ~found
+        k = len(slots) - len(olds)
+        if k:
+            ns = slots[new]
+            self.used += int(np.count_nonzero(self.digest[ns] == EMPTY))
+            self.digest[ns] = dig[new]
+            self.count += k
+        self.region[slots] = region
+        self.offset[slots] = offset
+        self.rec_len[slots] = rec_len
+        self.raw_len[slots] = raw_len
+        for x, o, rl, wl in later:
+            old = self.put(x, region, o, rl, wl)
+            if old is not None:
+                olds.append(old)
+        return olds
+
     def move(self, slot: int, region: int, offset: int) -> None:
         self.region[slot] = region
         self.offset[slot] = offset
@@ -119,10 +214,33 @@ class DigestIndex:
         while n > _MAX_LOAD * size:
             size *= 2
         self._alloc(size)
-        self._bulk(np.asarray(digest, dtype=np.uint64), region, offset, rec_len, raw_len)
+        digest = np.asarray(digest, dtype=np.uint64)
+        if not n:
+            return
+        # into an empty table, linear probing in order of home slot is a running maximum: each entry
+        # takes its home or the slot after the previous one, whichever is later
+        home = (digest & np.uint64(self.mask)).astype(np.int64)
+        order = np.argsort(home, kind="stable")
+        step = np.arange(n, dtype=np.int64)
+        pos = np.maximum.accumulate(home[order] - step) + step
+        fit = pos <= self.mask
+        at, sel = pos[fit], order[fit]
+        self.digest[at] = digest[sel]
+        self.region[at] = region[sel]
+        self.offset[at] = offset[sel]
+        self.rec_len[at] = rec_len[sel]
+        self.raw_len[at] = raw_len[sel]
+        self.count = self.used = len(at)
+        rest = order[~fit]  # past the table's end: they wrap round to its start, probing as usual
+        if len(rest):
+            self._bulk(digest[rest], np.asarray(region)[rest], np.asarray(offset)[rest], np.asarray(rec_len)[rest],
+                       np.asarray(raw_len)[rest])
 
     def _bulk(self, digest, region, offset, rec_len, raw_len) -> None:
         """Insert unique digests absent from the table, probing for all of them at once."""
+        if len(digest) <= (self.mask + 1) >> 6:
+            self._place(digest, region, offset, rec_len, raw_len)
+            return
         todo = np.arange(len(digest))
         pos = (digest & np.uint64(self.mask)).astype(np.int64)
         owner = np.full(self.mask + 1, -1, dtype=np.int64)
@@ -145,3 +263,28 @@ class DigestIndex:
             placed[np.flatnonzero(free)[first]] = True
             todo, pos = todo[~placed], pos[~placed]
             pos = np.where(self.digest[pos] > TOMB, (pos + 1) & self.mask, pos)
+
+    def _place(self, digest, region, offset, rec_len, raw_len) -> None:
+        """``_bulk`` for a few entries: each takes the first free slot of its window (the first of
+        several claiming one slot wins it, the others look again)."""
+        todo = np.arange(len(digest))
+        start = (digest & np.uint64(self.mask)).astype(np.int64)
+        while todo.size:
+            at = (start[:, None] + _WINDOW) & self.mask
+            free = self.digest[at] <= TOMB
+            some = free.any(axis=1)
+            rows = np.flatnonzero(some)
+            cand = at[rows, free.argmax(axis=1)[rows]]
+            slots, first = np.unique(cand, return_index=True)
+            win = todo[rows[first]]
+            self.used += int(np.count_nonzero(self.digest[slots] == EMPTY))
+            self.digest[slots] = digest[win]
+            self.region[slots] = region[win]
+            self.offset[slots] = offset[win]
+            self.rec_len[slots] = rec_len[win]
+            self.raw_len[slots] = raw_len[win]
+            self.count += len(win)
+            left = np.ones(len(todo), dtype=bool)
+            left[rows[first]] = False
+            start = np.where(some, start, start + len(_WINDOW))[left]
+            todo = todo[left]

@@ -52,6 +52,7 @@ class Persistence:
     _next_seq: int
     _dirty_fds: set[int]
     _pool: ThreadPoolExecutor
+    _writer: Optional[ThreadPoolExecutor]
 
     if TYPE_CHECKING:  # defined by ``SSDTier``
         def _io_error(self, e: OSError, what: str) -> None: ...
@@ -129,7 +130,7 @@ class Persistence:
                 np.cumsum(ent["key_len"], out=offs[1:])
                 got = (ent, keys, offs)
             else:
-                got = R.read_summary(r.fd, self.region_size, r.seq, self.direct_io)
+                got = R.read_summary(r.fd, self.region_size, r.seq, self.direct_io, r.sum_start)
             if got is None:
                 have[grp] = False
                 continue
@@ -239,6 +240,8 @@ class Persistence:
                 self._flush_locked(checkpoint=True)
         finally:
             self._pool.shutdown(wait=True)
+            if self._writer is not None:
+                self._writer.shutdown(wait=True)
             super().close()  # type: ignore[misc]  # Tier.close, next in SSDTier's MRO
             with self._wlock:
                 self._close_fds()

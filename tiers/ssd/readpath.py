@@ -10,13 +10,16 @@ is corrupt, counted and dropped.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, cast
 
+import numpy as np
 import torch
+import xxhash
 
 from tierkv.buffers import share_work
 
@@ -28,6 +31,11 @@ from .hostbuf import cbuffer, scatter
 from .index import DigestIndex
 
 _OK, _BAD, _OTHER, _SIZE = 1, 2, 3, 4  # exact; corrupt or moved; another key's record; size mismatch
+_ZERO_CHECK = bytes(8)  # a header's check field, as its check was computed
+_ADDR = R.buffer_address
+_RUN_GAP = 4096  # records at most this far apart are read together
+_RUN_MAX = 1 << 20  # a run's span is at most this long
+_RUN_OBJECT = 256 << 10  # records longer than this are read on their own
 
 
 class ReadPath:
@@ -42,6 +50,7 @@ class ReadPath:
     _changed: bool
     _threads: int
     _pool: ThreadPoolExecutor
+    _image_addr: int
 
     if TYPE_CHECKING:  # defined by ``SSDTier`` and ``Persistence``
         def _count(self, what: str, n: int = 1) -> None: ...
@@ -51,35 +60,188 @@ class ReadPath:
     def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         n = len(keys)
         out = [False] * n
+        kbs = [k.encode() for k in keys]
+        digs = [F.key_digest(kb) for kb in kbs]
         todo: list = []
         with self._lock:
-            for i, k in enumerate(keys):
-                loc = self._locate(k.encode())
-                if loc is None:
-                    continue
-                if loc[7] is None:
-                    todo.append((i, loc))
-                else:  # in the active image: copied and checked under the lock, so it cannot be reused meanwhile
-                    out[i] = self._image_read(keys[i], loc, dsts[i])
-        total = sum(p.numel() for i, _ in todo for p in dsts[i])
+            if n >= 8:
+                _, reg, off, rec, raw = self._index.get_many(np.array(digs, dtype=np.uint64))
+                # (an absent digest has all four 0: no record has length 0)
+                found = [f for f in zip(range(n), reg.tolist(), off.tolist(), rec.tolist(), raw.tolist()) if f[3]]
+            else:
+                found = []
+                for i, d in enumerate(digs):
+                    e = self._index.get(d)
+                    if e is not None:
+                        found.append((i, *e))
+            active = self._active
+            regions = self._regions
+            for i, ri, o, rl, wl in found:
+                r = regions[ri]
+                if r is active:  # copied and checked under the lock, so the image cannot be reused meanwhile
+                    out[i] = self._image_read(keys[i], (kbs[i], digs[i], r, o, rl, wl, r.seq, r.buf), dsts[i])
+                else:
+                    todo.append((ri, o, i, (kbs[i], digs[i], r, o, rl, wl, r.seq, None)))
+        if not todo:
+            return out
+        runs = self._runs(todo, dsts)
+        total = sum(run[2] for run in runs)
 
         def one(j: int) -> None:
-            i, loc = todo[j]
-            out[i] = self._read_one(keys[i], loc, dsts[i])
+            self._read_run(runs[j], keys, dsts, out)
 
-        if len(todo) <= 1 or total < (1 << 20):
-            for j in range(len(todo)):
+        if len(runs) <= 1 or total < (1 << 20):
+            for j in range(len(runs)):
                 one(j)
         else:
-            share_work(one, len(todo), self._pool, self._threads - 1)
+            share_work(one, len(runs), self._pool, self._threads - 1)
         return out
+
+    def _runs(self, todo: list, dsts: Sequence[Parts]) -> list:
+        """Records to read grouped into runs of neighbours in one file: (region, [(i, loc)], span bytes).
+
+        Small records a short gap apart are read with one pread; a large record (buffered reads go
+        straight into the caller's parts) is a run of its own."""
+        todo.sort(key=lambda t: (t[0], t[1]))
+        runs: list = []
+        cur: list = []
+        start = end = -1
+        cur_r = -1
+        for ri, o, i, loc in todo:
+            rl = loc[4]
+            if loc[5] != sum(p.numel() for p in dsts[i]):
+                continue  # not the size the caller expects: a miss without a read
+            if rl > _RUN_OBJECT and not self.direct_io:  # (straight into the caller's parts)
+                runs.append((ri, [(i, loc)], rl))
+                continue
+            if cur and ri == cur_r and o - end <= _RUN_GAP and o + rl - start <= _RUN_MAX + _RUN_GAP:
+                cur.append((i, loc))
+                end = max(end, o + rl)
+                continue
+            if cur:
+                runs.append((cur_r, cur, end - start))
+            cur, cur_r, start, end = [(i, loc)], ri, o, o + rl
+        if cur:
+            runs.append((cur_r, cur, end - start))
+        return runs
+
+    def _read_run(self, run, keys: Sequence[str], dsts: Sequence[Parts], out: list[bool]) -> None:
+        """One read of a run's span into this thread's scratch buffer, then each record checked there."""
+        _, items, span = run
+        if not self.direct_io:
+            if len(items) == 1:
+                i, loc = items[0]
+                out[i] = self._read_one(keys[i], loc, dsts[i])
+            else:
+                self._read_run_into(items, keys, dsts, out)
+            return
+        first = items[0][1]
+        start = first[3]
+        try:
+            view, addr = R.read_span_scratch(first[2].fd, start, span, self.direct_io)
+        except OSError:
+            view = None
+        again = []
+        for i, loc in items:
+            if view is not None:
+                o = loc[3] - start
+                res = self._from_view(view[o:o + loc[4]], loc[0], loc[6], dsts[i], addr + o)
+                if res == _OK:
+                    out[i] = True
+                    continue
+                if res == _OTHER:
+                    self._count("collisions")
+                    continue
+                if res == _SIZE:
+                    continue
+            again.append((i, loc))
+        for i, loc in again:  # a second look decides: moved, corrupt or an I/O error (the scratch is reused)
+            out[i] = self._read_one(keys[i], loc, dsts[i])
+
+    def _read_run_into(self, items: list, keys: Sequence[str], dsts: Sequence[Parts], out: list[bool]) -> None:
+        """A buffered run in one preadv: headers, keys and gaps into this thread's scratch, each payload
+        straight into the caller's parts; then each record checked (a second look for any that fails)."""
+        scratch, _ = R.scratch(_RUN_MAX)
+        smv = memoryview(scratch)
+        iov: list = []
+        plan: list = []  # (i, loc, scratch offset of its header, payload views or None)
+        sp = 0
+        pos = items[0][1][3]
+        fd = items[0][1][2].fd
+        for i, loc in items:
+            kb, off, rec_len, raw_len = loc[0], loc[3], loc[4], loc[5]
+            if off > pos:
+                iov.append(smv[sp:sp + off - pos])
+                sp += off - pos
+            head = F.REC_HDR + len(kb)
+            views: Optional[list] = []
+            if rec_len == head + raw_len and raw_len:
+                for p in dsts[i]:
+                    b = cbuffer(p)
+                    if b is None:
+                        views = None
+                        break
+                    if len(b):
+                        cast(list, views).append(b)
+            else:
+                views = None
+            n = head if views is not None else rec_len
+            iov.append(smv[sp:sp + n])
+            plan.append((i, loc, sp, views))
+            sp += n
+            if views is not None:
+                iov += views
+            pos = off + rec_len
+        try:
+            got = os.preadv(fd, iov, items[0][1][3])
+        except OSError:
+            got = -1
+        again = []
+        want = pos - items[0][1][3]
+        for i, loc, at, views in plan:
+            if got == want:
+                if views is None:
+                    res = self._from_view(smv[at:at + loc[4]], loc[0], loc[6], dsts[i], _ADDR(scratch) + at)
+                else:
+                    res = self._head_then(smv[at:at + F.REC_HDR + len(loc[0])], loc, views)
+                if res == _OK:
+                    out[i] = True
+                    continue
+                if res == _OTHER:
+                    self._count("collisions")
+                    continue
+                if res == _SIZE:
+                    continue
+            again.append((i, loc))
+        for i, loc in again:  # a second look decides: moved, corrupt or an I/O error
+            out[i] = self._read_one(keys[i], loc, dsts[i])
+
+    def _head_then(self, head, loc, views: list) -> int:
+        """Check a header read into ``head`` and the payload read into ``views`` (the caller's parts)."""
+        magic, version, flags, klen, rseq, raw_len, stored, psum, check = F.RECORD_STRUCT.unpack_from(head, 0)
+        if magic != F.RECORD_MAGIC or version != F.VERSION or klen != len(loc[0]):
+            return _BAD
+        h = xxhash.xxh3_64(head[:F.RECORD_CHECK_AT])
+        h.update(_ZERO_CHECK)
+        h.update(head[F.RECORD_CHECK_AT + 8:])
+        if h.intdigest() != check or rseq != loc[6] or flags & (F.FLAG_TOMB | F.FLAG_LZ4):
+            return _BAD
+        if head[F.REC_HDR:] != loc[0]:
+            return _BAD  # (a key of this length but another: a private read tells corrupt from collision)
+        if stored != raw_len or raw_len != loc[5]:
+            return _BAD
+        sum_of = F.sum_function(flags)
+        if sum_of is None:
+            return _SIZE
+        s = sum_of(views[0]) if len(views) == 1 else F.payload_sum(views, flags)
+        return _OK if s == psum else _BAD
 
     def _image_read(self, key: str, loc, parts: Parts) -> bool:
         """A read from the active image.  Caller holds ``_lock``."""
         if loc[5] != sum(p.numel() for p in parts):
             return False
         kb, d, r, off, rec_len = loc[:5]
-        res = self._from_view(memoryview(loc[7])[off:off + rec_len], kb, loc[6], parts)
+        res = self._from_view(memoryview(loc[7])[off:off + rec_len], kb, loc[6], parts, self._image_addr + off)
         if res == _OTHER:
             self._counters["collisions"] += 1
         elif res == _BAD:  # an image is never torn: memory went bad, or a bug; never serve it
@@ -143,33 +305,56 @@ class ReadPath:
             return self._direct_into(fd, off, rec_len, kb, seq, raw_len, parts)
         return self._from_view(R.read_span(fd, off, rec_len, self.direct_io, scratch=True), kb, seq, parts)
 
-    def _from_view(self, view, kb: bytes, seq: int, parts: Parts) -> int:
-        klen = F.record_key_len(view)
-        h = F.parse_record_header(view[:F.REC_HDR], bytes(view[F.REC_HDR:F.REC_HDR + klen])) \
-            if len(view) >= F.REC_HDR + klen else None
-        if h is None or h.seq != seq or h.flags & F.FLAG_TOMB or len(view) < h.rec_len:
+    def _from_view(self, view, kb: bytes, seq: int, parts: Parts, addr: int = 0) -> int:
+        """Check the record at the start of ``view`` (header, seq, key, payload sum) and copy its payload
+        into ``parts``; ``addr``: the address of ``view``'s first byte, when known (one memmove a part)."""
+        if len(view) < F.REC_HDR:
             return _BAD
-        if h.key != kb:
+        magic, version, flags, klen, rseq, raw_len, stored, psum, check = F.RECORD_STRUCT.unpack_from(view, 0)
+        body_at = F.REC_HDR + klen
+        rec_len = body_at + stored
+        if magic != F.RECORD_MAGIC or version != F.VERSION or len(view) < rec_len:
+            return _BAD
+        h = xxhash.xxh3_64(view[:F.RECORD_CHECK_AT])
+        h.update(_ZERO_CHECK)
+        h.update(view[F.RECORD_CHECK_AT + 8:body_at])
+        if h.intdigest() != check or rseq != seq or flags & F.FLAG_TOMB:
+            return _BAD
+        if view[F.REC_HDR:body_at] != kb:
             return _OTHER
-        body = view[F.REC_HDR + klen:h.rec_len]
-        s = F.payload_sum([body], h.flags)
-        if s is None:
+        body = view[body_at:rec_len]
+        sum_of = F.sum_function(flags)
+        if sum_of is None:
             return _SIZE  # summed with an algorithm this build lacks: a miss, the object stays
-        if s != h.psum:
+        if sum_of(body) != psum:
             return _BAD
-        if h.flags & F.FLAG_LZ4:
+        if flags & F.FLAG_LZ4:
             import lz4.block
 
             try:
-                raw = lz4.block.decompress(body, uncompressed_size=h.raw_len, return_bytearray=True)
+                raw = lz4.block.decompress(body, uncompressed_size=raw_len, return_bytearray=True)
             except Exception:  # lz4 raises its own error types on malformed input  # noqa: BLE001 - a plug-in or medium fault is contained here by design
                 return _BAD
-            if len(raw) != h.raw_len:
+            if len(raw) != raw_len:
                 return _BAD
-            body = memoryview(raw)
-        if len(body) != sum(p.numel() for p in parts):
+            body, addr = memoryview(raw), 0
+        want = 0
+        host = addr != 0
+        for p in parts:
+            want += p.numel()
+            if host and not (p.is_cpu and p.is_contiguous()):
+                host = False
+        if len(body) != want:
             return _SIZE
-        scatter(body, parts)
+        if host:
+            src = addr + body_at
+            for p in parts:
+                n = p.numel()
+                if n:
+                    ctypes.memmove(p.data_ptr(), src, n)
+                    src += n
+        else:
+            scatter(body, parts)
         return _OK
 
     def _direct_into(self, fd: int, off: int, rec_len: int, kb: bytes, seq: int, raw_len: int, parts: Parts) -> int:

@@ -108,6 +108,7 @@ def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Opti
         got = R.read_summary(r.fd, region_size, r.seq, direct)
         if got is not None:
             entries, keys, offs = got
+            r.sum_start = F.summary_start(region_size, len(entries), len(keys))
         else:
             try:
                 data = R.read_span(r.fd, 0, region_size, direct)

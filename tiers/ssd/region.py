@@ -8,6 +8,7 @@ are served from there) and ``SEALED`` (written out with its summary).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -49,6 +50,7 @@ class Region:
         "pos",
         "seq",
         "state",
+        "sum_start",
         "written",
     )
     buf: Optional[mmap.mmap]  # the image while ACTIVE (``format.aligned_buffer``)
@@ -68,6 +70,7 @@ class Region:
         self.buf = None
         self.pos = self.written = self.count = 0
         self.entries = self.keys = None
+        self.sum_start = 0  # where the summary of this use of the region starts, when known (0: unknown)
 
     # -- the active image ------------------------------------------------------------
     def start(self, seq: int, region_size: int, image: mmap.mmap) -> None:
@@ -82,6 +85,7 @@ class Region:
         self.keys = bytearray()
         self.count = 0
         self.live_bytes = self.live_count = 0
+        self.sum_start = 0
 
     def fits(self, rec_len: int, key_len: int, region_size: int) -> bool:
         end = F.align_up(self.pos + rec_len, F.ALIGN)
@@ -129,7 +133,33 @@ def _scratch(n: int):
     buf = getattr(_tls, "buf", None)
     if buf is None or len(buf) < n:
         buf = _tls.buf = F.aligned_buffer(max(n, 1 << 20), populate=True)
+        _tls.keeper = ctypes.c_char.from_buffer(buf)
+        _tls.addr = ctypes.addressof(_tls.keeper)
     return buf
+
+
+def scratch(n: int) -> tuple[mmap.mmap, int]:
+    """This thread's scratch buffer (at least ``n`` bytes) and its address."""
+    buf = _scratch(n)
+    return buf, _tls.addr
+
+
+def buffer_address(buf) -> int:
+    """The address of this thread's scratch buffer ``buf``."""
+    assert buf is _tls.buf
+    return _tls.addr
+
+
+def read_span_scratch(fd: int, offset: int, length: int, direct: bool) -> tuple[memoryview, int]:
+    """``read_span(scratch=True)`` and the address of the view's first byte."""
+    if direct:
+        start, end = F.align_down(offset), F.align_up(offset + length)
+    else:
+        start, end = offset, offset + length
+    buf = _scratch(end - start)
+    got = os.preadv(fd, [memoryview(buf)[:end - start]], start)
+    lo = offset - start
+    return memoryview(buf)[lo:max(lo, min(got, lo + length))], _tls.addr + lo
 
 
 def read_span(fd: int, offset: int, length: int, direct: bool, scratch: bool = False) -> memoryview:
@@ -158,9 +188,15 @@ def read_header(fd: int, direct: bool):
     return F.parse_region_header(b), F.is_region_magic(b)
 
 
-def read_summary(fd: int, region_size: int, seq: int, direct: bool):
-    """(entries, keys, key offsets) from a sealed region's summary, or None (unsealed, torn, stale)."""
+def read_summary(fd: int, region_size: int, seq: int, direct: bool, start_hint: int = 0):
+    """(entries, keys, key offsets) from a sealed region's summary, or None (unsealed, torn, stale).
+
+    ``start_hint``: where the summary was written (known for a region this process sealed or read),
+    so one read of exactly its bytes; else the region's last ``TAIL_READ`` bytes, and a second read
+    when the summary is longer."""
     tail = min(TAIL_READ, region_size - F.BLOCK)
+    if F.BLOCK <= start_hint < region_size - F.FOOTER:
+        tail = region_size - start_hint
     try:
         b = read_span(fd, region_size - tail, tail, direct)
     except OSError:

@@ -52,6 +52,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional, cast
 
 import numpy as np
+import xxhash
 
 from tierkv.errors import ConfigError
 from tierkv.options import (
@@ -87,6 +88,8 @@ DEFAULT_REGION = 64 << 20
 MIN_REGION = 1 << 20
 MAX_REGION = 2 << 30
 REGIONS_DIR = "regions"
+#: a batch's finished bytes go to the writer thread in pieces of at least this much
+PIPE_UNIT = 512 << 10
 _COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
              "gc_relocated", "gc_dropped", "checkpoints", "checkpoint_errors", "torn_regions", "skipped_files",
              "trimmed")
@@ -173,6 +176,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
             raise
         self._threads = io_threads or min(4, max(2, os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=f"tierkv-{name}")
+        self._writer: Optional[ThreadPoolExecutor] = None  # write-outs overlapping a batch's copies
 
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "SSDTier":
@@ -347,6 +351,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         try:
             R.pwrite_all(r.fd, memoryview(img)[start:self.region_size], start)
             self._dirty_fds.add(r.fd)
+            r.sum_start = start
         except OSError as e:
             self._io_error(e, f"sealing {r.path}")
 
@@ -372,16 +377,131 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
     # -- writes ---------------------------------------------------------------------------
     def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         with self._wlock:
-            out = [self._put_one(k, parts) for k, parts in zip(keys, srcs)]
+            out, one_by_one = self._append_batch(keys, srcs)
             r = self._active
             if r is not None:
                 if self.fsync == "always":
                     self._flush_locked(checkpoint=False)
-                elif r.pos > r.written:
-                    # the batch's bytes reach the file before write returns (its last partial block
-                    # is written again later): a process killed right after loses nothing it acknowledged
+                elif one_by_one and r.pos > r.written:  # (the others reached the file when committed)
                     self._write_out(r, F.align_up(r.pos), r.pos)
         return out
+
+    def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
+        """Append a batch: host objects are copied into the active image one after another (each
+        finished stretch of ``PIPE_UNIT`` or more written out by the writer thread while the next is
+        copied) and committed per region in one go: the batch's bytes reach the file, then its
+        digests enter the index together.  Compressed or device objects take ``_put_one``.
+        Returns the results and whether any object took ``_put_one``."""
+        out = [False] * len(keys)
+        one_by_one = False
+        seg = _Segment()
+        flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
+        psum_of = F.sum_function(flags)
+        max_slot = self.max_slot
+        region_size = self.region_size
+        hdr = F.RECORD_STRUCT.pack_into
+        chk = F.CHECK_STRUCT.pack_into
+        digest_of = xxhash.xxh3_64_intdigest
+        memmove = ctypes.memmove
+        r = self._active
+        buf: Any = None
+        mv: Any = None
+        base = 0
+        if r is not None:
+            buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
+        for i, key in enumerate(keys):
+            parts = srcs[i]
+            kb = key.encode()
+            klen = len(kb)
+            if klen > F.MAX_KEY:
+                self._count("bad_key")
+                continue
+            raw_len = 0
+            host = not self.compression
+            for p in parts:
+                raw_len += p.numel()
+                if host and not (p.is_cpu and p.is_contiguous()):
+                    host = False
+            if not host:
+                self._commit(seg, out)
+                out[i] = self._put_one(key, parts)
+                one_by_one = True
+                r = self._active
+                if r is not None:
+                    buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
+                continue
+            rec_len = F.REC_HDR + klen + raw_len
+            if ((rec_len + F.ALIGN - 1) & -F.ALIGN) + F.ENTRY + F.MAX_KEY > max_slot or raw_len >= 1 << 32:
+                self._count("too_large")  # (``F.measure``)
+                continue
+            pos = seg.end if seg.n else (r.pos if r is not None else 0)
+            end = (pos + rec_len + F.ALIGN - 1) & -F.ALIGN
+            if r is None or F.summary_start(region_size, r.count + seg.n + 1,
+                                            len(r.keys) + seg.key_bytes + klen) < end:  # type: ignore[arg-type]  # (set while ACTIVE)
+                self._commit(seg, out)
+                r = self._room(rec_len, klen)
+                if r is None:
+                    continue
+                buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
+                pos = r.pos
+                end = (pos + rec_len + F.ALIGN - 1) & -F.ALIGN
+            if not seg.n:
+                seg.begin(r, pos)
+            at = pos + F.REC_HDR + klen
+            dst = base + at
+            for p in parts:
+                n = p.numel()
+                if n:
+                    memmove(dst, p.data_ptr(), n)
+                    dst += n
+            psum = psum_of(mv[at:at + raw_len])
+            hdr(buf, pos, F.RECORD_MAGIC, F.VERSION, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+            mv[pos + F.REC_HDR:at] = kb
+            chk(buf, pos + F.RECORD_CHECK_AT, digest_of(mv[pos:at]))
+            seg.add(i, F.key_digest(kb), pos, rec_len, raw_len, kb, flags, end)
+            if end - seg.submitted >= PIPE_UNIT and i + 1 < len(keys):  # (the last piece: written by the commit)
+                seg.submit(self._writer_pool(), r, F.align_down(end))
+        self._commit(seg, out)
+        return out, one_by_one
+
+    def _writer_pool(self) -> ThreadPoolExecutor:
+        w = self._writer
+        if w is None:
+            w = self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierkv-{self.name}-w")
+        return w
+
+    def _commit(self, seg: "_Segment", out: list[bool]) -> None:
+        """Write out the segment's bytes, then index its records; on an I/O error none of them is indexed
+        (``out`` stays False for them, and the next records overwrite their bytes)."""
+        if not seg.n:
+            return
+        r = cast(R.Region, seg.region)
+        ok = seg.wait(self)
+        if ok:
+            r.written = max(r.written, seg.written)
+            ok = self._write_out(r, F.align_up(seg.end), seg.end)
+        if not ok:
+            r.written = min(r.written, F.align_down(seg.start))
+            seg.reset()
+            return
+        n = seg.n
+        meas = seg.measured
+        with self._lock:
+            olds = self._index.put_many(seg.digests, r.index, seg.offsets, seg.rec_lens, seg.raw_lens)
+            r.live_bytes += meas
+            r.live_count += n
+            self._live_total += meas
+            for o_r, o_off, o_rec in olds:
+                self._unlive(o_r, o_rec)  # the older version is dead: it must never come back
+                self._dead.add(o_r, o_off, self._regions[o_r].seq)
+            r.pos = seg.end
+            self._changed = True
+        cast(bytearray, r.entries).extend(b"".join(seg.entries))
+        cast(bytearray, r.keys).extend(b"".join(seg.keys))
+        r.count += n
+        for i in seg.idx:
+            out[i] = True
+        seg.reset()
 
     def _put_one(self, key: str, parts: Parts) -> bool:
         kb = key.encode()
@@ -519,7 +639,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         new = self._begin(free[0])
         if victim is not None:
             self._reclaim(victim, new)
-        if self._sealed_since_ckpt >= max(4, len(self._regions) // 4):
+        if self._sealed_since_ckpt >= max(8, len(self._regions) // 2):
             self._checkpoint()
         return new
 
@@ -572,6 +692,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         R.pwrite_all(r.fd, mv[start:self.region_size], start)
         self._dirty_fds.add(r.fd)
         with self._lock:  # readers copy from the image under this lock: none is using it now
+            r.sum_start = start
             r.state = R.SEALED
             self._spare_image, r.buf = r.buf, None
             r.entries = r.keys = None
@@ -592,3 +713,68 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
     def _contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
             return [self._index.find(F.key_digest(k.encode())) >= 0 for k in keys]
+
+
+class _Segment:
+    """Records of one batch appended to the active image but not yet written out and indexed."""
+
+    __slots__ = ("digests", "end", "entries", "futures", "idx", "key_bytes", "keys", "measured", "n", "offsets", "raw_lens",
+                 "rec_lens", "region", "start", "submitted", "written")
+
+    def __init__(self) -> None:
+        self.region: Optional[R.Region] = None
+        self.futures: list = []
+        self.reset()
+
+    def reset(self) -> None:
+        self.idx: list[int] = []
+        self.digests: list[int] = []
+        self.offsets: list[int] = []
+        self.rec_lens: list[int] = []
+        self.raw_lens: list[int] = []
+        self.entries: list[bytes] = []
+        self.keys: list[bytes] = []
+        self.n = self.key_bytes = self.end = self.start = self.measured = 0
+        self.submitted = self.written = 0
+        self.region = None
+        self.futures = []
+
+    def begin(self, r: R.Region, pos: int) -> None:
+        self.region, self.start = r, pos
+        self.submitted = self.written = r.written
+
+    def add(self, i: int, d: int, pos: int, rec_len: int, raw_len: int, kb: bytes, flags: int, end: int) -> None:
+        self.idx.append(i)
+        self.digests.append(d)
+        self.offsets.append(pos)
+        self.rec_lens.append(rec_len)
+        self.raw_lens.append(raw_len)
+        self.entries.append(F.pack_entry(d, pos, rec_len, raw_len, len(kb), flags))
+        self.keys.append(kb)
+        self.key_bytes += len(kb)
+        self.measured += end - pos + F.ENTRY + F.MAX_KEY  # (``F.measure``: ``end`` is the aligned end)
+        self.n += 1
+        self.end = end
+
+    def submit(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
+        """Write ``[submitted, upto)`` of the image on the writer thread while the caller copies on."""
+        start = self.submitted
+        if upto <= start:
+            return
+        view = memoryview(cast("mmap.mmap", r.buf))[start:upto]
+        self.futures.append(pool.submit(R.pwrite_all, r.fd, view, start))
+        self.submitted = self.written = upto
+
+    def wait(self, tier: "SSDTier") -> bool:
+        """Wait for the submitted writes; False (counted) if any failed."""
+        ok = True
+        for f in self.futures:
+            try:
+                f.result()
+            except OSError as e:
+                tier._io_error(e, f"writing {cast(R.Region, self.region).path}")
+                ok = False
+        if self.futures and ok:
+            tier._dirty_fds.add(cast(R.Region, self.region).fd)
+        self.futures = []
+        return ok
