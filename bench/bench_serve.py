@@ -281,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown back end {b!r} (choose from {', '.join(BACKENDS)})")
     if args.requests < args.num_prefixes:
         raise SystemExit(f"--requests {args.requests} must be at least --num-prefixes {args.num_prefixes}")
+    if args.warmup is not None and args.warmup < args.num_prefixes:
+        raise SystemExit(f"--warmup {args.warmup} must be at least --num-prefixes {args.num_prefixes}")
 
     keep = args.workdir is not None
     work = Path(args.workdir or tempfile.mkdtemp(prefix="tierkv-bench-serve-"))
