@@ -153,11 +153,22 @@ class Persistence:
                                 cols["raw_len"], np.zeros(n, dtype=np.uint8), key_start, key_len, b"".join(blobs))
         return recovery.take(c, np.flatnonzero(have))
 
-    def _checkpoint(self, cands: Optional[recovery.Candidates] = None) -> None:
+    def _checkpoint(self, cands: Optional[recovery.Candidates] = None, durable: bool = True) -> None:
         """Write the index (with keys; ``cands`` when the caller has them) atomically.
+
+        ``durable``: first fsync the regions it points at, and the checkpoint itself (with
+        ``fsync`` other than ``"never"``).  The checkpoints a writer takes on its own between
+        flushes are not durable: they only shorten a reopen, and their fsyncs would make the
+        put that rotates a region wait for the device to take every byte written since the
+        last one.  Such a checkpoint still reaches the file system whole (temp file and
+        rename), so a killed process leaves it valid; after a power loss it may point at
+        records that never reached the disk, which read as misses (every record is checked
+        against its own header, sequence and checksums), or be missing, when a reopen reads
+        the region summaries instead.  The regions stay in the set to fsync at the next flush.
 
         A failure is counted, never raised.
         """
+        sync = durable and self.fsync != "never"
         try:
             c = self._gather() if cands is None else cands
             c = recovery.take(c, np.lexsort((c.offset, c.seq)))  # oldest first: a reopen need not sort
@@ -170,17 +181,17 @@ class Persistence:
             blob = _gather_keys(c)
             cols = {"digest": c.digest, "region": c.region, "offset": c.offset, "rec_len": c.rec_len,
                     "raw_len": c.raw_len, "key_len": c.key_len}
-            for fd in list(self._dirty_fds):  # the records the checkpoint points at reach the disk first
-                if self.fsync != "never":
+            if sync:
+                for fd in list(self._dirty_fds):  # the records the checkpoint points at reach the disk first
                     os.fsync(fd)
-            self._dirty_fds.clear()
-            C.write(self.path, C.encode(covered, self.region_size, seqs, cols, blob), self.fsync != "never")
+                self._dirty_fds.clear()
+            C.write(self.path, C.encode(covered, self.region_size, seqs, cols, blob), sync)
         except OSError as e:
             self._count("checkpoint_errors")
             log.warning("%s: checkpoint failed: %s", self._what, e)
             return
         self._count("checkpoints")
-        self._changed = False
+        self._changed = not sync and self.fsync != "never"  # the next flush makes it durable
         try:
             if self._dead.size() > max(1 << 16, 4 * self._dead.compacted):
                 self._dead.write(self.fsync != "never")

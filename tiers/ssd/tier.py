@@ -640,7 +640,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         if victim is not None:
             self._reclaim(victim, new)
         if self._sealed_since_ckpt >= max(8, len(self._regions) // 2):
-            self._checkpoint()
+            self._checkpoint(durable=self.fsync == "always")
         return new
 
     def _begin(self, idx: int) -> R.Region:
