@@ -24,9 +24,9 @@ def cbuffer(p: torch.Tensor):
 
     Cheaper than a numpy view: per-object overhead decides small-object throughput.
     """
-    if p.device.type != "cpu" or not p.is_contiguous():
+    if not p.is_cpu or not p.is_contiguous():
         return None
-    n = p.numel() * p.element_size()
+    n = p.nbytes
     typ = _CTYPES.get(n)
     if typ is None:
         if len(_CTYPES) > 256:
