@@ -19,7 +19,8 @@ the four single hooks works unchanged; the built-ins override them with tighter
 loops, and a store may prefer them when it has a batch in hand.
 
 Memory: sizes are held as shared ``int`` objects (``_Sizes``), so a tracked key costs
-its container entries only; LFU keeps one ordered bucket per frequency instead of a
+its container entries only; LRU and FIFO keep one plain dict (insertion order is
+their eviction order); LFU keeps one ordered bucket per frequency instead of a
 sorted list of tuples.
 
 Subclass ``EvictionPolicy`` and implement the four hooks to customise eviction.
@@ -117,40 +118,49 @@ def _take(order, sizes: dict, nbytes: int, protected: Container[Key]) -> Optiona
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Least recently used first.
+
+    One plain dict, key -> size, in recency order (oldest first): a read pops the
+    key and puts it back at the end.  A dict entry costs about half of an
+    ``OrderedDict``'s (no linked-list node per key); subclasses may read ``_od``
+    as an ordered mapping (``iter``, ``reversed``, ``[key]``).
+    """
 
     name = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self._od: OrderedDict[Key, int] = OrderedDict()
+        self._od: dict[Key, int] = {}
         self._size = _Sizes()
 
     def on_insert(self, key, nbytes):
-        self._od[key] = self._size(nbytes)
-        self._od.move_to_end(key)
+        od = self._od
+        od.pop(key, None)
+        od[key] = self._size(nbytes)
 
     def on_access(self, key):
-        if key in self._od:
-            self._od.move_to_end(key)
+        od = self._od
+        n = od.pop(key, None)
+        if n is not None:
+            od[key] = n
 
     def on_remove(self, key):
         self._od.pop(key, None)
 
     def on_insert_many(self, keys, sizes):
-        od, size, move = self._od, self._size, self._od.move_to_end
+        od, size, pop, known = self._od, self._size, self._od.pop, self._size._d.get
         for key, nbytes in zip(keys, sizes):
             if key in od:
-                od[key] = size(nbytes)
-                move(key)
-            else:  # a new key goes to the end by itself
-                od[key] = size(nbytes)
+                pop(key)
+            n = known(nbytes)
+            od[key] = size(nbytes) if n is None else n
 
     def on_access_many(self, keys):
-        od, move = self._od, self._od.move_to_end
+        od, pop = self._od, self._od.pop
         for key in keys:
-            if key in od:
-                move(key)
+            n = pop(key, None)
+            if n is not None:
+                od[key] = n
 
     def on_remove_many(self, keys):
         pop = self._od.pop

@@ -188,10 +188,8 @@ def test_a_medium_that_raises_costs_a_miss_not_the_call():
     store.put(["a"], [val(1)])
     store.levels[1].tier.write(["a"], [[val(1)]])  # a second copy below, as after a demotion
     with store._lock:
-        store.levels[1].index["a"] = type(store.levels[0].index["a"])(C, C, ready=True)
-        store.levels[1].used += C
-        store._where["a"] |= store.levels[1].bit
-        store.levels[1].eviction.on_insert("a", C)
+        assert store.levels[1].reserve("a", C)
+        store.levels[1].commit("a")  # READY below: indexed and known to its policy
     out = torch.zeros(C, dtype=torch.uint8)
     assert store.get(["a"], [out]) == [True] and torch.equal(out, val(1))  # fell through to the copy below
     assert store.stats()["b"]["errors"] == 1

@@ -127,8 +127,10 @@ class SlabTier(Tier):
         self._check_open()
         n = len(keys)
         out = [False] * n
-        last = {key: i for i, key in enumerate(keys)} if n > 1 else None  # a key given twice keeps its last value
-        objects, allocate = self._objects, self._alloc.allocate
+        # a key given twice keeps its last value
+        last = {key: i for i, key in enumerate(keys)} if n > 1 and len(set(keys)) < n else None
+        objects, alloc = self._objects, self._alloc
+        allocate, stacks, slot_max = alloc.allocate, alloc._stacks, alloc.slot_max
         slab = self.slab  # held for the whole call (see the module docstring)
         base, host = slab.data_ptr(), self._host
         placed: list[tuple[int, int, Packed]] = []  # (index, nbytes, packed location)
@@ -147,9 +149,15 @@ class SlabTier(Tier):
                 old = objects.pop(key, None)
                 if old is not None:
                     self._release(old)
-                loc = allocate((nbytes + ALIGN - 1) & _ALIGN_MASK)
-                if loc is None:
-                    continue
+                f = (nbytes + ALIGN - 1) & _ALIGN_MASK
+                st = stacks.get(f) if f <= slot_max else None
+                if st:  # the common case inline: a free slot of its class
+                    alloc._slot_free -= f
+                    loc = st.pop()
+                else:
+                    loc = allocate(f)
+                    if loc is None:
+                        continue
                 if type(loc) is int and nbytes <= _NB_MASK:
                     v = (loc >> _ALIGN_BITS) << _SHIFT | nbytes
                     if one and host:
@@ -174,10 +182,12 @@ class SlabTier(Tier):
                     self._alloc.free((nbytes + ALIGN - 1) & _ALIGN_MASK, _unpack(v)[1])
             raise
         with self._lock:  # visible only once every byte is in place
+            added = 0
             for i, nbytes, v in placed:
                 objects[keys[i]] = v
-                self._used += nbytes
+                added += nbytes
                 out[i] = True
+            self._used += added
         return out
 
     def _copy(self, slab: torch.Tensor, placed: list[tuple[int, int, Packed]], bufs: Sequence[Parts],
