@@ -20,8 +20,8 @@ loops, and a store may prefer them when it has a batch in hand.
 
 Memory: sizes are held as shared ``int`` objects (``_Sizes``), so a tracked key costs
 its container entries only; LRU and FIFO keep one plain dict (insertion order is
-their eviction order); LFU keeps one ordered bucket per frequency instead of a
-sorted list of tuples.
+their eviction order); LFU keeps one insertion-ordered dict per frequency instead of
+a sorted list of tuples; ARC's T1 and T2 are plain dicts too.
 
 Subclass ``EvictionPolicy`` and implement the four hooks to customise eviction.
 """
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterable, Sequence
+from itertools import repeat
 from typing import Optional
 
 Key = Hashable
@@ -149,6 +150,13 @@ class LRUPolicy(EvictionPolicy):
 
     def on_insert_many(self, keys, sizes):
         od, size, pop, known = self._od, self._size, self._od.pop, self._size._d.get
+        if type(keys) is list and od.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            # all new (the common case): appended in order by C loops
+            shared = list(map(known, sizes))
+            if None in shared:
+                shared = [size(n) for n in sizes]
+            od.update(zip(keys, shared))
+            return
         for key, nbytes in zip(keys, sizes):
             if key in od:
                 pop(key)
@@ -157,6 +165,11 @@ class LRUPolicy(EvictionPolicy):
 
     def on_access_many(self, keys):
         od, pop = self._od, self._od.pop
+        if type(keys) is list and len(set(keys)) == len(keys):
+            # distinct keys: take out the present ones, put them back at the end in order (C loops)
+            got = list(map(pop, keys, repeat(None)))
+            od.update(zip(keys, got) if None not in got else [(k, n) for k, n in zip(keys, got) if n is not None])
+            return
         for key in keys:
             n = pop(key, None)
             if n is not None:
@@ -201,13 +214,13 @@ class LFUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         super().__init__()
         self._freq: dict[Key, int] = {}
-        self._buckets: dict[int, OrderedDict[Key, int]] = {}
+        self._buckets: dict[int, dict[Key, int]] = {}  # plain dicts: insertion order is the order needed
         self._size = _Sizes()
 
     def _enter(self, key, freq, nbytes):
         bucket = self._buckets.get(freq)
         if bucket is None:
-            bucket = self._buckets[freq] = OrderedDict()
+            bucket = self._buckets[freq] = {}
         bucket[key] = nbytes
         self._freq[key] = freq
 
@@ -403,8 +416,10 @@ class ARCPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self._t1: OrderedDict[Key, int] = OrderedDict()
-        self._t2: OrderedDict[Key, int] = OrderedDict()
+        # T1 and T2 are plain dicts (a re-read key is popped and put back at the end); the ghost
+        # lists, trimmed from the front one key at a time, stay ordered dicts
+        self._t1: dict[Key, int] = {}
+        self._t2: dict[Key, int] = {}
         self._b1: OrderedDict[Key, int] = OrderedDict()
         self._b2: OrderedDict[Key, int] = OrderedDict()
         self._t1_bytes = self._t2_bytes = self._b1_bytes = self._b2_bytes = 0
@@ -441,7 +456,7 @@ class ARCPolicy(EvictionPolicy):
             self._t2[key] = n
             self._t2_bytes += n
         elif key in self._t2:
-            self._t2.move_to_end(key)
+            self._t2[key] = self._t2.pop(key)
 
     def on_remove(self, key):
         if key in self._t1:

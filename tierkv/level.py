@@ -64,6 +64,8 @@ _NB_MASK = (1 << 48) - 1
 _CANON_LIMIT = 4096
 
 Slot = Union[int, Entry]
+_INT = {int}
+_ONE = {1}
 
 
 def ready_nbytes(v: Optional[Slot]) -> int:
@@ -246,8 +248,9 @@ class Level:
         self.used += fp
         return True
 
-    def reserve_many(self, keys: list[str], sizes: list[int]) -> list[bool]:
-        """``reserve`` for each (key, nbytes) in order; one bool each."""
+    def reserve_many(self, keys: list[str], sizes: list[int]) -> list[int]:
+        """``reserve`` for each (key, nbytes) in order; one code each: 0 reserved now, 1 already READY or
+        reserved here, 2 not reserved (no room without evicting, or a doomed copy is still read)."""
         index, cap, shared = self.index, self.capacity, self._shared
         fps = self._fps
         footprint = self.tier.footprint
@@ -263,12 +266,15 @@ class Level:
                     if len(fps) < _CANON_LIMIT:
                         fps[nbytes] = c
                 fp = c[0]
-                if key in index or used + fp > cap:
-                    append(False)
+                if key in index:
+                    append(1 if type(index[key]) is int else 2)
+                    continue
+                if used + fp > cap:
+                    append(2)
                     continue
                 index[key] = c[1]
                 used += fp
-                append(True)
+                append(0)
         finally:
             self.used = used
         return out
@@ -349,10 +355,14 @@ class Level:
     def pin_many(self, keys: list[str]) -> None:
         """``pin`` for each key (every one READY: the caller just checked, under the lock)."""
         pinned, index = self.pinned, self.index
-        for key in keys:  # all or none
-            v = index.get(key)
-            if type(v) is not int or v < 0:  # type: ignore[operator]
-                raise KeyError(f"tier {self.name!r}: {key[:80]!r} is not READY")
+        vals = list(map(index.get, keys))
+        if set(map(type, vals)) != _INT or min(vals) < 0:  # all or none  # type: ignore[type-var]
+            for key, v in zip(keys, vals):
+                if type(v) is not int or v < 0:  # type: ignore[operator]
+                    raise KeyError(f"tier {self.name!r}: {key[:80]!r} is not READY")
+        if not pinned and len(set(keys)) == len(keys):
+            pinned.update(dict.fromkeys(keys, 1))
+            return
         get = pinned.get
         for key in keys:
             pinned[key] = get(key, 0) + 1
@@ -360,6 +370,10 @@ class Level:
     def unpin_many(self, keys: list[str]) -> None:
         """``unpin`` for each key."""
         pinned = self.pinned
+        if (len(pinned) == len(keys) and set(map(pinned.get, keys)) == _ONE
+                and set(map(type, map(self.index.get, keys))) == _INT):
+            pinned.clear()  # exactly these keys, each pinned once, none doomed: nothing to free
+            return
         for key in keys:
             n = pinned[key]
             if n == 1 and type(self.index.get(key)) is int:  # the common case: the last reader, not doomed

@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from tierkv.buffers import Parts, check_size
 from tierkv.keys import check_key
-from tierkv.level import Level, call_policy, ready_nbytes
+from tierkv.level import _NB_MASK, Level, call_policy, ready_nbytes
+
+_INT = {int}
 
 
 class ReadPath:
@@ -48,8 +50,25 @@ class ReadPath:
         with self._lock:
             self._counters.get_calls += 1
             # sizes checked before anything is pinned: the first level holding a key must hold its size
-            for i, key in enumerate(keys):
-                for j, index in managed:
+            if len(managed) == 1:  # one managed level: one probe a key
+                j, index = managed[0]
+                bit, hits = 1 << j, []
+                for i, v in enumerate(map(index.get, keys)):
+                    if type(v) is int and v > 0:
+                        if (v >> 1 & _NB_MASK) != prepared[i][1]:
+                            check_size(keys[i], prepared[i][1], v >> 1 & _NB_MASK)
+                        hits.append(i)
+                    else:
+                        check_key(keys[i])
+                        no_local.append(i)
+                if hits:
+                    groups[j] = hits
+                    tried = [bit] * n  # (only hits are ever retried)
+                managed_scan: list = []
+            else:
+                managed_scan = managed
+            for i, key in enumerate(keys if managed_scan else ()):
+                for j, index in managed_scan:
                     v = index.get(key)
                     if type(v) is int and v > 0:
                         nb = ready_nbytes(v)
@@ -100,11 +119,21 @@ class ReadPath:
                 pending = []
                 for j, items in groups.items():
                     lvl = self.levels[j]
-                    oks = self._tier_io(lvl, "read", [keys[i] for i in items], [prepared[i][0] for i in items])
+                    names = [keys[i] for i in items]
+                    oks = self._tier_io(lvl, "read", names, [prepared[i][0] for i in items])
                     with self._lock:
+                        index = lvl.index
+                        if False not in oks and set(map(type, map(index.get, names))) == _INT:
+                            # all read, none dropped meanwhile (the common case)
+                            for i in items:
+                                results[i] = True
+                                served[i] = j
+                            lvl.counters.bytes_read += sum([prepared[i][1] for i in items])
+                            lvl.counters.hits += len(items)
+                            lvl.accessed(names)
+                            continue
                         hit = []
                         got = 0
-                        index = lvl.index
                         for i, ok in zip(items, oks):
                             key = keys[i]
                             if ok and type(index.get(key)) is int:  # (a chunk dropped while read is an Entry)
@@ -128,7 +157,7 @@ class ReadPath:
         if no_local and self._shared_levels:
             self._read_shared(keys, prepared, [i for i in no_local if not results[i]], results, served)
         self._count_misses(served, prepared)
-        if any(j for j in served):  # something was served below the top level
+        if served.count(None) + served.count(0) < n:  # something was served below the top level
             self._promote(keys, prepared, served)
         return results
 
@@ -136,12 +165,12 @@ class ReadPath:
         """Misses per level consulted: every available level above the one that served."""
         nlev = len(self.levels)
         available = [lvl.tier.available for lvl in self.levels]
-        missed_above = [0] * (nlev + 1)
+        missed_above = [served.count(k) for k in range(nlev)] + [served.count(None)]
         got = 0
-        for i, j in enumerate(served):
-            missed_above[nlev if j is None else j] += 1
-            if j is not None:
-                got += prepared[i][1]
+        if missed_above[nlev] == 0:
+            got = sum([p[1] for p in prepared])
+        elif missed_above[nlev] < len(served):
+            got = sum([p[1] for p, j in zip(prepared, served) if j is not None])
         with self._lock:
             below = 0  # keys served at or below level k (or not at all)
             for k in range(nlev, -1, -1):

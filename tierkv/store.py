@@ -271,6 +271,13 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
         out: list[Optional[PutOutcome]] = [None] * n
         first: dict[str, int] = {}
         todo: list[int] = []
+        unique = len(set(keys)) == n
+        # reservations this call took and has not finished: (level, key) taken one by one, and the
+        # keys the first pass reserved in the top level as one batch (all finished in one lock hold)
+        held: dict[tuple[int, str], None] = {}
+        batch0: dict[str, None] = {}
+        groups: dict[int, list[int]] = {}
+        slow: list[int] = []
         with self._lock:
             c = self._counters
             c.put_calls += 1
@@ -279,45 +286,47 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
                 for key in keys:
                     for adm in self._admissions:
                         call_policy(adm, "on_access", "*", key)
-            busy = self._busy
-            if len(self._managed_levels) == 1:  # one probe a key: READY or reserved is an int there
-                index = self.levels[self._managed_levels[0]].index
-                busy = lambda key: type(index.get(key)) is int  # noqa: E731 - a local fast form of _busy
-            for i, key in enumerate(keys):
-                if key in first:  # a repeat inside the batch: takes the first one's result
-                    c.chunks_deduped += 1
-                    continue
-                first[key] = i
-                if busy(key):  # READY or being written somewhere
+            if unique and self._managed_levels == [0] and self._fast_top() and self.levels[0].tier.available:
+                # one managed level on top that takes everything without asking: reserve the batch at once
+                present, got0 = [], []
+                codes = self.levels[0].reserve_many(keys, [p[1] for p in prepared])
+                for i, code in enumerate(codes):
+                    if code == 0:
+                        got0.append(i)
+                    elif code == 1:
+                        present.append(i)
+                    else:
+                        slow.append(i)  # no room without evicting (or a doomed copy still read)
+                for i in present:
                     out[i] = PutOutcome.PRESENT
-                    c.chunks_deduped += 1
-                else:
-                    todo.append(i)
-        start = dict.fromkeys(todo, 0)
-        why = dict.fromkeys(todo, 0)
-        held: dict[tuple[int, str], None] = {}  # reservations this call took and has not finished
+                c.chunks_deduped += len(present)
+                if got0:
+                    groups[0] = got0
+                    batch0 = dict.fromkeys([keys[i] for i in got0])
+            else:
+                busy = self._busy
+                for i, key in enumerate(keys):
+                    if key in first:  # a repeat inside the batch: takes the first one's result
+                        c.chunks_deduped += 1
+                        continue
+                    first[key] = i
+                    if busy(key):  # READY or being written somewhere
+                        out[i] = PutOutcome.PRESENT
+                        c.chunks_deduped += 1
+                    else:
+                        todo.append(i)
+        start = dict.fromkeys(range(n), 0)
+        why = dict.fromkeys(range(n), 0)
         behind: list[tuple[int, str]] = []
         queue_behind = self._behind is not None
-        fast0 = self._fast_top()
+        first_pass = True
         try:
-            while todo:
-                groups: dict[int, list[int]] = {}
-                slow = []
+            while todo or first_pass:
+                if first_pass:
+                    first_pass = False  # groups and slow as the batch reservation left them
+                else:
+                    groups, slow = {}, []
                 with self._lock:  # fast path: the first level that admits has room without evicting
-                    if fast0 and all(start[i] == 0 for i in todo) and self.levels[0].tier.available:
-                        # the first pass, the top level takes everything without asking: one batch
-                        lvl0 = self.levels[0]
-                        ok0 = lvl0.reserve_many([keys[i] for i in todo], [prepared[i][1] for i in todo])
-                        got0 = []
-                        for i, ok in zip(todo, ok0):
-                            if ok:
-                                held[(0, keys[i])] = None
-                                got0.append(i)
-                            else:
-                                slow.append(i)
-                        if got0:
-                            groups[0] = got0
-                        todo = []
                     for i in todo:
                         j, flags = self._place_fast(keys[i], prepared[i][1], start[i], held)
                         why[i] |= flags
@@ -340,8 +349,10 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
                     oks = self._tier_io(lvl, "write", [keys[i] for i in idx], [prepared[i][0] for i in idx])
                     with self._lock:
                         done = []
+                        pop = held.pop if held else None
                         for i, ok in zip(idx, oks):
-                            held.pop((j, keys[i]), None)
+                            if pop is not None:
+                                pop((j, keys[i]), None)
                             if ok:
                                 done.append(i)
                             else:
@@ -349,6 +360,10 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
                                 why[i] |= FAILED
                                 start[i] = j + 1
                                 todo.append(i)
+                        if j == 0 and batch0:
+                            # the failed ones are aborted now; commit_many either commits the rest or,
+                            # raising, drops them: none of the batch is left reserved after it
+                            batch0.clear()
                         if done:
                             if lvl.managed:
                                 lvl.commit_many([keys[i] for i in done])
@@ -367,13 +382,19 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
                             if ok:
                                 self._write_through(j, keys[i], prepared[i], held)
         finally:
+            if batch0:
+                with self._lock:
+                    for key in batch0:
+                        self.levels[0].abort(key)
+                batch0.clear()
             self._release(held)
         if behind and self._behind is not None:
             self._queue_behind(behind)
-        for i in range(n):
-            if out[i] is None:
-                o = out[first[keys[i]]]
-                out[i] = o if o is not None else PutOutcome.ERROR
+        if None in out:
+            for i in range(n):
+                if out[i] is None:
+                    o = out[first[keys[i]]] if not unique else None
+                    out[i] = o if o is not None else PutOutcome.ERROR
         refused = n - out.count(PutOutcome.STORED) - out.count(PutOutcome.PRESENT)
         if refused:
             with self._lock:
