@@ -51,7 +51,7 @@ def to_parts(value: Value, what: str = "value") -> tuple[Parts, int]:
 
 def to_parts_many(values: Sequence[Value], what: str) -> list[tuple[Parts, int]]:
     """``to_parts`` of each value (errors name ``what[i]``); the common case of flat uint8 tensors inline."""
-    out = []
+    out: list[tuple[Parts, int]] = []
     append = out.append
     tensor, u8 = torch.Tensor, torch.uint8
     for i, v in enumerate(values):

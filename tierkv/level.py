@@ -255,7 +255,7 @@ class Level:
         fps = self._fps
         footprint = self.tier.footprint
         used = self.used
-        out = []
+        out: list[int] = []
         append = out.append
         try:
             for key, nbytes in zip(keys, sizes):
@@ -356,7 +356,7 @@ class Level:
         """``pin`` for each key (every one READY: the caller just checked, under the lock)."""
         pinned, index = self.pinned, self.index
         vals = list(map(index.get, keys))
-        if set(map(type, vals)) != _INT or min(vals) < 0:  # all or none  # type: ignore[type-var]
+        if set(map(type, vals)) != _INT or min(vals) < 0:  # type: ignore[type-var,operator]  # all or none
             for key, v in zip(keys, vals):
                 if type(v) is not int or v < 0:  # type: ignore[operator]
                     raise KeyError(f"tier {self.name!r}: {key[:80]!r} is not READY")
