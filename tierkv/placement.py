@@ -1,7 +1,7 @@
 """How ``TieredStore`` places chunks: admission, reservation, eviction, demotion, commit.
 
 Part of ``TieredStore`` (a mixin it inherits), split out so each module holds one
-concern; it uses the store's lock, levels and ``where`` map and keeps the
+concern; it uses the store's lock, levels and their indexes and keeps the
 invariants stated in ``tierkv/store.py``.  Every method that reserves takes a
 ``held`` dict and records each reservation in it, so the caller can abort what
 is left on any path out (``_release`` in a ``finally``).
