@@ -225,3 +225,13 @@ def test_level_index_holds_packed_ints_and_an_entry_only_for_a_doomed_chunk_stil
     assert lvl.reserve("z", C) and lvl.index["z"] < 0
     lvl.abort("z")
     assert "z" not in lvl.index and lvl.used == lvl.tier.footprint(C)
+
+
+def test_a_chain_of_shared_pools_alone_serves_gets():
+    pool = SharedPool()
+    store = TieredStore([pool])
+    assert store.put(["a", "b"], [val(1), val(2)]) == [True, True]
+    out = [torch.zeros(C, dtype=torch.uint8) for _ in range(3)]
+    assert store.get(["a", "b", "c"], out) == [True, True, False]
+    assert torch.equal(out[1], val(2)) and store.stats()["total"]["hits"] == 2
+    store.close()

@@ -64,11 +64,8 @@ class ReadPath:
                 if hits:
                     groups[j] = hits
                     tried = [bit] * n  # (only hits are ever retried)
-                managed_scan: list = []
-            else:
-                managed_scan = managed
-            for i, key in enumerate(keys if managed_scan else ()):
-                for j, index in managed_scan:
+            for i, key in enumerate(keys if len(managed) != 1 else ()):  # none, or several managed levels
+                for j, index in managed:
                     v = index.get(key)
                     if type(v) is int and v > 0:
                         nb = ready_nbytes(v)
