@@ -19,8 +19,9 @@ the four single hooks works unchanged; the built-ins override them with tighter
 loops, and a store may prefer them when it has a batch in hand.
 
 Memory: sizes are held as shared ``int`` objects (``_Sizes``), so a tracked key costs
-its container entries only; LFU keeps one ordered bucket per frequency instead of a
-sorted list of tuples.
+its container entries only; LRU and FIFO keep one plain dict (insertion order is
+their eviction order); LFU keeps one insertion-ordered dict per frequency instead of
+a sorted list of tuples; ARC's T1 and T2 are plain dicts too.
 
 Subclass ``EvictionPolicy`` and implement the four hooks to customise eviction.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Container, Hashable, Iterable, Sequence
+from itertools import repeat
 from typing import Optional
 
 Key = Hashable
@@ -117,40 +119,61 @@ def _take(order, sizes: dict, nbytes: int, protected: Container[Key]) -> Optiona
 
 
 class LRUPolicy(EvictionPolicy):
-    """Least recently used first."""
+    """Least recently used first.
+
+    One plain dict, key -> size, in recency order (oldest first): a read pops the
+    key and puts it back at the end.  A dict entry costs about half of an
+    ``OrderedDict``'s (no linked-list node per key); subclasses may read ``_od``
+    as an ordered mapping (``iter``, ``reversed``, ``[key]``).
+    """
 
     name = "lru"
 
     def __init__(self) -> None:
         super().__init__()
-        self._od: OrderedDict[Key, int] = OrderedDict()
+        self._od: dict[Key, int] = {}
         self._size = _Sizes()
 
     def on_insert(self, key, nbytes):
-        self._od[key] = self._size(nbytes)
-        self._od.move_to_end(key)
+        od = self._od
+        od.pop(key, None)
+        od[key] = self._size(nbytes)
 
     def on_access(self, key):
-        if key in self._od:
-            self._od.move_to_end(key)
+        od = self._od
+        n = od.pop(key, None)
+        if n is not None:
+            od[key] = n
 
     def on_remove(self, key):
         self._od.pop(key, None)
 
     def on_insert_many(self, keys, sizes):
-        od, size, move = self._od, self._size, self._od.move_to_end
+        od, size, pop, known = self._od, self._size, self._od.pop, self._size._d.get
+        if type(keys) is list and od.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            # all new (the common case): appended in order by C loops
+            shared = list(map(known, sizes))
+            if None in shared:
+                shared = [size(n) for n in sizes]
+            od.update(zip(keys, shared))
+            return
         for key, nbytes in zip(keys, sizes):
             if key in od:
-                od[key] = size(nbytes)
-                move(key)
-            else:  # a new key goes to the end by itself
-                od[key] = size(nbytes)
+                pop(key)
+            n = known(nbytes)
+            od[key] = size(nbytes) if n is None else n
 
     def on_access_many(self, keys):
-        od, move = self._od, self._od.move_to_end
+        od, pop = self._od, self._od.pop
+        if type(keys) is list and len(set(keys)) == len(keys):
+            # distinct keys: take out the present ones, put them back at the end in order (C loops)
+            got = list(map(pop, keys, repeat(None)))
+            od.update(zip(keys, got) if None not in got else [(k, n) for k, n in zip(keys, got) if n is not None])
+            return
         for key in keys:
-            if key in od:
-                move(key)
+            n = pop(key, None)
+            if n is not None:
+                od[key] = n
 
     def on_remove_many(self, keys):
         pop = self._od.pop
@@ -191,13 +214,13 @@ class LFUPolicy(EvictionPolicy):
     def __init__(self) -> None:
         super().__init__()
         self._freq: dict[Key, int] = {}
-        self._buckets: dict[int, OrderedDict[Key, int]] = {}
+        self._buckets: dict[int, dict[Key, int]] = {}  # plain dicts: insertion order is the order needed
         self._size = _Sizes()
 
     def _enter(self, key, freq, nbytes):
         bucket = self._buckets.get(freq)
         if bucket is None:
-            bucket = self._buckets[freq] = OrderedDict()
+            bucket = self._buckets[freq] = {}
         bucket[key] = nbytes
         self._freq[key] = freq
 
@@ -393,8 +416,10 @@ class ARCPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        self._t1: OrderedDict[Key, int] = OrderedDict()
-        self._t2: OrderedDict[Key, int] = OrderedDict()
+        # T1 and T2 are plain dicts (a re-read key is popped and put back at the end); the ghost
+        # lists, trimmed from the front one key at a time, stay ordered dicts
+        self._t1: dict[Key, int] = {}
+        self._t2: dict[Key, int] = {}
         self._b1: OrderedDict[Key, int] = OrderedDict()
         self._b2: OrderedDict[Key, int] = OrderedDict()
         self._t1_bytes = self._t2_bytes = self._b1_bytes = self._b2_bytes = 0
@@ -431,7 +456,7 @@ class ARCPolicy(EvictionPolicy):
             self._t2[key] = n
             self._t2_bytes += n
         elif key in self._t2:
-            self._t2.move_to_end(key)
+            self._t2[key] = self._t2.pop(key)
 
     def on_remove(self, key):
         if key in self._t1:

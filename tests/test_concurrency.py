@@ -72,8 +72,8 @@ def test_threads_hammering_the_store_see_no_wrong_bytes(tmp_path):
     for lvl in store.levels:
         assert lvl.used <= lvl.capacity
         assert not lvl.pinned
-        assert lvl.used == sum(e.footprint for e in lvl.index.values())
-        assert all(e.ready for e in lvl.index.values()), "a reservation leaked"
+        assert lvl.used == sum(e.footprint for _, e in lvl.items())
+        assert all(e.ready for _, e in lvl.items()), "a reservation leaked"
         assert lvl.tier.used_bytes <= lvl.capacity
         assert len(lvl.eviction) == len(lvl.index)
     # every key the index claims is readable with the right bytes

@@ -42,9 +42,9 @@ def assert_clean(store: TieredStore) -> None:
             if not lvl.managed:
                 continue
             assert not lvl.pinned, f"{lvl.name}: a pin outlived its call"
-            assert all(e.ready and not e.doomed and e.pins == 0 for e in lvl.index.values()), \
+            assert all(e.ready and not e.doomed and e.pins == 0 for _, e in lvl.items()), \
                 f"{lvl.name}: a reservation outlived its call"
-            assert lvl.used == sum(e.footprint for e in lvl.index.values()), f"{lvl.name}: used drifted"
+            assert lvl.used == sum(e.footprint for _, e in lvl.items()), f"{lvl.name}: used drifted"
             assert lvl.used <= lvl.capacity
             assert len(lvl.eviction) == len(lvl.index), f"{lvl.name}: policy and index disagree"
 

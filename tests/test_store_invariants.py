@@ -188,11 +188,50 @@ def test_a_medium_that_raises_costs_a_miss_not_the_call():
     store.put(["a"], [val(1)])
     store.levels[1].tier.write(["a"], [[val(1)]])  # a second copy below, as after a demotion
     with store._lock:
-        store.levels[1].index["a"] = type(store.levels[0].index["a"])(C, C, ready=True)
-        store.levels[1].used += C
-        store._where["a"] |= store.levels[1].bit
-        store.levels[1].eviction.on_insert("a", C)
+        assert store.levels[1].reserve("a", C)
+        store.levels[1].commit("a")  # READY below: indexed and known to its policy
     out = torch.zeros(C, dtype=torch.uint8)
     assert store.get(["a"], [out]) == [True] and torch.equal(out, val(1))  # fell through to the copy below
     assert store.stats()["b"]["errors"] == 1
+    store.close()
+
+
+def test_level_index_holds_packed_ints_and_an_entry_only_for_a_doomed_chunk_still_read():
+    lvl = Level(DRAMTier("d", 8 * C))
+    assert lvl.reserve_many(["a", "b", "c"], [C, C, 8 * C]) == [0, 0, 2]  # "c" does not fit beside them
+    assert lvl.reserve_many(["a"], [C]) == [1]  # reserved already
+    assert lvl.entry("a").ready is False and type(lvl.index["a"]) is int and lvl.index["a"] < 0
+    assert not lvl.holds("a") and lvl.ready_nbytes("a") == -1
+    lvl.tier.write(["a", "b"], [[val(1)], [val(2)]])
+    lvl.commit_many(["a", "b"])
+    assert lvl.index["a"] is lvl.index["b"]  # one shared int for one size
+    assert lvl.holds("a") and lvl.ready_nbytes("a") == C and lvl.entries() == 2
+    assert lvl.used == 2 * lvl.tier.footprint(C)
+    lvl.pin_many(["a", "b"])
+    lvl.pin("a")
+    assert lvl.pinned == {"a": 2, "b": 1} and lvl.entry("a").pins == 2
+    assert lvl.victims(C) is None or "a" not in lvl.victims(C)
+    lvl.drop("a")  # read by two: doomed, still accounted
+    e = lvl.entry("a")
+    assert e.doomed and not e.ready and not lvl.holds("a") and lvl.entries() == 1
+    assert lvl.used == 2 * lvl.tier.footprint(C)
+    lvl.unpin_many(["a", "b"])
+    assert lvl.pinned == {"a": 1} and "a" in lvl.index
+    lvl.unpin("a")  # the last reader frees it
+    assert "a" not in lvl.index and lvl.used == lvl.tier.footprint(C) and not lvl.pinned
+    assert lvl.tier.contains(["a", "b"]) == [False, True]
+    with pytest.raises(PolicyError, match="no reservation"):
+        lvl.commit_many(["b"])  # READY, not reserved
+    assert lvl.reserve("z", C) and lvl.index["z"] < 0
+    lvl.abort("z")
+    assert "z" not in lvl.index and lvl.used == lvl.tier.footprint(C)
+
+
+def test_a_chain_of_shared_pools_alone_serves_gets():
+    pool = SharedPool()
+    store = TieredStore([pool])
+    assert store.put(["a", "b"], [val(1), val(2)]) == [True, True]
+    out = [torch.zeros(C, dtype=torch.uint8) for _ in range(3)]
+    assert store.get(["a", "b", "c"], out) == [True, True, False]
+    assert torch.equal(out[1], val(2)) and store.stats()["total"]["hits"] == 2
     store.close()

@@ -94,7 +94,7 @@ class StoreMachine(RuleBasedStateMachine):
         """Close and reopen: the SSD tier's chunks survive; nothing wrong appears."""
         ssd = self.store.levels[2]
         self.store.drain_write_behind()
-        on_ssd = {k for k, e in ssd.index.items() if e.ready}
+        on_ssd = {k for k, e in ssd.items() if e.ready}
         self.store.close()
         self.store = TieredStore.from_config(self.cfg)
         after = {k for k, t in zip(KEYS, self.store.locate(KEYS)) if t is not None}
@@ -110,10 +110,10 @@ class StoreMachine(RuleBasedStateMachine):
     def index_matches_media(self):
         self.store.drain_write_behind()
         for lvl in self.store.levels:
-            ready = [k for k, e in lvl.index.items() if e.ready]
+            ready = [k for k, e in lvl.items() if e.ready]
             assert all(lvl.tier.contains(ready)), lvl.name
             assert not lvl.pinned, "a pin outlived its call"
-            assert lvl.used == sum(e.footprint for e in lvl.index.values())
+            assert lvl.used == sum(e.footprint for _, e in lvl.items())
             assert len(lvl.eviction) == len(ready)
 
 

@@ -49,6 +49,19 @@ def to_parts(value: Value, what: str = "value") -> tuple[Parts, int]:
     raise TypeError(f"{what} must be a torch.Tensor or a non-empty list of tensors, got {type(value).__name__}")
 
 
+def to_parts_many(values: Sequence[Value], what: str) -> list[tuple[Parts, int]]:
+    """``to_parts`` of each value (errors name ``what[i]``); the common case of flat uint8 tensors inline."""
+    out: list[tuple[Parts, int]] = []
+    append = out.append
+    tensor, u8 = torch.Tensor, torch.uint8
+    for i, v in enumerate(values):
+        if type(v) is tensor and v.dtype is u8 and v.dim() == 1 and v.is_contiguous():
+            append(([v], v.numel()))
+        else:
+            append(to_parts(v, f"{what}[{i}]"))
+    return out
+
+
 def parts_nbytes(parts: Sequence[torch.Tensor]) -> int:
     return sum(p.numel() for p in parts)
 

@@ -49,7 +49,6 @@ class Copying:
 
     levels: list[Level]
     _lock: Any
-    _where: dict[str, int]
     _managed_levels: list[int]
     _behind_levels: list[int]
     _behind: Any
@@ -61,6 +60,7 @@ class Copying:
         def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]: ...
         def _release(self, held: dict[tuple[int, str], None]) -> None: ...
         def _admit(self, lvl: Level, key: str, nbytes: int) -> bool: ...
+        def _mask(self, key: str) -> int: ...
         def _place(self, key: str, nbytes: int, start: int, stop: int, held: dict) -> tuple[Optional[int], int]: ...
         def _reserve(self, j: int, key: str, nbytes: int, held: dict) -> bool: ...
         def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True) -> bool: ...
@@ -84,19 +84,19 @@ class Copying:
         todo: dict[int, list[tuple[str, Any, int]]] = {}
         with self._lock:
             for key in dict.fromkeys(keys):
-                mask = self._where.get(key, 0)
+                mask = self._mask(key)
                 if not mask:
                     continue  # removed or dropped meanwhile
                 j = (mask & -mask).bit_length() - 1
                 lvl = self.levels[j]
-                e = lvl.index[key]
+                nbytes = lvl.ready_nbytes(key)
                 if not any(k > j and not mask & self.levels[k].bit and self.levels[k].tier.available
                            and call_policy(self.levels[k].admission, "admit", self.levels[k].name, key,
-                                           e.nbytes, self.levels[k].name)
+                                           nbytes, self.levels[k].name)
                            for k in self._behind_levels):
                     continue  # already everywhere it should be, or nowhere wants it
-                lvl.pin(key)
-                todo.setdefault(j, []).append((key, e, e.nbytes))
+                e = lvl.pin(key)
+                todo.setdefault(j, []).append((key, e, nbytes))
         try:
             for j, items in todo.items():
                 while items:
@@ -132,7 +132,7 @@ class Copying:
                 go = []
                 for i, (key, _, nbytes) in enumerate(batch):
                     with self._lock:
-                        if not oks[i] or self._where.get(key, 0) & lvl.bit:
+                        if not oks[i] or lvl.holds(key):
                             continue
                     if self._place(key, nbytes, k, k + 1, held)[0] is not None:
                         go.append(i)
@@ -172,7 +172,7 @@ class Copying:
                     if not lvl.tier.available:
                         continue
                     with self._lock:
-                        if self._where.get(key, 0) & lvl.bit or key in lvl.index:
+                        if key in lvl.index:
                             break
                         if budget[k] < nbytes or not self._admit(lvl, key, nbytes):
                             continue

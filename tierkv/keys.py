@@ -130,7 +130,17 @@ def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
         raise TypeError(f"{what} must be an ordered sequence (list or tuple) of strings, got {type(keys).__name__}"
                         + (": a set has no order to pair results with" if isinstance(keys, (set, frozenset)) else ""))
     keys = list(keys)
-    if each:
+    if each and keys:
+        # C passes for the common case (ASCII, or short, strings without '/' or NUL); the exact check otherwise
+        if set(map(type, keys)) == _STR and min(map(len, keys)):
+            longest = max(map(len, keys))
+            joined = "".join(keys)
+            if ((longest <= 50 or (longest <= 200 and joined.isascii()))
+                    and "/" not in joined and "\x00" not in joined):
+                return keys
         for k in keys:
             check_key(k)
     return keys
+
+
+_STR = {str}

@@ -8,8 +8,11 @@ demotion); the level makes each step keep its invariants:
 * ``used`` is always the sum of ``footprint`` over the entries in ``index``
   and never exceeds ``capacity`` (``reserve`` refuses what does not fit);
 * a READY entry is known to the eviction policy (told with its footprint, the
-  one unit of size everywhere) and marked in the store's ``where`` map; a
-  RESERVED one is neither;
+  one unit of size everywhere) and found by the store's reads; a RESERVED one
+  is neither;
+* the index holds one shared packed ``int`` per chunk (READY > 0, RESERVED < 0)
+  and an ``Entry`` only for a doomed chunk a reader still holds; pins are counts
+  in ``pinned`` (``entry`` gives a view of any state);
 * a pinned entry is never freed: ``drop`` makes it unreadable at once, and the
   last ``unpin`` frees its space and deletes its bytes.
 
@@ -36,7 +39,13 @@ PERSIST_MODES = ("write_behind", "write_through", "on_evict")
 
 
 class Entry:
-    """One object of a managed level: RESERVED (``ready`` False) or READY; ``doomed`` once dropped."""
+    """A view of one object of a managed level (``Level.entry``); in the index, a doomed chunk still read.
+
+    The index holds one packed ``int`` per chunk (a shared object for each distinct
+    size): positive while READY, negative while RESERVED.  An ``Entry`` stands in the
+    index only for a chunk that was dropped while a reader holds it (``doomed``),
+    until the last ``unpin`` frees it.
+    """
 
     __slots__ = ("doomed", "footprint", "nbytes", "pins", "ready")
 
@@ -46,6 +55,31 @@ class Entry:
         self.ready = ready
         self.pins = 0
         self.doomed = False
+
+
+#: a packed entry: footprint << 49 | nbytes << 1 | 1 (never 0, so its sign tells READY from RESERVED)
+_FP_SHIFT = 49
+_NB_MASK = (1 << 48) - 1
+#: distinct sizes whose packed ints are shared; past it, each entry keeps its own
+_CANON_LIMIT = 4096
+
+Slot = Union[int, Entry]
+_INT = {int}
+_ONE = {1}
+
+
+def ready_nbytes(v: Optional[Slot]) -> int:
+    """nbytes of an index slot that is READY; -1 for a missing, reserved or doomed one."""
+    if type(v) is int and v > 0:
+        return v >> 1 & _NB_MASK
+    return -1
+
+
+def unpack(v: int) -> tuple[int, int]:
+    """(nbytes, footprint) of a packed entry (READY or RESERVED)."""
+    if v < 0:
+        v = -v
+    return v >> 1 & _NB_MASK, v >> _FP_SHIFT
 
 
 def call_policy(policy: Any, hook: str, tier: str, *args: Any) -> Any:
@@ -125,13 +159,18 @@ class Level:
         if self.persist == "write_behind" and not self.managed:
             raise ConfigError(f"tier {tier.name!r} ({tier.medium}) is a shared pool: 'persist' may be "
                               "'write_through' or 'on_evict', not 'write_behind'")
-        self.index: dict[str, Entry] = {}
-        self.pinned: set[str] = set()
+        #: key -> packed int (> 0 READY, < 0 RESERVED) or, for a doomed chunk still read, an ``Entry``
+        self.index: dict[str, Slot] = {}
+        #: key -> number of readers holding it (the keys eviction must not name)
+        self.pinned: dict[str, int] = {}
         self.used = 0
         self.ready_count = 0
         self.counters = TierCounters()
         self.bit = 0
-        self._where: dict[str, int] = {}
+        self._canon: dict[int, int] = {}
+        #: nbytes -> (footprint, packed reservation): a medium's footprint is a function of nbytes alone
+        self._fps: dict[int, tuple[int, int]] = {}
+        self._ready_of: dict[int, tuple[int, int]] = {}
 
     @property
     def write_through(self) -> bool:
@@ -145,14 +184,59 @@ class Level:
     def capacity(self) -> int:
         return self.tier.capacity_bytes
 
-    def bind(self, bit: int, where: dict[str, int]) -> None:
-        """Join a store: ``bit`` marks this level in the store's ``where`` map (key -> bitmask of READY levels)."""
+    def bind(self, bit: int) -> None:
+        """Join a store: ``bit`` marks this level in the masks the store builds (``1 << position``)."""
         self.bit = bit
-        self._where = where
 
     def entries(self) -> int:
         """How many READY objects the level holds."""
         return self.ready_count
+
+    # -- the index -----------------------------------------------------------------
+    def _shared(self, v: int) -> int:
+        """The one int object for the value ``v`` (bounded: past the limit, ``v`` itself)."""
+        got = self._canon.get(v)
+        if got is not None:
+            return got
+        if len(self._canon) < _CANON_LIMIT:
+            self._canon[v] = v
+        return v
+
+    def holds(self, key: str) -> bool:
+        """Whether ``key`` is READY here."""
+        v = self.index.get(key)
+        return type(v) is int and v > 0
+
+    def ready_nbytes(self, key: str) -> int:
+        """nbytes of ``key`` if it is READY here, else -1."""
+        return ready_nbytes(self.index.get(key))
+
+    def doomed(self, key: str) -> bool:
+        """Whether ``key`` was dropped while a reader held it (it is freed at the last unpin)."""
+        return type(self.index.get(key)) is Entry
+
+    def entry(self, key: str) -> Optional[Entry]:
+        """A view of ``key``'s state (nbytes, footprint, ready, pins, doomed); None if absent."""
+        v = self.index.get(key)
+        if v is None:
+            return None
+        if type(v) is int:
+            nb, fp = unpack(v)
+            e = Entry(nb, fp, ready=v > 0)
+        else:
+            e = Entry(v.nbytes, v.footprint)  # type: ignore[union-attr]
+            e.doomed = True
+        e.pins = self.pinned.get(key, 0)
+        return e
+
+    def items(self) -> list[tuple[str, Entry]]:
+        """(key, ``entry(key)``) for every key in the index."""
+        return [(k, self.entry(k)) for k in list(self.index)]  # type: ignore[misc]
+
+    def nbytes_of(self, key: str) -> int:
+        """nbytes of ``key``, in any state (it must be in the index)."""
+        v = self.index[key]
+        return unpack(v)[0] if type(v) is int else v.nbytes  # type: ignore[union-attr,arg-type]
 
     # -- two-phase writes ------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> bool:
@@ -160,9 +244,40 @@ class Level:
         fp = self.tier.footprint(nbytes)
         if key in self.index or self.used + fp > self.capacity:
             return False
-        self.index[key] = Entry(nbytes, fp)
+        self.index[key] = self._shared(-(fp << _FP_SHIFT | nbytes << 1 | 1))
         self.used += fp
         return True
+
+    def reserve_many(self, keys: list[str], sizes: list[int]) -> list[int]:
+        """``reserve`` for each (key, nbytes) in order; one code each: 0 reserved now, 1 already READY or
+        reserved here, 2 not reserved (no room without evicting, or a doomed copy is still read)."""
+        index, cap, shared = self.index, self.capacity, self._shared
+        fps = self._fps
+        footprint = self.tier.footprint
+        used = self.used
+        out: list[int] = []
+        append = out.append
+        try:
+            for key, nbytes in zip(keys, sizes):
+                c = fps.get(nbytes)
+                if c is None:
+                    fp = footprint(nbytes)
+                    c = (fp, shared(-(fp << _FP_SHIFT | nbytes << 1 | 1)))
+                    if len(fps) < _CANON_LIMIT:
+                        fps[nbytes] = c
+                fp = c[0]
+                if key in index:
+                    append(1 if type(index[key]) is int else 2)
+                    continue
+                if used + fp > cap:
+                    append(2)
+                    continue
+                index[key] = c[1]
+                used += fp
+                append(0)
+        finally:
+            self.used = used
+        return out
 
     def commit(self, key: str) -> None:
         """Make a reservation READY: readable, known to the eviction policy."""
@@ -174,29 +289,33 @@ class Level:
         If the policy raises, none of the batch stays: an entry the policy does not
         know could never be evicted.
         """
-        index, where, bit = self.index, self._where, self.bit
-        entries = []
-        for key in keys:
-            e = index.get(key)
-            if e is None or e.ready or e.doomed:
+        index, shared = self.index, self._shared
+        held = [index.get(key) for key in keys]
+        for key, v in zip(keys, held):
+            if type(v) is not int or v > 0:  # type: ignore[operator]
                 raise PolicyError(f"tier {self.name!r}: no reservation for {key[:80]!r}")
-            entries.append(e)
-        for key, e in zip(keys, entries):
-            e.ready = True
-            where[key] = where.get(key, 0) | bit
+        ready_of = self._ready_of  # reservation -> (READY value, footprint), per distinct size
+        made = []
+        for v in held:
+            r = ready_of.get(v)  # type: ignore[arg-type]
+            if r is None:
+                r = (shared(-v), -v >> _FP_SHIFT)  # type: ignore[operator]
+                if len(ready_of) < _CANON_LIMIT:
+                    ready_of[v] = r  # type: ignore[index]
+            made.append(r)
+        index.update(zip(keys, [r[0] for r in made]))
+        fps = [r[1] for r in made]
         self.ready_count += len(keys)
         try:
             if self._insert_many:
-                call_policy(self.eviction, "on_insert_many", self.name, keys, [e.footprint for e in entries])
+                call_policy(self.eviction, "on_insert_many", self.name, keys, fps)
             else:
-                for key, e in zip(keys, entries):
-                    call_policy(self.eviction, "on_insert", self.name, key, e.footprint)
+                for key, fp in zip(keys, fps):
+                    call_policy(self.eviction, "on_insert", self.name, key, fp)
         except BaseException:
-            for key, e in zip(keys, entries):  # none of them may stay unknown to the policy
-                self._unmark(key, e)
-                e.doomed = True
-                if e.pins == 0:
-                    self._free(key, e)
+            for key in keys:  # none of them may stay unknown to the policy
+                if self.holds(key):
+                    self._discard(key)
                 try:
                     self.eviction.on_remove(key)  # type: ignore[union-attr]
                 except Exception:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
@@ -215,63 +334,104 @@ class Level:
 
     def abort(self, key: str) -> None:
         """Release a reservation whose write failed (or never ran)."""
-        e = self.index.get(key)
-        if e is not None and not e.ready and not e.doomed:
+        v = self.index.get(key)
+        if type(v) is int and v < 0:  # type: ignore[operator]
             del self.index[key]
-            self.used -= e.footprint
+            self.used -= -v >> _FP_SHIFT  # type: ignore[operator]
 
     # -- readers -----------------------------------------------------------------
-    def pin(self, key: str) -> Entry:
-        e = self.index[key]
-        e.pins += 1
-        self.pinned.add(key)
-        return e
+    def pin(self, key: str) -> int:
+        """Hold a READY ``key`` for a reader: never named as a victim nor freed until ``unpin``.
 
-    def unpin(self, key: str, e: Entry) -> None:
-        e.pins -= 1
-        if e.pins == 0:
-            self.pinned.discard(key)
-            if e.doomed:
-                self._free(key, e)
+        Returns its nbytes.
+        """
+        v = self.index[key]
+        if type(v) is not int or v < 0:  # type: ignore[operator]
+            raise KeyError(f"tier {self.name!r}: {key[:80]!r} is not READY")
+        pinned = self.pinned
+        pinned[key] = pinned.get(key, 0) + 1
+        return v >> 1 & _NB_MASK  # type: ignore[operator]
+
+    def pin_many(self, keys: list[str]) -> None:
+        """``pin`` for each key (every one READY: the caller just checked, under the lock)."""
+        pinned, index = self.pinned, self.index
+        vals = list(map(index.get, keys))
+        if set(map(type, vals)) != _INT or min(vals) < 0:  # type: ignore[type-var,operator]  # all or none
+            for key, v in zip(keys, vals):
+                if type(v) is not int or v < 0:  # type: ignore[operator]
+                    raise KeyError(f"tier {self.name!r}: {key[:80]!r} is not READY")
+        if not pinned and len(set(keys)) == len(keys):
+            pinned.update(dict.fromkeys(keys, 1))
+            return
+        get = pinned.get
+        for key in keys:
+            pinned[key] = get(key, 0) + 1
+
+    def unpin_many(self, keys: list[str]) -> None:
+        """``unpin`` for each key."""
+        pinned = self.pinned
+        if (len(pinned) == len(keys) and set(map(pinned.get, keys)) == _ONE
+                and set(map(type, map(self.index.get, keys))) == _INT):
+            pinned.clear()  # exactly these keys, each pinned once, none doomed: nothing to free
+            return
+        for key in keys:
+            n = pinned[key]
+            if n == 1 and type(self.index.get(key)) is int:  # the common case: the last reader, not doomed
+                del pinned[key]
+            else:
+                self.unpin(key)
+
+    def unpin(self, key: str, _e: Any = None) -> None:
+        """Release one ``pin``; the last one frees a chunk dropped meanwhile."""
+        pinned = self.pinned
+        n = pinned[key] - 1
+        if n:
+            pinned[key] = n
+            return
+        del pinned[key]
+        v = self.index.get(key)
+        if type(v) is Entry:  # dropped while read
+            self._free_slot(key, v.footprint)
 
     # -- leaving -------------------------------------------------------------------
-    def drop(self, key: str, e: Entry) -> None:
-        """Make a READY entry unreadable now; its space is freed when no reader holds it."""
-        if e.doomed:
-            return
-        was_ready = e.ready
-        self._unmark(key, e)
-        e.doomed = True
-        if e.pins == 0:
-            self._free(key, e)
+    def drop(self, key: str, _e: Any = None) -> None:
+        """Make ``key`` unreadable now (a READY chunk leaves its policy); its space is freed when no reader
+        holds it.  A doomed chunk is left as it is."""
+        v = self.index.get(key)
+        if type(v) is not int:
+            return  # absent, or already doomed
+        was_ready = v > 0  # type: ignore[operator]
+        self._discard(key)
         if was_ready:
             call_policy(self.eviction, "on_remove", self.name, key)
 
-    def _unmark(self, key: str, e: Entry) -> None:
-        if e.ready:
-            e.ready = False
+    def _discard(self, key: str) -> None:
+        """Unmark ``key`` (an int in the index) and free it now, or doom it while a reader holds it."""
+        v: int = self.index[key]  # type: ignore[assignment]
+        if v > 0:
             self.ready_count -= 1
-            mask = self._where.get(key, 0) & ~self.bit
-            if mask:
-                self._where[key] = mask
-            else:
-                self._where.pop(key, None)
+        nb, fp = unpack(v)
+        if key in self.pinned:
+            e = self.index[key] = Entry(nb, fp)
+            e.doomed = True
+        else:
+            self._free_slot(key, fp)
 
-    def _free(self, key: str, e: Entry) -> None:
-        if self.index.get(key) is e:
-            del self.index[key]
-            self.used -= e.footprint
-            try:
-                self.tier.delete([key])
-            except Exception as exc:  # the bytes are unreachable through the index either way  # noqa: BLE001 - a plug-in or medium fault is contained here by design
-                log.warning("tierkv: tier %s delete failed: %s", self.name, exc)
+    def _free_slot(self, key: str, footprint: int) -> None:
+        del self.index[key]
+        self.used -= footprint
+        try:
+            self.tier.delete([key])
+        except Exception as exc:  # the bytes are unreachable through the index either way  # noqa: BLE001 - a plug-in or medium fault is contained here by design
+            log.warning("tierkv: tier %s delete failed: %s", self.name, exc)
 
     # -- eviction ------------------------------------------------------------------
     def victims(self, need: int) -> Optional[list[str]]:
         """Ask the policy for victims freeing ``need`` footprint bytes, then check its answer."""
         policy = self.eviction
         pname = type(policy).__name__
-        raw = call_policy(policy, "victims", self.name, need, self.pinned)
+        pinned = self.pinned
+        raw = call_policy(policy, "victims", self.name, need, pinned)
         if raw is None:
             return None
         try:
@@ -280,29 +440,30 @@ class Level:
             raise PolicyError(f"eviction policy {pname} of tier {self.name!r} returned "
                               f"{type(raw).__name__}, not a list of keys") from None
         freed, seen = 0, set()
+        index = self.index
         for v in victims:
-            e = self.index.get(v) if isinstance(v, str) else None
-            if e is None or not e.ready or e.doomed:
+            e = index.get(v) if isinstance(v, str) else None
+            if type(e) is not int or e < 0:  # type: ignore[operator]
                 raise PolicyError(f"eviction policy {pname} of tier {self.name!r} named {str(v)[:80]!r}, "
                                   "which the tier does not hold (did on_remove forget it?)")
-            if v in self.pinned:
+            if v in pinned:
                 raise PolicyError(f"eviction policy {pname} named the protected key {v[:80]!r}")
             if v in seen:
                 raise PolicyError(f"eviction policy {pname} named {v[:80]!r} twice")
             seen.add(v)
-            freed += e.footprint
+            freed += e >> _FP_SHIFT
         if freed < need:
             # a policy that counts other sizes than the footprints it was given: ask for the rest
-            more = call_policy(policy, "victims", self.name, need - freed, self.pinned | seen)
+            more = call_policy(policy, "victims", self.name, need - freed, set(pinned) | seen)
             if more is None:
                 return None
             for v in more:
-                e = self.index.get(v) if isinstance(v, str) else None
-                if v in seen or e is None or not e.ready or e.doomed or v in self.pinned:
+                e = index.get(v) if isinstance(v, str) else None
+                if v in seen or type(e) is not int or e < 0 or v in pinned:  # type: ignore[operator]
                     continue
                 victims.append(v)
                 seen.add(v)
-                freed += e.footprint
+                freed += e >> _FP_SHIFT  # type: ignore[operator]
                 if freed >= need:
                     break
             if freed < need:

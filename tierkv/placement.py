@@ -1,7 +1,7 @@
 """How ``TieredStore`` places chunks: admission, reservation, eviction, demotion, commit.
 
 Part of ``TieredStore`` (a mixin it inherits), split out so each module holds one
-concern; it uses the store's lock, levels and ``where`` map and keeps the
+concern; it uses the store's lock, levels and their indexes and keeps the
 invariants stated in ``tierkv/store.py``.  Every method that reserves takes a
 ``held`` dict and records each reservation in it, so the caller can abort what
 is left on any path out (``_release`` in a ``finally``).
@@ -33,7 +33,6 @@ class Placement:
 
     levels: list[Level]
     _lock: Any
-    _where: dict[str, int]
     _managed_levels: list[int]
 
     @staticmethod
@@ -51,12 +50,22 @@ class Placement:
             held.clear()
 
     def _busy(self, key: str) -> bool:
-        """Reserved (being written) in some managed level.  Caller holds the lock."""
+        """READY or reserved (being written) in some managed level.  Caller holds the lock."""
         for j in self._managed_levels:
             e = self.levels[j].index.get(key)
-            if e is not None and not e.doomed:
+            if type(e) is int:  # READY (> 0) or reserved (< 0); a doomed one is an Entry
                 return True
         return False
+
+    def _mask(self, key: str) -> int:
+        """Bitmask of the managed levels holding ``key`` READY (``level.bit``).  Caller holds the lock."""
+        m = 0
+        for j in self._managed_levels:
+            lvl = self.levels[j]
+            e = lvl.index.get(key)
+            if type(e) is int and e > 0:
+                m |= lvl.bit
+        return m
 
     @staticmethod
     def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]:
@@ -166,22 +175,21 @@ class Placement:
         try:
             while left:
                 key = left[0]
-                e = lvl.index[key]
-                demoted = self._demote(j, key, e.nbytes)
+                demoted = self._demote(j, key, lvl.nbytes_of(key))
                 with self._lock:
                     left.pop(0)
                     try:
                         lvl.counters.evictions += 1
                         if demoted:
                             lvl.counters.demotions += 1
-                        lvl.drop(key, e)
+                        lvl.drop(key)
                     finally:
-                        lvl.unpin(key, e)
+                        lvl.unpin(key)
         finally:
             if left:
                 with self._lock:
                     for key in left:
-                        lvl.unpin(key, lvl.index[key])
+                        lvl.unpin(key)
 
     def _demote(self, j: int, key: str, nbytes: int) -> bool:
         """Copy ``key`` from level ``j`` into the next lower level that takes it.  True if it now lives below.
@@ -195,7 +203,7 @@ class Placement:
         try:
             for k in range(j + 1, len(self.levels)):
                 with self._lock:
-                    if self._where.get(key, 0) & self.levels[k].bit:
+                    if self.levels[k].holds(key):
                         return True
                 if self._place(key, nbytes, k, k + 1, held)[0] is None:
                     continue
@@ -235,7 +243,7 @@ class Placement:
             if not lvl.write_through:
                 continue
             with self._lock:
-                if self._where.get(key, 0) & lvl.bit:
+                if lvl.managed and lvl.holds(key):
                     continue
             if self._place(key, nbytes, k, k + 1, held)[0] is None:
                 continue

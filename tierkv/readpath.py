@@ -14,7 +14,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from tierkv.buffers import Parts, check_size
 from tierkv.keys import check_key
-from tierkv.level import Level, call_policy
+from tierkv.level import _NB_MASK, Level, call_policy, ready_nbytes
+
+_INT = {int}
 
 
 class ReadPath:
@@ -22,7 +24,7 @@ class ReadPath:
 
     levels: list[Level]
     _lock: Any
-    _where: dict[str, int]
+    _managed_levels: list[int]
     _counters: Any
     _admissions: list[Any]
     _shared_levels: list[int]
@@ -40,69 +42,119 @@ class ReadPath:
         n = len(keys)
         results = [False] * n
         served: list[Optional[int]] = [None] * n
-        with self._lock:  # sizes checked before anything is pinned
-            self._counters.get_calls += 1
-            for i, key in enumerate(keys):
-                mask = self._where.get(key, 0)
-                if mask:
-                    j = (mask & -mask).bit_length() - 1
-                    check_size(key, prepared[i][1], self.levels[j].index[key].nbytes)
-                else:
-                    check_key(key)
-            for key in keys:
-                for adm in self._admissions:
-                    call_policy(adm, "on_access", "*", key)
-        pending = list(range(n))
+        managed = [(j, self.levels[j].index) for j in self._managed_levels]
         tried: list[int] = [0] * n  # bitmask of levels already tried for key i
         no_local: list[int] = []
-        while pending:
-            groups: dict[int, list[tuple[int, Any]]] = {}
+        pending: list[int] = []
+        groups: dict[int, list[int]] = {}  # level -> indexes into keys of the entries pinned there
+        with self._lock:
+            self._counters.get_calls += 1
+            # sizes checked before anything is pinned: the first level holding a key must hold its size
+            if len(managed) == 1:  # one managed level: one probe a key
+                j, index = managed[0]
+                bit, hits = 1 << j, []
+                for i, v in enumerate(map(index.get, keys)):
+                    if type(v) is int and v > 0:
+                        if (v >> 1 & _NB_MASK) != prepared[i][1]:
+                            check_size(keys[i], prepared[i][1], v >> 1 & _NB_MASK)
+                        hits.append(i)
+                    else:
+                        check_key(keys[i])
+                        no_local.append(i)
+                if hits:
+                    groups[j] = hits
+                    tried = [bit] * n  # (only hits are ever retried)
+            for i, key in enumerate(keys if len(managed) != 1 else ()):  # none, or several managed levels
+                for j, index in managed:
+                    v = index.get(key)
+                    if type(v) is int and v > 0:
+                        nb = ready_nbytes(v)
+                        if nb != prepared[i][1]:
+                            check_size(key, prepared[i][1], nb)
+                        tried[i] = 1 << j
+                        g = groups.get(j)
+                        if g is None:
+                            g = groups[j] = []
+                        g.append(i)
+                        break
+                else:
+                    check_key(key)
+                    no_local.append(i)
+            if self._admissions:
+                for key in keys:
+                    for adm in self._admissions:
+                        call_policy(adm, "on_access", "*", key)
+            for j, items in groups.items():
+                self.levels[j].pin_many([keys[i] for i in items])
+        first = True
+        while first or pending:
+            if not first:
+                groups = {}
             try:
-                with self._lock:
-                    for i in pending:
-                        e, j = None, -1
-                        mask = self._where.get(keys[i], 0) & ~tried[i]
-                        while mask:
-                            j = (mask & -mask).bit_length() - 1
-                            tried[i] |= 1 << j
-                            mask &= mask - 1
-                            e = self.levels[j].index[keys[i]]
-                            if e.nbytes == prepared[i][1]:
-                                break
-                            e = None
-                        if e is None:
-                            no_local.append(i)
-                            continue
-                        self.levels[j].pin(keys[i])
-                        groups.setdefault(j, []).append((i, e))
+                if not first:
+                    with self._lock:
+                        for i in pending:
+                            key, want, found = keys[i], prepared[i][1], -1
+                            for j, index in managed:
+                                if tried[i] >> j & 1:
+                                    continue
+                                nb = ready_nbytes(index.get(key))
+                                if nb < 0:
+                                    continue
+                                tried[i] |= 1 << j
+                                if nb == want:
+                                    found = j
+                                    break
+                            if found < 0:
+                                no_local.append(i)
+                                continue
+                            self.levels[found].pin(key)
+                            g = groups.get(found)
+                            if g is None:
+                                g = groups[found] = []
+                            g.append(i)
                 pending = []
                 for j, items in groups.items():
                     lvl = self.levels[j]
-                    oks = self._tier_io(lvl, "read", [keys[i] for i, _ in items], [prepared[i][0] for i, _ in items])
+                    names = [keys[i] for i in items]
+                    oks = self._tier_io(lvl, "read", names, [prepared[i][0] for i in items])
                     with self._lock:
-                        hit = []
-                        for (i, e), ok in zip(items, oks):
-                            if ok and not e.doomed:
+                        index = lvl.index
+                        if False not in oks and set(map(type, map(index.get, names))) == _INT:
+                            # all read, none dropped meanwhile (the common case)
+                            for i in items:
                                 results[i] = True
                                 served[i] = j
-                                hit.append(keys[i])
-                                lvl.counters.bytes_read += prepared[i][1]
+                            lvl.counters.bytes_read += sum([prepared[i][1] for i in items])
+                            lvl.counters.hits += len(items)
+                            lvl.accessed(names)
+                            continue
+                        hit = []
+                        got = 0
+                        for i, ok in zip(items, oks):
+                            key = keys[i]
+                            if ok and type(index.get(key)) is int:  # (a chunk dropped while read is an Entry)
+                                results[i] = True
+                                served[i] = j
+                                hit.append(key)
+                                got += prepared[i][1]
                             else:  # lost, torn or corrupt: drop this copy, try the next level
                                 if not ok:
                                     lvl.counters.errors += 1
-                                    lvl.drop(keys[i], e)
+                                    lvl.drop(key)
                                 pending.append(i)
+                        lvl.counters.bytes_read += got
                         lvl.counters.hits += len(hit)
                         lvl.accessed(hit)
             finally:
+                first = False
                 with self._lock:
                     for j, items in groups.items():
-                        for i, e in items:
-                            self.levels[j].unpin(keys[i], e)
+                        self.levels[j].unpin_many([keys[i] for i in items])
         if no_local and self._shared_levels:
             self._read_shared(keys, prepared, [i for i in no_local if not results[i]], results, served)
         self._count_misses(served, prepared)
-        if any(j for j in served):  # something was served below the top level
+        if served.count(None) + served.count(0) < n:  # something was served below the top level
             self._promote(keys, prepared, served)
         return results
 
@@ -110,12 +162,12 @@ class ReadPath:
         """Misses per level consulted: every available level above the one that served."""
         nlev = len(self.levels)
         available = [lvl.tier.available for lvl in self.levels]
-        missed_above = [0] * (nlev + 1)
+        missed_above = [served.count(k) for k in range(nlev)] + [served.count(None)]
         got = 0
-        for i, j in enumerate(served):
-            missed_above[nlev if j is None else j] += 1
-            if j is not None:
-                got += prepared[i][1]
+        if missed_above[nlev] == 0:
+            got = sum([p[1] for p in prepared])
+        elif missed_above[nlev] < len(served):
+            got = sum([p[1] for p, j in zip(prepared, served) if j is not None])
         with self._lock:
             below = 0  # keys served at or below level k (or not at all)
             for k in range(nlev, -1, -1):

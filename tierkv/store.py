@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from tierkv.buffers import Parts, Value, to_parts
+from tierkv.buffers import Parts, Value, to_parts_many
 from tierkv.config import build_levels, load_config
 from tierkv.copying import Copying
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
@@ -116,9 +116,8 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
         tiers_seen = [id(lvl.tier) for lvl in self.levels]
         if len(set(tiers_seen)) != len(tiers_seen):
             raise ConfigError("the same Tier object appears twice in the chain")
-        self._where: dict[str, int] = {}  # key -> bitmask of managed levels holding it READY
         for i, lvl in enumerate(self.levels):
-            lvl.bind(1 << i, self._where)
+            lvl.bind(1 << i)
         self.promotion = build_promotion(promotion)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
@@ -250,12 +249,13 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
         them, whose bytes are the chunk.  False means no tier took it (admission,
         no room, media errors); it is counted, never raised.  ``put_detailed`` says why.
         """
-        return [bool(o) for o in self.put_detailed(keys, values)]
+        stored, present = PutOutcome.STORED, PutOutcome.PRESENT
+        return [o is stored or o is present for o in self.put_detailed(keys, values)]
 
     def put_detailed(self, keys: Sequence[str], values: Sequence[Value]) -> list[PutOutcome]:
         """``put``, answering a ``PutOutcome`` per key: stored, present, rejected, no room or error."""
         keys, values = self._pairs(keys, values, "values")
-        prepared = [to_parts(v, f"values[{i}]") for i, v in enumerate(values)]
+        prepared = to_parts_many(values, "values")
         self._enter()
         t0 = time.perf_counter()
         try:
@@ -271,31 +271,61 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
         out: list[Optional[PutOutcome]] = [None] * n
         first: dict[str, int] = {}
         todo: list[int] = []
+        unique = len(set(keys)) == n
+        # reservations this call took and has not finished: (level, key) taken one by one, and the
+        # keys the first pass reserved in the top level as one batch (all finished in one lock hold)
+        held: dict[tuple[int, str], None] = {}
+        batch0: dict[str, None] = {}
+        groups: dict[int, list[int]] = {}
+        slow: list[int] = []
         with self._lock:
             c = self._counters
             c.put_calls += 1
             c.chunks_put += n
-            for key in keys:
-                for adm in self._admissions:
-                    call_policy(adm, "on_access", "*", key)
-            for i, key in enumerate(keys):
-                if key in first:  # a repeat inside the batch: takes the first one's result
-                    c.chunks_deduped += 1
-                    continue
-                first[key] = i
-                if key in self._where or self._busy(key):
+            if self._admissions:
+                for key in keys:
+                    for adm in self._admissions:
+                        call_policy(adm, "on_access", "*", key)
+            if unique and self._managed_levels == [0] and self._fast_top() and self.levels[0].tier.available:
+                # one managed level on top that takes everything without asking: reserve the batch at once
+                present, got0 = [], []
+                codes = self.levels[0].reserve_many(keys, [p[1] for p in prepared])
+                for i, code in enumerate(codes):
+                    if code == 0:
+                        got0.append(i)
+                    elif code == 1:
+                        present.append(i)
+                    else:
+                        slow.append(i)  # no room without evicting (or a doomed copy still read)
+                for i in present:
                     out[i] = PutOutcome.PRESENT
-                    c.chunks_deduped += 1
-                else:
-                    todo.append(i)
-        start = dict.fromkeys(todo, 0)
-        why = dict.fromkeys(todo, 0)
-        held: dict[tuple[int, str], None] = {}  # reservations this call took and has not finished
+                c.chunks_deduped += len(present)
+                if got0:
+                    groups[0] = got0
+                    batch0 = dict.fromkeys([keys[i] for i in got0])
+            else:
+                busy = self._busy
+                for i, key in enumerate(keys):
+                    if key in first:  # a repeat inside the batch: takes the first one's result
+                        c.chunks_deduped += 1
+                        continue
+                    first[key] = i
+                    if busy(key):  # READY or being written somewhere
+                        out[i] = PutOutcome.PRESENT
+                        c.chunks_deduped += 1
+                    else:
+                        todo.append(i)
+        start = dict.fromkeys(range(n), 0)
+        why = dict.fromkeys(range(n), 0)
         behind: list[tuple[int, str]] = []
+        queue_behind = self._behind is not None
+        first_pass = True
         try:
-            while todo:
-                groups: dict[int, list[int]] = {}
-                slow = []
+            while todo or first_pass:
+                if first_pass:
+                    first_pass = False  # groups and slow as the batch reservation left them
+                else:
+                    groups, slow = {}, []
                 with self._lock:  # fast path: the first level that admits has room without evicting
                     for i in todo:
                         j, flags = self._place_fast(keys[i], prepared[i][1], start[i], held)
@@ -319,8 +349,10 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
                     oks = self._tier_io(lvl, "write", [keys[i] for i in idx], [prepared[i][0] for i in idx])
                     with self._lock:
                         done = []
+                        pop = held.pop if held else None
                         for i, ok in zip(idx, oks):
-                            held.pop((j, keys[i]), None)
+                            if pop is not None:
+                                pop((j, keys[i]), None)
                             if ok:
                                 done.append(i)
                             else:
@@ -328,6 +360,10 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
                                 why[i] |= FAILED
                                 start[i] = j + 1
                                 todo.append(i)
+                        if j == 0 and batch0:
+                            # the failed ones are aborted now; commit_many either commits the rest or,
+                            # raising, drops them: none of the batch is left reserved after it
+                            batch0.clear()
                         if done:
                             if lvl.managed:
                                 lvl.commit_many([keys[i] for i in done])
@@ -336,24 +372,39 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
                             lvl.counters.bytes_written += nb
                             self._counters.chunks_stored += len(done)
                             self._counters.bytes_put += nb
+                            stored = PutOutcome.STORED
                             for i in done:
-                                out[i] = PutOutcome.STORED
-                                behind.append((j, keys[i]))
+                                out[i] = stored
+                            if queue_behind:
+                                behind.extend((j, keys[i]) for i in done)
                     if self._any_write_through:
                         for i, ok in zip(idx, oks):
                             if ok:
                                 self._write_through(j, keys[i], prepared[i], held)
         finally:
+            if batch0:
+                with self._lock:
+                    for key in batch0:
+                        self.levels[0].abort(key)
+                batch0.clear()
             self._release(held)
         if behind and self._behind is not None:
             self._queue_behind(behind)
-        for i in range(n):
-            if out[i] is None:
-                o = out[first[keys[i]]]
-                out[i] = o if o is not None else PutOutcome.ERROR
-        with self._lock:
-            self._counters.chunks_rejected += sum(1 for o in out if not o)
+        if None in out:
+            for i in range(n):
+                if out[i] is None:
+                    o = out[first[keys[i]]] if not unique else None
+                    out[i] = o if o is not None else PutOutcome.ERROR
+        refused = n - out.count(PutOutcome.STORED) - out.count(PutOutcome.PRESENT)
+        if refused:
+            with self._lock:
+                self._counters.chunks_rejected += refused
         return out  # type: ignore[return-value]
+
+    def _fast_top(self) -> bool:
+        """Whether a put may reserve a whole batch in the top level at once: managed, no admission policy."""
+        top = self.levels[0]
+        return top.managed and top.admits_all
 
     # ------------------------------------------------------------------ get
     def get(self, keys: Sequence[str], outs: Sequence[Value]) -> list[bool]:
@@ -363,7 +414,7 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
         any view of them).  A False leaves ``outs[i]`` unspecified.
         """
         keys, outs = self._pairs(keys, outs, "outs", each=False)
-        prepared = [to_parts(o, f"outs[{i}]") for i, o in enumerate(outs)]
+        prepared = to_parts_many(outs, "outs")
         self._enter()
         t0 = time.perf_counter()
         try:
@@ -384,27 +435,46 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
             self._observe("lookup", keys, n, t0, None)
         return n
 
+    def _leading_ready(self, keys: list[str]) -> int:
+        """How many leading keys are READY in some managed level.  Caller holds the lock."""
+        indexes = [self.levels[j].index for j in self._managed_levels]
+        n = 0
+        if len(indexes) == 1:  # the common chain of one managed level: one probe a key
+            index = indexes[0]
+            for k in keys:
+                e = index.get(k)
+                if type(e) is not int or e < 0:
+                    break
+                n += 1
+            return n
+        for k in keys:
+            for index in indexes:
+                e = index.get(k)
+                if type(e) is int and e > 0:
+                    break
+            else:
+                break
+            n += 1
+        return n
+
     def _lookup(self, keys: list[str]) -> int:
         self._enter()
         try:
             n = 0
             with self._lock:
                 self._counters.lookup_calls += 1
-                where = self._where
-                for k in keys:
-                    if k not in where:
-                        check_key(k)
-                        break
-                    n += 1
+                n = self._leading_ready(keys)
+                if n < len(keys):
+                    check_key(keys[n])
                 if n == len(keys) or not self._shared_levels:
                     return n
                 for k in keys[n:]:
                     check_key(k)
-                ask = [i for i in range(n, len(keys)) if keys[i] not in where]
+                ask = [i for i in range(n, len(keys)) if not self._mask(keys[i])]
             found = self._first_shared("contains", keys, ask)
             with self._lock:
                 for i in range(n, len(keys)):
-                    if keys[i] not in self._where and i not in found:
+                    if not self._mask(keys[i]) and i not in found:
                         break
                     n += 1
             return n
@@ -423,7 +493,7 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
             out: list[Optional[str]] = [None] * len(keys)
             with self._lock:
                 for i, k in enumerate(keys):
-                    mask = self._where.get(k, 0)
+                    mask = self._mask(k)
                     if mask:
                         out[i] = self.levels[(mask & -mask).bit_length() - 1].name
             missing = [i for i, o in enumerate(out) if o is None]
@@ -445,9 +515,8 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
                 for key in keys:
                     for j in self._managed_levels:
                         lvl = self.levels[j]
-                        e = lvl.index.get(key)
-                        if e is not None and e.ready:
-                            lvl.drop(key, e)
+                        if lvl.holds(key):
+                            lvl.drop(key)
                     call_policy(self.promotion, "on_remove", "*", key)
             for j in self._shared_levels:
                 if self.levels[j].tier.available:

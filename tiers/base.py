@@ -42,6 +42,9 @@ from tierkv.units import parse_size
 
 Parts = list[torch.Tensor]
 
+_STR = {str}
+_LISTS = {list, tuple}
+
 
 class Tier:
     """Base class of storage media.  Subclasses implement ``_write`` / ``_read`` / ``_delete`` / ``_contains``."""
@@ -96,7 +99,8 @@ class Tier:
     # strings, one buffer list per key) and then call the medium's ``_write`` /
     # ``_read`` / ``_delete`` / ``_contains``, so no medium can skip the checks.
     def footprint(self, nbytes: int) -> int:
-        """Bytes of ``capacity_bytes`` an object of ``nbytes`` consumes here."""
+        """Bytes of ``capacity_bytes`` an object of ``nbytes`` consumes here: a function of ``nbytes`` alone
+        (the store may remember it per size)."""
         return nbytes
 
     def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
@@ -139,7 +143,7 @@ class Tier:
             raise TypeError(f"tier {self.name!r}: keys must be a sequence of strings (a list), "
                             f"got {type(keys).__name__}")
         keys = list(keys)
-        if not all(type(k) is str for k in keys):  # (the common case in one pass, the error names the culprit)
+        if keys and set(map(type, keys)) != _STR:  # (one C pass for the common case)
             for k in keys:
                 if not isinstance(k, str):
                     raise TypeError(f"tier {self.name!r}: keys must be strings, got {type(k).__name__}")
@@ -152,7 +156,7 @@ class Tier:
         bufs = list(bufs)
         if len(keys) != len(bufs):
             raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(bufs)} {what}")
-        if not all(type(parts) is list for parts in bufs):
+        if bufs and not set(map(type, bufs)) <= _LISTS:
             for i, parts in enumerate(bufs):
                 if isinstance(parts, torch.Tensor) or not isinstance(parts, (list, tuple)):
                     raise TypeError(f"tier {self.name!r}: {what}[{i}] must be a list of uint8 tensors")

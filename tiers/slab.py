@@ -127,57 +127,80 @@ class SlabTier(Tier):
         self._check_open()
         n = len(keys)
         out = [False] * n
-        last = {key: i for i, key in enumerate(keys)} if n > 1 else None  # a key given twice keeps its last value
-        objects, allocate = self._objects, self._alloc.allocate
+        # a key given twice keeps its last value
+        last = {key: i for i, key in enumerate(keys)} if n > 1 and len(set(keys)) < n else None
+        objects, alloc = self._objects, self._alloc
+        allocate, stacks, slot_max = alloc.allocate, alloc._stacks, alloc.slot_max
         slab = self.slab  # held for the whole call (see the module docstring)
         base, host = slab.data_ptr(), self._host
-        placed: list[tuple[int, int, Packed]] = []  # (index, nbytes, packed location)
+        # what was placed, as parallel lists: index into keys, nbytes, packed location
+        at: list[int] = []
+        sizes: list[int] = []
+        locs: list[Packed] = []
         moves: list[tuple[int, int, int]] = []  # the common case, planned here: one part, one range, host
         other: list[tuple[int, int, Packed]] = []  # the rest, copied by ``_copy``
         total = 0
         v: Packed
         with self._lock:
-            for i, key in enumerate(keys):
-                if last is not None and last[key] != i:
-                    out[i] = True  # superseded by a later value in this same call
-                    continue
-                parts = srcs[i]
-                one = len(parts) == 1
-                nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
-                old = objects.pop(key, None)
-                if old is not None:
-                    self._release(old)
-                loc = allocate((nbytes + ALIGN - 1) & _ALIGN_MASK)
-                if loc is None:
-                    continue
-                if type(loc) is int and nbytes <= _NB_MASK:
-                    v = (loc >> _ALIGN_BITS) << _SHIFT | nbytes
-                    if one and host:
-                        p = parts[0]
-                        if p.is_cpu and p.is_contiguous():
-                            placed.append((i, nbytes, v))
-                            if nbytes:
-                                moves.append((base + loc, p.data_ptr(), nbytes))
-                                total += nbytes
+            fresh = objects.keys().isdisjoint(keys)  # (one C pass: then no old value to release)
+            slot_taken = 0
+            try:
+                for i, key in enumerate(keys):
+                    if last is not None and last[key] != i:
+                        out[i] = True  # superseded by a later value in this same call
+                        continue
+                    parts = srcs[i]
+                    one = len(parts) == 1
+                    nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
+                    if not fresh:
+                        old = objects.pop(key, None)
+                        if old is not None:
+                            self._release(old)
+                    f = (nbytes + ALIGN - 1) & _ALIGN_MASK
+                    st = stacks.get(f) if f <= slot_max else None
+                    if st:  # the common case inline: a free slot of its class
+                        slot_taken += f
+                        loc = st.pop()
+                    else:
+                        loc = allocate(f)
+                        if loc is None:
                             continue
-                else:
-                    v = (nbytes, loc)
-                placed.append((i, nbytes, v))
-                other.append((i, nbytes, v))
+                    if type(loc) is int and nbytes <= _NB_MASK:
+                        v = (loc >> _ALIGN_BITS) << _SHIFT | nbytes
+                        if one and host:
+                            p = parts[0]
+                            if p.is_cpu and p.is_contiguous():
+                                at.append(i)
+                                sizes.append(nbytes)
+                                locs.append(v)
+                                if nbytes:
+                                    moves.append((base + loc, p.data_ptr(), nbytes))
+                                    total += nbytes
+                                continue
+                    else:
+                        v = (nbytes, loc)
+                    at.append(i)
+                    sizes.append(nbytes)
+                    locs.append(v)
+                    other.append((i, nbytes, v))
+            finally:
+                alloc._slot_free -= slot_taken
         try:
             _run_moves(moves, total)
             if other:
                 self._copy(slab, other, srcs, True)
         except BaseException:
             with self._lock:
-                for _, nbytes, v in placed:
+                for nbytes, v in zip(sizes, locs):
                     self._alloc.free((nbytes + ALIGN - 1) & _ALIGN_MASK, _unpack(v)[1])
             raise
         with self._lock:  # visible only once every byte is in place
-            for i, nbytes, v in placed:
-                objects[keys[i]] = v
-                self._used += nbytes
-                out[i] = True
+            objects.update(zip(keys if len(at) == n else [keys[i] for i in at], locs))
+            self._used += sum(sizes)
+        if len(at) == n:
+            return [True] * n
+        for i in at:
+            out[i] = True
         return out
 
     def _copy(self, slab: torch.Tensor, placed: list[tuple[int, int, Packed]], bufs: Sequence[Parts],

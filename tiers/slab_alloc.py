@@ -146,7 +146,9 @@ class SlabAllocator:
         # a small slab carves small runs, so one class does not take the whole of it at once
         self.run_bytes = max(ALIGN, min(run_bytes, align_up(size // 64)))
         self._ext = ExtentAllocator(size)
-        self._stacks: dict[int, array] = {}  # footprint -> offsets of free slots
+        # footprint -> offsets of free slots; the slab tier pops a slot inline on its hot path and then
+        # takes its bytes off ``_slot_free`` itself
+        self._stacks: dict[int, array] = {}
         self._slot_free = 0  # bytes in all free slots
 
     @property
