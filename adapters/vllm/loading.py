@@ -11,6 +11,7 @@ owns the KV cache it writes into.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -37,9 +38,10 @@ class LoadObj:
     first: int
     targets: list[int | None]
 
-    @property
+    @functools.cached_property
     def num_targets(self) -> int:
-        return sum(1 for b in self.targets if b is not None)
+        """Blocks the chunk fills (its targets are fixed once planned)."""
+        return len(self.targets) - self.targets.count(None)
 
 
 @dataclass
