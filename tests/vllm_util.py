@@ -273,6 +273,13 @@ class _LayerGate:
 
     def get(self, keys, outs):
         job = self._worker.load_job
+        if job is None and self._worker.layerwise:
+            # the loader thread may reach its first gets before the engine thread has stored the job
+            # it was handed (start_load_kv returns it): wait for that, or no layer would be gated
+            deadline = time.monotonic() + self._timeout
+            while job is None and time.monotonic() < deadline:
+                time.sleep(0.0005)
+                job = self._worker.load_job
         if job is not self._job:
             self._job, self._n = job, 0
         layer = self._n
