@@ -145,14 +145,7 @@ class ReadPath:
         for i, loc in items:
             if view is not None:
                 o = loc[3] - start
-                res = self._from_view(view[o:o + loc[4]], loc[0], loc[6], dsts[i], addr + o)
-                if res == _OK:
-                    out[i] = True
-                    continue
-                if res == _OTHER:
-                    self._count("collisions")
-                    continue
-                if res == _SIZE:
+                if self._settled(self._from_view(view[o:o + loc[4]], loc[0], loc[6], dsts[i], addr + o), i, out):
                     continue
             again.append((i, loc))
         for i, loc in again:  # a second look decides: moved, corrupt or an I/O error (the scratch is reused)
@@ -204,17 +197,22 @@ class ReadPath:
                     res = self._from_view(smv[at:at + loc[4]], loc[0], loc[6], dsts[i], _ADDR(scratch) + at)
                 else:
                     res = self._head_then(smv[at:at + F.REC_HDR + len(loc[0])], loc, views)
-                if res == _OK:
-                    out[i] = True
-                    continue
-                if res == _OTHER:
-                    self._count("collisions")
-                    continue
-                if res == _SIZE:
+                if self._settled(res, i, out):
                     continue
             again.append((i, loc))
         for i, loc in again:  # a second look decides: moved, corrupt or an I/O error
             out[i] = self._read_one(keys[i], loc, dsts[i])
+
+    def _settled(self, res: int, i: int, out: list[bool]) -> bool:
+        """Whether a record's check decides read ``i``: served (``out[i]`` set), another key's record
+        (a collision, counted) or a size that differs; otherwise it needs a second look on its own."""
+        if res == _OK:
+            out[i] = True
+            return True
+        if res == _OTHER:
+            self._count("collisions")
+            return True
+        return res == _SIZE
 
     def _head_then(self, head, loc, views: list) -> int:
         """Check a header read into ``head`` and the payload read into ``views`` (the caller's parts)."""
