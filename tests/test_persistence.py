@@ -159,3 +159,49 @@ def test_sigkill_keeps_everything_before_the_last_flush(tmp_path):
             out = torch.empty(CHUNK, dtype=torch.uint8)
             if store.get([k], [out]) == [True]:
                 assert torch.equal(out, chunk(i)), "a wrong byte after SIGKILL"
+
+
+class _OneSlowCopy(FakeTier):
+    """A persistent fake whose first write of ``"first"`` waits on ``gate`` (and then fails, if asked);
+    every other write, demotions included, goes straight through."""
+
+    def __init__(self, fail: bool) -> None:
+        super().__init__("slow", 256 * CHUNK, persistent=True)
+        self.gate_writes = False
+        self.gate.clear()
+        self.fail_once = fail
+
+    def _write(self, keys, srcs):
+        if "first" in keys and not self.entered.is_set():
+            self._wait()
+            if self.fail_once:
+                raise OSError("fake medium: write failed")
+        return super()._write(keys, srcs)
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_chunk_in_a_write_behind_copy_is_never_in_no_tier(fail):
+    """The source of a write-behind copy stays pinned above until the copy lands (or fails): the
+    level above keeps taking puts meanwhile, and the chunk is readable throughout and after."""
+    slow = _OneSlowCopy(fail)
+    store = TieredStore([Level(DRAMTier("fast", 16 * CHUNK, prefault=False)), Level(slow)], promotion="never")
+    out = torch.empty(CHUNK, dtype=torch.uint8)
+    try:
+        store.put(["first"], [chunk(0)])
+        assert slow.entered.wait(10), "the write-behind copy never started"
+        for i, k in enumerate(keys_for(40)):  # fill the fast tier far past its capacity
+            assert store.put([k], [chunk(i + 1)]) == [True], "the copy held up the tier above"
+            assert store.lookup(["first"]) == 1, "the chunk being copied vanished from every tier"
+        assert store.get(["first"], [out]) == [True] and torch.equal(out, chunk(0))
+        assert store.locate(["first"])[0] == "fast"  # pinned above while its copy is in flight
+    finally:
+        slow.gate.set()
+        assert store.drain_write_behind(timeout=30)
+    for i, k in enumerate(keys_for(40, "later")):  # "first" is now unpinned: evicted, demoted below
+        store.put([k], [chunk(i + 100)])
+    assert store.get(["first"], [out]) == [True] and torch.equal(out, chunk(0))
+    assert "first" in slow.data
+    for lvl in store.levels:
+        assert not lvl.pinned, "a pin outlived the copy"
+        assert not [k for k, v in lvl.index.items() if type(v) is int and v < 0], "a reservation leaked"
+    store.close()

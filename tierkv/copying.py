@@ -4,7 +4,9 @@ Part of ``TieredStore`` (a mixin it inherits), split out so each module holds on
 concern.  A copy reads bytes the store itself verified (a tier read into a
 staging buffer, or a caller's buffer that shares memory with no other key's) and
 places them through ``Placement``, so every invariant of ``tierkv/store.py``
-holds for copies as for puts; the sources are pinned only while they are read.
+holds for copies as for puts.  A write-behind source stays pinned until its copy
+has landed below (so it is never in no tier meanwhile); one copy pins at most an
+eighth of its source level, so eviction always has the rest to choose from.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from tierkv.level import Level, call_policy
 
 #: most bytes one background copy stages at once
 _COPY_BATCH_BYTES = 64 << 20
+#: most of a source level's capacity one background copy keeps pinned (as a divisor)
+_COPY_PIN_SHARE = 8
 
 
 def _overlapping(prepared: list[tuple[Parts, int]]) -> set[int]:
@@ -78,74 +82,85 @@ class Copying:
     def _copy_behind(self, keys: list[str]) -> None:
         """Background: copy each key from the fastest level holding it into the write-behind levels below.
 
-        The source is pinned only while its bytes are read into staging buffers, so a
-        background copy delays no eviction for longer than a read.
+        A source stays pinned until its copy below is written (or failed): evicting it
+        earlier would leave it in no tier while the write is in flight, and lose it if
+        the write fails.  A batch pins at most ``1 / _COPY_PIN_SHARE`` of the source
+        level's capacity (at least one chunk), and is pinned only when its turn comes,
+        so puts above always find victims; a chunk evicted before its turn is demoted
+        as any other.
         """
-        todo: dict[int, list[tuple[str, Any, int]]] = {}
+        todo: dict[int, list[tuple[str, int]]] = {}
         with self._lock:
             for key in dict.fromkeys(keys):
                 mask = self._mask(key)
                 if not mask:
                     continue  # removed or dropped meanwhile
                 j = (mask & -mask).bit_length() - 1
-                lvl = self.levels[j]
-                nbytes = lvl.ready_nbytes(key)
-                if not any(k > j and not mask & self.levels[k].bit and self.levels[k].tier.available
-                           and call_policy(self.levels[k].admission, "admit", self.levels[k].name, key,
-                                           nbytes, self.levels[k].name)
-                           for k in self._behind_levels):
-                    continue  # already everywhere it should be, or nowhere wants it
-                e = lvl.pin(key)
-                todo.setdefault(j, []).append((key, e, nbytes))
-        try:
-            for j, items in todo.items():
-                while items:
-                    batch: list[tuple[str, Any, int]] = []
-                    size = 0
-                    while items and (not batch or size + items[0][2] <= _COPY_BATCH_BYTES):
-                        batch.append(items.pop(0))
-                        size += batch[-1][2]
-                    self._copy_batch(j, batch)
-        finally:
-            with self._lock:  # whatever an exception left pinned
-                for j, items in todo.items():
-                    for key, e, _ in items:
-                        self.levels[j].unpin(key, e)
+                nbytes = self.levels[j].ready_nbytes(key)
+                if nbytes >= 0 and self._wanted_below(j, mask, key, nbytes):
+                    todo.setdefault(j, []).append((key, nbytes))
+        for j, items in todo.items():
+            limit = min(_COPY_BATCH_BYTES, self.levels[j].capacity // _COPY_PIN_SHARE)
+            at = 0
+            while at < len(items):
+                batch: list[tuple[str, int]] = []
+                size = 0
+                while at < len(items) and (not batch or size + items[at][1] <= limit):
+                    batch.append(items[at])
+                    size += items[at][1]
+                    at += 1
+                self._copy_batch(j, batch)
 
-    def _copy_batch(self, j: int, batch: list[tuple[str, Any, int]]) -> None:
-        """Read a batch of pinned chunks of level ``j`` (unpinning them), then write them below."""
-        keys = [key for key, _, _ in batch]
-        bufs: list[torch.Tensor] = []
+    def _wanted_below(self, j: int, mask: int, key: str, nbytes: int) -> bool:
+        """Whether a write-behind level below ``j`` lacks ``key`` and would admit it (lock held)."""
+        for k in self._behind_levels:
+            lvl = self.levels[k]
+            if k > j and not mask & lvl.bit and lvl.tier.available \
+                    and call_policy(lvl.admission, "admit", lvl.name, key, nbytes, lvl.name):
+                return True
+        return False
+
+    def _copy_batch(self, j: int, batch: list[tuple[str, int]]) -> None:
+        """Pin the chunks of ``batch`` still READY in level ``j``, read them, write them below, unpin."""
+        src = self.levels[j]
+        with self._lock:
+            batch = [(key, nb) for key, nb in batch if src.ready_nbytes(key) == nb]
+            src.pin_many([key for key, _ in batch])
         try:
-            bufs = [staging(nb) for _, _, nb in batch]
-            oks = self._tier_io(self.levels[j], "read", keys, [[b] for b in bufs])
+            keys = [key for key, _ in batch]
+            bufs = [staging(nb) for _, nb in batch]
+            oks = self._tier_io(src, "read", keys, [[b] for b in bufs])
+            for k in self._behind_levels:
+                if k > j:
+                    self._write_below(k, batch, bufs, oks)
         finally:
             with self._lock:
-                for key, e, _ in batch:
-                    self.levels[j].unpin(key, e)
-        for k in self._behind_levels:
-            if k <= j:
-                continue
-            lvl = self.levels[k]
-            held: dict[tuple[int, str], None] = {}
-            try:
-                go = []
-                for i, (key, _, nbytes) in enumerate(batch):
-                    with self._lock:
-                        if not oks[i] or lvl.holds(key):
-                            continue
-                    if self._place(key, nbytes, k, k + 1, held)[0] is not None:
-                        go.append(i)
-                if not go:
-                    continue
-                wrote = self._tier_io(lvl, "write", [keys[i] for i in go], [[bufs[i]] for i in go])
+                src.unpin_many([key for key, _ in batch])
+
+    def _write_below(self, k: int, batch: list[tuple[str, int]], bufs: list[torch.Tensor],
+                     oks: list[bool]) -> None:
+        """Write the chunks of ``batch`` read into ``bufs`` into write-behind level ``k`` where it lacks them."""
+        lvl = self.levels[k]
+        held: dict[tuple[int, str], None] = {}
+        try:
+            go = []
+            for i, (key, nbytes) in enumerate(batch):
                 with self._lock:
-                    for i, ok in zip(go, wrote):
-                        held.pop((k, keys[i]), None)
-                        if self._finish_write(lvl, keys[i], batch[i][2], ok):
-                            lvl.counters.persisted += 1
-            finally:
-                self._release(held)
+                    if not oks[i] or lvl.holds(key):
+                        continue
+                if self._place(key, nbytes, k, k + 1, held)[0] is not None:
+                    go.append(i)
+            if not go:
+                return
+            wrote = self._tier_io(lvl, "write", [batch[i][0] for i in go], [[bufs[i]] for i in go])
+            with self._lock:
+                for i, ok in zip(go, wrote):
+                    key, nbytes = batch[i]
+                    held.pop((k, key), None)
+                    if self._finish_write(lvl, key, nbytes, ok):
+                        lvl.counters.persisted += 1
+        finally:
+            self._release(held)
 
     def _promote(self, keys: list[str], prepared: list[tuple[Parts, int]], served: list[Optional[int]]) -> None:
         """Copy hits served below the top managed level up, as the promotion policy says.

@@ -66,7 +66,7 @@ def run(n_chunks: int, root: str, config: str | None) -> dict:
         print(f"  request {r}: {len(keys)} chunks, {have} already stored (shared prefix), {len(values)} written")
 
     # an engine's next request comes a while later: the background copies into the SSD tier are done by
-    # then (a chunk whose copy is still being written is visible in no tier for that moment)
+    # then, so the locations printed below are the settled ones
     store.drain_write_behind(timeout=60)
     # the repeated prompt: find the cached prefix, reload it
     keys = chunk_keys(prompts[0], CHUNK_TOKENS, namespace="demo-llama/fp16/tp0")
