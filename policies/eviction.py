@@ -29,7 +29,7 @@ Subclass ``EvictionPolicy`` and implement the four hooks to customise eviction.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Sequence
 from itertools import repeat
 from typing import Optional
 
@@ -125,6 +125,14 @@ class LRUPolicy(EvictionPolicy):
     key and puts it back at the end.  A dict entry costs about half of an
     ``OrderedDict``'s (no linked-list node per key); subclasses may read ``_od``
     as an ordered mapping (``iter``, ``reversed``, ``[key]``).
+
+    A store's level may hand an LRU or FIFO policy of exactly these classes its own
+    index (``share_index``): the policy then keeps no dict of its own and orders
+    the level's index itself, so a chunk costs one dict entry for both.  A chunk's
+    place in that order is its reservation (the level enters it when it reserves
+    room), then its last read; ``on_insert`` and ``on_remove`` are then nothing to
+    do, and ``victims`` skips entries that are not READY.  Subclasses always keep
+    their own dict.
     """
 
     name = "lru"
@@ -133,8 +141,23 @@ class LRUPolicy(EvictionPolicy):
         super().__init__()
         self._od: dict[Key, int] = {}
         self._size = _Sizes()
+        self._index: Optional[dict] = None
+        self._fp_of: Callable[[int], int] = int
+        self._count: Callable[[], int] = int
+
+    def share_index(self, index: dict, footprint_of: Callable[[int], int], count: Callable[[], int]) -> None:
+        """Order ``index`` (a level's: key -> int, READY > 0) instead of a dict of its own.
+
+        ``footprint_of(value)`` is a READY entry's footprint, ``count()`` how many are READY.
+        """
+        if self._od:
+            raise RuntimeError(f"{type(self).__name__} already tracks keys: share an index before first use")
+        self._index, self._fp_of, self._count = index, footprint_of, count
+        self._od = index
 
     def on_insert(self, key, nbytes):
+        if self._index is not None:
+            return
         od = self._od
         od.pop(key, None)
         od[key] = self._size(nbytes)
@@ -146,9 +169,12 @@ class LRUPolicy(EvictionPolicy):
             od[key] = n
 
     def on_remove(self, key):
-        self._od.pop(key, None)
+        if self._index is None:
+            self._od.pop(key, None)
 
     def on_insert_many(self, keys, sizes):
+        if self._index is not None:
+            return
         od, size, pop, known = self._od, self._size, self._od.pop, self._size._d.get
         if type(keys) is list and od.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
             # all new (the common case): appended in order by C loops
@@ -176,15 +202,30 @@ class LRUPolicy(EvictionPolicy):
                 od[key] = n
 
     def on_remove_many(self, keys):
+        if self._index is not None:
+            return
         pop = self._od.pop
         for key in keys:
             pop(key, None)
 
     def victims(self, nbytes, protected):
-        return _take(iter(self._od), self._od, nbytes, protected)
+        if self._index is None:
+            return _take(iter(self._od), self._od, nbytes, protected)
+        out: list[Key] = []
+        freed = 0
+        if nbytes <= 0:
+            return out
+        fp_of = self._fp_of
+        for key, v in self._index.items():
+            if type(v) is int and v > 0 and key not in protected:  # READY (not reserved, not doomed)
+                out.append(key)
+                freed += fp_of(v)
+                if freed >= nbytes:
+                    return out
+        return None
 
     def __len__(self):
-        return len(self._od)
+        return self._count() if self._index is not None else len(self._od)
 
 
 class FIFOPolicy(LRUPolicy):

@@ -201,6 +201,7 @@ def test_a_chunk_in_a_write_behind_copy_is_never_in_no_tier(fail):
         store.put([k], [chunk(i + 100)])
     assert store.get(["first"], [out]) == [True] and torch.equal(out, chunk(0))
     assert "first" in slow.data
+    assert store.drain_write_behind(timeout=30)  # the later puts' own copies hold their pins until done
     for lvl in store.levels:
         assert not lvl.pinned, "a pin outlived the copy"
         assert not [k for k, v in lvl.index.items() if type(v) is int and v < 0], "a reservation leaked"

@@ -134,3 +134,62 @@ def test_s3fifo_zero_byte_victims():
     p.on_insert("a", 10)
     assert p.victims(10, ()) == ["z", "a"]
     assert "z" in p._ghost
+
+
+# -- through a store: a built-in LRU / FIFO orders its level's own index (no dict of its own); a
+# subclass keeps its own dict.  The same trace of puts, gets and removes must leave the same chunks.
+class _OwnLRU(LRUPolicy):
+    pass
+
+
+class _OwnFIFO(FIFOPolicy):
+    pass
+
+
+store_op = st.one_of(
+    st.tuples(st.just("put"), st.lists(st.tuples(st.integers(0, 30), st.sampled_from([16, 100, 512, 1500])),
+                                       min_size=1, max_size=8)),
+    st.tuples(st.just("get"), st.lists(st.integers(0, 30), min_size=1, max_size=8)),
+    st.tuples(st.just("remove"), st.lists(st.integers(0, 30), min_size=1, max_size=3)),
+)
+
+
+@pytest.mark.parametrize("shared_cls,own_cls", [(LRUPolicy, _OwnLRU), (FIFOPolicy, _OwnFIFO)],
+                         ids=["lru", "fifo"])
+@settings(max_examples=120, deadline=None)
+@given(trace=st.lists(store_op, max_size=40))
+def test_a_policy_ordering_the_level_index_evicts_as_one_with_its_own_dict(shared_cls, own_cls, trace):
+    import torch
+
+    from tierkv import TieredStore
+    from tierkv.level import Level
+    from tierkv.tiers.dram import DRAMTier
+
+    a_pol, b_pol = shared_cls(), own_cls()
+    a = TieredStore([Level(DRAMTier("d", 4096, prefault=False), eviction=a_pol)], promotion="never")
+    b = TieredStore([Level(DRAMTier("d", 4096, prefault=False), eviction=b_pol)], promotion="never")
+    assert a_pol._index is a.levels[0].index and b_pol._index is None
+    sizes: dict[str, int] = {}
+    try:
+        for kind, arg in trace:
+            if kind == "put":
+                ks = [f"k{i}" for i, _ in arg]
+                vals = [torch.full((sizes.setdefault(k, n),), i % 251, dtype=torch.uint8)
+                        for k, (i, n) in zip(ks, arg)]
+                assert a.put(ks, vals) == b.put(ks, vals)
+            elif kind == "get":
+                ks = [f"k{i}" for i in arg if f"k{i}" in sizes]
+                outs = [torch.empty(sizes[k], dtype=torch.uint8) for k in ks]
+                outs2 = [torch.empty(sizes[k], dtype=torch.uint8) for k in ks]
+                assert a.get(ks, outs) == b.get(ks, outs2)
+            else:
+                a.remove([f"k{i}" for i in arg])
+                b.remove([f"k{i}" for i in arg])
+            held_a = [k for k, v in a.levels[0].index.items() if type(v) is int and v > 0]
+            held_b = set(b_pol._od)
+            assert set(held_a) == held_b
+            assert held_a == list(b_pol._od)  # the same order: the next victims are the same
+            assert len(a_pol) == len(b_pol)
+    finally:
+        a.close()
+        b.close()

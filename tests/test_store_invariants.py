@@ -181,30 +181,32 @@ def test_a_policy_that_breaks_its_contract_is_named():
 
 def test_a_medium_that_raises_costs_a_miss_not_the_call():
     class Broken(DRAMTier):
-        def read(self, keys, dsts):
+        def read_at(self, codes, dsts):
             raise OSError("device fell off the bus")
 
     store = TieredStore([Broken("b", 4 * C), DRAMTier("ok", 4 * C)], promotion="never")
     store.put(["a"], [val(1)])
-    store.levels[1].tier.write(["a"], [[val(1)]])  # a second copy below, as after a demotion
-    with store._lock:
-        assert store.levels[1].reserve("a", C)
-        store.levels[1].commit("a")  # READY below: indexed and known to its policy
+    below = store.levels[1]
+    with store._lock:  # a second copy below, as after a demotion
+        assert below.reserve("a", C)
+        below.tier.write_at(below.codes(["a"]), [[val(1)]])
+        below.commit("a")  # READY below: indexed and known to its policy
     out = torch.zeros(C, dtype=torch.uint8)
     assert store.get(["a"], [out]) == [True] and torch.equal(out, val(1))  # fell through to the copy below
     assert store.stats()["b"]["errors"] == 1
     store.close()
 
 
-def test_level_index_holds_packed_ints_and_an_entry_only_for_a_doomed_chunk_still_read():
+def test_level_index_holds_ints_and_an_entry_only_for_a_doomed_chunk_still_read():
     lvl = Level(DRAMTier("d", 8 * C))
     assert lvl.reserve_many(["a", "b", "c"], [C, C, 8 * C]) == [0, 0, 2]  # "c" does not fit beside them
     assert lvl.reserve_many(["a"], [C]) == [1]  # reserved already
     assert lvl.entry("a").ready is False and type(lvl.index["a"]) is int and lvl.index["a"] < 0
     assert not lvl.holds("a") and lvl.ready_nbytes("a") == -1
-    lvl.tier.write(["a", "b"], [[val(1)], [val(2)]])
+    lvl.tier.write_at(lvl.codes(["a", "b"]), [[val(1)], [val(2)]])
     lvl.commit_many(["a", "b"])
-    assert lvl.index["a"] is lvl.index["b"]  # one shared int for one size
+    assert lvl.index["a"] != lvl.index["b"] and lvl.index["a"] > 0  # each its slab location
+    assert lvl.tier.extra_stats()["objects"] == 2 and not lvl.tier._objects  # the slab keeps no entry
     assert lvl.holds("a") and lvl.ready_nbytes("a") == C and lvl.entries() == 2
     assert lvl.used == 2 * lvl.tier.footprint(C)
     lvl.pin_many(["a", "b"])
@@ -234,4 +236,34 @@ def test_a_chain_of_shared_pools_alone_serves_gets():
     out = [torch.zeros(C, dtype=torch.uint8) for _ in range(3)]
     assert store.get(["a", "b", "c"], out) == [True, True, False]
     assert torch.equal(out[1], val(2)) and store.stats()["total"]["hits"] == 2
+    store.close()
+
+
+@pytest.mark.parametrize("medium", ["dram", "fake"])
+def test_chunks_too_large_for_an_index_int_field_keep_exact_sizes_and_accounting(medium):
+    """Chunks of 16 MiB and more do not fit the nbytes field of an index int: their size comes from the
+    tier (a located slab) or from the value itself (any other medium), and nothing else changes."""
+    big = (1 << 24) + 3  # just past the field
+    cap = 3 * (big + ALIGN)
+    tier = DRAMTier("t", cap, prefault=False) if medium == "dram" else FakeTier("t", cap)
+    store = TieredStore([Level(tier)], promotion="never")
+    lvl = store.levels[0]
+    assert lvl.located == (medium == "dram")
+    vals = {f"b{i}": torch.randint(0, 256, (big - i,), dtype=torch.uint8) for i in range(3)}
+    small = torch.arange(100, dtype=torch.uint8)
+    assert store.put(list(vals), list(vals.values())) == [True] * 3
+    for k, v in vals.items():
+        assert lvl.ready_nbytes(k) == v.numel() and lvl.entry(k).footprint == tier.footprint(v.numel())
+        out = torch.empty(v.numel(), dtype=torch.uint8)
+        assert store.get([k], [out]) == [True] and torch.equal(out, v)
+    with pytest.raises(ValueError, match="holds"):  # a wrong-sized buffer is still refused by size
+        store.get(["b0"], [torch.empty(big - 1, dtype=torch.uint8)])
+    assert lvl.used == sum(tier.footprint(v.numel()) for v in vals.values())
+    assert store.put(["s"], [small]) == [True]  # evicts the oldest big chunk
+    assert store.lookup(["b0"]) == 0 and store.lookup(["b1", "b2", "s"]) == 3
+    assert lvl.used == tier.footprint(small.numel()) + sum(tier.footprint(vals[k].numel()) for k in ("b1", "b2"))
+    store.remove(["b1", "b2", "s"])
+    assert lvl.used == 0 and not lvl.index
+    if medium == "dram":
+        assert tier.used_bytes == 0 and not tier._odd
     store.close()

@@ -10,9 +10,12 @@ demotion); the level makes each step keep its invariants:
 * a READY entry is known to the eviction policy (told with its footprint, the
   one unit of size everywhere) and found by the store's reads; a RESERVED one
   is neither;
-* the index holds one shared packed ``int`` per chunk (READY > 0, RESERVED < 0)
-  and an ``Entry`` only for a doomed chunk a reader still holds; pins are counts
-  in ``pinned`` (``entry`` gives a view of any state);
+* the index holds one ``int`` per chunk (READY > 0, RESERVED < 0) and an
+  ``Entry`` only for a doomed chunk a reader still holds; pins are counts in
+  ``pinned`` (``entry`` gives a view of any state).  For a *located* tier (the
+  slab under ``hbm`` and ``dram``) the int is the tier's location code, taken at
+  ``reserve`` and given back when the chunk is freed, and the tier keeps nothing
+  per object; for any other tier it is one shared value per size;
 * a pinned entry is never freed: ``drop`` makes it unreadable at once, and the
   last ``unpin`` frees its space and deletes its bytes.
 
@@ -29,8 +32,9 @@ from typing import Any, Optional, Union
 from tierkv.errors import ConfigError, PolicyError
 from tierkv.options import check_bool, check_choice
 from tierkv.policies import AdmissionPolicy, AdmitAll, EvictionPolicy, build_admission, build_eviction
+from tierkv.policies.eviction import FIFOPolicy, LRUPolicy
 from tierkv.stats import TierCounters
-from tierkv.tiers.base import Tier
+from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Tier
 
 log = logging.getLogger("tierkv")
 
@@ -47,20 +51,23 @@ class Entry:
     until the last ``unpin`` frees it.
     """
 
-    __slots__ = ("doomed", "footprint", "nbytes", "pins", "ready")
+    __slots__ = ("code", "doomed", "footprint", "nbytes", "pins", "ready")
 
-    def __init__(self, nbytes: int, footprint: int, ready: bool = False) -> None:
+    def __init__(self, nbytes: int, footprint: int, ready: bool = False, code: int = 0) -> None:
         self.nbytes = nbytes
         self.footprint = footprint
         self.ready = ready
         self.pins = 0
         self.doomed = False
+        self.code = code  # a located tier's code, to give back at the last unpin
 
 
-#: a packed entry: footprint << 49 | nbytes << 1 | 1 (never 0, so its sign tells READY from RESERVED)
-_FP_SHIFT = 49
-_NB_MASK = (1 << 48) - 1
-#: distinct sizes whose packed ints are shared; past it, each entry keeps its own
+# An index int (READY; its negation while RESERVED) is ``X << CODE_SHIFT | f << 1 | 1``
+# (never 0): ``f`` is nbytes below ``NB_FIELD``; at ``NB_FIELD`` the level asks
+# ``value_nbytes``.  For a located tier X is the tier's; otherwise X is 0, or
+# nbytes itself for a large chunk, and the value is shared by every chunk of one size.
+_NB_MASK = NB_FIELD
+#: distinct sizes whose values are shared; past it, each entry keeps its own
 _CANON_LIMIT = 4096
 
 Slot = Union[int, Entry]
@@ -68,18 +75,9 @@ _INT = {int}
 _ONE = {1}
 
 
-def ready_nbytes(v: Optional[Slot]) -> int:
-    """nbytes of an index slot that is READY; -1 for a missing, reserved or doomed one."""
-    if type(v) is int and v > 0:
-        return v >> 1 & _NB_MASK
-    return -1
-
-
-def unpack(v: int) -> tuple[int, int]:
-    """(nbytes, footprint) of a packed entry (READY or RESERVED)."""
-    if v < 0:
-        v = -v
-    return v >> 1 & _NB_MASK, v >> _FP_SHIFT
+def size_value(nbytes: int) -> int:
+    """The READY value of a chunk of ``nbytes`` in a level whose tier is not located."""
+    return nbytes << 1 | 1 if nbytes < NB_FIELD else nbytes << CODE_SHIFT | NB_FIELD << 1 | 1
 
 
 def call_policy(policy: Any, hook: str, tier: str, *args: Any) -> Any:
@@ -159,7 +157,9 @@ class Level:
         if self.persist == "write_behind" and not self.managed:
             raise ConfigError(f"tier {tier.name!r} ({tier.medium}) is a shared pool: 'persist' may be "
                               "'write_through' or 'on_evict', not 'write_behind'")
-        #: key -> packed int (> 0 READY, < 0 RESERVED) or, for a doomed chunk still read, an ``Entry``
+        #: the tier leaves each object's location to this level (its code is the index int)
+        self.located = tier.located and self.managed
+        #: key -> int (> 0 READY, < 0 RESERVED) or, for a doomed chunk still read, an ``Entry``
         self.index: dict[str, Slot] = {}
         #: key -> number of readers holding it (the keys eviction must not name)
         self.pinned: dict[str, int] = {}
@@ -168,9 +168,15 @@ class Level:
         self.counters = TierCounters()
         self.bit = 0
         self._canon: dict[int, int] = {}
-        #: nbytes -> (footprint, packed reservation): a medium's footprint is a function of nbytes alone
+        #: nbytes -> (footprint, shared reservation value): a medium's footprint is a function of nbytes alone
         self._fps: dict[int, tuple[int, int]] = {}
-        self._ready_of: dict[int, tuple[int, int]] = {}
+        self._fp_only: dict[int, int] = {}  # nbytes -> footprint (the same sizes as ``_fps``)
+        if self.located:
+            tier.attach(self.ready_codes)
+        if type(self.eviction) in (LRUPolicy, FIFOPolicy) and not len(self.eviction):  # type: ignore[arg-type]
+            # the built-in orders keep no dict of their own: they order this index
+            self.eviction.share_index(self.index, lambda v: self.unpack(v)[1],  # type: ignore[union-attr]
+                                      lambda: self.ready_count)
 
     @property
     def write_through(self) -> bool:
@@ -202,6 +208,43 @@ class Level:
             self._canon[v] = v
         return v
 
+    def _size(self, nbytes: int) -> tuple[int, int]:
+        """(footprint, shared reservation value) of a chunk of ``nbytes``."""
+        c = self._fps.get(nbytes)
+        if c is None:
+            fp = self.tier.footprint(nbytes)
+            c = (fp, self._shared(-size_value(nbytes)))
+            if len(self._fps) < _CANON_LIMIT:
+                self._fps[nbytes] = c
+                self._fp_only[nbytes] = fp
+        return c
+
+    def value_nbytes(self, v: int) -> int:
+        """nbytes of an index int (READY, or RESERVED: negative)."""
+        if v < 0:
+            v = -v
+        f = v >> 1 & NB_FIELD
+        if f != NB_FIELD:
+            return f
+        return self.tier.code_nbytes(v) if self.located else v >> CODE_SHIFT
+
+    def unpack(self, v: int) -> tuple[int, int]:
+        """(nbytes, footprint) of an index int (READY or RESERVED)."""
+        nb = self.value_nbytes(v)
+        return nb, self._size(nb)[0]
+
+    def ready_codes(self, keys: list[str]) -> list[Optional[int]]:
+        """A located tier's code of each READY key (None for any other); what ``tier.read`` by key uses."""
+        return [v if type(v) is int and v > 0 else None for v in map(self.index.get, keys)]
+
+    def codes(self, keys: list[str]) -> list[int]:
+        """The located tier's code of each key, which the caller holds (pinned, or reserved by it)."""
+        out = []
+        for key in keys:
+            v = self.index[key]
+            out.append((v if v > 0 else -v) if type(v) is int else v.code)  # type: ignore[union-attr,operator]
+        return out
+
     def holds(self, key: str) -> bool:
         """Whether ``key`` is READY here."""
         v = self.index.get(key)
@@ -209,7 +252,10 @@ class Level:
 
     def ready_nbytes(self, key: str) -> int:
         """nbytes of ``key`` if it is READY here, else -1."""
-        return ready_nbytes(self.index.get(key))
+        v = self.index.get(key)
+        if type(v) is int and v > 0:
+            return self.value_nbytes(v)
+        return -1
 
     def doomed(self, key: str) -> bool:
         """Whether ``key`` was dropped while a reader held it (it is freed at the last unpin)."""
@@ -221,7 +267,7 @@ class Level:
         if v is None:
             return None
         if type(v) is int:
-            nb, fp = unpack(v)
+            nb, fp = self.unpack(v)
             e = Entry(nb, fp, ready=v > 0)
         else:
             e = Entry(v.nbytes, v.footprint)  # type: ignore[union-attr]
@@ -236,35 +282,45 @@ class Level:
     def nbytes_of(self, key: str) -> int:
         """nbytes of ``key``, in any state (it must be in the index)."""
         v = self.index[key]
-        return unpack(v)[0] if type(v) is int else v.nbytes  # type: ignore[union-attr,arg-type]
+        return self.value_nbytes(v) if type(v) is int else v.nbytes  # type: ignore[union-attr,arg-type]
 
     # -- two-phase writes ------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> bool:
         """Reserve room for ``key`` without evicting; False if it is there already or does not fit."""
-        fp = self.tier.footprint(nbytes)
-        if key in self.index or self.used + fp > self.capacity:
-            return False
-        self.index[key] = self._shared(-(fp << _FP_SHIFT | nbytes << 1 | 1))
-        self.used += fp
-        return True
+        return self.reserve_many([key], [nbytes]) == [0]
 
     def reserve_many(self, keys: list[str], sizes: list[int]) -> list[int]:
         """``reserve`` for each (key, nbytes) in order; one code each: 0 reserved now, 1 already READY or
-        reserved here, 2 not reserved (no room without evicting, or a doomed copy is still read)."""
-        index, cap, shared = self.index, self.capacity, self._shared
+        reserved here, 2 not reserved (no room without evicting, or a doomed copy is still read).
+
+        For a located tier the space is taken here too (one ``allocate`` for the batch); a
+        tier that fails to allocate costs those keys their reservation, nothing more.
+        """
+        index, cap, size = self.index, self.capacity, self._size
         fps = self._fps
-        footprint = self.tier.footprint
         used = self.used
+        if type(keys) is list and len(keys) > 1 and index.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            # all new, all distinct (the common case): if the whole batch fits, reserve it in C loops
+            fp_of = self._fp_only
+            fp = list(map(fp_of.get, sizes))
+            if None not in fp and used + sum(fp) <= cap:  # type: ignore[arg-type]
+                if not self.located:
+                    index.update(zip(keys, [fps[nb][1] for nb in sizes]))
+                    self.used = used + sum(fp)  # type: ignore[arg-type]
+                    return [0] * len(keys)
+                codes = self._allocate(sizes)
+                if codes is not None:
+                    index.update(zip(keys, [-c for c in codes]))  # type: ignore[operator]
+                    self.used = used + sum(fp)  # type: ignore[arg-type]
+                    return [0] * len(keys)
         out: list[int] = []
         append = out.append
+        fresh: list[int] = []  # positions reserved now (located: to be given their codes)
         try:
             for key, nbytes in zip(keys, sizes):
                 c = fps.get(nbytes)
                 if c is None:
-                    fp = footprint(nbytes)
-                    c = (fp, shared(-(fp << _FP_SHIFT | nbytes << 1 | 1)))
-                    if len(fps) < _CANON_LIMIT:
-                        fps[nbytes] = c
+                    c = size(nbytes)
                 fp = c[0]
                 if key in index:
                     append(1 if type(index[key]) is int else 2)
@@ -274,10 +330,45 @@ class Level:
                     continue
                 index[key] = c[1]
                 used += fp
+                fresh.append(len(out))
                 append(0)
         finally:
             self.used = used
+        if self.located and fresh:
+            self._locate(keys, sizes, fresh, out)
         return out
+
+    def _allocate(self, sizes: list[int]) -> Optional[list[Optional[int]]]:
+        """The located tier's codes for ``sizes``; None when it failed (logged) or placed not all of them."""
+        try:
+            codes = self.tier.allocate(sizes)
+            if len(codes) != len(sizes):
+                raise RuntimeError(f"allocate answered {len(codes)} codes for {len(sizes)} sizes")
+        except Exception as exc:  # noqa: BLE001 - a medium fault costs the reservations, never the call
+            log.warning("tierkv: tier %s allocate failed: %s", self.name, exc)
+            return None
+        if None in codes:
+            self.tier.free_at([c for c in codes if c is not None])
+            return None
+        return codes
+
+    def _locate(self, keys: list[str], sizes: list[int], fresh: list[int], out: list[int]) -> None:
+        """Give the reservations at ``fresh`` their located tier's codes (undo any the tier cannot place)."""
+        index = self.index
+        try:
+            codes = self.tier.allocate([sizes[i] for i in fresh])
+            if len(codes) != len(fresh):
+                raise RuntimeError(f"allocate answered {len(codes)} codes for {len(fresh)} sizes")
+        except Exception as exc:  # noqa: BLE001 - a medium fault costs the reservations, never the call
+            log.warning("tierkv: tier %s allocate failed: %s", self.name, exc)
+            codes = [None] * len(fresh)
+        index.update([(keys[i], -c) for i, c in zip(fresh, codes) if c is not None])
+        if None in codes:
+            for i, c in zip(fresh, codes):
+                if c is None:
+                    del index[keys[i]]
+                    self.used -= self._size(sizes[i])[0]
+                    out[i] = 2
 
     def commit(self, key: str) -> None:
         """Make a reservation READY: readable, known to the eviction policy."""
@@ -294,23 +385,24 @@ class Level:
         for key, v in zip(keys, held):
             if type(v) is not int or v > 0:  # type: ignore[operator]
                 raise PolicyError(f"tier {self.name!r}: no reservation for {key[:80]!r}")
-        ready_of = self._ready_of  # reservation -> (READY value, footprint), per distinct size
-        made = []
-        for v in held:
-            r = ready_of.get(v)  # type: ignore[arg-type]
-            if r is None:
-                r = (shared(-v), -v >> _FP_SHIFT)  # type: ignore[operator]
-                if len(ready_of) < _CANON_LIMIT:
-                    ready_of[v] = r  # type: ignore[index]
-            made.append(r)
-        index.update(zip(keys, [r[0] for r in made]))
-        fps = [r[1] for r in made]
+        ready = [-v for v in held]  # type: ignore[operator]
+        fps = self._fps
+        nbs = [v >> 1 & _NB_MASK for v in ready]
+        if _NB_MASK in nbs:
+            nbs = [self.value_nbytes(v) for v in ready]
+        got = list(map(fps.get, nbs))
+        if None in got:
+            got = [self._size(nb) for nb in nbs]
+        if not self.located:
+            ready = list(map(shared, ready))
+        index.update(zip(keys, ready))
+        sizes = [c[0] for c in got]  # type: ignore[index]
         self.ready_count += len(keys)
         try:
             if self._insert_many:
-                call_policy(self.eviction, "on_insert_many", self.name, keys, fps)
+                call_policy(self.eviction, "on_insert_many", self.name, keys, sizes)
             else:
-                for key, fp in zip(keys, fps):
+                for key, fp in zip(keys, sizes):
                     call_policy(self.eviction, "on_insert", self.name, key, fp)
         except BaseException:
             for key in keys:  # none of them may stay unknown to the policy
@@ -336,8 +428,18 @@ class Level:
         """Release a reservation whose write failed (or never ran)."""
         v = self.index.get(key)
         if type(v) is int and v < 0:  # type: ignore[operator]
+            fp = self.unpack(v)[1]
             del self.index[key]
-            self.used -= -v >> _FP_SHIFT  # type: ignore[operator]
+            self.used -= fp
+            if self.located:
+                self._give_back(-v)
+
+    def _give_back(self, code: int) -> None:
+        """Return a located tier's space (a fault is logged: the index no longer reaches those bytes)."""
+        try:
+            self.tier.free_at([code])
+        except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
+            log.warning("tierkv: tier %s free failed: %s", self.name, exc)
 
     # -- readers -----------------------------------------------------------------
     def pin(self, key: str) -> int:
@@ -350,7 +452,7 @@ class Level:
             raise KeyError(f"tier {self.name!r}: {key[:80]!r} is not READY")
         pinned = self.pinned
         pinned[key] = pinned.get(key, 0) + 1
-        return v >> 1 & _NB_MASK  # type: ignore[operator]
+        return self.value_nbytes(v)  # type: ignore[arg-type]
 
     def pin_many(self, keys: list[str]) -> None:
         """``pin`` for each key (every one READY: the caller just checked, under the lock)."""
@@ -391,7 +493,7 @@ class Level:
         del pinned[key]
         v = self.index.get(key)
         if type(v) is Entry:  # dropped while read
-            self._free_slot(key, v.footprint)
+            self._free_slot(key, v.footprint, v.code)
 
     # -- leaving -------------------------------------------------------------------
     def drop(self, key: str, _e: Any = None) -> None:
@@ -410,16 +512,20 @@ class Level:
         v: int = self.index[key]  # type: ignore[assignment]
         if v > 0:
             self.ready_count -= 1
-        nb, fp = unpack(v)
+        nb, fp = self.unpack(v)
+        code = (v if v > 0 else -v) if self.located else 0
         if key in self.pinned:
-            e = self.index[key] = Entry(nb, fp)
+            e = self.index[key] = Entry(nb, fp, code=code)
             e.doomed = True
         else:
-            self._free_slot(key, fp)
+            self._free_slot(key, fp, code)
 
-    def _free_slot(self, key: str, footprint: int) -> None:
+    def _free_slot(self, key: str, footprint: int, code: int = 0) -> None:
         del self.index[key]
         self.used -= footprint
+        if self.located:
+            self._give_back(code)
+            return
         try:
             self.tier.delete([key])
         except Exception as exc:  # the bytes are unreachable through the index either way  # noqa: BLE001 - a plug-in or medium fault is contained here by design
@@ -451,7 +557,7 @@ class Level:
             if v in seen:
                 raise PolicyError(f"eviction policy {pname} named {v[:80]!r} twice")
             seen.add(v)
-            freed += e >> _FP_SHIFT
+            freed += self.unpack(e)[1]
         if freed < need:
             # a policy that counts other sizes than the footprints it was given: ask for the rest
             more = call_policy(policy, "victims", self.name, need - freed, set(pinned) | seen)
@@ -463,7 +569,7 @@ class Level:
                     continue
                 victims.append(v)
                 seen.add(v)
-                freed += e >> _FP_SHIFT  # type: ignore[operator]
+                freed += self.unpack(e)[1]  # type: ignore[arg-type]
                 if freed >= need:
                     break
             if freed < need:

@@ -67,22 +67,30 @@ class Placement:
                 m |= lvl.bit
         return m
 
-    @staticmethod
-    def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]:
+    def _tier_io(self, lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]:
         """A tier's ``write`` or ``read``: a medium fault costs misses (all False), never the caller's request."""
-        res = Placement._tier_ask(lvl, op, keys, parts)
+        res = self._tier_ask(lvl, op, keys, parts)
         return [False] * len(keys) if res is None else res
 
-    @staticmethod
-    def _tier_ask(lvl: Level, op: str, keys: list[str], parts: Optional[list[Parts]] = None) -> Optional[list]:
+    def _tier_ask(self, lvl: Level, op: str, keys: list[str], parts: Optional[list[Parts]] = None) -> Optional[list]:
         """Any tier call (``write`` / ``read`` / ``contains`` / ``delete``); None if the medium failed.
 
         The one choke point where a medium's exception (or a wrong number of answers)
-        becomes a logged miss; only ``StoreClosedError`` passes through.
+        becomes a logged miss; only ``StoreClosedError`` passes through.  A located
+        level's reads and writes go by the codes of its index (``write_at`` /
+        ``read_at``): the caller holds those entries (pinned, or reserved by it).
         """
         try:
-            fn = getattr(lvl.tier, op)
-            res = fn(keys, parts) if parts is not None else fn(keys)
+            if lvl.located and parts is not None:
+                with self._lock:
+                    codes = lvl.codes(keys)
+                if op == "write":
+                    lvl.tier.write_at(codes, parts)
+                    return [True] * len(keys)
+                res = lvl.tier.read_at(codes, parts)
+            else:
+                fn = getattr(lvl.tier, op)
+                res = fn(keys, parts) if parts is not None else fn(keys)
             if res is not None and len(res) != len(keys):
                 raise RuntimeError(f"answered {len(res)} results for {len(keys)} keys")
             return res if res is not None else []

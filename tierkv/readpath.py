@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from tierkv.buffers import Parts, check_size
 from tierkv.keys import check_key
-from tierkv.level import _NB_MASK, Level, call_policy, ready_nbytes
+from tierkv.level import _NB_MASK, Level, call_policy
 
 _INT = {int}
 
@@ -30,10 +30,8 @@ class ReadPath:
     _shared_levels: list[int]
 
     if TYPE_CHECKING:  # defined by ``Placement`` and ``Copying``
-        @staticmethod
-        def _tier_io(lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]: ...
-        @staticmethod
-        def _tier_ask(lvl: Level, op: str, keys: list[str],
+        def _tier_io(self, lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]: ...
+        def _tier_ask(self, lvl: Level, op: str, keys: list[str],
                       parts: Optional[list[Parts]] = None) -> Optional[list]: ...
         def _promote(self, keys: list[str], prepared: list[tuple[Parts, int]],
                      served: list[Optional[int]]) -> None: ...
@@ -55,8 +53,8 @@ class ReadPath:
                 bit, hits = 1 << j, []
                 for i, v in enumerate(map(index.get, keys)):
                     if type(v) is int and v > 0:
-                        if (v >> 1 & _NB_MASK) != prepared[i][1]:
-                            check_size(keys[i], prepared[i][1], v >> 1 & _NB_MASK)
+                        if (v >> 1 & _NB_MASK) != prepared[i][1]:  # (or a large chunk: asked in full)
+                            check_size(keys[i], prepared[i][1], self.levels[j].value_nbytes(v))
                         hits.append(i)
                     else:
                         check_key(keys[i])
@@ -68,7 +66,7 @@ class ReadPath:
                 for j, index in managed:
                     v = index.get(key)
                     if type(v) is int and v > 0:
-                        nb = ready_nbytes(v)
+                        nb = self.levels[j].value_nbytes(v)
                         if nb != prepared[i][1]:
                             check_size(key, prepared[i][1], nb)
                         tried[i] = 1 << j
@@ -95,10 +93,10 @@ class ReadPath:
                     with self._lock:
                         for i in pending:
                             key, want, found = keys[i], prepared[i][1], -1
-                            for j, index in managed:
+                            for j, _ in managed:
                                 if tried[i] >> j & 1:
                                     continue
-                                nb = ready_nbytes(index.get(key))
+                                nb = self.levels[j].ready_nbytes(key)
                                 if nb < 0:
                                     continue
                                 tried[i] |= 1 << j

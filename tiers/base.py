@@ -21,6 +21,19 @@ Capacity:
     distributed store) manages its own space, may lose objects at any time, and is
     asked about presence directly.
 
+Located tiers (``located = True``, the slab under ``hbm`` and ``dram``):
+    A managed tier may leave each object's location to its level, so the two do
+    not each keep a per-object entry.  The level reserves by ``allocate`` (a
+    location *code* per object, taken from the tier's space at once), writes and
+    reads by ``write_at`` / ``read_at`` and gives space back by ``free_at``; the
+    tier keeps no entry per object and the level's index holds the code.  A code
+    is a positive ``int``: ``X << CODE_SHIFT | f << 1 | 1``, where ``f`` is the
+    object's nbytes when below ``NB_FIELD`` and ``NB_FIELD`` otherwise (then
+    ``code_nbytes`` tells it); ``X`` is the tier's own.  The key-based methods
+    still work on a tier nobody attached; once a level ``attach``-es it, ``read``
+    and ``contains`` look keys up through the level, and ``write`` / ``delete`` by
+    key are refused (the level alone places objects there).
+
 Failures:
     ``write`` and ``read`` return one bool per key.  ``False`` from ``read`` means a
     miss: absent, short, corrupt or unreachable; the destination bytes are then
@@ -45,6 +58,11 @@ Parts = list[torch.Tensor]
 _STR = {str}
 _LISTS = {list, tuple}
 
+#: a location code (see "Located tiers"): ``X << CODE_SHIFT | f << 1 | 1``
+CODE_SHIFT = 25
+#: the largest nbytes a code's ``f`` field holds; all ones: ask ``code_nbytes``
+NB_FIELD = (1 << 24) - 1
+
 
 class Tier:
     """Base class of storage media.  Subclasses implement ``_write`` / ``_read`` / ``_delete`` / ``_contains``."""
@@ -61,6 +79,8 @@ class Tier:
     locality: ClassVar[str] = "host"
     #: False for a payload-free medium (the simulator's): it accounts bytes but holds none
     keeps_bytes: ClassVar[bool] = True
+    #: True when the tier can leave each object's location to its level (see "Located tiers")
+    located: ClassVar[bool] = False
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:
@@ -166,6 +186,34 @@ class Tier:
         if len(oks) != n:
             raise RuntimeError(f"tier {self.name!r} {op} answered {len(oks)} results for {n} keys")
         return oks
+
+    # -- located tiers (see the module docstring) -----------------------------
+    def attach(self, resolve: Any) -> None:
+        """A level takes over the index: ``resolve(keys)`` gives the READY code of each key (None if absent)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a located tier")
+
+    def allocate(self, sizes: Sequence[int]) -> list[Any]:
+        """A code for an object of each size, its space taken now (None where none is free)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a located tier")
+
+    def write_at(self, codes: Sequence[int], srcs: Sequence[Parts]) -> None:
+        """Copy each ``srcs[i]`` into the space of ``codes[i]`` (a code from ``allocate``, not yet freed)."""
+        raise NotImplementedError(f"{type(self).__name__} is not a located tier")
+
+    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts]) -> list[bool]:
+        """Fill each ``dsts[i]`` from the space of ``codes[i]``; False where the sizes differ."""
+        raise NotImplementedError(f"{type(self).__name__} is not a located tier")
+
+    def free_at(self, codes: Sequence[int]) -> None:
+        """Give back the space of each code."""
+        raise NotImplementedError(f"{type(self).__name__} is not a located tier")
+
+    def code_nbytes(self, code: int) -> int:
+        """nbytes of the object a code locates."""
+        f = code >> 1 & NB_FIELD
+        if f != NB_FIELD:
+            return f
+        raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
     def recover(self) -> list[tuple[str, int]]:
         """(key, nbytes) of objects left by an earlier process (persistent media)."""

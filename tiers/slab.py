@@ -6,46 +6,40 @@ slot classes for small objects, extents for large ones, and a gathering path, so
 any set of objects whose ``footprint`` sum fits in ``capacity_bytes`` can be
 stored (no fragmentation failure).  ``footprint(n)`` is ``align_up(n, ALIGN)``.
 
-Bookkeeping per object is one dict entry, key -> location, where the location is
-packed into one ``int`` for the common case (one contiguous range, fewer than
-``2**24`` bytes): ``(offset // ALIGN) << 24 | nbytes``; any other object is a tuple
-``(nbytes, allocator location)``.  Host copies are ``memmove`` calls on raw
-addresses (``memmove_many``: two threads for a large batch); a device slab, or a
-caller's device buffer, goes through ``copy_many`` on views cut for that call.
+A slab is a *located* tier (``tiers/base.py``): each object is one location
+*code*, an ``int``.  For the common case (one contiguous range, fewer than
+``NB_FIELD`` bytes) the code is ``(offset // ALIGN) << CODE_SHIFT | nbytes << 1 |
+1``; any other object's code names an entry of a small side table (``_odd``:
+handle -> (nbytes, allocator location)).  Under a level, the level's index holds
+the codes and the slab keeps nothing per object; used alone, the slab keeps its
+own key -> code dict.  Host copies are ``memmove`` calls on raw addresses
+(``memmove_many``: two threads for a large batch); a device slab, or a caller's
+device buffer, goes through ``copy_many`` on views cut for that call.
 
 An object is readable only once all its bytes are in place (written outside the
-lock, committed under it).  The slab tensor is held by a local reference for the
-whole of a copy, so ``close`` cannot free memory a copy is using.
+lock, committed under it, by the level or by ``_write``).  The slab tensor is
+held by a local reference for the whole of a copy, so ``close`` cannot free
+memory a copy is using.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Union, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Optional
 
 import torch
 
 from tierkv.buffers import PARALLEL_COPY_MIN, _memmove, copy_many, memmove_many
 from tierkv.errors import ConfigError
 
-from .base import Parts, Tier
-from .slab_alloc import ALIGN, ExtentAllocator, SlabAllocator, align_up
+from .base import CODE_SHIFT, NB_FIELD, Parts, Tier
+from .slab_alloc import ALIGN, ExtentAllocator, Location, SlabAllocator, align_up
 
 __all__ = ["ALIGN", "ExtentAllocator", "SlabAllocator", "SlabTier", "align_up"]
 
-_SHIFT = 24
-_NB_MASK = (1 << _SHIFT) - 1
 _ALIGN_BITS = ALIGN.bit_length() - 1
 _ALIGN_MASK = -ALIGN
-
-Packed = Union[int, tuple]
-
-
-def _unpack(v: Packed) -> tuple[int, Any]:
-    """(nbytes, allocator location) of a packed entry."""
-    if type(v) is int:
-        return v & _NB_MASK, (v >> _SHIFT) << _ALIGN_BITS
-    return cast("tuple[int, Any]", v)
+_ODD = NB_FIELD << 1 | 1  # the low bits of an odd object's code
 
 
 def _run_moves(moves: list[tuple[int, int, int]], total: int) -> None:
@@ -91,6 +85,8 @@ def _on_host(parts: Parts) -> bool:
 class SlabTier(Tier):
     """Objects in one preallocated tensor on ``device``; copies only, no allocation per chunk."""
 
+    located = True
+
     def __init__(self, name: str, capacity_bytes: int, device: str = "cpu", pin_memory: bool = False,
                  prefault: bool = True) -> None:
         super().__init__(name, capacity_bytes)
@@ -110,108 +106,147 @@ class SlabTier(Tier):
         self.slab = slab
         self._host = self.device.type == "cpu"
         self._alloc = SlabAllocator(capacity_bytes)
-        self._objects: dict[str, Packed] = {}  # key -> packed location (see the module docstring)
+        self._objects: dict[str, int] = {}  # key -> code, while no level is attached
+        self._odd: dict[int, tuple[int, Location]] = {}  # handle -> (nbytes, location) of the other objects
+        self._next_odd = 0
+        self._resolve: Optional[Callable[[list[str]], list[Optional[int]]]] = None
         self._used = 0
+        self._count = 0
 
     def footprint(self, nbytes: int) -> int:
         return (nbytes + ALIGN - 1) & _ALIGN_MASK
 
-    def _release(self, v: Packed) -> int:
-        """Free an entry's space (lock held); returns its nbytes."""
-        nbytes, loc = _unpack(v)
-        self._alloc.free((nbytes + ALIGN - 1) & _ALIGN_MASK, loc)
-        self._used -= nbytes
-        return nbytes
+    # -- codes -----------------------------------------------------------------
+    def _odd_code(self, nbytes: int, loc: Location) -> int:
+        h = self._next_odd
+        self._next_odd += 1
+        self._odd[h] = (nbytes, loc)
+        return h << CODE_SHIFT | _ODD
 
-    def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
-        self._check_open()
-        n = len(keys)
-        out = [False] * n
-        # a key given twice keeps its last value
-        last = {key: i for i, key in enumerate(keys)} if n > 1 and len(set(keys)) < n else None
-        objects, alloc = self._objects, self._alloc
-        allocate, stacks, slot_max = alloc.allocate, alloc._stacks, alloc.slot_max
-        slab = self.slab  # held for the whole call (see the module docstring)
-        base, host = slab.data_ptr(), self._host
-        # what was placed, as parallel lists: index into keys, nbytes, packed location
-        at: list[int] = []
-        sizes: list[int] = []
-        locs: list[Packed] = []
-        moves: list[tuple[int, int, int]] = []  # the common case, planned here: one part, one range, host
-        other: list[tuple[int, int, Packed]] = []  # the rest, copied by ``_copy``
-        total = 0
-        v: Packed
+    def _where(self, code: int) -> tuple[int, Location]:
+        """(nbytes, allocator location) of a code."""
+        f = code >> 1 & NB_FIELD
+        if f != NB_FIELD:
+            return f, (code >> CODE_SHIFT) << _ALIGN_BITS
+        return self._odd[code >> CODE_SHIFT]
+
+    def code_nbytes(self, code: int) -> int:
+        f = code >> 1 & NB_FIELD
+        return f if f != NB_FIELD else self._odd[code >> CODE_SHIFT][0]
+
+    # -- located API (tiers/base.py) ------------------------------------------------
+    def attach(self, resolve: Callable[[list[str]], list[Optional[int]]]) -> None:
         with self._lock:
-            fresh = objects.keys().isdisjoint(keys)  # (one C pass: then no old value to release)
-            slot_taken = 0
+            if self._objects:
+                raise RuntimeError(f"tier {self.name!r} already holds objects of its own: attach it empty")
+            self._resolve = resolve
+
+    def allocate(self, sizes: Sequence[int]) -> list[Optional[int]]:
+        self._check_open()
+        out: list[Optional[int]] = []
+        append = out.append
+        alloc = self._alloc
+        allocate, stacks, slot_max = alloc.allocate, alloc._stacks, alloc.slot_max
+        with self._lock:
+            slot_taken = used = count = 0
             try:
-                for i, key in enumerate(keys):
-                    if last is not None and last[key] != i:
-                        out[i] = True  # superseded by a later value in this same call
-                        continue
-                    parts = srcs[i]
-                    one = len(parts) == 1
-                    nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
-                    if not fresh:
-                        old = objects.pop(key, None)
-                        if old is not None:
-                            self._release(old)
+                for nbytes in sizes:
                     f = (nbytes + ALIGN - 1) & _ALIGN_MASK
                     st = stacks.get(f) if f <= slot_max else None
                     if st:  # the common case inline: a free slot of its class
                         slot_taken += f
-                        loc = st.pop()
+                        loc: Optional[Location] = st.pop()
                     else:
                         loc = allocate(f)
                         if loc is None:
+                            append(None)
                             continue
-                    if type(loc) is int and nbytes <= _NB_MASK:
-                        v = (loc >> _ALIGN_BITS) << _SHIFT | nbytes
-                        if one and host:
-                            p = parts[0]
-                            if p.is_cpu and p.is_contiguous():
-                                at.append(i)
-                                sizes.append(nbytes)
-                                locs.append(v)
-                                if nbytes:
-                                    moves.append((base + loc, p.data_ptr(), nbytes))
-                                    total += nbytes
-                                continue
+                    if type(loc) is int and nbytes < NB_FIELD:
+                        append((loc >> _ALIGN_BITS) << CODE_SHIFT | nbytes << 1 | 1)
                     else:
-                        v = (nbytes, loc)
-                    at.append(i)
-                    sizes.append(nbytes)
-                    locs.append(v)
-                    other.append((i, nbytes, v))
+                        append(self._odd_code(nbytes, loc))  # type: ignore[arg-type]
+                    used += nbytes
+                    count += 1
             finally:
                 alloc._slot_free -= slot_taken
-        try:
-            _run_moves(moves, total)
-            if other:
-                self._copy(slab, other, srcs, True)
-        except BaseException:
-            with self._lock:
-                for nbytes, v in zip(sizes, locs):
-                    self._alloc.free((nbytes + ALIGN - 1) & _ALIGN_MASK, _unpack(v)[1])
-            raise
-        with self._lock:  # visible only once every byte is in place
-            objects.update(zip(keys if len(at) == n else [keys[i] for i in at], locs))
-            self._used += sum(sizes)
-        if len(at) == n:
-            return [True] * n
-        for i in at:
-            out[i] = True
+                self._used += used
+                self._count += count
         return out
 
-    def _copy(self, slab: torch.Tensor, placed: list[tuple[int, int, Packed]], bufs: Sequence[Parts],
+    def free_at(self, codes: Sequence[int]) -> None:
+        alloc, odd = self._alloc, self._odd
+        with self._lock:
+            for code in codes:
+                f = code >> 1 & NB_FIELD
+                if f != NB_FIELD:
+                    loc: Location = (code >> CODE_SHIFT) << _ALIGN_BITS
+                    nbytes = f
+                else:
+                    nbytes, loc = odd.pop(code >> CODE_SHIFT)
+                alloc.free((nbytes + ALIGN - 1) & _ALIGN_MASK, loc)
+                self._used -= nbytes
+                self._count -= 1
+
+    def write_at(self, codes: Sequence[int], srcs: Sequence[Parts]) -> None:
+        self._check_open()
+        self._move(codes, srcs, True)
+
+    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts]) -> list[bool]:
+        self._check_open()
+        return self._move(codes, dsts, False)
+
+    def _move(self, codes: Sequence[int], bufs: Sequence[Parts], into_slab: bool) -> list[bool]:
+        """Copy between each object's slab range and ``bufs[i]``; False where the sizes differ (a read),
+        ``ValueError`` for a write."""
+        if len(codes) != len(bufs):
+            raise ValueError(f"tier {self.name!r}: {len(codes)} codes but {len(bufs)} buffer lists")
+        slab = self.slab  # held for the whole call (see the module docstring)
+        base, host = slab.data_ptr(), self._host
+        out = [True] * len(codes)
+        moves: list[tuple[int, int, int]] = []  # the common case, planned here: one part, one range, host
+        other: list[tuple[int, int, Location]] = []  # the rest, copied by ``_copy``
+        total = 0
+        for i, code in enumerate(codes):
+            parts = bufs[i]
+            one = len(parts) == 1
+            nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
+            f = code >> 1 & NB_FIELD
+            if f != NB_FIELD:
+                if nbytes != f:
+                    if into_slab:
+                        raise ValueError(f"tier {self.name!r}: {nbytes} bytes given for an object of {f}")
+                    out[i] = False
+                    continue
+                a = base + ((code >> CODE_SHIFT) << _ALIGN_BITS)
+                if one and host:
+                    p = parts[0]
+                    if p.is_cpu and p.is_contiguous():
+                        if nbytes:
+                            moves.append((a, p.data_ptr(), nbytes) if into_slab else (p.data_ptr(), a, nbytes))
+                            total += nbytes
+                        continue
+                other.append((i, nbytes, a - base))
+                continue
+            want, loc = self._odd[code >> CODE_SHIFT]
+            if nbytes != want:
+                if into_slab:
+                    raise ValueError(f"tier {self.name!r}: {nbytes} bytes given for an object of {want}")
+                out[i] = False
+                continue
+            other.append((i, nbytes, loc))
+        _run_moves(moves, total)
+        if other:
+            self._copy(slab, other, bufs, into_slab)
+        return out
+
+    def _copy(self, slab: torch.Tensor, placed: list[tuple[int, int, Location]], bufs: Sequence[Parts],
               into_slab: bool) -> None:
         """Move bytes between ``bufs[i]`` and each placed object's slab range (any parts, any devices)."""
         moves: list[tuple[int, int, int]] = []
         jobs = []
         base = slab.data_ptr()
-        for i, nbytes, v in placed:
+        for i, nbytes, loc in placed:
             parts = bufs[i]
-            _, loc = _unpack(v)
             pieces = SlabAllocator.pieces((nbytes + ALIGN - 1) & _ALIGN_MASK, loc)
             if self._host and _on_host(parts):
                 _host_moves(moves, base, pieces, parts, into_slab)
@@ -223,63 +258,81 @@ class SlabTier(Tier):
         if jobs:
             copy_many(jobs)
 
+    # -- by key (the slab's own index, while no level is attached) --------------------
+    def _refuse_by_key(self, op: str) -> None:
+        if self._resolve is not None:
+            raise RuntimeError(f"tier {self.name!r} is placed by its level: {op} by key is not allowed")
+
+    def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+        self._check_open()
+        self._refuse_by_key("write")
+        n = len(keys)
+        # a key given twice keeps its last value
+        last = {key: i for i, key in enumerate(keys)} if n > 1 and len(set(keys)) < n else None
+        at = [i for i in range(n) if last is None or last[keys[i]] == i]
+        sizes = [sum(p.numel() for p in srcs[i]) for i in at]
+        codes = self.allocate(sizes)
+        placed = [(i, c) for i, c in zip(at, codes) if c is not None]
+        try:
+            self._move([c for _, c in placed], [srcs[i] for i, _ in placed], True)
+        except BaseException:
+            self.free_at([c for _, c in placed])
+            raise
+        with self._lock:  # visible only once every byte is in place
+            objects, old = self._objects, []
+            for i, c in placed:
+                v = objects.get(keys[i])
+                if v is not None:
+                    old.append(v)
+                objects[keys[i]] = c
+        if old:
+            self.free_at(old)
+        out = [False] * n
+        for i, _ in placed:
+            out[i] = True
+        if last is not None:
+            for i, key in enumerate(keys):
+                if last[key] != i:
+                    out[i] = out[last[key]]  # superseded by a later value in this same call
+        return out
+
+    def _codes(self, keys: list[str]) -> list[Optional[int]]:
+        if self._resolve is not None:
+            return self._resolve(keys)
+        get = self._objects.get
+        return [get(k) for k in keys]
+
     def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         self._check_open()
+        codes = self._codes(list(keys))
+        have = [i for i, c in enumerate(codes) if c is not None]
         out = [False] * len(keys)
-        objects = self._objects
-        slab = self.slab
-        base, host = slab.data_ptr(), self._host
-        moves: list[tuple[int, int, int]] = []
-        other = []
-        total = 0
-        for i, key in enumerate(keys):
-            v = objects.get(key)
-            if v is None:
-                continue
-            parts = dsts[i]
-            one = len(parts) == 1
-            nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
-            if type(v) is int:
-                if nbytes != v & _NB_MASK:
-                    continue
-                out[i] = True
-                if one and host:
-                    p = parts[0]
-                    if p.is_cpu and p.is_contiguous():
-                        if nbytes:
-                            moves.append((p.data_ptr(), base + ((v >> _SHIFT) << _ALIGN_BITS), nbytes))
-                            total += nbytes
-                        continue
-            elif nbytes != cast("tuple[int, Any]", v)[0]:
-                continue
-            out[i] = True
-            other.append((i, nbytes, v))
-        _run_moves(moves, total)
-        if other:
-            self._copy(slab, other, dsts, False)
+        got = self._move([codes[i] for i in have], [dsts[i] for i in have], False)  # type: ignore[misc]
+        for i, ok in zip(have, got):
+            out[i] = ok
         return out
 
     def _delete(self, keys: Sequence[str]) -> None:
+        self._refuse_by_key("delete")
         with self._lock:
             pop = self._objects.pop
-            for key in keys:
-                v = pop(key, None)
-                if v is not None:
-                    self._release(v)
+            gone = [c for c in (pop(key, None) for key in keys) if c is not None]
+        if gone:
+            self.free_at(gone)
 
     def _contains(self, keys: Sequence[str]) -> list[bool]:
-        objects = self._objects
-        return [k in objects for k in keys]
+        return [c is not None for c in self._codes(list(keys))]
 
     @property
     def used_bytes(self) -> int:
         return self._used
 
     def extra_stats(self) -> dict[str, Any]:
-        return {"device": str(self.device), "objects": len(self._objects), **self._alloc.stats()}
+        return {"device": str(self.device), "objects": self._count, **self._alloc.stats()}
 
     def close(self) -> None:
         super().close()
         with self._lock:
             self._objects.clear()
+            self._odd.clear()
             self.slab = torch.empty(0, dtype=torch.uint8)
