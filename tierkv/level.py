@@ -302,17 +302,19 @@ class Level:
         if type(keys) is list and len(keys) > 1 and index.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
             # all new, all distinct (the common case): if the whole batch fits, reserve it in C loops
             fp_of = self._fp_only
-            fp = list(map(fp_of.get, sizes))
-            if None not in fp and used + sum(fp) <= cap:  # type: ignore[arg-type]
-                if not self.located:
-                    index.update(zip(keys, [fps[nb][1] for nb in sizes]))
-                    self.used = used + sum(fp)  # type: ignore[arg-type]
-                    return [0] * len(keys)
-                codes = self._allocate(sizes)
-                if codes is not None:
-                    index.update(zip(keys, [-c for c in codes]))  # type: ignore[operator]
-                    self.used = used + sum(fp)  # type: ignore[arg-type]
-                    return [0] * len(keys)
+            fps_all = list(map(fp_of.get, sizes))
+            if None not in fps_all:
+                total = sum(fps_all)  # type: ignore[arg-type]
+                if used + total <= cap:
+                    if not self.located:
+                        index.update(zip(keys, [fps[nb][1] for nb in sizes]))
+                        self.used = used + total
+                        return [0] * len(keys)
+                    codes = self._allocate(sizes)
+                    if codes is not None:
+                        index.update(zip(keys, [-c for c in codes]))  # type: ignore[operator]
+                        self.used = used + total
+                        return [0] * len(keys)
         out: list[int] = []
         append = out.append
         fresh: list[int] = []  # positions reserved now (located: to be given their codes)
