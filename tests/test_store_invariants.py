@@ -249,7 +249,9 @@ def test_chunks_too_large_for_an_index_int_field_keep_exact_sizes_and_accounting
     store = TieredStore([Level(tier)], promotion="never")
     lvl = store.levels[0]
     assert lvl.located == (medium == "dram")
-    vals = {f"b{i}": torch.randint(0, 256, (big - i,), dtype=torch.uint8) for i in range(3)}
+    # one of exactly the field's all-ones value (the marker), one just below, one past it
+    vals = {f"b{i}": torch.randint(0, 256, (n,), dtype=torch.uint8)
+            for i, n in enumerate([big, (1 << 24) - 1, (1 << 24) - 2])}
     small = torch.arange(100, dtype=torch.uint8)
     assert store.put(list(vals), list(vals.values())) == [True] * 3
     for k, v in vals.items():

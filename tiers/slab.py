@@ -206,8 +206,18 @@ class SlabTier(Tier):
         moves: list[tuple[int, int, int]] = []  # the common case, planned here: one part, one range, host
         other: list[tuple[int, int, Location]] = []  # the rest, copied by ``_copy``
         total = 0
+        append = moves.append
         for i, code in enumerate(codes):
             parts = bufs[i]
+            if host and len(parts) == 1:  # the common case first: one host part, a contiguous object
+                p = parts[0]
+                nbytes = p.numel()
+                if nbytes < NB_FIELD and (code >> 1 & NB_FIELD) == nbytes and p.is_cpu:
+                    if nbytes:
+                        a = base + ((code >> CODE_SHIFT) << _ALIGN_BITS)
+                        append((a, p.data_ptr(), nbytes) if into_slab else (p.data_ptr(), a, nbytes))
+                        total += nbytes
+                    continue
             one = len(parts) == 1
             nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
             f = code >> 1 & NB_FIELD
