@@ -16,6 +16,8 @@ its RSS is its own):
 * **baseline** (its own subprocess): a plain dict insert / lookup of the same keys
   plus the same ``memmove`` of each object into / out of one buffer.
 * **policy alone**: bytes per tracked key (keys excluded) and µs per hook call.
+* **churn** (``--sections churn``): the tier sized for N / 4 objects, then N put, so three
+  puts in four evict (a full cache, its normal state): µs per object of the evicting puts.
 * **allocator alone**: the ``dram`` tier's ``write`` / ``read`` / ``delete`` of the
   same objects, µs per object and bytes per object beyond payload.
 * **big objects**: ``dram`` put / get of 2 MiB × 32 vs a plain torch copy of the
@@ -138,6 +140,40 @@ def child_store(n: int, policy: str, get_objects: int) -> dict:
             "put_us": put_s / n * 1e6, "get_us": got_s / got_n * 1e6,
             "lookup512_us": statistics.median(lookups) * 1e6,
             "bytes_per_object": (r1 - r0 - payload(n, sizes)) / n, "evictions": evicted}
+
+
+def child_churn(n: int, policy: str) -> dict:
+    """A full tier, its normal state: sized for n / 4 objects, then n put, so three in four puts evict.
+
+    Reported: µs per object of the puts that evicted (after the tier first filled).
+    """
+    from tierkv import TieredStore
+    from tierkv.tiers.dram import DRAMTier
+
+    sizes = sizes_table()
+    _, srcs = views(sizes, True)
+    probe = DRAMTier("probe", 1 << 20, prefault=False)
+    fp = [probe.footprint(s) for s in sizes]
+    probe.close()
+    cap_objects = max(BATCH, n // 4)
+    full, rest = divmod(cap_objects, BATCH)
+    store = TieredStore([_level(DRAMTier("dram", full * sum(fp) + sum(fp[:rest])), policy)])
+    put_s, timed = 0.0, 0
+    nb = (n + BATCH - 1) // BATCH
+    for b in range(nb):
+        keys = batch_keys(b, n)
+        t0 = time.perf_counter()
+        oks = store.put(keys, srcs[:len(keys)])
+        dt = time.perf_counter() - t0
+        if not all(oks):
+            raise SystemExit(f"put failed at batch {b}")
+        if b * BATCH >= cap_objects:
+            put_s += dt
+            timed += len(keys)
+    evicted = store.stats()["total"]["evictions"]
+    store.close()
+    return {"section": "churn", "policy": policy, "objects": n, "capacity_objects": cap_objects,
+            "put_us": put_s / max(1, timed) * 1e6, "evictions": evicted}
 
 
 def _level(tier, policy):
@@ -361,7 +397,7 @@ def main() -> None:
     ap.add_argument("--objects", type=int, action="append", help="object count (repeatable; default 1000000)")
     ap.add_argument("--policies", default="lru,fifo,s3fifo,lfu,arc")
     ap.add_argument("--get-objects", type=int, default=1_000_000, help="objects read back in the get phase")
-    ap.add_argument("--sections", default="baseline,store,policy,alloc,big")
+    ap.add_argument("--sections", default="baseline,store,churn,policy,alloc,big")
     ap.add_argument("--json", help="write every figure to this file")
     ap.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -371,6 +407,7 @@ def main() -> None:
               "baseline": lambda: child_baseline(int(rest[0]), int(rest[1])),
               "policy": lambda: child_policy(int(rest[0]), rest[1]),
               "alloc": lambda: child_alloc(int(rest[0])),
+              "churn": lambda: child_churn(int(rest[0]), rest[1]),
               "big": lambda: child_big(int(rest[0]))}[kind]
         print(json.dumps(fn()))
         return
@@ -394,6 +431,12 @@ def main() -> None:
                 if base:
                     r["put_over_base_us"] = r["put_us"] - base["put_us"]
                     r["get_over_base_us"] = r["get_us"] - base["get_us"]
+                show(r)
+        if "churn" in sections:
+            for p in policies:
+                r = run_child(["churn", str(n), p])
+                if base:
+                    r["put_over_base_us"] = r["put_us"] - base["put_us"]
                 show(r)
         if "policy" in sections:
             for p in policies:

@@ -150,6 +150,7 @@ class Level:
             self.eviction.capacity_bytes = tier.capacity_bytes
         self._insert_many = batch_hook(self.eviction, "on_insert", "on_insert_many")
         self._access_many = batch_hook(self.eviction, "on_access", "on_access_many")
+        self._remove_many = batch_hook(self.eviction, "on_remove", "on_remove_many")
         self.admission: AdmissionPolicy = build_admission(admission)
         #: the default admission: the store skips asking it
         self.admits_all = type(self.admission) is AdmitAll
@@ -218,6 +219,11 @@ class Level:
                 self._fps[nbytes] = c
                 self._fp_only[nbytes] = fp
         return c
+
+    def footprint(self, nbytes: int) -> int:
+        """The tier's footprint of a chunk of ``nbytes`` (remembered per size)."""
+        fp = self._fp_only.get(nbytes)
+        return fp if fp is not None else self._size(nbytes)[0]
 
     def value_nbytes(self, v: int) -> int:
         """nbytes of an index int (READY, or RESERVED: negative)."""
@@ -508,6 +514,52 @@ class Level:
         self._discard(key)
         if was_ready:
             call_policy(self.eviction, "on_remove", self.name, key)
+
+    def evict_many(self, keys: list[str]) -> None:
+        """``drop`` each key, then release the one pin the caller (an eviction) holds on it: a key no other
+        reader holds is freed now, in one ``free_at`` / ``delete`` call for the batch."""
+        index, pinned = self.index, self.pinned
+        codes: list[int] = []
+        gone: list[str] = []  # READY keys that left: the policy is told once, after the index is consistent
+        done = 0
+        try:
+            for key in keys:
+                done += 1
+                v = index.get(key)
+                if type(v) is not int or v < 0 or pinned.get(key) != 1:  # doomed, or read by others too
+                    if type(v) is int and v > 0:
+                        gone.append(key)
+                        self._discard(key)
+                    self.unpin(key)
+                    continue
+                del pinned[key]
+                del index[key]
+                self.ready_count -= 1
+                self.used -= self.unpack(v)[1]
+                codes.append(v)
+                gone.append(key)
+        finally:
+            for key in keys[done:]:  # a fault part way: the caller's pins on the rest are still released
+                if key in pinned:
+                    self.unpin(key)
+            if codes:
+                if self.located:
+                    try:
+                        self.tier.free_at(codes)
+                    except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
+                        log.warning("tierkv: tier %s free failed: %s", self.name, exc)
+                else:
+                    dead = [k for k in gone if k not in index]
+                    try:
+                        self.tier.delete(dead)
+                    except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
+                        log.warning("tierkv: tier %s delete failed: %s", self.name, exc)
+            if gone:
+                if self._remove_many:
+                    call_policy(self.eviction, "on_remove_many", self.name, gone)
+                else:
+                    for key in gone:
+                        call_policy(self.eviction, "on_remove", self.name, key)
 
     def _discard(self, key: str) -> None:
         """Unmark ``key`` (an int in the index) and free it now, or doom it while a reader holds it."""

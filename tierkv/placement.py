@@ -23,6 +23,8 @@ log = logging.getLogger("tierkv")
 
 #: how often a reservation retries after its victims were taken by a racing writer
 _RESERVE_ATTEMPTS = 8
+#: most bytes one eviction stages at once to demote its victims
+_DEMOTE_BATCH_BYTES = 64 << 20
 
 # why a chunk was not placed (bit flags gathered while scanning the chain)
 NO_ROOM, UNAVAILABLE, FAILED = 1, 2, 4
@@ -176,59 +178,126 @@ class Placement:
             lvl.counters.rejected += 1
         return False
 
-    def _evict(self, j: int, victims: list[str]) -> None:
-        """Demote then drop pinned victims of level ``j`` (called without the lock); unpins every one."""
+    def _make_room(self, j: int, need: int) -> None:
+        """Evict (demoting) from managed level ``j`` what ``need`` more footprint bytes lack, in one
+        ``victims`` call, before a batch is placed there key by key.  Called without the lock; a
+        policy that cannot name enough victims leaves the keys to the per-key path."""
         lvl = self.levels[j]
-        left = list(victims)
+        with self._lock:
+            short = min(need - (lvl.capacity - lvl.used), lvl.used)
+            if short <= 0:
+                return
+            victims = lvl.victims(short)
+            if not victims:
+                return
+            lvl.pin_many(victims)
+        self._evict(j, victims)
+
+    def _make_room_for(self, idx: list[int], keys: list[str], prepared: list, start: dict) -> None:
+        """``_make_room`` in each level the keys at ``idx`` will be placed in first (a managed level
+        that admits everything; a level with an admission policy is left to the per-key path)."""
+        need: dict[int, int] = {}
+        with self._lock:
+            for i in idx:
+                for j in range(start[i], len(self.levels)):
+                    lvl = self.levels[j]
+                    if not lvl.tier.available:
+                        continue
+                    if lvl.managed and lvl.admits_all and keys[i] not in lvl.index:
+                        need[j] = need.get(j, 0) + lvl.footprint(prepared[i][1])
+                    break
+        for j, n in need.items():
+            self._make_room(j, n)
+
+    def _evict(self, j: int, victims: list[str]) -> None:
+        """Demote then drop pinned victims of level ``j`` (called without the lock); unpins every one.
+
+        Victims are demoted in batches of at most ``_DEMOTE_BATCH_BYTES`` (one read from
+        ``j`` and one write into each lower level per batch), then dropped.
+        """
+        lvl = self.levels[j]
+        at = 0
         try:
-            while left:
-                key = left[0]
-                demoted = self._demote(j, key, lvl.nbytes_of(key))
+            with self._lock:
+                sizes = [lvl.nbytes_of(key) for key in victims]
+            while at < len(victims):
+                end, total = at, 0
+                while end < len(victims) and (end == at or total + sizes[end] <= _DEMOTE_BATCH_BYTES):
+                    total += sizes[end]
+                    end += 1
+                below = self._demote_many(j, victims[at:end], sizes[at:end]) if j + 1 < len(self.levels) \
+                    else set()
                 with self._lock:
-                    left.pop(0)
-                    try:
-                        lvl.counters.evictions += 1
-                        if demoted:
-                            lvl.counters.demotions += 1
-                        lvl.drop(key)
-                    finally:
-                        lvl.unpin(key)
+                    batch = victims[at:end]
+                    at = end  # evict_many releases every pin of the batch, raising or not
+                    lvl.counters.evictions += len(batch)
+                    lvl.counters.demotions += len(below)
+                    lvl.evict_many(batch)
         finally:
-            if left:
+            if at < len(victims):
                 with self._lock:
-                    for key in left:
+                    for key in victims[at:]:
                         lvl.unpin(key)
 
     def _demote(self, j: int, key: str, nbytes: int) -> bool:
-        """Copy ``key`` from level ``j`` into the next lower level that takes it.  True if it now lives below.
+        """Copy ``key`` from level ``j`` into the next lower level that takes it.  True if it now lives below."""
+        return key in self._demote_many(j, [key], [nbytes])
 
-        Walks down from ``j + 1``: a level that already holds the key ends the walk
-        (levels are inclusive); otherwise the first level that admits it and has
-        (or makes) room receives a copy.
+    def _demote_many(self, j: int, keys: list[str], sizes: list[int]) -> set[str]:
+        """Copy pinned ``keys`` of level ``j`` into the next lower level that takes each; the keys now below.
+
+        Walks down from ``j + 1``: a level that already holds a key ends its walk
+        (levels are inclusive); otherwise the first level that admits it and has (or
+        makes) room receives a copy.  The sources are read once, when a level first
+        takes them; a key whose source read fails is not demoted (and counted).
         """
-        buf: Optional[torch.Tensor] = None
-        held: dict[tuple[int, str], None] = {}
-        try:
-            for k in range(j + 1, len(self.levels)):
+        nbytes = dict(zip(keys, sizes))
+        below: set[str] = set()
+        bufs: dict[str, torch.Tensor] = {}
+        unreadable: set[str] = set()
+        todo = list(keys)
+        for k in range(j + 1, len(self.levels)):
+            if not todo:
+                break
+            lvl = self.levels[k]
+            held: dict[tuple[int, str], None] = {}
+            try:
                 with self._lock:
-                    if self.levels[k].holds(key):
-                        return True
-                if self._place(key, nbytes, k, k + 1, held)[0] is None:
-                    continue
-                if buf is None:
-                    buf = staging(nbytes)
-                    if not self._tier_io(self.levels[j], "read", [key], [[buf]])[0]:
+                    fresh = [key for key in todo if not lvl.holds(key)]
+                below.update(key for key in todo if key not in fresh)
+                if len(fresh) > 1 and lvl.tier.available:
+                    self._make_room_for(list(range(len(fresh))), fresh, [(None, nbytes[key]) for key in fresh],
+                                        dict.fromkeys(range(len(fresh)), k))
+                go: list[str] = []
+                rest: list[str] = []
+                for key in fresh:
+                    (go if self._place(key, nbytes[key], k, k + 1, held)[0] is not None else rest).append(key)
+                need = [key for key in go if key not in bufs]
+                if need:
+                    staged = [staging(nbytes[key]) for key in need]
+                    oks = self._tier_io(self.levels[j], "read", need, [[b] for b in staged])
+                    for key, b, ok in zip(need, staged, oks):
+                        if ok:
+                            bufs[key] = b
+                        else:
+                            unreadable.add(key)
+                    if False in oks:
                         with self._lock:
-                            self.levels[j].counters.errors += 1
-                        return False
-                ok = self._tier_io(self.levels[k], "write", [key], [[buf]])[0]
-                with self._lock:
-                    held.pop((k, key), None)
-                    if self._finish_write(self.levels[k], key, nbytes, ok):
-                        return True
-            return False
-        finally:
-            self._release(held)
+                            self.levels[j].counters.errors += oks.count(False)
+                go = [key for key in go if key in bufs]  # (the unreadable stay in held: released below)
+                if go:
+                    wrote = self._tier_io(lvl, "write", go, [[bufs[key]] for key in go])
+                    with self._lock:
+                        for key, ok in zip(go, wrote):
+                            held.pop((k, key), None)
+                            if self._finish_write(lvl, key, nbytes[key], ok):
+                                below.add(key)
+                            else:
+                                rest.append(key)
+                todo = [key for key in rest if key not in unreadable]
+            finally:
+                self._release(held)
+        return below
 
     def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True) -> bool:
         """Commit (ok) or abort a write into ``lvl``; caller holds the lock.  Returns ``ok``."""

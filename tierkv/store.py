@@ -336,6 +336,10 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
                             groups.setdefault(j, []).append(i)
                         else:
                             out[i] = self._refusal(why[i])
+                if len(slow) > 1:  # room for the whole rest at once: one victims call, batched demotions
+                    self._make_room_for(slow, keys, prepared, start)
+                    if self._fast_top():  # (a top level that takes everything without asking)
+                        slow = self._reserve_top(slow, keys, prepared, start, groups, held)
                 for i in slow:
                     j, flags = self._place(keys[i], prepared[i][1], start[i], len(self.levels), held)
                     why[i] |= flags
@@ -400,6 +404,25 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
             with self._lock:
                 self._counters.chunks_rejected += refused
         return out  # type: ignore[return-value]
+
+    def _reserve_top(self, slow: list[int], keys: list[str], prepared: list[tuple[Parts, int]],
+                     start: dict[int, int], groups: dict[int, list[int]], held: dict) -> list[int]:
+        """After ``_make_room``: reserve the keys at ``slow`` that start at the top level in one batch
+        (added to ``groups[0]`` and ``held``); returns those left to the per-key path."""
+        top = self.levels[0]
+        at = [i for i in slow if start[i] == 0]
+        if not at or not top.tier.available:
+            return slow
+        with self._lock:
+            codes = top.reserve_many([keys[i] for i in at], [prepared[i][1] for i in at])
+            got = [i for i, c in zip(at, codes) if c == 0]
+            for i in got:
+                held[(0, keys[i])] = None
+        if got:
+            groups.setdefault(0, []).extend(got)
+            taken = set(got)
+            return [i for i in slow if i not in taken]
+        return slow
 
     def _fast_top(self) -> bool:
         """Whether a put may reserve a whole batch in the top level at once: managed, no admission policy."""

@@ -212,7 +212,7 @@ class SlabTier(Tier):
             if host and len(parts) == 1:  # the common case first: one host part, a contiguous object
                 p = parts[0]
                 nbytes = p.numel()
-                if nbytes < NB_FIELD and (code >> 1 & NB_FIELD) == nbytes and p.is_cpu:
+                if nbytes < NB_FIELD and (code >> 1 & NB_FIELD) == nbytes and p.is_cpu and p.is_contiguous():
                     if nbytes:
                         a = base + ((code >> CODE_SHIFT) << _ALIGN_BITS)
                         append((a, p.data_ptr(), nbytes) if into_slab else (p.data_ptr(), a, nbytes))
