@@ -33,8 +33,10 @@ from .format import WRITE_UNIT
 from .hostbuf import _host_view, image_address
 from .index import DigestIndex
 
-#: a batch's finished bytes go to the writer thread in pieces of at least this much
+#: a batch's finished bytes go to the writer thread in pieces of at least this much (buffered writes)
 PIPE_UNIT = 512 << 10
+#: the same with O_DIRECT: the first piece of a batch leaves as soon as this much is copied
+PIPE_MIN_DIRECT = 256 << 10
 
 
 class WritePath:
@@ -91,10 +93,12 @@ class WritePath:
         return out
 
     def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
-        """Append a batch: host objects are copied into the active image one after another (each
-        finished stretch of ``PIPE_UNIT`` or more written out by the writer thread while the next is
-        copied) and committed per region in one go: the batch's bytes reach the file, then its
-        digests enter the index together.  Compressed or device objects take ``_put_one``.
+        """Append a batch: host objects are copied into the active image one after another and
+        committed per region in one go: the batch's bytes reach the file, then its digests enter the
+        index together.  While the writer thread is idle, each finished object hands it everything
+        copied since its last write (at least ``PIPE_UNIT``, ``PIPE_MIN_DIRECT`` with O_DIRECT), so it
+        writes while the caller copies on, in pieces that grow with the backlog; the commit writes the
+        rest beside the writer's last piece.  Compressed or device objects take ``_put_one``.
         Returns the results and whether any object took ``_put_one``."""
         out = [False] * len(keys)
         one_by_one = False
@@ -107,6 +111,8 @@ class WritePath:
         chk = F.CHECK_STRUCT.pack_into
         digest_of = xxhash.xxh3_64_intdigest
         memmove = ctypes.memmove
+        pipe_min = PIPE_MIN_DIRECT if self.direct_io else PIPE_UNIT
+        last = len(keys) - 1
         r = self._active
         buf: Any = None
         mv: Any = None
@@ -163,7 +169,7 @@ class WritePath:
             mv[pos + F.REC_HDR:at] = kb
             chk(buf, pos + F.RECORD_CHECK_AT, digest_of(mv[pos:at]))
             seg.add(i, F.key_digest(kb), pos, rec_len, raw_len, kb, flags, end)
-            if end - seg.submitted >= PIPE_UNIT and i + 1 < len(keys):  # (the last piece: written by the commit)
+            if i < last and end - seg.submitted >= pipe_min and seg.idle():  # (the last piece: the commit's)
                 seg.submit(self._writer_pool(), r, F.align_down(end))
         self._commit(seg, out)
         return out, one_by_one
@@ -180,10 +186,9 @@ class WritePath:
         if not seg.n:
             return
         r = cast(R.Region, seg.region)
-        ok = seg.wait(self)
-        if ok:
-            r.written = max(r.written, seg.written)
-            ok = self._write_out(r, F.align_up(seg.end), seg.end)
+        r.written = max(r.written, seg.written)
+        ok = self._write_out(r, F.align_up(seg.end), seg.end)  # (beside the writer's piece in flight)
+        ok = seg.wait(self) and ok
         if not ok:
             r.written = min(r.written, F.align_down(seg.start))
             seg.reset()
@@ -307,7 +312,13 @@ class WritePath:
         return r
 
     def _free_regions(self) -> list[int]:
-        """Indices usable for a new region: free files first, then files not yet created."""
+        """Indices usable for a new region: free files first (a sealed region none of whose objects is live
+        any more is free: reusing it costs no copy), then files not yet created.  A file already written
+        is also cheaper to write again than fresh preallocated blocks (no unwritten extents to convert)."""
+        with self._lock:
+            for r in self._regions.values():
+                if r.state == R.SEALED and r.live_count == 0 and not r.foreign:
+                    r.state = R.FREE
         free = [i for i, r in sorted(self._regions.items()) if r.state == R.FREE and not r.foreign]
         usable = sum(1 for r in self._regions.values() if not r.foreign)
         i = 0
@@ -433,6 +444,10 @@ class _Segment:
         self.measured += end - pos + F.ENTRY + F.MAX_KEY  # (``F.measure``: ``end`` is the aligned end)
         self.n += 1
         self.end = end
+
+    def idle(self) -> bool:
+        """Whether the writer has finished every piece submitted so far."""
+        return not self.futures or self.futures[-1].done()
 
     def submit(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
         """Write ``[submitted, upto)`` of the image on the writer thread while the caller copies on."""
