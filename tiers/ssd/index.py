@@ -220,9 +220,11 @@ class DigestIndex:
         if not n:
             return
         # into an empty table, linear probing in order of home slot is a running maximum: each entry
-        # takes its home or the slot after the previous one, whichever is later
-        home = (digest & np.uint64(self.mask)).astype(np.int64)
-        order = np.argsort(home, kind="stable")
+        # takes its home or the slot after the previous one, whichever is later (among entries of one
+        # home any order will do: the sort need not be stable)
+        home32 = (digest & np.uint64(self.mask)).astype(np.uint32)
+        order = np.argsort(home32)
+        home = home32.astype(np.int64)
         step = np.arange(n, dtype=np.int64)
         pos = np.maximum.accumulate(home[order] - step) + step
         fit = pos <= self.mask

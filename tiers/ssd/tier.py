@@ -157,7 +157,7 @@ class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
         self._sealed_since_ckpt = 0
         self._next_seq = 1
         self._dirty_fds: set[int] = set()
-        self._recovered: Optional[tuple[list[str], list[int]]] = None
+        self._recovered: Optional[recovery.Candidates] = None  # what the open found, until recover()
         self._spare_image: Optional[mmap.mmap] = None  # the last sealed region's image, reused by the next
         self._image_addrs: dict[int, tuple] = {}  # id(image) -> (address, keeper)
         self._image_addr = 0
@@ -309,11 +309,13 @@ class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
         c = loaded.cands
         # a smaller capacity keeps the newest that fit
         fps = footprint_of(c.raw_len)
-        keep_from_end = np.cumsum(fps[::-1])[::-1] <= self.capacity_bytes if len(fps) else np.zeros(0, bool)
-        dropped = recovery.take(c, np.flatnonzero(~keep_from_end))
-        c = recovery.take(c, np.flatnonzero(keep_from_end))
-        self._index.bulk_load(c.digest, c.region.astype(np.uint32), c.offset.astype(np.uint32),
-                              c.rec_len.astype(np.uint32), c.raw_len.astype(np.uint32))
+        if int(fps.sum()) <= self.capacity_bytes:  # (all of it fits: nothing to select)
+            dropped = recovery.take(c, np.zeros(0, dtype=np.int64))
+        else:
+            keep_from_end = np.cumsum(fps[::-1])[::-1] <= self.capacity_bytes
+            dropped = recovery.take(c, np.flatnonzero(~keep_from_end))
+            c = recovery.take(c, np.flatnonzero(keep_from_end))
+        self._index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
         for idx, r in valid.items():  # noqa: B007 - the name documents the loop
             r.state = R.FREE
         if len(c.digest):
@@ -328,7 +330,7 @@ class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
         self._covered = ckpt.covered_seq if ckpt is not None else 0
         for idx, sc in loaded.scanned.items():  # seal what an earlier process left unsealed
             self._seal_scanned(valid[idx], sc)
-        self._recovered = (recovery.key_list(c), c.raw_len.tolist())
+        self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
         if len(dropped.digest):
             self._counters["trimmed"] = len(dropped.digest)
             for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
@@ -356,21 +358,11 @@ class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
     def recover(self) -> list[tuple[str, int]]:
         """(key, nbytes) of the objects found on open, oldest first (within ``capacity_bytes``)."""
         if self._recovered is not None:
-            import gc
-
-            keys, sizes = self._recovered
-            self._recovered = None  # the tier keeps no key strings once the store has them
-            gc_was = gc.isenabled()
-            gc.disable()  # (a million tuples: see recovery.key_list)
-            try:
-                return list(zip(keys, sizes))
-            finally:
-                if gc_was:
-                    gc.enable()
+            c, self._recovered = self._recovered, None  # the tier keeps no keys once the store has them
+            return recovery.listing(c)
         with self._wlock:
             c = self._gather()
-        c = recovery.take(c, np.lexsort((c.offset, c.seq)))
-        return list(zip(recovery.key_list(c), c.raw_len.tolist()))
+        return recovery.listing(recovery.take(c, np.lexsort((c.offset, c.seq))))
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _unlive(self, idx: int, rec_len: int) -> None:
