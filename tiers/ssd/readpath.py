@@ -11,6 +11,7 @@ is corrupt, counted and dropped.
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import threading
 from collections.abc import Sequence
@@ -36,6 +37,15 @@ _ADDR = R.buffer_address
 _RUN_GAP = 4096  # records at most this far apart are read together
 _RUN_MAX = 1 << 20  # a run's span is at most this long
 _RUN_OBJECT = 256 << 10  # records longer than this are read on their own
+_MANY = 64  # batches of at least this many keys are looked up in the index with numpy
+_PLACE = operator.itemgetter(0, 1)  # (region, offset) of a record to read
+_VECTOR_MIN = 4  # a buffered run of at least this many records has its headers checked with numpy
+_HEAD = np.arange(F.REC_HDR)
+_CHECK_BYTES = np.arange(F.RECORD_CHECK_AT, F.RECORD_CHECK_AT + 8)
+#: the record header (``F.RECORD_STRUCT``) as numpy sees it
+_HDR_DTYPE = np.dtype({"names": ["magic", "version", "flags", "klen", "seq", "raw", "stored", "psum", "check"],
+                       "formats": ["S4", "u1", "u1", "<u2", "<u8", "<u4", "<u4", "<u8", "<u8"],
+                       "offsets": [0, 4, 5, 6, 8, 16, 20, 24, 32], "itemsize": F.REC_HDR})
 
 
 class ReadPath:
@@ -61,17 +71,21 @@ class ReadPath:
         n = len(keys)
         out = [False] * n
         kbs = [k.encode() for k in keys]
-        digs = [F.key_digest(kb) for kb in kbs]
+        key_digest = F.key_digest
+        digs = [key_digest(kb) for kb in kbs]
         todo: list = []
         with self._lock:
-            if n >= 8:
+            if n >= _MANY:
                 _, reg, off, rec, raw = self._index.get_many(np.array(digs, dtype=np.uint64))
                 # (an absent digest has all four 0: no record has length 0)
-                found = [f for f in zip(range(n), reg.tolist(), off.tolist(), rec.tolist(), raw.tolist()) if f[3]]
-            else:
+                hit = np.flatnonzero(rec)
+                found: list = list(zip(hit.tolist(), reg[hit].tolist(), off[hit].tolist(), rec[hit].tolist(),
+                                       raw[hit].tolist()))
+            else:  # (a few keys: the probes one by one cost less than the numpy calls)
                 found = []
+                get = self._index.get
                 for i, d in enumerate(digs):
-                    e = self._index.get(d)
+                    e = get(d)
                     if e is not None:
                         found.append((i, *e))
             active = self._active
@@ -102,14 +116,15 @@ class ReadPath:
 
         Small records a short gap apart are read with one pread; a large record (buffered reads go
         straight into the caller's parts) is a run of its own."""
-        todo.sort(key=lambda t: (t[0], t[1]))
+        todo.sort(key=_PLACE)
         runs: list = []
         cur: list = []
         start = end = -1
         cur_r = -1
         for ri, o, i, loc in todo:
             rl = loc[4]
-            if loc[5] != sum(p.numel() for p in dsts[i]):
+            parts = dsts[i]
+            if loc[5] != (parts[0].numel() if len(parts) == 1 else sum(p.numel() for p in parts)):
                 continue  # not the size the caller expects: a miss without a read
             if rl > _RUN_OBJECT and not self.direct_io:  # (straight into the caller's parts)
                 runs.append((ri, [(i, loc)], rl))
@@ -191,6 +206,8 @@ class ReadPath:
             got = -1
         again = []
         want = pos - items[0][1][3]
+        if got == want and len(plan) >= _VECTOR_MIN and all(p[3] is not None for p in plan):
+            plan = self._check_plan(scratch, smv, plan, out)  # (what it cannot settle: looked at one by one)
         for i, loc, at, views in plan:
             if got == want:
                 if views is None:
@@ -202,6 +219,46 @@ class ReadPath:
             again.append((i, loc))
         for i, loc in again:  # a second look decides: moved, corrupt or an I/O error
             out[i] = self._read_one(keys[i], loc, dsts[i])
+
+    def _check_plan(self, scratch, smv: memoryview, plan: list, out: list[bool]) -> list:
+        """Check a run's records read into the caller's parts (headers and keys in ``scratch``) with a few
+        numpy calls for the run: the header fields against what the index expects, each header's check
+        (one xxh3 call a record, over the header with its check field zeroed in place, and the key), the
+        full key, and each payload's sum (xxh3 records; others are left to ``_head_then``).  Sets
+        ``out`` for the records that pass; returns the plan entries of those that do not."""
+        k = len(plan)
+        ats = np.fromiter((p[2] for p in plan), dtype=np.int64, count=k)
+        sa = np.frombuffer(scratch, dtype=np.uint8)
+        h = sa[ats[:, None] + _HEAD].view(_HDR_DTYPE).ravel()
+        klens = [len(p[1][0]) for p in plan]
+        raw = np.fromiter((p[1][5] for p in plan), dtype=np.int64, count=k)
+        ok = ((h["magic"] == F.RECORD_MAGIC) & (h["version"] == F.VERSION)
+              & ((h["flags"] & (F.FLAG_TOMB | F.FLAG_LZ4 | F.FLAG_CRC32C)) == 0)
+              & (h["klen"] == np.array(klens)) & (h["raw"] == raw) & (h["stored"] == raw)
+              & (h["seq"] == np.fromiter((p[1][6] for p in plan), dtype=np.uint64, count=k)))
+        sa[ats[:, None] + _CHECK_BYTES] = 0  # (the check was computed with its field zero)
+        dig = xxhash.xxh3_64_intdigest
+        ok &= h["check"] == np.array([dig(smv[a:a + F.REC_HDR + m]) for a, m in zip(ats.tolist(), klens)],
+                                     dtype=np.uint64)
+        m = klens[0]
+        if min(klens) == max(klens):  # keys of one length: one comparison for the run
+            ok &= (sa[(ats + F.REC_HDR)[:, None] + np.arange(m)]
+                   == np.frombuffer(b"".join([p[1][0] for p in plan]), dtype=np.uint8).reshape(k, m)).all(axis=1)
+        else:
+            ok &= np.array([smv[a + F.REC_HDR:a + F.REC_HDR + len(p[1][0])] == p[1][0]
+                            for a, p in zip(ats.tolist(), plan)])
+        ok &= h["psum"] == np.array([dig(v[0]) if len(v) == 1 else F.xxh3(v) for _, _, _, v in plan],
+                                    dtype=np.uint64)
+        rest = []
+        for good, p in zip(ok.tolist(), plan):
+            if good:
+                out[p[0]] = True
+            else:
+                rest.append(p)
+        if rest:  # their check fields as read, for the look at each on its own
+            bad = ~ok
+            sa[ats[bad][:, None] + _CHECK_BYTES] = h["check"][bad].view(np.uint8).reshape(-1, 8)
+        return rest
 
     def _settled(self, res: int, i: int, out: list[bool]) -> bool:
         """Whether a record's check decides read ``i``: served (``out[i]`` set), another key's record
