@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import operator
 import os
+import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,13 +40,15 @@ _RUN_MAX = 1 << 20  # a run's span is at most this long
 _RUN_OBJECT = 256 << 10  # records longer than this are read on their own
 _MANY = 64  # batches of at least this many keys are looked up in the index with numpy
 _PLACE = operator.itemgetter(0, 1)  # (region, offset) of a record to read
-_VECTOR_MIN = 4  # a buffered run of at least this many records has its headers checked with numpy
-_HEAD = np.arange(F.REC_HDR)
-_CHECK_BYTES = np.arange(F.RECORD_CHECK_AT, F.RECORD_CHECK_AT + 8)
-#: the record header (``F.RECORD_STRUCT``) as numpy sees it
-_HDR_DTYPE = np.dtype({"names": ["magic", "version", "flags", "klen", "seq", "raw", "stored", "psum", "check"],
-                       "formats": ["S4", "u1", "u1", "<u2", "<u8", "<u4", "<u4", "<u8", "<u8"],
-                       "offsets": [0, 4, 5, 6, 8, 16, 20, 24, 32], "itemsize": F.REC_HDR})
+_VECTOR_MIN = 4  # a buffered run of at least this many records is checked by ``_check_plan``
+#: a record header's fixed fields (``F.RECORD_STRUCT`` up to the payload sum): magic, version, flags,
+#: key length, seq, raw and stored length, all known before the read; then the sum and check, then padding
+_EXPECT = struct.Struct("<4sBBHQII")
+_FIXED = _EXPECT.size
+_PSUM_AT = _FIXED
+_SUMS = struct.Struct("<QQ")
+_PAD_AT = F.RECORD_CHECK_AT + 8
+_PAD = bytes(F.REC_HDR - _PAD_AT)
 
 
 class ReadPath:
@@ -221,43 +224,30 @@ class ReadPath:
             out[i] = self._read_one(keys[i], loc, dsts[i])
 
     def _check_plan(self, scratch, smv: memoryview, plan: list, out: list[bool]) -> list:
-        """Check a run's records read into the caller's parts (headers and keys in ``scratch``) with a few
-        numpy calls for the run: the header fields against what the index expects, each header's check
-        (one xxh3 call a record, over the header with its check field zeroed in place, and the key), the
-        full key, and each payload's sum (xxh3 records; others are left to ``_head_then``).  Sets
-        ``out`` for the records that pass; returns the plan entries of those that do not."""
-        k = len(plan)
-        ats = np.fromiter((p[2] for p in plan), dtype=np.int64, count=k)
-        sa = np.frombuffer(scratch, dtype=np.uint8)
-        h = sa[ats[:, None] + _HEAD].view(_HDR_DTYPE).ravel()
-        klens = [len(p[1][0]) for p in plan]
-        raw = np.fromiter((p[1][5] for p in plan), dtype=np.int64, count=k)
-        ok = ((h["magic"] == F.RECORD_MAGIC) & (h["version"] == F.VERSION)
-              & ((h["flags"] & (F.FLAG_TOMB | F.FLAG_LZ4 | F.FLAG_CRC32C)) == 0)
-              & (h["klen"] == np.array(klens)) & (h["raw"] == raw) & (h["stored"] == raw)
-              & (h["seq"] == np.fromiter((p[1][6] for p in plan), dtype=np.uint64, count=k)))
-        sa[ats[:, None] + _CHECK_BYTES] = 0  # (the check was computed with its field zero)
+        """Check a run's records read into the caller's parts (headers and keys in ``scratch``), a few C
+        calls a record: the header's fixed fields and padding against the bytes the index, the region's
+        seq and the key say they must be, the full key, the header check (one xxh3 call, over the header
+        with its check field zeroed in the scratch, and the key) and the payload sum (one call; records of
+        another sum or with other flags are left to ``_head_then``).  Sets ``out`` for the records that
+        pass; returns the plan entries of those that do not (their check field as read)."""
+        expect = _EXPECT.pack
+        sums = _SUMS.unpack_from
         dig = xxhash.xxh3_64_intdigest
-        ok &= h["check"] == np.array([dig(smv[a:a + F.REC_HDR + m]) for a, m in zip(ats.tolist(), klens)],
-                                     dtype=np.uint64)
-        m = klens[0]
-        if min(klens) == max(klens):  # keys of one length: one comparison for the run
-            ok &= (sa[(ats + F.REC_HDR)[:, None] + np.arange(m)]
-                   == np.frombuffer(b"".join([p[1][0] for p in plan]), dtype=np.uint8).reshape(k, m)).all(axis=1)
-        else:
-            ok &= np.array([smv[a + F.REC_HDR:a + F.REC_HDR + len(p[1][0])] == p[1][0]
-                            for a, p in zip(ats.tolist(), plan)])
-        ok &= h["psum"] == np.array([dig(v[0]) if len(v) == 1 else F.xxh3(v) for _, _, _, v in plan],
-                                    dtype=np.uint64)
+        magic, version, head = F.RECORD_MAGIC, F.VERSION, F.REC_HDR
         rest = []
-        for good, p in zip(ok.tolist(), plan):
-            if good:
-                out[p[0]] = True
-            else:
-                rest.append(p)
-        if rest:  # their check fields as read, for the look at each on its own
-            bad = ~ok
-            sa[ats[bad][:, None] + _CHECK_BYTES] = h["check"][bad].view(np.uint8).reshape(-1, 8)
+        for p in plan:
+            _, loc, a, views = p
+            kb = loc[0]
+            psum, check = sums(scratch, a + _PSUM_AT)
+            end = a + head + len(kb)
+            if (smv[a:a + _FIXED] == expect(magic, version, 0, len(kb), loc[6], loc[5], loc[5])
+                    and smv[a + _PAD_AT:a + head] == _PAD and smv[a + head:end] == kb):
+                scratch[a + F.RECORD_CHECK_AT:a + F.RECORD_CHECK_AT + 8] = _ZERO_CHECK
+                if dig(smv[a:end]) == check and (dig(views[0]) if len(views) == 1 else F.xxh3(views)) == psum:
+                    out[p[0]] = True
+                    continue
+                F.CHECK_STRUCT.pack_into(scratch, a + F.RECORD_CHECK_AT, check)
+            rest.append(p)
         return rest
 
     def _settled(self, res: int, i: int, out: list[bool]) -> bool:
