@@ -4,7 +4,11 @@
 
 * put / get of 256 KiB, 2 MiB and 4 MiB objects (batches of 8) vs raw sequential
   ``pwrite`` / ``pread`` of the same bytes into one file on the same file system
-  (O_DIRECT on both sides when the tier uses it; both sides fsync at the end of a put round);
+  (O_DIRECT on both sides when the tier uses it).  Both sides end a put round durable: the
+  raw side with one ``fsync``, the tier with ``flush()`` (its regions, dead log and a durable
+  checkpoint).  Both overwrite blocks written before: the raw file is preallocated once and
+  rewritten each round; the tier, its objects removed between rounds, writes into the region
+  files earlier rounds wrote, as a full tier cycling its regions does;
 * 16 KiB puts/s and gets/s from the page cache (``direct_io: false``, batches of 32) vs raw
   ``pwrite`` / ``pread`` of 16 KiB (targets ≥ 50 K puts/s, ≥ 100 K gets/s);
 * reopen of 1 M objects (``--quick``: 200 K) from the checkpoint (target ≤ 1 s) and from the

@@ -357,6 +357,32 @@ def test_a_batch_of_present_absent_corrupt_and_missized_keys(tmp_path, direct):
     t.close()
 
 
+def test_every_byte_of_a_record_read_in_a_buffered_run_is_checked(tmp_path):
+    """A buffered run has its headers checked with numpy and its sums one call a record: a byte flipped
+    anywhere (magic, flags, key length, seq, lengths, payload sum, the check itself, the zero padding,
+    the key, the payload) makes that record a counted miss, its neighbours in the run exact."""
+    d = str(tmp_path / "s")
+    n, size = 48, 2000
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB", direct_io=False)
+    assert t.write([key(i) for i in range(n)], [[blob(i, size)] for i in range(n)]) == [True] * n
+    t.close()
+    (f,) = region_files(d)
+    klen = len(key(0))
+    spots = {3: 1, 6: 5, 9: 7, 12: 9, 15: 17, 18: 21, 21: 26, 24: 35, 27: 50, 30: 64 + 5, 33: 64 + klen + 700,
+             36: 64 + klen + size - 1}
+    for i, off in spots.items():
+        flip(f, _record_at(f, key(i)) + off)
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB", direct_io=False)
+    t.recover()
+    ok, outs = read_all(t, [key(i) for i in range(n)], size)
+    assert [i for i, g in enumerate(ok) if not g] == sorted(spots)
+    assert all(torch.equal(outs[i], blob(i, size)) for i in range(n) if i not in spots)
+    assert t.extra_stats()["corrupt"] == len(spots) and t.extra_stats()["collisions"] == 0
+    ok, outs = read_all(t, [key(i) for i in range(n) if i not in spots], size)  # the rest, again exact
+    assert all(ok) and all(torch.equal(o, blob(i, size)) for o, i in zip(outs, [i for i in range(n) if i not in spots]))
+    t.close()
+
+
 def test_a_flipped_byte_in_the_middle_record_of_a_large_run_is_a_miss(tmp_path):
     """Large records read in one span (O_DIRECT where the file system allows it): a flipped byte in the
     middle one is a counted miss, its neighbours in the same span exact."""

@@ -19,6 +19,7 @@ from .format import EMPTY, TOMB
 
 _MAX_LOAD = 0.7
 _WINDOW = np.arange(16)  # slots probed at once per digest by the batch operations
+_MANY = 24  # batches at least this long are put with numpy
 
 
 class DigestIndex:
@@ -122,11 +123,12 @@ class DigestIndex:
         later replaces the earlier.  Returns the replaced entries' (region, offset, rec_len).
 
         Distinct digests whose probe ends within a window of slots, and that do not compete for one
-        free slot, are placed together (a few numpy operations for the batch); any other batch is
-        put entry by entry.
+        free slot, are placed together (a few numpy operations for the batch); a batch of fewer than
+        ``_MANY`` entries (where the numpy calls cost more than the entries' own probes) or any other
+        batch is put entry by entry.
         """
         n = len(d)
-        if n < 4 or len(set(d)) != n or self.used + n > _MAX_LOAD * (self.mask + 1):
+        if n < _MANY or len(set(d)) != n or self.used + n > _MAX_LOAD * (self.mask + 1):
             olds = []
             for x, o, rl, wl in zip(d, offset, rec_len, raw_len):
                 old = self.put(x, region, o, rl, wl)
@@ -218,9 +220,11 @@ class DigestIndex:
         if not n:
             return
         # into an empty table, linear probing in order of home slot is a running maximum: each entry
-        # takes its home or the slot after the previous one, whichever is later
-        home = (digest & np.uint64(self.mask)).astype(np.int64)
-        order = np.argsort(home, kind="stable")
+        # takes its home or the slot after the previous one, whichever is later (among entries of one
+        # home any order will do: the sort need not be stable)
+        home32 = (digest & np.uint64(self.mask)).astype(np.uint32)
+        order = np.argsort(home32)
+        home = home32.astype(np.int64)
         step = np.arange(n, dtype=np.int64)
         pos = np.maximum.accumulate(home[order] - step) + step
         fit = pos <= self.mask

@@ -11,7 +11,9 @@ is corrupt, counted and dropped.
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
+import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -36,6 +38,17 @@ _ADDR = R.buffer_address
 _RUN_GAP = 4096  # records at most this far apart are read together
 _RUN_MAX = 1 << 20  # a run's span is at most this long
 _RUN_OBJECT = 256 << 10  # records longer than this are read on their own
+_MANY = 64  # batches of at least this many keys are looked up in the index with numpy
+_PLACE = operator.itemgetter(0, 1)  # (region, offset) of a record to read
+_VECTOR_MIN = 4  # a buffered run of at least this many records is checked by ``_check_plan``
+#: a record header's fixed fields (``F.RECORD_STRUCT`` up to the payload sum): magic, version, flags,
+#: key length, seq, raw and stored length, all known before the read; then the sum and check, then padding
+_EXPECT = struct.Struct("<4sBBHQII")
+_FIXED = _EXPECT.size
+_PSUM_AT = _FIXED
+_SUMS = struct.Struct("<QQ")
+_PAD_AT = F.RECORD_CHECK_AT + 8
+_PAD = bytes(F.REC_HDR - _PAD_AT)
 
 
 class ReadPath:
@@ -61,17 +74,21 @@ class ReadPath:
         n = len(keys)
         out = [False] * n
         kbs = [k.encode() for k in keys]
-        digs = [F.key_digest(kb) for kb in kbs]
+        key_digest = F.key_digest
+        digs = [key_digest(kb) for kb in kbs]
         todo: list = []
         with self._lock:
-            if n >= 8:
+            if n >= _MANY:
                 _, reg, off, rec, raw = self._index.get_many(np.array(digs, dtype=np.uint64))
                 # (an absent digest has all four 0: no record has length 0)
-                found = [f for f in zip(range(n), reg.tolist(), off.tolist(), rec.tolist(), raw.tolist()) if f[3]]
-            else:
+                hit = np.flatnonzero(rec)
+                found: list = list(zip(hit.tolist(), reg[hit].tolist(), off[hit].tolist(), rec[hit].tolist(),
+                                       raw[hit].tolist()))
+            else:  # (a few keys: the probes one by one cost less than the numpy calls)
                 found = []
+                get = self._index.get
                 for i, d in enumerate(digs):
-                    e = self._index.get(d)
+                    e = get(d)
                     if e is not None:
                         found.append((i, *e))
             active = self._active
@@ -102,14 +119,15 @@ class ReadPath:
 
         Small records a short gap apart are read with one pread; a large record (buffered reads go
         straight into the caller's parts) is a run of its own."""
-        todo.sort(key=lambda t: (t[0], t[1]))
+        todo.sort(key=_PLACE)
         runs: list = []
         cur: list = []
         start = end = -1
         cur_r = -1
         for ri, o, i, loc in todo:
             rl = loc[4]
-            if loc[5] != sum(p.numel() for p in dsts[i]):
+            parts = dsts[i]
+            if loc[5] != (parts[0].numel() if len(parts) == 1 else sum(p.numel() for p in parts)):
                 continue  # not the size the caller expects: a miss without a read
             if rl > _RUN_OBJECT and not self.direct_io:  # (straight into the caller's parts)
                 runs.append((ri, [(i, loc)], rl))
@@ -191,6 +209,8 @@ class ReadPath:
             got = -1
         again = []
         want = pos - items[0][1][3]
+        if got == want and len(plan) >= _VECTOR_MIN and all(p[3] is not None for p in plan):
+            plan = self._check_plan(scratch, smv, plan, out)  # (what it cannot settle: looked at one by one)
         for i, loc, at, views in plan:
             if got == want:
                 if views is None:
@@ -202,6 +222,33 @@ class ReadPath:
             again.append((i, loc))
         for i, loc in again:  # a second look decides: moved, corrupt or an I/O error
             out[i] = self._read_one(keys[i], loc, dsts[i])
+
+    def _check_plan(self, scratch, smv: memoryview, plan: list, out: list[bool]) -> list:
+        """Check a run's records read into the caller's parts (headers and keys in ``scratch``), a few C
+        calls a record: the header's fixed fields and padding against the bytes the index, the region's
+        seq and the key say they must be, the full key, the header check (one xxh3 call, over the header
+        with its check field zeroed in the scratch, and the key) and the payload sum (one call; records of
+        another sum or with other flags are left to ``_head_then``).  Sets ``out`` for the records that
+        pass; returns the plan entries of those that do not (their check field as read)."""
+        expect = _EXPECT.pack
+        sums = _SUMS.unpack_from
+        dig = xxhash.xxh3_64_intdigest
+        magic, version, head = F.RECORD_MAGIC, F.VERSION, F.REC_HDR
+        rest = []
+        for p in plan:
+            _, loc, a, views = p
+            kb = loc[0]
+            psum, check = sums(scratch, a + _PSUM_AT)
+            end = a + head + len(kb)
+            if (smv[a:a + _FIXED] == expect(magic, version, 0, len(kb), loc[6], loc[5], loc[5])
+                    and smv[a + _PAD_AT:a + head] == _PAD and smv[a + head:end] == kb):
+                scratch[a + F.RECORD_CHECK_AT:a + F.RECORD_CHECK_AT + 8] = _ZERO_CHECK
+                if dig(smv[a:end]) == check and (dig(views[0]) if len(views) == 1 else F.xxh3(views)) == psum:
+                    out[p[0]] = True
+                    continue
+                F.CHECK_STRUCT.pack_into(scratch, a + F.RECORD_CHECK_AT, check)
+            rest.append(p)
+        return rest
 
     def _settled(self, res: int, i: int, out: list[bool]) -> bool:
         """Whether a record's check decides read ``i``: served (``out[i]`` set), another key's record

@@ -16,7 +16,7 @@ replaced or moved, they are no objects.  All of it is vectorised.
 from __future__ import annotations
 
 import logging
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -84,14 +84,14 @@ def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Opti
                 if idx < len(cur):
                     cur[idx] = r.seq
             ok = (cur[reg] == seqs[np.minimum(reg, len(seqs) - 1)]) & (reg < len(seqs))
-        sel = np.flatnonzero(ok)
+        sel: slice | np.ndarray = slice(None) if ok.all() else np.flatnonzero(ok)  # (a slice copies nothing)
         parts["digest"].append(cols["digest"][sel])
         parts["region"].append(reg[sel])
-        parts["seq"].append(seqs[reg[sel]].astype(np.uint64))
+        parts["seq"].append(seqs[reg[sel]])
         parts["offset"].append(cols["offset"][sel])
         parts["rec_len"].append(cols["rec_len"][sel])
         parts["raw_len"].append(cols["raw_len"][sel])
-        parts["flags"].append(np.zeros(len(sel), dtype=np.uint8))
+        parts["flags"].append(np.zeros(len(reg[sel]), dtype=np.uint8))
         parts["key_start"].append(ckpt.key_offs[:-1][sel] + base)
         parts["key_len"].append(cols["key_len"][sel])
         blobs.append(ckpt.keys)
@@ -134,12 +134,15 @@ def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Opti
         blobs.append(keys)
         base += len(keys)
     in_order = not read_regions  # a checkpoint alone: unique entries, written oldest first
-    cat = {k: (np.concatenate(v) if v else np.zeros(0, dtype=np.int64)) for k, v in parts.items()}
+    cat = {k: (np.concatenate(v) if len(v) > 1 else v[0] if v else np.zeros(0, dtype=np.int64))
+           for k, v in parts.items()}
     keys = b"".join(blobs) if len(blobs) != 1 else blobs[0]
-    cands = Candidates(
-        cat["digest"].astype(np.uint64), cat["region"].astype(np.int64), cat["seq"].astype(np.uint64),
-        cat["offset"].astype(np.int64), cat["rec_len"].astype(np.int64), cat["raw_len"].astype(np.int64),
-        cat["flags"].astype(np.uint8), cat["key_start"].astype(np.int64), cat["key_len"].astype(np.int64), keys)
+    cands = Candidates(  # (astype copies only where the type changes)
+        cat["digest"].astype(np.uint64, copy=False), cat["region"].astype(np.int64, copy=False),
+        cat["seq"].astype(np.uint64, copy=False), cat["offset"].astype(np.int64, copy=False),
+        cat["rec_len"].astype(np.int64, copy=False), cat["raw_len"].astype(np.int64, copy=False),
+        cat["flags"].astype(np.uint8, copy=False), cat["key_start"].astype(np.int64, copy=False),
+        cat["key_len"].astype(np.int64, copy=False), keys)
     if dead is not None and len(dead) and len(cands.digest):  # records that died after they were written
         from .deadlog import dead_keys
 
@@ -178,16 +181,40 @@ def resolve(c: Candidates) -> Candidates:
 
 def key_list(c: Candidates) -> list[str]:
     """The candidates' keys as strings, in order."""
+    return _keys(c, None)
+
+
+def listing(c: Candidates) -> list[tuple[str, int]]:
+    """(key, raw_len) of each candidate, in order: what ``recover()`` hands the store, made in one pass."""
+    return _keys(c, c.raw_len.tolist())
+
+
+def _keys(c: Candidates, sizes: Optional[list]) -> list:
+    """The keys as strings, or with ``sizes`` (key, size) pairs."""
     import gc
 
     keys = c.keys
     gc_was = gc.isenabled()
     gc.disable()  # a million new strings would run the cycle collector over and over, for nothing
     try:
+        n = len(c.key_len)
         if keys.isascii():  # one decode; byte offsets are character offsets
             text = keys.decode("ascii")
-            return [text[a:a + n] for a, n in zip(c.key_start.tolist(), c.key_len.tolist())]
-        return [keys[a:a + n].decode("utf-8", "replace") for a, n in zip(c.key_start.tolist(), c.key_len.tolist())]
+            starts: Any
+            if n and int(c.key_len.min()) == int(c.key_len.max()):
+                m = int(c.key_len[0])  # keys of one length (the store's content addresses)
+                s0 = int(c.key_start[0])
+                back_to_back = bool((np.diff(c.key_start) == m).all())
+                starts = range(s0, s0 + n * m, m) if back_to_back else c.key_start.tolist()
+                if sizes is None:
+                    return [text[a:a + m] for a in starts]
+                return [(text[a:a + m], s) for a, s in zip(starts, sizes)]
+            spans = zip(c.key_start.tolist(), c.key_len.tolist())
+            if sizes is None:
+                return [text[a:a + k] for a, k in spans]
+            return [(text[a:a + k], s) for (a, k), s in zip(spans, sizes)]
+        strs = [keys[a:a + k].decode("utf-8", "replace") for a, k in zip(c.key_start.tolist(), c.key_len.tolist())]
+        return strs if sizes is None else list(zip(strs, sizes))
     finally:
         if gc_was:
             gc.enable()

@@ -37,11 +37,13 @@ Invariants:
       nothing raises into the caller.
 Thread safety: ``_wlock`` serialises appends, reclamation and checkpoints; ``_lock``
 guards the index and region states, held only briefly, so reads run beside a writer.
+
+The write path is in ``writepath.py``, the read path in ``readpath.py``, reclamation in
+``reclaim.py``, flush / checkpoint / close in ``persist.py``; this module opens a directory.
 """
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import logging
 import mmap
@@ -49,10 +51,9 @@ import os
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional, cast
+from typing import Any, Optional
 
 import numpy as np
-import xxhash
 
 from tierkv.errors import ConfigError
 from tierkv.options import (
@@ -68,19 +69,18 @@ from tierkv.options import (
 )
 from tierkv.units import parse_size
 
-from ..base import Parts, Tier
+from ..base import Tier
 from . import checkpoint as C
 from . import deadlog, recovery
 from . import format as F
 from . import region as R
 from .deadlog import DeadLog
-from .format import WRITE_UNIT
-from .hostbuf import _host_view, cbuffer, image_address  # noqa: F401  (cbuffer: tests)
 from .index import DigestIndex
 from .lock import DirLock
 from .persist import Persistence
 from .readpath import ReadPath
 from .reclaim import Reclaim
+from .writepath import PIPE_UNIT, WritePath  # noqa: F401  (PIPE_UNIT: tests)
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +88,6 @@ DEFAULT_REGION = 64 << 20
 MIN_REGION = 1 << 20
 MAX_REGION = 2 << 30
 REGIONS_DIR = "regions"
-#: a batch's finished bytes go to the writer thread in pieces of at least this much
-PIPE_UNIT = 512 << 10
 _COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
              "gc_relocated", "gc_dropped", "checkpoints", "checkpoint_errors", "torn_regions", "skipped_files",
              "trimmed")
@@ -114,7 +112,7 @@ def footprint_of(nbytes):
     return (F.REC_HDR + F.MAX_KEY + nbytes + F.ALIGN - 1) // F.ALIGN * F.ALIGN + F.ENTRY + F.MAX_KEY
 
 
-class SSDTier(ReadPath, Reclaim, Persistence, Tier):
+class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
     """Chunks in a log of large region files under ``path`` (see the module docstring)."""
 
     medium = "ssd"
@@ -159,7 +157,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         self._sealed_since_ckpt = 0
         self._next_seq = 1
         self._dirty_fds: set[int] = set()
-        self._recovered: Optional[tuple[list[str], list[int]]] = None
+        self._recovered: Optional[recovery.Candidates] = None  # what the open found, until recover()
         self._spare_image: Optional[mmap.mmap] = None  # the last sealed region's image, reused by the next
         self._image_addrs: dict[int, tuple] = {}  # id(image) -> (address, keeper)
         self._image_addr = 0
@@ -311,11 +309,13 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         c = loaded.cands
         # a smaller capacity keeps the newest that fit
         fps = footprint_of(c.raw_len)
-        keep_from_end = np.cumsum(fps[::-1])[::-1] <= self.capacity_bytes if len(fps) else np.zeros(0, bool)
-        dropped = recovery.take(c, np.flatnonzero(~keep_from_end))
-        c = recovery.take(c, np.flatnonzero(keep_from_end))
-        self._index.bulk_load(c.digest, c.region.astype(np.uint32), c.offset.astype(np.uint32),
-                              c.rec_len.astype(np.uint32), c.raw_len.astype(np.uint32))
+        if int(fps.sum()) <= self.capacity_bytes:  # (all of it fits: nothing to select)
+            dropped = recovery.take(c, np.zeros(0, dtype=np.int64))
+        else:
+            keep_from_end = np.cumsum(fps[::-1])[::-1] <= self.capacity_bytes
+            dropped = recovery.take(c, np.flatnonzero(~keep_from_end))
+            c = recovery.take(c, np.flatnonzero(keep_from_end))
+        self._index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
         for idx, r in valid.items():  # noqa: B007 - the name documents the loop
             r.state = R.FREE
         if len(c.digest):
@@ -330,7 +330,7 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         self._covered = ckpt.covered_seq if ckpt is not None else 0
         for idx, sc in loaded.scanned.items():  # seal what an earlier process left unsealed
             self._seal_scanned(valid[idx], sc)
-        self._recovered = (recovery.key_list(c), c.raw_len.tolist())
+        self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
         if len(dropped.digest):
             self._counters["trimmed"] = len(dropped.digest)
             for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
@@ -358,218 +358,13 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
     def recover(self) -> list[tuple[str, int]]:
         """(key, nbytes) of the objects found on open, oldest first (within ``capacity_bytes``)."""
         if self._recovered is not None:
-            import gc
-
-            keys, sizes = self._recovered
-            self._recovered = None  # the tier keeps no key strings once the store has them
-            gc_was = gc.isenabled()
-            gc.disable()  # (a million tuples: see recovery.key_list)
-            try:
-                return list(zip(keys, sizes))
-            finally:
-                if gc_was:
-                    gc.enable()
+            c, self._recovered = self._recovered, None  # the tier keeps no keys once the store has them
+            return recovery.listing(c)
         with self._wlock:
             c = self._gather()
-        c = recovery.take(c, np.lexsort((c.offset, c.seq)))
-        return list(zip(recovery.key_list(c), c.raw_len.tolist()))
+        return recovery.listing(recovery.take(c, np.lexsort((c.offset, c.seq))))
 
-    # -- writes ---------------------------------------------------------------------------
-    def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
-        with self._wlock:
-            out, one_by_one = self._append_batch(keys, srcs)
-            r = self._active
-            if r is not None:
-                if self.fsync == "always":
-                    self._flush_locked(checkpoint=False)
-                elif one_by_one and r.pos > r.written:  # (the others reached the file when committed)
-                    self._write_out(r, F.align_up(r.pos), r.pos)
-        return out
-
-    def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
-        """Append a batch: host objects are copied into the active image one after another (each
-        finished stretch of ``PIPE_UNIT`` or more written out by the writer thread while the next is
-        copied) and committed per region in one go: the batch's bytes reach the file, then its
-        digests enter the index together.  Compressed or device objects take ``_put_one``.
-        Returns the results and whether any object took ``_put_one``."""
-        out = [False] * len(keys)
-        one_by_one = False
-        seg = _Segment()
-        flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
-        psum_of = F.sum_function(flags)
-        max_slot = self.max_slot
-        region_size = self.region_size
-        hdr = F.RECORD_STRUCT.pack_into
-        chk = F.CHECK_STRUCT.pack_into
-        digest_of = xxhash.xxh3_64_intdigest
-        memmove = ctypes.memmove
-        r = self._active
-        buf: Any = None
-        mv: Any = None
-        base = 0
-        if r is not None:
-            buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
-        for i, key in enumerate(keys):
-            parts = srcs[i]
-            kb = key.encode()
-            klen = len(kb)
-            if klen > F.MAX_KEY:
-                self._count("bad_key")
-                continue
-            raw_len = 0
-            host = not self.compression
-            for p in parts:
-                raw_len += p.numel()
-                if host and not (p.is_cpu and p.is_contiguous()):
-                    host = False
-            if not host:
-                self._commit(seg, out)
-                out[i] = self._put_one(key, parts)
-                one_by_one = True
-                r = self._active
-                if r is not None:
-                    buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
-                continue
-            rec_len = F.REC_HDR + klen + raw_len
-            if ((rec_len + F.ALIGN - 1) & -F.ALIGN) + F.ENTRY + F.MAX_KEY > max_slot or raw_len >= 1 << 32:
-                self._count("too_large")  # (``F.measure``)
-                continue
-            pos = seg.end if seg.n else (r.pos if r is not None else 0)
-            end = (pos + rec_len + F.ALIGN - 1) & -F.ALIGN
-            if r is None or F.summary_start(region_size, r.count + seg.n + 1,
-                                            len(r.keys) + seg.key_bytes + klen) < end:  # type: ignore[arg-type]  # (set while ACTIVE)
-                self._commit(seg, out)
-                r = self._room(rec_len, klen)
-                if r is None:
-                    continue
-                buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
-                pos = r.pos
-                end = (pos + rec_len + F.ALIGN - 1) & -F.ALIGN
-            if not seg.n:
-                seg.begin(r, pos)
-            at = pos + F.REC_HDR + klen
-            dst = base + at
-            for p in parts:
-                n = p.numel()
-                if n:
-                    memmove(dst, p.data_ptr(), n)
-                    dst += n
-            psum = psum_of(mv[at:at + raw_len])
-            hdr(buf, pos, F.RECORD_MAGIC, F.VERSION, flags, klen, r.seq, raw_len, raw_len, psum, 0)
-            mv[pos + F.REC_HDR:at] = kb
-            chk(buf, pos + F.RECORD_CHECK_AT, digest_of(mv[pos:at]))
-            seg.add(i, F.key_digest(kb), pos, rec_len, raw_len, kb, flags, end)
-            if end - seg.submitted >= PIPE_UNIT and i + 1 < len(keys):  # (the last piece: written by the commit)
-                seg.submit(self._writer_pool(), r, F.align_down(end))
-        self._commit(seg, out)
-        return out, one_by_one
-
-    def _writer_pool(self) -> ThreadPoolExecutor:
-        w = self._writer
-        if w is None:
-            w = self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierkv-{self.name}-w")
-        return w
-
-    def _commit(self, seg: "_Segment", out: list[bool]) -> None:
-        """Write out the segment's bytes, then index its records; on an I/O error none of them is indexed
-        (``out`` stays False for them, and the next records overwrite their bytes)."""
-        if not seg.n:
-            return
-        r = cast(R.Region, seg.region)
-        ok = seg.wait(self)
-        if ok:
-            r.written = max(r.written, seg.written)
-            ok = self._write_out(r, F.align_up(seg.end), seg.end)
-        if not ok:
-            r.written = min(r.written, F.align_down(seg.start))
-            seg.reset()
-            return
-        n = seg.n
-        meas = seg.measured
-        with self._lock:
-            olds = self._index.put_many(seg.digests, r.index, seg.offsets, seg.rec_lens, seg.raw_lens)
-            r.live_bytes += meas
-            r.live_count += n
-            self._live_total += meas
-            for o_r, o_off, o_rec in olds:
-                self._unlive(o_r, o_rec)  # the older version is dead: it must never come back
-                self._dead.add(o_r, o_off, self._regions[o_r].seq)
-            r.pos = seg.end
-            self._changed = True
-        cast(bytearray, r.entries).extend(b"".join(seg.entries))
-        cast(bytearray, r.keys).extend(b"".join(seg.keys))
-        r.count += n
-        for i in seg.idx:
-            out[i] = True
-        seg.reset()
-
-    def _put_one(self, key: str, parts: Parts) -> bool:
-        kb = key.encode()
-        if len(kb) > F.MAX_KEY:
-            self._count("bad_key")
-            return False
-        raw_len = 0
-        hosts: list[Optional[tuple[int, int]]] = []  # (address, nbytes) of host parts copied with one memmove each
-        for p in parts:
-            n = p.numel()
-            raw_len += n
-            if n:
-                hosts.append((p.data_ptr(), n) if p.device.type == "cpu" and p.is_contiguous() else None)
-        flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
-        direct: Optional[list[Optional[tuple[int, int]]]]
-        payload: list[Any]
-        if None in hosts or self.compression:
-            payload = [_host_view(p) for p in parts if p.numel()]
-            direct = None
-        else:
-            payload = direct = cast("list[Any]", hosts)
-        if self.compression and raw_len:
-            import lz4.block
-
-            packed = lz4.block.compress(payload[0] if len(payload) == 1 else b"".join(payload), store_size=False)
-            if len(packed) < raw_len:
-                payload, flags = [memoryview(packed)], flags | F.FLAG_LZ4
-        stored = raw_len if direct is not None else sum(len(v) for v in payload)
-        rec_len = F.record_len(len(kb), stored)
-        if F.measure(rec_len) > self.max_slot or raw_len >= 1 << 32:
-            self._count("too_large")
-            return False
-        r = self._room(rec_len, len(kb))
-        if r is None:
-            return False
-        pos = r.pos
-        buf = cast("mmap.mmap", r.buf)  # (the active image)
-        at = pos + F.REC_HDR + len(kb)
-        mv = memoryview(buf)
-        if direct is not None:
-            base = self._image_addr
-            for addr, n in cast("list[tuple[int, int]]", direct):  # (no None: those went to ``payload``)
-                ctypes.memmove(base + at, addr, n)
-                at += n
-        else:
-            for v in payload:
-                mv[at:at + len(v)] = v
-                at += len(v)
-        psum = cast(int, F.payload_sum([mv[pos + F.REC_HDR + len(kb):at]], flags))  # (a checksum this build has)
-        F.pack_record_header(buf, pos, flags, kb, r.seq, raw_len, stored, psum)
-        end = F.align_up(pos + rec_len, F.ALIGN)
-        if end - r.written >= WRITE_UNIT and not self._write_out(r, F.align_down(end), end):
-            return False  # nothing indexed: the next record overwrites these bytes
-        d = F.key_digest(kb)
-        with self._lock:
-            old = self._index.put(d, r.index, pos, rec_len, raw_len)
-            if old is not None:  # the older version is dead: it must never come back
-                self._unlive(old[0], old[2])
-                self._dead.add(old[0], old[1], self._regions[old[0]].seq)
-            m = F.measure(rec_len)
-            r.live_bytes += m
-            r.live_count += 1
-            self._live_total += m
-            r.pos = end
-            self._changed = True
-        r.add_entry(d, pos, rec_len, raw_len, kb, flags)
-        return True
-
+    # -- bookkeeping --------------------------------------------------------------------------
     def _unlive(self, idx: int, rec_len: int) -> None:
         """An object left region ``idx``.  Caller holds ``_lock``."""
         o = self._regions[idx]
@@ -578,127 +373,9 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
         o.live_count -= 1
         self._live_total -= m
 
-    def _write_out(self, r: R.Region, end: int, data_end: int) -> bool:
-        """Write the active image from ``r.written`` up to ``end`` (block aligned); its bytes end at
-        ``data_end`` (a partial last block is written again next time)."""
-        if end <= r.written:
-            return True
-        buf = cast("mmap.mmap", r.buf)  # (the active image)
-        if end > data_end:  # the tail of a partial block: zeros, not an earlier region's bytes
-            memoryview(buf)[data_end:end] = bytes(end - data_end)
-        try:
-            R.pwrite_all(r.fd, memoryview(buf)[r.written:end], r.written)
-        except OSError as e:
-            self._io_error(e, f"writing {r.path}")
-            return False
-        self._dirty_fds.add(r.fd)
-        r.written = min(end, F.align_down(data_end))
-        return True
-
     def _io_error(self, e: OSError, what: str) -> None:
         self._count("enospc" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "io_errors")
         log.warning("%s: %s failed: %s", self._what, what, e)
-
-    def _room(self, rec_len: int, key_len: int) -> Optional[R.Region]:
-        """The active region with room for a record, sealing and reclaiming as needed; None if impossible."""
-        r = self._active
-        if r is not None and r.fits(rec_len, key_len, self.region_size):
-            return r
-        try:
-            r = self._rotate()
-        except OSError as e:
-            self._io_error(e, "starting a region")
-            return None
-        if r is None or not r.fits(rec_len, key_len, self.region_size):
-            self._count("enospc")
-            return None
-        return r
-
-    def _free_regions(self) -> list[int]:
-        """Indices usable for a new region: free files first, then files not yet created."""
-        free = [i for i, r in sorted(self._regions.items()) if r.state == R.FREE and not r.foreign]
-        usable = sum(1 for r in self._regions.values() if not r.foreign)
-        i = 0
-        while usable < self.regions_needed():
-            while i in self._regions:
-                i += 1
-            free.append(i)
-            usable += 1
-            i += 1
-        return free
-
-    def _rotate(self) -> Optional[R.Region]:
-        if self._active is not None:
-            self._seal(self._active)
-        free = self._free_regions()
-        if not free:
-            return None
-        victim = None
-        if len(free) == 1:  # the spare: refill it with the emptiest region's live objects
-            victim = self._pick_victim()
-        new = self._begin(free[0])
-        if victim is not None:
-            self._reclaim(victim, new)
-        if self._sealed_since_ckpt >= max(8, len(self._regions) // 2):
-            self._checkpoint(durable=self.fsync == "always")
-        return new
-
-    def _begin(self, idx: int) -> R.Region:
-        r = self._regions.get(idx)
-        if r is None:
-            r = R.Region(idx, os.path.join(self.regions_dir, R.region_name(idx)))
-        fresh = r.fd < 0
-        if not fresh:
-            try:
-                fresh = os.stat(r.path).st_ino != r.ino  # removed behind our back
-            except OSError:
-                fresh = True
-        if fresh:
-            self._ensure_dirs()
-            fd = R.open_fd(r.path, self.direct_io, create=True)
-            try:
-                R.preallocate(fd, self.region_size)
-            except OSError:
-                os.close(fd)
-                raise
-            if r.fd >= 0:
-                self._close_region_fd(r)
-            r.fd, r.ino = fd, os.fstat(fd).st_ino
-        image, self._spare_image = self._spare_image, None
-        if image is None:
-            image = F.aligned_buffer(self.region_size, populate=True)
-            self._image_addrs[id(image)] = image_address(image)
-        self._image_addr = self._image_addrs[id(image)][0]
-        r.start(self._next_seq, self.region_size, image)
-        # the new seq reaches the disk before anything refers to it
-        R.pwrite_all(r.fd, memoryview(cast("mmap.mmap", r.buf))[:F.BLOCK], 0)
-        r.written = F.BLOCK
-        self._dirty_fds.add(r.fd)
-        self._next_seq += 1
-        with self._lock:
-            self._regions[idx] = r
-            self._active = r
-        return r
-
-    def _seal(self, r: R.Region) -> None:
-        """Write the rest of the active image and its summary; raises OSError (the region stays active)."""
-        buf = cast("mmap.mmap", r.buf)  # (set while ACTIVE, as are entries and keys)
-        start = F.pack_summary(buf, self.region_size, r.seq, bytes(cast(bytearray, r.entries)),
-                               bytes(cast(bytearray, r.keys)), r.count)
-        mv = memoryview(buf)
-        mv[r.pos:F.align_up(r.pos)] = bytes(F.align_up(r.pos) - r.pos)  # (a reused image holds old bytes)
-        if F.align_up(r.pos) > r.written:
-            R.pwrite_all(r.fd, mv[r.written:F.align_up(r.pos)], r.written)
-        R.pwrite_all(r.fd, mv[start:self.region_size], start)
-        self._dirty_fds.add(r.fd)
-        with self._lock:  # readers copy from the image under this lock: none is using it now
-            r.sum_start = start
-            r.state = R.SEALED
-            self._spare_image, r.buf = r.buf, None
-            r.entries = r.keys = None
-            self._active = None
-            self._changed = True
-        self._sealed_since_ckpt += 1
 
     # -- deletes ----------------------------------------------------------------------------
     def _delete(self, keys: Sequence[str]) -> None:
@@ -713,68 +390,3 @@ class SSDTier(ReadPath, Reclaim, Persistence, Tier):
     def _contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:
             return [self._index.find(F.key_digest(k.encode())) >= 0 for k in keys]
-
-
-class _Segment:
-    """Records of one batch appended to the active image but not yet written out and indexed."""
-
-    __slots__ = ("digests", "end", "entries", "futures", "idx", "key_bytes", "keys", "measured", "n", "offsets", "raw_lens",
-                 "rec_lens", "region", "start", "submitted", "written")
-
-    def __init__(self) -> None:
-        self.region: Optional[R.Region] = None
-        self.futures: list = []
-        self.reset()
-
-    def reset(self) -> None:
-        self.idx: list[int] = []
-        self.digests: list[int] = []
-        self.offsets: list[int] = []
-        self.rec_lens: list[int] = []
-        self.raw_lens: list[int] = []
-        self.entries: list[bytes] = []
-        self.keys: list[bytes] = []
-        self.n = self.key_bytes = self.end = self.start = self.measured = 0
-        self.submitted = self.written = 0
-        self.region = None
-        self.futures = []
-
-    def begin(self, r: R.Region, pos: int) -> None:
-        self.region, self.start = r, pos
-        self.submitted = self.written = r.written
-
-    def add(self, i: int, d: int, pos: int, rec_len: int, raw_len: int, kb: bytes, flags: int, end: int) -> None:
-        self.idx.append(i)
-        self.digests.append(d)
-        self.offsets.append(pos)
-        self.rec_lens.append(rec_len)
-        self.raw_lens.append(raw_len)
-        self.entries.append(F.pack_entry(d, pos, rec_len, raw_len, len(kb), flags))
-        self.keys.append(kb)
-        self.key_bytes += len(kb)
-        self.measured += end - pos + F.ENTRY + F.MAX_KEY  # (``F.measure``: ``end`` is the aligned end)
-        self.n += 1
-        self.end = end
-
-    def submit(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
-        """Write ``[submitted, upto)`` of the image on the writer thread while the caller copies on."""
-        start = self.submitted
-        if upto <= start:
-            return
-        view = memoryview(cast("mmap.mmap", r.buf))[start:upto]
-        self.futures.append(pool.submit(R.pwrite_all, r.fd, view, start))
-        self.submitted = self.written = upto
-
-    def wait(self, tier: "SSDTier") -> bool:
-        """Wait for the submitted writes; False (counted) if any failed."""
-        ok = True
-        for f in self.futures:
-            try:
-                f.result()
-            except OSError as e:
-                tier._io_error(e, f"writing {cast(R.Region, self.region).path}")
-                ok = False
-        if self.futures and ok:
-            tier._dirty_fds.add(cast(R.Region, self.region).fd)
-        self.futures = []
-        return ok
