@@ -176,7 +176,7 @@ class Level:
             tier.attach(self.ready_codes)
         if type(self.eviction) in (LRUPolicy, FIFOPolicy) and not len(self.eviction):  # type: ignore[arg-type]
             # the built-in orders keep no dict of their own: they order this index
-            self.eviction.share_index(self.index, lambda v: self.unpack(v)[1],  # type: ignore[union-attr]
+            self.eviction.share_index(self.index, self.value_footprint,  # type: ignore[union-attr]
                                       lambda: self.ready_count)
 
     @property
@@ -233,6 +233,12 @@ class Level:
         if f != NB_FIELD:
             return f
         return self.tier.code_nbytes(v) if self.located else v >> CODE_SHIFT
+
+    def value_footprint(self, v: int) -> int:
+        """The footprint of an index int that is READY (its size looked up once per size)."""
+        f = v >> 1 & NB_FIELD
+        fp = self._fp_only.get(f) if f != NB_FIELD else None  # (at the marker the size is elsewhere)
+        return fp if fp is not None else self.unpack(v)[1]
 
     def unpack(self, v: int) -> tuple[int, int]:
         """(nbytes, footprint) of an index int (READY or RESERVED)."""
@@ -535,7 +541,7 @@ class Level:
                 del pinned[key]
                 del index[key]
                 self.ready_count -= 1
-                self.used -= self.unpack(v)[1]
+                self.used -= self.value_footprint(v)
                 codes.append(v)
                 gone.append(key)
         finally:
@@ -611,7 +617,7 @@ class Level:
             if v in seen:
                 raise PolicyError(f"eviction policy {pname} named {v[:80]!r} twice")
             seen.add(v)
-            freed += self.unpack(e)[1]
+            freed += self.value_footprint(e)
         if freed < need:
             # a policy that counts other sizes than the footprints it was given: ask for the rest
             more = call_policy(policy, "victims", self.name, need - freed, set(pinned) | seen)
