@@ -348,6 +348,25 @@ class S3FIFOPolicy(EvictionPolicy):
             self._small[key] = nbytes
             self._small_bytes += nbytes
 
+    def on_insert_many(self, keys, sizes):
+        small, main, ghost, size = self._small, self._main, self._ghost, self._size
+        small_add = main_add = 0
+        try:
+            for key, nbytes in zip(keys, sizes):
+                if key in small or key in main:
+                    self.on_remove(key)
+                nbytes = size(nbytes)
+                if key in ghost:
+                    self._ghost_bytes -= ghost.pop(key)
+                    main[key] = nbytes
+                    main_add += nbytes
+                else:
+                    small[key] = nbytes
+                    small_add += nbytes
+        finally:
+            self._small_bytes += small_add
+            self._main_bytes += main_add
+
     def on_access(self, key):
         if key in self._small or key in self._main:
             freq = self._freq.get(key, 0)
