@@ -288,6 +288,14 @@ class LFUPolicy(EvictionPolicy):
         if freq is not None:
             self._leave(key, freq)
 
+    def on_insert_many(self, keys, sizes):
+        get, enter, leave, size = self._freq.get, self._enter, self._leave, self._size
+        for key, nbytes in zip(keys, sizes):
+            freq = get(key)
+            if freq is not None:
+                leave(key, freq)
+            enter(key, 1, size(nbytes))
+
     def on_access_many(self, keys):
         get, enter, leave = self._freq.get, self._enter, self._leave
         for key in keys:
@@ -508,6 +516,26 @@ class ARCPolicy(EvictionPolicy):
         else:
             self._t1[key] = nbytes
             self._t1_bytes += nbytes
+
+    def on_insert_many(self, keys, sizes):
+        t1, t2, b1, b2, size = self._t1, self._t2, self._b1, self._b2, self._size
+        add = 0
+        try:
+            for key, nbytes in zip(keys, sizes):
+                if key in t1 or key in t2 or key in b1 or key in b2:
+                    self._t1_bytes += add  # (the full rule reads the byte counts)
+                    add = 0
+                    self.on_insert(key, nbytes)  # a return or a ghost hit: the full rule
+                else:
+                    n = size(nbytes)
+                    t1[key] = n
+                    add += n
+        finally:
+            self._t1_bytes += add
+
+    def on_access_many(self, keys):
+        for key in keys:
+            self.on_access(key)
 
     def on_access(self, key):
         if key in self._t1:
