@@ -150,6 +150,10 @@ class PagedLayer:
         self.is_direct()
         self._flat()
 
+    def is_flat(self) -> bool:
+        """True when :meth:`cut` gives every regular object as one view of the cache (nothing staged)."""
+        return self._flat() is not None
+
     def _flat(self) -> torch.Tensor | None:
         """The whole cache as one flat uint8 view when blocks are its outermost dimension, else None."""
         f = self.__dict__.get("_flat_view", False)

@@ -57,8 +57,6 @@ from .stats import RequestRecords, SaveTally, TierKVConnectorStats
 
 logger = logging.getLogger("vllm.tierkv.worker")
 
-_SaveItem = tuple[SaveSpec, int, list[Chunk], list[str], list]
-
 #: namespace roots kept per worker (layers x KV-head shards x cache salts seen); beyond it they are recomputed
 _ROOTS_MAX = 1 << 14
 
@@ -73,6 +71,28 @@ class _SavePlan:
         self.chunks = [spec.chunks[j] for j in pos]
         self.hashes = [block_hash_bytes(spec.block_hashes[j]) for j in pos]
         self.cuts = Cuts([spec.block_ids[j] for j in pos])
+
+
+class _SaveItem:
+    """One put: a plan's chunks (``keep``: only these of them; None: all) of one layer.
+
+    ``values`` are the chunks' bytes when the engine thread had to stage them (a
+    device or strided cache); None when the save thread cuts them itself, as views
+    of a CPU cache, keys and all, off the engine's thread.
+    """
+
+    __slots__ = ("keep", "layer", "plan", "values")
+
+    def __init__(self, plan: _SavePlan, layer: int, values: list | None, keep: list[int] | None = None) -> None:
+        self.plan, self.layer, self.values, self.keep = plan, layer, values, keep
+
+    @property
+    def req_id(self) -> str:
+        return self.plan.spec.req_id
+
+    def chunks(self) -> list[Chunk]:
+        chunks = self.plan.chunks
+        return chunks if self.keep is None else [chunks[j] for j in self.keep]
 
 
 class TierKVWorker:
@@ -332,15 +352,16 @@ class TierKVWorker:
         paged = self._paged.get(layer_name)
         if layer is None or paged is None:
             return
+        # views of a CPU cache are cut, with the keys, on the save thread: nothing of the
+        # per-chunk work stays on the engine's thread.  A staged layout (device memory, strided
+        # views) is copied out here, in the engine's stream order, before the layer is reused.
+        direct = paged.is_flat()
         for plan in self._plans(meta):
             if plan is None:
                 continue
-            spec = plan.spec
-            keys = self._hash_keys(layer, plan.hashes, spec.cache_salt)
-            values = paged.read_cut(plan.cuts)
+            item = _SaveItem(plan, layer, None if direct else paged.read_cut(plan.cuts))
             with self._lock:
-                self._pending[spec.req_id] += 1
-            item = (spec, layer, plan.chunks, keys, values)
+                self._pending[plan.spec.req_id] += 1
             if self.load_job is not None:
                 # this step loads: a failed load may taint these blocks, so wait for the verdict
                 self._deferred.append(item)
@@ -367,7 +388,7 @@ class TierKVWorker:
         try:
             self._save_pool.submit(self._run_save, item)
         except RuntimeError:  # shut down meanwhile: the save is abandoned
-            self._save_done(item[0].req_id)
+            self._save_done(item.req_id)
 
     def _save_done(self, rid: str) -> None:
         with self._lock:
@@ -377,16 +398,24 @@ class TierKVWorker:
             self._lock.notify_all()
 
     def _run_save(self, item: _SaveItem) -> None:
-        spec, layer, chunks, keys, values = item
+        plan, layer, keep = item.plan, item.layer, item.keep
+        spec = plan.spec
+        chunks = item.chunks()
         t0 = time.perf_counter()
         tally = SaveTally()
         try:
             try:
+                keys = self._hash_keys(layer, plan.hashes if keep is None else [plan.hashes[j] for j in keep],
+                                       spec.cache_salt)
+                values = item.values
+                if values is None:
+                    cuts = plan.cuts if keep is None else Cuts([plan.cuts.objects[j] for j in keep])
+                    values = self._paged[self._layers[layer]].read_cut(cuts)
                 put = getattr(self.store, "put_detailed", None) or self.store.put
                 ok: list[Any] = put(keys, values)
             except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
                 logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
-                ok = [False] * len(keys)
+                ok = [False] * len(chunks)
             tally = SaveTally.of(ok, chunks, self._paged[self._layers[layer]].block_nbytes)
         finally:
             tally.seconds = time.perf_counter() - t0
@@ -403,15 +432,17 @@ class TierKVWorker:
         failed = job.failed_blocks if job is not None else set()
         # submit the step's saves, dropping everything computed on a failed block
         deferred, self._deferred = self._deferred, []
-        for spec, layer, chunks, keys, values in deferred:
+        for item in deferred:
+            spec = item.plan.spec
             cut = next((p for p, bid in enumerate(spec.table) if bid in failed), None) if failed else None
             if cut is not None:
-                keep = [j for j, (_, last) in enumerate(chunks) if last < cut]
+                keep = [j for j, (_, last) in enumerate(item.plan.chunks) if last < cut]
                 if not keep:
                     self._save_done(spec.req_id)
                     continue
-                chunks, keys, values = [chunks[j] for j in keep], [keys[j] for j in keep], [values[j] for j in keep]
-            self._submit_save((spec, layer, chunks, keys, values))
+                values = None if item.values is None else [item.values[j] for j in keep]
+                item = _SaveItem(item.plan, item.layer, values, keep)
+            self._submit_save(item)
 
     def _account_load(self, job: LoadJob, report_errors: bool = True) -> None:
         if job.future is not None:
