@@ -352,3 +352,19 @@ def test_a_refused_save_is_not_counted_as_an_error():
     assert put_outcome(PutOutcome.REJECTED) == REFUSED and put_outcome(PutOutcome.NO_ROOM) == REFUSED
     assert put_outcome(PutOutcome.ERROR) == FAILED
     assert put_outcome(True) == SAVED and put_outcome(False) == FAILED
+
+
+def test_save_tally_counts_each_answer_of_a_put():
+    from tierkv.adapters.vllm.stats import SaveTally
+    from tierkv.store import PutOutcome as P
+
+    chunks = [(0, 3), (4, 7), (8, 9), (10, 10)]
+    t = SaveTally.of([P.STORED, P.PRESENT, P.STORED, P.PRESENT], chunks, 100)
+    assert (t.blocks, t.nbytes, t.refused, t.errors) == (11, 1100, 0, 0)
+    t = SaveTally.of([P.STORED, P.NO_ROOM, P.ERROR, P.REJECTED], chunks, 100)
+    assert (t.blocks, t.nbytes, t.refused, t.errors) == (4, 400, 2, 1)
+    t = SaveTally.of([True, True, True, True], chunks, 10)  # a store without put_detailed
+    assert (t.blocks, t.nbytes, t.refused, t.errors) == (11, 110, 0, 0)
+    t = SaveTally.of([True, False, True, True], chunks, 10)
+    assert (t.blocks, t.nbytes, t.refused, t.errors) == (7, 70, 0, 1)
+    assert SaveTally.of([], [], 10).blocks == 0

@@ -96,6 +96,13 @@ def put_outcome(result: Any) -> str:
     return SAVED if result else FAILED
 
 
+def _all_saved(results: list[Any]) -> bool:
+    """Every answer counts as saved: counted in C (``all()`` would call ``PutOutcome.__bool__`` per answer)."""
+    n = len(results)
+    return (results.count(PutOutcome.STORED) + results.count(PutOutcome.PRESENT) == n
+            or results.count(True) == n)
+
+
 @dataclass
 class SaveTally:
     """One put call's outcome, in the units the counters use."""
@@ -110,7 +117,7 @@ class SaveTally:
     def of(cls, results: list[Any], chunks: list[Chunk], block_nbytes: int) -> SaveTally:
         """The tally of one put of ``chunks`` (``block_nbytes`` bytes per block), from its answers."""
         t = cls()
-        if all(results):  # every answer truthy: all saved (put_outcome's rule), the common case
+        if _all_saved(results):  # the common case
             t.blocks = sum(last - first + 1 for first, last in chunks)
         else:
             for res, (first, last) in zip(results, chunks):
