@@ -23,7 +23,7 @@ from tierkv.adapters.vllm.config import (
     shard_from_replicas,
     store_config_from_extra,
 )
-from tierkv.adapters.vllm.paged import PagedLayer, find_block_dim
+from tierkv.adapters.vllm.paged import Cuts, PagedLayer, find_block_dim
 from tierkv.errors import ConfigError
 
 
@@ -122,6 +122,30 @@ def test_namespaces_separate_what_must_not_share():
     for ns in others:
         assert not set(k) & set(keys_from_block_hashes(hashes, ns)), ns
     assert len({*k}) == 4 and all("/" not in x for x in k)
+
+
+def test_block_hash_keys_keep_their_format():
+    # objects persisted by earlier versions (an SSD tier, a standalone pool) are found again only
+    # while this stays: hex SHA-256 of SHA-256(domain + namespace) followed by the hash's bytes
+    import hashlib
+
+    from tierkv.keys import block_hash_root, keys_from_root
+
+    ns = "m/-/layer.0"
+    assert keys_from_block_hashes([b"\x01" * 32, "s", 7], ns) == [
+        "1b9b839aaca212aa46f4a9aa1a4ffea93296e3f6f729e4489432dc05a4e22497",
+        "f7f3c1e07de5d901ce79453bf653011ad817421b41031da3370c89783076555e",
+        "d3955204fa6b9102a187b0226bc969d1860b4a2f1cf5e57d515bfa2ab0caeead",
+    ]
+    root = hashlib.sha256(b"tierkv/blockhash/v1\x00" + ns.encode()).digest()
+    assert block_hash_root(ns) == root
+    hs = [bytes([i]) * 32 for i in range(5)]
+    assert keys_from_root(root, hs) == [hashlib.sha256(root + h).hexdigest() for h in hs]
+    # bytes-like hashes name the same key as their bytes; mixed lists take the slow path alike
+    assert keys_from_root(root, [bytearray(hs[0]), memoryview(hs[1]), 5]) == \
+        [keys_from_root(root, [hs[0]])[0], keys_from_root(root, [hs[1]])[0], keys_from_block_hashes([5], ns)[0]]
+    with pytest.raises(TypeError):
+        block_hash_root(b"ns")  # type: ignore[arg-type]
 
 
 def test_block_hash_bytes():
@@ -256,6 +280,70 @@ def test_byte_runs_match_block_by_block(shape):
             assert torch.equal(got, torch.cat([p.reshape(-1).view(torch.uint8) for b in real for p in paged.read_parts(b)]))
 
 
+@pytest.mark.parametrize("shape", [(16, 2, 4, 8), (2, 16, 4, 2, 4)], ids=["cpu-layout", "kv-first"])
+def test_cuts_give_each_object_its_blocks_bytes(shape):
+    import random
+
+    t = torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape)
+    paged = PagedLayer.wrap(t, 16, 4)
+    paged.prepare()
+    rng = random.Random(7)
+
+    def block_bytes(b):
+        return torch.cat([p.reshape(-1).view(torch.uint8) for p in paged.read_parts(b)])
+
+    for _ in range(60):
+        objects = []
+        nxt = rng.randrange(16)
+        for _ in range(rng.randrange(1, 7)):
+            size = rng.choice([1, 1, 2, 3])
+            kind = rng.random()
+            if kind < 0.5:  # follows the previous object in the cache
+                ids = [nxt + i for i in range(size)]
+            elif kind < 0.8:
+                s0 = rng.randrange(16)
+                ids = [s0 + i for i in range(size)]
+            else:  # holes and disorder
+                ids = [rng.choice([None, rng.randrange(16)]) for _ in range(size)]
+            ids = [b if b is None or b < 16 else None for b in ids]
+            nxt = (ids[-1] + 1) if ids[-1] is not None else 0
+            objects.append(ids)
+        cuts = Cuts(objects)
+        assert len(cuts) == len(objects)
+        assert cuts.blocks == sum(b is not None for ids in objects for b in ids)
+        filler = [torch.full((paged.block_nbytes,), 9, dtype=torch.uint8)]
+        values, pending = paged.cut(cuts, lambda: filler)
+        assert len(values) == len(objects)
+        for ids, v in zip(objects, values):
+            parts = [v] if isinstance(v, torch.Tensor) else v
+            got = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
+            assert torch.equal(got, torch.cat([filler[0] if b is None else block_bytes(b) for b in ids]))
+            if isinstance(v, torch.Tensor):  # one flat view straight into the cache
+                assert v.dtype == torch.uint8 and v.dim() == 1 and v.is_contiguous()
+                assert v.data_ptr() == paged.read_parts(ids[0])[0].data_ptr()
+        assert pending is None  # these layouts are direct: nothing staged
+        if all(None not in ids for ids in objects):
+            read = paged.read_cut(cuts)
+            for ids, v in zip(objects, read):
+                parts = [v] if isinstance(v, torch.Tensor) else v
+                got = torch.cat([p.reshape(-1).view(torch.uint8) for p in parts])
+                assert torch.equal(got, torch.cat([block_bytes(b) for b in ids]))
+
+
+def test_cuts_group_objects_that_follow_one_another():
+    cuts = Cuts([[4], [5], [6], [9], [10, 11], [12, 13], [14, 15, 16], [1, None], [2], [3]])
+    assert cuts.groups == [(0, 3, 4, 1), (3, 1, 9, 1), (4, 2, 10, 2), (6, 1, 14, 3), (7, 0, -1, 0),
+                           (8, 2, 2, 1)]
+    assert cuts.blocks == 14
+
+
+def test_cut_past_the_cache_end_is_a_short_buffer_not_an_error():
+    paged = PagedLayer.wrap(torch.zeros(4, 2, 4, 8), 4, 4)
+    paged.prepare()
+    values, _ = paged.cut(Cuts([[2], [3], [4]]), list)  # block 4 does not exist
+    assert [v.numel() for v in values] == [paged.block_nbytes, paged.block_nbytes, 0]
+
+
 def test_a_refused_save_is_not_counted_as_an_error():
     from tierkv.adapters.vllm.stats import FAILED, REFUSED, SAVED, put_outcome
     from tierkv.store import PutOutcome
@@ -264,3 +352,19 @@ def test_a_refused_save_is_not_counted_as_an_error():
     assert put_outcome(PutOutcome.REJECTED) == REFUSED and put_outcome(PutOutcome.NO_ROOM) == REFUSED
     assert put_outcome(PutOutcome.ERROR) == FAILED
     assert put_outcome(True) == SAVED and put_outcome(False) == FAILED
+
+
+def test_save_tally_counts_each_answer_of_a_put():
+    from tierkv.adapters.vllm.stats import SaveTally
+    from tierkv.store import PutOutcome as P
+
+    chunks = [(0, 3), (4, 7), (8, 9), (10, 10)]
+    t = SaveTally.of([P.STORED, P.PRESENT, P.STORED, P.PRESENT], chunks, 100)
+    assert (t.blocks, t.nbytes, t.refused, t.errors) == (11, 1100, 0, 0)
+    t = SaveTally.of([P.STORED, P.NO_ROOM, P.ERROR, P.REJECTED], chunks, 100)
+    assert (t.blocks, t.nbytes, t.refused, t.errors) == (4, 400, 2, 1)
+    t = SaveTally.of([True, True, True, True], chunks, 10)  # a store without put_detailed
+    assert (t.blocks, t.nbytes, t.refused, t.errors) == (11, 110, 0, 0)
+    t = SaveTally.of([True, False, True, True], chunks, 10)
+    assert (t.blocks, t.nbytes, t.refused, t.errors) == (7, 70, 0, 1)
+    assert SaveTally.of([], [], 10).blocks == 0

@@ -323,8 +323,8 @@ class _FaultyGets:
             self.hit += 1
             if self._mode == "raise":
                 # a read that wrote part of its bytes, then failed: garbage in the blocks
-                for parts in outs[: max(1, len(outs) // 2)]:
-                    for t in parts:
+                for value in outs[: max(1, len(outs) // 2)]:
+                    for t in [value] if isinstance(value, torch.Tensor) else value:  # a tensor or its parts
                         t.view(-1).view(torch.uint8).fill_(0x41)
                 raise OSError("injected: the medium is down")
             # one layer's chunks of every object asked for: a partial miss

@@ -85,24 +85,43 @@ def chunk_keys(token_ids: Sequence[int] | Any, chunk_tokens: int = 256, namespac
     return out
 
 
-def keys_from_block_hashes(block_hashes: Sequence[bytes], namespace: str = "") -> list[str]:
-    """Keys for blocks an engine has already hashed (each hash chained over its prefix).
+def block_hash_root(namespace: str = "") -> bytes:
+    """The 32-byte digest the keys of engine-hashed blocks under ``namespace`` start from."""
+    if not isinstance(namespace, str):
+        raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
+    return hashlib.sha256(_HASH_DOMAIN + namespace.encode()).digest()
 
-    Used by engine adapters so that tokens are not hashed twice.  The namespace
-    is still folded in, so two models never share a key for equal tokens.
+
+def keys_from_root(root: bytes, block_hashes: Sequence[Any]) -> list[str]:
+    """``keys_from_block_hashes`` under the namespace whose :func:`block_hash_root` is ``root``.
+
+    For callers that name the same blocks under several namespaces (one per layer):
+    the root is computed once per namespace, and each key is one SHA-256 call.
     """
-    root = hashlib.sha256(_HASH_DOMAIN + namespace.encode()).digest()
     sha = hashlib.sha256
+    try:  # bytes-like hashes (the common case): the root and the hash in one call
+        return [sha(root + bh).hexdigest() for bh in block_hashes]
+    except TypeError:
+        pass
     out = []
     for bh in block_hashes:
         if isinstance(bh, str):
             bh = bh.encode()
         elif isinstance(bh, int):
             bh = bh.to_bytes(max(1, (bh.bit_length() + 8) // 8), "little", signed=True)
-        h = sha(root)
-        h.update(bytes(bh))
-        out.append(h.hexdigest())
+        out.append(sha(root + bytes(bh)).hexdigest())
     return out
+
+
+def keys_from_block_hashes(block_hashes: Sequence[Any], namespace: str = "") -> list[str]:
+    """Keys for blocks an engine has already hashed (each hash chained over its prefix).
+
+    Used by engine adapters so that tokens are not hashed twice.  The namespace
+    is still folded in, so two models never share a key for equal tokens.  A key
+    is the hex SHA-256 of the namespace's root digest followed by the hash's bytes
+    (str hashes as UTF-8, int hashes as little-endian signed bytes).
+    """
+    return keys_from_root(block_hash_root(namespace), block_hashes)
 
 
 def check_key(key: object) -> str:

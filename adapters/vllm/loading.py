@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .metadata import LoadSpec
-from .paged import PagedLayer
+from .paged import Cuts, PagedLayer
 
 logger = logging.getLogger("vllm.tierkv.loading")
 
@@ -42,6 +42,40 @@ class LoadObj:
     def num_targets(self) -> int:
         """Blocks the chunk fills (its targets are fixed once planned)."""
         return len(self.targets) - self.targets.count(None)
+
+
+class _Batch:
+    """What every layer of one job shares: its chunks' hashes by salt, where their blocks lie,
+    and the blocks each request fills.  Made once per job; each layer then costs its keys,
+    its views and the store's get."""
+
+    __slots__ = ("blocks", "by_salt", "cuts", "discards", "objs", "req_blocks")
+
+    def __init__(self, objs: list[LoadObj]) -> None:
+        self.objs = objs
+        by_salt: dict[str | None, tuple[list[int], list[bytes]]] = {}
+        for i, o in enumerate(objs):
+            pos, hs = by_salt.setdefault(o.salt, ([], []))
+            pos.append(i)
+            hs.append(o.key_hash)
+        #: (salt, positions, hashes); positions None when the batch has one salt
+        self.by_salt = [(salt, None if len(by_salt) == 1 else pos, hs) for salt, (pos, hs) in by_salt.items()]
+        self.cuts = Cuts([o.targets for o in objs])
+        self.blocks = self.cuts.blocks
+        self.discards = sum(len(o.targets) for o in objs) - self.blocks
+        self.req_blocks: dict[str, int] = {}
+        for o in objs:
+            self.req_blocks[o.req_id] = self.req_blocks.get(o.req_id, 0) + o.num_targets
+
+    def keys(self, layer_keys: Callable[[int, list[bytes], str | None], list[str]], layer: int) -> list[str]:
+        if len(self.by_salt) == 1:
+            salt, _, hs = self.by_salt[0]
+            return layer_keys(layer, hs, salt)
+        out: list[str] = [""] * len(self.objs)
+        for salt, pos, hs in self.by_salt:
+            for i, k in zip(pos, layer_keys(layer, hs, salt)):  # type: ignore[arg-type]
+                out[i] = k
+        return out
 
 
 @dataclass
@@ -83,19 +117,21 @@ class Loader:
     """Runs load jobs for one worker.
 
     ``resolve(hashes, base, lo, hi, salt, where)`` names the stored chunks (the
-    worker's, last layer only); ``keys_for(layer, items)`` the keys of (hash, salt)
-    items; ``store()`` the store to read (looked up on each job, so a test may wrap it).
+    worker's, last layer only); ``layer_keys(layer, hashes, salt)`` the keys of
+    chunks named by their hashes (bytes); ``store()`` the store to read (looked up
+    on each job, so a test may wrap it).
     """
 
     def __init__(self, *, layers: list[str], paged: dict[str, PagedLayer], block_size: int,
-                 store: Callable[[], Any], resolve: Callable[..., list], keys_for: Callable[..., list[str]],
+                 store: Callable[[], Any], resolve: Callable[..., list],
+                 layer_keys: Callable[[int, list[bytes], str | None], list[str]],
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         self._layers = layers
         self._paged = paged
         self._bs = block_size
         self._store = store
         self._resolve = resolve
-        self._keys_for = keys_for
+        self._layer_keys = layer_keys
         self._tp_rank, self._tp_size = tp_rank, tp_size
         self._discard: dict = {}  # buffers for bytes read and dropped (one job at a time uses them)
         self._pool: ThreadPoolExecutor | None = None
@@ -163,17 +199,19 @@ class Loader:
     def _run_inner(self, job: LoadJob, specs: list[LoadSpec]) -> None:
         found: dict[str, str | None] = {}
         objs = self.plan(job, specs, found)
-        items = [(o.key_hash, o.salt) for o in objs]
-        # which tier serves each chunk (for stats; the load itself does not depend on it),
-        # as the plan's own store calls found it
-        where = [found.get(k) for k in self._keys_for(job.num_layers - 1, items)] if objs else []
-        for o, tier in zip(objs, where):
-            job.count_hits(o.req_id, tier or "miss", o.num_targets * self._bs)
+        batch = _Batch(objs) if objs else None
+        last_keys: list[str] = []
+        if batch is not None:
+            # which tier serves each chunk (for stats; the load itself does not depend on it),
+            # as the plan's own store calls found it; these keys are the last layer's load keys too
+            last_keys = batch.keys(self._layer_keys, job.num_layers - 1)
+            for o, k in zip(objs, last_keys):
+                job.count_hits(o.req_id, found.get(k) or "miss", o.num_targets * self._bs)
         if not self.layerwise:
             t = time.perf_counter()
             try:
-                if objs:
-                    self._load_all_layers(job, objs, items)
+                if batch is not None:
+                    self._load_all_layers(job, batch, last_keys)
             finally:
                 for layer in range(job.num_layers):
                     job.begin[layer], job.end[layer] = t, time.perf_counter()
@@ -182,29 +220,28 @@ class Loader:
         for layer in range(job.num_layers):
             job.begin[layer] = time.perf_counter()
             try:
-                if objs:
-                    keys, outs, copies, _ = self._prepare_layer(layer, objs, items, 0)
-                    self._finish_layer(job, layer, objs, self._get(keys, outs, f"layer {layer}"), copies)
+                if batch is not None:
+                    keys = last_keys if layer == job.num_layers - 1 else batch.keys(self._layer_keys, layer)
+                    outs, copies, _ = self._prepare_layer(layer, batch, 0)
+                    self._finish_layer(job, layer, batch, self._get(keys, outs, f"layer {layer}"), copies)
             finally:
                 job.end[layer] = time.perf_counter()
                 job.events[layer].set()
 
-    def _prepare_layer(self, layer: int, objs: list[LoadObj], items: list, spare: int) -> tuple[list, list, list, int]:
-        """Keys, destination parts and pending copies of one layer's chunks.
+    def _prepare_layer(self, layer: int, batch: _Batch, spare: int) -> tuple[list, list | None, int]:
+        """Destination buffers of one layer's chunks, and their pending copies (None: none).
 
         Blocks of a chunk this request has, or does not need, are read into discard
         buffers; ``spare`` of them are already taken by other layers of the same get.
         """
         paged = self._paged[self._layers[layer]]
-        n = sum(len(o.targets) - o.num_targets for o in objs)
-        discard = iter(paged.discard_targets(spare + n, self._discard)[spare:])
-        keys = self._keys_for(layer, items)
-        outs, copies = [], []
-        for o in objs:
-            bufs, pend = paged.byte_runs(o.targets, lambda: next(discard))
-            outs.append(bufs)
-            copies.append(pend)
-        return keys, outs, copies, n
+        n = batch.discards
+        if n:
+            discard = iter(paged.discard_targets(spare + n, self._discard)[spare:])
+            outs, copies = paged.cut(batch.cuts, lambda: next(discard))
+        else:
+            outs, copies = paged.cut(batch.cuts, _no_discards)
+        return outs, copies, n
 
     def _get(self, keys: list[str], outs: list, what: str) -> list[bool]:
         try:
@@ -213,31 +250,41 @@ class Loader:
             logger.warning("TierKVConnector: get failed for %s: %s", what, e)
             return [False] * len(keys)
 
-    def _finish_layer(self, job: LoadJob, layer: int, objs: list[LoadObj], ok: list[bool], copies: list) -> None:
+    def _finish_layer(self, job: LoadJob, layer: int, batch: _Batch, ok: list[bool], copies: list | None) -> None:
         nb = self._paged[self._layers[layer]].block_nbytes
-        for o, good, pend in zip(objs, ok, copies):
+        if copies is None and all(ok):  # the common case: every chunk in place, nothing to copy
+            job.nbytes += nb * batch.blocks
+            for rid, n in batch.req_blocks.items():
+                job.per_req[rid]["bytes"] += nb * n
+            return
+        for j, (o, good) in enumerate(zip(batch.objs, ok)):
             if good:
-                for stage, dst in pend:
-                    dst.copy_(stage)
+                if copies is not None:
+                    for stage, dst in copies[j]:
+                        dst.copy_(stage)
                 job.nbytes += nb * o.num_targets
                 job.per_req[o.req_id]["bytes"] += nb * o.num_targets
             else:
                 job.failed_blocks.update(b for b in o.targets if b is not None)
                 job.failed_reqs.add(o.req_id)
 
-    def _load_all_layers(self, job: LoadJob, objs: list[LoadObj], items: list) -> None:
+    def _load_all_layers(self, job: LoadJob, batch: _Batch, last_keys: list[str]) -> None:
         """Every layer in one get: the tiers batch it as a whole (one round trip, one I/O queue)."""
-        L, n = job.num_layers, len(objs)
+        L, n = job.num_layers, len(batch.objs)
         keys: list[str] = []
         outs: list = []
         copies: list = []
         spare = 0
         for layer in range(L):
-            k, o, c, used = self._prepare_layer(layer, objs, items, spare)
+            keys += last_keys if layer == L - 1 else batch.keys(self._layer_keys, layer)
+            o, c, used = self._prepare_layer(layer, batch, spare)
             spare += used
-            keys += k
             outs += o
             copies.append(c)
         ok = self._get(keys, outs, "all layers")
         for layer in range(L):
-            self._finish_layer(job, layer, objs, ok[layer * n:(layer + 1) * n], copies[layer])
+            self._finish_layer(job, layer, batch, ok[layer * n:(layer + 1) * n], copies[layer])
+
+
+def _no_discards() -> list:
+    raise AssertionError("a chunk without discarded blocks asked for a discard buffer")

@@ -52,6 +52,57 @@ def find_block_dim(shape: tuple[int, ...], num_blocks: int, block_size: int | No
     raise ValueError(f"no dimension of KV tensor shape {tuple(shape)} is a multiple of num_blocks={num_blocks}")
 
 
+class Cuts:
+    """Where a batch of objects lies in a paged layer, worked out once and cut from every layer.
+
+    ``objects[i]`` lists object i's engine block ids in order (None: a block read
+    and dropped).  Objects whose blocks are one run of consecutive ids are
+    *regular*; consecutive regular objects of equal length that follow one another
+    in the cache form a group, which a layer cuts as one view and splits into the
+    objects' views in one call.  A group's objects may be single blocks or whole
+    chunks.  Nothing here depends on a layer, so one ``Cuts`` serves every layer
+    of a step.
+    """
+
+    __slots__ = ("blocks", "groups", "objects")
+
+    def __init__(self, objects: Sequence[Sequence[int | None]]) -> None:
+        self.objects = objects
+        #: (first object, objects in the group, first block, blocks per object); count 0: irregular
+        self.groups: list[tuple[int, int, int, int]] = []
+        #: blocks the objects fill (None entries excluded)
+        self.blocks = 0
+        groups = self.groups
+        nxt = n_prev = -1  # block after the open group, and its objects' length
+        for i, ids in enumerate(objects):
+            n = len(ids)
+            first = ids[0] if n else None
+            if first is not None and (n == 1 or _one_run(ids)):
+                self.blocks += n
+                if first == nxt and n == n_prev:
+                    g = groups[-1]
+                    groups[-1] = (g[0], g[1] + 1, g[2], n)
+                else:
+                    groups.append((i, 1, first, n))
+                    n_prev = n
+                nxt = first + n
+            else:
+                self.blocks += n - list(ids).count(None)
+                groups.append((i, 0, -1, 0))
+                nxt = -1
+
+    def __len__(self) -> int:
+        return len(self.objects)
+
+
+def _one_run(ids: Sequence[int | None]) -> bool:
+    """True when ``ids`` are consecutive block ids, ascending (no None)."""
+    if None in ids:
+        return False
+    run = cast(Sequence[int], ids)
+    return run[-1] - run[0] == len(run) - 1 and all(b - a == 1 for a, b in itertools.pairwise(run))
+
+
 @dataclass
 class PagedLayer:
     """One layer's paged KV tensor, addressed by engine block id."""
@@ -98,6 +149,10 @@ class PagedLayer:
         """Make the cached views now (call where the cache tensor was made, not in inference mode)."""
         self.is_direct()
         self._flat()
+
+    def is_flat(self) -> bool:
+        """True when :meth:`cut` gives every regular object as one view of the cache (nothing staged)."""
+        return self._flat() is not None
 
     def _flat(self) -> torch.Tensor | None:
         """The whole cache as one flat uint8 view when blocks are its outermost dimension, else None."""
@@ -165,6 +220,46 @@ class PagedLayer:
         if self._flat() is None:
             return [p for bid in block_ids for p in self.read_parts(bid)]
         return self.byte_runs(block_ids, list)[0]
+
+    def cut(self, cuts: Cuts, filler) -> tuple[list, list | None]:
+        """Buffers to fill for each of ``cuts``' objects, and the staging copies to make afterwards.
+
+        An object is one flat uint8 view of the cache when its blocks are one run
+        of a layer whose blocks are its outermost dimension, else a list of parts
+        (:meth:`byte_runs`; ``filler()`` gives the parts of a block read and
+        dropped).  The second value is None when nothing needs copying, else one
+        list of (staging, destination) pairs per object.
+        """
+        flat = self._flat()
+        out: list = []
+        pending: list | None = None
+        if flat is None:
+            pending = []
+            for ids in cuts.objects:
+                parts, pend = self.byte_runs(ids, filler)
+                out.append(parts)
+                pending.append(pend)
+            return out, pending if any(pending) else None
+        nb = self.block_nbytes
+        size = flat.numel()
+        objects = cuts.objects
+        for i, k, start, n in cuts.groups:
+            if k == 1:
+                out.append(flat[start * nb:(start + n) * nb])
+            elif k and (start + k * n) * nb <= size:
+                out.extend(flat[start * nb:(start + k * n) * nb].view(k, n * nb).unbind(0))
+            elif k:  # reaches past the cache (a bad block id): each object alone, the store refuses the short one
+                out.extend(flat[(start + j * n) * nb:(start + (j + 1) * n) * nb] for j in range(k))
+            else:
+                out.append(self.byte_runs(objects[i], filler)[0])
+        return out, None
+
+    def read_cut(self, cuts: Cuts) -> list:
+        """The bytes of each of ``cuts``' objects (no None entries): views where the layout allows,
+        as :meth:`cut` makes them, else staged copies (:meth:`read_runs`)."""
+        if self._flat() is None:
+            return [self.read_runs(list(ids)) for ids in cuts.objects]  # type: ignore[arg-type]
+        return self.cut(cuts, list)[0]
 
     def write_targets(self, block_id: int) -> tuple[list[torch.Tensor], list[tuple[torch.Tensor, torch.Tensor]]]:
         """Contiguous CPU buffers to fill for the block, and (staging, destination) pairs to copy afterwards."""

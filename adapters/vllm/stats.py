@@ -96,6 +96,13 @@ def put_outcome(result: Any) -> str:
     return SAVED if result else FAILED
 
 
+def _all_saved(results: list[Any]) -> bool:
+    """Every answer counts as saved: counted in C (``all()`` would call ``PutOutcome.__bool__`` per answer)."""
+    n = len(results)
+    return (results.count(PutOutcome.STORED) + results.count(PutOutcome.PRESENT) == n
+            or results.count(True) == n)
+
+
 @dataclass
 class SaveTally:
     """One put call's outcome, in the units the counters use."""
@@ -107,17 +114,21 @@ class SaveTally:
     seconds: float = 0.0
 
     @classmethod
-    def of(cls, results: list[Any], values: list[list[Any]], chunks: list[Chunk]) -> SaveTally:
+    def of(cls, results: list[Any], chunks: list[Chunk], block_nbytes: int) -> SaveTally:
+        """The tally of one put of ``chunks`` (``block_nbytes`` bytes per block), from its answers."""
         t = cls()
-        for res, parts, (first, last) in zip(results, values, chunks):
-            kind = put_outcome(res)
-            if kind == SAVED:
-                t.nbytes += sum(p.numel() * p.element_size() for p in parts)
-                t.blocks += last - first + 1
-            elif kind == REFUSED:
-                t.refused += 1
-            else:
-                t.errors += 1
+        if _all_saved(results):  # the common case
+            t.blocks = sum(last - first + 1 for first, last in chunks)
+        else:
+            for res, (first, last) in zip(results, chunks):
+                kind = put_outcome(res)
+                if kind == SAVED:
+                    t.blocks += last - first + 1
+                elif kind == REFUSED:
+                    t.refused += 1
+                else:
+                    t.errors += 1
+        t.nbytes = t.blocks * block_nbytes
         return t
 
     def add_to(self, stats: TierKVConnectorStats) -> None:

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from tierkv import keys_from_block_hashes
+from tierkv.keys import block_hash_root, keys_from_root
 
 from .async_loading import AsyncLoads
 from .chunks import Chunk, covered, resolve
@@ -51,13 +51,48 @@ from .config import ConnectorOptions, EngineInfo, block_hash_bytes, layer_namesp
 from .loading import Loader, LoadJob
 from .lookup import LookupServer, endpoint, sweep_stale_sockets
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
-from .paged import PagedLayer
+from .paged import Cuts, PagedLayer
 from .prom import attach_store_snapshot
 from .stats import RequestRecords, SaveTally, TierKVConnectorStats
 
 logger = logging.getLogger("vllm.tierkv.worker")
 
-_SaveItem = tuple[SaveSpec, int, list[Chunk], list[str], list[list[torch.Tensor]]]
+#: namespace roots kept per worker (layers x KV-head shards x cache salts seen); beyond it they are recomputed
+_ROOTS_MAX = 1 << 14
+
+
+class _SavePlan:
+    """One save spec's chunks on this rank, as every layer of the step uses them."""
+
+    __slots__ = ("chunks", "cuts", "hashes", "spec")
+
+    def __init__(self, spec: SaveSpec, pos: list[int]) -> None:
+        self.spec = spec
+        self.chunks = [spec.chunks[j] for j in pos]
+        self.hashes = [block_hash_bytes(spec.block_hashes[j]) for j in pos]
+        self.cuts = Cuts([spec.block_ids[j] for j in pos])
+
+
+class _SaveItem:
+    """One put: a plan's chunks (``keep``: only these of them; None: all) of one layer.
+
+    ``values`` are the chunks' bytes when the engine thread had to stage them (a
+    device or strided cache); None when the save thread cuts them itself, as views
+    of a CPU cache, keys and all, off the engine's thread.
+    """
+
+    __slots__ = ("keep", "layer", "plan", "values")
+
+    def __init__(self, plan: _SavePlan, layer: int, values: list | None, keep: list[int] | None = None) -> None:
+        self.plan, self.layer, self.values, self.keep = plan, layer, values, keep
+
+    @property
+    def req_id(self) -> str:
+        return self.plan.spec.req_id
+
+    def chunks(self) -> list[Chunk]:
+        chunks = self.plan.chunks
+        return chunks if self.keep is None else [chunks[j] for j in self.keep]
 
 
 class TierKVWorker:
@@ -87,18 +122,20 @@ class TierKVWorker:
         self._split_writes = self.shard.replicas > 1 and all(t["shared"] for t in tiers)
         self._paged: dict[str, PagedLayer] = {}
         self._loader = Loader(layers=self._layers, paged=self._paged, block_size=self._bs, store=lambda: self.store,
-                              resolve=self._resolve_last_layer, keys_for=self.keys_for,
+                              resolve=self._resolve_last_layer, layer_keys=self._hash_keys,
                               tp_rank=info.tp_rank, tp_size=info.tp_size)
         self._loader.layerwise = options.layerwise is True  # "auto" is settled in register_kv_caches
         # loads between steps (load_async): a loader of their own (its discard buffers are
         # not shared with the engine thread's loads), every layer in one get
         self._async_loader = Loader(layers=self._layers, paged=self._paged, block_size=self._bs,
                                     store=lambda: self.store, resolve=self._resolve_last_layer,
-                                    keys_for=self.keys_for, tp_rank=info.tp_rank, tp_size=info.tp_size)
+                                    layer_keys=self._hash_keys, tp_rank=info.tp_rank, tp_size=info.tp_size)
         self._async = AsyncLoads(self._async_loader.start, on_done=self._account_async_load)
         self._metadata: TierKVConnectorMetadata | None = None
         self.load_job: LoadJob | None = None
         self._deferred: list[_SaveItem] = []
+        self._roots: dict[tuple[int, int, str | None], bytes] = {}
+        self._save_plans: tuple[TierKVConnectorMetadata, list[_SavePlan | None]] | None = None
         self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-save")
         self._lock = threading.Condition()
         self._pending: collections.Counter = collections.Counter()
@@ -136,20 +173,19 @@ class TierKVWorker:
     # ---- keys and lookups ---------------------------------------------------------
     def layer_keys(self, layer: int, hashes: list, cache_salt: str | None, shard: int | None = None) -> list[str]:
         """Store keys of the chunks named by ``hashes`` for one layer (of this rank's shard by default)."""
-        ns = layer_namespace(self.info.namespaces[self.shard.shard if shard is None else shard],
-                             self._layers[layer], cache_salt)
-        return keys_from_block_hashes([block_hash_bytes(h) for h in hashes], namespace=ns)
+        return self._hash_keys(layer, [block_hash_bytes(h) for h in hashes], cache_salt, shard)
 
-    def keys_for(self, layer: int, items: list[tuple[bytes, str | None]]) -> list[str]:
-        """Keys of (hash, salt) items for one layer, grouped by salt."""
-        out: list[str | None] = [None] * len(items)
-        by_salt: dict[str | None, list[int]] = {}
-        for i, (_, salt) in enumerate(items):
-            by_salt.setdefault(salt, []).append(i)
-        for salt, pos in by_salt.items():
-            for i, k in zip(pos, self.layer_keys(layer, [items[i][0] for i in pos], salt)):
-                out[i] = k
-        return out  # type: ignore[return-value]
+    def _hash_keys(self, layer: int, hashes: list[bytes], cache_salt: str | None,
+                   shard: int | None = None) -> list[str]:
+        """:meth:`layer_keys` of hashes already in bytes: one SHA-256 per key, the layer's root kept."""
+        sh = self.shard.shard if shard is None else shard
+        root = self._roots.get((sh, layer, cache_salt))
+        if root is None:
+            root = block_hash_root(layer_namespace(self.info.namespaces[sh], self._layers[layer], cache_salt))
+            if len(self._roots) >= _ROOTS_MAX:
+                self._roots.clear()
+            self._roots[(sh, layer, cache_salt)] = root
+        return keys_from_root(root, hashes)
 
     def resolve(self, hashes: list, base: int, lo: int, hi: int, salt: str | None,
                 all_layers: bool = True, where: dict[str, str | None] | None = None) -> list[Chunk]:
@@ -168,7 +204,12 @@ class TierKVWorker:
         layers = list(reversed(range(L))) if all_layers else [L - 1]
 
         def keys(layer: int, ends: list[int]) -> list[str]:
-            return self.layer_keys(layer, [hashes[e - base] for e in ends], salt)
+            return self._hash_keys(layer, [block_hash_bytes(hashes[e - base]) for e in ends], salt)
+
+        def all_keys(ends: list[int]) -> list[str]:
+            # the layers after the first, one conversion of the hashes for all of them
+            hb = [block_hash_bytes(hashes[e - base]) for e in ends]
+            return [k for layer in layers[1:] for k in self._hash_keys(layer, hb, salt)]
 
         def first_layer(ends: list[int]) -> list[bool]:
             ks = keys(layers[0], ends)
@@ -190,7 +231,7 @@ class TierKVWorker:
             if n == 0 or len(layers) == 1:
                 return n
             w = n
-            present = store.contains([k for layer in layers[1:] for k in keys(layer, ends[:w])])
+            present = store.contains(all_keys(ends[:w]))
             for row in range(len(layers) - 1):
                 lead = present[row * w:(row + 1) * w]
                 if False in lead:
@@ -202,7 +243,7 @@ class TierKVWorker:
             if not cands or len(layers) == 1:
                 return cands[0] if cands else None
             m = len(cands)
-            present = store.contains([k for layer in layers[1:] for k in keys(layer, cands)])
+            present = store.contains(all_keys(cands))
             for i, j in enumerate(cands):
                 if all(present[row * m + i] for row in range(len(layers) - 1)):
                     return j
@@ -269,6 +310,7 @@ class TierKVWorker:
 
     def clear_metadata(self) -> None:
         self._metadata = None
+        self._save_plans = None
 
     def start_load_kv(self) -> None:
         meta = self._metadata
@@ -310,31 +352,43 @@ class TierKVWorker:
         paged = self._paged.get(layer_name)
         if layer is None or paged is None:
             return
-        shard = self.shard
-        for spec in meta.saves:
-            if self._split_writes:
-                pos = [j for j, (first, _) in enumerate(spec.chunks)
-                       if (first // self._G) % shard.replicas == shard.replica]
-            else:
-                pos = list(range(len(spec.chunks)))
-            if not pos:
+        # views of a CPU cache are cut, with the keys, on the save thread: nothing of the
+        # per-chunk work stays on the engine's thread.  A staged layout (device memory, strided
+        # views) is copied out here, in the engine's stream order, before the layer is reused.
+        direct = paged.is_flat()
+        for plan in self._plans(meta):
+            if plan is None:
                 continue
-            keys = self.layer_keys(layer, [spec.block_hashes[j] for j in pos], spec.cache_salt)
-            values = [paged.read_runs(spec.block_ids[j]) for j in pos]
+            item = _SaveItem(plan, layer, None if direct else paged.read_cut(plan.cuts))
             with self._lock:
-                self._pending[spec.req_id] += 1
-            item = (spec, layer, [spec.chunks[j] for j in pos], keys, values)
+                self._pending[plan.spec.req_id] += 1
             if self.load_job is not None:
                 # this step loads: a failed load may taint these blocks, so wait for the verdict
                 self._deferred.append(item)
             else:
                 self._submit_save(item)
 
+    def _plans(self, meta: TierKVConnectorMetadata) -> list[_SavePlan | None]:
+        """The step's save specs as this rank saves them (None: nothing of it here), made at its first layer."""
+        if self._save_plans is not None and self._save_plans[0] is meta:
+            return self._save_plans[1]
+        shard = self.shard
+        plans: list[_SavePlan | None] = []
+        for spec in meta.saves:
+            if self._split_writes:
+                pos = [j for j, (first, _) in enumerate(spec.chunks)
+                       if (first // self._G) % shard.replicas == shard.replica]
+            else:
+                pos = list(range(len(spec.chunks)))
+            plans.append(_SavePlan(spec, pos) if pos else None)
+        self._save_plans = (meta, plans)
+        return plans
+
     def _submit_save(self, item: _SaveItem) -> None:
         try:
             self._save_pool.submit(self._run_save, item)
         except RuntimeError:  # shut down meanwhile: the save is abandoned
-            self._save_done(item[0].req_id)
+            self._save_done(item.req_id)
 
     def _save_done(self, rid: str) -> None:
         with self._lock:
@@ -344,17 +398,25 @@ class TierKVWorker:
             self._lock.notify_all()
 
     def _run_save(self, item: _SaveItem) -> None:
-        spec, layer, chunks, keys, values = item
+        plan, layer, keep = item.plan, item.layer, item.keep
+        spec = plan.spec
+        chunks = item.chunks()
         t0 = time.perf_counter()
         tally = SaveTally()
         try:
             try:
+                keys = self._hash_keys(layer, plan.hashes if keep is None else [plan.hashes[j] for j in keep],
+                                       spec.cache_salt)
+                values = item.values
+                if values is None:
+                    cuts = plan.cuts if keep is None else Cuts([plan.cuts.objects[j] for j in keep])
+                    values = self._paged[self._layers[layer]].read_cut(cuts)
                 put = getattr(self.store, "put_detailed", None) or self.store.put
                 ok: list[Any] = put(keys, values)
             except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
                 logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
-                ok = [False] * len(keys)
-            tally = SaveTally.of(ok, values, chunks)
+                ok = [False] * len(chunks)
+            tally = SaveTally.of(ok, chunks, self._paged[self._layers[layer]].block_nbytes)
         finally:
             tally.seconds = time.perf_counter() - t0
             with self._lock:
@@ -370,15 +432,17 @@ class TierKVWorker:
         failed = job.failed_blocks if job is not None else set()
         # submit the step's saves, dropping everything computed on a failed block
         deferred, self._deferred = self._deferred, []
-        for spec, layer, chunks, keys, values in deferred:
+        for item in deferred:
+            spec = item.plan.spec
             cut = next((p for p, bid in enumerate(spec.table) if bid in failed), None) if failed else None
             if cut is not None:
-                keep = [j for j, (_, last) in enumerate(chunks) if last < cut]
+                keep = [j for j, (_, last) in enumerate(item.plan.chunks) if last < cut]
                 if not keep:
                     self._save_done(spec.req_id)
                     continue
-                chunks, keys, values = [chunks[j] for j in keep], [keys[j] for j in keep], [values[j] for j in keep]
-            self._submit_save((spec, layer, chunks, keys, values))
+                values = None if item.values is None else [item.values[j] for j in keep]
+                item = _SaveItem(item.plan, item.layer, values, keep)
+            self._submit_save(item)
 
     def _account_load(self, job: LoadJob, report_errors: bool = True) -> None:
         if job.future is not None:
