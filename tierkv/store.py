@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from tierkv.buffers import Parts, Value, to_parts_many
+from tierkv.buffers import Value, to_parts_many
 from tierkv.config import build_levels, load_config
 from tierkv.copying import Copying
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
@@ -70,12 +70,13 @@ from tierkv.level import Level, call_policy
 from tierkv.observe import Observable
 from tierkv.options import check_int
 from tierkv.outcome import PutOutcome
-from tierkv.placement import FAILED, Placement
+from tierkv.placement import Placement
 from tierkv.policies import AdmissionPolicy, PromotionPolicy, build_promotion
 from tierkv.readpath import ReadPath
 from tierkv.stats import StoreCounters
 from tierkv.tiers.base import Tier
 from tierkv.writebehind import WriteBehind
+from tierkv.writepath import WritePath
 
 if TYPE_CHECKING:
     import os
@@ -86,7 +87,7 @@ StoreConfig = Union[dict, str, "os.PathLike[str]"]  # (a name for type checkers 
 
 
 
-class TieredStore(Placement, ReadPath, Copying, Observable):
+class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
     """A chain of tiers, fastest first, behind one batch-first API.
 
     ``put`` writes into the highest level whose admission policy accepts the
@@ -265,169 +266,6 @@ class TieredStore(Placement, ReadPath, Copying, Observable):
         if self._observers:
             self._observe("put", keys, res, t0, prepared)
         return res
-
-    def _put(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[PutOutcome]:
-        n = len(keys)
-        out: list[Optional[PutOutcome]] = [None] * n
-        first: dict[str, int] = {}
-        todo: list[int] = []
-        unique = len(set(keys)) == n
-        # reservations this call took and has not finished: (level, key) taken one by one, and the
-        # keys the first pass reserved in the top level as one batch (all finished in one lock hold)
-        held: dict[tuple[int, str], None] = {}
-        batch0: dict[str, None] = {}
-        groups: dict[int, list[int]] = {}
-        slow: list[int] = []
-        with self._lock:
-            c = self._counters
-            c.put_calls += 1
-            c.chunks_put += n
-            if self._admissions:
-                for key in keys:
-                    for adm in self._admissions:
-                        call_policy(adm, "on_access", "*", key)
-            if unique and self._managed_levels == [0] and self._fast_top() and self.levels[0].tier.available:
-                # one managed level on top that takes everything without asking: reserve the batch at once
-                present, got0 = [], []
-                codes = self.levels[0].reserve_many(keys, [p[1] for p in prepared])
-                for i, code in enumerate(codes):
-                    if code == 0:
-                        got0.append(i)
-                    elif code == 1:
-                        present.append(i)
-                    else:
-                        slow.append(i)  # no room without evicting (or a doomed copy still read)
-                for i in present:
-                    out[i] = PutOutcome.PRESENT
-                c.chunks_deduped += len(present)
-                if got0:
-                    groups[0] = got0
-                    batch0 = dict.fromkeys([keys[i] for i in got0])
-            else:
-                busy = self._busy
-                for i, key in enumerate(keys):
-                    if key in first:  # a repeat inside the batch: takes the first one's result
-                        c.chunks_deduped += 1
-                        continue
-                    first[key] = i
-                    if busy(key):  # READY or being written somewhere
-                        out[i] = PutOutcome.PRESENT
-                        c.chunks_deduped += 1
-                    else:
-                        todo.append(i)
-        start = dict.fromkeys(range(n), 0)
-        why = dict.fromkeys(range(n), 0)
-        behind: list[tuple[int, str]] = []
-        queue_behind = self._behind is not None
-        first_pass = True
-        try:
-            while todo or first_pass:
-                if first_pass:
-                    first_pass = False  # groups and slow as the batch reservation left them
-                else:
-                    groups, slow = {}, []
-                with self._lock:  # fast path: the first level that admits has room without evicting
-                    for i in todo:
-                        j, flags = self._place_fast(keys[i], prepared[i][1], start[i], held)
-                        why[i] |= flags
-                        if j is None:
-                            slow.append(i)
-                        elif j >= 0:
-                            groups.setdefault(j, []).append(i)
-                        else:
-                            out[i] = self._refusal(why[i])
-                if len(slow) > 1:  # room for the whole rest at once: one victims call, batched demotions
-                    self._make_room_for(slow, keys, prepared, start)
-                    if self._fast_top():  # (a top level that takes everything without asking)
-                        slow = self._reserve_top(slow, keys, prepared, start, groups, held)
-                for i in slow:
-                    j, flags = self._place(keys[i], prepared[i][1], start[i], len(self.levels), held)
-                    why[i] |= flags
-                    if j is None:
-                        out[i] = self._refusal(why[i])
-                        continue
-                    groups.setdefault(j, []).append(i)
-                todo = []
-                for j, idx in sorted(groups.items()):
-                    lvl = self.levels[j]
-                    oks = self._tier_io(lvl, "write", [keys[i] for i in idx], [prepared[i][0] for i in idx])
-                    with self._lock:
-                        done = []
-                        pop = held.pop if held else None
-                        for i, ok in zip(idx, oks):
-                            if pop is not None:
-                                pop((j, keys[i]), None)
-                            if ok:
-                                done.append(i)
-                            else:
-                                self._finish_write(lvl, keys[i], prepared[i][1], False)
-                                why[i] |= FAILED
-                                start[i] = j + 1
-                                todo.append(i)
-                        if j == 0 and batch0:
-                            # the failed ones are aborted now; commit_many either commits the rest or,
-                            # raising, drops them: none of the batch is left reserved after it
-                            batch0.clear()
-                        if done:
-                            if lvl.managed:
-                                lvl.commit_many([keys[i] for i in done])
-                            nb = sum(prepared[i][1] for i in done)
-                            lvl.counters.puts += len(done)
-                            lvl.counters.bytes_written += nb
-                            self._counters.chunks_stored += len(done)
-                            self._counters.bytes_put += nb
-                            stored = PutOutcome.STORED
-                            for i in done:
-                                out[i] = stored
-                            if queue_behind:
-                                behind.extend((j, keys[i]) for i in done)
-                    if self._any_write_through:
-                        for i, ok in zip(idx, oks):
-                            if ok:
-                                self._write_through(j, keys[i], prepared[i], held)
-        finally:
-            if batch0:
-                with self._lock:
-                    for key in batch0:
-                        self.levels[0].abort(key)
-                batch0.clear()
-            self._release(held)
-        if behind and self._behind is not None:
-            self._queue_behind(behind)
-        if None in out:
-            for i in range(n):
-                if out[i] is None:
-                    o = out[first[keys[i]]] if not unique else None
-                    out[i] = o if o is not None else PutOutcome.ERROR
-        refused = n - out.count(PutOutcome.STORED) - out.count(PutOutcome.PRESENT)
-        if refused:
-            with self._lock:
-                self._counters.chunks_rejected += refused
-        return out  # type: ignore[return-value]
-
-    def _reserve_top(self, slow: list[int], keys: list[str], prepared: list[tuple[Parts, int]],
-                     start: dict[int, int], groups: dict[int, list[int]], held: dict) -> list[int]:
-        """After ``_make_room``: reserve the keys at ``slow`` that start at the top level in one batch
-        (added to ``groups[0]`` and ``held``); returns those left to the per-key path."""
-        top = self.levels[0]
-        at = [i for i in slow if start[i] == 0]
-        if not at or not top.tier.available:
-            return slow
-        with self._lock:
-            codes = top.reserve_many([keys[i] for i in at], [prepared[i][1] for i in at])
-            got = [i for i, c in zip(at, codes) if c == 0]
-            for i in got:
-                held[(0, keys[i])] = None
-        if got:
-            groups.setdefault(0, []).extend(got)
-            taken = set(got)
-            return [i for i in slow if i not in taken]
-        return slow
-
-    def _fast_top(self) -> bool:
-        """Whether a put may reserve a whole batch in the top level at once: managed, no admission policy."""
-        top = self.levels[0]
-        return top.managed and top.admits_all
 
     # ------------------------------------------------------------------ get
     def get(self, keys: Sequence[str], outs: Sequence[Value]) -> list[bool]:
