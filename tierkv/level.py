@@ -446,12 +446,12 @@ class Level:
             del self.index[key]
             self.used -= fp
             if self.located:
-                self._give_back(-v)
+                self._give_back([-v])
 
-    def _give_back(self, code: int) -> None:
+    def _give_back(self, codes: list[int]) -> None:
         """Return a located tier's space (a fault is logged: the index no longer reaches those bytes)."""
         try:
-            self.tier.free_at([code])
+            self.tier.free_at(codes)
         except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
             log.warning("tierkv: tier %s free failed: %s", self.name, exc)
 
@@ -550,10 +550,7 @@ class Level:
                     self.unpin(key)
             if codes:
                 if self.located:
-                    try:
-                        self.tier.free_at(codes)
-                    except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
-                        log.warning("tierkv: tier %s free failed: %s", self.name, exc)
+                    self._give_back(codes)
                 else:
                     dead = [k for k in gone if k not in index]
                     try:
@@ -584,7 +581,7 @@ class Level:
         del self.index[key]
         self.used -= footprint
         if self.located:
-            self._give_back(code)
+            self._give_back([code])
             return
         try:
             self.tier.delete([key])
