@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 
 from tierkv.buffers import Parts, staging
-from tierkv.level import Level, call_policy
+from tierkv.hooks import call_policy
+from tierkv.level import Level
 
 #: most bytes one background copy stages at once
 _COPY_BATCH_BYTES = 64 << 20

@@ -30,17 +30,14 @@ import logging
 from typing import Any, Optional, Union
 
 from tierkv.errors import ConfigError, PolicyError
-from tierkv.options import check_bool, check_choice
+from tierkv.hooks import batch_hook, call_policy
+from tierkv.persist import resolve_persist
 from tierkv.policies import AdmissionPolicy, AdmitAll, EvictionPolicy, build_admission, build_eviction
 from tierkv.policies.eviction import FIFOPolicy, LRUPolicy
 from tierkv.stats import TierCounters
 from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Tier
 
 log = logging.getLogger("tierkv")
-
-#: how a level receives chunks stored above it
-PERSIST_MODES = ("write_behind", "write_through", "on_evict")
-
 
 class Entry:
     """A view of one object of a managed level (``Level.entry``); in the index, a doomed chunk still read.
@@ -78,53 +75,6 @@ _ONE = {1}
 def size_value(nbytes: int) -> int:
     """The READY value of a chunk of ``nbytes`` in a level whose tier is not located."""
     return nbytes << 1 | 1 if nbytes < NB_FIELD else nbytes << CODE_SHIFT | NB_FIELD << 1 | 1
-
-
-def call_policy(policy: Any, hook: str, tier: str, *args: Any) -> Any:
-    """Call a policy hook; any exception it raises becomes a ``PolicyError`` naming policy, hook and tier."""
-    try:
-        return getattr(policy, hook)(*args)
-    except PolicyError:
-        raise
-    except Exception as e:
-        raise PolicyError(f"{type(policy).__name__}.{hook} raised for tier {tier!r}: "
-                          f"{type(e).__name__}: {str(e)[:200]}") from e
-
-
-def batch_hook(policy: Any, single: str, many: str) -> bool:
-    """Whether ``policy.many`` may stand for a loop over ``policy.single``.
-
-    Only when the class that defines the batch hook is the one that defines the single
-    hook, or derives from it: a subclass that overrides ``on_insert`` of a built-in
-    policy, but not its ``on_insert_many``, must still have its override called.
-    """
-    if policy is None:
-        return False
-
-    def owner(name: str) -> Optional[type]:
-        for k in type(policy).__mro__:
-            if name in k.__dict__:
-                return k
-        return None
-
-    o_many, o_single = owner(many), owner(single)
-    return o_many is not None and o_single is not None and issubclass(o_many, o_single)
-
-
-def resolve_persist(tier: Tier, persist: Optional[str], write_through: Optional[bool]) -> str:
-    """The level's persistence mode from the two options (``write_through`` is the older spelling)."""
-    what = f"tier {tier.name!r}"
-    if write_through is not None:
-        write_through = check_bool(write_through, f"{what} option 'write_through'")
-    if persist is not None:
-        persist = check_choice(persist, f"{what} option 'persist'", PERSIST_MODES)
-        if write_through is not None and write_through != (persist == "write_through"):
-            raise ConfigError(f"{what}: 'write_through': {str(write_through).lower()} contradicts "
-                              f"'persist': {persist!r} (give only 'persist')")
-        return persist
-    if write_through:
-        return "write_through"
-    return "write_behind" if (tier.persistent and tier.managed) else "on_evict"
 
 
 class Level:

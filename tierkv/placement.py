@@ -16,7 +16,8 @@ import torch
 
 from tierkv.buffers import Parts, staging
 from tierkv.errors import StoreClosedError
-from tierkv.level import Level, call_policy
+from tierkv.hooks import call_policy
+from tierkv.level import Level
 from tierkv.outcome import PutOutcome
 
 log = logging.getLogger("tierkv")

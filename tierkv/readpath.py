@@ -13,8 +13,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from tierkv.buffers import Parts, check_size
+from tierkv.hooks import call_policy
 from tierkv.keys import check_key
-from tierkv.level import _NB_MASK, Level, call_policy
+from tierkv.level import _NB_MASK, Level
 
 _INT = {int}
 

@@ -65,8 +65,9 @@ from tierkv.buffers import Value, to_parts_many
 from tierkv.config import build_levels, load_config
 from tierkv.copying import Copying
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
+from tierkv.hooks import call_policy
 from tierkv.keys import check_key, check_keys
-from tierkv.level import Level, call_policy
+from tierkv.level import Level
 from tierkv.observe import Observable
 from tierkv.options import check_int
 from tierkv.outcome import PutOutcome

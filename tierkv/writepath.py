@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Optional
 
 from tierkv.buffers import Parts
-from tierkv.level import Level, call_policy
+from tierkv.hooks import call_policy
+from tierkv.level import Level
 from tierkv.outcome import PutOutcome
 from tierkv.placement import FAILED
 

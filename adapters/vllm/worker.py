@@ -50,49 +50,16 @@ from .chunks import Chunk, covered, resolve
 from .config import ConnectorOptions, EngineInfo, block_hash_bytes, layer_namespace
 from .loading import Loader, LoadJob
 from .lookup import LookupServer, endpoint, sweep_stale_sockets
-from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
+from .metadata import LoadSpec, TierKVConnectorMetadata
 from .paged import Cuts, PagedLayer
 from .prom import attach_store_snapshot
+from .saving import SaveItem, SavePlan
 from .stats import RequestRecords, SaveTally, TierKVConnectorStats
 
 logger = logging.getLogger("vllm.tierkv.worker")
 
 #: namespace roots kept per worker (layers x KV-head shards x cache salts seen); beyond it they are recomputed
 _ROOTS_MAX = 1 << 14
-
-
-class _SavePlan:
-    """One save spec's chunks on this rank, as every layer of the step uses them."""
-
-    __slots__ = ("chunks", "cuts", "hashes", "spec")
-
-    def __init__(self, spec: SaveSpec, pos: list[int]) -> None:
-        self.spec = spec
-        self.chunks = [spec.chunks[j] for j in pos]
-        self.hashes = [block_hash_bytes(spec.block_hashes[j]) for j in pos]
-        self.cuts = Cuts([spec.block_ids[j] for j in pos])
-
-
-class _SaveItem:
-    """One put: a plan's chunks (``keep``: only these of them; None: all) of one layer.
-
-    ``values`` are the chunks' bytes when the engine thread had to stage them (a
-    device or strided cache); None when the save thread cuts them itself, as views
-    of a CPU cache, keys and all, off the engine's thread.
-    """
-
-    __slots__ = ("keep", "layer", "plan", "values")
-
-    def __init__(self, plan: _SavePlan, layer: int, values: list | None, keep: list[int] | None = None) -> None:
-        self.plan, self.layer, self.values, self.keep = plan, layer, values, keep
-
-    @property
-    def req_id(self) -> str:
-        return self.plan.spec.req_id
-
-    def chunks(self) -> list[Chunk]:
-        chunks = self.plan.chunks
-        return chunks if self.keep is None else [chunks[j] for j in self.keep]
 
 
 class TierKVWorker:
@@ -133,9 +100,9 @@ class TierKVWorker:
         self._async = AsyncLoads(self._async_loader.start, on_done=self._account_async_load)
         self._metadata: TierKVConnectorMetadata | None = None
         self.load_job: LoadJob | None = None
-        self._deferred: list[_SaveItem] = []
+        self._deferred: list[SaveItem] = []
         self._roots: dict[tuple[int, int, str | None], bytes] = {}
-        self._save_plans: tuple[TierKVConnectorMetadata, list[_SavePlan | None]] | None = None
+        self._save_plans: tuple[TierKVConnectorMetadata, list[SavePlan | None]] | None = None
         self._save_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-save")
         self._lock = threading.Condition()
         self._pending: collections.Counter = collections.Counter()
@@ -359,7 +326,7 @@ class TierKVWorker:
         for plan in self._plans(meta):
             if plan is None:
                 continue
-            item = _SaveItem(plan, layer, None if direct else paged.read_cut(plan.cuts))
+            item = SaveItem(plan, layer, None if direct else paged.read_cut(plan.cuts))
             with self._lock:
                 self._pending[plan.spec.req_id] += 1
             if self.load_job is not None:
@@ -368,23 +335,23 @@ class TierKVWorker:
             else:
                 self._submit_save(item)
 
-    def _plans(self, meta: TierKVConnectorMetadata) -> list[_SavePlan | None]:
+    def _plans(self, meta: TierKVConnectorMetadata) -> list[SavePlan | None]:
         """The step's save specs as this rank saves them (None: nothing of it here), made at its first layer."""
         if self._save_plans is not None and self._save_plans[0] is meta:
             return self._save_plans[1]
         shard = self.shard
-        plans: list[_SavePlan | None] = []
+        plans: list[SavePlan | None] = []
         for spec in meta.saves:
             if self._split_writes:
                 pos = [j for j, (first, _) in enumerate(spec.chunks)
                        if (first // self._G) % shard.replicas == shard.replica]
             else:
                 pos = list(range(len(spec.chunks)))
-            plans.append(_SavePlan(spec, pos) if pos else None)
+            plans.append(SavePlan(spec, pos) if pos else None)
         self._save_plans = (meta, plans)
         return plans
 
-    def _submit_save(self, item: _SaveItem) -> None:
+    def _submit_save(self, item: SaveItem) -> None:
         try:
             self._save_pool.submit(self._run_save, item)
         except RuntimeError:  # shut down meanwhile: the save is abandoned
@@ -397,7 +364,7 @@ class TierKVWorker:
                 del self._pending[rid]
             self._lock.notify_all()
 
-    def _run_save(self, item: _SaveItem) -> None:
+    def _run_save(self, item: SaveItem) -> None:
         plan, layer, keep = item.plan, item.layer, item.keep
         spec = plan.spec
         chunks = item.chunks()
@@ -441,7 +408,7 @@ class TierKVWorker:
                     self._save_done(spec.req_id)
                     continue
                 values = None if item.values is None else [item.values[j] for j in keep]
-                item = _SaveItem(item.plan, item.layer, values, keep)
+                item = SaveItem(item.plan, item.layer, values, keep)
             self._submit_save(item)
 
     def _account_load(self, job: LoadJob, report_errors: bool = True) -> None:
