@@ -42,8 +42,9 @@ from typing import Optional, Union, cast
 
 from sortedcontainers import SortedDict, SortedList
 
-#: granule of footprints and offsets (a power of two)
-ALIGN = 16
+#: granule of footprints and offsets (a power of two): 8 bytes keeps every dtype's view aligned and
+#: halves the rounding slack of small objects against 16 (3.5 B instead of 7.5 B per object on average)
+ALIGN = 8
 #: largest footprint served by a slot class
 SLOT_MAX = 64 << 10
 #: bytes carved for a class at a time (less in a small slab: see ``SlabAllocator``)
