@@ -188,3 +188,61 @@ def test_a_large_batch_does_not_wait_for_a_helper_busy_elsewhere(which):
         t.join(30)
         blocker.result(30)
     assert all(torch.equal(d, s) for d, s in zip(dsts, srcs))
+
+
+def test_to_parts_ptrs_gives_addresses_only_for_a_batch_of_flat_host_bytes():
+    from tierkv.buffers import to_parts_ptrs
+
+    flat = [torch.arange(n, dtype=torch.uint8) for n in (0, 5, 300)]
+    prepared, ptrs = to_parts_ptrs(flat, "values")
+    assert [nb for _, nb in prepared] == [0, 5, 300]
+    assert ptrs == [t.data_ptr() for t in flat]
+    # one value of another kind anywhere in the batch: no addresses (the tier checks every part itself)
+    for other in ([torch.zeros(4, dtype=torch.uint8)[::2].contiguous(), torch.zeros(2, dtype=torch.float32)],
+                  torch.zeros(3, dtype=torch.int16), torch.zeros((2, 2), dtype=torch.uint8)):
+        prepared, ptrs = to_parts_ptrs(flat + [other], "values")
+        assert ptrs is None and len(prepared) == 4
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_store_reads_and_writes_by_address_exactly_the_bytes_of_each_chunk(large):
+    """Batches of flat host tensors go by address, others by parts, side-table chunks (16 MiB and up) by
+    their location: every chunk comes back exact, and nothing beside a buffer is written."""
+    from tierkv import TieredStore
+    from tierkv.level import Level
+    from tierkv.tiers.dram import DRAMTier
+
+    big = (16 << 20) + 3 if large else 700
+    sizes = [1, 8, 13, 64, 255, big, 0, 4096]
+    g = torch.Generator().manual_seed(5)
+    vals = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g) for n in sizes]
+    store = TieredStore([Level(DRAMTier("dram", 64 << 20))])
+    try:
+        keys = [f"k{i}" for i in range(len(sizes))]
+        assert store.put(keys, vals) == [True] * len(keys)
+        # flat host outs inside a larger buffer with guard bytes around each
+        guard = 7
+        buf = torch.full((sum(sizes) + guard * (len(sizes) + 1),), 0xAB, dtype=torch.uint8)
+        outs, off = [], guard
+        for n in sizes:
+            outs.append(buf[off:off + n])
+            off += n + guard
+        assert store.get(keys, outs) == [True] * len(keys)
+        for o, v in zip(outs, vals):
+            assert torch.equal(o, v)
+        off = 0
+        for n in sizes:
+            assert bool((buf[off:off + guard] == 0xAB).all())
+            off += guard + n
+        assert bool((buf[off:] == 0xAB).all())
+        # the same reads with one out given as two parts (no addresses for the batch)
+        outs2 = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        split = [outs2[2][:5], outs2[2][5:]]
+        assert store.get(keys, outs2[:2] + [split] + outs2[3:]) == [True] * len(keys)
+        for o, v in zip(outs2, vals):
+            assert torch.equal(o, v)
+        # a buffer of the wrong size is refused by name before anything is read
+        with pytest.raises(Exception, match="bytes"):
+            store.get(keys[:2], [outs2[0], torch.empty(9, dtype=torch.uint8)])
+    finally:
+        store.close()

@@ -13,7 +13,7 @@ import itertools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -60,6 +60,27 @@ def to_parts_many(values: Sequence[Value], what: str) -> list[tuple[Parts, int]]
         else:
             append(to_parts(v, f"{what}[{i}]"))
     return out
+
+
+def to_parts_ptrs(values: Sequence[Value], what: str) -> tuple[list[tuple[Parts, int]], Optional[list[int]]]:
+    """``to_parts_many``, and the host address of each value when every one is a flat, contiguous
+    ``uint8`` tensor in host memory (else None): what a located host tier can copy by address alone."""
+    out: list[tuple[Parts, int]] = []
+    append = out.append
+    ptrs: Optional[list[int]] = []
+    tensor, u8 = torch.Tensor, torch.uint8
+    for i, v in enumerate(values):
+        if type(v) is tensor and v.dtype is u8 and v.dim() == 1 and v.is_contiguous():
+            append(([v], v.numel()))
+            if ptrs is not None:
+                if v.is_cpu:
+                    ptrs.append(v.data_ptr())
+                else:
+                    ptrs = None
+        else:
+            append(to_parts(v, f"{what}[{i}]"))
+            ptrs = None
+    return out, ptrs
 
 
 def parts_nbytes(parts: Sequence[torch.Tensor]) -> int:

@@ -27,6 +27,7 @@ consistent again, so the caller only has to release what it holds.
 from __future__ import annotations
 
 import logging
+from operator import neg as _neg
 from typing import Any, Optional, Union
 
 from tierkv.errors import ConfigError, PolicyError
@@ -201,6 +202,12 @@ class Level:
 
     def codes(self, keys: list[str]) -> list[int]:
         """The located tier's code of each key, which the caller holds (pinned, or reserved by it)."""
+        vals: list[Any] = list(map(self.index.__getitem__, keys))
+        if vals and set(map(type, vals)) == _INT:  # the common cases in C loops: all READY, or all RESERVED
+            if min(vals) > 0:
+                return vals
+            if max(vals) < 0:
+                return list(map(_neg, vals))
         out = []
         for key in keys:
             v = self.index[key]

@@ -70,27 +70,33 @@ class Placement:
                 m |= lvl.bit
         return m
 
-    def _tier_io(self, lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]:
+    def _tier_io(self, lvl: Level, op: str, keys: list[str], parts: list[Parts],
+                 ptrs: Optional[list[int]] = None, codes: Optional[list[int]] = None) -> list[bool]:
         """A tier's ``write`` or ``read``: a medium fault costs misses (all False), never the caller's request."""
-        res = self._tier_ask(lvl, op, keys, parts)
+        res = self._tier_ask(lvl, op, keys, parts, ptrs, codes)
         return [False] * len(keys) if res is None else res
 
-    def _tier_ask(self, lvl: Level, op: str, keys: list[str], parts: Optional[list[Parts]] = None) -> Optional[list]:
+    def _tier_ask(self, lvl: Level, op: str, keys: list[str], parts: Optional[list[Parts]] = None,
+                  ptrs: Optional[list[int]] = None, codes: Optional[list[int]] = None) -> Optional[list]:
         """Any tier call (``write`` / ``read`` / ``contains`` / ``delete``); None if the medium failed.
 
         The one choke point where a medium's exception (or a wrong number of answers)
         becomes a logged miss; only ``StoreClosedError`` passes through.  A located
         level's reads and writes go by the codes of its index (``write_at`` /
-        ``read_at``): the caller holds those entries (pinned, or reserved by it).
+        ``read_at``): the caller holds those entries (pinned, or reserved by it), and
+        may hand over their ``codes`` it already read under the lock, and ``ptrs``: the
+        host addresses of buffers it checked are one flat part of exactly each
+        chunk's size (``to_parts_ptrs``, and sizes matched against the index).
         """
         try:
             if lvl.located and parts is not None:
-                with self._lock:
-                    codes = lvl.codes(keys)
+                if codes is None:
+                    with self._lock:
+                        codes = lvl.codes(keys)
                 if op == "write":
-                    lvl.tier.write_at(codes, parts)
+                    lvl.tier.write_at(codes, parts, ptrs)
                     return [True] * len(keys)
-                res = lvl.tier.read_at(codes, parts)
+                res = lvl.tier.read_at(codes, parts, ptrs)
             else:
                 fn = getattr(lvl.tier, op)
                 res = fn(keys, parts) if parts is not None else fn(keys)

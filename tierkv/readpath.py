@@ -31,13 +31,16 @@ class ReadPath:
     _shared_levels: list[int]
 
     if TYPE_CHECKING:  # defined by ``Placement`` and ``Copying``
-        def _tier_io(self, lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]: ...
+        def _tier_io(self, lvl: Level, op: str, keys: list[str], parts: list[Parts],
+                     ptrs: Optional[list[int]] = None, codes: Optional[list[int]] = None) -> list[bool]: ...
         def _tier_ask(self, lvl: Level, op: str, keys: list[str],
                       parts: Optional[list[Parts]] = None) -> Optional[list]: ...
         def _promote(self, keys: list[str], prepared: list[tuple[Parts, int]],
                      served: list[Optional[int]]) -> None: ...
 
-    def _get(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[bool]:
+    def _get(self, keys: list[str], prepared: list[tuple[Parts, int]],
+             ptrs: Optional[list[int]] = None) -> list[bool]:
+        """Read ``keys`` into ``prepared`` (``ptrs``: their host addresses, see ``to_parts_ptrs``)."""
         n = len(keys)
         results = [False] * n
         served: list[Optional[int]] = [None] * n
@@ -46,17 +49,19 @@ class ReadPath:
         no_local: list[int] = []
         pending: list[int] = []
         groups: dict[int, list[int]] = {}  # level -> indexes into keys of the entries pinned there
+        hit_codes: Optional[list[int]] = None  # the one managed level's codes of its hits, as probed
         with self._lock:
             self._counters.get_calls += 1
             # sizes checked before anything is pinned: the first level holding a key must hold its size
             if len(managed) == 1:  # one managed level: one probe a key
                 j, index = managed[0]
-                bit, hits = 1 << j, []
+                bit, hits, hit_codes = 1 << j, [], []
                 for i, v in enumerate(map(index.get, keys)):
                     if type(v) is int and v > 0:
                         if (v >> 1 & _NB_MASK) != prepared[i][1]:  # (or a large chunk: asked in full)
                             check_size(keys[i], prepared[i][1], self.levels[j].value_nbytes(v))
                         hits.append(i)
+                        hit_codes.append(v)
                     else:
                         check_key(keys[i])
                         no_local.append(i)
@@ -116,7 +121,10 @@ class ReadPath:
                 for j, items in groups.items():
                     lvl = self.levels[j]
                     names = [keys[i] for i in items]
-                    oks = self._tier_io(lvl, "read", names, [prepared[i][0] for i in items])
+                    # (sizes matched above; a pinned chunk keeps its code, so the probe's codes still hold)
+                    oks = self._tier_io(lvl, "read", names, [prepared[i][0] for i in items],
+                                        [ptrs[i] for i in items] if ptrs is not None and lvl.located else None,
+                                        hit_codes if first and lvl.located and len(managed) == 1 else None)
                     with self._lock:
                         index = lvl.index
                         if False not in oks and set(map(type, map(index.get, names))) == _INT:

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from tierkv.buffers import Value, to_parts_many
+from tierkv.buffers import Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
 from tierkv.copying import Copying
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
@@ -257,11 +257,11 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
     def put_detailed(self, keys: Sequence[str], values: Sequence[Value]) -> list[PutOutcome]:
         """``put``, answering a ``PutOutcome`` per key: stored, present, rejected, no room or error."""
         keys, values = self._pairs(keys, values, "values")
-        prepared = to_parts_many(values, "values")
+        prepared, ptrs = to_parts_ptrs(values, "values")
         self._enter()
         t0 = time.perf_counter()
         try:
-            res = self._put(keys, prepared)
+            res = self._put(keys, prepared, ptrs)
         finally:
             self._leave()
         if self._observers:
@@ -276,11 +276,11 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         any view of them).  A False leaves ``outs[i]`` unspecified.
         """
         keys, outs = self._pairs(keys, outs, "outs", each=False)
-        prepared = to_parts_many(outs, "outs")
+        prepared, ptrs = to_parts_ptrs(outs, "outs")
         self._enter()
         t0 = time.perf_counter()
         try:
-            res = self._get(keys, prepared)
+            res = self._get(keys, prepared, ptrs)
         finally:
             self._leave()
         if self._observers:

@@ -31,7 +31,8 @@ class WritePath:
     _any_write_through: bool
 
     if TYPE_CHECKING:  # defined by ``Placement`` and ``Copying``
-        def _tier_io(self, lvl: Level, op: str, keys: list[str], parts: list[Parts]) -> list[bool]: ...
+        def _tier_io(self, lvl: Level, op: str, keys: list[str], parts: list[Parts],
+                     ptrs: Optional[list[int]] = None, codes: Optional[list[int]] = None) -> list[bool]: ...
         def _busy(self, key: str) -> bool: ...
         def _place_fast(self, key: str, nbytes: int, start: int, held: dict) -> tuple[Optional[int], int]: ...
         def _place(self, key: str, nbytes: int, start: int, stop: int, held: dict) -> tuple[Optional[int], int]: ...
@@ -42,7 +43,9 @@ class WritePath:
         def _release(self, held: dict[tuple[int, str], None]) -> None: ...
         def _queue_behind(self, stored: list[tuple[int, str]]) -> None: ...
 
-    def _put(self, keys: list[str], prepared: list[tuple[Parts, int]]) -> list[PutOutcome]:
+    def _put(self, keys: list[str], prepared: list[tuple[Parts, int]],
+             ptrs: Optional[list[int]] = None) -> list[PutOutcome]:
+        """Store ``prepared`` under ``keys`` (``ptrs``: their host addresses, see ``to_parts_ptrs``)."""
         n = len(keys)
         out: list[Optional[PutOutcome]] = [None] * n
         first: dict[str, int] = {}
@@ -126,7 +129,9 @@ class WritePath:
                 todo = []
                 for j, idx in sorted(groups.items()):
                     lvl = self.levels[j]
-                    oks = self._tier_io(lvl, "write", [keys[i] for i in idx], [prepared[i][0] for i in idx])
+                    # (a reservation's code was taken for its prepared size: the addresses may stand for the parts)
+                    oks = self._tier_io(lvl, "write", [keys[i] for i in idx], [prepared[i][0] for i in idx],
+                                        [ptrs[i] for i in idx] if ptrs is not None and lvl.located else None)
                     with self._lock:
                         done = []
                         pop = held.pop if held else None
@@ -147,7 +152,7 @@ class WritePath:
                         if done:
                             if lvl.managed:
                                 lvl.commit_many([keys[i] for i in done])
-                            nb = sum(prepared[i][1] for i in done)
+                            nb = sum([prepared[i][1] for i in done])
                             lvl.counters.puts += len(done)
                             lvl.counters.bytes_written += nb
                             self._counters.chunks_stored += len(done)

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -196,12 +196,19 @@ class Tier:
         """A code for an object of each size, its space taken now (None where none is free)."""
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
-    def write_at(self, codes: Sequence[int], srcs: Sequence[Parts]) -> None:
-        """Copy each ``srcs[i]`` into the space of ``codes[i]`` (a code from ``allocate``, not yet freed)."""
+    def write_at(self, codes: Sequence[int], srcs: Sequence[Parts], ptrs: Optional[Sequence[int]] = None) -> None:
+        """Copy each ``srcs[i]`` into the space of ``codes[i]`` (a code from ``allocate``, not yet freed).
+
+        ``ptrs``, when given, vouches for every ``srcs[i]``: one contiguous host part of exactly
+        ``code_nbytes(codes[i])`` bytes, whose address is ``ptrs[i]``; a tier may then skip its
+        own per-part checks.  The store passes it only for buffers it checked itself.
+        """
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
-    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts]) -> list[bool]:
-        """Fill each ``dsts[i]`` from the space of ``codes[i]``; False where the sizes differ."""
+    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts],
+                ptrs: Optional[Sequence[int]] = None) -> list[bool]:
+        """Fill each ``dsts[i]`` from the space of ``codes[i]``; False where the sizes differ
+        (``ptrs`` as for ``write_at``)."""
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
     def free_at(self, codes: Sequence[int]) -> None:

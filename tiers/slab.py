@@ -187,13 +187,49 @@ class SlabTier(Tier):
                 self._used -= nbytes
                 self._count -= 1
 
-    def write_at(self, codes: Sequence[int], srcs: Sequence[Parts]) -> None:
+    def write_at(self, codes: Sequence[int], srcs: Sequence[Parts], ptrs: Optional[Sequence[int]] = None) -> None:
         self._check_open()
-        self._move(codes, srcs, True)
+        if ptrs is not None and self._host:
+            self._move_ptrs(codes, srcs, ptrs, True)
+        else:
+            self._move(codes, srcs, True)
 
-    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts]) -> list[bool]:
+    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts],
+                ptrs: Optional[Sequence[int]] = None) -> list[bool]:
         self._check_open()
+        if ptrs is not None and self._host:
+            return self._move_ptrs(codes, dsts, ptrs, False)
         return self._move(codes, dsts, False)
+
+    def _move_ptrs(self, codes: Sequence[int], bufs: Sequence[Parts], ptrs: Sequence[int],
+                   into_slab: bool) -> list[bool]:
+        """``_move`` for buffers the caller vouched for (``write_at``): host addresses, exact sizes."""
+        n = len(codes)
+        if len(bufs) != n or len(ptrs) != n:
+            raise ValueError(f"tier {self.name!r}: {n} codes but {len(bufs)} buffer lists and {len(ptrs)} addresses")
+        slab = self.slab  # held for the whole call (see the module docstring)
+        base = slab.data_ptr()
+        moves: list[tuple[int, int, int]] = []
+        append = moves.append
+        other: list[int] = []  # codes of the side table (large or gathered objects): the general path
+        total = 0
+        for i, code in enumerate(codes):
+            f = code >> 1 & NB_FIELD
+            if f == NB_FIELD:
+                other.append(i)
+            elif f:
+                a = base + ((code >> CODE_SHIFT) << _ALIGN_BITS)
+                append((a, ptrs[i], f) if into_slab else (ptrs[i], a, f))
+                total += f
+        _run_moves(moves, total)
+        if other:
+            res = self._move([codes[i] for i in other], [bufs[i] for i in other], into_slab)
+            if False in res:
+                out = [True] * n
+                for i, ok in zip(other, res):
+                    out[i] = ok
+                return out
+        return [True] * n
 
     def _move(self, codes: Sequence[int], bufs: Sequence[Parts], into_slab: bool) -> list[bool]:
         """Copy between each object's slab range and ``bufs[i]``; False where the sizes differ (a read),
