@@ -200,7 +200,7 @@ def test_to_parts_ptrs_gives_addresses_only_for_a_batch_of_flat_host_bytes():
     # one value of another kind anywhere in the batch: no addresses (the tier checks every part itself)
     for other in ([torch.zeros(4, dtype=torch.uint8)[::2].contiguous(), torch.zeros(2, dtype=torch.float32)],
                   torch.zeros(3, dtype=torch.int16), torch.zeros((2, 2), dtype=torch.uint8)):
-        prepared, ptrs = to_parts_ptrs(flat + [other], "values")
+        prepared, ptrs = to_parts_ptrs([*flat, other], "values")
         assert ptrs is None and len(prepared) == 4
 
 
@@ -238,7 +238,7 @@ def test_store_reads_and_writes_by_address_exactly_the_bytes_of_each_chunk(large
         # the same reads with one out given as two parts (no addresses for the batch)
         outs2 = [torch.empty(n, dtype=torch.uint8) for n in sizes]
         split = [outs2[2][:5], outs2[2][5:]]
-        assert store.get(keys, outs2[:2] + [split] + outs2[3:]) == [True] * len(keys)
+        assert store.get(keys, [*outs2[:2], split, *outs2[3:]]) == [True] * len(keys)
         for o, v in zip(outs2, vals):
             assert torch.equal(o, v)
         # a buffer of the wrong size is refused by name before anything is read

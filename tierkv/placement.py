@@ -200,7 +200,7 @@ class Placement:
             lvl.pin_many(victims)
         self._evict(j, victims)
 
-    def _make_room_for(self, idx: list[int], keys: list[str], prepared: list, start: dict) -> None:
+    def _make_room_for(self, idx: list[int], keys: list[str], prepared: list, start: list[int]) -> None:
         """``_make_room`` in each level the keys at ``idx`` will be placed in first (a managed level
         that admits everything; a level with an admission policy is left to the per-key path)."""
         need: dict[int, int] = {}
@@ -274,7 +274,7 @@ class Placement:
                 below.update(key for key in todo if key not in fresh)
                 if len(fresh) > 1 and lvl.tier.available:
                     self._make_room_for(list(range(len(fresh))), fresh, [(None, nbytes[key]) for key in fresh],
-                                        dict.fromkeys(range(len(fresh)), k))
+                                        [k] * len(fresh))
                 go: list[str] = []
                 rest: list[str] = []
                 for key in fresh:

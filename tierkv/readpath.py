@@ -53,10 +53,16 @@ class ReadPath:
         with self._lock:
             self._counters.get_calls += 1
             # sizes checked before anything is pinned: the first level holding a key must hold its size
+            whole = False  # every key READY in the one managed level, sizes matching: no per-key work
             if len(managed) == 1:  # one managed level: one probe a key
                 j, index = managed[0]
                 bit, hits, hit_codes = 1 << j, [], []
-                for i, v in enumerate(map(index.get, keys)):
+                vals: list[Any] = list(map(index.get, keys))
+                if (n and set(map(type, vals)) == _INT and min(vals) > 0
+                        and [v >> 1 & _NB_MASK for v in vals] == [p[1] for p in prepared]):
+                    whole = True
+                    hits, hit_codes, vals = list(range(n)), vals, []
+                for i, v in enumerate(vals):
                     if type(v) is int and v > 0:
                         if (v >> 1 & _NB_MASK) != prepared[i][1]:  # (or a large chunk: asked in full)
                             check_size(keys[i], prepared[i][1], self.levels[j].value_nbytes(v))
@@ -89,7 +95,7 @@ class ReadPath:
                     for adm in self._admissions:
                         call_policy(adm, "on_access", "*", key)
             for j, items in groups.items():
-                self.levels[j].pin_many([keys[i] for i in items])
+                self.levels[j].pin_many(keys if whole else [keys[i] for i in items])
         first = True
         while first or pending:
             if not first:
@@ -120,18 +126,25 @@ class ReadPath:
                 pending = []
                 for j, items in groups.items():
                     lvl = self.levels[j]
-                    names = [keys[i] for i in items]
+                    whole_now = first and whole
+                    names = keys if whole_now else [keys[i] for i in items]
                     # (sizes matched above; a pinned chunk keeps its code, so the probe's codes still hold)
-                    oks = self._tier_io(lvl, "read", names, [prepared[i][0] for i in items],
-                                        [ptrs[i] for i in items] if ptrs is not None and lvl.located else None,
+                    oks = self._tier_io(lvl, "read", names,
+                                        [p[0] for p in prepared] if whole_now else [prepared[i][0] for i in items],
+                                        None if ptrs is None or not lvl.located else
+                                        ptrs if whole_now else [ptrs[i] for i in items],
                                         hit_codes if first and lvl.located and len(managed) == 1 else None)
                     with self._lock:
                         index = lvl.index
                         if False not in oks and set(map(type, map(index.get, names))) == _INT:
                             # all read, none dropped meanwhile (the common case)
-                            for i in items:
-                                results[i] = True
-                                served[i] = j
+                            if whole_now:
+                                results[:] = [True] * n
+                                served[:] = [j] * n
+                            else:
+                                for i in items:
+                                    results[i] = True
+                                    served[i] = j
                             lvl.counters.bytes_read += sum([prepared[i][1] for i in items])
                             lvl.counters.hits += len(items)
                             lvl.accessed(names)
@@ -154,10 +167,11 @@ class ReadPath:
                         lvl.counters.hits += len(hit)
                         lvl.accessed(hit)
             finally:
+                all_pinned = first and whole  # (the first pass pinned every key, in order)
                 first = False
                 with self._lock:
                     for j, items in groups.items():
-                        self.levels[j].unpin_many([keys[i] for i in items])
+                        self.levels[j].unpin_many(keys if all_pinned else [keys[i] for i in items])
         if no_local and self._shared_levels:
             self._read_shared(keys, prepared, [i for i in no_local if not results[i]], results, served)
         self._count_misses(served, prepared)

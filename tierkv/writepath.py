@@ -36,7 +36,7 @@ class WritePath:
         def _busy(self, key: str) -> bool: ...
         def _place_fast(self, key: str, nbytes: int, start: int, held: dict) -> tuple[Optional[int], int]: ...
         def _place(self, key: str, nbytes: int, start: int, stop: int, held: dict) -> tuple[Optional[int], int]: ...
-        def _make_room_for(self, idx: list[int], keys: list[str], prepared: list, start: dict) -> None: ...
+        def _make_room_for(self, idx: list[int], keys: list[str], prepared: list, start: list[int]) -> None: ...
         def _refusal(self, flags: int) -> PutOutcome: ...
         def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True) -> bool: ...
         def _write_through(self, j: int, key: str, prepared: tuple[Parts, int], held: dict) -> None: ...
@@ -94,8 +94,8 @@ class WritePath:
                         c.chunks_deduped += 1
                     else:
                         todo.append(i)
-        start = dict.fromkeys(range(n), 0)
-        why = dict.fromkeys(range(n), 0)
+        start = [0] * n  # the first level each key may still go to
+        why = [0] * n  # refusal flags per key
         behind: list[tuple[int, str]] = []
         queue_behind = self._behind is not None
         first_pass = True
@@ -130,36 +130,45 @@ class WritePath:
                 for j, idx in sorted(groups.items()):
                     lvl = self.levels[j]
                     # (a reservation's code was taken for its prepared size: the addresses may stand for the parts)
-                    oks = self._tier_io(lvl, "write", [keys[i] for i in idx], [prepared[i][0] for i in idx],
-                                        [ptrs[i] for i in idx] if ptrs is not None and lvl.located else None)
+                    whole = len(idx) == n and idx == list(range(n))  # every position, in order
+                    oks = self._tier_io(lvl, "write", keys if whole else [keys[i] for i in idx],
+                                        [p[0] for p in prepared] if whole else [prepared[i][0] for i in idx],
+                                        None if ptrs is None or not lvl.located else
+                                        ptrs if whole else [ptrs[i] for i in idx])
                     with self._lock:
-                        done = []
                         pop = held.pop if held else None
-                        for i, ok in zip(idx, oks):
-                            if pop is not None:
-                                pop((j, keys[i]), None)
-                            if ok:
-                                done.append(i)
-                            else:
-                                self._finish_write(lvl, keys[i], prepared[i][1], False)
-                                why[i] |= FAILED
-                                start[i] = j + 1
-                                todo.append(i)
+                        if pop is None and False not in oks:
+                            done = idx  # the common case: all written, nothing held key by key
+                        else:
+                            done = []
+                            for i, ok in zip(idx, oks):
+                                if pop is not None:
+                                    pop((j, keys[i]), None)
+                                if ok:
+                                    done.append(i)
+                                else:
+                                    self._finish_write(lvl, keys[i], prepared[i][1], False)
+                                    why[i] |= FAILED
+                                    start[i] = j + 1
+                                    todo.append(i)
                         if j == 0 and batch0:
                             # the failed ones are aborted now; commit_many either commits the rest or,
                             # raising, drops them: none of the batch is left reserved after it
                             batch0.clear()
                         if done:
                             if lvl.managed:
-                                lvl.commit_many([keys[i] for i in done])
+                                lvl.commit_many(keys if whole and len(done) == n else [keys[i] for i in done])
                             nb = sum([prepared[i][1] for i in done])
                             lvl.counters.puts += len(done)
                             lvl.counters.bytes_written += nb
                             self._counters.chunks_stored += len(done)
                             self._counters.bytes_put += nb
                             stored = PutOutcome.STORED
-                            for i in done:
-                                out[i] = stored
+                            if len(done) == n:
+                                out[:] = [stored] * n
+                            else:
+                                for i in done:
+                                    out[i] = stored
                             if queue_behind:
                                 behind.extend((j, keys[i]) for i in done)
                     if self._any_write_through:
@@ -187,7 +196,7 @@ class WritePath:
         return out  # type: ignore[return-value]
 
     def _reserve_top(self, slow: list[int], keys: list[str], prepared: list[tuple[Parts, int]],
-                     start: dict[int, int], groups: dict[int, list[int]], held: dict) -> list[int]:
+                     start: list[int], groups: dict[int, list[int]], held: dict) -> list[int]:
         """After ``_make_room``: reserve the keys at ``slow`` that start at the top level in one batch
         (added to ``groups[0]`` and ``held``); returns those left to the per-key path."""
         top = self.levels[0]
