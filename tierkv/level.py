@@ -352,11 +352,12 @@ class Level:
         know could never be evicted.
         """
         index, shared = self.index, self._shared
-        held = [index.get(key) for key in keys]
-        for key, v in zip(keys, held):
-            if type(v) is not int or v > 0:  # type: ignore[operator]
-                raise PolicyError(f"tier {self.name!r}: no reservation for {key[:80]!r}")
-        ready = [-v for v in held]  # type: ignore[operator]
+        held: list[Any] = list(map(index.get, keys))
+        if not held or set(map(type, held)) != _INT or max(held) >= 0:
+            for key, v in zip(keys, held):
+                if type(v) is not int or v > 0:
+                    raise PolicyError(f"tier {self.name!r}: no reservation for {key[:80]!r}")
+        ready = list(map(_neg, held))
         fps = self._fps
         nbs = [v >> 1 & _NB_MASK for v in ready]
         if _NB_MASK in nbs:

@@ -24,6 +24,7 @@ memory a copy is using.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
@@ -148,6 +149,10 @@ class SlabTier(Tier):
         alloc = self._alloc
         allocate, stacks, slot_max = alloc.allocate, alloc._stacks, alloc.slot_max
         with self._lock:
+            if len(sizes) > 8:
+                fast = self._allocate_slots(sizes)
+                if fast is not None:
+                    return fast
             slot_taken = used = count = 0
             try:
                 for nbytes in sizes:
@@ -172,6 +177,25 @@ class SlabTier(Tier):
                 self._used += used
                 self._count += count
         return out
+
+    def _allocate_slots(self, sizes: Sequence[int]) -> Optional[list[Optional[int]]]:
+        """``allocate`` when every size has a free slot of its class waiting (the common case), in C
+        loops; None (nothing taken) otherwise.  The caller holds the lock."""
+        alloc = self._alloc
+        stacks = alloc._stacks
+        fs = [(nbytes + ALIGN - 1) & _ALIGN_MASK for nbytes in sizes]
+        if max(fs) > alloc.slot_max or max(sizes) >= NB_FIELD:
+            return None
+        for f, k in Counter(fs).items():
+            st = stacks.get(f)
+            if st is None or len(st) < k:
+                return None
+        locs = [stacks[f].pop() for f in fs]
+        taken = sum(fs)
+        alloc._slot_free -= taken
+        self._used += sum(sizes)
+        self._count += len(fs)
+        return [(loc >> _ALIGN_BITS) << CODE_SHIFT | nbytes << 1 | 1 for loc, nbytes in zip(locs, sizes)]
 
     def free_at(self, codes: Sequence[int]) -> None:
         alloc, odd = self._alloc, self._odd
