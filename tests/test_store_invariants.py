@@ -260,6 +260,10 @@ def test_chunks_too_large_for_an_index_int_field_keep_exact_sizes_and_accounting
         assert store.get([k], [out]) == [True] and torch.equal(out, v)
     with pytest.raises(ValueError, match="holds"):  # a wrong-sized buffer is still refused by size
         store.get(["b0"], [torch.empty(big - 1, dtype=torch.uint8)])
+    # also one of exactly the marker's size (what the field of b0's int reads): refused, b0 kept
+    with pytest.raises(ValueError, match="holds"):
+        store.get(["b0"], [torch.empty((1 << 24) - 1, dtype=torch.uint8)])
+    assert store.lookup(["b0"]) == 1
     assert lvl.used == sum(tier.footprint(v.numel()) for v in vals.values())
     assert store.put(["s"], [small]) == [True]  # evicts the oldest big chunk
     assert store.lookup(["b0"]) == 0 and store.lookup(["b1", "b2", "s"]) == 3

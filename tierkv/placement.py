@@ -205,6 +205,13 @@ class Placement:
         that admits everything; a level with an admission policy is left to the per-key path)."""
         need: dict[int, int] = {}
         with self._lock:
+            top = self.levels[0]
+            if (max(start[i] for i in idx) == 0 and top.tier.available and top.managed and top.admits_all
+                    and top.index.keys().isdisjoint([keys[i] for i in idx])):
+                # the common case: every key new to the top level, which takes them all: one sum
+                fps: list[Any] = list(map(top._fp_only.get, [prepared[i][1] for i in idx]))
+                need[0] = sum(fps) if None not in fps else sum([top.footprint(prepared[i][1]) for i in idx])
+                idx = []
             for i in idx:
                 for j in range(start[i], len(self.levels)):
                     lvl = self.levels[j]
@@ -225,10 +232,14 @@ class Placement:
         lvl = self.levels[j]
         at = 0
         try:
-            with self._lock:
-                sizes = [lvl.nbytes_of(key) for key in victims]
+            last = j + 1 == len(self.levels)  # nothing below: no demotion, one batch
+            if not last:
+                with self._lock:
+                    sizes = [lvl.nbytes_of(key) for key in victims]
             while at < len(victims):
                 end, total = at, 0
+                if last:
+                    end = len(victims)
                 while end < len(victims) and (end == at or total + sizes[end] <= _DEMOTE_BATCH_BYTES):
                     total += sizes[end]
                     end += 1

@@ -59,12 +59,14 @@ class ReadPath:
                 bit, hits, hit_codes = 1 << j, [], []
                 vals: list[Any] = list(map(index.get, keys))
                 if (n and set(map(type, vals)) == _INT and min(vals) > 0
-                        and [v >> 1 & _NB_MASK for v in vals] == [p[1] for p in prepared]):
+                        and (fields := [v >> 1 & _NB_MASK for v in vals]) == [p[1] for p in prepared]
+                        and _NB_MASK not in fields):  # (a field at the marker: a large chunk, sized elsewhere)
                     whole = True
                     hits, hit_codes, vals = list(range(n)), vals, []
                 for i, v in enumerate(vals):
                     if type(v) is int and v > 0:
-                        if (v >> 1 & _NB_MASK) != prepared[i][1]:  # (or a large chunk: asked in full)
+                        f = v >> 1 & _NB_MASK
+                        if f != prepared[i][1] or f == _NB_MASK:  # (a large chunk: its size asked in full)
                             check_size(keys[i], prepared[i][1], self.levels[j].value_nbytes(v))
                         hits.append(i)
                         hit_codes.append(v)

@@ -24,6 +24,7 @@ memory a copy is using.
 
 from __future__ import annotations
 
+from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Optional
@@ -200,6 +201,21 @@ class SlabTier(Tier):
     def free_at(self, codes: Sequence[int]) -> None:
         alloc, odd = self._alloc, self._odd
         with self._lock:
+            stacks, slot_max = alloc._stacks, alloc.slot_max
+            nbs = [code >> 1 & NB_FIELD for code in codes]
+            if nbs and max(nbs) < NB_FIELD and min(nbs) > 0:
+                # the common case: slot-class objects back onto their stacks, inline
+                fs = [(nb + ALIGN - 1) & _ALIGN_MASK for nb in nbs]
+                if max(fs) <= slot_max:
+                    for code, f in zip(codes, fs):
+                        st = stacks.get(f)
+                        if st is None:
+                            st = stacks[f] = array("q")
+                        st.append((code >> CODE_SHIFT) << _ALIGN_BITS)
+                    alloc._slot_free += sum(fs)
+                    self._used -= sum(nbs)
+                    self._count -= len(nbs)
+                    return
             for code in codes:
                 f = code >> 1 & NB_FIELD
                 if f != NB_FIELD:
