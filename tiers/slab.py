@@ -249,6 +249,19 @@ class SlabTier(Tier):
             raise ValueError(f"tier {self.name!r}: {n} codes but {len(bufs)} buffer lists and {len(ptrs)} addresses")
         slab = self.slab  # held for the whole call (see the module docstring)
         base = slab.data_ptr()
+        sizes = [code >> 1 & NB_FIELD for code in codes]
+        if n and NB_FIELD not in sizes:
+            # the common case in C loops: every object in the code itself
+            addrs = [base + ((code >> CODE_SHIFT) << _ALIGN_BITS) for code in codes]
+            total = sum(sizes)
+            if total < PARALLEL_COPY_MIN:
+                if into_slab:
+                    list(map(_memmove, addrs, ptrs, sizes))
+                else:
+                    list(map(_memmove, ptrs, addrs, sizes))
+            else:
+                memmove_many(list(zip(addrs, ptrs, sizes)) if into_slab else list(zip(ptrs, addrs, sizes)))
+            return [True] * n
         moves: list[tuple[int, int, int]] = []
         append = moves.append
         other: list[int] = []  # codes of the side table (large or gathered objects): the general path
