@@ -139,7 +139,18 @@ class ARCPolicy(EvictionPolicy):
             self._t2_bytes += n
 
     def on_access_many(self, keys):
-        t2, access = self._t2, self.on_access
+        t2, access, index = self._t2, self.on_access, self._index
+        if index is not None and type(keys) is list and t2.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            vals = list(map(index.get, keys))
+            if set(map(type, vals)) == {int} and min(vals) > 0:
+                # first reads of distinct READY keys (the common case): from T1 to T2 by C loops
+                fps = list(map(self._fp_of, vals))
+                shared = list(map(self._size._d.get, fps))
+                if None in shared:
+                    shared = [self._size(n) for n in fps]
+                t2.update(zip(keys, shared))
+                self._t2_bytes += sum(fps)
+                return
         pop = t2.pop
         for key in keys:
             if key in t2:
@@ -164,19 +175,6 @@ class ARCPolicy(EvictionPolicy):
                 n = pop(key, None)
                 if n is not None:
                     self._t2_bytes -= n
-
-    def _ghost(self, which, key, n):
-        ghost = self._b1 if which == 1 else self._b2
-        ghost[key] = n
-        if which == 1:
-            self._b1_bytes += n
-        else:
-            self._b2_bytes += n
-        cap = self._cap()
-        while self._b1 and self._b1_bytes > cap:
-            self._b1_bytes -= self._b1.popitem(last=False)[1]
-        while self._b2 and self._b2_bytes > cap:
-            self._b2_bytes -= self._b2.popitem(last=False)[1]
 
     def victims(self, nbytes, protected):
         out, freed = [], 0
@@ -213,8 +211,22 @@ class ARCPolicy(EvictionPolicy):
         finally:
             if index is not None:
                 _to_end(index, moved)
-        for which, key, n in src:
-            self._ghost(which, key, n)
+        if src:
+            # each victim to its ghost list in order, then both trimmed from the front: the same
+            # lists as trimming after each one (a list only grows past the cap by its own adds)
+            b1, b2 = self._b1, self._b2
+            for which, key, n in src:
+                if which == 1:
+                    b1[key] = n
+                    self._b1_bytes += n
+                else:
+                    b2[key] = n
+                    self._b2_bytes += n
+            cap = self._cap()
+            while b1 and self._b1_bytes > cap:
+                self._b1_bytes -= b1.popitem(last=False)[1]
+            while b2 and self._b2_bytes > cap:
+                self._b2_bytes -= b2.popitem(last=False)[1]
         return out
 
     def __len__(self):

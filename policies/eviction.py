@@ -21,7 +21,11 @@ loops, and a store may prefer them when it has a batch in hand.
 Memory: sizes are held as shared ``int`` objects (``_Sizes``), so a tracked key costs
 its container entries only; LRU and FIFO keep one plain dict (insertion order is
 their eviction order); LFU keeps one insertion-ordered dict per frequency instead of
-a sorted list of tuples; ARC's T1 and T2 are plain dicts too.
+a sorted list of tuples; S3-FIFO's queues and ARC's T1 and T2 are plain dicts too.
+In a store, a level hands the built-ins (these classes exactly) its own index
+(``share_index``): LRU and FIFO then order it instead of a dict of their own, and
+S3-FIFO, LFU and ARC take its READY entries as their queue of keys not read since
+they entered (small, frequency 1, T1), keeping only read keys and ghosts themselves.
 
 Subclass ``EvictionPolicy`` and implement the four hooks to customise eviction.
 """
@@ -33,6 +37,7 @@ from itertools import repeat
 from typing import Optional
 
 Key = Hashable
+_INT = {int}
 
 
 class _Sizes:
@@ -253,7 +258,8 @@ class LFUPolicy(EvictionPolicy):
     A store's level may hand a policy of exactly this class its own index
     (``share_index``): frequency 1 (never read since it entered) is then the level's
     READY entries not read, in index order, so only read keys cost the policy a
-    bucket entry and a frequency.  Subclasses always keep their own dicts.
+    bucket entry (holding the index's own int, whose footprint the level reads) and a
+    frequency.  Subclasses always keep their own dicts.
     """
 
     name = "lfu"
@@ -307,7 +313,7 @@ class LFUPolicy(EvictionPolicy):
         elif self._index is not None:
             v = self._index.get(key)
             if type(v) is int and v > 0:  # READY: from frequency 1 (the index) to 2
-                self._enter(key, 2, self._size(self._fp_of(v)))
+                self._enter(key, 2, v)  # (the index's own int: its footprint is read when needed)
 
     def on_remove(self, key):
         freq = self._freq.pop(key, None)
@@ -342,7 +348,19 @@ class LFUPolicy(EvictionPolicy):
             enter(key, 1, size(nbytes))
 
     def on_access_many(self, keys):
-        if self._index is not None:
+        index = self._index
+        if index is not None:
+            freq = self._freq
+            if type(keys) is list and freq.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+                vals = list(map(index.get, keys))
+                if set(map(type, vals)) == _INT and min(vals) > 0:
+                    # first reads of distinct READY keys (the common case): to frequency 2 by C loops
+                    bucket = self._buckets.get(2)
+                    if bucket is None:
+                        bucket = self._buckets[2] = {}
+                    bucket.update(zip(keys, vals))
+                    freq.update(dict.fromkeys(keys, 2))
+                    return
             for key in keys:
                 self.on_access(key)
             return
@@ -380,12 +398,13 @@ class LFUPolicy(EvictionPolicy):
                         return out
             finally:
                 _to_end(index, moved)
+        fp_of = self._fp_of if index is not None else None  # (shared: the buckets hold index ints)
         for freq in sorted(self._buckets):
             for key, n in self._buckets[freq].items():
                 if key in protected:
                     continue
                 out.append(key)
-                freed += n
+                freed += n if fp_of is None else fp_of(n)
                 if freed >= nbytes:
                     return out
         return None
