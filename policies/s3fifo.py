@@ -7,11 +7,11 @@ simpler built-ins); ``tierkv.policies.eviction.S3FIFOPolicy`` still names it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from itertools import repeat
 from typing import Optional
 
-from .eviction import EvictionPolicy, Key, _Sizes
+from .eviction import EvictionPolicy, Key, _index_queue, _Sizes, _to_end
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -84,7 +84,7 @@ class S3FIFOPolicy(EvictionPolicy):
         """(shared index) Put newly READY ``keys`` at the index's end if keys went there since they were reserved."""
         index = self._index
         if index is not None and self._stale:
-            index.update([(k, index.pop(k)) for k in keys if k in index])
+            _to_end(index, [k for k in dict.fromkeys(keys) if k in index])
             if len(index) == self._count():  # no reservation left out
                 self._stale = False
 
@@ -197,16 +197,6 @@ class S3FIFOPolicy(EvictionPolicy):
             list(map(freq.pop, keys, repeat(None)))
 
     # -- eviction --------------------------------------------------------------------
-    def _index_small(self, moved: list) -> Iterator[tuple[Key, int]]:
-        """The small queue of a shared index, in order; main's keys met on the way go to ``moved``."""
-        main, fp_of = self._main, self._fp_of
-        for key, v in self._index.items():  # type: ignore[union-attr]
-            if type(v) is int and v > 0:  # READY (not reserved, not doomed)
-                if key in main:
-                    moved.append(key)
-                else:
-                    yield key, fp_of(v)
-
     def victims(self, nbytes, protected):
         out: list[Key] = []
         if nbytes <= 0:
@@ -228,7 +218,7 @@ class S3FIFOPolicy(EvictionPolicy):
         # counted per queue, so a queue is open while it holds a key not yet closed.
         closed_small = closed_main = 0
         blockers: list[Key] = []  # (shared index) main's keys met in the index while walking small
-        small_it = iter(self._small.items()) if index is None else self._index_small(blockers)
+        small_it = iter(self._small.items()) if index is None else _index_queue(index, main, self._fp_of, blockers)
         small_moved: list[Key] = []  # to small's tail, in order (skipped and chosen keys)
         skipped: list[Key] = []  # of those, the skipped (protected) ones
         graduated: list[Key] = []
@@ -320,9 +310,7 @@ class S3FIFOPolicy(EvictionPolicy):
             moved = small_moved if freed < nbytes else skipped
             if moved and len(index) != self._count():
                 self._stale = True  # reservations are out: they commit behind these (``on_insert``)
-            ks = blockers + graduated + moved if blockers or graduated else moved
-            if ks:
-                index.update([(k, index.pop(k)) for k in ks])
+            _to_end(index, blockers + graduated + moved if blockers or graduated else moved)
         if freed < nbytes:
             return None
         ghost = self._ghost
