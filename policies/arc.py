@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Optional
 
-from .eviction import EvictionPolicy, Key, _index_queue, _Sizes, _to_end
+from .eviction import EvictionPolicy, Key, _Sizes, _to_end
 
 
 class ARCPolicy(EvictionPolicy):
@@ -180,48 +180,58 @@ class ARCPolicy(EvictionPolicy):
         out, freed = [], 0
         t2 = self._t2
         t1_left, t2_left = self._t1b(), self._t2_bytes
-        index = self._index
-        moved: list[Key] = []
-        if index is None:
-            t1 = self._t1
-            it1 = ((k, t1[k]) for k in t1 if k not in protected)
-        else:
-            it1 = ((k, n) for k, n in _index_queue(index, t2, self._fp_of, moved) if k not in protected)
+        index, fp_of, p = self._index, self._fp_of, self.p
+        moved: list[Key] = []  # (shared index) T2's keys met while walking T1
+        it1 = iter(self._t1.items()) if index is None else iter(index.items())
         it2 = ((k, t2[k]) for k in t2 if k not in protected)
-        src = []
+        to_b1: list[tuple[Key, int]] = []
+        to_b2: list[tuple[Key, int]] = []
+        t1_done = t2_done = False
         try:
             while freed < nbytes:
-                prefer_t1 = t1_left > 0 and (t1_left > self.p or t2_left <= 0)
-                from_t1 = prefer_t1
-                got = next(it1 if from_t1 else it2, None)
+                # each step takes from the preferred list, or from the other when that one is spent
+                if not t1_done and (t2_done or (t1_left > 0 and (t1_left > p or t2_left <= 0))):
+                    for key, n in it1:  # a run of steps in T1
+                        if index is not None:
+                            if type(n) is not int or n <= 0:  # not READY (reserved, or doomed)
+                                continue
+                            if key in t2:
+                                moved.append(key)
+                                continue
+                            n = fp_of(n)
+                        if key in protected:
+                            continue
+                        t1_left -= n
+                        out.append(key)
+                        to_b1.append((key, n))
+                        freed += n
+                        if freed >= nbytes or not (t2_done or (t1_left > 0 and (t1_left > p or t2_left <= 0))):
+                            break
+                    else:
+                        t1_done = True
+                    continue
+                got = None if t2_done else next(it2, None)
                 if got is None:
-                    from_t1 = not from_t1
-                    got = next(it1 if from_t1 else it2, None)
-                    if got is None:
+                    if t1_done or t2_done:
                         return None
+                    t2_done = True
+                    continue
                 key, n = got
-                which = 1 if from_t1 else 2
-                if from_t1:
-                    t1_left -= n
-                else:
-                    t2_left -= n
-                src.append((which, key, n))
+                t2_left -= n
                 out.append(key)
+                to_b2.append((key, n))
                 freed += n
         finally:
             if index is not None:
                 _to_end(index, moved)
-        if src:
+        if out:
             # each victim to its ghost list in order, then both trimmed from the front: the same
             # lists as trimming after each one (a list only grows past the cap by its own adds)
             b1, b2 = self._b1, self._b2
-            for which, key, n in src:
-                if which == 1:
-                    b1[key] = n
-                    self._b1_bytes += n
-                else:
-                    b2[key] = n
-                    self._b2_bytes += n
+            b1.update(to_b1)
+            self._b1_bytes += sum(n for _, n in to_b1)
+            b2.update(to_b2)
+            self._b2_bytes += sum(n for _, n in to_b2)
             cap = self._cap()
             while b1 and self._b1_bytes > cap:
                 self._b1_bytes -= b1.popitem(last=False)[1]

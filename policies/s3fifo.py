@@ -11,7 +11,7 @@ from collections.abc import Callable
 from itertools import repeat
 from typing import Optional
 
-from .eviction import EvictionPolicy, Key, _index_queue, _Sizes, _to_end
+from .eviction import EvictionPolicy, Key, _Sizes, _to_end
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -218,7 +218,8 @@ class S3FIFOPolicy(EvictionPolicy):
         # counted per queue, so a queue is open while it holds a key not yet closed.
         closed_small = closed_main = 0
         blockers: list[Key] = []  # (shared index) main's keys met in the index while walking small
-        small_it = iter(self._small.items()) if index is None else _index_queue(index, main, self._fp_of, blockers)
+        small_it = iter(self._small.items()) if index is None else iter(index.items())
+        fp_of = self._fp_of
         small_moved: list[Key] = []  # to small's tail, in order (skipped and chosen keys)
         skipped: list[Key] = []  # of those, the skipped (protected) ones
         graduated: list[Key] = []
@@ -227,7 +228,7 @@ class S3FIFOPolicy(EvictionPolicy):
         # main's tail as the walk leaves it: [key, size, state] (0 open, 1 closed, 2 moved on)
         tail: list[list] = []
         head = 0  # the first entry of ``tail`` not yet passed (once main's first keys are all met)
-        remember: list[tuple[Key, int]] = []
+        out_n: list[int] = []  # the victims' sizes
         freed = 0
         while freed < nbytes and budget > 0:
             budget -= 1
@@ -236,30 +237,41 @@ class S3FIFOPolicy(EvictionPolicy):
             if not small_open and not main_open:
                 break
             if small_open and (small_left > small_target or not main_open):
-                got = next(small_it, None)
-                if got is None:  # (cannot happen while the counts are right)
+                # a run of steps in small (one item of a shared index may be no step: skipped)
+                for key, n in small_it:
+                    if index is not None:
+                        if type(n) is not int or n <= 0:  # not READY (reserved, or doomed)
+                            continue
+                        if key in main:
+                            blockers.append(key)
+                            continue
+                        n = fp_of(n)
+                    small_left -= n
+                    if key in protected:
+                        small_moved.append(key)
+                        skipped.append(key)
+                        closed_small += 1  # cannot leave small: do not let it hold eviction there
+                    elif key in freq:  # read while on probation: graduate to main
+                        del freq[key]
+                        graduated.append(key)
+                        small_n -= 1
+                        small_bytes -= n
+                        main_n += 1
+                        main_bytes += n
+                        tail.append([key, n, 0])
+                    else:
+                        small_moved.append(key)
+                        out.append(key)
+                        out_n.append(n)
+                        freed += n
+                        closed_small += 1
+                    # is the next step one in small too?  (else the loop above decides)
+                    if freed >= nbytes or budget <= 0 or small_n <= closed_small or \
+                            (small_left <= small_target and main_n > closed_main):
+                        break
+                    budget -= 1
+                else:  # (cannot happen while the counts are right)
                     break
-                key, n = got
-                small_left -= n
-                if key in protected:
-                    small_moved.append(key)
-                    skipped.append(key)
-                    closed_small += 1  # cannot leave small: do not let it hold eviction there
-                    continue
-                if key in freq:  # read while on probation: graduate to main
-                    del freq[key]
-                    graduated.append(key)
-                    small_n -= 1
-                    small_bytes -= n
-                    main_n += 1
-                    main_bytes += n
-                    tail.append([key, n, 0])
-                    continue
-                small_moved.append(key)
-                out.append(key)
-                remember.append((key, n))
-                freed += n
-                closed_small += 1
                 continue
             if main_orig:
                 key, n = next(main_it)
@@ -285,7 +297,7 @@ class S3FIFOPolicy(EvictionPolicy):
                 continue
             tail.append([key, n, 1])
             out.append(key)
-            remember.append((key, n))
+            out_n.append(n)
             freed += n
             closed_main += 1
         # the moves, in the order the walk made them
@@ -314,8 +326,8 @@ class S3FIFOPolicy(EvictionPolicy):
         if freed < nbytes:
             return None
         ghost = self._ghost
-        ghost.update(remember)
-        self._ghost_bytes += sum(n for _, n in remember)
+        ghost.update(zip(out, out_n))
+        self._ghost_bytes += sum(out_n)
         limit = self.capacity_bytes or (small_bytes + main_bytes)
         while ghost and self._ghost_bytes > limit:
             self._ghost_bytes -= ghost.popitem(last=False)[1]
