@@ -6,11 +6,10 @@ simpler built-ins); ``tierkv.policies.eviction.ARCPolicy`` still names it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Optional
 
-from .eviction import EvictionPolicy, Key, _Sizes, _to_end
+from .eviction import EvictionPolicy, Key, _Sizes, _to_end, _trim_front
 
 
 class ARCPolicy(EvictionPolicy):
@@ -31,12 +30,12 @@ class ARCPolicy(EvictionPolicy):
 
     def __init__(self) -> None:
         super().__init__()
-        # T1 and T2 are plain dicts (a re-read key is popped and put back at the end); the ghost
-        # lists, trimmed from the front one key at a time, stay ordered dicts
+        # plain dicts, insertion order being list order: a re-read key is popped and put back at
+        # the end; the ghost lists are trimmed from the front once per ``victims``
         self._t1: dict[Key, int] = {}  # own T1 (unused while sharing an index)
         self._t2: dict[Key, int] = {}
-        self._b1: OrderedDict[Key, int] = OrderedDict()
-        self._b2: OrderedDict[Key, int] = OrderedDict()
+        self._b1: dict[Key, int] = {}
+        self._b2: dict[Key, int] = {}
         self._t1_bytes = self._t2_bytes = self._b1_bytes = self._b2_bytes = 0
         self.p = 0.0  # target bytes for T1
         self._size = _Sizes()
@@ -225,18 +224,26 @@ class ARCPolicy(EvictionPolicy):
             if index is not None:
                 _to_end(index, moved)
         if out:
-            # each victim to its ghost list in order, then both trimmed from the front: the same
-            # lists as trimming after each one (a list only grows past the cap by its own adds)
             b1, b2 = self._b1, self._b2
-            b1.update(to_b1)
-            self._b1_bytes += sum(n for _, n in to_b1)
-            b2.update(to_b2)
-            self._b2_bytes += sum(n for _, n in to_b2)
             cap = self._cap()
-            while b1 and self._b1_bytes > cap:
-                self._b1_bytes -= b1.popitem(last=False)[1]
-            while b2 and self._b2_bytes > cap:
-                self._b2_bytes -= b2.popitem(last=False)[1]
+            if b1.keys().isdisjoint(out) and b2.keys().isdisjoint(out):
+                # each victim to its ghost list's end in order, then both trimmed from the front:
+                # the same lists as trimming both after each one
+                b1.update(to_b1)
+                b2.update(to_b2)
+                self._b1_bytes = _trim_front(b1, self._b1_bytes + sum(n for _, n in to_b1), cap)
+                self._b2_bytes = _trim_front(b2, self._b2_bytes + sum(n for _, n in to_b2), cap)
+            else:  # a victim named before and not evicted is in a ghost list already: one at a time
+                t1n = dict(to_b1)
+                for key in out:
+                    if key in t1n:
+                        b1[key] = n = t1n[key]
+                        self._b1_bytes += n
+                    else:
+                        b2[key] = n = t2[key]
+                        self._b2_bytes += n
+                    self._b1_bytes = _trim_front(b1, self._b1_bytes, cap)
+                    self._b2_bytes = _trim_front(b2, self._b2_bytes, cap)
         return out
 
     def __len__(self):

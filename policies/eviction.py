@@ -431,6 +431,24 @@ def _index_queue(index: dict, others: Container[Key], fp_of: Callable[[int], int
                 yield key, fp_of(v)
 
 
+def _trim_front(d: dict, total: int, limit: float) -> int:
+    """Drop the oldest entries of ``d`` (key -> size, ``total`` bytes) while it holds more than ``limit``;
+    the bytes left.  One walk from the front for all of them: a plain dict's front is found by
+    passing the entries deleted since its last resize, so trimming one key at a time would pass
+    them once per key."""
+    if total <= limit or not d:
+        return total
+    drop = []
+    for key, n in d.items():
+        if total <= limit:
+            break
+        total -= n
+        drop.append(key)
+    for key in drop:
+        del d[key]
+    return total
+
+
 def _to_end(index: dict, keys: list) -> None:
     """Move ``keys`` (in the index) to its end, in order."""
     if keys:

@@ -6,12 +6,11 @@ simpler built-ins); ``tierkv.policies.eviction.S3FIFOPolicy`` still names it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from itertools import repeat
 from typing import Optional
 
-from .eviction import EvictionPolicy, Key, _Sizes, _to_end
+from .eviction import EvictionPolicy, Key, _Sizes, _to_end, _trim_front
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -23,9 +22,9 @@ class S3FIFOPolicy(EvictionPolicy):
     to main.  Main is a FIFO with a 2-bit frequency: a read chunk at the head is
     reinserted with its frequency decremented.  One-hit wonders leave quickly.
 
-    Memory: small and main are plain dicts (key -> size; insertion order is queue
-    order), the frequency is kept only for keys read since they entered a queue,
-    and the ghost (trimmed from its front) is an ordered dict.  A store's level may
+    Memory: small, main and the ghost are plain dicts (key -> size; insertion order
+    is queue order; the ghost is trimmed from its front once per ``victims``), and the
+    frequency is kept only for keys read since they entered a queue.  A store's level may
     hand a policy of exactly this class its own index (``share_index``), as it does
     to LRU and FIFO: the small queue is then the level's index itself (its READY
     entries not in main, in index order), so a chunk that was never read since it
@@ -47,7 +46,7 @@ class S3FIFOPolicy(EvictionPolicy):
         self.small_ratio = small_ratio
         self._small: dict[Key, int] = {}  # own small queue (unused while sharing an index)
         self._main: dict[Key, int] = {}
-        self._ghost: OrderedDict[Key, int] = OrderedDict()
+        self._ghost: dict[Key, int] = {}
         self._freq: dict[Key, int] = {}  # only keys read since they entered a queue (absent: 0)
         self._small_bytes = self._main_bytes = self._ghost_bytes = 0
         self._size = _Sizes()
@@ -326,11 +325,16 @@ class S3FIFOPolicy(EvictionPolicy):
         if freed < nbytes:
             return None
         ghost = self._ghost
-        ghost.update(zip(out, out_n))
-        self._ghost_bytes += sum(out_n)
         limit = self.capacity_bytes or (small_bytes + main_bytes)
-        while ghost and self._ghost_bytes > limit:
-            self._ghost_bytes -= ghost.popitem(last=False)[1]
+        if ghost.keys().isdisjoint(out):
+            # each victim to the ghost's end in order, then the ghost trimmed from the front once:
+            # the same ghost as trimming after each one
+            ghost.update(zip(out, out_n))
+            self._ghost_bytes = _trim_front(ghost, self._ghost_bytes + sum(out_n), limit)
+        else:  # a victim named before and not evicted is in the ghost already: one at a time
+            for key, n in zip(out, out_n):
+                ghost[key] = n
+                self._ghost_bytes = _trim_front(ghost, self._ghost_bytes + n, limit)
         return out
 
     def __len__(self):
