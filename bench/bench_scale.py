@@ -18,6 +18,8 @@ its RSS is its own):
 * **policy alone**: bytes per tracked key (keys excluded) and µs per hook call.
 * **churn** (``--sections churn``): the tier sized for N / 4 objects, then N put, so three
   puts in four evict (a full cache, its normal state): µs per object of the evicting puts.
+* **hooks** (``--sections hooks``): the time spent inside the policy's hooks in a store,
+  each call timed on its own (fill, get of every object, then churn), µs per object.
 * **allocator alone**: the ``dram`` tier's ``write`` / ``read`` / ``delete`` of the
   same objects, µs per object and bytes per object beyond payload.
 * **big objects**: ``dram`` put / get of 2 MiB × 32 vs a plain torch copy of the
@@ -177,6 +179,69 @@ def child_churn(n: int, policy: str) -> dict:
     store.close()
     return {"section": "churn", "policy": policy, "objects": n, "capacity_objects": cap_objects,
             "put_us": put_s / max(1, timed) * 1e6, "evictions": evicted}
+
+
+def child_hooks(n: int, policy: str) -> dict:
+    """The time a store spends inside its eviction policy's hooks, µs per object: a fill of n
+    objects (inserts), a get of all of them (first reads), then a churn run (tier sized for n / 4,
+    n puts: inserts, removes and victims).  Each hook call is timed on its own, so the figure
+    leaves out the store's work and most of the machine's noise."""
+    from collections import defaultdict
+
+    import tierkv.level as L
+    from tierkv import TieredStore
+    from tierkv.tiers.dram import DRAMTier
+
+    spent: dict[str, float] = defaultdict(float)
+    call = L.call_policy
+    clock = time.perf_counter
+
+    def timed(pol, hook, tier, *args):
+        t0 = clock()
+        try:
+            return call(pol, hook, tier, *args)
+        finally:
+            spent[hook.replace("_many", "")] += clock() - t0
+
+    L.call_policy = timed
+    sizes = sizes_table()
+    _, srcs = views(sizes, True)
+    _, outs = views(sizes, False)
+    probe = DRAMTier("probe", 1 << 20, prefault=False)
+    fp = [probe.footprint(s) for s in sizes]
+    probe.close()
+
+    def cap(m: int) -> int:
+        full, rest = divmod(m, BATCH)
+        return full * sum(fp) + sum(fp[:rest])
+
+    nb = (n + BATCH - 1) // BATCH
+    out: dict = {"section": "hooks", "policy": policy, "objects": n}
+    store = TieredStore([_level(DRAMTier("dram", cap(n)), policy)])
+    for b in range(nb):
+        keys = batch_keys(b, n)
+        if not all(store.put(keys, srcs[:len(keys)])):
+            raise SystemExit(f"put failed at batch {b}")
+    out["fill_insert_us"] = spent.pop("on_insert", 0.0) / n * 1e6
+    for b in range(nb):
+        keys = batch_keys(b, n)
+        if not all(store.get(keys, outs[:len(keys)])):
+            raise SystemExit(f"get missed in batch {b}")
+    out["get_access_us"] = spent.pop("on_access", 0.0) / n * 1e6
+    store.close()
+    spent.clear()
+    store = TieredStore([_level(DRAMTier("dram", cap(max(BATCH, n // 4))), policy)])
+    for b in range(nb):
+        keys = batch_keys(b, n)
+        if not all(store.put(keys, srcs[:len(keys)])):
+            raise SystemExit(f"churn put failed at batch {b}")
+    for hook in ("on_insert", "on_remove", "victims"):
+        out["churn_" + hook.replace("on_", "") + "_us"] = spent.get(hook, 0.0) / n * 1e6
+    out["churn_policy_us"] = sum(spent.values()) / n * 1e6
+    out["evictions"] = store.stats()["total"]["evictions"]
+    store.close()
+    L.call_policy = call
+    return out
 
 
 def _level(tier, policy):
@@ -414,6 +479,7 @@ def main() -> None:
               "policy": lambda: child_policy(int(rest[0]), rest[1]),
               "alloc": lambda: child_alloc(int(rest[0])),
               "churn": lambda: child_churn(int(rest[0]), rest[1]),
+              "hooks": lambda: child_hooks(int(rest[0]), rest[1]),
               "big": lambda: child_big(int(rest[0]))}[kind]
         print(json.dumps(fn()))
         return
@@ -447,6 +513,9 @@ def main() -> None:
                 if base:
                     r["put_over_base_us"] = r["put_us"] - base["put_us"]
                 show(r)
+        if "hooks" in sections:
+            for p in policies:
+                show(run_child(["hooks", str(n), p]))
         if "policy" in sections:
             for p in policies:
                 show(run_child(["policy", str(n), p]))

@@ -6,9 +6,10 @@ simpler built-ins); ``tierkv.policies.eviction.ARCPolicy`` still names it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections.abc import Callable
+from typing import Optional
 
-from .eviction import EvictionPolicy, Key, _Sizes
+from .eviction import EvictionPolicy, Key, _Sizes, _to_end, _trim_front
 
 
 class ARCPolicy(EvictionPolicy):
@@ -18,30 +19,56 @@ class ARCPolicy(EvictionPolicy):
     remember keys recently evicted from each.  A re-insert of a key found in B1
     grows the recency target ``p``, one found in B2 shrinks it, so the split
     between recency and frequency adapts to the workload.
+
+    A store's level may hand a policy of exactly this class its own index
+    (``share_index``): T1 is then the level's READY entries not in T2, in index
+    order, so a chunk not read since it entered costs the policy nothing; T2 and
+    the ghost lists stay its own.  Subclasses always keep their own dicts.
     """
 
     name = "arc"
 
     def __init__(self) -> None:
         super().__init__()
-        # T1 and T2 are plain dicts (a re-read key is popped and put back at the end); the ghost
-        # lists, trimmed from the front one key at a time, stay ordered dicts
-        self._t1: dict[Key, int] = {}
+        # plain dicts, insertion order being list order: a re-read key is popped and put back at
+        # the end; the ghost lists are trimmed from the front once per ``victims``
+        self._t1: dict[Key, int] = {}  # own T1 (unused while sharing an index)
         self._t2: dict[Key, int] = {}
-        self._b1: OrderedDict[Key, int] = OrderedDict()
-        self._b2: OrderedDict[Key, int] = OrderedDict()
+        self._b1: dict[Key, int] = {}
+        self._b2: dict[Key, int] = {}
         self._t1_bytes = self._t2_bytes = self._b1_bytes = self._b2_bytes = 0
         self.p = 0.0  # target bytes for T1
         self._size = _Sizes()
+        self._index: Optional[dict] = None
+        self._fp_of: Callable[[int], int] = int
+        self._count: Callable[[], int] = int
+        self._ready_bytes: Callable[[], int] = int
+
+    def share_index(self, index: dict, footprint_of: Callable[[int], int], count: Callable[[], int],
+                    ready_bytes: Optional[Callable[[], int]] = None) -> None:
+        """Take the READY entries of ``index`` (a level's: key -> int, READY > 0) not in T2 as T1.
+
+        ``footprint_of(value)`` is a READY entry's footprint, ``count()`` how many are READY
+        and ``ready_bytes()`` the sum of their footprints.
+        """
+        if ready_bytes is None:
+            raise TypeError("ARCPolicy.share_index needs ready_bytes (the READY entries' footprint sum)")
+        if len(self) or self._b1 or self._b2:
+            raise RuntimeError(f"{type(self).__name__} already tracks keys: share an index before first use")
+        self._index, self._fp_of, self._count, self._ready_bytes = index, footprint_of, count, ready_bytes
+
+    def _t1b(self) -> int:
+        return self._t1_bytes if self._index is None else self._ready_bytes() - self._t2_bytes
 
     def _cap(self):
-        return self.capacity_bytes or max(1, self._t1_bytes + self._t2_bytes)
+        return self.capacity_bytes or max(1, self._t1b() + self._t2_bytes)
 
     def on_insert(self, key, nbytes):
         self.on_remove(key)
         nbytes = self._size(nbytes)
-        cap = self._cap()
+        shared = self._index is not None
         if key in self._b1:
+            cap = self._cap() if not shared else self.capacity_bytes or max(1, self._t1b() - nbytes + self._t2_bytes)
             delta = max(1.0, self._b2_bytes / max(1, self._b1_bytes)) * nbytes
             self.p = min(float(cap), self.p + delta)
             self._b1_bytes -= self._b1.pop(key)
@@ -53,12 +80,30 @@ class ARCPolicy(EvictionPolicy):
             self._b2_bytes -= self._b2.pop(key)
             self._t2[key] = nbytes
             self._t2_bytes += nbytes
-        else:
+        elif not shared:
             self._t1[key] = nbytes
             self._t1_bytes += nbytes
 
     def on_insert_many(self, keys, sizes):
         t1, t2, b1, b2, size = self._t1, self._t2, self._b1, self._b2, self._size
+        if self._index is not None:
+            # the level entered the keys in its index (T1): only a return or a ghost hit is work
+            if (t2 and not t2.keys().isdisjoint(keys)) or (b1 and not b1.keys().isdisjoint(keys)) or \
+                    (b2 and not b2.keys().isdisjoint(keys)):
+                for key, nbytes in zip(keys, sizes):
+                    if key in t2 or key in b1 or key in b2:
+                        self.on_insert(key, nbytes)
+            return
+        if type(keys) is list and t1.keys().isdisjoint(keys) and t2.keys().isdisjoint(keys) and \
+                b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            # all new (the common case): appended to T1 in order by C loops
+            known = size._d.get
+            shared = list(map(known, sizes))
+            if None in shared:
+                shared = [size(n) for n in sizes]
+            t1.update(zip(keys, shared))
+            self._t1_bytes += sum(shared)
+            return
         add = 0
         try:
             for key, nbytes in zip(keys, sizes):
@@ -73,66 +118,135 @@ class ARCPolicy(EvictionPolicy):
         finally:
             self._t1_bytes += add
 
-    def on_access_many(self, keys):
-        for key in keys:
-            self.on_access(key)
-
     def on_access(self, key):
-        if key in self._t1:
-            n = self._t1.pop(key)
-            self._t1_bytes -= n
-            self._t2[key] = n
+        t2 = self._t2
+        if key in t2:
+            t2[key] = t2.pop(key)
+            return
+        index = self._index
+        if index is None:
+            if key in self._t1:
+                n = self._t1.pop(key)
+                self._t1_bytes -= n
+                t2[key] = n
+                self._t2_bytes += n
+            return
+        v = index.get(key)
+        if type(v) is int and v > 0:  # READY, not in T2: from T1
+            n = self._size(self._fp_of(v))
+            t2[key] = n
             self._t2_bytes += n
-        elif key in self._t2:
-            self._t2[key] = self._t2.pop(key)
+
+    def on_access_many(self, keys):
+        t2, access, index = self._t2, self.on_access, self._index
+        if index is not None and type(keys) is list and t2.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            vals = list(map(index.get, keys))
+            if set(map(type, vals)) == {int} and min(vals) > 0:
+                # first reads of distinct READY keys (the common case): from T1 to T2 by C loops
+                fps = list(map(self._fp_of, vals))
+                shared = list(map(self._size._d.get, fps))
+                if None in shared:
+                    shared = [self._size(n) for n in fps]
+                t2.update(zip(keys, shared))
+                self._t2_bytes += sum(fps)
+                return
+        pop = t2.pop
+        for key in keys:
+            if key in t2:
+                t2[key] = pop(key)
+            else:
+                access(key)
 
     def on_remove(self, key):
-        if key in self._t1:
-            self._t1_bytes -= self._t1.pop(key)
-        elif key in self._t2:
+        if key in self._t2:
             self._t2_bytes -= self._t2.pop(key)
+        elif self._index is None and key in self._t1:
+            self._t1_bytes -= self._t1.pop(key)
 
-    def _ghost(self, which, key, n):
-        ghost = self._b1 if which == 1 else self._b2
-        ghost[key] = n
-        if which == 1:
-            self._b1_bytes += n
-        else:
-            self._b2_bytes += n
-        cap = self._cap()
-        while self._b1 and self._b1_bytes > cap:
-            self._b1_bytes -= self._b1.popitem(last=False)[1]
-        while self._b2 and self._b2_bytes > cap:
-            self._b2_bytes -= self._b2.popitem(last=False)[1]
+    def on_remove_many(self, keys):
+        t2 = self._t2
+        if self._index is None:
+            for key in keys:
+                self.on_remove(key)
+        elif t2 and not t2.keys().isdisjoint(keys):
+            pop = t2.pop
+            for key in keys:
+                n = pop(key, None)
+                if n is not None:
+                    self._t2_bytes -= n
 
     def victims(self, nbytes, protected):
         out, freed = [], 0
-        t1_left, t2_left = self._t1_bytes, self._t2_bytes
-        it1 = (k for k in self._t1 if k not in protected)
-        it2 = (k for k in self._t2 if k not in protected)
-        src = {}
-        while freed < nbytes:
-            prefer_t1 = t1_left > 0 and (t1_left > self.p or t2_left <= 0)
-            key = None
-            for first in ((it1, it2) if prefer_t1 else (it2, it1)):
-                key = next(first, None)
-                if key is not None:
-                    break
-            if key is None:
-                return None
-            in_t1 = key in self._t1
-            n = self._t1[key] if in_t1 else self._t2[key]
-            if in_t1:
-                t1_left -= n
-            else:
+        t2 = self._t2
+        t1_left, t2_left = self._t1b(), self._t2_bytes
+        index, fp_of, p = self._index, self._fp_of, self.p
+        moved: list[Key] = []  # (shared index) T2's keys met while walking T1
+        it1 = iter(self._t1.items()) if index is None else iter(index.items())
+        it2 = ((k, t2[k]) for k in t2 if k not in protected)
+        to_b1: list[tuple[Key, int]] = []
+        to_b2: list[tuple[Key, int]] = []
+        t1_done = t2_done = False
+        try:
+            while freed < nbytes:
+                # each step takes from the preferred list, or from the other when that one is spent
+                if not t1_done and (t2_done or (t1_left > 0 and (t1_left > p or t2_left <= 0))):
+                    for key, n in it1:  # a run of steps in T1
+                        if index is not None:
+                            if type(n) is not int or n <= 0:  # not READY (reserved, or doomed)
+                                continue
+                            if key in t2:
+                                moved.append(key)
+                                continue
+                            n = fp_of(n)
+                        if key in protected:
+                            continue
+                        t1_left -= n
+                        out.append(key)
+                        to_b1.append((key, n))
+                        freed += n
+                        if freed >= nbytes or not (t2_done or (t1_left > 0 and (t1_left > p or t2_left <= 0))):
+                            break
+                    else:
+                        t1_done = True
+                    continue
+                got = None if t2_done else next(it2, None)
+                if got is None:
+                    if t1_done or t2_done:
+                        return None
+                    t2_done = True
+                    continue
+                key, n = got
                 t2_left -= n
-            src[key] = (1 if in_t1 else 2, n)
-            out.append(key)
-            freed += n
-        for key in out:
-            which, n = src[key]
-            self._ghost(which, key, n)
+                out.append(key)
+                to_b2.append((key, n))
+                freed += n
+        finally:
+            if index is not None:
+                _to_end(index, moved)
+        if out:
+            b1, b2 = self._b1, self._b2
+            cap = self._cap()
+            if b1.keys().isdisjoint(out) and b2.keys().isdisjoint(out):
+                # each victim to its ghost list's end in order, then both trimmed from the front:
+                # the same lists as trimming both after each one
+                b1.update(to_b1)
+                b2.update(to_b2)
+                self._b1_bytes = _trim_front(b1, self._b1_bytes + sum(n for _, n in to_b1), cap)
+                self._b2_bytes = _trim_front(b2, self._b2_bytes + sum(n for _, n in to_b2), cap)
+            else:  # a victim named before and not evicted is in a ghost list already: one at a time
+                t1n = dict(to_b1)
+                for key in out:
+                    if key in t1n:
+                        b1[key] = n = t1n[key]
+                        self._b1_bytes += n
+                    else:
+                        b2[key] = n = t2[key]
+                        self._b2_bytes += n
+                    self._b1_bytes = _trim_front(b1, self._b1_bytes, cap)
+                    self._b2_bytes = _trim_front(b2, self._b2_bytes, cap)
         return out
 
     def __len__(self):
+        if self._index is not None:
+            return self._count()
         return len(self._t1) + len(self._t2)

@@ -21,18 +21,23 @@ loops, and a store may prefer them when it has a batch in hand.
 Memory: sizes are held as shared ``int`` objects (``_Sizes``), so a tracked key costs
 its container entries only; LRU and FIFO keep one plain dict (insertion order is
 their eviction order); LFU keeps one insertion-ordered dict per frequency instead of
-a sorted list of tuples; ARC's T1 and T2 are plain dicts too.
+a sorted list of tuples; S3-FIFO's queues and ARC's T1 and T2 are plain dicts too.
+In a store, a level hands the built-ins (these classes exactly) its own index
+(``share_index``): LRU and FIFO then order it instead of a dict of their own, and
+S3-FIFO, LFU and ARC take its READY entries as their queue of keys not read since
+they entered (small, frequency 1, T1), keeping only read keys and ghosts themselves.
 
 Subclass ``EvictionPolicy`` and implement the four hooks to customise eviction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Hashable, Iterable, Sequence
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Optional
 
 Key = Hashable
+_INT = {int}
 
 
 class _Sizes:
@@ -144,10 +149,12 @@ class LRUPolicy(EvictionPolicy):
         self._fp_of: Callable[[int], int] = int
         self._count: Callable[[], int] = int
 
-    def share_index(self, index: dict, footprint_of: Callable[[int], int], count: Callable[[], int]) -> None:
+    def share_index(self, index: dict, footprint_of: Callable[[int], int], count: Callable[[], int],
+                    ready_bytes: Optional[Callable[[], int]] = None) -> None:
         """Order ``index`` (a level's: key -> int, READY > 0) instead of a dict of its own.
 
-        ``footprint_of(value)`` is a READY entry's footprint, ``count()`` how many are READY.
+        ``footprint_of(value)`` is a READY entry's footprint, ``count()`` how many are READY
+        (``ready_bytes()``, their footprints' sum, LRU and FIFO do not need).
         """
         if self._od:
             raise RuntimeError(f"{type(self).__name__} already tracks keys: share an index before first use")
@@ -247,6 +254,12 @@ class LFUPolicy(EvictionPolicy):
     the oldest such change to the newest, and walking the buckets by rising
     frequency is the eviction order.  Every hook is O(1); ``victims`` sorts the
     frequencies present (few) and walks from the front.
+
+    A store's level may hand a policy of exactly this class its own index
+    (``share_index``): frequency 1 (never read since it entered) is then the level's
+    READY entries not read, in index order, so only read keys cost the policy a
+    bucket entry (holding the index's own int, whose footprint the level reads) and a
+    frequency.  Subclasses always keep their own dicts.
     """
 
     name = "lfu"
@@ -256,6 +269,19 @@ class LFUPolicy(EvictionPolicy):
         self._freq: dict[Key, int] = {}
         self._buckets: dict[int, dict[Key, int]] = {}  # plain dicts: insertion order is the order needed
         self._size = _Sizes()
+        self._index: Optional[dict] = None  # (shared) keys at frequency 1 are the READY entries not in _freq
+        self._fp_of: Callable[[int], int] = int
+        self._count: Callable[[], int] = int
+
+    def share_index(self, index: dict, footprint_of: Callable[[int], int], count: Callable[[], int],
+                    ready_bytes: Optional[Callable[[], int]] = None) -> None:
+        """Take the READY entries of ``index`` (a level's: key -> int, READY > 0) not read as frequency 1.
+
+        ``footprint_of(value)`` is a READY entry's footprint, ``count()`` how many are READY.
+        """
+        if len(self):
+            raise RuntimeError(f"{type(self).__name__} already tracks keys: share an index before first use")
+        self._index, self._fp_of, self._count = index, footprint_of, count
 
     def _enter(self, key, freq, nbytes):
         bucket = self._buckets.get(freq)
@@ -275,12 +301,19 @@ class LFUPolicy(EvictionPolicy):
         freq = self._freq.get(key)
         if freq is not None:
             self._leave(key, freq)
-        self._enter(key, 1, self._size(nbytes))
+        if self._index is None:
+            self._enter(key, 1, self._size(nbytes))
+        elif freq is not None:
+            del self._freq[key]
 
     def on_access(self, key):
         freq = self._freq.get(key)
         if freq is not None:
             self._enter(key, freq + 1, self._leave(key, freq))
+        elif self._index is not None:
+            v = self._index.get(key)
+            if type(v) is int and v > 0:  # READY: from frequency 1 (the index) to 2
+                self._enter(key, 2, v)  # (the index's own int: its footprint is read when needed)
 
     def on_remove(self, key):
         freq = self._freq.pop(key, None)
@@ -288,7 +321,26 @@ class LFUPolicy(EvictionPolicy):
             self._leave(key, freq)
 
     def on_insert_many(self, keys, sizes):
-        get, enter, leave, size = self._freq.get, self._enter, self._leave, self._size
+        get = self._freq.get
+        if self._index is not None:
+            if self._freq and not self._freq.keys().isdisjoint(keys):
+                for key in keys:
+                    if get(key) is not None:
+                        self.on_insert(key, 0)
+            return
+        enter, leave, size = self._enter, self._leave, self._size
+        if type(keys) is list and self._freq.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            # all new (the common case): appended to frequency 1 in order by C loops
+            known = size._d.get
+            shared = list(map(known, sizes))
+            if None in shared:
+                shared = [size(n) for n in sizes]
+            bucket = self._buckets.get(1)
+            if bucket is None:
+                bucket = self._buckets[1] = {}
+            bucket.update(zip(keys, shared))
+            self._freq.update(dict.fromkeys(keys, 1))
+            return
         for key, nbytes in zip(keys, sizes):
             freq = get(key)
             if freq is not None:
@@ -296,28 +348,111 @@ class LFUPolicy(EvictionPolicy):
             enter(key, 1, size(nbytes))
 
     def on_access_many(self, keys):
+        index = self._index
+        if index is not None:
+            freq = self._freq
+            if type(keys) is list and freq.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+                vals = list(map(index.get, keys))
+                if set(map(type, vals)) == _INT and min(vals) > 0:
+                    # first reads of distinct READY keys (the common case): to frequency 2 by C loops
+                    bucket = self._buckets.get(2)
+                    if bucket is None:
+                        bucket = self._buckets[2] = {}
+                    bucket.update(zip(keys, vals))
+                    freq.update(dict.fromkeys(keys, 2))
+                    return
+            for key in keys:
+                self.on_access(key)
+            return
         get, enter, leave = self._freq.get, self._enter, self._leave
         for key in keys:
             freq = get(key)
             if freq is not None:
                 enter(key, freq + 1, leave(key, freq))
 
+    def on_remove_many(self, keys):
+        freq = self._freq
+        if not freq:
+            return
+        pop, leave = freq.pop, self._leave
+        for key in keys:
+            f = pop(key, None)
+            if f is not None:
+                leave(key, f)
+
     def victims(self, nbytes, protected):
         out, freed = [], 0
         if nbytes <= 0:
             return out
+        index = self._index
+        if index is not None:
+            # frequency 1 first: the index's READY entries not read (read ones met go behind them)
+            moved: list[Key] = []
+            try:
+                for key, n in _index_queue(index, self._freq, self._fp_of, moved):
+                    if key in protected:
+                        continue
+                    out.append(key)
+                    freed += n
+                    if freed >= nbytes:
+                        return out
+            finally:
+                _to_end(index, moved)
+        fp_of = self._fp_of if index is not None else None  # (shared: the buckets hold index ints)
         for freq in sorted(self._buckets):
             for key, n in self._buckets[freq].items():
                 if key in protected:
                     continue
                 out.append(key)
-                freed += n
+                freed += n if fp_of is None else fp_of(n)
                 if freed >= nbytes:
                     return out
         return None
 
     def __len__(self):
-        return len(self._freq)
+        return self._count() if self._index is not None else len(self._freq)
+
+
+def _index_queue(index: dict, others: Container[Key], fp_of: Callable[[int], int],
+                 moved: list) -> Iterator[tuple[Key, int]]:
+    """(key, footprint) of a level index's READY entries not in ``others``, in index order; the
+    keys of ``others`` met on the way are appended to ``moved`` (for ``_to_end``).
+
+    A policy that keeps its never-read keys in the level's index walks them with this; the
+    read keys it keeps elsewhere gather at the index's front, so it moves those it met behind
+    the rest once the walk is over: the next walk does not meet them again.  The index must
+    not change while the walk runs.
+    """
+    for key, v in index.items():
+        if type(v) is int and v > 0:  # READY (not reserved, not doomed)
+            if key in others:
+                moved.append(key)
+            else:
+                yield key, fp_of(v)
+
+
+def _trim_front(d: dict, total: int, limit: float) -> int:
+    """Drop the oldest entries of ``d`` (key -> size, ``total`` bytes) while it holds more than ``limit``;
+    the bytes left.  One walk from the front for all of them: a plain dict's front is found by
+    passing the entries deleted since its last resize, so trimming one key at a time would pass
+    them once per key."""
+    if total <= limit or not d:
+        return total
+    drop = []
+    for key, n in d.items():
+        if total <= limit:
+            break
+        total -= n
+        drop.append(key)
+    for key in drop:
+        del d[key]
+    return total
+
+
+def _to_end(index: dict, keys: list) -> None:
+    """Move ``keys`` (in the index) to its end, in order."""
+    if keys:
+        index.update([(k, index.pop(k)) for k in keys])
 
 
 # the scan-resistant built-ins live in modules of their own (each imports the base above)

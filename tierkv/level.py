@@ -34,7 +34,7 @@ from tierkv.errors import ConfigError, PolicyError
 from tierkv.hooks import batch_hook, call_policy
 from tierkv.persist import resolve_persist
 from tierkv.policies import AdmissionPolicy, AdmitAll, EvictionPolicy, build_admission, build_eviction
-from tierkv.policies.eviction import FIFOPolicy, LRUPolicy
+from tierkv.policies.eviction import ARCPolicy, FIFOPolicy, LFUPolicy, LRUPolicy, S3FIFOPolicy
 from tierkv.stats import TierCounters
 from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Tier
 
@@ -72,6 +72,8 @@ Slot = Union[int, Entry]
 _INT = {int}
 _STR = {str}
 _ONE = {1}
+#: built-in policies (these classes exactly) that order the level's index instead of a dict of their own
+_SHARING = (LRUPolicy, FIFOPolicy, S3FIFOPolicy, LFUPolicy, ARCPolicy)
 
 
 def size_value(nbytes: int) -> int:
@@ -118,6 +120,7 @@ class Level:
         self.pinned: dict[str, int] = {}
         self.used = 0
         self.ready_count = 0
+        self.ready_bytes = 0  # footprint of the READY entries
         self.counters = TierCounters()
         self.bit = 0
         self._canon: dict[int, int] = {}
@@ -126,10 +129,10 @@ class Level:
         self._fp_only: dict[int, int] = {}  # nbytes -> footprint (the same sizes as ``_fps``)
         if self.located:
             tier.attach(self.ready_codes)
-        if type(self.eviction) in (LRUPolicy, FIFOPolicy) and not len(self.eviction):  # type: ignore[arg-type]
+        if type(self.eviction) in _SHARING and not len(self.eviction):  # type: ignore[arg-type]
             # the built-in orders keep no dict of their own: they order this index
             self.eviction.share_index(self.index, self.value_footprint,  # type: ignore[union-attr]
-                                      lambda: self.ready_count)
+                                      lambda: self.ready_count, lambda: self.ready_bytes)
 
     @property
     def write_through(self) -> bool:
@@ -371,6 +374,7 @@ class Level:
         index.update(zip(keys, ready))
         sizes = [c[0] for c in got]  # type: ignore[index]
         self.ready_count += len(keys)
+        self.ready_bytes += sum(sizes)
         try:
             if self._insert_many:
                 call_policy(self.eviction, "on_insert_many", self.name, keys, sizes)
@@ -516,7 +520,9 @@ class Level:
                 del pinned[key]
                 del index[key]
                 self.ready_count -= 1
-                self.used -= self.value_footprint(v)
+                fp = self.value_footprint(v)
+                self.ready_bytes -= fp
+                self.used -= fp
                 codes.append(v)
                 gone.append(key)
         finally:
@@ -556,9 +562,10 @@ class Level:
     def _discard(self, key: str) -> None:
         """Unmark ``key`` (an int in the index) and free it now, or doom it while a reader holds it."""
         v: int = self.index[key]  # type: ignore[assignment]
+        nb, fp = self.unpack(v)
         if v > 0:
             self.ready_count -= 1
-        nb, fp = self.unpack(v)
+            self.ready_bytes -= fp
         code = (v if v > 0 else -v) if self.located else 0
         if key in self.pinned:
             e = self.index[key] = Entry(nb, fp, code=code)
