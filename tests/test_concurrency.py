@@ -77,6 +77,7 @@ def test_threads_hammering_the_store_see_no_wrong_bytes(tmp_path):
         assert not lvl.pinned
         assert lvl.used == sum(e.footprint for _, e in lvl.items())
         assert all(e.ready for _, e in lvl.items()), "a reservation leaked"
+        assert lvl.ready_count == len(lvl.index) and lvl.ready_bytes == lvl.used
         assert lvl.tier.used_bytes <= lvl.capacity
         assert len(lvl.eviction) == len(lvl.index)
     # every key the index claims is readable with the right bytes

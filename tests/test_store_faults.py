@@ -45,6 +45,9 @@ def assert_clean(store: TieredStore) -> None:
             assert all(e.ready and not e.doomed and e.pins == 0 for _, e in lvl.items()), \
                 f"{lvl.name}: a reservation outlived its call"
             assert lvl.used == sum(e.footprint for _, e in lvl.items()), f"{lvl.name}: used drifted"
+            ready = [e for _, e in lvl.items() if e.ready and not e.doomed]
+            assert lvl.ready_count == len(ready), f"{lvl.name}: ready count drifted"
+            assert lvl.ready_bytes == sum(e.footprint for e in ready), f"{lvl.name}: ready bytes drifted"
             assert lvl.used <= lvl.capacity
             assert len(lvl.eviction) == len(lvl.index), f"{lvl.name}: policy and index disagree"
 

@@ -503,8 +503,10 @@ class Level:
             for key in keys:
                 del pinned[key]
                 del index[key]
+            freed = sum(fps)
             self.ready_count -= len(keys)
-            self.used -= sum(fps)
+            self.ready_bytes -= freed
+            self.used -= freed
             codes, gone, done = vals, list(keys), len(keys)
             keys = []  # (nothing left for the loop below)
         try:
