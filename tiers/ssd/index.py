@@ -19,7 +19,6 @@ from .format import EMPTY, TOMB
 
 _MAX_LOAD = 0.7
 _WINDOW = np.arange(16)  # slots probed at once per digest by the batch operations
-_MANY = 24  # batches at least this long are put with numpy
 
 
 class DigestIndex:
@@ -35,6 +34,10 @@ class DigestIndex:
         self.mask = n - 1
         self.count = 0
         self.used = 0  # live + deleted slots (what the load factor counts)
+        # memoryviews of the same arrays: one element read or written through them costs less than
+        # through numpy (``lookup``, ``put_many``)
+        self._views = tuple(memoryview(a) for a in  # type: ignore[arg-type]  # ndarray exports a buffer
+                            (self.digest, self.region, self.offset, self.rec_len, self.raw_len))
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +91,25 @@ class DigestIndex:
         self.raw_len[i] = raw_len
         return old
 
+    def lookup(self, digests: list[int]) -> list[tuple[int, int, int, int, int]]:
+        """(i, region, offset, rec_len, raw_len) of each digest ``digests[i]`` present, in order of ``i``:
+        the probes of a batch in one loop, each slot read through a memoryview."""
+        dig, reg, off, rec, raw = self._views
+        mask = self.mask
+        found: list[tuple[int, int, int, int, int]] = []
+        add = found.append
+        for i, d in enumerate(digests):
+            j = d & mask
+            v = dig[j]
+            while v != d:
+                if v == EMPTY:
+                    break
+                j = (j + 1) & mask
+                v = dig[j]
+            else:
+                add((i, reg[j], off[j], rec[j], raw[j]))
+        return found
+
     def find_many(self, d: np.ndarray) -> np.ndarray:
         """The slot of each digest of ``d`` (uint64), -1 where absent: a window of slots per digest at once."""
         n = len(d)
@@ -122,65 +144,43 @@ class DigestIndex:
         """``put`` of each entry (one batch's, in order, all in ``region``): of a digest given twice the
         later replaces the earlier.  Returns the replaced entries' (region, offset, rec_len).
 
-        Distinct digests whose probe ends within a window of slots, and that do not compete for one
-        free slot, are placed together (a few numpy operations for the batch); a batch of fewer than
-        ``_MANY`` entries (where the numpy calls cost more than the entries' own probes) or any other
-        batch is put entry by entry.
-        """
-        n = len(d)
-        if n < _MANY or len(set(d)) != n or self.used + n > _MAX_LOAD * (self.mask + 1):
+        One loop over the batch, each slot read and written through a memoryview (a batch that would
+        take the table past its load is put entry by entry, growing it as ``put`` does)."""
+        if self.used + len(d) > _MAX_LOAD * (self.mask + 1):
             olds = []
             for x, o, rl, wl in zip(d, offset, rec_len, raw_len):
                 old = self.put(x, region, o, rl, wl)
                 if old is not None:
                     olds.append(old)
             return olds
-        dig = np.array(d, dtype=np.uint64)
-        at = ((dig & np.uint64(self.mask)).astype(np.int64)[:, None] + _WINDOW) & self.mask
-        win = self.digest[at]
-        match = win == dig[:, None]
-        found = match.any(axis=1)
-        stop = match | (win == EMPTY)  # a probe ends at the digest or at an empty slot
-        ends = stop.any(axis=1)
-        # where absent: the first free (empty or deleted) slot, which is at or before the empty one
-        col = np.where(found, match.argmax(axis=1), (win <= TOMB).argmax(axis=1))
-        slots = at[np.arange(n), col]
-        # the first of several entries claiming one free slot takes it; those and any whose probe runs
-        # past the window are put one by one after the rest
-        _, first = np.unique(slots, return_index=True)
-        ok = np.zeros(n, dtype=bool)
-        ok[first] = True
-        ok &= ends
+        dig, reg, off, rec, raw = self._views
+        mask = self.mask
         olds = []
-        if not ok.all():
-            rest = np.flatnonzero(~ok).tolist()
-            keep = np.flatnonzero(ok)
-            dig, slots, found = dig[keep], slots[keep], found[keep]
-            kept = keep.tolist()
-            later = [(d[i], offset[i], rec_len[i], raw_len[i]) for i in rest]
-            offset = [offset[i] for i in kept]
-            rec_len = [rec_len[i] for i in kept]
-            raw_len = [raw_len[i] for i in kept]
-        else:
-            later = []
-        if found.any():
-            fs = slots[found]
-            olds = list(zip(self.region[fs].tolist(), self.offset[fs].tolist(), self.rec_len[fs].tolist()))
-        new = ~found
-        k = len(slots) - len(olds)
-        if k:
-            ns = slots[new]
-            self.used += int(np.count_nonzero(self.digest[ns] == EMPTY))
-            self.digest[ns] = dig[new]
-            self.count += k
-        self.region[slots] = region
-        self.offset[slots] = offset
-        self.rec_len[slots] = rec_len
-        self.raw_len[slots] = raw_len
-        for x, o, rl, wl in later:
-            old = self.put(x, region, o, rl, wl)
-            if old is not None:
-                olds.append(old)
+        added = fresh = 0
+        for x, o, rl, wl in zip(d, offset, rec_len, raw_len):
+            j = x & mask
+            free = -1
+            v = dig[j]
+            while v != x:
+                if v == EMPTY:
+                    break
+                if v == TOMB and free < 0:
+                    free = j
+                j = (j + 1) & mask
+                v = dig[j]
+            else:  # present: replaced in place
+                olds.append((reg[j], off[j], rec[j]))
+                reg[j], off[j], rec[j], raw[j] = region, o, rl, wl
+                continue
+            if free >= 0:  # (the first deleted slot on the probe: reused)
+                j = free
+            else:
+                fresh += 1
+            dig[j] = x
+            reg[j], off[j], rec[j], raw[j] = region, o, rl, wl
+            added += 1
+        self.count += added
+        self.used += fresh
         return olds
 
     def move(self, slot: int, region: int, offset: int) -> None:
