@@ -109,9 +109,19 @@ class WritePath:
         region_size = self.region_size
         hdr = F.RECORD_STRUCT.pack_into
         chk = F.CHECK_STRUCT.pack_into
+        entry = F.ENTRY_STRUCT.pack
         digest_of = xxhash.xxh3_64_intdigest
+        key_digest = F.key_digest
         memmove = ctypes.memmove
+        magic, version = F.RECORD_MAGIC, F.VERSION
+        head, check_at, align = F.REC_HDR, F.RECORD_CHECK_AT, F.ALIGN
+        per_entry, max_key, footer = F.ENTRY, F.MAX_KEY, F.FOOTER
         pipe_min = PIPE_MIN_DIRECT if self.direct_io else PIPE_UNIT
+        plain = not self.compression
+        # (the segment's lists are cleared in place by each commit, so these stay bound to them)
+        s_idx, s_dig, s_off, s_rec, s_raw = (seg.idx.append, seg.digests.append, seg.offsets.append,
+                                            seg.rec_lens.append, seg.raw_lens.append)
+        s_ent, s_key = seg.entries.append, seg.keys.append
         last = len(keys) - 1
         r = self._active
         buf: Any = None
@@ -123,15 +133,20 @@ class WritePath:
             parts = srcs[i]
             kb = key.encode()
             klen = len(kb)
-            if klen > F.MAX_KEY:
+            if klen > max_key:
                 self._count("bad_key")
                 continue
-            raw_len = 0
-            host = not self.compression
-            for p in parts:
-                raw_len += p.numel()
-                if host and not (p.is_cpu and p.is_contiguous()):
-                    host = False
+            if len(parts) == 1:
+                p = parts[0]
+                raw_len = p.numel()
+                host = plain and p.is_cpu and p.is_contiguous()
+            else:
+                raw_len = 0
+                host = plain
+                for p in parts:
+                    raw_len += p.numel()
+                    if host and not (p.is_cpu and p.is_contiguous()):
+                        host = False
             if not host:
                 self._commit(seg, out)
                 out[i] = self._put_one(key, parts)
@@ -140,35 +155,53 @@ class WritePath:
                 if r is not None:
                     buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
                 continue
-            rec_len = F.REC_HDR + klen + raw_len
-            if ((rec_len + F.ALIGN - 1) & -F.ALIGN) + F.ENTRY + F.MAX_KEY > max_slot or raw_len >= 1 << 32:
+            rec_len = head + klen + raw_len
+            if ((rec_len + align - 1) & -align) + per_entry + max_key > max_slot or raw_len >= 1 << 32:
                 self._count("too_large")  # (``F.measure``)
                 continue
-            pos = seg.end if seg.n else (r.pos if r is not None else 0)
-            end = (pos + rec_len + F.ALIGN - 1) & -F.ALIGN
-            if r is None or F.summary_start(region_size, r.count + seg.n + 1,
-                                            len(r.keys) + seg.key_bytes + klen) < end:  # type: ignore[arg-type]  # (set while ACTIVE)
+            n = seg.n
+            pos = seg.end if n else (r.pos if r is not None else 0)
+            end = (pos + rec_len + align - 1) & -align
+            # (``F.summary_start``: the region's summary, this record's entry and key included, must
+            # start at or after the record's end)
+            if r is None or (region_size - (r.count + n + 1) * per_entry - len(r.keys)  # type: ignore[arg-type]  # (set while ACTIVE)
+                             - seg.key_bytes - klen - footer) & -F.BLOCK < end:
                 self._commit(seg, out)
                 r = self._room(rec_len, klen)
                 if r is None:
                     continue
                 buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
                 pos = r.pos
-                end = (pos + rec_len + F.ALIGN - 1) & -F.ALIGN
-            if not seg.n:
+                end = (pos + rec_len + align - 1) & -align
+                n = 0
+            if not n:
                 seg.begin(r, pos)
-            at = pos + F.REC_HDR + klen
-            dst = base + at
-            for p in parts:
-                n = p.numel()
-                if n:
-                    memmove(dst, p.data_ptr(), n)
-                    dst += n
+            at = pos + head + klen
+            if len(parts) == 1:
+                if raw_len:
+                    memmove(base + at, parts[0].data_ptr(), raw_len)
+            else:
+                dst = base + at
+                for p in parts:
+                    m = p.numel()
+                    if m:
+                        memmove(dst, p.data_ptr(), m)
+                        dst += m
             psum = psum_of(mv[at:at + raw_len])
-            hdr(buf, pos, F.RECORD_MAGIC, F.VERSION, flags, klen, r.seq, raw_len, raw_len, psum, 0)
-            mv[pos + F.REC_HDR:at] = kb
-            chk(buf, pos + F.RECORD_CHECK_AT, digest_of(mv[pos:at]))
-            seg.add(i, F.key_digest(kb), pos, rec_len, raw_len, kb, flags, end)
+            hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+            mv[pos + head:at] = kb
+            chk(buf, pos + check_at, digest_of(mv[pos:at]))
+            d = key_digest(kb)
+            s_idx(i)
+            s_dig(d)
+            s_off(pos)
+            s_rec(rec_len)
+            s_raw(raw_len)
+            s_ent(entry(d, pos, rec_len, raw_len, klen, flags, 0))
+            s_key(kb)
+            seg.key_bytes += klen
+            seg.n = n + 1
+            seg.end = end
             if i < last and end - seg.submitted >= pipe_min and seg.idle():  # (the last piece: the commit's)
                 seg.submit(self._writer_pool(), r, F.align_down(end))
         self._commit(seg, out)
@@ -194,7 +227,7 @@ class WritePath:
             seg.reset()
             return
         n = seg.n
-        meas = seg.measured
+        meas = seg.end - seg.start + n * (F.ENTRY + F.MAX_KEY)  # (``F.measure`` of each: they lie end to end)
         with self._lock:
             olds = self._index.put_many(seg.digests, r.index, seg.offsets, seg.rec_lens, seg.raw_lens)
             r.live_bytes += meas
@@ -405,17 +438,14 @@ class WritePath:
 
 
 class _Segment:
-    """Records of one batch appended to the active image but not yet written out and indexed."""
+    """Records of one batch appended to the active image but not yet written out and indexed.
 
-    __slots__ = ("digests", "end", "entries", "futures", "idx", "key_bytes", "keys", "measured", "n", "offsets", "raw_lens",
+    Its lists are cleared in place (``reset``): the appender keeps their ``append`` methods."""
+
+    __slots__ = ("digests", "end", "entries", "futures", "idx", "key_bytes", "keys", "n", "offsets", "raw_lens",
                  "rec_lens", "region", "start", "submitted", "written")
 
     def __init__(self) -> None:
-        self.region: Optional[R.Region] = None
-        self.futures: list = []
-        self.reset()
-
-    def reset(self) -> None:
         self.idx: list[int] = []
         self.digests: list[int] = []
         self.offsets: list[int] = []
@@ -423,7 +453,14 @@ class _Segment:
         self.raw_lens: list[int] = []
         self.entries: list[bytes] = []
         self.keys: list[bytes] = []
-        self.n = self.key_bytes = self.end = self.start = self.measured = 0
+        self.region: Optional[R.Region] = None
+        self.futures: list = []
+        self.reset()
+
+    def reset(self) -> None:
+        for lst in (self.idx, self.digests, self.offsets, self.rec_lens, self.raw_lens, self.entries, self.keys):
+            lst.clear()
+        self.n = self.key_bytes = self.end = self.start = 0
         self.submitted = self.written = 0
         self.region = None
         self.futures = []
@@ -431,19 +468,6 @@ class _Segment:
     def begin(self, r: R.Region, pos: int) -> None:
         self.region, self.start = r, pos
         self.submitted = self.written = r.written
-
-    def add(self, i: int, d: int, pos: int, rec_len: int, raw_len: int, kb: bytes, flags: int, end: int) -> None:
-        self.idx.append(i)
-        self.digests.append(d)
-        self.offsets.append(pos)
-        self.rec_lens.append(rec_len)
-        self.raw_lens.append(raw_len)
-        self.entries.append(F.pack_entry(d, pos, rec_len, raw_len, len(kb), flags))
-        self.keys.append(kb)
-        self.key_bytes += len(kb)
-        self.measured += end - pos + F.ENTRY + F.MAX_KEY  # (``F.measure``: ``end`` is the aligned end)
-        self.n += 1
-        self.end = end
 
     def idle(self) -> bool:
         """Whether the writer has finished every piece submitted so far."""
