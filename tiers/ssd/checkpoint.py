@@ -37,15 +37,15 @@ class Checkpoint(NamedTuple):
     covered_seq: int
     region_size: int
     region_seqs: np.ndarray
-    cols: dict  # column name -> array
-    keys: bytes
+    cols: dict  # column name -> array (views of the file's bytes)
+    keys: "bytes | memoryview"  # (a view of the file's bytes)
     key_offs: np.ndarray
 
 
-def encode(covered_seq: int, region_size: int, region_seqs, cols: dict, keys: bytes) -> list:
+def encode(covered_seq: int, region_size: int, region_seqs, cols: dict, keys: "bytes | memoryview") -> list:
     """The checkpoint file's bytes, as a list of buffers."""
     n = len(cols["digest"])
-    body = [np.ascontiguousarray(region_seqs, dtype=np.uint64).tobytes()]
+    body: list = [np.ascontiguousarray(region_seqs, dtype=np.uint64).tobytes()]
     body += [np.ascontiguousarray(cols[c], dtype=t).tobytes() for c, t in _COLS]
     body.append(keys)
     blen = sum(len(b) for b in body)
@@ -112,7 +112,7 @@ def decode(data: bytes) -> Optional[Checkpoint]:
     for c, t in _COLS:
         cols[c] = np.frombuffer(body, dtype=t, count=n, offset=pos)
         pos += np.dtype(t).itemsize * n
-    keys = bytes(body[pos:])
+    keys = body[pos:]  # (no copy: the columns keep the file's bytes anyway)
     offs = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(cols["key_len"], out=offs[1:])
     if int(offs[-1]) != len(keys):

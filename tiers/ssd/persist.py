@@ -261,7 +261,7 @@ class Persistence:
                     self._lock_file.release()
 
 
-def _gather_keys(c: recovery.Candidates) -> bytes:
+def _gather_keys(c: recovery.Candidates) -> "bytes | memoryview":
     """The candidates' keys back to back, in their order."""
     n = len(c.key_start)
     if not n:

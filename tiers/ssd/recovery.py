@@ -37,7 +37,7 @@ class Candidates(NamedTuple):
     flags: np.ndarray
     key_start: np.ndarray  # into ``keys``
     key_len: np.ndarray
-    keys: bytes
+    keys: "bytes | memoryview"
 
 
 class Scanned(NamedTuple):
@@ -65,7 +65,7 @@ def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Opti
          dead: Optional[np.ndarray] = None) -> Loaded:
     """Collect and resolve candidates.  ``regions``: index -> Region with fd and seq set (valid headers only)."""
     parts = _empty()
-    blobs: list[bytes] = []
+    blobs: list = []
     base = 0
     covered: set[int] = set()
     source = "empty"
@@ -198,8 +198,11 @@ def _keys(c: Candidates, sizes: Optional[list]) -> list:
     gc.disable()  # a million new strings would run the cycle collector over and over, for nothing
     try:
         n = len(c.key_len)
-        if keys.isascii():  # one decode; byte offsets are character offsets
-            text = keys.decode("ascii")
+        try:
+            text = str(keys, "ascii")  # one decode; byte offsets are character offsets
+        except UnicodeDecodeError:
+            text = None
+        if text is not None:
             starts: Any
             if n and int(c.key_len.min()) == int(c.key_len.max()):
                 m = int(c.key_len[0])  # keys of one length (the store's content addresses)
@@ -213,7 +216,7 @@ def _keys(c: Candidates, sizes: Optional[list]) -> list:
             if sizes is None:
                 return [text[a:a + k] for a, k in spans]
             return [(text[a:a + k], s) for (a, k), s in zip(spans, sizes)]
-        strs = [keys[a:a + k].decode("utf-8", "replace") for a, k in zip(c.key_start.tolist(), c.key_len.tolist())]
+        strs = [str(keys[a:a + k], "utf-8", "replace") for a, k in zip(c.key_start.tolist(), c.key_len.tolist())]
         return strs if sizes is None else list(zip(strs, sizes))
     finally:
         if gc_was:
