@@ -40,6 +40,9 @@ _RUN_OBJECT = 256 << 10  # records longer than this are read on their own
 _MANY = 64  # batches of at least this many keys are looked up in the index with numpy
 _PLACE = operator.itemgetter(0, 1)  # (region, offset) of a record to read
 _XXH = xxhash.xxh3_64_intdigest
+_COPY_SUM_MIN = 256 << 10  # a payload at least this long read through a scratch is copied and summed in pieces
+_PIECE = 128 << 10  # (the pieces)
+_SPLIT_MIN = 1 << 62  # a buffered batch of at least this many bytes is shared with a helper thread
 #: a record header's fixed fields (``F.RECORD_STRUCT`` up to the payload sum): magic, version, flags,
 #: key length, seq, raw and stored length, all known before the read; then the sum and check, then padding
 _EXPECT = struct.Struct("<4sBBHQII")
@@ -68,6 +71,34 @@ def _ctype(n: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
             _CTYPE_OF.clear()
         typ = _CTYPE_OF[n] = ctypes.c_ubyte * n
     return typ
+
+
+def _copy_summed(body, src: int, parts: Parts, psum: int) -> Optional[int]:
+    """Copy a payload (``body``, at address ``src``) into host parts a piece at a time, each piece summed
+    right after it is copied, while its bytes are still in the cache (one pass over memory, not two):
+    ``_OK`` when the xxh3 sum of ``body`` is ``psum``, ``_BAD`` when not (the parts then hold
+    unspecified bytes), None when the parts are not host memory of ``body``'s length."""
+    want = 0
+    for p in parts:
+        if not (p.is_cpu and p.is_contiguous()):
+            return None
+        want += p.numel()
+    if want != len(body):
+        return None
+    h = xxhash.xxh3_64()
+    memmove = ctypes.memmove
+    at = 0
+    for p in parts:
+        n = p.numel()
+        dst = p.data_ptr()
+        k = 0
+        while k < n:
+            c = min(_PIECE, n - k)
+            memmove(dst + k, src + at, c)
+            h.update(body[at:at + c])
+            k += c
+            at += c
+    return _OK if h.intdigest() == psum else _BAD
 
 
 class ReadPath:
@@ -114,29 +145,25 @@ class ReadPath:
                     todo.append((ri, o, i, rl, wl, r, r.seq))
         if not todo:
             return out
-        runs = self._runs(todo, dsts)
-        total = sum(run[1] for run in runs)
-        direct = self.direct_io
+        runs = self._runs(todo, dsts, (kbs, digs))
+        total = sum(run[2] for run in runs)
+        if len(runs) == 1 and not self.direct_io and total >= _SPLIT_MIN and len(runs[0][1]) >= 8:
+            ctx, items, _ = runs[0]  # one buffered run of many records: halves, one for a helper thread
+            half = len(items) // 2
+            runs = [(ctx, items[:half], total), (ctx, items[half:], total)]  # (a buffered run's span is unused)
 
         def one(j: int) -> None:
-            items = runs[j][0]
-            if direct:
-                self._read_run(items, runs[j][1], keys, kbs, digs, dsts, out)
-            elif len(items) == 1:
-                t = items[0]
-                out[t[2]] = self._read_one(keys[t[2]], _loc(t, kbs, digs), dsts[t[2]])
-            else:
-                self._read_run_into(items, keys, kbs, digs, dsts, out)
+            self._read_run(runs[j], keys, dsts, out)
 
-        if len(runs) <= 1 or total < (1 << 20):
+        if len(runs) <= 1 or total < (_SPLIT_MIN if not self.direct_io else 1 << 20):
             for j in range(len(runs)):
                 one(j)
         else:
             share_work(one, len(runs), self._pool, self._threads - 1)
         return out
 
-    def _runs(self, todo: list, dsts: Sequence[Parts]) -> list:
-        """Records to read grouped into runs of neighbours in one file: ([todo entry], span bytes).
+    def _runs(self, todo: list, dsts: Sequence[Parts], ctx: tuple) -> list:
+        """Records to read grouped into runs of neighbours in one file: (``ctx``, [todo entry], span bytes).
 
         Small records a short gap apart are read with one pread; a large record (buffered reads go
         straight into the caller's parts) is a run of its own.  A record of another size than the
@@ -153,7 +180,7 @@ class ReadPath:
             if wl != (parts[0].numel() if len(parts) == 1 else sum(p.numel() for p in parts)):
                 continue
             if rl > alone:  # (straight into the caller's parts when buffered)
-                runs.append(([t], rl))
+                runs.append((ctx, [t], rl))
                 continue
             if cur and ri == cur_r and o - end <= _RUN_GAP and o + rl - start <= _RUN_MAX + _RUN_GAP:
                 cur.append(t)
@@ -161,14 +188,25 @@ class ReadPath:
                     end = o + rl
                 continue
             if cur:
-                runs.append((cur, end - start))
+                runs.append((ctx, cur, end - start))
             cur, cur_r, start, end = [t], ri, o, o + rl
         if cur:
-            runs.append((cur, end - start))
+            runs.append((ctx, cur, end - start))
         return runs
 
-    def _read_run(self, items: list, span: int, keys: Sequence[str], kbs: list, digs: list,
-                  dsts: Sequence[Parts], out: list[bool]) -> None:
+    def _read_run(self, run: tuple, keys: Sequence[str], dsts: Sequence[Parts], out: list[bool]) -> None:
+        """Read and check one run: ((key bytes, digests) of the batch, [todo entry], span bytes)."""
+        (kbs, digs), items, span = run
+        if self.direct_io:
+            self._read_run_direct(items, span, keys, kbs, digs, dsts, out)
+        elif len(items) == 1:
+            t = items[0]
+            out[t[2]] = self._read_one(keys[t[2]], _loc(t, kbs, digs), dsts[t[2]])
+        else:
+            self._read_run_into(items, keys, kbs, digs, dsts, out)
+
+    def _read_run_direct(self, items: list, span: int, keys: Sequence[str], kbs: list, digs: list,
+                         dsts: Sequence[Parts], out: list[bool]) -> None:
         """O_DIRECT: one aligned read of a run's span into this thread's scratch, then each record checked
         and copied out there (a second look, on its own, for any that fails)."""
         start = items[0][1]
@@ -408,6 +446,10 @@ class ReadPath:
         sum_of = F.sum_function(flags)
         if sum_of is None:
             return _SIZE  # summed with an algorithm this build lacks: a miss, the object stays
+        if addr and stored >= _COPY_SUM_MIN and not flags & (F.FLAG_LZ4 | F.FLAG_CRC32C):
+            res = _copy_summed(body, addr + body_at, parts, psum)
+            if res is not None:
+                return res
         if sum_of(body) != psum:
             return _BAD
         if flags & F.FLAG_LZ4:
