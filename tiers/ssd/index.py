@@ -221,12 +221,21 @@ class DigestIndex:
             return
         # into an empty table, linear probing in order of home slot is a running maximum: each entry
         # takes its home or the slot after the previous one, whichever is later (among entries of one
-        # home any order will do: the sort need not be stable)
-        home32 = (digest & np.uint64(self.mask)).astype(np.uint32)
-        order = np.argsort(home32)
-        home = home32.astype(np.int64)
+        # home any order will do)
+        # (sorted as one uint64 each, home slot above entry number: a plain sort of integers, about
+        # twice as fast as an argsort of the homes)
         step = np.arange(n, dtype=np.int64)
-        pos = np.maximum.accumulate(home[order] - step) + step
+        if self.mask < 1 << 32:
+            packed = (digest & np.uint64(self.mask)) << np.uint64(32) | step.astype(np.uint64)
+            packed.sort()
+            order = (packed & np.uint64(0xFFFFFFFF)).astype(np.int64)
+            home = (packed >> np.uint64(32)).astype(np.int64)
+            del packed
+        else:  # (a table of more than 2**32 slots)
+            home = (digest & np.uint64(self.mask)).astype(np.int64)
+            order = np.argsort(home)
+            home = home[order]
+        pos = np.maximum.accumulate(home - step) + step
         fit = pos <= self.mask
         at, sel = pos[fit], order[fit]
         self.digest[at] = digest[sel]
