@@ -29,7 +29,7 @@ from ..base import Parts
 from . import format as F
 from . import region as R
 from .deadlog import DeadLog
-from .hostbuf import cbuffer, scatter
+from .hostbuf import cbuffer, ctype_of, scatter
 from .index import DigestIndex
 
 _OK, _BAD, _OTHER, _SIZE = 1, 2, 3, 4  # exact; corrupt or moved; another key's record; size mismatch
@@ -58,19 +58,6 @@ def _loc(t: tuple, kbs: list, digs: list) -> tuple:
     seq, image or None), from a batch's entry (region index, offset, i, rec_len, raw_len, region, seq)."""
     i = t[2]
     return kbs[i], digs[i], t[5], t[1], t[3], t[4], t[6], None
-
-
-_CTYPE_OF: dict[int, type[ctypes.Array[ctypes.c_ubyte]]] = {}
-
-
-def _ctype(n: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
-    """``ctypes.c_ubyte * n``, made once per length (a few are in use at a time)."""
-    typ = _CTYPE_OF.get(n)
-    if typ is None:
-        if len(_CTYPE_OF) > 256:
-            _CTYPE_OF.clear()
-        typ = _CTYPE_OF[n] = ctypes.c_ubyte * n
-    return typ
 
 
 def _copy_summed(body, src: int, parts: Parts, psum: int) -> Optional[int]:
@@ -137,9 +124,14 @@ class ReadPath:
                 found = self._index.lookup(digs)
             active = self._active
             regions = self._regions
+            # (buffered, the active region's records already written are read from the file: the image
+            # holds their headers only, see ``writepath._Segment``)
+            in_image = active is not None and self.direct_io
+            written = active.written if active is not None else 0
             for i, ri, o, rl, wl in found:
                 r = regions[ri]
-                if r is active:  # copied and checked under the lock, so the image cannot be reused meanwhile
+                if r is active and (in_image or o + rl > written):
+                    # copied and checked under the lock, so the image cannot be reused meanwhile
                     out[i] = self._image_read(keys[i], (kbs[i], digs[i], r, o, rl, wl, r.seq, r.buf), dsts[i])
                 else:
                     todo.append((ri, o, i, rl, wl, r, r.seq))
@@ -254,7 +246,7 @@ class ReadPath:
                 if len(parts) == 1:
                     p = parts[0]
                     if p.is_cpu and p.is_contiguous():
-                        views = [_ctype(wl).from_address(p.data_ptr())]
+                        views = [ctype_of(wl).from_address(p.data_ptr())]
                 else:
                     views = []
                     for p in parts:
@@ -378,7 +370,8 @@ class ReadPath:
         if e is None:
             return None
         r = self._regions[e[0]]
-        return kb, d, r, e[1], e[2], e[3], r.seq, (r.buf if r is self._active else None)
+        image = r is self._active and (self.direct_io or e[1] + e[2] > r.written)  # (see ``_read``)
+        return kb, d, r, e[1], e[2], e[3], r.seq, (r.buf if image else None)
 
     def _read_one(self, key: str, loc, parts: Parts) -> bool:
         if loc is None:

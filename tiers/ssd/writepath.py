@@ -30,13 +30,16 @@ from . import format as F
 from . import region as R
 from .deadlog import DeadLog
 from .format import WRITE_UNIT
-from .hostbuf import _host_view, image_address
+from .hostbuf import _host_view, cbuffer, ctype_of, image_address
 from .index import DigestIndex
 
 #: a batch's finished bytes go to the writer thread in pieces of at least this much (buffered writes)
 PIPE_UNIT = 512 << 10
 #: the same with O_DIRECT: the first piece of a batch leaves as soon as this much is copied
 PIPE_MIN_DIRECT = 256 << 10
+#: buffered, payloads at least this long are written from the caller's parts, not copied into the image
+_GATHER_MIN = 4096
+_ZEROS = memoryview(bytes(F.ALIGN))
 
 
 class WritePath:
@@ -113,11 +116,14 @@ class WritePath:
         digest_of = xxhash.xxh3_64_intdigest
         key_digest = F.key_digest
         memmove = ctypes.memmove
+        _ctype = ctype_of
         magic, version = F.RECORD_MAGIC, F.VERSION
         head, check_at, align = F.REC_HDR, F.RECORD_CHECK_AT, F.ALIGN
         per_entry, max_key, footer = F.ENTRY, F.MAX_KEY, F.FOOTER
         pipe_min = PIPE_MIN_DIRECT if self.direct_io else PIPE_UNIT
         plain = not self.compression
+        gather = not self.direct_io  # (see ``_Segment``)
+        iov: list = []
         # (the segment's lists are cleared in place by each commit, so these stay bound to them)
         s_idx, s_dig, s_off, s_rec, s_raw = (seg.idx.append, seg.digests.append, seg.offsets.append,
                                             seg.rec_lens.append, seg.raw_lens.append)
@@ -175,22 +181,47 @@ class WritePath:
                 end = (pos + rec_len + align - 1) & -align
                 n = 0
             if not n:
-                seg.begin(r, pos)
+                if gather and r.written < pos:  # (records copied into the image before: to the file first)
+                    self._write_out(r, pos, pos)
+                seg.begin(r, pos, gather and r.written == pos)
+                iov = seg.iov
             at = pos + head + klen
-            if len(parts) == 1:
-                if raw_len:
-                    memmove(base + at, parts[0].data_ptr(), raw_len)
+            if seg.gather and raw_len >= _GATHER_MIN:  # the payload goes to the file from the caller's parts
+                if len(parts) == 1:
+                    src = _ctype(raw_len).from_address(parts[0].data_ptr())
+                    psum = psum_of(src)
+                    hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+                    mv[pos + head:at] = kb
+                    chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                    iov.append(mv[pos:at])
+                    iov.append(src)
+                else:
+                    views = [cbuffer(p) for p in parts if p.numel()]
+                    psum = F.payload_sum(views, flags)
+                    hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+                    mv[pos + head:at] = kb
+                    chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                    iov.append(mv[pos:at])
+                    iov += views
+                if end > at + raw_len:
+                    iov.append(_ZEROS[:end - at - raw_len])
             else:
-                dst = base + at
-                for p in parts:
-                    m = p.numel()
-                    if m:
-                        memmove(dst, p.data_ptr(), m)
-                        dst += m
-            psum = psum_of(mv[at:at + raw_len])
-            hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
-            mv[pos + head:at] = kb
-            chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                if len(parts) == 1:
+                    if raw_len:
+                        memmove(base + at, parts[0].data_ptr(), raw_len)
+                else:
+                    dst = base + at
+                    for p in parts:
+                        m = p.numel()
+                        if m:
+                            memmove(dst, p.data_ptr(), m)
+                            dst += m
+                psum = psum_of(mv[at:at + raw_len])
+                hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+                mv[pos + head:at] = kb
+                chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                if seg.gather:
+                    iov.append(mv[pos:end])
             d = key_digest(kb)
             s_idx(i)
             s_dig(d)
@@ -203,7 +234,11 @@ class WritePath:
             seg.n = n + 1
             seg.end = end
             if i < last and end - seg.submitted >= pipe_min and seg.idle():  # (the last piece: the commit's)
-                seg.submit(self._writer_pool(), r, F.align_down(end))
+                if seg.gather:
+                    seg.submit_gathered(self._writer_pool(), r, end)
+                    iov = seg.iov
+                else:
+                    seg.submit(self._writer_pool(), r, F.align_down(end))
         self._commit(seg, out)
         return out, one_by_one
 
@@ -219,11 +254,24 @@ class WritePath:
         if not seg.n:
             return
         r = cast(R.Region, seg.region)
-        r.written = max(r.written, seg.written)
-        ok = self._write_out(r, F.align_up(seg.end), seg.end)  # (beside the writer's piece in flight)
-        ok = seg.wait(self) and ok
-        if not ok:
-            r.written = min(r.written, F.align_down(seg.start))
+        if seg.gather:
+            ok = True
+            if seg.iov:
+                try:  # (beside the writer's piece in flight)
+                    R.pwritev_all(r.fd, seg.iov, seg.submitted)
+                except OSError as e:
+                    self._io_error(e, f"writing {r.path}")
+                    ok = False
+            ok = seg.wait(self) and ok
+            if ok:
+                r.written = seg.end
+                self._dirty_fds.add(r.fd)
+        else:
+            r.written = max(r.written, seg.written)
+            ok = self._write_out(r, F.align_up(seg.end), seg.end)  # (beside the writer's piece in flight)
+            ok = seg.wait(self) and ok
+        if not ok:  # (buffered, the file holds exactly ``written`` bytes; O_DIRECT rewrites a partial block)
+            r.written = min(r.written, F.align_down(seg.start) if self.direct_io else seg.start)
             seg.reset()
             return
         n = seg.n
@@ -315,6 +363,8 @@ class WritePath:
     def _write_out(self, r: R.Region, end: int, data_end: int) -> bool:
         """Write the active image from ``r.written`` up to ``end`` (block aligned); its bytes end at
         ``data_end`` (a partial last block is written again next time)."""
+        if not self.direct_io:  # buffered: exactly the bytes not yet written (the image may not hold the
+            end = min(end, data_end)  # payloads of records written before, see ``_Segment``)
         if end <= r.written:
             return True
         buf = cast("mmap.mmap", r.buf)  # (the active image)
@@ -326,7 +376,7 @@ class WritePath:
             self._io_error(e, f"writing {r.path}")
             return False
         self._dirty_fds.add(r.fd)
-        r.written = min(end, F.align_down(data_end))
+        r.written = min(end, F.align_down(data_end)) if self.direct_io else end
         return True
 
     def _room(self, rec_len: int, key_len: int) -> Optional[R.Region]:
@@ -440,10 +490,17 @@ class WritePath:
 class _Segment:
     """Records of one batch appended to the active image but not yet written out and indexed.
 
-    Its lists are cleared in place (``reset``): the appender keeps their ``append`` methods."""
+    Its lists are cleared in place (``reset``): the appender keeps their ``append`` methods.
 
-    __slots__ = ("digests", "end", "entries", "futures", "idx", "key_bytes", "keys", "n", "offsets", "raw_lens",
-                 "rec_lens", "region", "start", "submitted", "written")
+    Buffered (``gather``), the segment's bytes go to the file as a list of pieces in file order, one
+    ``pwritev`` each write: a record's header and key from the image, its payload (of ``_GATHER_MIN``
+    bytes or more) straight from the caller's parts, zeros up to the next record; a smaller payload is
+    copied into the image and its whole record taken from there.  The file then holds the region's
+    bytes and the image only their headers, so a buffered region's ``written`` is exact (no block is
+    written twice) and its records, once written, are read from the file."""
+
+    __slots__ = ("digests", "end", "entries", "futures", "gather", "idx", "iov", "key_bytes", "keys", "n", "offsets",
+                 "raw_lens", "rec_lens", "region", "start", "submitted", "written")
 
     def __init__(self) -> None:
         self.idx: list[int] = []
@@ -464,10 +521,18 @@ class _Segment:
         self.submitted = self.written = 0
         self.region = None
         self.futures = []
+        self.gather = False
+        self.iov: list = []
 
-    def begin(self, r: R.Region, pos: int) -> None:
-        self.region, self.start = r, pos
+    def begin(self, r: R.Region, pos: int, gather: bool) -> None:
+        self.region, self.start, self.gather = r, pos, gather
         self.submitted = self.written = r.written
+
+    def submit_gathered(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
+        """Write the pieces gathered so far (``[submitted, upto)`` of the file) on the writer thread."""
+        self.futures.append(pool.submit(R.pwritev_all, r.fd, self.iov, self.submitted))
+        self.iov = []
+        self.submitted = self.written = upto
 
     def idle(self) -> bool:
         """Whether the writer has finished every piece submitted so far."""
