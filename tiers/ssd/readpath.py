@@ -1,6 +1,7 @@
 """The read path of ``SSDTier``: locate under the lock, then read and verify outside it.
 
-A record in the active region is copied from its in-memory image; any other is one
+A record in the active region is copied from its in-memory image (buffered, only one not yet
+written to the file: the image holds the headers of the others); any other is one
 pread (straight into the caller's parts when buffered and uncompressed, else one
 block-aligned read into a private buffer).  Every read checks header, seq, full key
 and payload sum.  A check that fails is looked at again once under the lock: if the

@@ -1,7 +1,8 @@
 """The write path of ``SSDTier``: appends into the active region's image, write-outs, region changes.
 
 A ``write`` call is one batch: its host objects are copied into the active image one after
-another (header packed in one call, its check one xxh3 call over header and key) while a
+another (header packed in one call, its check one xxh3 call over header and key; buffered,
+large payloads are written from the caller's parts instead, see ``_Segment``) while a
 writer thread writes out what is already copied; at the end of the batch (or of a region)
 the rest is written and only then do the batch's digests enter the index, together.  So
 every object ``write`` acknowledged is in the region file when it returns, and a write-out
@@ -96,12 +97,13 @@ class WritePath:
         return out
 
     def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
-        """Append a batch: host objects are copied into the active image one after another and
-        committed per region in one go: the batch's bytes reach the file, then its digests enter the
-        index together.  While the writer thread is idle, each finished object hands it everything
-        copied since its last write (at least ``PIPE_UNIT``, ``PIPE_MIN_DIRECT`` with O_DIRECT), so it
-        writes while the caller copies on, in pieces that grow with the backlog; the commit writes the
-        rest beside the writer's last piece.  Compressed or device objects take ``_put_one``.
+        """Append a batch: host objects are copied into the active image one after another (buffered,
+        a payload of ``_GATHER_MIN`` bytes or more is only summed, and written from the caller's parts:
+        see ``_Segment``) and committed per region in one go: the batch's bytes reach the file, then its
+        digests enter the index together.  While the writer thread is idle, each finished object hands
+        it everything since its last write (at least ``PIPE_UNIT``, ``PIPE_MIN_DIRECT`` with O_DIRECT),
+        so it writes while the caller goes on, in pieces that grow with the backlog; the commit writes
+        the rest beside the writer's last piece.  Compressed or device objects take ``_put_one``.
         Returns the results and whether any object took ``_put_one``."""
         out = [False] * len(keys)
         one_by_one = False
