@@ -236,15 +236,17 @@ class DigestIndex:
             order = np.argsort(home)
             home = home[order]
         pos = np.maximum.accumulate(home - step) + step
+        del home, step
         fit = pos <= self.mask
-        at, sel = pos[fit], order[fit]
+        whole = bool(fit[-1])  # (positions only grow: all fit when the last does)
+        at, sel = (pos, order) if whole else (pos[fit], order[fit])
         self.digest[at] = digest[sel]
         self.region[at] = region[sel]
         self.offset[at] = offset[sel]
         self.rec_len[at] = rec_len[sel]
         self.raw_len[at] = raw_len[sel]
         self.count = self.used = len(at)
-        rest = order[~fit]  # past the table's end: they wrap round to its start, probing as usual
+        rest = order[~fit] if not whole else order[:0]  # past the table's end: they wrap round to its start
         if len(rest):
             self._bulk(digest[rest], np.asarray(region)[rest], np.asarray(offset)[rest], np.asarray(rec_len)[rest],
                        np.asarray(raw_len)[rest])

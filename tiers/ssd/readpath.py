@@ -43,7 +43,6 @@ _PLACE = operator.itemgetter(0, 1)  # (region, offset) of a record to read
 _XXH = xxhash.xxh3_64_intdigest
 _COPY_SUM_MIN = 256 << 10  # a payload at least this long read through a scratch is copied and summed in pieces
 _PIECE = 128 << 10  # (the pieces)
-_SPLIT_MIN = 1 << 62  # a buffered batch of at least this many bytes is shared with a helper thread
 #: a record header's fixed fields (``F.RECORD_STRUCT`` up to the payload sum): magic, version, flags,
 #: key length, seq, raw and stored length, all known before the read; then the sum and check, then padding
 _EXPECT = struct.Struct("<4sBBHQII")
@@ -140,15 +139,11 @@ class ReadPath:
             return out
         runs = self._runs(todo, dsts, (kbs, digs))
         total = sum(run[2] for run in runs)
-        if len(runs) == 1 and not self.direct_io and total >= _SPLIT_MIN and len(runs[0][1]) >= 8:
-            ctx, items, _ = runs[0]  # one buffered run of many records: halves, one for a helper thread
-            half = len(items) // 2
-            runs = [(ctx, items[:half], total), (ctx, items[half:], total)]  # (a buffered run's span is unused)
 
         def one(j: int) -> None:
             self._read_run(runs[j], keys, dsts, out)
 
-        if len(runs) <= 1 or total < (_SPLIT_MIN if not self.direct_io else 1 << 20):
+        if len(runs) <= 1 or total < (1 << 20):
             for j in range(len(runs)):
                 one(j)
         else:
@@ -234,6 +229,7 @@ class ReadPath:
         first = items[0][1]
         pos = first
         head0 = F.REC_HDR
+        typ, typ_len = ctype_of(1), 1  # (the buffer type of the last payload length)
         for t in items:
             o, i, rl, wl = t[1], t[2], t[3], t[4]
             if o > pos:
@@ -247,7 +243,9 @@ class ReadPath:
                 if len(parts) == 1:
                     p = parts[0]
                     if p.is_cpu and p.is_contiguous():
-                        views = [ctype_of(wl).from_address(p.data_ptr())]
+                        if wl != typ_len:
+                            typ, typ_len = ctype_of(wl), wl
+                        views = [typ.from_address(p.data_ptr())]
                 else:
                     views = []
                     for p in parts:
@@ -306,8 +304,9 @@ class ReadPath:
                 klen = len(kb)
                 end = a + head + klen
                 wl = _t[4]
-                if (smv[a:a + _FIXED] == expect(magic, version, 0, klen, seq, wl, wl)
-                        and smv[a + _PAD_AT:a + head] == _PAD and smv[a + head:end] == kb):
+                # (slices of the scratch map are bytes: compared with one memcmp, unlike memoryviews)
+                if scratch[a:a + _FIXED] == expect(magic, version, 0, klen, seq, wl, wl) and \
+                        scratch[a + _PAD_AT:end] == _PAD + kb:
                     psum, check = sums(scratch, a + _PSUM_AT)
                     scratch[a + F.RECORD_CHECK_AT:a + _PAD_AT] = _ZERO_CHECK
                     if dig(smv[a:end]) == check and (dig(views[0]) if len(views) == 1 else xxh3(views)) == psum:

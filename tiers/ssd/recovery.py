@@ -234,8 +234,8 @@ def _split_one_length(c: Candidates) -> Optional[list]:
     except UnicodeDecodeError:
         return None
     del lined
-    if text.count("\n") != n:
-        return None
     strs = text.split("\n")
+    if len(strs) != n + 1:  # (some key holds a newline)
+        return None
     strs.pop()  # (after the last newline)
     return strs
