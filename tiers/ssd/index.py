@@ -209,6 +209,24 @@ class DigestIndex:
         self._alloc(n)
         self._bulk(*arrays)
 
+    def table(self) -> tuple:
+        """(count, used, digest, region, offset, rec_len, raw_len): the slots as they are (copies)."""
+        return (self.count, self.used, self.digest.copy(), self.region.copy(), self.offset.copy(),
+                self.rec_len.copy(), self.raw_len.copy())
+
+    def load_table(self, table: tuple) -> None:
+        """Replace the contents with slots ``table()`` gave (copied: the arrays may be read-only)."""
+        count, used, digest, region, offset, rec_len, raw_len = table
+        self.digest = np.array(digest, dtype=np.uint64)
+        self.region = np.array(region, dtype=np.uint32)
+        self.offset = np.array(offset, dtype=np.uint32)
+        self.rec_len = np.array(rec_len, dtype=np.uint32)
+        self.raw_len = np.array(raw_len, dtype=np.uint32)
+        self.mask = len(self.digest) - 1
+        self.count, self.used = int(count), int(used)
+        self._views = tuple(memoryview(a) for a in  # type: ignore[arg-type]  # ndarray exports a buffer
+                            (self.digest, self.region, self.offset, self.rec_len, self.raw_len))
+
     def bulk_load(self, digest, region, offset, rec_len, raw_len) -> None:
         """Replace the contents with these entries (digests unique), vectorised."""
         n = len(digest)
