@@ -41,7 +41,7 @@ _RUN_OBJECT = 256 << 10  # records longer than this are read on their own
 _MANY = 64  # batches of at least this many keys are looked up in the index with numpy
 _PLACE = operator.itemgetter(0, 1)  # (region, offset) of a record to read
 _XXH = xxhash.xxh3_64_intdigest
-_COPY_SUM_MIN = 256 << 10  # a payload at least this long read through a scratch is copied and summed in pieces
+_COPY_SUM_MIN = 1 << 20  # a payload at least this long read through a scratch is copied and summed in pieces
 _PIECE = 128 << 10  # (the pieces)
 #: a record header's fixed fields (``F.RECORD_STRUCT`` up to the payload sum): magic, version, flags,
 #: key length, seq, raw and stored length, all known before the read; then the sum and check, then padding
