@@ -435,6 +435,28 @@ def test_a_file_the_tier_cannot_interpret_is_skipped_and_kept(tmp_path):
 
 
 # -- keys and the index -------------------------------------------------------------------------
+@pytest.mark.parametrize("keys", [
+    [f"{i:064x}" for i in range(50)],  # one length, ASCII (the store's content addresses)
+    [f"{i:03d}\n{i:03d}" for i in range(50)],  # one length, a newline inside each
+    ["é" * 3 + f"{i:02d}" for i in range(50)],  # one length in bytes, not ASCII
+    [f"k{i}" + "x" * (i % 7) for i in range(50)],  # lengths that differ
+])
+@pytest.mark.parametrize("source", ["checkpoint", "summaries"])
+def test_recovered_keys_are_the_strings_written(tmp_path, keys, source):
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 8 * MiB, d, region_size="1MiB")
+    assert t.write(keys, [[blob(i, 100 + i)] for i in range(len(keys))]) == [True] * len(keys)
+    t.close()
+    if source == "summaries":
+        os.unlink(os.path.join(d, "checkpoint"))
+    t = SSDTier("ssd", 8 * MiB, d, region_size="1MiB")
+    assert t.extra_stats()["recovered_from"] == source
+    assert t.recover() == [(k, 100 + i) for i, k in enumerate(keys)]
+    ok, outs = read_all(t, keys, [100 + i for i in range(len(keys))])
+    assert all(ok) and all(torch.equal(o, blob(i, 100 + i)) for i, o in enumerate(outs))
+    t.close()
+
+
 def test_two_keys_of_one_digest_never_serve_each_other(tmp_path, monkeypatch):
     t = SSDTier("ssd", 4 * MiB, str(tmp_path / "s"), region_size="1MiB")
     monkeypatch.setattr(fmt, "key_digest", lambda kb: 12345)  # every key collides
@@ -467,6 +489,8 @@ def test_index_holds_a_million_objects_in_under_64_bytes_each():
     ix.bulk_load(dig, np.zeros(n, np.uint32), np.arange(n, dtype=np.uint32), np.full(n, 99, np.uint32),
                  np.full(n, 7, np.uint32))
     assert len(ix) == n and ix.nbytes / n <= 64
+    slots, _, off, rec, _ = ix.get_many(dig)  # every entry where its probe finds it
+    assert (slots >= 0).all() and (off == np.arange(n)).all() and (rec == 99).all()
     for d in dig[:: 50_000].tolist():
         assert ix.get(d) is not None and ix.get(d)[1] == int(np.flatnonzero(dig == d)[0])
     assert ix.get(1 << 62 | 5) is None or (1 << 62 | 5) in set(dig.tolist())
@@ -475,6 +499,61 @@ def test_index_holds_a_million_objects_in_under_64_bytes_each():
     assert len(ix) == n - 1000 and ix.get(int(dig[0])) is None
     ix.put(int(dig[0]), 3, 4, 5, 6)
     assert ix.get(int(dig[0])) == (3, 4, 5, 6)
+
+
+def test_index_batch_puts_and_lookups_agree_with_a_dict():
+    """``put_many`` (duplicates within a batch, deleted slots reused, growth) and ``lookup`` against a model."""
+    rng = random.Random(7)
+    ix = DigestIndex(slots=16)
+    model: dict[int, tuple[int, int, int, int]] = {}
+    pool = [rng.randrange(2, 1 << 64) for _ in range(400)] + [5, 5 + 16, 5 + 32]  # (some of one home slot)
+    for step in range(300):
+        batch = [rng.choice(pool) for _ in range(rng.randrange(1, 40))]
+        offs = [step * 100 + j for j in range(len(batch))]
+        olds = ix.put_many(batch, step % 7, offs, [64 + j for j in range(len(batch))], list(range(len(batch))))
+        want_olds = []
+        for j, d in enumerate(batch):
+            if d in model:
+                want_olds.append(model[d][:3])
+            model[d] = (step % 7, offs[j], 64 + j, j)
+        assert sorted(olds) == sorted(want_olds)
+        for d in rng.sample(pool, 10):  # deletes leave deleted slots for later puts
+            got = ix.remove(d)
+            assert (got is None) == (d not in model)
+            model.pop(d, None)
+        assert len(ix) == len(model)
+        probe = rng.sample(pool, 30)
+        found = ix.lookup(probe)
+        assert found == [(i, *model[d]) for i, d in enumerate(probe) if d in model]
+        assert all(ix.get(d) == model.get(d) for d in probe)
+
+
+def test_a_reopen_takes_the_checkpointed_index_when_every_object_is_current(tmp_path, monkeypatch):
+    """The checkpoint carries the index's slots; a reopen that finds every listed object current loads them
+    as they are, and one that does not (a removal in the dead log since) builds the index from the objects."""
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    keys = [key(i) for i in range(300)]
+    assert t.write(keys, [[blob(i, 1000 + i)] for i in range(300)]) == [True] * 300
+    t.close()
+    built = []
+    real = DigestIndex.bulk_load
+    monkeypatch.setattr(DigestIndex, "bulk_load", lambda self, *a: (built.append(len(a[0])), real(self, *a))[1])
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    assert built == [] and len(t._index) == 300 and t.extra_stats()["recovered_from"] == "checkpoint"
+    assert sorted(k for k, _ in t.recover()) == sorted(keys)
+    ok, outs = read_all(t, keys, [1000 + i for i in range(300)])
+    assert all(ok) and all(torch.equal(o, blob(i, 1000 + i)) for i, o in enumerate(outs))
+    assert t.contains([key(1000)]) == [False]
+    t.delete(keys[:10])  # named in the dead log; the checkpoint is rewritten only by a flush or close
+    t._dead.write(True)
+    t._lock_file.release()  # (as a killed process would leave it)
+    t2 = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    assert built == [290] and len(t2._index) == 290
+    assert sorted(k for k, _ in t2.recover()) == sorted(keys[10:])
+    assert t2.contains(keys[:12]) == [False] * 10 + [True] * 2
+    t2.close()
+    t.close()  # (its state is the same 290 objects)
 
 
 # -- inspect ----------------------------------------------------------------------------------

@@ -126,6 +126,7 @@ def aligned_buffer(n: int, populate: bool = False) -> mmap.mmap:
 
 
 _ENTRY_STRUCT = struct.Struct("<QIIIHBB")
+ENTRY_STRUCT = _ENTRY_STRUCT  # a summary entry: digest, offset, rec_len, raw_len, key_len, flags, pad
 
 
 def pack_entry(digest: int, offset: int, rec_len: int, raw_len: int, key_len: int, flags: int) -> bytes:

@@ -26,13 +26,17 @@ def cbuffer(p: torch.Tensor):
     """
     if not p.is_cpu or not p.is_contiguous():
         return None
-    n = p.nbytes
+    return ctype_of(p.nbytes).from_address(p.data_ptr())
+
+
+def ctype_of(n: int) -> type[ctypes.Array[ctypes.c_ubyte]]:
+    """``ctypes.c_ubyte * n``, made once per length (a few lengths are in use at a time)."""
     typ = _CTYPES.get(n)
     if typ is None:
         if len(_CTYPES) > 256:
             _CTYPES.clear()
         typ = _CTYPES[n] = ctypes.c_ubyte * n
-    return typ.from_address(p.data_ptr())
+    return typ
 
 
 def image_address(image) -> tuple[int, object]:

@@ -19,7 +19,6 @@ from .format import EMPTY, TOMB
 
 _MAX_LOAD = 0.7
 _WINDOW = np.arange(16)  # slots probed at once per digest by the batch operations
-_MANY = 24  # batches at least this long are put with numpy
 
 
 class DigestIndex:
@@ -35,6 +34,10 @@ class DigestIndex:
         self.mask = n - 1
         self.count = 0
         self.used = 0  # live + deleted slots (what the load factor counts)
+        # memoryviews of the same arrays: one element read or written through them costs less than
+        # through numpy (``lookup``, ``put_many``)
+        self._views = tuple(memoryview(a) for a in  # type: ignore[arg-type]  # ndarray exports a buffer
+                            (self.digest, self.region, self.offset, self.rec_len, self.raw_len))
 
     @property
     def nbytes(self) -> int:
@@ -88,6 +91,25 @@ class DigestIndex:
         self.raw_len[i] = raw_len
         return old
 
+    def lookup(self, digests: list[int]) -> list[tuple[int, int, int, int, int]]:
+        """(i, region, offset, rec_len, raw_len) of each digest ``digests[i]`` present, in order of ``i``:
+        the probes of a batch in one loop, each slot read through a memoryview."""
+        dig, reg, off, rec, raw = self._views
+        mask = self.mask
+        found: list[tuple[int, int, int, int, int]] = []
+        add = found.append
+        for i, d in enumerate(digests):
+            j = d & mask
+            v = dig[j]
+            while v != d:
+                if v == EMPTY:
+                    break
+                j = (j + 1) & mask
+                v = dig[j]
+            else:
+                add((i, reg[j], off[j], rec[j], raw[j]))
+        return found
+
     def find_many(self, d: np.ndarray) -> np.ndarray:
         """The slot of each digest of ``d`` (uint64), -1 where absent: a window of slots per digest at once."""
         n = len(d)
@@ -122,65 +144,43 @@ class DigestIndex:
         """``put`` of each entry (one batch's, in order, all in ``region``): of a digest given twice the
         later replaces the earlier.  Returns the replaced entries' (region, offset, rec_len).
 
-        Distinct digests whose probe ends within a window of slots, and that do not compete for one
-        free slot, are placed together (a few numpy operations for the batch); a batch of fewer than
-        ``_MANY`` entries (where the numpy calls cost more than the entries' own probes) or any other
-        batch is put entry by entry.
-        """
-        n = len(d)
-        if n < _MANY or len(set(d)) != n or self.used + n > _MAX_LOAD * (self.mask + 1):
+        One loop over the batch, each slot read and written through a memoryview (a batch that would
+        take the table past its load is put entry by entry, growing it as ``put`` does)."""
+        if self.used + len(d) > _MAX_LOAD * (self.mask + 1):
             olds = []
             for x, o, rl, wl in zip(d, offset, rec_len, raw_len):
                 old = self.put(x, region, o, rl, wl)
                 if old is not None:
                     olds.append(old)
             return olds
-        dig = np.array(d, dtype=np.uint64)
-        at = ((dig & np.uint64(self.mask)).astype(np.int64)[:, None] + _WINDOW) & self.mask
-        win = self.digest[at]
-        match = win == dig[:, None]
-        found = match.any(axis=1)
-        stop = match | (win == EMPTY)  # a probe ends at the digest or at an empty slot
-        ends = stop.any(axis=1)
-        # where absent: the first free (empty or deleted) slot, which is at or before the empty one
-        col = np.where(found, match.argmax(axis=1), (win <= TOMB).argmax(axis=1))
-        slots = at[np.arange(n), col]
-        # the first of several entries claiming one free slot takes it; those and any whose probe runs
-        # past the window are put one by one after the rest
-        _, first = np.unique(slots, return_index=True)
-        ok = np.zeros(n, dtype=bool)
-        ok[first] = True
-        ok &= ends
+        dig, reg, off, rec, raw = self._views
+        mask = self.mask
         olds = []
-        if not ok.all():
-            rest = np.flatnonzero(~ok).tolist()
-            keep = np.flatnonzero(ok)
-            dig, slots, found = dig[keep], slots[keep], found[keep]
-            kept = keep.tolist()
-            later = [(d[i], offset[i], rec_len[i], raw_len[i]) for i in rest]
-            offset = [offset[i] for i in kept]
-            rec_len = [rec_len[i] for i in kept]
-            raw_len = [raw_len[i] for i in kept]
-        else:
-            later = []
-        if found.any():
-            fs = slots[found]
-            olds = list(zip(self.region[fs].tolist(), self.offset[fs].tolist(), self.rec_len[fs].tolist()))
-        new = ~found
-        k = len(slots) - len(olds)
-        if k:
-            ns = slots[new]
-            self.used += int(np.count_nonzero(self.digest[ns] == EMPTY))
-            self.digest[ns] = dig[new]
-            self.count += k
-        self.region[slots] = region
-        self.offset[slots] = offset
-        self.rec_len[slots] = rec_len
-        self.raw_len[slots] = raw_len
-        for x, o, rl, wl in later:
-            old = self.put(x, region, o, rl, wl)
-            if old is not None:
-                olds.append(old)
+        added = fresh = 0
+        for x, o, rl, wl in zip(d, offset, rec_len, raw_len):
+            j = x & mask
+            free = -1
+            v = dig[j]
+            while v != x:
+                if v == EMPTY:
+                    break
+                if v == TOMB and free < 0:
+                    free = j
+                j = (j + 1) & mask
+                v = dig[j]
+            else:  # present: replaced in place
+                olds.append((reg[j], off[j], rec[j]))
+                reg[j], off[j], rec[j], raw[j] = region, o, rl, wl
+                continue
+            if free >= 0:  # (the first deleted slot on the probe: reused)
+                j = free
+            else:
+                fresh += 1
+            dig[j] = x
+            reg[j], off[j], rec[j], raw[j] = region, o, rl, wl
+            added += 1
+        self.count += added
+        self.used += fresh
         return olds
 
     def move(self, slot: int, region: int, offset: int) -> None:
@@ -209,6 +209,24 @@ class DigestIndex:
         self._alloc(n)
         self._bulk(*arrays)
 
+    def table(self) -> tuple:
+        """(count, used, digest, region, offset, rec_len, raw_len): the slots as they are (copies)."""
+        return (self.count, self.used, self.digest.copy(), self.region.copy(), self.offset.copy(),
+                self.rec_len.copy(), self.raw_len.copy())
+
+    def load_table(self, table: tuple) -> None:
+        """Replace the contents with slots ``table()`` gave (copied: the arrays may be read-only)."""
+        count, used, digest, region, offset, rec_len, raw_len = table
+        self.digest = np.array(digest, dtype=np.uint64)
+        self.region = np.array(region, dtype=np.uint32)
+        self.offset = np.array(offset, dtype=np.uint32)
+        self.rec_len = np.array(rec_len, dtype=np.uint32)
+        self.raw_len = np.array(raw_len, dtype=np.uint32)
+        self.mask = len(self.digest) - 1
+        self.count, self.used = int(count), int(used)
+        self._views = tuple(memoryview(a) for a in  # type: ignore[arg-type]  # ndarray exports a buffer
+                            (self.digest, self.region, self.offset, self.rec_len, self.raw_len))
+
     def bulk_load(self, digest, region, offset, rec_len, raw_len) -> None:
         """Replace the contents with these entries (digests unique), vectorised."""
         n = len(digest)
@@ -221,21 +239,32 @@ class DigestIndex:
             return
         # into an empty table, linear probing in order of home slot is a running maximum: each entry
         # takes its home or the slot after the previous one, whichever is later (among entries of one
-        # home any order will do: the sort need not be stable)
-        home32 = (digest & np.uint64(self.mask)).astype(np.uint32)
-        order = np.argsort(home32)
-        home = home32.astype(np.int64)
+        # home any order will do)
+        # (sorted as one uint64 each, home slot above entry number: a plain sort of integers, about
+        # twice as fast as an argsort of the homes)
         step = np.arange(n, dtype=np.int64)
-        pos = np.maximum.accumulate(home[order] - step) + step
+        if self.mask < 1 << 32:
+            packed = (digest & np.uint64(self.mask)) << np.uint64(32) | step.astype(np.uint64)
+            packed.sort()
+            order = (packed & np.uint64(0xFFFFFFFF)).astype(np.int64)
+            home = (packed >> np.uint64(32)).astype(np.int64)
+            del packed
+        else:  # (a table of more than 2**32 slots)
+            home = (digest & np.uint64(self.mask)).astype(np.int64)
+            order = np.argsort(home)
+            home = home[order]
+        pos = np.maximum.accumulate(home - step) + step
+        del home, step
         fit = pos <= self.mask
-        at, sel = pos[fit], order[fit]
+        whole = bool(fit[-1])  # (positions only grow: all fit when the last does)
+        at, sel = (pos, order) if whole else (pos[fit], order[fit])
         self.digest[at] = digest[sel]
         self.region[at] = region[sel]
         self.offset[at] = offset[sel]
         self.rec_len[at] = rec_len[sel]
         self.raw_len[at] = raw_len[sel]
         self.count = self.used = len(at)
-        rest = order[~fit]  # past the table's end: they wrap round to its start, probing as usual
+        rest = order[~fit] if not whole else order[:0]  # past the table's end: they wrap round to its start
         if len(rest):
             self._bulk(digest[rest], np.asarray(region)[rest], np.asarray(offset)[rest], np.asarray(rec_len)[rest],
                        np.asarray(raw_len)[rest])

@@ -99,21 +99,28 @@ class Persistence:
         fd = R.open_fd(r.path, self.direct_io, create=True)
         try:
             R.preallocate(fd, self.region_size)
-            R.pwrite_all(fd, memoryview(r.buf)[:r.written], 0)
+            if self.direct_io:
+                R.pwrite_all(fd, memoryview(r.buf)[:r.written], 0)
+            else:  # the image holds headers only (``writepath._Segment``): the removed file's bytes, still open
+                for at in range(0, r.written, 1 << 20):
+                    R.pwrite_all(fd, os.pread(r.fd, min(1 << 20, r.written - at), at), at)
         except OSError:
             os.close(fd)
             raise
         self._close_region_fd(r)
         r.fd, r.ino = fd, os.fstat(fd).st_ino
 
-    def _gather(self) -> recovery.Candidates:
-        """Every live object with its key, read from the summaries.  Caller holds ``_wlock``."""
+    def _gather(self, tables: Optional[list] = None) -> recovery.Candidates:
+        """Every live object with its key, read from the summaries.  Caller holds ``_wlock``.
+        ``tables``: a list that gets the index's slots as they were when its objects were listed."""
         with self._lock:
             slots = self._index.live()
             ix = self._index
             cols = {"digest": ix.digest[slots].copy(), "region": ix.region[slots].astype(np.int64),
                     "offset": ix.offset[slots].astype(np.int64), "rec_len": ix.rec_len[slots].astype(np.int64),
                     "raw_len": ix.raw_len[slots].astype(np.int64)}
+            if tables is not None:
+                tables.append(ix.table())
         n = len(slots)
         key_start = np.zeros(n, dtype=np.int64)
         key_len = np.zeros(n, dtype=np.int64)
@@ -170,7 +177,16 @@ class Persistence:
         """
         sync = durable and self.fsync != "never"
         try:
-            c = self._gather() if cands is None else cands
+            tables: list = []
+            if cands is None:
+                c = self._gather(tables)
+            else:
+                c = cands
+                with self._lock:
+                    tables.append(self._index.table())
+            # the slots go with the checkpoint when the index held exactly the objects it lists (a key
+            # whose summary could not be read is left out of both, by leaving the slots out)
+            table = tables[0] if tables and tables[0][0] == len(c.digest) else None
             c = recovery.take(c, np.lexsort((c.offset, c.seq)))  # oldest first: a reopen need not sort
             covered = self._active.seq if self._active is not None else self._next_seq
             nreg = max(self._regions) + 1 if self._regions else 0
@@ -185,7 +201,7 @@ class Persistence:
                 for fd in list(self._dirty_fds):  # the records the checkpoint points at reach the disk first
                     os.fsync(fd)
                 self._dirty_fds.clear()
-            C.write(self.path, C.encode(covered, self.region_size, seqs, cols, blob), sync)
+            C.write(self.path, C.encode(covered, self.region_size, seqs, cols, blob, table), sync)
         except OSError as e:
             self._count("checkpoint_errors")
             log.warning("%s: checkpoint failed: %s", self._what, e)
@@ -261,7 +277,7 @@ class Persistence:
                     self._lock_file.release()
 
 
-def _gather_keys(c: recovery.Candidates) -> bytes:
+def _gather_keys(c: recovery.Candidates) -> "bytes | memoryview":
     """The candidates' keys back to back, in their order."""
     n = len(c.key_start)
     if not n:

@@ -1,6 +1,7 @@
 """The read path of ``SSDTier``: locate under the lock, then read and verify outside it.
 
-A record in the active region is copied from its in-memory image; any other is one
+A record in the active region is copied from its in-memory image (buffered, only one not yet
+written to the file: the image holds the headers of the others); any other is one
 pread (straight into the caller's parts when buffered and uncompressed, else one
 block-aligned read into a private buffer).  Every read checks header, seq, full key
 and payload sum.  A check that fails is looked at again once under the lock: if the
@@ -17,7 +18,7 @@ import struct
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Optional, cast
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -29,18 +30,19 @@ from ..base import Parts
 from . import format as F
 from . import region as R
 from .deadlog import DeadLog
-from .hostbuf import cbuffer, scatter
+from .hostbuf import cbuffer, ctype_of, scatter
 from .index import DigestIndex
 
 _OK, _BAD, _OTHER, _SIZE = 1, 2, 3, 4  # exact; corrupt or moved; another key's record; size mismatch
 _ZERO_CHECK = bytes(8)  # a header's check field, as its check was computed
-_ADDR = R.buffer_address
 _RUN_GAP = 4096  # records at most this far apart are read together
 _RUN_MAX = 1 << 20  # a run's span is at most this long
 _RUN_OBJECT = 256 << 10  # records longer than this are read on their own
 _MANY = 64  # batches of at least this many keys are looked up in the index with numpy
 _PLACE = operator.itemgetter(0, 1)  # (region, offset) of a record to read
-_VECTOR_MIN = 4  # a buffered run of at least this many records is checked by ``_check_plan``
+_XXH = xxhash.xxh3_64_intdigest
+_COPY_SUM_MIN = 1 << 20  # a payload at least this long read through a scratch is copied and summed in pieces
+_PIECE = 128 << 10  # (the pieces)
 #: a record header's fixed fields (``F.RECORD_STRUCT`` up to the payload sum): magic, version, flags,
 #: key length, seq, raw and stored length, all known before the read; then the sum and check, then padding
 _EXPECT = struct.Struct("<4sBBHQII")
@@ -49,6 +51,41 @@ _PSUM_AT = _FIXED
 _SUMS = struct.Struct("<QQ")
 _PAD_AT = F.RECORD_CHECK_AT + 8
 _PAD = bytes(F.REC_HDR - _PAD_AT)
+
+
+def _loc(t: tuple, kbs: list, digs: list) -> tuple:
+    """A record to read as ``_read_one`` takes it: (key bytes, digest, region, offset, rec_len, raw_len,
+    seq, image or None), from a batch's entry (region index, offset, i, rec_len, raw_len, region, seq)."""
+    i = t[2]
+    return kbs[i], digs[i], t[5], t[1], t[3], t[4], t[6], None
+
+
+def _copy_summed(body, src: int, parts: Parts, psum: int) -> Optional[int]:
+    """Copy a payload (``body``, at address ``src``) into host parts a piece at a time, each piece summed
+    right after it is copied, while its bytes are still in the cache (one pass over memory, not two):
+    ``_OK`` when the xxh3 sum of ``body`` is ``psum``, ``_BAD`` when not (the parts then hold
+    unspecified bytes), None when the parts are not host memory of ``body``'s length."""
+    want = 0
+    for p in parts:
+        if not (p.is_cpu and p.is_contiguous()):
+            return None
+        want += p.numel()
+    if want != len(body):
+        return None
+    h = xxhash.xxh3_64()
+    memmove = ctypes.memmove
+    at = 0
+    for p in parts:
+        n = p.numel()
+        dst = p.data_ptr()
+        k = 0
+        while k < n:
+            c = min(_PIECE, n - k)
+            memmove(dst + k, src + at, c)
+            h.update(body[at:at + c])
+            k += c
+            at += c
+    return _OK if h.intdigest() == psum else _BAD
 
 
 class ReadPath:
@@ -73,10 +110,9 @@ class ReadPath:
     def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         n = len(keys)
         out = [False] * n
-        kbs = [k.encode() for k in keys]
-        key_digest = F.key_digest
-        digs = [key_digest(kb) for kb in kbs]
-        todo: list = []
+        kbs = list(map(str.encode, keys))
+        digs = list(map(F.key_digest, kbs))
+        todo: list = []  # (region, offset, i, rec_len, raw_len, Region, seq) of each record to read
         with self._lock:
             if n >= _MANY:
                 _, reg, off, rec, raw = self._index.get_many(np.array(digs, dtype=np.uint64))
@@ -84,24 +120,24 @@ class ReadPath:
                 hit = np.flatnonzero(rec)
                 found: list = list(zip(hit.tolist(), reg[hit].tolist(), off[hit].tolist(), rec[hit].tolist(),
                                        raw[hit].tolist()))
-            else:  # (a few keys: the probes one by one cost less than the numpy calls)
-                found = []
-                get = self._index.get
-                for i, d in enumerate(digs):
-                    e = get(d)
-                    if e is not None:
-                        found.append((i, *e))
+            else:  # (a few keys: one loop of probes costs less than the numpy calls)
+                found = self._index.lookup(digs)
             active = self._active
             regions = self._regions
+            # (buffered, the active region's records already written are read from the file: the image
+            # holds their headers only, see ``writepath._Segment``)
+            in_image = active is not None and self.direct_io
+            written = active.written if active is not None else 0
             for i, ri, o, rl, wl in found:
                 r = regions[ri]
-                if r is active:  # copied and checked under the lock, so the image cannot be reused meanwhile
+                if r is active and (in_image or o + rl > written):
+                    # copied and checked under the lock, so the image cannot be reused meanwhile
                     out[i] = self._image_read(keys[i], (kbs[i], digs[i], r, o, rl, wl, r.seq, r.buf), dsts[i])
                 else:
-                    todo.append((ri, o, i, (kbs[i], digs[i], r, o, rl, wl, r.seq, None)))
+                    todo.append((ri, o, i, rl, wl, r, r.seq))
         if not todo:
             return out
-        runs = self._runs(todo, dsts)
+        runs = self._runs(todo, dsts, (kbs, digs))
         total = sum(run[2] for run in runs)
 
         def one(j: int) -> None:
@@ -114,139 +150,169 @@ class ReadPath:
             share_work(one, len(runs), self._pool, self._threads - 1)
         return out
 
-    def _runs(self, todo: list, dsts: Sequence[Parts]) -> list:
-        """Records to read grouped into runs of neighbours in one file: (region, [(i, loc)], span bytes).
+    def _runs(self, todo: list, dsts: Sequence[Parts], ctx: tuple) -> list:
+        """Records to read grouped into runs of neighbours in one file: (``ctx``, [todo entry], span bytes).
 
         Small records a short gap apart are read with one pread; a large record (buffered reads go
-        straight into the caller's parts) is a run of its own."""
+        straight into the caller's parts) is a run of its own.  A record of another size than the
+        caller's parts is a miss without a read."""
         todo.sort(key=_PLACE)
         runs: list = []
         cur: list = []
         start = end = -1
         cur_r = -1
-        for ri, o, i, loc in todo:
-            rl = loc[4]
+        alone = _RUN_OBJECT if not self.direct_io else 1 << 62  # (O_DIRECT: every run through the scratch)
+        for t in todo:
+            ri, o, i, rl, wl = t[:5]
             parts = dsts[i]
-            if loc[5] != (parts[0].numel() if len(parts) == 1 else sum(p.numel() for p in parts)):
-                continue  # not the size the caller expects: a miss without a read
-            if rl > _RUN_OBJECT and not self.direct_io:  # (straight into the caller's parts)
-                runs.append((ri, [(i, loc)], rl))
+            if wl != (parts[0].numel() if len(parts) == 1 else sum(p.numel() for p in parts)):
+                continue
+            if rl > alone:  # (straight into the caller's parts when buffered)
+                runs.append((ctx, [t], rl))
                 continue
             if cur and ri == cur_r and o - end <= _RUN_GAP and o + rl - start <= _RUN_MAX + _RUN_GAP:
-                cur.append((i, loc))
-                end = max(end, o + rl)
+                cur.append(t)
+                if o + rl > end:
+                    end = o + rl
                 continue
             if cur:
-                runs.append((cur_r, cur, end - start))
-            cur, cur_r, start, end = [(i, loc)], ri, o, o + rl
+                runs.append((ctx, cur, end - start))
+            cur, cur_r, start, end = [t], ri, o, o + rl
         if cur:
-            runs.append((cur_r, cur, end - start))
+            runs.append((ctx, cur, end - start))
         return runs
 
-    def _read_run(self, run, keys: Sequence[str], dsts: Sequence[Parts], out: list[bool]) -> None:
-        """One read of a run's span into this thread's scratch buffer, then each record checked there."""
-        _, items, span = run
-        if not self.direct_io:
-            if len(items) == 1:
-                i, loc = items[0]
-                out[i] = self._read_one(keys[i], loc, dsts[i])
-            else:
-                self._read_run_into(items, keys, dsts, out)
-            return
-        first = items[0][1]
-        start = first[3]
+    def _read_run(self, run: tuple, keys: Sequence[str], dsts: Sequence[Parts], out: list[bool]) -> None:
+        """Read and check one run: ((key bytes, digests) of the batch, [todo entry], span bytes)."""
+        (kbs, digs), items, span = run
+        if self.direct_io:
+            self._read_run_direct(items, span, keys, kbs, digs, dsts, out)
+        elif len(items) == 1:
+            t = items[0]
+            out[t[2]] = self._read_one(keys[t[2]], _loc(t, kbs, digs), dsts[t[2]])
+        else:
+            self._read_run_into(items, keys, kbs, digs, dsts, out)
+
+    def _read_run_direct(self, items: list, span: int, keys: Sequence[str], kbs: list, digs: list,
+                         dsts: Sequence[Parts], out: list[bool]) -> None:
+        """O_DIRECT: one aligned read of a run's span into this thread's scratch, then each record checked
+        and copied out there (a second look, on its own, for any that fails)."""
+        start = items[0][1]
         try:
-            view, addr = R.read_span_scratch(first[2].fd, start, span, self.direct_io)
+            view, addr = R.read_span_scratch(items[0][5].fd, start, span, True)
         except OSError:
             view = None
         again = []
-        for i, loc in items:
+        for t in items:
+            i = t[2]
             if view is not None:
-                o = loc[3] - start
-                if self._settled(self._from_view(view[o:o + loc[4]], loc[0], loc[6], dsts[i], addr + o), i, out):
+                o = t[1] - start
+                if self._settled(self._from_view(view[o:o + t[3]], kbs[i], t[6], dsts[i], addr + o), i, out):
                     continue
-            again.append((i, loc))
-        for i, loc in again:  # a second look decides: moved, corrupt or an I/O error (the scratch is reused)
-            out[i] = self._read_one(keys[i], loc, dsts[i])
+            again.append(t)
+        for t in again:  # a second look decides: moved, corrupt or an I/O error (the scratch is reused)
+            i = t[2]
+            out[i] = self._read_one(keys[i], _loc(t, kbs, digs), dsts[i])
 
-    def _read_run_into(self, items: list, keys: Sequence[str], dsts: Sequence[Parts], out: list[bool]) -> None:
+    def _read_run_into(self, items: list, keys: Sequence[str], kbs: list, digs: list, dsts: Sequence[Parts],
+                       out: list[bool]) -> None:
         """A buffered run in one preadv: headers, keys and gaps into this thread's scratch, each payload
-        straight into the caller's parts; then each record checked (a second look for any that fails)."""
-        scratch, _ = R.scratch(_RUN_MAX)
+        straight into the caller's parts; then each record checked, a few C calls a record (see
+        ``_check_fast``); any that does not pass there is parsed field by field, and one that fails that
+        is looked at again on its own."""
+        scratch, saddr = R.scratch(_RUN_MAX + _RUN_GAP)
         smv = memoryview(scratch)
         iov: list = []
-        plan: list = []  # (i, loc, scratch offset of its header, payload views or None)
+        add = iov.append
+        plan: list = []  # (i, scratch offset of its header, key bytes, seq, payload views or None, entry)
         sp = 0
-        pos = items[0][1][3]
-        fd = items[0][1][2].fd
-        for i, loc in items:
-            kb, off, rec_len, raw_len = loc[0], loc[3], loc[4], loc[5]
-            if off > pos:
-                iov.append(smv[sp:sp + off - pos])
-                sp += off - pos
-            head = F.REC_HDR + len(kb)
-            views: Optional[list] = []
-            if rec_len == head + raw_len and raw_len:
-                for p in dsts[i]:
-                    b = cbuffer(p)
-                    if b is None:
-                        views = None
-                        break
-                    if len(b):
-                        cast(list, views).append(b)
-            else:
-                views = None
-            n = head if views is not None else rec_len
-            iov.append(smv[sp:sp + n])
-            plan.append((i, loc, sp, views))
-            sp += n
+        first = items[0][1]
+        pos = first
+        head0 = F.REC_HDR
+        typ, typ_len = ctype_of(1), 1  # (the buffer type of the last payload length)
+        for t in items:
+            o, i, rl, wl = t[1], t[2], t[3], t[4]
+            if o > pos:
+                add(smv[sp:sp + o - pos])
+                sp += o - pos
+            kb = kbs[i]
+            head = head0 + len(kb)
+            views: Optional[list] = None
+            if rl == head + wl and wl:
+                parts = dsts[i]
+                if len(parts) == 1:
+                    p = parts[0]
+                    if p.is_cpu and p.is_contiguous():
+                        if wl != typ_len:
+                            typ, typ_len = ctype_of(wl), wl
+                        views = [typ.from_address(p.data_ptr())]
+                else:
+                    views = []
+                    for p in parts:
+                        b = cbuffer(p)
+                        if b is None:
+                            views = None
+                            break
+                        if len(b):
+                            views.append(b)
             if views is not None:
+                add(smv[sp:sp + head])
                 iov += views
-            pos = off + rec_len
+                plan.append((i, sp, kb, t[6], views, t))
+                sp += head
+            else:
+                add(smv[sp:sp + rl])
+                plan.append((i, sp, kb, t[6], None, t))
+                sp += rl
+            pos = o + rl
         try:
-            got = os.preadv(fd, iov, items[0][1][3])
+            got = os.preadv(items[0][5].fd, iov, first)
         except OSError:
             got = -1
         again = []
-        want = pos - items[0][1][3]
-        if got == want and len(plan) >= _VECTOR_MIN and all(p[3] is not None for p in plan):
-            plan = self._check_plan(scratch, smv, plan, out)  # (what it cannot settle: looked at one by one)
-        for i, loc, at, views in plan:
-            if got == want:
+        if got == pos - first:
+            for p_ in self._check_fast(scratch, smv, plan, out):
+                i, at, kb, seq, views, t = p_
                 if views is None:
-                    res = self._from_view(smv[at:at + loc[4]], loc[0], loc[6], dsts[i], _ADDR(scratch) + at)
+                    res = self._from_view(smv[at:at + t[3]], kb, seq, dsts[i], saddr + at)
                 else:
-                    res = self._head_then(smv[at:at + F.REC_HDR + len(loc[0])], loc, views)
-                if self._settled(res, i, out):
-                    continue
-            again.append((i, loc))
-        for i, loc in again:  # a second look decides: moved, corrupt or an I/O error
-            out[i] = self._read_one(keys[i], loc, dsts[i])
+                    res = self._head_then(smv[at:at + F.REC_HDR + len(kb)], kb, seq, t[4], views)
+                if not self._settled(res, i, out):
+                    again.append(t)
+        else:
+            again = [p_[5] for p_ in plan]
+        for t in again:  # a second look decides: moved, corrupt or an I/O error
+            i = t[2]
+            out[i] = self._read_one(keys[i], _loc(t, kbs, digs), dsts[i])
 
-    def _check_plan(self, scratch, smv: memoryview, plan: list, out: list[bool]) -> list:
+    def _check_fast(self, scratch, smv: memoryview, plan: list, out: list[bool]) -> list:
         """Check a run's records read into the caller's parts (headers and keys in ``scratch``), a few C
         calls a record: the header's fixed fields and padding against the bytes the index, the region's
         seq and the key say they must be, the full key, the header check (one xxh3 call, over the header
         with its check field zeroed in the scratch, and the key) and the payload sum (one call; records of
         another sum or with other flags are left to ``_head_then``).  Sets ``out`` for the records that
-        pass; returns the plan entries of those that do not (their check field as read)."""
+        pass; returns the plan entries of the others (their header as read)."""
         expect = _EXPECT.pack
         sums = _SUMS.unpack_from
-        dig = xxhash.xxh3_64_intdigest
+        dig = _XXH
+        xxh3 = F.xxh3
         magic, version, head = F.RECORD_MAGIC, F.VERSION, F.REC_HDR
         rest = []
         for p in plan:
-            _, loc, a, views = p
-            kb = loc[0]
-            psum, check = sums(scratch, a + _PSUM_AT)
-            end = a + head + len(kb)
-            if (smv[a:a + _FIXED] == expect(magic, version, 0, len(kb), loc[6], loc[5], loc[5])
-                    and smv[a + _PAD_AT:a + head] == _PAD and smv[a + head:end] == kb):
-                scratch[a + F.RECORD_CHECK_AT:a + F.RECORD_CHECK_AT + 8] = _ZERO_CHECK
-                if dig(smv[a:end]) == check and (dig(views[0]) if len(views) == 1 else F.xxh3(views)) == psum:
-                    out[p[0]] = True
-                    continue
-                F.CHECK_STRUCT.pack_into(scratch, a + F.RECORD_CHECK_AT, check)
+            _, a, kb, seq, views, _t = p
+            if views is not None:
+                klen = len(kb)
+                end = a + head + klen
+                wl = _t[4]
+                # (slices of the scratch map are bytes: compared with one memcmp, unlike memoryviews)
+                if scratch[a:a + _FIXED] == expect(magic, version, 0, klen, seq, wl, wl) and \
+                        scratch[a + _PAD_AT:end] == _PAD + kb:
+                    psum, check = sums(scratch, a + _PSUM_AT)
+                    scratch[a + F.RECORD_CHECK_AT:a + _PAD_AT] = _ZERO_CHECK
+                    if dig(smv[a:end]) == check and (dig(views[0]) if len(views) == 1 else xxh3(views)) == psum:
+                        out[p[0]] = True
+                        continue
+                    F.CHECK_STRUCT.pack_into(scratch, a + F.RECORD_CHECK_AT, check)
             rest.append(p)
         return rest
 
@@ -261,19 +327,20 @@ class ReadPath:
             return True
         return res == _SIZE
 
-    def _head_then(self, head, loc, views: list) -> int:
-        """Check a header read into ``head`` and the payload read into ``views`` (the caller's parts)."""
+    def _head_then(self, head, kb: bytes, seq: int, want: int, views: list) -> int:
+        """Check a header read into ``head`` and the payload read into ``views`` (the caller's parts):
+        the record of key ``kb`` in a region of ``seq``, ``want`` bytes long."""
         magic, version, flags, klen, rseq, raw_len, stored, psum, check = F.RECORD_STRUCT.unpack_from(head, 0)
-        if magic != F.RECORD_MAGIC or version != F.VERSION or klen != len(loc[0]):
+        if magic != F.RECORD_MAGIC or version != F.VERSION or klen != len(kb):
             return _BAD
         h = xxhash.xxh3_64(head[:F.RECORD_CHECK_AT])
         h.update(_ZERO_CHECK)
         h.update(head[F.RECORD_CHECK_AT + 8:])
-        if h.intdigest() != check or rseq != loc[6] or flags & (F.FLAG_TOMB | F.FLAG_LZ4):
+        if h.intdigest() != check or rseq != seq or flags & (F.FLAG_TOMB | F.FLAG_LZ4):
             return _BAD
-        if head[F.REC_HDR:] != loc[0]:
+        if head[F.REC_HDR:] != kb:
             return _BAD  # (a key of this length but another: a private read tells corrupt from collision)
-        if stored != raw_len or raw_len != loc[5]:
+        if stored != raw_len or raw_len != want:
             return _BAD
         sum_of = F.sum_function(flags)
         if sum_of is None:
@@ -303,7 +370,8 @@ class ReadPath:
         if e is None:
             return None
         r = self._regions[e[0]]
-        return kb, d, r, e[1], e[2], e[3], r.seq, (r.buf if r is self._active else None)
+        image = r is self._active and (self.direct_io or e[1] + e[2] > r.written)  # (see ``_read``)
+        return kb, d, r, e[1], e[2], e[3], r.seq, (r.buf if image else None)
 
     def _read_one(self, key: str, loc, parts: Parts) -> bool:
         if loc is None:
@@ -371,6 +439,10 @@ class ReadPath:
         sum_of = F.sum_function(flags)
         if sum_of is None:
             return _SIZE  # summed with an algorithm this build lacks: a miss, the object stays
+        if addr and stored >= _COPY_SUM_MIN and not flags & (F.FLAG_LZ4 | F.FLAG_CRC32C):
+            res = _copy_summed(body, addr + body_at, parts, psum)
+            if res is not None:
+                return res
         if sum_of(body) != psum:
             return _BAD
         if flags & F.FLAG_LZ4:

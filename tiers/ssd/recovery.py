@@ -16,7 +16,7 @@ replaced or moved, they are no objects.  All of it is vectorised.
 from __future__ import annotations
 
 import logging
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 
@@ -37,7 +37,7 @@ class Candidates(NamedTuple):
     flags: np.ndarray
     key_start: np.ndarray  # into ``keys``
     key_len: np.ndarray
-    keys: bytes
+    keys: "bytes | memoryview"
 
 
 class Scanned(NamedTuple):
@@ -65,7 +65,7 @@ def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Opti
          dead: Optional[np.ndarray] = None) -> Loaded:
     """Collect and resolve candidates.  ``regions``: index -> Region with fd and seq set (valid headers only)."""
     parts = _empty()
-    blobs: list[bytes] = []
+    blobs: list = []
     base = 0
     covered: set[int] = set()
     source = "empty"
@@ -198,23 +198,44 @@ def _keys(c: Candidates, sizes: Optional[list]) -> list:
     gc.disable()  # a million new strings would run the cycle collector over and over, for nothing
     try:
         n = len(c.key_len)
-        if keys.isascii():  # one decode; byte offsets are character offsets
-            text = keys.decode("ascii")
-            starts: Any
-            if n and int(c.key_len.min()) == int(c.key_len.max()):
-                m = int(c.key_len[0])  # keys of one length (the store's content addresses)
-                s0 = int(c.key_start[0])
-                back_to_back = bool((np.diff(c.key_start) == m).all())
-                starts = range(s0, s0 + n * m, m) if back_to_back else c.key_start.tolist()
-                if sizes is None:
-                    return [text[a:a + m] for a in starts]
-                return [(text[a:a + m], s) for a, s in zip(starts, sizes)]
+        strs = _split_one_length(c) if n else []
+        if strs is None:
+            try:
+                text = str(keys, "ascii")  # one decode; byte offsets are character offsets
+            except UnicodeDecodeError:
+                text = None
             spans = zip(c.key_start.tolist(), c.key_len.tolist())
-            if sizes is None:
-                return [text[a:a + k] for a, k in spans]
-            return [(text[a:a + k], s) for (a, k), s in zip(spans, sizes)]
-        strs = [keys[a:a + k].decode("utf-8", "replace") for a, k in zip(c.key_start.tolist(), c.key_len.tolist())]
+            if text is not None:
+                strs = [text[a:a + k] for a, k in spans]
+            else:
+                strs = [str(keys[a:a + k], "utf-8", "replace") for a, k in spans]
         return strs if sizes is None else list(zip(strs, sizes))
     finally:
         if gc_was:
             gc.enable()
+
+
+def _split_one_length(c: Candidates) -> Optional[list]:
+    """The keys as strings when they are ASCII, of one length and back to back (the store's content
+    addresses), made by one ``str.split`` over a copy of them with a newline after each (the strings
+    made in C, not by a slice each); None when that does not apply (some key holds a newline)."""
+    n = len(c.key_len)
+    m = int(c.key_len[0])
+    if not m or int(c.key_len.min()) != m or int(c.key_len.max()) != m:
+        return None
+    s0 = int(c.key_start[0])
+    if n > 1 and not bool((np.diff(c.key_start) == m).all()):
+        return None
+    lined = np.empty((n, m + 1), dtype=np.uint8)
+    lined[:, :m] = np.frombuffer(c.keys, dtype=np.uint8, count=n * m, offset=s0).reshape(n, m)
+    lined[:, m] = 10
+    try:
+        text = str(lined.reshape(-1).data, "ascii")
+    except UnicodeDecodeError:
+        return None
+    del lined
+    strs = text.split("\n")
+    if len(strs) != n + 1:  # (some key holds a newline)
+        return None
+    strs.pop()  # (after the last newline)
+    return strs

@@ -125,6 +125,31 @@ def pwrite_all(fd: int, view, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
+_IOV_MAX = 1024  # (Linux's limit on the buffers of one pwritev)
+
+
+def pwritev_all(fd: int, bufs: list, offset: int) -> None:
+    """Write the buffers back to back from ``offset`` (as many ``pwritev`` calls as it takes)."""
+    for i in range(0, len(bufs), _IOV_MAX):
+        chunk = bufs[i:i + _IOV_MAX]
+        got = os.pwritev(fd, chunk, offset)
+        want = sum(len(b) for b in chunk)
+        if got < want:  # (a short write: the rest piece by piece)
+            if got < 0:
+                raise OSError(errno.EIO, "short write")
+            at = offset + got
+            for b in chunk:
+                n = len(b)
+                if got >= n:
+                    got -= n
+                    continue
+                rest = memoryview(b).cast("B")[got:]
+                got = 0
+                pwrite_all(fd, rest, at)
+                at += len(rest)
+        offset += want
+
+
 _tls = threading.local()
 
 

@@ -315,7 +315,11 @@ class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
             keep_from_end = np.cumsum(fps[::-1])[::-1] <= self.capacity_bytes
             dropped = recovery.take(c, np.flatnonzero(~keep_from_end))
             c = recovery.take(c, np.flatnonzero(keep_from_end))
-        self._index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
+        if (ckpt is not None and ckpt.table is not None and not loaded.read_regions and not len(dropped.digest)
+                and len(c.digest) == len(ckpt.cols["digest"]) == ckpt.table[0]):
+            self._index.load_table(ckpt.table)  # every object the checkpoint lists is current: its index as is
+        else:
+            self._index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
         for idx, r in valid.items():  # noqa: B007 - the name documents the loop
             r.state = R.FREE
         if len(c.digest):

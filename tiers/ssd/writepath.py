@@ -1,7 +1,8 @@
 """The write path of ``SSDTier``: appends into the active region's image, write-outs, region changes.
 
 A ``write`` call is one batch: its host objects are copied into the active image one after
-another (header packed in one call, its check one xxh3 call over header and key) while a
+another (header packed in one call, its check one xxh3 call over header and key; buffered,
+large payloads are written from the caller's parts instead, see ``_Segment``) while a
 writer thread writes out what is already copied; at the end of the batch (or of a region)
 the rest is written and only then do the batch's digests enter the index, together.  So
 every object ``write`` acknowledged is in the region file when it returns, and a write-out
@@ -30,13 +31,16 @@ from . import format as F
 from . import region as R
 from .deadlog import DeadLog
 from .format import WRITE_UNIT
-from .hostbuf import _host_view, image_address
+from .hostbuf import _host_view, cbuffer, ctype_of, image_address
 from .index import DigestIndex
 
 #: a batch's finished bytes go to the writer thread in pieces of at least this much (buffered writes)
 PIPE_UNIT = 512 << 10
 #: the same with O_DIRECT: the first piece of a batch leaves as soon as this much is copied
 PIPE_MIN_DIRECT = 256 << 10
+#: buffered, payloads at least this long are written from the caller's parts, not copied into the image
+_GATHER_MIN = 4096
+_ZEROS = memoryview(bytes(F.ALIGN))
 
 
 class WritePath:
@@ -93,12 +97,13 @@ class WritePath:
         return out
 
     def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
-        """Append a batch: host objects are copied into the active image one after another and
-        committed per region in one go: the batch's bytes reach the file, then its digests enter the
-        index together.  While the writer thread is idle, each finished object hands it everything
-        copied since its last write (at least ``PIPE_UNIT``, ``PIPE_MIN_DIRECT`` with O_DIRECT), so it
-        writes while the caller copies on, in pieces that grow with the backlog; the commit writes the
-        rest beside the writer's last piece.  Compressed or device objects take ``_put_one``.
+        """Append a batch: host objects are copied into the active image one after another (buffered,
+        a payload of ``_GATHER_MIN`` bytes or more is only summed, and written from the caller's parts:
+        see ``_Segment``) and committed per region in one go: the batch's bytes reach the file, then its
+        digests enter the index together.  While the writer thread is idle, each finished object hands
+        it everything since its last write (at least ``PIPE_UNIT``, ``PIPE_MIN_DIRECT`` with O_DIRECT),
+        so it writes while the caller goes on, in pieces that grow with the backlog; the commit writes
+        the rest beside the writer's last piece.  Compressed or device objects take ``_put_one``.
         Returns the results and whether any object took ``_put_one``."""
         out = [False] * len(keys)
         one_by_one = False
@@ -109,9 +114,22 @@ class WritePath:
         region_size = self.region_size
         hdr = F.RECORD_STRUCT.pack_into
         chk = F.CHECK_STRUCT.pack_into
+        entry = F.ENTRY_STRUCT.pack
         digest_of = xxhash.xxh3_64_intdigest
+        key_digest = F.key_digest
         memmove = ctypes.memmove
+        _ctype = ctype_of
+        magic, version = F.RECORD_MAGIC, F.VERSION
+        head, check_at, align = F.REC_HDR, F.RECORD_CHECK_AT, F.ALIGN
+        per_entry, max_key, footer = F.ENTRY, F.MAX_KEY, F.FOOTER
         pipe_min = PIPE_MIN_DIRECT if self.direct_io else PIPE_UNIT
+        plain = not self.compression
+        gather = not self.direct_io  # (see ``_Segment``)
+        iov: list = []
+        # (the segment's lists are cleared in place by each commit, so these stay bound to them)
+        s_idx, s_dig, s_off, s_rec, s_raw = (seg.idx.append, seg.digests.append, seg.offsets.append,
+                                            seg.rec_lens.append, seg.raw_lens.append)
+        s_ent, s_key = seg.entries.append, seg.keys.append
         last = len(keys) - 1
         r = self._active
         buf: Any = None
@@ -123,15 +141,20 @@ class WritePath:
             parts = srcs[i]
             kb = key.encode()
             klen = len(kb)
-            if klen > F.MAX_KEY:
+            if klen > max_key:
                 self._count("bad_key")
                 continue
-            raw_len = 0
-            host = not self.compression
-            for p in parts:
-                raw_len += p.numel()
-                if host and not (p.is_cpu and p.is_contiguous()):
-                    host = False
+            if len(parts) == 1:
+                p = parts[0]
+                raw_len = p.numel()
+                host = plain and p.is_cpu and p.is_contiguous()
+            else:
+                raw_len = 0
+                host = plain
+                for p in parts:
+                    raw_len += p.numel()
+                    if host and not (p.is_cpu and p.is_contiguous()):
+                        host = False
             if not host:
                 self._commit(seg, out)
                 out[i] = self._put_one(key, parts)
@@ -140,37 +163,84 @@ class WritePath:
                 if r is not None:
                     buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
                 continue
-            rec_len = F.REC_HDR + klen + raw_len
-            if ((rec_len + F.ALIGN - 1) & -F.ALIGN) + F.ENTRY + F.MAX_KEY > max_slot or raw_len >= 1 << 32:
+            rec_len = head + klen + raw_len
+            if ((rec_len + align - 1) & -align) + per_entry + max_key > max_slot or raw_len >= 1 << 32:
                 self._count("too_large")  # (``F.measure``)
                 continue
-            pos = seg.end if seg.n else (r.pos if r is not None else 0)
-            end = (pos + rec_len + F.ALIGN - 1) & -F.ALIGN
-            if r is None or F.summary_start(region_size, r.count + seg.n + 1,
-                                            len(r.keys) + seg.key_bytes + klen) < end:  # type: ignore[arg-type]  # (set while ACTIVE)
+            n = seg.n
+            pos = seg.end if n else (r.pos if r is not None else 0)
+            end = (pos + rec_len + align - 1) & -align
+            # (``F.summary_start``: the region's summary, this record's entry and key included, must
+            # start at or after the record's end)
+            if r is None or (region_size - (r.count + n + 1) * per_entry - len(r.keys)  # type: ignore[arg-type]  # (set while ACTIVE)
+                             - seg.key_bytes - klen - footer) & -F.BLOCK < end:
                 self._commit(seg, out)
                 r = self._room(rec_len, klen)
                 if r is None:
                     continue
                 buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
                 pos = r.pos
-                end = (pos + rec_len + F.ALIGN - 1) & -F.ALIGN
-            if not seg.n:
-                seg.begin(r, pos)
-            at = pos + F.REC_HDR + klen
-            dst = base + at
-            for p in parts:
-                n = p.numel()
-                if n:
-                    memmove(dst, p.data_ptr(), n)
-                    dst += n
-            psum = psum_of(mv[at:at + raw_len])
-            hdr(buf, pos, F.RECORD_MAGIC, F.VERSION, flags, klen, r.seq, raw_len, raw_len, psum, 0)
-            mv[pos + F.REC_HDR:at] = kb
-            chk(buf, pos + F.RECORD_CHECK_AT, digest_of(mv[pos:at]))
-            seg.add(i, F.key_digest(kb), pos, rec_len, raw_len, kb, flags, end)
+                end = (pos + rec_len + align - 1) & -align
+                n = 0
+            if not n:
+                if gather and r.written < pos:  # (records copied into the image before: to the file first)
+                    self._write_out(r, pos, pos)
+                seg.begin(r, pos, gather and r.written == pos)
+                iov = seg.iov
+            at = pos + head + klen
+            if seg.gather and raw_len >= _GATHER_MIN:  # the payload goes to the file from the caller's parts
+                if len(parts) == 1:
+                    src = _ctype(raw_len).from_address(parts[0].data_ptr())
+                    psum = psum_of(src)
+                    hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+                    mv[pos + head:at] = kb
+                    chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                    iov.append(mv[pos:at])
+                    iov.append(src)
+                else:
+                    views = [cbuffer(p) for p in parts if p.numel()]
+                    psum = F.payload_sum(views, flags)
+                    hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+                    mv[pos + head:at] = kb
+                    chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                    iov.append(mv[pos:at])
+                    iov += views
+                if end > at + raw_len:
+                    iov.append(_ZEROS[:end - at - raw_len])
+            else:
+                if len(parts) == 1:
+                    if raw_len:
+                        memmove(base + at, parts[0].data_ptr(), raw_len)
+                else:
+                    dst = base + at
+                    for p in parts:
+                        m = p.numel()
+                        if m:
+                            memmove(dst, p.data_ptr(), m)
+                            dst += m
+                psum = psum_of(mv[at:at + raw_len])
+                hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+                mv[pos + head:at] = kb
+                chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                if seg.gather:
+                    iov.append(mv[pos:end])
+            d = key_digest(kb)
+            s_idx(i)
+            s_dig(d)
+            s_off(pos)
+            s_rec(rec_len)
+            s_raw(raw_len)
+            s_ent(entry(d, pos, rec_len, raw_len, klen, flags, 0))
+            s_key(kb)
+            seg.key_bytes += klen
+            seg.n = n + 1
+            seg.end = end
             if i < last and end - seg.submitted >= pipe_min and seg.idle():  # (the last piece: the commit's)
-                seg.submit(self._writer_pool(), r, F.align_down(end))
+                if seg.gather:
+                    seg.submit_gathered(self._writer_pool(), r, end)
+                    iov = seg.iov
+                else:
+                    seg.submit(self._writer_pool(), r, F.align_down(end))
         self._commit(seg, out)
         return out, one_by_one
 
@@ -186,15 +256,28 @@ class WritePath:
         if not seg.n:
             return
         r = cast(R.Region, seg.region)
-        r.written = max(r.written, seg.written)
-        ok = self._write_out(r, F.align_up(seg.end), seg.end)  # (beside the writer's piece in flight)
-        ok = seg.wait(self) and ok
-        if not ok:
-            r.written = min(r.written, F.align_down(seg.start))
+        if seg.gather:
+            ok = True
+            if seg.iov:
+                try:  # (beside the writer's piece in flight)
+                    R.pwritev_all(r.fd, seg.iov, seg.submitted)
+                except OSError as e:
+                    self._io_error(e, f"writing {r.path}")
+                    ok = False
+            ok = seg.wait(self) and ok
+            if ok:
+                r.written = seg.end
+                self._dirty_fds.add(r.fd)
+        else:
+            r.written = max(r.written, seg.written)
+            ok = self._write_out(r, F.align_up(seg.end), seg.end)  # (beside the writer's piece in flight)
+            ok = seg.wait(self) and ok
+        if not ok:  # (buffered, the file holds exactly ``written`` bytes; O_DIRECT rewrites a partial block)
+            r.written = min(r.written, F.align_down(seg.start) if self.direct_io else seg.start)
             seg.reset()
             return
         n = seg.n
-        meas = seg.measured
+        meas = seg.end - seg.start + n * (F.ENTRY + F.MAX_KEY)  # (``F.measure`` of each: they lie end to end)
         with self._lock:
             olds = self._index.put_many(seg.digests, r.index, seg.offsets, seg.rec_lens, seg.raw_lens)
             r.live_bytes += meas
@@ -282,6 +365,8 @@ class WritePath:
     def _write_out(self, r: R.Region, end: int, data_end: int) -> bool:
         """Write the active image from ``r.written`` up to ``end`` (block aligned); its bytes end at
         ``data_end`` (a partial last block is written again next time)."""
+        if not self.direct_io:  # buffered: exactly the bytes not yet written (the image may not hold the
+            end = min(end, data_end)  # payloads of records written before, see ``_Segment``)
         if end <= r.written:
             return True
         buf = cast("mmap.mmap", r.buf)  # (the active image)
@@ -293,7 +378,7 @@ class WritePath:
             self._io_error(e, f"writing {r.path}")
             return False
         self._dirty_fds.add(r.fd)
-        r.written = min(end, F.align_down(data_end))
+        r.written = min(end, F.align_down(data_end)) if self.direct_io else end
         return True
 
     def _room(self, rec_len: int, key_len: int) -> Optional[R.Region]:
@@ -405,17 +490,21 @@ class WritePath:
 
 
 class _Segment:
-    """Records of one batch appended to the active image but not yet written out and indexed."""
+    """Records of one batch appended to the active image but not yet written out and indexed.
 
-    __slots__ = ("digests", "end", "entries", "futures", "idx", "key_bytes", "keys", "measured", "n", "offsets", "raw_lens",
-                 "rec_lens", "region", "start", "submitted", "written")
+    Its lists are cleared in place (``reset``): the appender keeps their ``append`` methods.
+
+    Buffered (``gather``), the segment's bytes go to the file as a list of pieces in file order, one
+    ``pwritev`` each write: a record's header and key from the image, its payload (of ``_GATHER_MIN``
+    bytes or more) straight from the caller's parts, zeros up to the next record; a smaller payload is
+    copied into the image and its whole record taken from there.  The file then holds the region's
+    bytes and the image only their headers, so a buffered region's ``written`` is exact (no block is
+    written twice) and its records, once written, are read from the file."""
+
+    __slots__ = ("digests", "end", "entries", "futures", "gather", "idx", "iov", "key_bytes", "keys", "n", "offsets",
+                 "raw_lens", "rec_lens", "region", "start", "submitted", "written")
 
     def __init__(self) -> None:
-        self.region: Optional[R.Region] = None
-        self.futures: list = []
-        self.reset()
-
-    def reset(self) -> None:
         self.idx: list[int] = []
         self.digests: list[int] = []
         self.offsets: list[int] = []
@@ -423,27 +512,29 @@ class _Segment:
         self.raw_lens: list[int] = []
         self.entries: list[bytes] = []
         self.keys: list[bytes] = []
-        self.n = self.key_bytes = self.end = self.start = self.measured = 0
+        self.region: Optional[R.Region] = None
+        self.futures: list = []
+        self.reset()
+
+    def reset(self) -> None:
+        for lst in (self.idx, self.digests, self.offsets, self.rec_lens, self.raw_lens, self.entries, self.keys):
+            lst.clear()
+        self.n = self.key_bytes = self.end = self.start = 0
         self.submitted = self.written = 0
         self.region = None
         self.futures = []
+        self.gather = False
+        self.iov: list = []
 
-    def begin(self, r: R.Region, pos: int) -> None:
-        self.region, self.start = r, pos
+    def begin(self, r: R.Region, pos: int, gather: bool) -> None:
+        self.region, self.start, self.gather = r, pos, gather
         self.submitted = self.written = r.written
 
-    def add(self, i: int, d: int, pos: int, rec_len: int, raw_len: int, kb: bytes, flags: int, end: int) -> None:
-        self.idx.append(i)
-        self.digests.append(d)
-        self.offsets.append(pos)
-        self.rec_lens.append(rec_len)
-        self.raw_lens.append(raw_len)
-        self.entries.append(F.pack_entry(d, pos, rec_len, raw_len, len(kb), flags))
-        self.keys.append(kb)
-        self.key_bytes += len(kb)
-        self.measured += end - pos + F.ENTRY + F.MAX_KEY  # (``F.measure``: ``end`` is the aligned end)
-        self.n += 1
-        self.end = end
+    def submit_gathered(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
+        """Write the pieces gathered so far (``[submitted, upto)`` of the file) on the writer thread."""
+        self.futures.append(pool.submit(R.pwritev_all, r.fd, self.iov, self.submitted))
+        self.iov = []
+        self.submitted = self.written = upto
 
     def idle(self) -> bool:
         """Whether the writer has finished every piece submitted so far."""
