@@ -41,8 +41,6 @@ _RUN_OBJECT = 256 << 10  # records longer than this are read on their own
 _MANY = 64  # batches of at least this many keys are looked up in the index with numpy
 _PLACE = operator.itemgetter(0, 1)  # (region, offset) of a record to read
 _XXH = xxhash.xxh3_64_intdigest
-_COPY_SUM_MIN = 1 << 20  # a payload at least this long read through a scratch is copied and summed in pieces
-_PIECE = 128 << 10  # (the pieces)
 #: a record header's fixed fields (``F.RECORD_STRUCT`` up to the payload sum): magic, version, flags,
 #: key length, seq, raw and stored length, all known before the read; then the sum and check, then padding
 _EXPECT = struct.Struct("<4sBBHQII")
@@ -58,34 +56,6 @@ def _loc(t: tuple, kbs: list, digs: list) -> tuple:
     seq, image or None), from a batch's entry (region index, offset, i, rec_len, raw_len, region, seq)."""
     i = t[2]
     return kbs[i], digs[i], t[5], t[1], t[3], t[4], t[6], None
-
-
-def _copy_summed(body, src: int, parts: Parts, psum: int) -> Optional[int]:
-    """Copy a payload (``body``, at address ``src``) into host parts a piece at a time, each piece summed
-    right after it is copied, while its bytes are still in the cache (one pass over memory, not two):
-    ``_OK`` when the xxh3 sum of ``body`` is ``psum``, ``_BAD`` when not (the parts then hold
-    unspecified bytes), None when the parts are not host memory of ``body``'s length."""
-    want = 0
-    for p in parts:
-        if not (p.is_cpu and p.is_contiguous()):
-            return None
-        want += p.numel()
-    if want != len(body):
-        return None
-    h = xxhash.xxh3_64()
-    memmove = ctypes.memmove
-    at = 0
-    for p in parts:
-        n = p.numel()
-        dst = p.data_ptr()
-        k = 0
-        while k < n:
-            c = min(_PIECE, n - k)
-            memmove(dst + k, src + at, c)
-            h.update(body[at:at + c])
-            k += c
-            at += c
-    return _OK if h.intdigest() == psum else _BAD
 
 
 class ReadPath:
@@ -439,10 +409,6 @@ class ReadPath:
         sum_of = F.sum_function(flags)
         if sum_of is None:
             return _SIZE  # summed with an algorithm this build lacks: a miss, the object stays
-        if addr and stored >= _COPY_SUM_MIN and not flags & (F.FLAG_LZ4 | F.FLAG_CRC32C):
-            res = _copy_summed(body, addr + body_at, parts, psum)
-            if res is not None:
-                return res
         if sum_of(body) != psum:
             return _BAD
         if flags & F.FLAG_LZ4:
