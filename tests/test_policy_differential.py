@@ -159,7 +159,6 @@ store_op = st.one_of(
 @settings(max_examples=120, deadline=None)
 @given(trace=st.lists(store_op, max_size=40))
 def test_a_policy_ordering_the_level_index_evicts_as_one_with_its_own_dict(shared_cls, own_cls, trace):
-    import torch
 
     from tierkv import TieredStore
     from tierkv.level import Level
@@ -172,19 +171,7 @@ def test_a_policy_ordering_the_level_index_evicts_as_one_with_its_own_dict(share
     sizes: dict[str, int] = {}
     try:
         for kind, arg in trace:
-            if kind == "put":
-                ks = [f"k{i}" for i, _ in arg]
-                vals = [torch.full((sizes.setdefault(k, n),), i % 251, dtype=torch.uint8)
-                        for k, (i, n) in zip(ks, arg)]
-                assert a.put(ks, vals) == b.put(ks, vals)
-            elif kind == "get":
-                ks = [f"k{i}" for i in arg if f"k{i}" in sizes]
-                outs = [torch.empty(sizes[k], dtype=torch.uint8) for k in ks]
-                outs2 = [torch.empty(sizes[k], dtype=torch.uint8) for k in ks]
-                assert a.get(ks, outs) == b.get(ks, outs2)
-            else:
-                a.remove([f"k{i}" for i in arg])
-                b.remove([f"k{i}" for i in arg])
+            _step_both(a, b, kind, arg, sizes)
             held_a = [k for k, v in a.levels[0].index.items() if type(v) is int and v > 0]
             held_b = set(b_pol._od)
             assert set(held_a) == held_b
@@ -254,7 +241,6 @@ queue_store_op = st.one_of(
 @given(trace=st.lists(queue_store_op, max_size=60), capacity=st.sampled_from([4096, 12288]))
 def test_a_policy_queueing_on_the_level_index_evicts_as_one_with_its_own_dicts(shared_cls, own_cls, state,
                                                                                 trace, capacity):
-    import torch
 
     from tierkv import TieredStore
     from tierkv.level import Level
@@ -267,19 +253,7 @@ def test_a_policy_queueing_on_the_level_index_evicts_as_one_with_its_own_dicts(s
     sizes: dict[str, int] = {}
     try:
         for kind, arg in trace:
-            if kind == "put":
-                ks = [f"k{i}" for i, _ in arg]
-                vals = [torch.full((sizes.setdefault(k, n),), i % 251, dtype=torch.uint8)
-                        for k, (i, n) in zip(ks, arg)]
-                assert a.put(ks, vals) == b.put(ks, vals)
-            elif kind == "get":
-                ks = [f"k{i}" for i in arg if f"k{i}" in sizes]
-                outs = [torch.empty(sizes[k], dtype=torch.uint8) for k in ks]
-                outs2 = [torch.empty(sizes[k], dtype=torch.uint8) for k in ks]
-                assert a.get(ks, outs) == b.get(ks, outs2)
-            else:
-                a.remove([f"k{i}" for i in arg])
-                b.remove([f"k{i}" for i in arg])
+            _step_both(a, b, kind, arg, sizes)
             assert state(a.levels[0], a_pol) == state(b.levels[0], b_pol)  # so the next victims are the same
             assert len(a_pol) == len(b_pol)
         assert a.stats()["total"]["evictions"] == b.stats()["total"]["evictions"]
@@ -305,3 +279,21 @@ def test_the_store_differential_test_can_fail():
     finally:
         a.tier.close()
         b.tier.close()
+
+
+def _step_both(a, b, kind: str, arg, sizes: dict[str, int]) -> None:
+    """One trace step on two stores, which must answer alike (``sizes``: every key's size so far)."""
+    import torch
+
+    if kind == "put":
+        ks = [f"k{i}" for i, _ in arg]
+        vals = [torch.full((sizes.setdefault(k, n),), i % 251, dtype=torch.uint8) for k, (i, n) in zip(ks, arg)]
+        assert a.put(ks, vals) == b.put(ks, vals)
+    elif kind == "get":
+        ks = [f"k{i}" for i in arg if f"k{i}" in sizes]
+        outs = [torch.empty(sizes[k], dtype=torch.uint8) for k in ks]
+        outs2 = [torch.empty(sizes[k], dtype=torch.uint8) for k in ks]
+        assert a.get(ks, outs) == b.get(ks, outs2)
+    else:
+        a.remove([f"k{i}" for i in arg])
+        b.remove([f"k{i}" for i in arg])
