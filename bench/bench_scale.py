@@ -189,6 +189,7 @@ def child_hooks(n: int, policy: str) -> dict:
     from collections import defaultdict
 
     import tierkv.level as L
+    import tierkv.level_eviction as LE
     from tierkv import TieredStore
     from tierkv.tiers.dram import DRAMTier
 
@@ -203,7 +204,7 @@ def child_hooks(n: int, policy: str) -> dict:
         finally:
             spent[hook.replace("_many", "")] += clock() - t0
 
-    L.call_policy = timed
+    L.call_policy = LE.call_policy = timed  # (every module of the level that calls a policy)
     sizes = sizes_table()
     _, srcs = views(sizes, True)
     _, outs = views(sizes, False)
@@ -240,7 +241,7 @@ def child_hooks(n: int, policy: str) -> dict:
     out["churn_policy_us"] = sum(spent.values()) / n * 1e6
     out["evictions"] = store.stats()["total"]["evictions"]
     store.close()
-    L.call_policy = call
+    L.call_policy = LE.call_policy = call
     return out
 
 
