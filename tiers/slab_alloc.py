@@ -49,6 +49,9 @@ ALIGN = 8
 SLOT_MAX = 64 << 10
 #: bytes carved for a class at a time (less in a small slab: see ``SlabAllocator``)
 RUN_BYTES = 1 << 20
+#: and at most this many slots: a carved run's offsets wait on its class's stack (8 bytes each, an
+#: allocation that does not shrink as they are taken), so 16 KiB a class rather than 128 KiB for 64 B slots
+RUN_SLOTS = 2048
 
 Location = Union[int, tuple[tuple[int, int], ...]]
 
@@ -202,7 +205,7 @@ class SlabAllocator:
         largest = self._ext.largest()
         if largest < f:
             return None
-        take = min(max(f, self.run_bytes // f * f), largest // f * f)
+        take = min(max(f, min(self.run_bytes // f, RUN_SLOTS) * f), largest // f * f)
         off = cast(int, self._ext.allocate_one(take))  # (take <= largest: it fits)
         if take > f:
             st = self._stacks.get(f)
