@@ -318,7 +318,7 @@ def child_baseline(n: int, get_objects: int) -> dict:
         for k in keys:
             if k not in index:
                 break
-            hit += 1  # noqa: SIM113 - the counter is not the loop index
+            hit += 1
         return hit
 
     hot = hot_lookups(dict_lookup, [batch_keys(b, n) for b in batches[:50]])

@@ -246,3 +246,70 @@ def test_store_reads_and_writes_by_address_exactly_the_bytes_of_each_chunk(large
             store.get(keys[:2], [outs2[0], torch.empty(9, dtype=torch.uint8)])
     finally:
         store.close()
+
+
+def test_host_views_are_taken_on_trust_and_checked_where_they_are_made():
+    """``HostViews`` carry each view's address and size; ``to_parts_ptrs`` takes them as they are, and
+    the views themselves are exactly the spans asked for."""
+    from tierkv.buffers import HostViews, to_parts_ptrs
+
+    flat = torch.arange(256, dtype=torch.uint8).repeat(4)
+    v = HostViews.over(flat)
+    v.add(3, 10)
+    v.add_rows(100, 4, 16)
+    v.add(1000, 0)
+    assert [t.numel() for t in v] == v.sizes == [10, 16, 16, 16, 16, 0]
+    assert v.ptrs == [t.data_ptr() for t in v]
+    assert torch.equal(v[0], flat[3:13]) and torch.equal(v[4], flat[148:164])
+    prepared, ptrs = to_parts_ptrs(v, "values")
+    assert ptrs == v.ptrs and [nb for _, nb in prepared] == v.sizes
+    assert all(len(p[0]) == 1 and p[0][0] is t for p, t in zip(prepared, v))
+    # spans outside the tensor, and tensors views cannot be trusted over, are refused where made
+    for bad in ((-1, 4), (1020, 8), (0, 1025)):
+        with pytest.raises(ValueError, match="outside"):
+            v.add(*bad)
+    with pytest.raises(ValueError, match="outside"):
+        v.add_rows(1000, 2, 16)
+    for t in (torch.zeros(8, dtype=torch.float32), torch.zeros((2, 4), dtype=torch.uint8),
+              torch.zeros(8, dtype=torch.uint8)[::2]):
+        with pytest.raises(ValueError, match="flat, contiguous uint8 host tensor"):
+            HostViews.over(t)
+    # joined lists keep every address; nothing more can be cut into them
+    w = HostViews.over(torch.zeros(64, dtype=torch.uint8))
+    w.add_rows(0, 2, 32)
+    j = HostViews.join([v, w])
+    assert j.ptrs == v.ptrs + w.ptrs and [t.data_ptr() for t in j] == j.ptrs and j.sizes == v.sizes + [32, 32]
+    with pytest.raises(TypeError, match="joined"):
+        j.add(0, 1)
+    with pytest.raises(TypeError, match="HostViews.join takes HostViews"):
+        HostViews.join([v, [flat]])  # type: ignore[list-item]
+
+
+def test_a_host_views_list_changed_by_hand_is_checked_view_by_view():
+    """A list whose ends no longer match their addresses (changed other than through its methods), or
+    one made without ``over``, goes through the checks of any other batch: exact bytes either way."""
+    from tierkv import TieredStore
+    from tierkv.buffers import HostViews, to_parts_ptrs
+    from tierkv.level import Level
+    from tierkv.tiers.dram import DRAMTier
+
+    flat = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    v = HostViews.over(flat)
+    v.add_rows(0, 8, 64)
+    other = torch.randint(0, 256, (64,), dtype=torch.uint8)
+    v[-1] = other  # by hand: its address list still names the old view
+    prepared, ptrs = to_parts_ptrs(v, "values")
+    assert ptrs == [t.data_ptr() for t in v] and ptrs[-1] == other.data_ptr()
+    bare = HostViews([flat[:4], flat[4:8]])  # never given addresses
+    assert to_parts_ptrs(bare, "values")[1] == [flat.data_ptr(), flat.data_ptr() + 4]
+    store = TieredStore([Level(DRAMTier("dram", 1 << 20))])
+    try:
+        keys = [f"h{i}" for i in range(8)]
+        assert store.put(keys, v) == [True] * 8
+        outs = HostViews.over(torch.zeros(512, dtype=torch.uint8))
+        outs.add_rows(0, 8, 64)
+        assert store.get(keys, outs) == [True] * 8
+        for o, want in zip(outs, v):
+            assert torch.equal(o, want)
+    finally:
+        store.close()

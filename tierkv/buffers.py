@@ -23,6 +23,10 @@ Parts = list[torch.Tensor]
 Value = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
+def _one(v: torch.Tensor) -> Parts:
+    return [v]
+
+
 def as_bytes(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor (no copy); raises if not contiguous."""
     if not isinstance(t, torch.Tensor):
@@ -62,9 +66,83 @@ def to_parts_many(values: Sequence[Value], what: str) -> list[tuple[Parts, int]]
     return out
 
 
+class HostViews(list):
+    """Flat ``uint8`` views cut from one contiguous host tensor, listed with their addresses and sizes.
+
+    Made by :meth:`over` (which checks the tensor once) and filled by :meth:`add` / :meth:`add_rows`
+    (which check each span's bounds); ``to_parts_ptrs`` then takes the views without checking each
+    again: per view, those checks cost more than the store's own work on a small chunk.
+    Invariant: ``ptrs[i] == self[i].data_ptr()`` and ``sizes[i] == self[i].numel()`` for every ``i``.
+    Change the list only through its methods (one changed otherwise is checked at its ends and
+    lengths, not view by view).
+    """
+
+    __slots__ = ("_base", "_flat", "_size", "ptrs", "sizes")
+    _flat: Optional[torch.Tensor]
+    _base: int
+    _size: int
+    ptrs: list[int]
+    sizes: list[int]
+
+    @classmethod
+    def over(cls, flat: torch.Tensor) -> "HostViews":
+        """No views yet, to be cut from ``flat`` (a flat, contiguous ``uint8`` tensor in host memory)."""
+        if not (type(flat) is torch.Tensor and flat.dtype is torch.uint8 and flat.dim() == 1
+                and flat.is_contiguous() and flat.is_cpu):
+            raise ValueError("HostViews are cut from a flat, contiguous uint8 host tensor")
+        out = cls()
+        out._flat, out._base, out._size = flat, flat.data_ptr(), flat.numel()
+        out.ptrs, out.sizes = [], []
+        return out
+
+    @classmethod
+    def join(cls, lists: Sequence["HostViews"]) -> "HostViews":
+        """The views of ``lists`` one after another (cut from different tensors: nothing more can be added)."""
+        out = cls()
+        out._flat, out._base, out._size = None, 0, -1
+        out.ptrs, out.sizes = [], []
+        for v in lists:
+            if type(v) is not HostViews:
+                raise TypeError(f"HostViews.join takes HostViews, got {type(v).__name__}")
+            out.extend(v)
+            out.ptrs.extend(v.ptrs)
+            out.sizes.extend(v.sizes)
+        return out
+
+    def add(self, start: int, n: int) -> None:
+        """One view: bytes ``[start, start + n)`` of the tensor."""
+        if self._flat is None:
+            raise TypeError("joined HostViews take no more views")
+        if start < 0 or n < 0 or start + n > self._size:
+            raise ValueError(f"span ({start}, {n}) reaches outside a tensor of {self._size} bytes")
+        view = self._flat[start:start + n]
+        self.append(view)
+        self.ptrs.append(self._base + start if n else view.data_ptr())  # (torch may give an empty view none)
+        self.sizes.append(n)
+
+    def add_rows(self, start: int, count: int, n: int) -> None:
+        """``count`` views of ``n`` bytes each, back to back from byte ``start`` (one unbind)."""
+        if self._flat is None:
+            raise TypeError("joined HostViews take no more views")
+        if start < 0 or count < 0 or n <= 0 or start + count * n > self._size:
+            raise ValueError(f"{count} rows of {n} bytes from {start} reach outside a tensor of {self._size} bytes")
+        self.extend(self._flat[start:start + count * n].view(count, n).unbind(0))
+        at = self._base + start
+        self.ptrs.extend(range(at, at + count * n, n))
+        self.sizes.extend([n] * count)
+
+
 def to_parts_ptrs(values: Sequence[Value], what: str) -> tuple[list[tuple[Parts, int]], Optional[list[int]]]:
     """``to_parts_many``, and the host address of each value when every one is a flat, contiguous
-    ``uint8`` tensor in host memory (else None): what a located host tier can copy by address alone."""
+    ``uint8`` tensor in host memory (else None): what a located host tier can copy by address alone.
+
+    ``HostViews`` are taken on trust (their maker checked them), unless their lengths disagree."""
+    if type(values) is HostViews:
+        at: Optional[list[int]] = getattr(values, "ptrs", None)
+        ns: Optional[list[int]] = getattr(values, "sizes", None)
+        if (at is not None and ns is not None and len(at) == len(values) == len(ns)
+                and (not at or (values[0].data_ptr() == at[0] and values[-1].data_ptr() == at[-1]))):
+            return list(zip(map(_one, values), ns)), list(at)
     out: list[tuple[Parts, int]] = []
     append = out.append
     ptrs: Optional[list[int]] = []

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from tierkv.buffers import HostViews
+
 from .metadata import LoadSpec
 from .paged import Cuts, PagedLayer
 
@@ -272,15 +274,19 @@ class Loader:
         """Every layer in one get: the tiers batch it as a whole (one round trip, one I/O queue)."""
         L, n = job.num_layers, len(batch.objs)
         keys: list[str] = []
-        outs: list = []
+        per_layer: list = []
         copies: list = []
         spare = 0
         for layer in range(L):
             keys += last_keys if layer == L - 1 else batch.keys(self._layer_keys, layer)
             o, c, used = self._prepare_layer(layer, batch, spare)
             spare += used
-            outs += o
+            per_layer.append(o)
             copies.append(c)
+        if all(type(o) is HostViews for o in per_layer):  # (views with their addresses: taken on trust)
+            outs: list = HostViews.join(per_layer)
+        else:
+            outs = [v for o in per_layer for v in o]
         ok = self._get(keys, outs, "all layers")
         for layer in range(L):
             self._finish_layer(job, layer, batch, ok[layer * n:(layer + 1) * n], copies[layer])

@@ -27,6 +27,8 @@ from typing import cast
 
 import torch
 
+from tierkv.buffers import HostViews
+
 
 def find_block_dim(shape: tuple[int, ...], num_blocks: int, block_size: int | None = None) -> tuple[int, int]:
     """Return ``(dim, kernel_blocks_per_block)`` for a paged tensor of ``shape``.
@@ -243,7 +245,18 @@ class PagedLayer:
         nb = self.block_nbytes
         size = flat.numel()
         objects = cuts.objects
-        for i, k, start, n in cuts.groups:
+        groups = cuts.groups
+        if all(k and (start + k * n) * nb <= size for _, k, start, n in groups):
+            # the common case: every object a run of blocks inside the cache, listed with its address
+            # (``HostViews``: the store takes them without checking each view again)
+            views = HostViews.over(flat)
+            for _, k, start, n in groups:
+                if k == 1:
+                    views.add(start * nb, n * nb)
+                else:
+                    views.add_rows(start * nb, k, n * nb)
+            return views, None
+        for i, k, start, n in groups:
             if k == 1:
                 out.append(flat[start * nb:(start + n) * nb])
             elif k and (start + k * n) * nb <= size:

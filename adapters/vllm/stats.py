@@ -10,6 +10,7 @@ changes.  Nothing here touches a store or an engine.
 from __future__ import annotations
 
 import collections
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,6 +97,9 @@ def put_outcome(result: Any) -> str:
     return SAVED if result else FAILED
 
 
+_FIRST, _LAST = operator.itemgetter(0), operator.itemgetter(1)
+
+
 def _all_saved(results: list[Any]) -> bool:
     """Every answer counts as saved: counted in C (``all()`` would call ``PutOutcome.__bool__`` per answer)."""
     n = len(results)
@@ -118,7 +122,7 @@ class SaveTally:
         """The tally of one put of ``chunks`` (``block_nbytes`` bytes per block), from its answers."""
         t = cls()
         if _all_saved(results):  # the common case
-            t.blocks = sum(last - first + 1 for first, last in chunks)
+            t.blocks = sum(map(_LAST, chunks)) - sum(map(_FIRST, chunks)) + len(chunks)  # (in C loops)
         else:
             for res, (first, last) in zip(results, chunks):
                 kind = put_outcome(res)
