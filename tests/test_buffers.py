@@ -278,7 +278,7 @@ def test_host_views_are_taken_on_trust_and_checked_where_they_are_made():
     w = HostViews.over(torch.zeros(64, dtype=torch.uint8))
     w.add_rows(0, 2, 32)
     j = HostViews.join([v, w])
-    assert j.ptrs == v.ptrs + w.ptrs and [t.data_ptr() for t in j] == j.ptrs and j.sizes == v.sizes + [32, 32]
+    assert j.ptrs == v.ptrs + w.ptrs and [t.data_ptr() for t in j] == j.ptrs and j.sizes == [*v.sizes, 32, 32]
     with pytest.raises(TypeError, match="joined"):
         j.add(0, 1)
     with pytest.raises(TypeError, match="HostViews.join takes HostViews"):
