@@ -285,6 +285,38 @@ def test_host_views_are_taken_on_trust_and_checked_where_they_are_made():
         HostViews.join([v, [flat]])  # type: ignore[list-item]
 
 
+def test_the_store_hands_host_views_to_to_parts_ptrs_as_they_are(monkeypatch):
+    """put and get pass a ``HostViews`` batch on unconverted (a plain list would lose its addresses)."""
+    import tierkv.store as store_mod
+    from tierkv import TieredStore
+    from tierkv.buffers import HostViews
+    from tierkv.level import Level
+    from tierkv.tiers.dram import DRAMTier
+
+    seen = []
+    real = store_mod.to_parts_ptrs
+
+    def spy(values, what):
+        seen.append(type(values))
+        return real(values, what)
+
+    monkeypatch.setattr(store_mod, "to_parts_ptrs", spy)
+    src = torch.randint(0, 256, (256,), dtype=torch.uint8)
+    v = HostViews.over(src)
+    v.add_rows(0, 4, 64)
+    dst = HostViews.over(torch.zeros(256, dtype=torch.uint8))
+    dst.add_rows(0, 4, 64)
+    store = TieredStore([Level(DRAMTier("dram", 1 << 20))])
+    try:
+        keys = [f"s{i}" for i in range(4)]
+        assert store.put(keys, v) == [True] * 4
+        assert store.get(keys, dst) == [True] * 4
+        assert all(torch.equal(a, b) for a, b in zip(v, dst))
+    finally:
+        store.close()
+    assert seen == [HostViews, HostViews]
+
+
 def test_a_host_views_list_changed_by_hand_is_checked_view_by_view():
     """A list whose ends no longer match their addresses (changed other than through its methods), or
     one made without ``over``, goes through the checks of any other batch: exact bytes either way."""

@@ -61,7 +61,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
-from tierkv.buffers import Value, to_parts_ptrs
+from tierkv.buffers import HostViews, Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
 from tierkv.copying import Copying
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
@@ -464,7 +464,8 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
             raise TypeError(f"{what} must be a sequence with one tensor per key, not a single tensor")
         if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
             raise TypeError(f"{what} must be an ordered sequence (list or tuple), got {type(values).__name__}")
-        values = list(values)
+        if type(values) is not HostViews:  # (views listed with their addresses stay as they are: see buffers)
+            values = list(values)
         if len(keys) != len(values):
             raise ValueError(f"got {len(keys)} keys but {len(values)} {what}")
         return keys, values
