@@ -163,3 +163,18 @@ def test_non_contiguous_caller_buffers_are_copied_correctly():
         assert torch.equal(out[::2], strided) and not out[1::2].any()
     finally:
         t.close()
+
+
+def test_a_class_carves_at_most_run_slots_at_a_time():
+    """A class's free slots wait on its stack, whose allocation never shrinks: a carve stacks at most
+    ``RUN_SLOTS`` of them, however small the slot and however large the slab."""
+    from tierkv.tiers.slab_alloc import RUN_SLOTS
+
+    a = SlabAllocator(1 << 30)
+    first = a.allocate(64)
+    assert first is not None
+    assert a.stats()["free_slots"] == RUN_SLOTS - 1
+    taken = [a.allocate(64) for _ in range(RUN_SLOTS - 1)]
+    assert a.stats()["free_slots"] == 0 and len({first, *taken}) == RUN_SLOTS
+    assert a.allocate(64) is not None and a.stats()["free_slots"] == RUN_SLOTS - 1  # the next run
+    assert a.free_bytes == (1 << 30) - (RUN_SLOTS + 1) * 64

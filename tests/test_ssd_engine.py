@@ -674,3 +674,44 @@ def direct_ok_cached() -> bool:
 
 SSDMachine.TestCase.settings = settings(max_examples=40, stateful_step_count=60, deadline=None)
 TestSSDModel = SSDMachine.TestCase
+
+
+def test_direct_reads_take_neighbours_up_to_two_mib_in_one_read(tmp_path, monkeypatch):
+    """O_DIRECT: a batch of neighbouring records is read with one aligned read per 2 MiB of them (the
+    device serves one long read faster than several short ones), and every one comes back exact."""
+    if not direct_ok(tmp_path / "probe"):
+        pytest.skip("no O_DIRECT on this file system")
+    from tierkv.tiers.ssd import readpath as rp
+
+    t = SSDTier("ssd", 64 * MiB, str(tmp_path / "s"), region_size="16MiB", direct_io=True)
+    try:
+        size = 256 << 10
+        g = torch.Generator().manual_seed(3)
+        vals = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g) for _ in range(8)]
+        keys = [f"n{i}" for i in range(8)]
+        assert t.write(keys, [[v] for v in vals]) == [True] * 8
+        t.close()  # (reopened: the records are read from the file, not from the active region's image)
+        t = SSDTier("ssd", 64 * MiB, str(tmp_path / "s"), region_size="16MiB", direct_io=True)
+        spans = []
+        real = rp.R.read_span_scratch
+
+        def spy(fd, offset, length, direct):
+            spans.append(length)
+            return real(fd, offset, length, direct)
+
+        monkeypatch.setattr(rp.R, "read_span_scratch", spy)
+        ok, outs = read_all(t, keys, [size] * 8)
+        assert ok == [True] * 8 and all(torch.equal(o, v) for o, v in zip(outs, vals))
+        # eight records of a little over 256 KiB lie within 2 MiB and a gap: one read (four per read at 1 MiB)
+        assert len(spans) == 1 and 8 * size < spans[0] <= rp._RUN_MAX_DIRECT + rp._RUN_GAP
+        # twice as many: two reads, none longer than a run
+        more = [f"m{i}" for i in range(8)]
+        assert t.write(more, [[v] for v in vals]) == [True] * 8
+        t.close()
+        t = SSDTier("ssd", 64 * MiB, str(tmp_path / "s"), region_size="16MiB", direct_io=True)
+        spans.clear()
+        ok, outs = read_all(t, keys + more, [size] * 16)
+        assert ok == [True] * 16 and all(torch.equal(o, v) for o, v in zip(outs, vals + vals))
+        assert len(spans) == 2 and max(spans) <= rp._RUN_MAX_DIRECT + rp._RUN_GAP
+    finally:
+        t.close()
