@@ -218,6 +218,30 @@ def test_write_through_copies_into_lower_tier(tmp_path):
         assert store.lookup(keys) == 3
 
 
+def test_lookup_of_one_level_stops_at_a_reservation_a_doomed_chunk_or_a_miss():
+    """One managed level: ``lookup`` counts READY chunks only, whatever stands in the index after them."""
+    store = TieredStore.from_config({"tiers": [{"name": "dram", "medium": "dram", "capacity": 64 * CHUNK}]})
+    try:
+        keys = keys_for(6)
+        assert store.put(keys[:4], [chunk(i) for i in range(4)]) == [True] * 4
+        lvl = store.levels[0]
+        assert store.lookup(keys[:4]) == 4 and store.lookup(keys[:1]) == 1 and store.lookup([]) == 0
+        assert store.lookup(keys) == 4  # a miss after them
+        assert store.lookup(keys[4:]) == 0
+        assert lvl.reserve(keys[4], CHUNK)  # being written: not there yet
+        assert store.lookup(keys) == 4 and store.lookup(keys[4:5]) == 0
+        lvl.abort(keys[4])
+        lvl.pin(keys[1])  # a reader holds it while it is dropped: doomed, still in the index
+        store.remove(keys[1:2])
+        assert store.lookup(keys[:4]) == 1 and store.lookup(keys[1:2]) == 0
+        lvl.unpin(keys[1])
+        assert store.lookup(keys[:4]) == 1 and store.lookup(keys[2:4]) == 2
+    finally:
+        store.close()
+    with pytest.raises(StoreClosedError):
+        store.lookup(keys)
+
+
 def test_lookup_has_no_side_effects(tmp_path):
     with three_tier(tmp_path, hbm=2, dram=2, ssd=2) as store:
         keys = keys_for(2)

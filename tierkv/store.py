@@ -303,8 +303,15 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         n = 0
         if len(indexes) == 1:  # the common chain of one managed level: one probe a key
             index = indexes[0]
-            for k in keys:
-                e = index.get(k)
+            # every key READY (a positive int): probed and compared in C.  A miss (None), a doomed
+            # chunk (an Entry) or a reservation (a negative int) makes ``min`` raise or answer <= 0
+            vals: list[Any] = list(map(index.get, keys))
+            try:
+                if vals and min(vals) > 0:
+                    return len(vals)
+            except TypeError:
+                pass
+            for e in vals:
                 if type(e) is not int or e < 0:
                     break
                 n += 1
@@ -320,19 +327,20 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         return n
 
     def _lookup(self, keys: list[str]) -> int:
-        self._enter()
+        with self._lock:  # (one lock hold in the common case: no call in flight to account for)
+            if self._closed:
+                raise StoreClosedError("the store is closed")
+            self._counters.lookup_calls += 1
+            n = self._leading_ready(keys)
+            if n < len(keys):
+                check_key(keys[n])
+            if n == len(keys) or not self._shared_levels:
+                return n
+            for k in keys[n:]:
+                check_key(k)
+            ask = [i for i in range(n, len(keys)) if not self._mask(keys[i])]
+            self._in_flight += 1  # (the shared levels are asked outside the lock: ``close`` waits)
         try:
-            n = 0
-            with self._lock:
-                self._counters.lookup_calls += 1
-                n = self._leading_ready(keys)
-                if n < len(keys):
-                    check_key(keys[n])
-                if n == len(keys) or not self._shared_levels:
-                    return n
-                for k in keys[n:]:
-                    check_key(k)
-                ask = [i for i in range(n, len(keys)) if not self._mask(keys[i])]
             found = self._first_shared("contains", keys, ask)
             with self._lock:
                 for i in range(n, len(keys)):
