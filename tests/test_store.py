@@ -242,6 +242,22 @@ def test_lookup_of_one_level_stops_at_a_reservation_a_doomed_chunk_or_a_miss():
         store.lookup(keys)
 
 
+def test_lookup_counts_a_prefix_spread_over_every_level(tmp_path):
+    with three_tier(tmp_path, hbm=2, dram=2, ssd=64) as store:
+        keys = keys_for(7)
+        assert store.put(keys[:6], [chunk(i) for i in range(6)]) == [True] * 6
+        where = store.locate(keys[:6])
+        assert set(where) == {"hbm", "dram", "ssd"}  # the older ones demoted, level by level
+        assert store.lookup(keys) == 6 and store.lookup(keys[:6]) == 6
+        for i, name in enumerate(where):  # each level's chunk ends the prefix where it is removed
+            rest = [k for j, k in enumerate(keys[:6]) if j != i]
+            store.remove([keys[i]])
+            assert store.lookup(keys[:6]) == i
+            assert store.lookup(rest) == 5, name
+            assert store.put([keys[i]], [chunk(i)]) == [True]
+            assert store.lookup(keys[:6]) == 6
+
+
 def test_lookup_has_no_side_effects(tmp_path):
     with three_tier(tmp_path, hbm=2, dram=2, ssd=2) as store:
         keys = keys_for(2)

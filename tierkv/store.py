@@ -299,30 +299,28 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
 
     def _leading_ready(self, keys: list[str]) -> int:
         """How many leading keys are READY in some managed level.  Caller holds the lock."""
-        indexes = [self.levels[j].index for j in self._managed_levels]
+        levels = self._managed_levels
+        if not levels:
+            return 0
+        # every key READY in the first managed level (a positive int): probed and compared in C.  A miss
+        # (None), a doomed chunk (an Entry) or a reservation (a negative int) makes ``min`` raise or
+        # answer <= 0; then the keys are looked at one by one from there, in the other levels too
+        vals: list[Any] = list(map(self.levels[levels[0]].index.get, keys))
+        try:
+            if vals and min(vals) > 0:
+                return len(vals)
+        except TypeError:
+            pass
+        others = [self.levels[j].index for j in levels[1:]]
         n = 0
-        if len(indexes) == 1:  # the common chain of one managed level: one probe a key
-            index = indexes[0]
-            # every key READY (a positive int): probed and compared in C.  A miss (None), a doomed
-            # chunk (an Entry) or a reservation (a negative int) makes ``min`` raise or answer <= 0
-            vals: list[Any] = list(map(index.get, keys))
-            try:
-                if vals and min(vals) > 0:
-                    return len(vals)
-            except TypeError:
-                pass
-            for e in vals:
-                if type(e) is not int or e < 0:
+        for k, e in zip(keys, vals):
+            if type(e) is not int or e < 0:
+                for index in others:
+                    e = index.get(k)
+                    if type(e) is int and e > 0:
+                        break
+                else:
                     break
-                n += 1
-            return n
-        for k in keys:
-            for index in indexes:
-                e = index.get(k)
-                if type(e) is int and e > 0:
-                    break
-            else:
-                break
             n += 1
         return n
 
