@@ -269,6 +269,19 @@ def test_malformed_keys_are_named_on_reads_too(small_store, method):
         getattr(small_store, method)(*args)
 
 
+@pytest.mark.parametrize("method", ["lookup", "locate", "contains", "get"])
+@pytest.mark.parametrize("bad", [["x"], 5, b"k"], ids=["unhashable", "int", "bytes"])
+def test_a_malformed_key_anywhere_in_a_read_is_named(small_store, method, bad):
+    """After stored keys, after a miss, or unhashable: every read names the bad key, and holds nothing after."""
+    for keys in (["a", bad], ["a", "never-stored", bad], [bad, "a"]):
+        args = (keys,) if method != "get" else (keys, [val(0) for _ in keys])
+        with pytest.raises(ValueError, match="invalid key"):
+            getattr(small_store, method)(*args)
+    for lvl in small_store.levels:
+        assert not getattr(lvl, "pinned", {})  # nothing left pinned by a refused get
+    assert small_store.lookup(["a", "b"]) == 2
+
+
 def test_errors_never_embed_a_huge_key(small_store):
     with pytest.raises(ValueError) as info:
         small_store.put(["k" * 10_000], [val(1)])

@@ -151,8 +151,9 @@ def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
     keys = list(keys)
     if each and keys:
         # C passes for the common case (ASCII, or short, strings without '/' or NUL); the exact check otherwise
-        if set(map(type, keys)) == _STR and min(map(len, keys)):
-            longest = max(map(len, keys))
+        lens = set(map(len, keys)) if set(map(type, keys)) == _STR else None  # (one pass: a few lengths)
+        if lens and min(lens):
+            longest = max(lens)
             joined = "".join(keys)
             if ((longest <= 50 or (longest <= 200 and joined.isascii()))
                     and "/" not in joined and "\x00" not in joined):

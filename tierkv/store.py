@@ -281,6 +281,9 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         t0 = time.perf_counter()
         try:
             res = self._get(keys, prepared, ptrs)
+        except TypeError:
+            check_keys(keys)  # an unhashable key: raise the error that names it
+            raise
         finally:
             self._leave()
         if self._observers:
@@ -329,13 +332,15 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
             if self._closed:
                 raise StoreClosedError("the store is closed")
             self._counters.lookup_calls += 1
-            n = self._leading_ready(keys)
-            if n < len(keys):
-                check_key(keys[n])
+            try:
+                n = self._leading_ready(keys)
+            except TypeError:
+                check_keys(keys)  # an unhashable key: raise the error that names it
+                raise
+            if n < len(keys):  # the keys found were stored, so they are valid; the rest are checked here
+                check_keys(keys[n:])
             if n == len(keys) or not self._shared_levels:
                 return n
-            for k in keys[n:]:
-                check_key(k)
             ask = [i for i in range(n, len(keys)) if not self._mask(keys[i])]
             self._in_flight += 1  # (the shared levels are asked outside the lock: ``close`` waits)
         try:
@@ -360,10 +365,14 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         try:
             out: list[Optional[str]] = [None] * len(keys)
             with self._lock:
-                for i, k in enumerate(keys):
-                    mask = self._mask(k)
-                    if mask:
-                        out[i] = self.levels[(mask & -mask).bit_length() - 1].name
+                try:
+                    for i, k in enumerate(keys):
+                        mask = self._mask(k)
+                        if mask:
+                            out[i] = self.levels[(mask & -mask).bit_length() - 1].name
+                except TypeError:
+                    check_keys(keys)  # an unhashable key: raise the error that names it
+                    raise
             missing = [i for i, o in enumerate(out) if o is None]
             for i in missing:
                 check_key(keys[i])
