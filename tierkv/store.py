@@ -292,7 +292,11 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
 
     # ------------------------------------------------------------------ lookup, locate, remove
     def lookup(self, keys: Sequence[str]) -> int:
-        """How many leading keys are present in some tier.  No side effects."""
+        """How many leading keys are present in some tier.  No side effects.
+
+        Every key is checked: a malformed one anywhere in ``keys`` raises a ``ValueError`` naming it (the
+        keys of the present prefix were stored, so only the rest need a check).
+        """
         keys = check_keys(keys, each=False)
         t0 = time.perf_counter()
         n = self._lookup(keys)
