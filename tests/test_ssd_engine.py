@@ -715,3 +715,43 @@ def test_direct_reads_take_neighbours_up_to_two_mib_in_one_read(tmp_path, monkey
         assert len(spans) == 2 and max(spans) <= rp._RUN_MAX_DIRECT + rp._RUN_GAP
     finally:
         t.close()
+
+
+# -- staging buffers ----------------------------------------------------------------------------
+def _mapping_of(addr: int) -> dict:
+    """The /proc/self/smaps entry (VmFlags, Rss in KiB) of the mapping that holds ``addr``."""
+    cur: dict = {}
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                cur = {"hit": lo <= addr < hi}
+            elif cur.get("hit"):
+                if head == "VmFlags:":
+                    cur["flags"] = line.split()[1:]
+                    return cur
+                if head == "Rss:":
+                    cur["rss"] = int(line.split()[1])
+    raise AssertionError(f"no mapping holds {addr:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps") or not hasattr(__import__("mmap"), "MADV_HUGEPAGE"),
+                    reason="Linux with transparent huge pages only")
+def test_large_staging_buffers_ask_for_huge_pages_and_small_ones_do_not():
+    """Region images and read scratch of 2 MiB or more are advised as huge pages (an O_DIRECT transfer
+    from physically contiguous memory is a few long segments); ``huge=False`` and small buffers are not;
+    ``populate`` faults every page in, after the advice."""
+    import ctypes
+
+    def addr(b) -> int:
+        return ctypes.addressof(ctypes.c_char.from_buffer(b))
+
+    big = fmt.aligned_buffer(4 << 20, populate=True)
+    small = fmt.aligned_buffer(1 << 20)
+    plain = fmt.aligned_buffer(4 << 20, huge=False)
+    m = _mapping_of(addr(big))
+    assert "hg" in m["flags"] and m["rss"] >= 4096  # (KiB: all of it resident)
+    assert "hg" not in _mapping_of(addr(small))["flags"]
+    assert "hg" not in _mapping_of(addr(plain))["flags"]
+    assert bytes(big[:4096]) == bytes(4096) and len(big) == 4 << 20

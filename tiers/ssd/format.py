@@ -115,14 +115,42 @@ def align_down(n: int, a: int = BLOCK) -> int:
     return n // a * a
 
 
-def aligned_buffer(n: int, populate: bool = False) -> mmap.mmap:
+#: buffers at least this long ask for transparent huge pages (``aligned_buffer``)
+HUGE = 2 << 20
+_MADV_POPULATE_WRITE = 23  # (Linux 5.14; not named by the mmap module)
+
+
+def aligned_buffer(n: int, populate: bool = False, huge: bool = True) -> mmap.mmap:
     """A zeroed, page-aligned anonymous buffer (what O_DIRECT needs).
 
     ``populate`` faults its pages in at once: touching fresh pages one by one costs
     more than the copy into them on a virtual machine.
+
+    A buffer of ``HUGE`` bytes or more asks for transparent huge pages (where the kernel
+    offers them on request; ``huge=False`` does not): a 2 MiB page is physically contiguous,
+    so an O_DIRECT transfer from or into it is a few long segments instead of one per 4 KiB
+    page.  Measured here (docs/ssd.md): the tier's 2 MiB and 4 MiB puts ran 1.4-1.9x as fast
+    with huge-page region images.  Populating comes after the advice, so the pages faulted in
+    are huge ones.
     """
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
-    return mmap.mmap(-1, max(align_up(n), BLOCK), flags=flags)
+    size = max(align_up(n), BLOCK)
+    huge = huge and size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE")
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate and not huge:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, size, flags=flags)
+    if huge:
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # (a kernel without transparent huge pages: 4 KiB pages, as before)
+            pass
+        if populate:
+            try:
+                buf.madvise(_MADV_POPULATE_WRITE)
+            except OSError:  # (an older kernel: touch each page)
+                for at in range(0, size, mmap.PAGESIZE):
+                    buf[at] = 0
+    return buf
 
 
 _ENTRY_STRUCT = struct.Struct("<QIIIHBB")
