@@ -39,6 +39,7 @@ from typing import Optional
 import torch
 
 from tierkv.tiers.ssd import SSDTier
+from tierkv.tiers.ssd import format as F
 from tierkv.tiers.ssd.format import aligned_buffer
 
 MiB = 1 << 20
@@ -288,18 +289,27 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds")
     ap.add_argument("--dir", help="directory on the file system to measure (default: a temp dir)")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--pages", choices=("huge", "4k"), default="huge",
+                    help="the tier's region images and read scratch: transparent huge pages (its default) or 4 KiB")
+    ap.add_argument("--sections", default="large,small,reopen", help="comma-separated: large, small, reopen")
     args = ap.parse_args(argv)
+    F.HUGE_PAGES = args.pages == "huge"
+    sections = set(args.sections.split(","))
     root = tempfile.mkdtemp(prefix="tierkv-bench-ssd-", dir=args.dir)
     rounds = 3 if args.quick else 5
     try:
-        res = {"large": [bench_large(root, s, (64 if args.quick else 256) * MiB, rounds)
-                         for s in (256 << 10, 2 * MiB, 4 * MiB)],
-               "small": bench_small(root, 20_000 if args.quick else 100_000, rounds),
-               "reopen": bench_reopen(root, 200_000 if args.quick else 1_000_000)}
+        res: dict = {"pages": args.pages}
+        if "large" in sections:
+            res["large"] = [bench_large(root, s, (64 if args.quick else 256) * MiB, rounds)
+                            for s in (256 << 10, 2 * MiB, 4 * MiB)]
+        if "small" in sections:
+            res["small"] = bench_small(root, 20_000 if args.quick else 100_000, rounds)
+        if "reopen" in sections:
+            res["reopen"] = bench_reopen(root, 200_000 if args.quick else 1_000_000)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{'figure':<40}{'tier':>14}{'baseline':>14}{'ratio':>8}  target")
-    for r in res["large"]:
+    print(f"{'figure':<40}{'tier':>14}{'baseline':>14}{'ratio':>8}  target   (tier pages: {args.pages})")
+    for r in res.get("large", []):
         io = "O_DIRECT" if r["direct_io"] else "buffered"
         print(f"{'put ' + str(r['size_KiB']) + ' KiB (' + io + ')':<40}{r['put_GiBps']:>10.2f} GiB/s"
               f"{r['raw_write_GiBps']:>10.2f} GiB/s{r['put_ratio']:>8.2f}  vs raw pwrite")
@@ -307,21 +317,29 @@ def main(argv=None) -> int:
               f"{r['raw_read_GiBps']:>10.2f} GiB/s{r['get_ratio']:>8.2f}  vs raw pread")
         print(f"{'  (raw from huge pages: write, read)':<40}{r['raw_write_huge_GiBps']:>10.2f} GiB/s"
               f"{r['raw_read_huge_GiBps']:>10.2f} GiB/s  reference, no target")
-    s = res["small"]
+    if "small" in res:
+        report_small(res["small"])
+    if "reopen" in res:
+        report_reopen(res["reopen"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+def report_small(s: dict) -> None:
     print(f"{'16 KiB puts/s (page cache)':<40}{s['puts_per_s']:>14,.0f}{s['raw_puts_per_s']:>14,.0f}"
           f"{s['put_ratio']:>8.2f}  >= 50,000/s")
     print(f"{'16 KiB gets/s (page cache)':<40}{s['gets_per_s']:>14,.0f}{s['raw_gets_per_s']:>14,.0f}"
           f"{s['get_ratio']:>8.2f}  >= 100,000/s")
-    o = res["reopen"]
+
+
+def report_reopen(o: dict) -> None:
     print(f"{'reopen ' + format(o['objects'], ',') + ' objects, checkpoint (s)':<40}{o['reopen_checkpoint_s']:>14.2f}"
           f"{o['raw_checkpoint_read_s']:>14.2f}{o['raw_checkpoint_read_s'] / o['reopen_checkpoint_s']:>8.2f}  <= 1 s")
     print(f"{'reopen, summaries only (s)':<40}{o['reopen_summaries_s']:>14.2f}{o['raw_regions_read_s']:>14.2f}"
           f"{o['raw_regions_read_s'] / o['reopen_summaries_s']:>8.2f}  <= 10 s")
     print(f"{'index bytes per object':<40}{o['index_bytes_per_object']:>14.1f}{'':>14}{'':>8}  <= 64")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0
 
 
 if __name__ == "__main__":

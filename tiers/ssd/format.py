@@ -117,24 +117,26 @@ def align_down(n: int, a: int = BLOCK) -> int:
 
 #: buffers at least this long ask for transparent huge pages (``aligned_buffer``)
 HUGE = 2 << 20
+#: whether they do by default (benchmarks compare both)
+HUGE_PAGES = True
 _MADV_POPULATE_WRITE = 23  # (Linux 5.14; not named by the mmap module)
 
 
-def aligned_buffer(n: int, populate: bool = False, huge: bool = True) -> mmap.mmap:
+def aligned_buffer(n: int, populate: bool = False, huge: Optional[bool] = None) -> mmap.mmap:
     """A zeroed, page-aligned anonymous buffer (what O_DIRECT needs).
 
     ``populate`` faults its pages in at once: touching fresh pages one by one costs
     more than the copy into them on a virtual machine.
 
     A buffer of ``HUGE`` bytes or more asks for transparent huge pages (where the kernel
-    offers them on request; ``huge=False`` does not): a 2 MiB page is physically contiguous,
-    so an O_DIRECT transfer from or into it is a few long segments instead of one per 4 KiB
-    page.  Measured here (docs/ssd.md): the tier's 2 MiB and 4 MiB puts ran 1.4-1.9x as fast
-    with huge-page region images.  Populating comes after the advice, so the pages faulted in
-    are huge ones.
+    offers them on request; ``huge=False`` does not, and ``None`` follows ``HUGE_PAGES``):
+    a 2 MiB page is physically contiguous, so an O_DIRECT transfer from or into it is a few
+    long segments instead of one per 4 KiB page (docs/ssd.md, "Huge-page region images";
+    ``bench/bench_dio_buffers.py`` and ``bench/bench_ssd.py --pages 4k`` measure it).
+    Populating comes after the advice, so the pages faulted in are huge ones.
     """
     size = max(align_up(n), BLOCK)
-    huge = huge and size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE")
+    huge = (HUGE_PAGES if huge is None else huge) and size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE")
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
     if populate and not huge:
         flags |= getattr(mmap, "MAP_POPULATE", 0)
