@@ -38,8 +38,8 @@ from typing import Optional
 
 import torch
 
+from tierkv import hostmem
 from tierkv.tiers.ssd import SSDTier
-from tierkv.tiers.ssd import format as F
 from tierkv.tiers.ssd.format import aligned_buffer
 
 MiB = 1 << 20
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
                     help="the tier's region images and read scratch: transparent huge pages (its default) or 4 KiB")
     ap.add_argument("--sections", default="large,small,reopen", help="comma-separated: large, small, reopen")
     args = ap.parse_args(argv)
-    F.HUGE_PAGES = args.pages == "huge"
+    hostmem.HUGE_PAGES = args.pages == "huge"
     sections = set(args.sections.split(","))
     root = tempfile.mkdtemp(prefix="tierkv-bench-ssd-", dir=args.dir)
     rounds = 3 if args.quick else 5

@@ -4,9 +4,12 @@ Part of ``TieredStore`` (a mixin it inherits), split out so each module holds on
 concern.  A copy reads bytes the store itself verified (a tier read into a
 staging buffer, or a caller's buffer that shares memory with no other key's) and
 places them through ``Placement``, so every invariant of ``tierkv/store.py``
-holds for copies as for puts.  A write-behind source stays pinned until its copy
-has landed below (so it is never in no tier meanwhile); one copy pins at most an
-eighth of its source level, so eviction always has the rest to choose from.
+holds for copies as for puts.  Write-behind batches are staged in the store's
+``StagingArena`` (huge pages, kept from batch to batch, each chunk on a 4 KiB
+boundary), which a persistent tier may write to its device without another copy.
+A write-behind source stays pinned until its copy has landed below (so it is never
+in no tier meanwhile); one copy pins at most an eighth of its source level, so
+eviction always has the rest to choose from.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from tierkv.buffers import Parts, staging
+from tierkv.buffers import Parts
 from tierkv.hooks import call_policy
+from tierkv.hostmem import StagingArena
 from tierkv.level import Level
 
 #: most bytes one background copy stages at once
@@ -57,6 +61,8 @@ class Copying:
     _managed_levels: list[int]
     _behind_levels: list[int]
     _behind: Any
+    _arena: StagingArena
+    _arena_lock: Any
     _counters: Any
     promotion: Any
 
@@ -129,11 +135,12 @@ class Copying:
             src.pin_many([key for key, _ in batch])
         try:
             keys = [key for key, _ in batch]
-            bufs = [staging(nb) for _, nb in batch]
-            oks = self._tier_io(src, "read", keys, [[b] for b in bufs])
-            for k in self._behind_levels:
-                if k > j:
-                    self._write_below(k, batch, bufs, oks)
+            with self._arena_lock:  # (one batch at a time: its views are the arena's until the next carve)
+                bufs = self._arena.carve([nb for _, nb in batch])
+                oks = self._tier_io(src, "read", keys, [[b] for b in bufs])
+                for k in self._behind_levels:
+                    if k > j:
+                        self._write_below(k, batch, bufs, oks)
         finally:
             with self._lock:
                 src.unpin_many([key for key, _ in batch])

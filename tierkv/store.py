@@ -66,6 +66,7 @@ from tierkv.config import build_levels, load_config
 from tierkv.copying import Copying
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
 from tierkv.hooks import call_policy
+from tierkv.hostmem import StagingArena
 from tierkv.keys import check_key, check_keys
 from tierkv.level import Level
 from tierkv.observe import Observable
@@ -134,6 +135,8 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         self._any_write_through = any(lvl.write_through for lvl in self.levels)
         self._behind_levels = [i for i, lvl in enumerate(self.levels) if lvl.write_behind]
         self._behind = WriteBehind(self._copy_behind, max_queued=write_behind_queue) if self._behind_levels else None
+        self._arena = StagingArena()  # (write-behind batches are staged here: see ``Copying._copy_batch``)
+        self._arena_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
         self._observers: list[Any] = []  # see Observable (tierkv.observe)
         self._recover()
@@ -203,6 +206,11 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
             if self._behind is not None:
                 self._behind.close(timeout=120)
         finally:
+            if self._arena_lock.acquire(timeout=1):  # (a copy still running after the timeout keeps its views)
+                try:
+                    self._arena.release()
+                finally:
+                    self._arena_lock.release()
             self._executor.shutdown(wait=True)
             self._close_observers()
             for lvl in self.levels:

@@ -9,12 +9,18 @@ Region file ``regions/rNNNNNN.region`` (``region_size`` bytes, preallocated)::
     [..., region_size)   summary, written when the region is sealed: entries, keys, padding,
                          and a 64-byte footer ending exactly at ``region_size``
 
-Record (header 64 bytes, then the key, then the stored payload)::
+Record (header 64 bytes, then the key, ``pad`` bytes, then the stored payload)::
 
     magic "TKVO", version u8, flags u8 (1 lz4, 2 payload sum is CRC32C, 4 reserved: never served),
     key_len u16, seq u64 (the region's seq: a record left from an earlier use of the
     region never parses as current), raw_len u32, stored_len u32, payload sum u64,
-    header check u64 (xxh3-64 of the 64 header bytes with this field zeroed, and the key)
+    header check u64 (xxh3-64 of the 64 header bytes with this field zeroed, and the key),
+    pad u16 (0 to 4095: bytes between key and payload), zero to 64
+
+A record's payload starts ``pad`` bytes after its key.  With O_DIRECT, a large payload held in
+huge-page memory (``tierkv.hostmem.contiguous``) is written to the file from where it is: ``pad``
+gives its file offset the phase of its address modulo 4 KiB, so the whole blocks between go to
+the device without a copy (``writepath.py``).  Records without a pad hold 0 there.
 
 Summary: ``count`` entries of 24 bytes (digest u64, offset u32, record length u32,
 raw_len u32, key_len u16, flags u8, pad u8), then the keys back to back, padding,
@@ -36,6 +42,8 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 import xxhash
+
+from tierkv.hostmem import page_buffer
 
 try:
     import crc32c as _crc32c_mod
@@ -63,11 +71,13 @@ RECORD_MAGIC = b"TKVO"
 SUMMARY_MAGIC = b"TKVS"
 
 _REGION = struct.Struct("<4sHHIQQ")  # 32 bytes, then check u64
-_RECORD = struct.Struct("<4sBBHQIIQ")  # 32 bytes, then header check u64 at 32, zero to 64
+_RECORD = struct.Struct("<4sBBHQIIQ")  # 32 bytes, then header check u64 at 32, pad u16 at 40, zero to 64
 REC_HDR = 64
 #: the whole 64-byte record header, its check zero (packed in one call, then the check at RECORD_CHECK_AT)
-RECORD_STRUCT = struct.Struct("<4sBBHQIIQQ24x")
+RECORD_STRUCT = struct.Struct("<4sBBHQIIQQH22x")
 RECORD_CHECK_AT = _RECORD.size
+#: with O_DIRECT, uncompressed payloads of at least this many bytes in huge-page memory are written from there
+DIRECT_MIN = 128 << 10
 _CHECK = struct.Struct("<Q")
 CHECK_STRUCT = _CHECK
 _FOOTER = struct.Struct("<4sHHQIIQ")  # 36 bytes, then check u64
@@ -115,44 +125,14 @@ def align_down(n: int, a: int = BLOCK) -> int:
     return n // a * a
 
 
-#: buffers at least this long ask for transparent huge pages (``aligned_buffer``)
-HUGE = 2 << 20
-#: whether they do by default (benchmarks compare both)
-HUGE_PAGES = True
-_MADV_POPULATE_WRITE = 23  # (Linux 5.14; not named by the mmap module)
-
-
 def aligned_buffer(n: int, populate: bool = False, huge: Optional[bool] = None) -> mmap.mmap:
-    """A zeroed, page-aligned anonymous buffer (what O_DIRECT needs).
+    """A zeroed, page-aligned anonymous buffer (what O_DIRECT needs); from 2 MiB on, of huge pages.
 
-    ``populate`` faults its pages in at once: touching fresh pages one by one costs
-    more than the copy into them on a virtual machine.
-
-    A buffer of ``HUGE`` bytes or more asks for transparent huge pages (where the kernel
-    offers them on request; ``huge=False`` does not, and ``None`` follows ``HUGE_PAGES``):
-    a 2 MiB page is physically contiguous, so an O_DIRECT transfer from or into it is a few
-    long segments instead of one per 4 KiB page (docs/ssd.md, "Huge-page region images";
-    ``bench/bench_dio_buffers.py`` and ``bench/bench_ssd.py --pages 4k`` measure it).
-    Populating comes after the advice, so the pages faulted in are huge ones.
+    ``tierkv.hostmem.page_buffer``: ``populate`` faults its pages in at once, after the huge-page
+    advice, so the pages faulted in are huge ones (an O_DIRECT transfer from or into them is a few
+    long segments instead of one per 4 KiB page: docs/ssd.md, "Huge-page region images").
     """
-    size = max(align_up(n), BLOCK)
-    huge = (HUGE_PAGES if huge is None else huge) and size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE")
-    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-    if populate and not huge:
-        flags |= getattr(mmap, "MAP_POPULATE", 0)
-    buf = mmap.mmap(-1, size, flags=flags)
-    if huge:
-        try:
-            buf.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # (a kernel without transparent huge pages: 4 KiB pages, as before)
-            pass
-        if populate:
-            try:
-                buf.madvise(_MADV_POPULATE_WRITE)
-            except OSError:  # (an older kernel: touch each page)
-                for at in range(0, size, mmap.PAGESIZE):
-                    buf[at] = 0
-    return buf
+    return page_buffer(n, populate, huge)
 
 
 _ENTRY_STRUCT = struct.Struct("<QIIIHBB")
@@ -163,8 +143,13 @@ def pack_entry(digest: int, offset: int, rec_len: int, raw_len: int, key_len: in
     return _ENTRY_STRUCT.pack(digest, offset, rec_len, raw_len, key_len, flags, 0)
 
 
-def record_len(key_len: int, stored_len: int) -> int:
-    return REC_HDR + key_len + stored_len
+def record_len(key_len: int, stored_len: int, pad: int = 0) -> int:
+    return REC_HDR + key_len + pad + stored_len
+
+
+def pad_allowance(nbytes):
+    """The most pad a payload of ``nbytes`` may get (an int, or a numpy array of them)."""
+    return (nbytes >= DIRECT_MIN) * (BLOCK - 1)
 
 
 #: the active image is written out once this much of it is unwritten
@@ -212,10 +197,10 @@ def is_region_magic(b) -> bool:
 
 # -- records ------------------------------------------------------------------------
 def pack_record_header(buf, pos: int, flags: int, kb: bytes, seq: int, raw_len: int, stored_len: int,
-                       psum: int) -> None:
-    """Header and key at ``buf[pos:]`` (the payload follows, already in place or not)."""
+                       psum: int, pad: int = 0) -> None:
+    """Header and key at ``buf[pos:]`` (the payload follows ``pad`` bytes later, already in place or not)."""
     head = bytearray(REC_HDR)
-    _RECORD.pack_into(head, 0, RECORD_MAGIC, VERSION, flags, len(kb), seq, raw_len, stored_len, psum)
+    RECORD_STRUCT.pack_into(head, 0, RECORD_MAGIC, VERSION, flags, len(kb), seq, raw_len, stored_len, psum, 0, pad)
     h = xxhash.xxh3_64(head)
     h.update(kb)
     _CHECK.pack_into(head, _RECORD.size, h.intdigest())
@@ -226,9 +211,9 @@ def pack_record_header(buf, pos: int, flags: int, kb: bytes, seq: int, raw_len: 
 
 def reseq_record(buf, pos: int, seq: int) -> None:
     """Move a record (already copied to ``buf[pos:]``) into a region of another seq."""
-    magic, version, flags, key_len, _, raw_len, stored_len, psum = _RECORD.unpack_from(buf, pos)  # noqa: RUF059 - the unpacked names document the layout
+    magic, version, flags, key_len, _, raw_len, stored_len, psum, _, pad = RECORD_STRUCT.unpack_from(buf, pos)  # noqa: RUF059 - the unpacked names document the layout
     kb = bytes(buf[pos + REC_HDR:pos + REC_HDR + key_len])
-    pack_record_header(buf, pos, flags, kb, seq, raw_len, stored_len, psum)
+    pack_record_header(buf, pos, flags, kb, seq, raw_len, stored_len, psum, pad)
 
 
 class RecordHeader(NamedTuple):
@@ -238,25 +223,31 @@ class RecordHeader(NamedTuple):
     raw_len: int
     stored_len: int
     psum: int
+    pad: int = 0
+
+    @property
+    def body_at(self) -> int:
+        """Where the payload starts, from the record's start."""
+        return REC_HDR + len(self.key) + self.pad
 
     @property
     def rec_len(self) -> int:
-        return REC_HDR + len(self.key) + self.stored_len
+        return REC_HDR + len(self.key) + self.pad + self.stored_len
 
 
 def parse_record_header(head, key_bytes) -> Optional[RecordHeader]:
     """Check a record's 64-byte header against the key bytes that follow it; None if bad."""
     if len(head) < REC_HDR:
         return None
-    magic, version, flags, key_len, seq, raw_len, stored_len, psum = _RECORD.unpack_from(head, 0)
-    if magic != RECORD_MAGIC or version != VERSION or key_len != len(key_bytes):
+    magic, version, flags, key_len, seq, raw_len, stored_len, psum, stored_check, pad = \
+        RECORD_STRUCT.unpack_from(head, 0)
+    if magic != RECORD_MAGIC or version != VERSION or key_len != len(key_bytes) or pad >= BLOCK:
         return None
     fixed = bytearray(head[:REC_HDR])
-    stored_check = _CHECK.unpack_from(fixed, _RECORD.size)[0]
     fixed[_RECORD.size:_RECORD.size + 8] = bytes(8)
     if stored_check != xxh3([fixed, key_bytes]):
         return None
-    return RecordHeader(flags, bytes(key_bytes), seq, raw_len, stored_len, psum)
+    return RecordHeader(flags, bytes(key_bytes), seq, raw_len, stored_len, psum, pad)
 
 
 def record_key_len(head) -> int:
@@ -275,7 +266,7 @@ def parse_record(view, seq: Optional[int], verify_payload: bool = True) -> Optio
     if h is None or (seq is not None and h.seq != seq) or len(view) < h.rec_len:
         return None
     if verify_payload and not h.flags & FLAG_TOMB:
-        s = payload_sum([view[REC_HDR + klen:h.rec_len]], h.flags)
+        s = payload_sum([view[h.body_at:h.rec_len]], h.flags)
         if s is None or s != h.psum:
             return None
     return h

@@ -99,11 +99,11 @@ class Persistence:
         fd = R.open_fd(r.path, self.direct_io, create=True)
         try:
             R.preallocate(fd, self.region_size)
-            if self.direct_io:
+            if self.direct_io and not r.direct:
                 R.pwrite_all(fd, memoryview(r.buf)[:r.written], 0)
-            else:  # the image holds headers only (``writepath._Segment``): the removed file's bytes, still open
-                for at in range(0, r.written, 1 << 20):
-                    R.pwrite_all(fd, os.pread(r.fd, min(1 << 20, r.written - at), at), at)
+            else:  # the image lacks payloads written from the caller's memory (``writepath._Segment``):
+                for at in range(0, r.written, 1 << 20):  # the removed file's bytes, still open
+                    R.pwrite_all(fd, R.read_span(r.fd, at, min(1 << 20, r.written - at), self.direct_io), at)
         except OSError:
             os.close(fd)
             raise

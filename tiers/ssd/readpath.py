@@ -1,7 +1,8 @@
 """The read path of ``SSDTier``: locate under the lock, then read and verify outside it.
 
 A record in the active region is copied from its in-memory image (buffered, only one not yet
-written to the file: the image holds the headers of the others); any other is one
+written to the file: the image holds the headers of the others; with O_DIRECT, any but one whose
+payload was written from the caller's memory, ``Region.direct``); any other is one
 pread (straight into the caller's parts when buffered and uncompressed, else one
 block-aligned read into a private buffer).  Every read checks header, seq, full key
 and payload sum.  A check that fails is looked at again once under the lock: if the
@@ -39,7 +40,7 @@ _RUN_GAP = 4096  # records at most this far apart are read together
 _RUN_MAX = 1 << 20  # a run's span is at most this long
 #: O_DIRECT runs may be longer: a device serves one long read faster than several short ones (measured
 #: with ``bench/bench_ssd.py``: 256 KiB gets went from 0.5-0.97 to 0.9-1.06 of raw ``pread`` with 2 MiB)
-_RUN_MAX_DIRECT = 2 << 20
+_RUN_MAX_DIRECT = (2 << 20) + (64 << 10)  # (2 MiB of payloads with their records' headers, keys and pads)
 _RUN_OBJECT = 256 << 10  # records longer than this are read on their own
 _MANY = 64  # batches of at least this many keys are looked up in the index with numpy
 _PLACE = operator.itemgetter(0, 1)  # (region, offset) of a record to read
@@ -98,12 +99,14 @@ class ReadPath:
             active = self._active
             regions = self._regions
             # (buffered, the active region's records already written are read from the file: the image
-            # holds their headers only, see ``writepath._Segment``)
+            # holds their headers only, see ``writepath._Segment``; with O_DIRECT, so are the records whose
+            # payload went to the file from the caller's memory, ``Region.direct``)
             in_image = active is not None and self.direct_io
             written = active.written if active is not None else 0
+            direct = active.direct if active is not None else ()
             for i, ri, o, rl, wl in found:
                 r = regions[ri]
-                if r is active and (in_image or o + rl > written):
+                if r is active and (in_image or o + rl > written) and o not in direct:
                     # copied and checked under the lock, so the image cannot be reused meanwhile
                     out[i] = self._image_read(keys[i], (kbs[i], digs[i], r, o, rl, wl, r.seq, r.buf), dsts[i])
                 else:
@@ -304,9 +307,9 @@ class ReadPath:
     def _head_then(self, head, kb: bytes, seq: int, want: int, views: list) -> int:
         """Check a header read into ``head`` and the payload read into ``views`` (the caller's parts):
         the record of key ``kb`` in a region of ``seq``, ``want`` bytes long."""
-        magic, version, flags, klen, rseq, raw_len, stored, psum, check = F.RECORD_STRUCT.unpack_from(head, 0)
-        if magic != F.RECORD_MAGIC or version != F.VERSION or klen != len(kb):
-            return _BAD
+        magic, version, flags, klen, rseq, raw_len, stored, psum, check, pad = F.RECORD_STRUCT.unpack_from(head, 0)
+        if magic != F.RECORD_MAGIC or version != F.VERSION or klen != len(kb) or pad:
+            return _BAD  # (a padded record is never read this way: its length is not header + key + payload)
         h = xxhash.xxh3_64(head[:F.RECORD_CHECK_AT])
         h.update(_ZERO_CHECK)
         h.update(head[F.RECORD_CHECK_AT + 8:])
@@ -344,7 +347,7 @@ class ReadPath:
         if e is None:
             return None
         r = self._regions[e[0]]
-        image = r is self._active and (self.direct_io or e[1] + e[2] > r.written)  # (see ``_read``)
+        image = r is self._active and (self.direct_io or e[1] + e[2] > r.written) and e[1] not in r.direct  # (see ``_read``)
         return kb, d, r, e[1], e[2], e[3], r.seq, (r.buf if image else None)
 
     def _read_one(self, key: str, loc, parts: Parts) -> bool:
@@ -397,17 +400,18 @@ class ReadPath:
         into ``parts``; ``addr``: the address of ``view``'s first byte, when known (one memmove a part)."""
         if len(view) < F.REC_HDR:
             return _BAD
-        magic, version, flags, klen, rseq, raw_len, stored, psum, check = F.RECORD_STRUCT.unpack_from(view, 0)
-        body_at = F.REC_HDR + klen
+        magic, version, flags, klen, rseq, raw_len, stored, psum, check, pad = F.RECORD_STRUCT.unpack_from(view, 0)
+        key_end = F.REC_HDR + klen
+        body_at = key_end + pad
         rec_len = body_at + stored
-        if magic != F.RECORD_MAGIC or version != F.VERSION or len(view) < rec_len:
+        if magic != F.RECORD_MAGIC or version != F.VERSION or len(view) < rec_len or pad >= F.BLOCK:
             return _BAD
         h = xxhash.xxh3_64(view[:F.RECORD_CHECK_AT])
         h.update(_ZERO_CHECK)
-        h.update(view[F.RECORD_CHECK_AT + 8:body_at])
+        h.update(view[F.RECORD_CHECK_AT + 8:key_end])
         if h.intdigest() != check or rseq != seq or flags & F.FLAG_TOMB:
             return _BAD
-        if view[F.REC_HDR:body_at] != kb:
+        if view[F.REC_HDR:key_end] != kb:
             return _OTHER
         body = view[body_at:rec_len]
         sum_of = F.sum_function(flags)
@@ -458,7 +462,7 @@ class ReadPath:
                 views.append(b)
         got = os.preadv(fd, [head, *views], off)
         h = F.parse_record_header(head[:F.REC_HDR], bytes(head[F.REC_HDR:]))
-        if h is None or h.seq != seq or h.flags & (F.FLAG_TOMB | F.FLAG_LZ4) or h.key != kb:
+        if h is None or h.seq != seq or h.flags & (F.FLAG_TOMB | F.FLAG_LZ4) or h.key != kb or h.pad:
             # not what the index said: a private read of the record tells corrupt from another key's
             return self._from_view(R.read_span(fd, off, rec_len, False, scratch=True), kb, seq, parts)
         if got != len(head) + raw_len or h.stored_len != raw_len:

@@ -38,6 +38,7 @@ class Region:
     __slots__ = (
         "buf",
         "count",
+        "direct",
         "entries",
         "fd",
         "foreign",
@@ -56,6 +57,7 @@ class Region:
     buf: Optional[mmap.mmap]  # the image while ACTIVE (``format.aligned_buffer``)
     entries: Optional[bytearray]  # summary entries and keys while ACTIVE
     keys: Optional[bytearray]
+    direct: set[int]  # offsets of the active region's records whose payload is in the file only
 
     def __init__(self, index: int, path: str) -> None:
         self.index = index
@@ -70,6 +72,7 @@ class Region:
         self.buf = None
         self.pos = self.written = self.count = 0
         self.entries = self.keys = None
+        self.direct = set()
         self.sum_start = 0  # where the summary of this use of the region starts, when known (0: unknown)
 
     # -- the active image ------------------------------------------------------------
@@ -86,6 +89,7 @@ class Region:
         self.count = 0
         self.live_bytes = self.live_count = 0
         self.sum_start = 0
+        self.direct = set()
 
     def fits(self, rec_len: int, key_len: int, region_size: int) -> bool:
         end = F.align_up(self.pos + rec_len, F.ALIGN)

@@ -90,7 +90,7 @@ MAX_REGION = 2 << 30
 REGIONS_DIR = "regions"
 _COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
              "gc_relocated", "gc_dropped", "checkpoints", "checkpoint_errors", "torn_regions", "skipped_files",
-             "trimmed")
+             "trimmed", "direct_writes")
 
 
 def check_old_layout(path: str) -> None:
@@ -109,7 +109,8 @@ def check_old_layout(path: str) -> None:
 
 def footprint_of(nbytes):
     """``footprint`` for an int or a numpy array of sizes."""
-    return (F.REC_HDR + F.MAX_KEY + nbytes + F.ALIGN - 1) // F.ALIGN * F.ALIGN + F.ENTRY + F.MAX_KEY
+    return (F.REC_HDR + F.MAX_KEY + nbytes + F.pad_allowance(nbytes) + F.ALIGN - 1) // F.ALIGN * F.ALIGN \
+        + F.ENTRY + F.MAX_KEY
 
 
 class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):

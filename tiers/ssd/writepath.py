@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING, Any, Optional, cast
 
 import xxhash
 
+from tierkv.hostmem import contiguous
+
 from ..base import Parts
 from . import format as F
 from . import region as R
@@ -67,6 +69,7 @@ class WritePath:
     _spare_image: Optional[mmap.mmap]
     _image_addrs: dict[int, tuple]
     _image_addr: int
+    _counters: dict[str, int]
 
     if TYPE_CHECKING:  # defined by ``SSDTier``, ``Persistence`` and ``Reclaim``
         @property
@@ -125,11 +128,15 @@ class WritePath:
         pipe_min = PIPE_MIN_DIRECT if self.direct_io else PIPE_UNIT
         plain = not self.compression
         gather = not self.direct_io  # (see ``_Segment``)
+        direct_min = F.DIRECT_MIN if self.direct_io else 1 << 62  # (see ``_Segment``)
+        block = F.BLOCK
+        memset = ctypes.memset
         iov: list = []
         # (the segment's lists are cleared in place by each commit, so these stay bound to them)
         s_idx, s_dig, s_off, s_rec, s_raw = (seg.idx.append, seg.digests.append, seg.offsets.append,
                                             seg.rec_lens.append, seg.raw_lens.append)
         s_ent, s_key = seg.entries.append, seg.keys.append
+        s_hole, s_direct = seg.holes.append, seg.direct.append
         last = len(keys) - 1
         r = self._active
         buf: Any = None
@@ -144,10 +151,12 @@ class WritePath:
             if klen > max_key:
                 self._count("bad_key")
                 continue
+            direct = False
             if len(parts) == 1:
                 p = parts[0]
                 raw_len = p.numel()
                 host = plain and p.is_cpu and p.is_contiguous()
+                direct = host and raw_len >= direct_min and contiguous(p.data_ptr(), raw_len)
             else:
                 raw_len = 0
                 host = plain
@@ -163,7 +172,8 @@ class WritePath:
                 if r is not None:
                     buf, mv, base = r.buf, memoryview(cast("mmap.mmap", r.buf)), self._image_addr
                 continue
-            rec_len = head + klen + raw_len
+            # (a payload written from the caller's memory gets a pad, known once its place is: room for the most)
+            rec_len = head + klen + raw_len + (block - 1 if direct else 0)
             if ((rec_len + align - 1) & -align) + per_entry + max_key > max_slot or raw_len >= 1 << 32:
                 self._count("too_large")  # (``F.measure``)
                 continue
@@ -188,11 +198,29 @@ class WritePath:
                 seg.begin(r, pos, gather and r.written == pos)
                 iov = seg.iov
             at = pos + head + klen
-            if seg.gather and raw_len >= _GATHER_MIN:  # the payload goes to the file from the caller's parts
+            if direct:  # O_DIRECT: the payload's whole blocks go to the file from the caller's memory
+                src_addr = parts[0].data_ptr()
+                pad = (src_addr - at) & (block - 1)
+                body = at + pad  # (its file offset has the address's phase: ``lo`` and ``hi`` are both aligned)
+                rec_len = head + klen + pad + raw_len
+                end = (pos + rec_len + align - 1) & -align
+                lo = (body + block - 1) & -block
+                hi = (body + raw_len) & -block
+                if pad:
+                    memset(base + at, 0, pad)
+                memmove(base + body, src_addr, lo - body)  # the partial blocks at both ends: into the image
+                memmove(base + hi, src_addr + hi - body, body + raw_len - hi)
+                psum = psum_of(_ctype(raw_len).from_address(src_addr))
+                hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0, pad)
+                mv[pos + head:at] = kb
+                chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                s_hole((lo, hi, src_addr + lo - body))
+                s_direct(pos)
+            elif seg.gather and raw_len >= _GATHER_MIN:  # the payload goes to the file from the caller's parts
                 if len(parts) == 1:
                     src = _ctype(raw_len).from_address(parts[0].data_ptr())
                     psum = psum_of(src)
-                    hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+                    hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0, 0)
                     mv[pos + head:at] = kb
                     chk(buf, pos + check_at, digest_of(mv[pos:at]))
                     iov.append(mv[pos:at])
@@ -200,7 +228,7 @@ class WritePath:
                 else:
                     views = [cbuffer(p) for p in parts if p.numel()]
                     psum = F.payload_sum(views, flags)
-                    hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+                    hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0, 0)
                     mv[pos + head:at] = kb
                     chk(buf, pos + check_at, digest_of(mv[pos:at]))
                     iov.append(mv[pos:at])
@@ -219,7 +247,7 @@ class WritePath:
                             memmove(dst, p.data_ptr(), m)
                             dst += m
                 psum = psum_of(mv[at:at + raw_len])
-                hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0)
+                hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0, 0)
                 mv[pos + head:at] = kb
                 chk(buf, pos + check_at, digest_of(mv[pos:at]))
                 if seg.gather:
@@ -270,7 +298,7 @@ class WritePath:
                 self._dirty_fds.add(r.fd)
         else:
             r.written = max(r.written, seg.written)
-            ok = self._write_out(r, F.align_up(seg.end), seg.end)  # (beside the writer's piece in flight)
+            ok = self._write_out(r, F.align_up(seg.end), seg.end, seg)  # (beside the writer's piece in flight)
             ok = seg.wait(self) and ok
         if not ok:  # (buffered, the file holds exactly ``written`` bytes; O_DIRECT rewrites a partial block)
             r.written = min(r.written, F.align_down(seg.start) if self.direct_io else seg.start)
@@ -287,6 +315,9 @@ class WritePath:
                 self._unlive(o_r, o_rec)  # the older version is dead: it must never come back
                 self._dead.add(o_r, o_off, self._regions[o_r].seq)
             r.pos = seg.end
+            if seg.direct:
+                r.direct.update(seg.direct)
+                self._counters["direct_writes"] += len(seg.direct)
             self._changed = True
         cast(bytearray, r.entries).extend(b"".join(seg.entries))
         cast(bytearray, r.keys).extend(b"".join(seg.keys))
@@ -362,9 +393,10 @@ class WritePath:
         r.add_entry(d, pos, rec_len, raw_len, kb, flags)
         return True
 
-    def _write_out(self, r: R.Region, end: int, data_end: int) -> bool:
+    def _write_out(self, r: R.Region, end: int, data_end: int, seg: Optional["_Segment"] = None) -> bool:
         """Write the active image from ``r.written`` up to ``end`` (block aligned); its bytes end at
-        ``data_end`` (a partial last block is written again next time)."""
+        ``data_end`` (a partial last block is written again next time).  ``seg``: the segment being
+        committed, whose payloads written from the caller's memory take their place (``_Segment``)."""
         if not self.direct_io:  # buffered: exactly the bytes not yet written (the image may not hold the
             end = min(end, data_end)  # payloads of records written before, see ``_Segment``)
         if end <= r.written:
@@ -373,7 +405,10 @@ class WritePath:
         if end > data_end:  # the tail of a partial block: zeros, not an earlier region's bytes
             memoryview(buf)[data_end:end] = bytes(end - data_end)
         try:
-            R.pwrite_all(r.fd, memoryview(buf)[r.written:end], r.written)
+            if seg is not None and seg.holes:
+                R.pwritev_all(r.fd, seg.pieces(memoryview(buf), r.written, end), r.written)
+            else:
+                R.pwrite_all(r.fd, memoryview(buf)[r.written:end], r.written)
         except OSError as e:
             self._io_error(e, f"writing {r.path}")
             return False
@@ -484,6 +519,7 @@ class WritePath:
             r.state = R.SEALED
             self._spare_image, r.buf = r.buf, None
             r.entries = r.keys = None
+            r.direct = set()
             self._active = None
             self._changed = True
         self._sealed_since_ckpt += 1
@@ -499,10 +535,21 @@ class _Segment:
     bytes or more) straight from the caller's parts, zeros up to the next record; a smaller payload is
     copied into the image and its whole record taken from there.  The file then holds the region's
     bytes and the image only their headers, so a buffered region's ``written`` is exact (no block is
-    written twice) and its records, once written, are read from the file."""
+    written twice) and its records, once written, are read from the file.
 
-    __slots__ = ("digests", "end", "entries", "futures", "gather", "idx", "iov", "key_bytes", "keys", "n", "offsets",
-                 "raw_lens", "rec_lens", "region", "start", "submitted", "written")
+    With O_DIRECT, an uncompressed single-part payload of ``F.DIRECT_MIN`` bytes or more that lies in
+    huge-page memory (``tierkv.hostmem.contiguous``: the store's staging arena) is not copied either
+    (from 4 KiB pages the device takes it slower than a copy plus a write from the image: docs/ssd.md):
+    its record gets a pad (``format.py``) that gives the payload's file offset the phase of its
+    address modulo 4 KiB, so its whole blocks are a *hole* of the image, written from the caller's memory
+    (``holes``: file start, file end, address), and only the partial blocks at its two ends are copied
+    into the image around it.  Every write of the segment takes the image's bytes and the holes' in file
+    order (``pieces``); the records are indexed once all of them are in the file, and are read from the
+    file from then on (``Region.direct``: the image never holds their payloads)."""
+
+    __slots__ = ("digests", "direct", "end", "entries", "futures", "gather", "hole_i", "holes", "idx", "iov",
+                 "key_bytes", "keys", "n", "offsets", "raw_lens", "rec_lens", "region", "start", "submitted",
+                 "written")
 
     def __init__(self) -> None:
         self.idx: list[int] = []
@@ -512,14 +559,17 @@ class _Segment:
         self.raw_lens: list[int] = []
         self.entries: list[bytes] = []
         self.keys: list[bytes] = []
+        self.holes: list[tuple[int, int, int]] = []
+        self.direct: list[int] = []
         self.region: Optional[R.Region] = None
         self.futures: list = []
         self.reset()
 
     def reset(self) -> None:
-        for lst in (self.idx, self.digests, self.offsets, self.rec_lens, self.raw_lens, self.entries, self.keys):
+        for lst in (self.idx, self.digests, self.offsets, self.rec_lens, self.raw_lens, self.entries, self.keys,
+                    self.holes, self.direct):
             lst.clear()
-        self.n = self.key_bytes = self.end = self.start = 0
+        self.n = self.key_bytes = self.end = self.start = self.hole_i = 0
         self.submitted = self.written = 0
         self.region = None
         self.futures = []
@@ -545,9 +595,42 @@ class _Segment:
         start = self.submitted
         if upto <= start:
             return
-        view = memoryview(cast("mmap.mmap", r.buf))[start:upto]
-        self.futures.append(pool.submit(R.pwrite_all, r.fd, view, start))
+        mv = memoryview(cast("mmap.mmap", r.buf))
+        if self.holes:
+            self.futures.append(pool.submit(R.pwritev_all, r.fd, self.pieces(mv, start, upto), start))
+        else:
+            self.futures.append(pool.submit(R.pwrite_all, r.fd, mv[start:upto], start))
         self.submitted = self.written = upto
+
+    def pieces(self, mv: memoryview, start: int, end: int) -> list:
+        """Buffers for ``[start, end)`` of the file, both block aligned: the image ``mv`` around the holes,
+        each hole from the caller's memory.  Writes go in file order, so holes before ``end`` are done."""
+        out: list = []
+        at = start
+        holes = self.holes
+        i = self.hole_i
+        while i < len(holes):
+            lo, hi, addr = holes[i]
+            if lo >= end:
+                break
+            i += 1
+            if hi <= at:
+                continue
+            if lo > at:
+                out.append(mv[at:lo])
+            else:  # (a hole begun before ``start``: only its rest)
+                addr += at - lo
+                lo = at
+            hi = min(hi, end)
+            out.append(ctype_of(hi - lo).from_address(addr))
+            at = hi
+            if hi < holes[i - 1][1]:  # (its rest is the next write's)
+                i -= 1
+                break
+        self.hole_i = i
+        if at < end:
+            out.append(mv[at:end])
+        return out
 
     def wait(self, tier: WritePath) -> bool:
         """Wait for the submitted writes; False (counted) if any failed."""

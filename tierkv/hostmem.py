@@ -1,0 +1,151 @@
+"""Host memory that devices move fast: huge-page buffers, the staging arena, and where they lie.
+
+A DMA transfer (an O_DIRECT read or write, a copy to or from an accelerator) is split into one
+segment per physically contiguous run of pages.  A buffer of 4 KiB pages is as many segments as
+pages, merged only where neighbours happen to lie side by side; a 2 MiB transparent huge page is
+one.  Measured on this project's virtual disk (``bench/bench_dio_buffers.py``, docs/ssd.md
+"Huge-page region images"): 2 MiB O_DIRECT writes ran at 6.0-7.0 GiB/s from huge pages, 3.1-5.5
+from a buffer of 4 KiB pages and 2.8-4.9 straight from torch tensors.
+
+* ``page_buffer`` maps a zeroed, page-aligned buffer, advised as huge pages from ``HUGE`` bytes on.
+* ``StagingArena`` keeps one such buffer for staging batches of chunks between tiers, reused batch
+  after batch, each chunk at a 4 KiB boundary.
+* ``contiguous(addr, n)`` says whether ``[addr, addr + n)`` lies in a live huge-page buffer that
+  this module mapped (an arena's): the ``ssd`` tier writes such payloads to the device straight
+  from where they are instead of copying them into its region image first.
+
+Invariants: a range is registered only while its buffer is mapped and held by its owner (an arena
+unregisters a buffer before it lets it go), and only when the kernel took the huge-page advice.
+The registry decides speed only: any memory is written correctly by either path.
+"""
+
+from __future__ import annotations
+
+import bisect
+import mmap
+import threading
+from typing import Optional
+
+import torch
+
+#: buffers at least this long ask for transparent huge pages
+HUGE = 2 << 20
+#: whether they do when the caller does not say (benchmarks compare both)
+HUGE_PAGES = True
+#: chunks carved from a staging arena start on this boundary (the unit of O_DIRECT transfers)
+CARVE_ALIGN = 4096
+_MADV_POPULATE_WRITE = 23  # (Linux 5.14; not named by the mmap module)
+
+
+def _round_up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _map(n: int, populate: bool, huge: Optional[bool]) -> tuple[mmap.mmap, bool]:
+    """(buffer, whether the kernel took the huge-page advice)."""
+    size = max(_round_up(n, mmap.PAGESIZE), mmap.PAGESIZE)
+    want = (HUGE_PAGES if huge is None else huge) and size >= HUGE and hasattr(mmap, "MADV_HUGEPAGE")
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+    if populate and not want:
+        flags |= getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, size, flags=flags)
+    advised = False
+    if want:
+        try:
+            buf.madvise(mmap.MADV_HUGEPAGE)
+            advised = True
+        except OSError:  # (a kernel without transparent huge pages: 4 KiB pages)
+            pass
+        if populate:  # after the advice, so the pages faulted in are huge ones
+            try:
+                buf.madvise(_MADV_POPULATE_WRITE)
+            except OSError:  # (an older kernel: touch each page)
+                for at in range(0, size, mmap.PAGESIZE):
+                    buf[at] = 0
+    return buf, advised
+
+
+def page_buffer(n: int, populate: bool = False, huge: Optional[bool] = None) -> mmap.mmap:
+    """A zeroed, page-aligned anonymous buffer of at least ``n`` bytes (what O_DIRECT needs).
+
+    ``populate`` faults its pages in at once (touching fresh pages one by one costs more than
+    the copy into them on a virtual machine).  From ``HUGE`` bytes on it asks for transparent
+    huge pages (``huge=False`` does not; ``None`` follows ``HUGE_PAGES``).
+    """
+    return _map(n, populate, huge)[0]
+
+
+# -- where huge-page buffers lie ----------------------------------------------------------
+_lock = threading.Lock()
+_starts: list[int] = []  # sorted
+_ends: list[int] = []  # _ends[i] belongs to _starts[i]
+
+
+def register(addr: int, n: int) -> None:
+    """Record ``[addr, addr + n)`` as huge-page memory (until ``unregister(addr)``)."""
+    with _lock:
+        i = bisect.bisect_left(_starts, addr)
+        _starts.insert(i, addr)
+        _ends.insert(i, addr + n)
+
+
+def unregister(addr: int) -> None:
+    with _lock:
+        i = bisect.bisect_left(_starts, addr)
+        if i < len(_starts) and _starts[i] == addr:
+            del _starts[i]
+            del _ends[i]
+
+
+def contiguous(addr: int, n: int) -> bool:
+    """Whether ``[addr, addr + n)`` lies within one registered huge-page buffer."""
+    with _lock:
+        i = bisect.bisect_right(_starts, addr) - 1
+        return i >= 0 and addr + n <= _ends[i]
+
+
+class StagingArena:
+    """One reusable huge-page buffer that batches of chunks are staged in.
+
+    ``carve(sizes)`` returns one flat ``uint8`` tensor per size, each starting on a
+    ``CARVE_ALIGN`` boundary, all views of the arena's buffer: valid until the next
+    ``carve`` or ``release`` (one batch at a time; the owner serialises its users).  The
+    buffer grows to the largest batch asked for and is kept (populated once, never faulted
+    again); while it holds huge pages its range is registered (``contiguous``).
+    """
+
+    def __init__(self) -> None:
+        self._buf: Optional[mmap.mmap] = None
+        self._tensor: Optional[torch.Tensor] = None
+        self._addr = 0
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._buf) if self._buf is not None else 0
+
+    def carve(self, sizes: list[int]) -> list[torch.Tensor]:
+        offs = []
+        total = 0
+        for n in sizes:
+            offs.append(total)
+            total += _round_up(n, CARVE_ALIGN)
+        if self._tensor is None or total > self.nbytes:
+            self._grow(total)
+        t = self._tensor
+        assert t is not None
+        return [t[o:o + n] for o, n in zip(offs, sizes)]
+
+    def _grow(self, total: int) -> None:
+        self.release()
+        buf, huge = _map(_round_up(max(total, 1), HUGE), True, None)
+        tensor = torch.frombuffer(buf, dtype=torch.uint8)
+        self._buf, self._tensor, self._addr = buf, tensor, tensor.data_ptr()
+        if huge:
+            register(self._addr, len(buf))
+
+    def release(self) -> None:
+        """Let the buffer go (views carved from it keep it mapped while they live, unregistered)."""
+        if self._buf is not None:
+            unregister(self._addr)
+        self._buf = self._tensor = None
+        self._addr = 0
