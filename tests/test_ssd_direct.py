@@ -272,28 +272,87 @@ def test_a_region_file_removed_behind_the_tier_is_recreated_with_its_padded_reco
 
 
 # -- through the store ---------------------------------------------------------------------------
-def test_write_behind_writes_from_the_staging_arena_and_a_restart_finds_every_chunk(tmp_path):
+def _direct_ok(tmp_path) -> None:
     try:
         SSDTier("probe", MiB, str(tmp_path / "probe"), direct_io=True).close()
     except ConfigError:
         pytest.skip("no O_DIRECT on this file system")
+
+
+def test_write_behind_writes_from_the_dram_slab_and_a_restart_finds_every_chunk(tmp_path):
+    """A host slab's whole 2 MiB pages are huge pages: the pinned chunks in them go to the SSD from there
+    (no staging copy, no copy into the region image); the rest take the copy path; all come back exact."""
+    _direct_ok(tmp_path)
     cfg = {"tiers": [{"medium": "dram", "capacity": "64MiB"},
                      {"medium": "ssd", "path": str(tmp_path / "s"), "capacity": "256MiB"}]}
     vals = [blob(i, 256 * KiB + 64 * i) for i in range(40)]
     keys = [key(i) for i in range(40)]
     st = TieredStore.from_config(cfg)
     try:
+        dram = st.levels[0]
+        assert dram.tier._huge is not None  # (the slab's interior, registered)
         assert st.put(keys, vals) == [True] * 40
+        with st._lock:
+            views = dram.tier.views_at(dram.codes(keys))
+        assert all(torch.equal(torch.cat(v), x) for v, x in zip(views, vals))  # the chunks' own bytes
+        expect = sum(len(v) == 1 and hostmem.contiguous(v[0].data_ptr(), v[0].numel()) for v in views)
+        assert expect >= 30  # (all but those in the slab's first and last partial 2 MiB)
         assert st.flush()
-        ssd = st.levels[1].tier
-        assert ssd.extra_stats()["direct_writes"] == 40
+        assert st.levels[1].tier.extra_stats()["direct_writes"] == expect
+        assert st._arena.nbytes == 0  # (nothing was staged)
     finally:
         st.close()
+    assert not hostmem.contiguous(views[0][0].data_ptr(), 1)  # (closed: no longer registered)
     st = TieredStore.from_config(cfg)
     try:
         assert st.lookup(keys) == 40 and st.locate(keys) == ["ssd"] * 40
         outs = [torch.zeros_like(v) for v in vals]
         assert st.get(keys, outs) == [True] * 40
+        assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+    finally:
+        st.close()
+
+
+def test_write_behind_from_a_tier_without_views_stages_in_the_arena_and_writes_from_there(tmp_path):
+    from fake_media import FakeTier
+
+    _direct_ok(tmp_path)
+    top = FakeTier("fast", 64 * MiB)  # (not located: it only copies)
+    ssd = SSDTier("ssd", 256 * MiB, str(tmp_path / "s"), direct_io=True)
+    st = TieredStore([top, ssd])
+    vals = [blob(i, 300 * KiB) for i in range(12)]
+    keys = [key(i) for i in range(12)]
+    try:
+        assert st.put(keys, vals) == [True] * 12
+        assert st.flush()
+        assert ssd.extra_stats()["direct_writes"] == 12 and st._arena.nbytes >= 12 * 300 * KiB
+        outs = [torch.zeros_like(v) for v in vals]
+        assert ssd.read(keys, [[o] for o in outs]) == [True] * 12
+        assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+    finally:
+        st.close()
+    assert st._arena.nbytes == 0  # (released at close)
+
+
+def test_a_source_whose_views_fail_is_copied_instead(tmp_path, monkeypatch):
+    from tierkv.tiers.slab import SlabTier
+
+    def broken(self, codes):
+        raise RuntimeError("views broke")
+
+    monkeypatch.setattr(SlabTier, "views_at", broken)
+    cfg = {"tiers": [{"medium": "dram", "capacity": "16MiB"},
+                     {"medium": "ssd", "path": str(tmp_path / "s"), "capacity": "64MiB"}]}
+    vals = [blob(i, 200 * KiB) for i in range(8)]
+    keys = [key(i) for i in range(8)]
+    st = TieredStore.from_config(cfg)
+    try:
+        assert st.put(keys, vals) == [True] * 8
+        assert st.flush()
+        assert st.levels[0].pinned == {}  # (every pin given back)
+        ssd = st.levels[1].tier
+        outs = [torch.zeros_like(v) for v in vals]
+        assert ssd.read(keys, [[o] for o in outs]) == [True] * 8
         assert all(torch.equal(o, v) for o, v in zip(outs, vals))
     finally:
         st.close()

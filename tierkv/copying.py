@@ -14,14 +14,15 @@ eviction always has the rest to choose from.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any, Optional
-
-import torch
 
 from tierkv.buffers import Parts
 from tierkv.hooks import call_policy
 from tierkv.hostmem import StagingArena
 from tierkv.level import Level
+
+log = logging.getLogger("tierkv")
 
 #: most bytes one background copy stages at once
 _COPY_BATCH_BYTES = 64 << 20
@@ -128,26 +129,48 @@ class Copying:
         return False
 
     def _copy_batch(self, j: int, batch: list[tuple[str, int]]) -> None:
-        """Pin the chunks of ``batch`` still READY in level ``j``, read them, write them below, unpin."""
+        """Pin the chunks of ``batch`` still READY in level ``j``, write them below, unpin.
+
+        A host slab above hands over views of the pinned chunks' own bytes (``Tier.views_at``), written
+        below from where they are; any other source is read into the staging arena first."""
         src = self.levels[j]
         with self._lock:
             batch = [(key, nb) for key, nb in batch if src.ready_nbytes(key) == nb]
-            src.pin_many([key for key, _ in batch])
-        try:
             keys = [key for key, _ in batch]
+            src.pin_many(keys)
+            codes = src.codes(keys) if src.located else None
+        try:
+            views = self._views(src, codes) if codes is not None else None
+            if views is not None:
+                self._write_all_below(j, batch, views, [True] * len(batch))
+                return
             with self._arena_lock:  # (one batch at a time: its views are the arena's until the next carve)
-                bufs = self._arena.carve([nb for _, nb in batch])
-                oks = self._tier_io(src, "read", keys, [[b] for b in bufs])
-                for k in self._behind_levels:
-                    if k > j:
-                        self._write_below(k, batch, bufs, oks)
+                bufs = [[b] for b in self._arena.carve([nb for _, nb in batch])]
+                oks = self._tier_io(src, "read", keys, bufs)
+                self._write_all_below(j, batch, bufs, oks)
         finally:
             with self._lock:
-                src.unpin_many([key for key, _ in batch])
+                src.unpin_many(keys)
 
-    def _write_below(self, k: int, batch: list[tuple[str, int]], bufs: list[torch.Tensor],
-                     oks: list[bool]) -> None:
-        """Write the chunks of ``batch`` read into ``bufs`` into write-behind level ``k`` where it lacks them."""
+    @staticmethod
+    def _views(src: Level, codes: list[int]) -> Optional[list[Parts]]:
+        """The source tier's views of pinned chunks, or None (it has none, or it failed: then a copy)."""
+        try:
+            views = src.tier.views_at(codes)
+        except Exception as e:  # noqa: BLE001 - a medium fault costs the zero-copy path, never the copy
+            log.warning("tierkv: tier %s views failed: %s", src.name, str(e)[:300])
+            return None
+        if views is None or len(views) != len(codes):
+            return None
+        return views
+
+    def _write_all_below(self, j: int, batch: list[tuple[str, int]], bufs: list[Parts], oks: list[bool]) -> None:
+        for k in self._behind_levels:
+            if k > j:
+                self._write_below(k, batch, bufs, oks)
+
+    def _write_below(self, k: int, batch: list[tuple[str, int]], bufs: list[Parts], oks: list[bool]) -> None:
+        """Write the chunks of ``batch`` held in ``bufs`` into write-behind level ``k`` where it lacks them."""
         lvl = self.levels[k]
         held: dict[tuple[int, str], None] = {}
         try:
@@ -160,7 +183,7 @@ class Copying:
                     go.append(i)
             if not go:
                 return
-            wrote = self._tier_io(lvl, "write", [batch[i][0] for i in go], [[bufs[i]] for i in go])
+            wrote = self._tier_io(lvl, "write", [batch[i][0] for i in go], [bufs[i] for i in go])
             with self._lock:
                 for i, ok in zip(go, wrote):
                     key, nbytes = batch[i]

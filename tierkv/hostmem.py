@@ -104,6 +104,22 @@ def contiguous(addr: int, n: int) -> bool:
         return i >= 0 and addr + n <= _ends[i]
 
 
+def advise_huge(addr: int, n: int) -> Optional[tuple[int, int]]:
+    """Advise the whole 2 MiB pages inside ``[addr, addr + n)`` of memory mapped elsewhere (a tensor's) as
+    huge pages, before they are first touched, and register them; returns the range, or None where the
+    kernel refuses or fewer than two whole pages fit.  The owner unregisters it before it lets the memory go."""
+    lo, hi = _round_up(addr, HUGE), (addr + n) // HUGE * HUGE
+    if not HUGE_PAGES or hi - lo < 2 * HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), mmap.MADV_HUGEPAGE) != 0:
+        return None
+    register(lo, hi - lo)
+    return lo, hi
+
+
 class StagingArena:
     """One reusable huge-page buffer that batches of chunks are staged in.
 

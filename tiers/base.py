@@ -215,6 +215,12 @@ class Tier:
         """Give back the space of each code."""
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
+    def views_at(self, codes: Sequence[int]) -> Optional[list[Parts]]:
+        """Host views of each object's own bytes (its parts), valid while the caller holds the codes (pinned);
+        None where the tier has none to give (device memory, or a tier that only copies).  The store hands
+        them to a persistent tier below instead of a staged copy; nobody writes through them."""
+        return None
+
     def code_nbytes(self, code: int) -> int:
         """nbytes of the object a code locates."""
         f = code >> 1 & NB_FIELD

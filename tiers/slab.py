@@ -33,6 +33,7 @@ import torch
 
 from tierkv.buffers import PARALLEL_COPY_MIN, _memmove, copy_many, memmove_many
 from tierkv.errors import ConfigError
+from tierkv.hostmem import advise_huge, unregister
 
 from .base import CODE_SHIFT, NB_FIELD, Parts, Tier
 from .slab_alloc import ALIGN, ExtentAllocator, Location, SlabAllocator, align_up
@@ -97,11 +98,17 @@ class SlabTier(Tier):
             slab = torch.empty(capacity_bytes, dtype=torch.uint8, device=self.device)
         except RuntimeError as e:
             raise ConfigError(f"tier {name!r}: cannot allocate {capacity_bytes} bytes on {device}: {e}") from e
+        pinned = False
         if pin_memory and self.device.type == "cpu":
             try:
                 slab = slab.pin_memory()
+                pinned = True
             except RuntimeError:  # no accelerator runtime: pinning is impossible and unneeded
                 pass
+        # a host slab's whole 2 MiB pages as huge pages, before their first touch: a persistent tier below
+        # writes chunks to its device from there, without a staging copy (``tierkv.hostmem``)
+        self._huge = advise_huge(slab.data_ptr(), capacity_bytes) \
+            if self.device.type == "cpu" and not pinned and capacity_bytes else None
         if prefault and self.device.type == "cpu":
             # commit the pages now: a first-touch page fault on the hot path costs far more than a copy
             slab.zero_()
@@ -429,9 +436,23 @@ class SlabTier(Tier):
     def extra_stats(self) -> dict[str, Any]:
         return {"device": str(self.device), "objects": self._count, **self._alloc.stats()}
 
+    def views_at(self, codes: Sequence[int]) -> Optional[list[Parts]]:
+        """Views of each object's bytes in a host slab (its pieces, in order); None for a device slab."""
+        if not self._host:
+            return None
+        slab = self.slab
+        out = []
+        for code in codes:
+            nbytes, loc = self._where(code)
+            out.append(_views(slab, SlabAllocator.pieces((nbytes + ALIGN - 1) & _ALIGN_MASK, loc), nbytes))
+        return out
+
     def close(self) -> None:
         super().close()
         with self._lock:
             self._objects.clear()
             self._odd.clear()
+            if self._huge is not None:  # (views still held keep the old slab's memory, no longer registered)
+                unregister(self._huge[0])
+                self._huge = None
             self.slab = torch.empty(0, dtype=torch.uint8)
