@@ -9,6 +9,8 @@
   checkpoint).  Both overwrite blocks written before: the raw file is preallocated once and
   rewritten each round; the tier, its objects removed between rounds, writes into the region
   files earlier rounds wrote, as a full tier cycling its regions does;
+* the store's write-behind (``dram`` -> ``ssd``, puts and ``flush()`` timed) of 2 MiB and 4 MiB objects vs raw
+  ``pwrite`` of the same bytes from huge-page buffers, and the same drain through a staged copy;
 * 16 KiB puts/s and gets/s from the page cache (``direct_io: false``, batches of 32) vs raw
   ``pwrite`` / ``pread`` of 16 KiB (targets ≥ 50 K puts/s, ≥ 100 K gets/s);
 * reopen of 1 M objects (``--quick``: 200 K) from the checkpoint (target ≤ 1 s) and from the
@@ -214,6 +216,55 @@ def bench_large(root: str, size: int, total: int, rounds: int) -> dict:
             "raw_read_huge_GiBps": gb / statistics.median(huge_r)}
 
 
+def bench_behind(root: str, size: int, total: int, rounds: int) -> dict:
+    """The store's write-behind into the ssd tier: ``dram`` (1 GiB) -> ``ssd``, each round's objects put
+    (batches of 8) and ``flush()``ed, timed together: from the caller's tensors to durable on the SSD (the
+    copies into the slab included; the background copies start while the puts go on).  Beside it, raw
+    ``pwrite`` of the same bytes from huge-page buffers plus ``fsync``, paired round by round; and the same
+    with the slab's views turned off (every chunk read into the staging arena first, the path of any
+    source tier without views)."""
+    from tierkv import TieredStore
+    from tierkv.tiers.slab import SlabTier
+
+    n = max(8, total // size)
+    srcs = [torch.randint(0, 255, (size,), dtype=torch.uint8) for _ in range(n)]
+    st = TieredStore.from_config({"tiers": [
+        {"medium": "dram", "capacity": "1GiB"},
+        {"medium": "ssd", "path": os.path.join(root, f"behind-{size}"), "capacity": f"{4 * n * size >> 20}MiB"}]})
+    raw = Raw(os.path.join(root, f"raw-behind-{size}"), [size] * n, st.levels[1].tier.direct_io, huge=True)
+    rbufs = raw.buffers(srcs)
+    views = SlabTier.views_at
+    state = {"round": 0}
+
+    def setup(staged: bool):
+        def run() -> None:
+            SlabTier.views_at = (lambda self, codes: None) if staged else views  # type: ignore[method-assign]
+            if "keys" in state:
+                st.remove(state["keys"])
+            state["round"] += 1
+            state["keys"] = [f"b{size}-{state['round']}-{i}" for i in range(n)]
+        return run
+
+    def put_flush() -> None:
+        keys = state["keys"]
+        for i in range(0, n, 8):
+            assert all(st.put(keys[i:i + 8], srcs[i:i + 8]))
+        assert st.flush()
+
+    try:
+        raw_s, zc_s, zc_ratio = paired(lambda: raw.write(rbufs), put_flush, rounds, setup=setup(False))
+        _, staged_s, staged_ratio = paired(lambda: raw.write(rbufs), put_flush, rounds, setup=setup(True))
+        direct = st.levels[1].tier.extra_stats()["direct_writes"]
+    finally:
+        SlabTier.views_at = views  # type: ignore[method-assign]
+        st.close()
+        raw.close()
+    gb = n * size / 2**30
+    return {"size_KiB": size >> 10, "objects": n, "raw_write_huge_GiBps": gb / raw_s,
+            "drain_GiBps": gb / zc_s, "drain_ratio": zc_ratio, "drain_staged_GiBps": gb / staged_s,
+            "drain_staged_ratio": staged_ratio, "direct_writes": direct}
+
+
 def bench_small(root: str, n: int, rounds: int) -> dict:
     size = 16 << 10
     srcs = [torch.randint(0, 255, (size,), dtype=torch.uint8) for _ in range(64)]
@@ -315,7 +366,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--pages", choices=("huge", "4k"), default="huge",
                     help="the tier's region images and read scratch: transparent huge pages (its default) or 4 KiB")
-    ap.add_argument("--sections", default="large,small,reopen", help="comma-separated: large, small, reopen")
+    ap.add_argument("--sections", default="large,behind,small,reopen",
+                    help="comma-separated: large, behind, small, reopen")
     args = ap.parse_args(argv)
     hostmem.HUGE_PAGES = args.pages == "huge"
     sections = set(args.sections.split(","))
@@ -326,6 +378,9 @@ def main(argv=None) -> int:
         if "large" in sections:
             res["large"] = [bench_large(root, s, (64 if args.quick else 256) * MiB, rounds)
                             for s in (256 << 10, 2 * MiB, 4 * MiB)]
+        if "behind" in sections:
+            res["behind"] = [bench_behind(root, s, (64 if args.quick else 256) * MiB, rounds)
+                             for s in (2 * MiB, 4 * MiB)]
         if "small" in sections:
             res["small"] = bench_small(root, 20_000 if args.quick else 100_000, rounds)
         if "reopen" in sections:
@@ -344,6 +399,11 @@ def main(argv=None) -> int:
               f" ({r['put_staged_direct_share']:.0%} written from where they are)")
         print(f"{'  (raw pread into huge pages)':<40}{'':>14}{r['raw_read_huge_GiBps']:>10.2f} GiB/s"
               "          reference, no target")
+    for b in res.get("behind", []):
+        print(f"{'put+flush ' + str(b['size_KiB']) + ' KiB, dram -> ssd':<40}{b['drain_GiBps']:>10.2f} GiB/s"
+              f"{b['raw_write_huge_GiBps']:>10.2f} GiB/s{b['drain_ratio']:>8.2f}  vs raw pwrite from huge pages")
+        print(f"{'  the same, staged copy (no views)':<40}{b['drain_staged_GiBps']:>10.2f} GiB/s"
+              f"{'':>14}{b['drain_staged_ratio']:>8.2f}  (what the slab's views save)")
     if "small" in res:
         report_small(res["small"])
     if "reopen" in res:
