@@ -4,9 +4,11 @@ Part of ``TieredStore`` (a mixin it inherits), split out so each module holds on
 concern.  A copy reads bytes the store itself verified (a tier read into a
 staging buffer, or a caller's buffer that shares memory with no other key's) and
 places them through ``Placement``, so every invariant of ``tierkv/store.py``
-holds for copies as for puts.  Write-behind batches are staged in the store's
-``StagingArena`` (huge pages, kept from batch to batch, each chunk on a 4 KiB
-boundary), which a persistent tier may write to its device without another copy.
+holds for copies as for puts.  A write-behind batch from a host slab is handed
+below as views of the pinned chunks' own bytes (``Tier.views_at``); from any other
+source it is staged in the store's ``StagingArena`` (huge pages, kept from batch
+to batch, each chunk on a 4 KiB boundary).  Either way a persistent tier may
+write it to its device without another copy.
 A write-behind source stays pinned until its copy has landed below (so it is never
 in no tier meanwhile); one copy pins at most an eighth of its source level, so
 eviction always has the rest to choose from.

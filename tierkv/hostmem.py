@@ -10,12 +10,15 @@ from a buffer of 4 KiB pages and 2.8-4.9 straight from torch tensors.
 * ``page_buffer`` maps a zeroed, page-aligned buffer, advised as huge pages from ``HUGE`` bytes on.
 * ``StagingArena`` keeps one such buffer for staging batches of chunks between tiers, reused batch
   after batch, each chunk at a 4 KiB boundary.
-* ``contiguous(addr, n)`` says whether ``[addr, addr + n)`` lies in a live huge-page buffer that
-  this module mapped (an arena's): the ``ssd`` tier writes such payloads to the device straight
-  from where they are instead of copying them into its region image first.
+* ``advise_huge`` advises the whole 2 MiB pages of memory mapped elsewhere (a host slab's tensor)
+  before their first touch.
+* ``contiguous(addr, n)`` says whether ``[addr, addr + n)`` lies in one registered huge-page range
+  (an arena's buffer, a slab's interior): the ``ssd`` tier writes such payloads to the device
+  straight from where they are instead of copying them into its region image first.
 
-Invariants: a range is registered only while its buffer is mapped and held by its owner (an arena
-unregisters a buffer before it lets it go), and only when the kernel took the huge-page advice.
+Invariants: a range is registered only while its memory is mapped and held by its owner (an arena
+unregisters a buffer before it lets it go, a slab its range at close), and only when the kernel
+took the huge-page advice.
 The registry decides speed only: any memory is written correctly by either path.
 """
 

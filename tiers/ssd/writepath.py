@@ -538,8 +538,9 @@ class _Segment:
     written twice) and its records, once written, are read from the file.
 
     With O_DIRECT, an uncompressed single-part payload of ``F.DIRECT_MIN`` bytes or more that lies in
-    huge-page memory (``tierkv.hostmem.contiguous``: the store's staging arena) is not copied either
-    (from 4 KiB pages the device takes it slower than a copy plus a write from the image: docs/ssd.md):
+    huge-page memory (``tierkv.hostmem.contiguous``: a host slab above, the store's staging arena) is not
+    copied either (from 4 KiB pages a device takes it slower than a copy plus a write from the image:
+    docs/ssd.md):
     its record gets a pad (``format.py``) that gives the payload's file offset the phase of its
     address modulo 4 KiB, so its whole blocks are a *hole* of the image, written from the caller's memory
     (``holes``: file start, file end, address), and only the partial blocks at its two ends are copied
