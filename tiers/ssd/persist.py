@@ -101,7 +101,7 @@ class Persistence:
             R.preallocate(fd, self.region_size)
             if self.direct_io and not r.direct:
                 R.pwrite_all(fd, memoryview(r.buf)[:r.written], 0)
-            else:  # the image lacks payloads written from the caller's memory (``writepath._Segment``):
+            else:  # the image lacks payloads written from the caller's memory (``segment.Segment``):
                 for at in range(0, r.written, 1 << 20):  # the removed file's bytes, still open
                     R.pwrite_all(fd, R.read_span(r.fd, at, min(1 << 20, r.written - at), self.direct_io), at)
         except OSError:

@@ -99,7 +99,7 @@ class ReadPath:
             active = self._active
             regions = self._regions
             # (buffered, the active region's records already written are read from the file: the image
-            # holds their headers only, see ``writepath._Segment``; with O_DIRECT, so are the records whose
+            # holds their headers only, see ``segment.Segment``; with O_DIRECT, so are the records whose
             # payload went to the file from the caller's memory, ``Region.direct``)
             in_image = active is not None and self.direct_io
             written = active.written if active is not None else 0

@@ -38,8 +38,9 @@ Invariants:
 Thread safety: ``_wlock`` serialises appends, reclamation and checkpoints; ``_lock``
 guards the index and region states, held only briefly, so reads run beside a writer.
 
-The write path is in ``writepath.py``, the read path in ``readpath.py``, reclamation in
-``reclaim.py``, flush / checkpoint / close in ``persist.py``; this module opens a directory.
+The write path is in ``writepath.py`` (a batch on its way to the file: ``segment.py``), the read
+path in ``readpath.py``, reclamation in ``reclaim.py``, flush / checkpoint / close in
+``persist.py``; this module opens a directory.
 """
 
 from __future__ import annotations

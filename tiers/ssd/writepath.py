@@ -2,7 +2,7 @@
 
 A ``write`` call is one batch: its host objects are copied into the active image one after
 another (header packed in one call, its check one xxh3 call over header and key; buffered,
-large payloads are written from the caller's parts instead, see ``_Segment``) while a
+large payloads are written from the caller's parts instead, see ``Segment``) while a
 writer thread writes out what is already copied; at the end of the batch (or of a region)
 the rest is written and only then do the batch's digests enter the index, together.  So
 every object ``write`` acknowledged is in the region file when it returns, and a write-out
@@ -35,6 +35,7 @@ from .deadlog import DeadLog
 from .format import WRITE_UNIT
 from .hostbuf import _host_view, cbuffer, ctype_of, image_address
 from .index import DigestIndex
+from .segment import Segment
 
 #: a batch's finished bytes go to the writer thread in pieces of at least this much (buffered writes)
 PIPE_UNIT = 512 << 10
@@ -102,7 +103,7 @@ class WritePath:
     def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
         """Append a batch: host objects are copied into the active image one after another (buffered,
         a payload of ``_GATHER_MIN`` bytes or more is only summed, and written from the caller's parts:
-        see ``_Segment``) and committed per region in one go: the batch's bytes reach the file, then its
+        see ``Segment``) and committed per region in one go: the batch's bytes reach the file, then its
         digests enter the index together.  While the writer thread is idle, each finished object hands
         it everything since its last write (at least ``PIPE_UNIT``, ``PIPE_MIN_DIRECT`` with O_DIRECT),
         so it writes while the caller goes on, in pieces that grow with the backlog; the commit writes
@@ -110,7 +111,7 @@ class WritePath:
         Returns the results and whether any object took ``_put_one``."""
         out = [False] * len(keys)
         one_by_one = False
-        seg = _Segment()
+        seg = Segment()
         flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
         psum_of = F.sum_function(flags)
         max_slot = self.max_slot
@@ -127,8 +128,8 @@ class WritePath:
         per_entry, max_key, footer = F.ENTRY, F.MAX_KEY, F.FOOTER
         pipe_min = PIPE_MIN_DIRECT if self.direct_io else PIPE_UNIT
         plain = not self.compression
-        gather = not self.direct_io  # (see ``_Segment``)
-        direct_min = F.DIRECT_MIN if self.direct_io else 1 << 62  # (see ``_Segment``)
+        gather = not self.direct_io  # (see ``Segment``)
+        direct_min = F.DIRECT_MIN if self.direct_io else 1 << 62  # (see ``Segment``)
         block = F.BLOCK
         memset = ctypes.memset
         iov: list = []
@@ -278,7 +279,7 @@ class WritePath:
             w = self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierkv-{self.name}-w")
         return w
 
-    def _commit(self, seg: "_Segment", out: list[bool]) -> None:
+    def _commit(self, seg: "Segment", out: list[bool]) -> None:
         """Write out the segment's bytes, then index its records; on an I/O error none of them is indexed
         (``out`` stays False for them, and the next records overwrite their bytes)."""
         if not seg.n:
@@ -393,12 +394,12 @@ class WritePath:
         r.add_entry(d, pos, rec_len, raw_len, kb, flags)
         return True
 
-    def _write_out(self, r: R.Region, end: int, data_end: int, seg: Optional["_Segment"] = None) -> bool:
+    def _write_out(self, r: R.Region, end: int, data_end: int, seg: Optional["Segment"] = None) -> bool:
         """Write the active image from ``r.written`` up to ``end`` (block aligned); its bytes end at
         ``data_end`` (a partial last block is written again next time).  ``seg``: the segment being
-        committed, whose payloads written from the caller's memory take their place (``_Segment``)."""
+        committed, whose payloads written from the caller's memory take their place (``Segment``)."""
         if not self.direct_io:  # buffered: exactly the bytes not yet written (the image may not hold the
-            end = min(end, data_end)  # payloads of records written before, see ``_Segment``)
+            end = min(end, data_end)  # payloads of records written before, see ``Segment``)
         if end <= r.written:
             return True
         buf = cast("mmap.mmap", r.buf)  # (the active image)
@@ -523,126 +524,3 @@ class WritePath:
             self._active = None
             self._changed = True
         self._sealed_since_ckpt += 1
-
-
-class _Segment:
-    """Records of one batch appended to the active image but not yet written out and indexed.
-
-    Its lists are cleared in place (``reset``): the appender keeps their ``append`` methods.
-
-    Buffered (``gather``), the segment's bytes go to the file as a list of pieces in file order, one
-    ``pwritev`` each write: a record's header and key from the image, its payload (of ``_GATHER_MIN``
-    bytes or more) straight from the caller's parts, zeros up to the next record; a smaller payload is
-    copied into the image and its whole record taken from there.  The file then holds the region's
-    bytes and the image only their headers, so a buffered region's ``written`` is exact (no block is
-    written twice) and its records, once written, are read from the file.
-
-    With O_DIRECT, an uncompressed single-part payload of ``F.DIRECT_MIN`` bytes or more that lies in
-    huge-page memory (``tierkv.hostmem.contiguous``: a host slab above, the store's staging arena) is not
-    copied either (from 4 KiB pages a device takes it slower than a copy plus a write from the image:
-    docs/ssd.md):
-    its record gets a pad (``format.py``) that gives the payload's file offset the phase of its
-    address modulo 4 KiB, so its whole blocks are a *hole* of the image, written from the caller's memory
-    (``holes``: file start, file end, address), and only the partial blocks at its two ends are copied
-    into the image around it.  Every write of the segment takes the image's bytes and the holes' in file
-    order (``pieces``); the records are indexed once all of them are in the file, and are read from the
-    file from then on (``Region.direct``: the image never holds their payloads)."""
-
-    __slots__ = ("digests", "direct", "end", "entries", "futures", "gather", "hole_i", "holes", "idx", "iov",
-                 "key_bytes", "keys", "n", "offsets", "raw_lens", "rec_lens", "region", "start", "submitted",
-                 "written")
-
-    def __init__(self) -> None:
-        self.idx: list[int] = []
-        self.digests: list[int] = []
-        self.offsets: list[int] = []
-        self.rec_lens: list[int] = []
-        self.raw_lens: list[int] = []
-        self.entries: list[bytes] = []
-        self.keys: list[bytes] = []
-        self.holes: list[tuple[int, int, int]] = []
-        self.direct: list[int] = []
-        self.region: Optional[R.Region] = None
-        self.futures: list = []
-        self.reset()
-
-    def reset(self) -> None:
-        for lst in (self.idx, self.digests, self.offsets, self.rec_lens, self.raw_lens, self.entries, self.keys,
-                    self.holes, self.direct):
-            lst.clear()
-        self.n = self.key_bytes = self.end = self.start = self.hole_i = 0
-        self.submitted = self.written = 0
-        self.region = None
-        self.futures = []
-        self.gather = False
-        self.iov: list = []
-
-    def begin(self, r: R.Region, pos: int, gather: bool) -> None:
-        self.region, self.start, self.gather = r, pos, gather
-        self.submitted = self.written = r.written
-
-    def submit_gathered(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
-        """Write the pieces gathered so far (``[submitted, upto)`` of the file) on the writer thread."""
-        self.futures.append(pool.submit(R.pwritev_all, r.fd, self.iov, self.submitted))
-        self.iov = []
-        self.submitted = self.written = upto
-
-    def idle(self) -> bool:
-        """Whether the writer has finished every piece submitted so far."""
-        return not self.futures or self.futures[-1].done()
-
-    def submit(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
-        """Write ``[submitted, upto)`` of the image on the writer thread while the caller copies on."""
-        start = self.submitted
-        if upto <= start:
-            return
-        mv = memoryview(cast("mmap.mmap", r.buf))
-        if self.holes:
-            self.futures.append(pool.submit(R.pwritev_all, r.fd, self.pieces(mv, start, upto), start))
-        else:
-            self.futures.append(pool.submit(R.pwrite_all, r.fd, mv[start:upto], start))
-        self.submitted = self.written = upto
-
-    def pieces(self, mv: memoryview, start: int, end: int) -> list:
-        """Buffers for ``[start, end)`` of the file, both block aligned: the image ``mv`` around the holes,
-        each hole from the caller's memory.  Writes go in file order, so holes before ``end`` are done."""
-        out: list = []
-        at = start
-        holes = self.holes
-        i = self.hole_i
-        while i < len(holes):
-            lo, hi, addr = holes[i]
-            if lo >= end:
-                break
-            i += 1
-            if hi <= at:
-                continue
-            if lo > at:
-                out.append(mv[at:lo])
-            else:  # (a hole begun before ``start``: only its rest)
-                addr += at - lo
-                lo = at
-            hi = min(hi, end)
-            out.append(ctype_of(hi - lo).from_address(addr))
-            at = hi
-            if hi < holes[i - 1][1]:  # (its rest is the next write's)
-                i -= 1
-                break
-        self.hole_i = i
-        if at < end:
-            out.append(mv[at:end])
-        return out
-
-    def wait(self, tier: WritePath) -> bool:
-        """Wait for the submitted writes; False (counted) if any failed."""
-        ok = True
-        for f in self.futures:
-            try:
-                f.result()
-            except OSError as e:
-                tier._io_error(e, f"writing {cast(R.Region, self.region).path}")
-                ok = False
-        if self.futures and ok:
-            tier._dirty_fds.add(cast(R.Region, self.region).fd)
-        self.futures = []
-        return ok

@@ -1,0 +1,142 @@
+"""A batch's records on their way to a region file: ``Segment``, the write path's unit of commit.
+
+``WritePath._append_batch`` (``writepath.py``) appends a batch's records to the active image and
+hands the segment's bytes to the writer thread piece by piece; ``WritePath._commit`` writes the
+rest, waits for the pieces, and only then indexes the segment's records.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Optional, cast
+
+from . import region as R
+from .hostbuf import ctype_of
+
+if TYPE_CHECKING:
+    import mmap
+
+    from .writepath import WritePath
+
+
+class Segment:
+    """Records of one batch appended to the active image but not yet written out and indexed.
+
+    Its lists are cleared in place (``reset``): the appender keeps their ``append`` methods.
+
+    Buffered (``gather``), the segment's bytes go to the file as a list of pieces in file order, one
+    ``pwritev`` each write: a record's header and key from the image, its payload (of ``_GATHER_MIN``
+    bytes or more) straight from the caller's parts, zeros up to the next record; a smaller payload is
+    copied into the image and its whole record taken from there.  The file then holds the region's
+    bytes and the image only their headers, so a buffered region's ``written`` is exact (no block is
+    written twice) and its records, once written, are read from the file.
+
+    With O_DIRECT, an uncompressed single-part payload of ``F.DIRECT_MIN`` bytes or more that lies in
+    huge-page memory (``tierkv.hostmem.contiguous``: a host slab above, the store's staging arena) is not
+    copied either (from 4 KiB pages a device takes it slower than a copy plus a write from the image:
+    docs/ssd.md):
+    its record gets a pad (``format.py``) that gives the payload's file offset the phase of its
+    address modulo 4 KiB, so its whole blocks are a *hole* of the image, written from the caller's memory
+    (``holes``: file start, file end, address), and only the partial blocks at its two ends are copied
+    into the image around it.  Every write of the segment takes the image's bytes and the holes' in file
+    order (``pieces``); the records are indexed once all of them are in the file, and are read from the
+    file from then on (``Region.direct``: the image never holds their payloads)."""
+
+    __slots__ = ("digests", "direct", "end", "entries", "futures", "gather", "hole_i", "holes", "idx", "iov",
+                 "key_bytes", "keys", "n", "offsets", "raw_lens", "rec_lens", "region", "start", "submitted",
+                 "written")
+
+    def __init__(self) -> None:
+        self.idx: list[int] = []
+        self.digests: list[int] = []
+        self.offsets: list[int] = []
+        self.rec_lens: list[int] = []
+        self.raw_lens: list[int] = []
+        self.entries: list[bytes] = []
+        self.keys: list[bytes] = []
+        self.holes: list[tuple[int, int, int]] = []
+        self.direct: list[int] = []
+        self.region: Optional[R.Region] = None
+        self.futures: list = []
+        self.reset()
+
+    def reset(self) -> None:
+        for lst in (self.idx, self.digests, self.offsets, self.rec_lens, self.raw_lens, self.entries, self.keys,
+                    self.holes, self.direct):
+            lst.clear()
+        self.n = self.key_bytes = self.end = self.start = self.hole_i = 0
+        self.submitted = self.written = 0
+        self.region = None
+        self.futures = []
+        self.gather = False
+        self.iov: list = []
+
+    def begin(self, r: R.Region, pos: int, gather: bool) -> None:
+        self.region, self.start, self.gather = r, pos, gather
+        self.submitted = self.written = r.written
+
+    def submit_gathered(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
+        """Write the pieces gathered so far (``[submitted, upto)`` of the file) on the writer thread."""
+        self.futures.append(pool.submit(R.pwritev_all, r.fd, self.iov, self.submitted))
+        self.iov = []
+        self.submitted = self.written = upto
+
+    def idle(self) -> bool:
+        """Whether the writer has finished every piece submitted so far."""
+        return not self.futures or self.futures[-1].done()
+
+    def submit(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
+        """Write ``[submitted, upto)`` of the image on the writer thread while the caller copies on."""
+        start = self.submitted
+        if upto <= start:
+            return
+        mv = memoryview(cast("mmap.mmap", r.buf))
+        if self.holes:
+            self.futures.append(pool.submit(R.pwritev_all, r.fd, self.pieces(mv, start, upto), start))
+        else:
+            self.futures.append(pool.submit(R.pwrite_all, r.fd, mv[start:upto], start))
+        self.submitted = self.written = upto
+
+    def pieces(self, mv: memoryview, start: int, end: int) -> list:
+        """Buffers for ``[start, end)`` of the file, both block aligned: the image ``mv`` around the holes,
+        each hole from the caller's memory.  Writes go in file order, so holes before ``end`` are done."""
+        out: list = []
+        at = start
+        holes = self.holes
+        i = self.hole_i
+        while i < len(holes):
+            lo, hi, addr = holes[i]
+            if lo >= end:
+                break
+            i += 1
+            if hi <= at:
+                continue
+            if lo > at:
+                out.append(mv[at:lo])
+            else:  # (a hole begun before ``start``: only its rest)
+                addr += at - lo
+                lo = at
+            hi = min(hi, end)
+            out.append(ctype_of(hi - lo).from_address(addr))
+            at = hi
+            if hi < holes[i - 1][1]:  # (its rest is the next write's)
+                i -= 1
+                break
+        self.hole_i = i
+        if at < end:
+            out.append(mv[at:end])
+        return out
+
+    def wait(self, tier: WritePath) -> bool:
+        """Wait for the submitted writes; False (counted) if any failed."""
+        ok = True
+        for f in self.futures:
+            try:
+                f.result()
+            except OSError as e:
+                tier._io_error(e, f"writing {cast(R.Region, self.region).path}")
+                ok = False
+        if self.futures and ok:
+            tier._dirty_fds.add(cast(R.Region, self.region).fd)
+        self.futures = []
+        return ok
