@@ -143,8 +143,9 @@ def pack_entry(digest: int, offset: int, rec_len: int, raw_len: int, key_len: in
     return _ENTRY_STRUCT.pack(digest, offset, rec_len, raw_len, key_len, flags, 0)
 
 
-def record_len(key_len: int, stored_len: int, pad: int = 0) -> int:
-    return REC_HDR + key_len + pad + stored_len
+def record_len(key_len: int, stored_len: int) -> int:
+    """The length of a record without a pad."""
+    return REC_HDR + key_len + stored_len
 
 
 def pad_allowance(nbytes):
