@@ -356,3 +356,97 @@ def test_a_source_whose_views_fail_is_copied_instead(tmp_path, monkeypatch):
         assert all(torch.equal(o, v) for o, v in zip(outs, vals))
     finally:
         st.close()
+
+
+# -- large payloads copied in steps ------------------------------------------------------------
+STREAMED = [1 * MiB, 1 * MiB + 1, 3 * MiB + 4097, 4 * MiB, 2 * MiB - 3, 1 * MiB + 512 * KiB + 7]
+
+
+@pytest.mark.parametrize("snapshot", [False, True])
+def test_large_payloads_from_ordinary_memory_are_copied_in_steps_and_read_back_exact(ssd_dir, monkeypatch,
+                                                                                     snapshot):
+    """With O_DIRECT, a payload of ``_STREAM_MIN`` bytes or more in ordinary memory is summed first and
+    copied into the image in steps, the writer taking finished steps as they come: batches across region
+    changes read back exact from the active image, the file, and after reopen (checkpoint and summaries).
+    ``snapshot``: each piece's bytes are taken the moment it is handed to the writer (as a device that
+    reads at once would), so a piece handed over before its bytes are final fails the test."""
+    from tierkv.tiers.ssd import segment, writepath
+
+    if snapshot:
+        real = segment._handoff
+
+        def copy(b):  # (page aligned, as O_DIRECT wants)
+            v = memoryview(b).cast("B")
+            m = mmap.mmap(-1, max(len(v), 1))
+            m[:len(v)] = v
+            return memoryview(m)[:len(v)]
+
+        def at_once(pool, fn, fd, bufs, offset):
+            took = [copy(b) for b in bufs] if isinstance(bufs, list) else copy(bufs)
+            return real(pool, fn, fd, took, offset)
+
+        monkeypatch.setattr(segment, "_handoff", at_once)
+
+    assert min(STREAMED) >= writepath._STREAM_MIN and max(STREAMED) > 4 * writepath._STREAM_STEP
+    vals = [blob(i, STREAMED[i % len(STREAMED)]) for i in range(54)]
+    keys = [key(i, "s") for i in range(len(vals))]
+    sizes = [v.numel() for v in vals]
+    t = SSDTier("ssd", 256 * MiB, ssd_dir, direct_io=True, region_size="40MiB")
+    try:
+        for i in range(0, len(vals), 6):  # (40 MiB regions: every third batch or so crosses a region change)
+            assert t.write(keys[i:i + 6], [[v] for v in vals[i:i + 6]]) == [True] * 6
+        assert t.extra_stats()["direct_writes"] == 0  # (copied, not written from where they are)
+        assert t.extra_stats()["regions"] >= 3
+        ok, outs = read_all(t, keys, sizes)
+        assert all(ok) and all(torch.equal(o, v) for o, v in zip(outs, vals))
+        t.flush()
+    finally:
+        t.close()
+    for drop_checkpoint in (False, True):
+        if drop_checkpoint:
+            os.unlink(os.path.join(ssd_dir, "checkpoint"))
+        t = SSDTier("ssd", 256 * MiB, ssd_dir, direct_io=True)
+        try:
+            ok, outs = read_all(t, keys, sizes)
+            assert all(ok) and all(torch.equal(o, v) for o, v in zip(outs, vals))
+            assert t.extra_stats()["corrupt"] == 0
+        finally:
+            t.close()
+    assert inspect_dir(ssd_dir, verify=True)["corrupt"] == 0
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2])
+def test_a_step_write_that_fails_mid_copy_indexes_none_of_its_batch(ssd_dir, monkeypatch, fail_at):
+    """The writer's pieces of a streamed batch fail (the first, second or third write of the batch): the
+    batch is refused whole and never raises, earlier objects stay exact, and the same keys written again
+    read back exact."""
+    t = SSDTier("ssd", 64 * MiB, ssd_dir, direct_io=True, region_size="32MiB")
+    try:
+        assert t.write([key(0)], [[blob(0, 3000)]]) == [True]
+        real = os.pwrite
+        calls = []
+
+        def flaky(fd, buf, off):
+            calls.append(off)
+            if len(calls) - 1 == fail_at:
+                raise OSError(errno.EIO, "Input/output error")
+            return real(fd, buf, off)
+
+        vals = [blob(i, 3 * MiB + 5) for i in range(1, 4)]
+        keys = [key(i) for i in range(1, 4)]
+        monkeypatch.setattr(os, "pwrite", flaky)
+        assert t.write(keys, [[v] for v in vals]) == [False] * 3
+        assert len(calls) > fail_at and t.extra_stats()["io_errors"] >= 1 and t.extra_stats()["too_large"] == 0
+        monkeypatch.setattr(os, "pwrite", real)
+        assert t.contains(keys) == [False] * 3
+        assert t.write(keys, [[v] for v in vals]) == [True] * 3
+        ok, outs = read_all(t, [key(0), *keys], [3000] + [3 * MiB + 5] * 3)
+        assert all(ok) and all(torch.equal(o, v) for o, v in zip(outs, [blob(0, 3000), *vals]))
+    finally:
+        t.close()
+    t = SSDTier("ssd", 64 * MiB, ssd_dir, direct_io=True, region_size="32MiB")
+    try:
+        ok, outs = read_all(t, [key(0), *keys], [3000] + [3 * MiB + 5] * 3)
+        assert all(ok) and all(torch.equal(o, v) for o, v in zip(outs, [blob(0, 3000), *vals]))
+    finally:
+        t.close()

@@ -166,27 +166,90 @@ def test_reclamation_moves_live_objects_and_keeps_reads_exact(tmp_path):
 # -- restarts ---------------------------------------------------------------------------------
 def test_checkpoints_between_flushes_wait_for_no_fsync_and_the_flush_makes_them_durable(tmp_path, monkeypatch):
     """A put that rotates a region may checkpoint, but never waits for the device to take every byte
-    written since the last flush; the next flush fsyncs those regions and writes a durable checkpoint,
-    and a reopen from it finds everything."""
+    written since the last flush; the next flush syncs those regions and the checkpoint file (without
+    writing it again), and a reopen from it finds everything."""
+    from tierkv.tiers.ssd import checkpoint as C
+
     d = str(tmp_path / "s")
     t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
     synced: list[int] = []
-    real = os.fsync
+    real, real_data = os.fsync, os.fdatasync
     monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    monkeypatch.setattr(os, "fdatasync", lambda fd: (synced.append(fd), real_data(fd))[1])
+    ckpt_syncs: list[str] = []
+    real_sync = C.sync
+    monkeypatch.setattr(C, "sync", lambda p: (ckpt_syncs.append(p), real_sync(p))[1])
     n = 3000  # ~12 MiB: more than the 8 sealed regions after which a writer checkpoints on its own
     keys = [key(i) for i in range(n)]
     for i in range(0, n, 100):
         assert t.write(keys[i:i + 100], [[blob(j, 4000)] for j in range(i, i + 100)]) == [True] * 100
-    assert t.extra_stats()["checkpoints"] >= 1
+    written = t.extra_stats()["checkpoints"]
+    assert written >= 1
     assert synced == []
     t.flush()
-    assert len(synced) > 8  # the regions written since, and the checkpoint
+    assert len(synced) > 8  # the regions written since, and the checkpoint file
+    assert ckpt_syncs == [d] and t.extra_stats()["checkpoints"] == written  # synced, not written again
+    t.flush()
+    assert ckpt_syncs == [d]  # once
     t.close()
     monkeypatch.setattr(os, "fsync", real)
+    monkeypatch.setattr(os, "fdatasync", real_data)
     t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
     assert t.extra_stats()["recovered_from"] == "checkpoint"
     ok, outs = read_all(t, keys, [4000] * n)
     assert all(ok) and all(torch.equal(o, blob(i, 4000)) for i, o in enumerate(outs))
+    t.close()
+
+
+FLUSH_THEN_KILL = """
+import sys, torch
+from tierkv.tiers.ssd import SSDTier
+path = sys.argv[1]
+t = SSDTier("ssd", 64 << 20, path, region_size="1MiB")
+t.write([f"k{i:04d}" for i in range(300)], [[torch.full((20000,), i % 251, dtype=torch.uint8)] for i in range(300)])
+t.delete([f"k{i:04d}" for i in range(0, 300, 7)])
+t.write(["k0001"], [[torch.full((20000,), 77, dtype=torch.uint8)]])  # replaced
+t.flush()
+print(t.extra_stats()["checkpoints"], flush=True)
+import os, signal
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_flush_writes_no_checkpoint_yet_everything_flushed_survives_sigkill(tmp_path):
+    """``flush()`` costs what was written since the last one, not O(objects): below the checkpoint interval it
+    writes no checkpoint, and a process killed right after it reopens with every flushed write and removal
+    (the regions sealed since from their summaries, the active one from its records)."""
+    import subprocess
+    import sys
+
+    d = str(tmp_path / "s")
+    p = subprocess.run([sys.executable, "-c", FLUSH_THEN_KILL, d], capture_output=True, text=True, timeout=120)
+    assert p.returncode == -9, p.stderr
+    assert p.stdout.split() == ["0"]  # (6 MiB in 1 MiB regions: fewer seals than a checkpoint waits for)
+    assert not os.path.exists(os.path.join(d, "checkpoint"))
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB")
+    want = {f"k{i:04d}" for i in range(300) if i % 7}
+    assert {k for k, _ in t.recover()} == want and t.extra_stats()["recovered_from"] == "summaries"
+    names = sorted(want)
+    ok, outs = read_all(t, names, [20000] * len(names))
+    assert all(ok)
+    for k, o in zip(names, outs):
+        i = int(k[1:])
+        assert torch.equal(o, torch.full((20000,), 77 if i == 1 else i % 251, dtype=torch.uint8)), k
+    t.close()
+
+
+def test_checkpoint_writes_a_durable_checkpoint_now(tmp_path):
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    t.write([key(i) for i in range(20)], [[blob(i, 3000)] for i in range(20)])
+    t.flush()
+    assert t.extra_stats()["checkpoints"] == 0
+    t.checkpoint()
+    assert t.extra_stats()["checkpoints"] == 1 and os.path.exists(os.path.join(d, "checkpoint"))
+    t.checkpoint()  # nothing changed since: nothing written
+    assert t.extra_stats()["checkpoints"] == 1
     t.close()
 
 

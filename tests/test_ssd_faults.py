@@ -92,7 +92,7 @@ CHECKPOINTER = textwrap.dedent("""
     path = sys.argv[1]
     t = SSDTier("ssd", 64 << 20, path, region_size="1MiB")
     t.write([f"a{i:04d}" for i in range(100)], [[torch.full((9000,), i, dtype=torch.uint8)] for i in range(100)])
-    t.flush()  # a good checkpoint
+    t.checkpoint()  # a good checkpoint
     real = C.write
     def slow_write(dirpath, bufs, fsync):
         data = b"".join(bytes(b) for b in bufs)
@@ -103,7 +103,7 @@ CHECKPOINTER = textwrap.dedent("""
     C.write = slow_write
     t.delete([f"a{i:04d}" for i in range(0, 100, 3)])
     t.write([f"b{i:04d}" for i in range(50)], [[torch.full((9000,), i, dtype=torch.uint8)] for i in range(50)])
-    t.flush()
+    t.checkpoint()
 """)
 
 

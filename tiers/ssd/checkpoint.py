@@ -99,6 +99,20 @@ def write(dirpath: str, bufs: list, fsync: bool) -> None:
             os.close(dfd)
 
 
+def sync(dirpath: str) -> None:
+    """Make a checkpoint written without ``fsync`` durable: the file, then the directory (its rename)."""
+    fd = os.open(os.path.join(dirpath, NAME), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    dfd = os.open(dirpath, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 def read(dirpath: str) -> Optional[Checkpoint]:
     """The checkpoint, or None when absent or failing any check."""
     try:

@@ -1,5 +1,13 @@
 """Durability of ``SSDTier``: flush, checkpoints, stats and close.
 
+``flush()`` makes every acknowledged write and removal durable: the active image's tail,
+the dead log, an fsync of each file written since.  A reopen finds them without a
+checkpoint (it reads the summaries of the regions sealed since the last checkpoint and
+scans the active region's records), so a flush writes a checkpoint only when one is due:
+when as many regions were sealed since the last as make a writer take one on its own, or
+the dead log wants compacting.  A flush therefore costs what was written since the last,
+never O(objects); close always checkpoints.
+
 A checkpoint holds every live object's location and key.  Key strings are not kept in
 memory, so writing one gathers them from the regions' summaries (one read per region
 with live objects; the active region's from memory).
@@ -49,6 +57,7 @@ class Persistence:
     _changed: bool
     _covered: int
     _sealed_since_ckpt: int
+    _ckpt_unsynced: bool
     _next_seq: int
     _dirty_fds: set[int]
     _pool: ThreadPoolExecutor
@@ -64,9 +73,29 @@ class Persistence:
         if self._closed:
             return
         with self._wlock:
+            self._flush_locked(checkpoint=self._checkpoint_due())
+
+    def checkpoint(self) -> None:
+        """``flush()``, then a durable checkpoint of the index if it changed since the last one: the next open
+        reads the checkpoint (and the regions written after it) instead of the summaries.  Close takes one;
+        call this before a planned kill, or at quiet times.  Costs O(objects).  Never raises."""
+        if self._closed:
+            return
+        with self._wlock:
             self._flush_locked(checkpoint=True)
 
+    def _checkpoint_every(self) -> int:
+        """Regions sealed after which a writer checkpoints on its own (reopen reads at most these summaries)."""
+        return max(8, len(self._regions) // 2)
+
+    def _checkpoint_due(self) -> bool:
+        return self._changed and (self._sealed_since_ckpt >= self._checkpoint_every()
+                                  or self._dead.size() > max(1 << 16, 4 * self._dead.compacted))
+
     def _flush_locked(self, checkpoint: bool) -> None:
+        """Everything acknowledged to the file and, with ``fsync`` other than ``"never"``, the disk; then a
+        checkpoint if ``checkpoint`` and the index changed since the last one.  A checkpoint a writer took on
+        its own (not fsynced) is made durable here without being written again."""
         r = self._active
         if r is not None:
             try:
@@ -81,12 +110,20 @@ class Persistence:
         if self.fsync != "never":
             for fd in list(self._dirty_fds):
                 try:
-                    os.fsync(fd)
+                    os.fdatasync(fd)  # (the files keep their size: data and allocation are what matter)
                 except OSError as e:
                     self._io_error(e, "fsync")
             self._dirty_fds.clear()
         if checkpoint and self._changed:
             self._checkpoint()
+        elif self._ckpt_unsynced and self.fsync != "never":
+            try:
+                C.sync(self.path)
+                self._ckpt_unsynced = False
+            except FileNotFoundError:  # (removed behind the tier: the next checkpoint writes it again)
+                self._ckpt_unsynced = False
+            except OSError as e:
+                self._io_error(e, "fsync of the checkpoint")
 
     def _revive(self, r) -> None:
         """Recreate the active region's file if it was removed, from its image."""
@@ -207,7 +244,8 @@ class Persistence:
             log.warning("%s: checkpoint failed: %s", self._what, e)
             return
         self._count("checkpoints")
-        self._changed = not sync and self.fsync != "never"  # the next flush makes it durable
+        self._changed = False
+        self._ckpt_unsynced = not sync and self.fsync != "never"  # the next flush makes it durable
         try:
             if self._dead.size() > max(1 << 16, 4 * self._dead.compacted):
                 self._dead.write(self.fsync != "never")

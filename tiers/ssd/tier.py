@@ -157,6 +157,7 @@ class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
         self._changed = False
         self._covered = 0  # checkpoint covers regions of seq below this
         self._sealed_since_ckpt = 0
+        self._ckpt_unsynced = False  # the checkpoint file was written without fsync (see ``_checkpoint``)
         self._next_seq = 1
         self._dirty_fds: set[int] = set()
         self._recovered: Optional[recovery.Candidates] = None  # what the open found, until recover()

@@ -44,6 +44,9 @@ PIPE_MIN_DIRECT = 256 << 10
 #: buffered, payloads at least this long are written from the caller's parts, not copied into the image
 _GATHER_MIN = 4096
 _ZEROS = memoryview(bytes(F.ALIGN))
+#: a payload copied into the image from this size on is summed first and copied in steps of ``_STREAM_STEP``
+_STREAM_MIN = 1 << 20
+_STREAM_STEP = 512 << 10
 
 
 class WritePath:
@@ -85,6 +88,7 @@ class WritePath:
         def _close_region_fd(self, r: R.Region) -> None: ...
         def _flush_locked(self, checkpoint: bool) -> None: ...
         def _checkpoint(self, cands: Any = None, durable: bool = True) -> None: ...
+        def _checkpoint_every(self) -> int: ...
         def _pick_victim(self) -> Optional[R.Region]: ...
         def _reclaim(self, victim: R.Region, dest: R.Region) -> None: ...
 
@@ -236,6 +240,19 @@ class WritePath:
                     iov += views
                 if end > at + raw_len:
                     iov.append(_ZEROS[:end - at - raw_len])
+            elif len(parts) == 1 and raw_len >= _STREAM_MIN:  # summed first, then copied in steps that the
+                src_addr = parts[0].data_ptr()  # writer can take as they are done (it never waits a whole copy)
+                psum = psum_of(_ctype(raw_len).from_address(src_addr))
+                hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0, 0)
+                mv[pos + head:at] = kb
+                chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                done = 0
+                while done < raw_len:
+                    m = min(_STREAM_STEP, raw_len - done)
+                    memmove(base + at + done, src_addr + done, m)
+                    done += m
+                    if done < raw_len and at + done - seg.submitted >= pipe_min and seg.idle():
+                        seg.submit(self._writer_pool(), r, (at + done) & -block)
             else:
                 if len(parts) == 1:
                     if raw_len:
@@ -463,7 +480,7 @@ class WritePath:
         new = self._begin(free[0])
         if victim is not None:
             self._reclaim(victim, new)
-        if self._sealed_since_ckpt >= max(8, len(self._regions) // 2):
+        if self._sealed_since_ckpt >= self._checkpoint_every():
             self._checkpoint(durable=self.fsync == "always")
         return new
 
