@@ -381,9 +381,15 @@ def test_large_payloads_from_ordinary_memory_are_copied_in_steps_and_read_back_e
             m[:len(v)] = v
             return memoryview(m)[:len(v)]
 
-        def at_once(pool, fn, fd, bufs, offset):
-            took = [copy(b) for b in bufs] if isinstance(bufs, list) else copy(bufs)
-            return real(pool, fn, fd, took, offset)
+        def snap(x):  # (fd and offsets as they are; lists and (offset, buffers) runs item by item)
+            if isinstance(x, int):
+                return x
+            if isinstance(x, (list, tuple)):
+                return type(x)(snap(y) for y in x)
+            return copy(x)
+
+        def at_once(pool, fn, *args):
+            return real(pool, fn, *[snap(a) for a in args])
 
         monkeypatch.setattr(segment, "_handoff", at_once)
 

@@ -154,6 +154,12 @@ def pwritev_all(fd: int, bufs: list, offset: int) -> None:
         offset += want
 
 
+def pwrite_runs(fd: int, runs: list) -> None:
+    """``pwritev_all`` of each (offset, buffers) run."""
+    for offset, bufs in runs:
+        pwritev_all(fd, bufs, offset)
+
+
 _tls = threading.local()
 
 

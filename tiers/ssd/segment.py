@@ -24,8 +24,8 @@ if TYPE_CHECKING:
 _HANDOFF_WAIT = 0.002
 
 
-def _handoff(pool: ThreadPoolExecutor, fn, fd: int, bufs, offset: int):
-    """Submit ``fn(fd, bufs, offset)`` to the writer thread and wait (without the GIL) until it has begun.
+def _handoff(pool: ThreadPoolExecutor, fn, *args):
+    """Submit ``fn(*args)`` to the writer thread and wait (without the GIL) until it has begun.
 
     A woken writer needs the GIL to begin, and the caller, copying on in steps that release the GIL only
     briefly, takes it back first, again and again: the device then idles up to the interpreter's switch
@@ -37,7 +37,7 @@ def _handoff(pool: ThreadPoolExecutor, fn, fd: int, bufs, offset: int):
 
     def run():
         started.release()
-        fn(fd, bufs, offset)
+        fn(*args)
 
     fut = pool.submit(run)
     started.acquire(timeout=_HANDOFF_WAIT)
@@ -64,7 +64,7 @@ class Segment:
     address modulo 4 KiB, so its whole blocks are a *hole* of the image, written from the caller's memory
     (``holes``: file start, file end, address), and only the partial blocks at its two ends are copied
     into the image around it.  Every write of the segment takes the image's bytes and the holes' in file
-    order (``pieces``); the records are indexed once all of them are in the file, and are read from the
+    order (``runs``); the records are indexed once all of them are in the file, and are read from the
     file from then on (``Region.direct``: the image never holds their payloads)."""
 
     __slots__ = ("digests", "direct", "end", "entries", "futures", "gather", "hole_i", "holes", "idx", "iov",
@@ -117,16 +117,26 @@ class Segment:
             return
         mv = memoryview(cast("mmap.mmap", r.buf))
         if self.holes:
-            self.futures.append(_handoff(pool, R.pwritev_all, r.fd, self.pieces(mv, start, upto), start))
+            self.futures.append(_handoff(pool, R.pwrite_runs, r.fd, self.runs(mv, start, upto)))
         else:
             self.futures.append(_handoff(pool, R.pwrite_all, r.fd, mv[start:upto], start))
         self.submitted = self.written = upto
 
-    def pieces(self, mv: memoryview, start: int, end: int) -> list:
-        """Buffers for ``[start, end)`` of the file, both block aligned: the image ``mv`` around the holes,
-        each hole from the caller's memory.  Writes go in file order, so holes before ``end`` are done."""
+    def submit_hole(self, pool: ThreadPoolExecutor, r: R.Region, lo: int, hi: int, addr: int) -> None:
+        """Write a hole (``[lo, hi)`` of the file from ``addr``) on the writer thread now, ahead of the bytes
+        before it: the segment's first record, so the device has work while its payload is summed.  The hole
+        is recorded as written (address -1): ``runs`` leaves it out."""
+        self.futures.append(_handoff(pool, R.pwrite_all, r.fd, ctype_of(hi - lo).from_address(addr), lo))
+        self.holes.append((lo, hi, -1))
+
+    def runs(self, mv: memoryview, start: int, end: int) -> list[tuple[int, list]]:
+        """``[start, end)`` of the file (both block aligned) as runs of buffers, each run (file offset,
+        buffers) for one ``pwritev``: the image ``mv`` around the holes, each hole from the caller's memory;
+        a hole already written (``submit_hole``) ends a run.  Holes are passed in file order, so those before
+        ``end`` are done."""
         out: list = []
-        at = start
+        cur: list = []
+        at = run_at = start
         holes = self.holes
         i = self.hole_i
         while i < len(holes):
@@ -137,19 +147,27 @@ class Segment:
             if hi <= at:
                 continue
             if lo > at:
-                out.append(mv[at:lo])
-            else:  # (a hole begun before ``start``: only its rest)
+                cur.append(mv[at:lo])
+            elif addr >= 0:  # (a hole begun before ``start``: only its rest)
                 addr += at - lo
                 lo = at
-            hi = min(hi, end)
-            out.append(ctype_of(hi - lo).from_address(addr))
-            at = hi
-            if hi < holes[i - 1][1]:  # (its rest is the next write's)
+            h = min(hi, end)
+            if addr < 0:  # written ahead: the run ends before it, the next begins after it
+                if cur:
+                    out.append((run_at, cur))
+                    cur = []
+                run_at = h
+            else:
+                cur.append(ctype_of(h - lo).from_address(addr))
+            at = h
+            if h < hi:  # (its rest is the next write's)
                 i -= 1
                 break
         self.hole_i = i
         if at < end:
-            out.append(mv[at:end])
+            cur.append(mv[at:end])
+        if cur:
+            out.append((run_at, cur))
         return out
 
     def wait(self, tier: WritePath) -> bool:

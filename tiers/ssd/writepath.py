@@ -215,11 +215,14 @@ class WritePath:
                     memset(base + at, 0, pad)
                 memmove(base + body, src_addr, lo - body)  # the partial blocks at both ends: into the image
                 memmove(base + hi, src_addr + hi - body, body + raw_len - hi)
+                if not n and hi > lo:  # a segment's first: its blocks leave now, while the payload is summed
+                    seg.submit_hole(self._writer_pool(), r, lo, hi, src_addr + lo - body)
+                else:
+                    s_hole((lo, hi, src_addr + lo - body))
                 psum = psum_of(_ctype(raw_len).from_address(src_addr))
                 hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0, pad)
                 mv[pos + head:at] = kb
                 chk(buf, pos + check_at, digest_of(mv[pos:at]))
-                s_hole((lo, hi, src_addr + lo - body))
                 s_direct(pos)
             elif seg.gather and raw_len >= _GATHER_MIN:  # the payload goes to the file from the caller's parts
                 if len(parts) == 1:
@@ -424,7 +427,7 @@ class WritePath:
             memoryview(buf)[data_end:end] = bytes(end - data_end)
         try:
             if seg is not None and seg.holes:
-                R.pwritev_all(r.fd, seg.pieces(memoryview(buf), r.written, end), r.written)
+                R.pwrite_runs(r.fd, seg.runs(memoryview(buf), r.written, end))
             else:
                 R.pwrite_all(r.fd, memoryview(buf)[r.written:end], r.written)
         except OSError as e:
