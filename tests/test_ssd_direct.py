@@ -388,8 +388,8 @@ def test_large_payloads_from_ordinary_memory_are_copied_in_steps_and_read_back_e
                 return type(x)(snap(y) for y in x)
             return copy(x)
 
-        def at_once(pool, fn, *args):
-            return real(pool, fn, *[snap(a) for a in args])
+        def at_once(pool, wait, fn, *args):
+            return real(pool, wait, fn, *[snap(a) for a in args])
 
         monkeypatch.setattr(segment, "_handoff", at_once)
 
