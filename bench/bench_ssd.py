@@ -6,9 +6,9 @@
   ``pwrite`` / ``pread`` of the same bytes into one file on the same file system
   (O_DIRECT on both sides when the tier uses it).  Both sides end a put round durable: the
   raw side with one ``fsync``, the tier with ``flush()`` (its regions and dead log synced, and
-  a checkpoint the writer took on its own, if any).  Both overwrite blocks written before: the raw file is preallocated once and
-  rewritten each round; the tier, its objects removed between rounds, writes into the region
-  files earlier rounds wrote, as a full tier cycling its regions does;
+  a checkpoint the writer took on its own, if any).  Both overwrite blocks written before: the
+  raw file is preallocated once and rewritten each round; the tier, its objects removed between
+  rounds, writes into the region files earlier rounds wrote, as a full tier cycling its regions does;
 * the store's write-behind (``dram`` -> ``ssd``, puts and ``flush()`` timed) of 2 MiB and 4 MiB objects vs raw
   ``pwrite`` of the same bytes from huge-page buffers, and the same drain through a staged copy;
 * 16 KiB puts/s and gets/s from the page cache (``direct_io: false``, batches of 32) vs raw
