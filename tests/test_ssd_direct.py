@@ -16,7 +16,7 @@ import random
 
 import pytest
 import torch
-from tier_conformance import blob, key
+from tier_conformance import blob, fail_nth, key
 
 from tierkv import TieredStore, hostmem
 from tierkv.errors import ConfigError
@@ -430,14 +430,8 @@ def test_a_step_write_that_fails_mid_copy_indexes_none_of_its_batch(ssd_dir, mon
     try:
         assert t.write([key(0)], [[blob(0, 3000)]]) == [True]
         real = os.pwrite
-        calls = []
-
-        def flaky(fd, buf, off):
-            calls.append(off)
-            if len(calls) - 1 == fail_at:
-                raise OSError(errno.EIO, "Input/output error")
-            return real(fd, buf, off)
-
+        calls: list[int] = []
+        flaky = fail_nth(real, fail_at, calls)
         vals = [blob(i, 3 * MiB + 5) for i in range(1, 4)]
         keys = [key(i) for i in range(1, 4)]
         monkeypatch.setattr(os, "pwrite", flaky)

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from tier_conformance import blob, key
+from tier_conformance import blob, fail_nth, key
 
 from tierkv import TieredStore
 from tierkv.tiers.ssd import SSDTier
@@ -288,14 +288,8 @@ def test_buffered_batch_written_from_the_callers_parts_indexes_none_when_a_write
     t = SSDTier("ssd", 64 * MiB, d, direct_io=False, region_size="8MiB")
     assert t.write([key(0)], [[blob(0, 20000)]]) == [True]
     real = os.pwritev
-    calls = []
-
-    def flaky(fd, bufs, off):
-        calls.append(off)
-        if len(calls) - 1 == fail_call:
-            raise OSError(errno.EIO, "Input/output error")
-        return real(fd, bufs, off)
-
+    calls: list[int] = []
+    flaky = fail_nth(real, fail_call, calls)
     monkeypatch.setattr(os, "pwritev", flaky)
     keys = [key(i) for i in range(1, 41)]
     vals = [blob(i, 20000 if i % 3 else 700) for i in range(1, 41)]  # (and some small ones, copied)

@@ -13,6 +13,20 @@ import torch
 from tierkv.tiers.base import Tier
 
 
+def fail_nth(real, n: int, calls: list):
+    """A stand-in for a write call ``real(fd, buf_or_bufs, offset)`` whose ``n``-th call (from 0) raises EIO;
+    every call's offset goes to ``calls``."""
+    import errno
+
+    def flaky(fd, bufs, off):
+        calls.append(off)
+        if len(calls) - 1 == n:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(fd, bufs, off)
+
+    return flaky
+
+
 def blob(seed: int, n: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)

@@ -34,7 +34,7 @@ def _handoff(pool: ThreadPoolExecutor, wait: bool, fn, *args):
     start).  The caller is ahead of the device, so waiting for the start costs nothing the device would
     have used.  Buffered pieces are not worth the wait: a batch of small records would pay it once per
     batch (0.05-0.1 ms against 0.2 ms of work), and the page cache takes a piece in microseconds."""
-    if not wait or _HANDOFF_WAIT <= 0:
+    if not wait:
         return pool.submit(fn, *args)
     started = _thread.allocate_lock()
     started.acquire()
