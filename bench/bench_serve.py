@@ -21,7 +21,10 @@ prefixes: nothing stored in an earlier round hits), so all back ends see the sam
 machine conditions.  Reported per back end: request throughput, median and p99
 TTFT, median TPOT (medians over rounds), and ratios to MooncakeStoreConnector's
 figure in the same round (median over rounds); then the TTFT percentiles (p50, p90,
-p99) of every request of every round pooled, and their ratios.  Target: tierkv's
+p99) of every request of every round pooled, and their ratios.  With --warm, each
+run is preceded by one unmeasured request per prefix of its dataset (the first one,
+one output token): a server that has seen these prefixes before, where every
+measured request can hit and none waits behind a cold prefill of a new prefix.  Target: tierkv's
 median and p99 TTFT <= 0.8x MooncakeStoreConnector's, with higher throughput.
 
     python bench/bench_serve.py [--backends none,mooncake,tierkv,tierkv-async] [--requests 120] [--concurrency 4]
@@ -118,6 +121,90 @@ def run_load(args: argparse.Namespace, srv: S.ApiServer, model: str, seed: int, 
         raise RuntimeError(f"{srv.name}: no request completed (failed={res.get('failed')}); "
                            f"server log tail:\n{srv.log_tail()}")
     return res
+
+
+def round_prefixes(args: argparse.Namespace, srv: S.ApiServer, model: str, seed: int, num_requests: int,
+                   log: io.TextIOBase) -> list[str]:
+    """The first prompt of each shared prefix in the dataset a run with ``seed`` sends (vLLM's own sampler,
+    the same arguments: the same prompts)."""
+    from vllm.benchmarks.datasets import get_samples
+    from vllm.tokenizers import get_tokenizer
+
+    ns = _bench_args(args, srv, model, seed, num_requests)
+    tok = get_tokenizer(model)
+    with contextlib.redirect_stdout(log):
+        samples = get_samples(ns, tok)
+    first: dict[tuple[int, ...], str] = {}
+    for req in samples:
+        ids = tok.encode(req.prompt, add_special_tokens=False)
+        first.setdefault(tuple(ids[:args.prefix_len]), req.prompt)
+    return list(first.values())
+
+
+def prewarm(srv: S.ApiServer, prompts: list[str], settle: float = 1.0) -> float:
+    """Serve each prompt once, one at a time, one output token (not measured): the round's prefixes have been
+    seen before, as on a server that has run for a while.  Returns the seconds it took, ``settle`` included
+    (time for the connectors' background saves to land)."""
+    import urllib.request
+
+    t0 = time.monotonic()
+    for prompt in prompts:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+        req = urllib.request.Request(srv.base_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            if r.status != 200:
+                raise RuntimeError(f"{srv.name}: warming request answered {r.status}")
+            r.read()
+    time.sleep(settle)
+    return time.monotonic() - t0
+
+
+#: vLLM's counters read from each server's /metrics before and after a run (summed over label sets)
+COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
+            "vllm:external_prefix_cache_hits", "vllm:request_queue_time_seconds_sum",
+            "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_sum",
+            "vllm:request_prefill_time_seconds_count")
+
+
+def scrape(srv: S.ApiServer) -> dict[str, float]:
+    """The ``COUNTERS`` of ``srv``'s Prometheus endpoint (``_total`` suffixes folded); {} when it cannot be read."""
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(srv.base_url + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+    except OSError:
+        return {}
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line[0] == "#":
+            continue
+        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        name = name.removesuffix("_total")
+        if name in COUNTERS:
+            try:
+                out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return out
+
+
+def served_from(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Where a run's prompt tokens came from and where its requests waited, from two ``scrape``s: the shares of
+    queried tokens hit in vLLM's own prefix cache and in the connector's store, and the mean queue and
+    prefill time per request (ms)."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
+    out: dict[str, float] = {}
+    if d["vllm:prefix_cache_queries"] > 0:
+        out["local_hit"] = d["vllm:prefix_cache_hits"] / d["vllm:prefix_cache_queries"]
+    if d["vllm:external_prefix_cache_queries"] > 0:
+        out["connector_hit"] = d["vllm:external_prefix_cache_hits"] / d["vllm:external_prefix_cache_queries"]
+    for what in ("queue", "prefill"):
+        n = d[f"vllm:request_{what}_time_seconds_count"]
+        if n > 0:
+            out[f"{what}_ms"] = 1000 * d[f"vllm:request_{what}_time_seconds_sum"] / n
+    return out
 
 
 PCTS = ("50", "90", "99")
@@ -285,6 +372,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="one extra tierkv round under py-spy (not in the table)")
     ap.add_argument("--profile-rate", type=int, default=20, help="py-spy samples per second")
     ap.add_argument("--warmup", type=int, default=None, help="requests per server before round 1 (not measured)")
+    ap.add_argument("--warm", action="store_true",
+                    help="before each measured run, serve the first request of each of its prefixes once "
+                         "(not measured): every request hits, no cold prefill in the figures")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--workdir", default=None, help="keep model, stores and logs here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write every number to this file")
@@ -351,13 +441,23 @@ def main(argv: list[str] | None = None) -> int:
             run_load(args, srv, model, 10_000, args.warmup or max(args.num_prefixes, args.concurrency), bench_log)
         names = list(servers)
         for r in range(args.rounds):
+            warm = (round_prefixes(args, servers[names[0]], model, 1000 + r, args.requests, bench_log)
+                    if args.warm else [])
             for name in _rotated(names, r):
+                if warm:
+                    took = prewarm(servers[name], warm)
+                    print(f"round {r + 1}/{args.rounds} {name}: {len(warm)} prefixes served once ({took:.0f}s)",
+                          file=sys.stderr, flush=True)
                 t0 = time.monotonic()
+                before = scrape(servers[name])
                 res = run_load(args, servers[name], model, 1000 + r, args.requests, bench_log)
+                src = served_from(before, scrape(servers[name]))
                 print(f"round {r + 1}/{args.rounds} {name}: {res['request_throughput']:.3f} req/s, "
                       f"TTFT p50 {res['median_ttft_ms']:.0f} ms p99 {res['p99_ttft_ms']:.0f} ms "
-                      f"({time.monotonic() - t0:.0f}s)", file=sys.stderr, flush=True)
-                runs[name].append({k: res.get(k) for k in METRICS} | {"ttfts": res.get("ttfts"), "round": r})
+                      f"({time.monotonic() - t0:.0f}s); " + ", ".join(f"{k} {v:.2f}" for k, v in src.items()),
+                      file=sys.stderr, flush=True)
+                runs[name].append({k: res.get(k) for k in METRICS}
+                                  | {"ttfts": res.get("ttfts"), "round": r, "served_from": src})
         if args.profile and "tierkv" in servers:
             # a round of its own, not in the table: sampling slows what it samples
             raw = work / "tierkv-profile.txt"
@@ -404,6 +504,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.prefix_len} + {args.suffix_len}-token suffixes, {args.output_len} output tokens, concurrency "
           f"{args.concurrency}; model {args.layers} layers x hidden {args.hidden} (float32), block "
           f"{args.block_size}, vLLM KV cache {kv_bytes >> 20} MiB ({kv_bytes // kv_per_token} tokens); "
+          f"{'warm (every prefix served once before each run); ' if args.warm else ''}"
           f"{args.rounds} round(s), medians over rounds; 'vs mc' = ratio to MooncakeStoreConnector in the "
           f"same round (median over rounds)")
     head = f"{'backend':<13}" + "".join(f"{h:>13}{'vs mc':>7}" for _, h, _ in SHOWN)
@@ -416,6 +517,19 @@ def main(argv: list[str] | None = None) -> int:
             row += f"{v:>13.3f}" if key == "request_throughput" else f"{v:>13.0f}"
             row += f"{ratio:>7.2f}" if ratio is not None else f"{'-':>7}"
         print(row)
+    src_keys = ("local_hit", "connector_hit", "queue_ms", "prefill_ms")
+    print("\nFrom vLLM's /metrics, medians over rounds: shares of queried prompt tokens hit in vLLM's own prefix "
+          "cache and in the connector's store; mean time per request queued and in prefill")
+    print(f"{'backend':<13}" + "".join(f"{k:>15}" for k in src_keys))
+    for name, rs in runs.items():
+        med = {}
+        for k in src_keys:
+            vals = [x["served_from"][k] for x in rs if k in x.get("served_from", {})]
+            if vals:
+                med[k] = statistics.median(vals)
+        if name in summary:
+            summary[name]["served_from"] = med
+        print(f"{name:<13}" + "".join(f"{med[k]:>15.2f}" if k in med else f"{'-':>15}" for k in src_keys))
     pooled = pooled_ttfts(runs)
     if pooled:
         for name, pc in pooled.items():
