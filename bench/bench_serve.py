@@ -164,7 +164,9 @@ def prewarm(srv: S.ApiServer, prompts: list[str], settle: float = 1.0) -> float:
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
             "vllm:external_prefix_cache_hits", "vllm:request_queue_time_seconds_sum",
             "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_sum",
-            "vllm:request_prefill_time_seconds_count")
+            "vllm:request_prefill_time_seconds_count", "vllm:iteration_tokens_total_count",
+            "vllm:iteration_tokens_total_sum", "tierkv_connector_load_seconds",
+            "tierkv_connector_loaded_bytes")
 
 
 def scrape(srv: S.ApiServer) -> dict[str, float]:
@@ -181,7 +183,8 @@ def scrape(srv: S.ApiServer) -> dict[str, float]:
         if not line or line[0] == "#":
             continue
         name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
-        name = name.removesuffix("_total")
+        if not name.endswith(("_total_count", "_total_sum")):
+            name = name.removesuffix("_total")
         if name in COUNTERS:
             try:
                 out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
@@ -204,6 +207,14 @@ def served_from(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         n = d[f"vllm:request_{what}_time_seconds_count"]
         if n > 0:
             out[f"{what}_ms"] = 1000 * d[f"vllm:request_{what}_time_seconds_sum"] / n
+    if d["vllm:iteration_tokens_total_count"] > 0:  # engine steps, and tokens computed per step
+        out["steps"] = d["vllm:iteration_tokens_total_count"]
+        out["tokens_per_step"] = d["vllm:iteration_tokens_total_sum"] / d["vllm:iteration_tokens_total_count"]
+    if d["tierkv_connector_load_seconds"] > 0:  # tierkv's own: time in loads, and their speed
+        n = d["vllm:request_prefill_time_seconds_count"]
+        if n > 0:
+            out["load_ms"] = 1000 * d["tierkv_connector_load_seconds"] / n
+        out["load_GiBps"] = d["tierkv_connector_loaded_bytes"] / d["tierkv_connector_load_seconds"] / 2**30
     return out
 
 
@@ -464,6 +475,9 @@ def main(argv: list[str] | None = None) -> int:
             prof = start_profile(servers["tierkv"], raw, args.profile_rate)
             if prof is not None:
                 time.sleep(2.0)  # py-spy attaches to each process
+                if args.warm:
+                    prewarm(servers["tierkv"], round_prefixes(args, servers["tierkv"], model, 1000 + args.rounds,
+                                                              args.requests, bench_log))
                 try:
                     res = run_load(args, servers["tierkv"], model, 1000 + args.rounds, args.requests, bench_log)
                 finally:
@@ -517,10 +531,12 @@ def main(argv: list[str] | None = None) -> int:
             row += f"{v:>13.3f}" if key == "request_throughput" else f"{v:>13.0f}"
             row += f"{ratio:>7.2f}" if ratio is not None else f"{'-':>7}"
         print(row)
-    src_keys = ("local_hit", "connector_hit", "queue_ms", "prefill_ms")
+    src_keys = ("local_hit", "connector_hit", "queue_ms", "prefill_ms", "steps", "tokens_per_step", "load_ms",
+                "load_GiBps")
     print("\nFrom vLLM's /metrics, medians over rounds: shares of queried prompt tokens hit in vLLM's own prefix "
-          "cache and in the connector's store; mean time per request queued and in prefill")
-    print(f"{'backend':<13}" + "".join(f"{k:>15}" for k in src_keys))
+          "cache and in the connector's store; mean time per request queued and in prefill; engine steps and tokens "
+          "computed per step; tierkv's time in loads per request and their speed")
+    print(f"{'backend':<13}" + "".join(f"{k:>16}" for k in src_keys))
     for name, rs in runs.items():
         med = {}
         for k in src_keys:
@@ -529,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
                 med[k] = statistics.median(vals)
         if name in summary:
             summary[name]["served_from"] = med
-        print(f"{name:<13}" + "".join(f"{med[k]:>15.2f}" if k in med else f"{'-':>15}" for k in src_keys))
+        print(f"{name:<13}" + "".join(f"{med[k]:>16.2f}" if k in med else f"{'-':>16}" for k in src_keys))
     pooled = pooled_ttfts(runs)
     if pooled:
         for name, pc in pooled.items():

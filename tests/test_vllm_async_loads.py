@@ -67,7 +67,30 @@ def test_finished_once_with_its_failed_blocks():
     done, failed = a.take_finished()
     assert done == {"a", "b", "c"} and failed == {4}
     assert a.take_finished() == (set(), set())  # reported once
-    assert ran == [["a"], ["b", "c"]] and a.in_flight() == set()
+    assert ran == [["a"], ["b"], ["c"]] and a.in_flight() == set()  # one request per load
+    assert a.close(5)
+
+
+def test_each_request_of_a_batch_is_reported_when_its_own_load_is_over():
+    gate = threading.Event()
+    ran = []
+
+    def run(specs):
+        ran.append(sorted({s.req_id for s in specs}))
+        if specs[0].req_id == "b":
+            assert gate.wait(10)
+        return _Job(failed={3} if specs[0].req_id == "b" else ())
+
+    a = AsyncLoads(run)
+    # one step's batch: a's two specs load together, b's after them
+    a.submit([_spec("a", [1]), _spec("b", [3, 4]), _spec("a", [2])])
+    got: set = set()
+    _wait(lambda: got.update(a.take_finished()[0]) or "a" in got)
+    assert got == {"a"} and a.in_flight() == {"b"}  # a is out while b's load still runs
+    gate.set()
+    assert a.wait_idle(10)
+    assert a.take_finished() == ({"b"}, {3})
+    assert ran == [["a"], ["b"]]
     assert a.close(5)
 
 
@@ -126,7 +149,7 @@ def test_close_skips_the_queued_waits_for_the_running_and_fails_later_ones():
         return _Job()
 
     a = AsyncLoads(run)
-    a.submit([_spec("a", [1])])
+    a.submit([_spec("a", [1]), _spec("d", [5])])
     assert started.wait(5)
     a.submit([_spec("b", [2, 3])])
     assert a.close(0.05) is False  # a is still being written
@@ -134,7 +157,8 @@ def test_close_skips_the_queued_waits_for_the_running_and_fails_later_ones():
     assert a.close(10) is True
     a.submit([_spec("c", [4])])  # after close: fails at once, nothing runs
     done, failed = a.take_finished()
-    assert done == {"a", "b", "c"} and failed == {2, 3, 4}
+    # d, in a's batch but not started when close came, is skipped as the queued b is
+    assert done == {"a", "b", "c", "d"} and failed == {2, 3, 4, 5}
     assert ran == ["a"]
 
 

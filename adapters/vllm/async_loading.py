@@ -2,11 +2,13 @@
 
 vLLM parks a request whose hit is loaded asynchronously (``WAITING_FOR_REMOTE_KVS``)
 and keeps stepping the others.  :class:`AsyncLoads` takes each step's batch of such
-loads, runs it on its own thread (``run(specs)`` fills the blocks and returns the
-:class:`~.loading.LoadJob` with the blocks that failed) and hands back, from
-:meth:`AsyncLoads.take_finished`, the requests whose loads are over together with
-every block that failed for them, so that the worker reports both in the same step
-(a request is never released before its bad blocks are known).
+loads and runs it on its own thread, one request after another (``run(specs)`` fills
+the blocks and returns the :class:`~.loading.LoadJob` with the blocks that failed); it
+hands back, from :meth:`AsyncLoads.take_finished`, the requests whose loads are over
+together with every block that failed for them, so that the worker reports both in
+the same step (a request is never released before its bad blocks are known).  Each
+request is released as soon as its own load is over: in a burst of hits the first
+need not wait for the last.
 
 The blocks of a parked request stay allocated until the request is reported
 here, even when it is aborted meanwhile (vLLM delays their free), so nothing is
@@ -129,27 +131,47 @@ class AsyncLoads:
                 if not self._queue:
                     return  # closed, nothing left
                 batch = self._queue.popleft()
-                # a finished request's blocks are about to be freed: never start writing them
-                skipped = [s for s in batch if s.req_id in self._cancelled]
-                todo = [s for s in batch if s.req_id not in self._cancelled]
-                if skipped:
-                    self._finish(skipped, failed=False)
-                self._busy = bool(todo)
-            if not todo:
-                continue
-            job, failed_all = None, False
+                self._busy = True
             try:
-                job = self._run(todo)
-            except BaseException as e:  # noqa: BLE001 - a load that breaks is a miss; the thread goes on
-                logger.warning("TierKVConnector: background load failed: %s; vLLM recomputes %d request(s)",
-                               e, len(todo))
-                failed_all = True
-            if job is not None and self._on_done is not None:
-                try:
-                    self._on_done(job)
-                except Exception as e:  # noqa: BLE001 - bookkeeping never loses a load's verdict
-                    logger.debug("TierKVConnector: async load accounting failed: %s", e)
-            with self._cond:
-                self._finish(todo, failed=failed_all,
-                             failed_blocks=getattr(job, "failed_blocks", ()) if job is not None else ())
-                self._busy = False
+                # one request at a time, each reported as soon as its own load is over: the first of a
+                # step's hits is released at the next step's end, not when the last of them is in
+                for group in _by_request(batch):
+                    self._run_group(group)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _run_group(self, group: list[LoadSpec]) -> None:
+        """Load one request's specs (skipped if it finished meanwhile) and report it."""
+        with self._cond:
+            # a finished request's blocks are about to be freed: never start writing them
+            if group[0].req_id in self._cancelled:
+                self._finish(group, failed=False)
+                return
+            if self.closed:  # closing: what has not started is skipped, as the queued loads are
+                self._finish(group, failed=True)
+                return
+        job, failed_all = None, False
+        try:
+            job = self._run(group)
+        except BaseException as e:  # noqa: BLE001 - a load that breaks is a miss; the thread goes on
+            logger.warning("TierKVConnector: background load failed: %s; vLLM recomputes request %s",
+                           e, group[0].req_id)
+            failed_all = True
+        if job is not None and self._on_done is not None:
+            try:
+                self._on_done(job)
+            except Exception as e:  # noqa: BLE001 - bookkeeping never loses a load's verdict
+                logger.debug("TierKVConnector: async load accounting failed: %s", e)
+        with self._cond:
+            self._finish(group, failed=failed_all,
+                         failed_blocks=getattr(job, "failed_blocks", ()) if job is not None else ())
+
+
+def _by_request(specs: list[LoadSpec]) -> list[list[LoadSpec]]:
+    """The specs grouped by request, in the order their requests first appear."""
+    groups: dict[str, list[LoadSpec]] = {}
+    for s in specs:
+        groups.setdefault(s.req_id, []).append(s)
+    return list(groups.values())
