@@ -429,15 +429,16 @@ def test_a_step_write_that_fails_mid_copy_indexes_none_of_its_batch(ssd_dir, mon
     t = SSDTier("ssd", 64 * MiB, ssd_dir, direct_io=True, region_size="32MiB")
     try:
         assert t.write([key(0)], [[blob(0, 3000)]]) == [True]
-        real = os.pwrite
-        calls: list[int] = []
-        flaky = fail_nth(real, fail_at, calls)
+        real, real_v = os.pwrite, os.pwritev
+        calls: list[int] = []  # (the writes of both kinds, counted together)
         vals = [blob(i, 3 * MiB + 5) for i in range(1, 4)]
         keys = [key(i) for i in range(1, 4)]
-        monkeypatch.setattr(os, "pwrite", flaky)
+        monkeypatch.setattr(os, "pwrite", fail_nth(real, fail_at, calls))
+        monkeypatch.setattr(os, "pwritev", fail_nth(real_v, fail_at, calls))
         assert t.write(keys, [[v] for v in vals]) == [False] * 3
         assert len(calls) > fail_at and t.extra_stats()["io_errors"] >= 1 and t.extra_stats()["too_large"] == 0
         monkeypatch.setattr(os, "pwrite", real)
+        monkeypatch.setattr(os, "pwritev", real_v)
         assert t.contains(keys) == [False] * 3
         assert t.write(keys, [[v] for v in vals]) == [True] * 3
         ok, outs = read_all(t, [key(0), *keys], [3000] + [3 * MiB + 5] * 3)
