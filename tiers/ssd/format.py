@@ -104,24 +104,6 @@ def payload_sum(chunks, flags: int) -> Optional[int]:
     return xxh3(chunks)
 
 
-def payload_hasher(flags: int):
-    """``(update, digest)`` of the payload sum a record's flags name, fed piece by piece (``update(buffer)``,
-    then ``digest() -> int``: the value ``payload_sum`` gives the pieces together), or None when this build
-    lacks it."""
-    if flags & FLAG_CRC32C:
-        if crc32c_sum is None:
-            return None
-        state = [0]
-        crc = _crc32c_mod.crc32c
-
-        def update(b) -> None:
-            state[0] = crc(b, state[0])
-
-        return update, lambda: state[0]
-    h = xxhash.xxh3_64()
-    return h.update, h.intdigest
-
-
 def sum_function(flags: int):
     """The one-call payload sum a record's flags name (a buffer -> int), or None when this build lacks it."""
     if flags & FLAG_CRC32C:

@@ -128,11 +128,8 @@ class Segment:
 
     def submit_hole(self, pool: ThreadPoolExecutor, r: R.Region, lo: int, hi: int, addr: int) -> None:
         """Write a hole (``[lo, hi)`` of the file from ``addr``) on the writer thread now, ahead of the bytes
-        before it: a payload's whole blocks while the record's header (which holds the payload's sum) is
-        not final yet - the segment's first record written from the caller's memory, so the device has
-        work while its payload is summed, or the steps of a payload copied into the image (``addr`` then
-        points into the image).  The hole is recorded as written (address -1): ``runs`` leaves it out.
-        Holes are submitted in file order."""
+        before it: the segment's first record, so the device has work while its payload is summed.  The hole
+        is recorded as written (address -1): ``runs`` leaves it out."""
         self.futures.append(_handoff(pool, True, R.pwrite_all, r.fd, ctype_of(hi - lo).from_address(addr), lo))
         self.holes.append((lo, hi, -1))
 

@@ -44,7 +44,7 @@ PIPE_MIN_DIRECT = 256 << 10
 #: buffered, payloads at least this long are written from the caller's parts, not copied into the image
 _GATHER_MIN = 4096
 _ZEROS = memoryview(bytes(F.ALIGN))
-#: a payload copied into the image from this size on is copied and summed in steps of ``_STREAM_STEP``
+#: a payload copied into the image from this size on is summed first and copied in steps of ``_STREAM_STEP``
 _STREAM_MIN = 1 << 20
 _STREAM_STEP = 512 << 10
 
@@ -118,7 +118,6 @@ class WritePath:
         seg = Segment()
         flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
         psum_of = F.sum_function(flags)
-        hasher = cast(Any, F.payload_hasher)
         max_slot = self.max_slot
         region_size = self.region_size
         hdr = F.RECORD_STRUCT.pack_into
@@ -244,23 +243,19 @@ class WritePath:
                     iov += views
                 if end > at + raw_len:
                     iov.append(_ZEROS[:end - at - raw_len])
-            elif len(parts) == 1 and raw_len >= _STREAM_MIN:  # copied in steps, each summed while it is in
-                src_addr = parts[0].data_ptr()  # the cache; the writer takes a step's whole blocks once it is
-                upd, digest = hasher(flags)  # done (it never waits a whole copy), the header's block last
-                ahead = (at + block - 1) & -block  # (holes written ahead: ``Segment.submit_hole``)
+            elif len(parts) == 1 and raw_len >= _STREAM_MIN:  # summed first, then copied in steps that the
+                src_addr = parts[0].data_ptr()  # writer can take as they are done (it never waits a whole copy)
+                psum = psum_of(_ctype(raw_len).from_address(src_addr))
+                hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, psum, 0, 0)
+                mv[pos + head:at] = kb
+                chk(buf, pos + check_at, digest_of(mv[pos:at]))
                 done = 0
                 while done < raw_len:
                     m = min(_STREAM_STEP, raw_len - done)
                     memmove(base + at + done, src_addr + done, m)
-                    upd(mv[at + done:at + done + m])
                     done += m
-                    hi = (at + done) & -block
-                    if done < raw_len and hi - ahead >= pipe_min and seg.idle():
-                        seg.submit_hole(self._writer_pool(), r, ahead, hi, base + ahead)
-                        ahead = hi
-                hdr(buf, pos, magic, version, flags, klen, r.seq, raw_len, raw_len, digest(), 0, 0)
-                mv[pos + head:at] = kb
-                chk(buf, pos + check_at, digest_of(mv[pos:at]))
+                    if done < raw_len and at + done - seg.submitted >= pipe_min and seg.idle():
+                        seg.submit(self._writer_pool(), r, (at + done) & -block)
             else:
                 if len(parts) == 1:
                     if raw_len:
