@@ -221,6 +221,14 @@ def test_connector_resolve_needs_every_layer_and_at_most_two_store_calls_per_que
     located = c.answer("locate", hashes, 0, 0, nblocks, None)
     last_chunks = c.resolve(hashes, 0, 0, nblocks, None, all_layers=False)
     assert located == [("dram", "host") if any(f <= b <= e for f, e in last_chunks) else None for b in range(nblocks)]
+    # "probe": the scheduler's whole question in one round trip, the same answers as its three parts
+    local = data.draw(st.integers(0, nblocks), label="blocks vLLM holds")
+    reach, held, where = c.answer("probe", hashes, 0, local, nblocks, None)
+    assert reach == c.answer("lookup", hashes, 0, local, nblocks, None)
+    assert held == (c.answer("lookup", hashes, 0, 0, local, None) if local else 0)
+    assert where == (c.answer("locate", hashes, 0, local, local + reach, None) if reach else [])
+    with pytest.raises(ValueError):
+        c.answer("probe", hashes[1:], 1, local, nblocks, None)  # (hashes must start at block 0)
     c.shutdown()
     assert c.closed and store.closed is False  # release=no-op here: the test owns the store
     store.close()
@@ -232,12 +240,16 @@ def _scheduler(bs: int, token_mode: bool, reach_of: int):
     from tierkv.adapters.vllm.scheduler import TierKVScheduler
 
     def ask(rank, op, hashes, base, lo, hi, salt):
-        if op == "lookup":
-            return max(0, min(hi, reach_of) - lo)
-        return [("dram", "host")] * (hi - lo)
+        asked.append(op)
+        assert op == "probe" and base == 0 and len(hashes) == hi
+        reach = max(0, min(hi, reach_of) - lo)
+        return reach, min(lo, reach_of), [("dram", "host")] * reach
 
+    asked: list[str] = []
     opts = ConnectorOptions(chunk_tokens=bs, full_hit_recompute="token" if token_mode else "block")
-    return TierKVScheduler(opts, _info(1, 1, bs), ask=ask)
+    c = TierKVScheduler(opts, _info(1, 1, bs), ask=ask)
+    c.asked = asked  # type: ignore[attr-defined]
+    return c
 
 
 @settings(max_examples=200, deadline=None)
@@ -266,6 +278,7 @@ def test_hit_arithmetic_leaves_a_token_and_loads_whole_blocks(bs, n, token_mode,
         assert ext == min(blocks_hit, (n - 1) // bs - local) * bs
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(100, 100 + full + 1)),))
     c.update_state_after_alloc(req, blocks, ext)
+    assert c.asked == (["probe"] if full else [])  # one round trip a request (none with no full block)
     st_ = c.requests["r"]
     nload = -(-ext // bs)
     if ext:

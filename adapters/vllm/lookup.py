@@ -13,6 +13,9 @@ socket, authenticated with a key derived from the engine id):
 ``("lookup", (hashes, base, lo, hi, salt))`` -> blocks ``lo..hi-1`` stored for every
 layer, counted from ``lo`` (``hashes[i]`` is block ``base+i``'s hash)
 ``("locate", (hashes, base, lo, hi, salt))`` -> ``[(tier name, locality) | None]`` per block
+``("probe", (hashes, 0, lo, hi, salt))`` -> ``(reach, held, where)``: a request's whole lookup in one
+round trip (hashes from block 0): ``lookup`` of ``lo..hi-1``, ``lookup`` of ``0..lo-1``, and ``locate``
+of the ``reach`` blocks found from ``lo``
 ``("shutdown", ())`` -> None: the worker drains and closes (the engine is going down)
 
 Sockets leave nothing behind: on Linux they live in the abstract namespace

@@ -88,7 +88,8 @@ class TierKVScheduler:
         self._ask = ask or self._ask_worker
         self._lookup_down_until = 0.0
         self.requests: dict[str, RequestState] = {}
-        self._lookups: dict[str, tuple[int, int, int, int, bool]] = {}
+        #: request id -> (local, hits, stored, max_blocks, is_async, tier of each reached block) of its last lookup
+        self._lookups: dict[str, tuple[int, int, int, int, bool, list]] = {}
         #: loads between steps not yet reported done: request id -> the blocks they fill
         self._async_in_flight: dict[str, set[int]] = {}
         #: requests an async load failed for: their next lookup is a miss
@@ -117,6 +118,20 @@ class TierKVScheduler:
         top = min(len(request.block_hashes), -(-hi // G) * G)
         return [bytes(h) for h in request.block_hashes[base:top]], base
 
+    def probe(self, request: Any, local: int) -> tuple[int, int, list]:
+        """A request's whole lookup in one round trip per KV-head shard (the worker's ``probe``): the blocks
+        stored from ``local`` on, counted from there (``reach``); those of ``0..local-1`` stored, counted from
+        0 (``held``); and the (tier, locality) of each reached block, from the first shard."""
+        hashes, base = self.hash_window(request, 0, len(request.block_hashes))
+        hi = len(request.block_hashes)
+        reach, held, where = max(0, hi - local), local, []
+        for i, rank in enumerate(self._shard_ranks()):
+            r, h, w = self._ask(rank, "probe", hashes, base, local, hi, request.cache_salt)
+            reach, held = min(reach, int(r)), min(held, int(h))
+            if i == 0:
+                where = list(w)
+        return reach, held, where
+
     def leading_hits(self, request: Any, lo: int, hi: int) -> int:
         """Blocks ``lo..hi-1`` stored for every layer of every shard, counted from ``lo``."""
         if hi <= lo:
@@ -144,19 +159,20 @@ class TierKVScheduler:
         max_blocks = min(len(hashes), (request.num_tokens - (0 if token_mode else 1)) // bs)
         local = num_computed_tokens // bs
         hits, held, reach = 0, 0, 0
-        if time.monotonic() >= self._lookup_down_until:
+        where: list = []
+        if time.monotonic() >= self._lookup_down_until and (local or len(hashes) > local):
             try:
-                # look as far as the full blocks go: what is stored past max_blocks needs no save
-                reach = self.leading_hits(request, local, len(hashes)) if len(hashes) > local else 0
+                # one round trip: how far the full blocks are stored from ``local`` on (what is stored past
+                # max_blocks needs no save), whether the store already holds what vLLM has locally (decides
+                # what to save), and which tier holds each block of the hit (statistics)
+                reach, held, where = self.probe(request, local)
                 hits = max(0, min(reach, max_blocks - local))
-                # does the store already hold what vLLM has locally?  (decides what to save)
-                held = self.leading_hits(request, 0, local) if local else 0
             except Exception as e:  # noqa: BLE001 - an unreachable worker is a miss, never a crash
                 # do not stall scheduling on it: treat everything as a miss for a while
                 self._lookup_down_until = time.monotonic() + LOOKUP_BACKOFF_S
                 logger.warning("TierKVConnector: lookup failed (%s); misses for the next %.0f s", e,
                                LOOKUP_BACKOFF_S)
-                hits, held, reach = 0, 0, 0
+                hits, held, reach, where = 0, 0, 0, []
         # what is in the store needs no save: from the first block it lacks
         stored = held if held < local else local + reach
         if request.request_id in self._async_failed:
@@ -169,7 +185,7 @@ class TierKVScheduler:
         if (local + hits) * bs >= request.num_tokens:  # only with full_hit_recompute="token"
             ext = max(0, request.num_tokens - 1 - local * bs)
         is_async = self.options.load_async and ext > 0  # vLLM: never True with nothing to load
-        self._lookups[request.request_id] = (local, hits, stored, max_blocks, is_async)
+        self._lookups[request.request_id] = (local, hits, stored, max_blocks, is_async, where)
         return ext, is_async
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -181,7 +197,7 @@ class TierKVScheduler:
         look = self._lookups.pop(rid, None)
         if look is None:
             return
-        local, _, stored, _, is_async = look
+        local, _, stored, _, is_async, found = look
         bs = self._bs
         num_external_tokens = max(0, int(num_external_tokens))
         st.next_chunk, st.tail_end = stored // self._G, stored
@@ -197,13 +213,8 @@ class TierKVScheduler:
         st.block_ids = list(blocks.get_block_ids()[0])
         st.pending_load = (local, local + n_ext)
         st.load_async = is_async
-        # which tier will serve the hit (for stats and vLLM's cache-hit sources)
-        try:
-            hashes, base = self.hash_window(request, local, local + n_ext)
-            where = self._ask(self._shard_ranks()[0], "locate", hashes, base, local, local + n_ext,
-                              request.cache_salt)
-        except Exception:  # noqa: BLE001 - statistics only
-            where = [None] * n_ext
+        # which tier will serve the hit (for stats and vLLM's cache-hit sources), as the lookup found it
+        where = (list(found[:n_ext]) + [None] * n_ext)[:n_ext]
         by_tier = self.totals["hit_tokens_by_tier"]
         for i, tl in enumerate(where):
             name, locality = tl if tl is not None else ("unknown", None)

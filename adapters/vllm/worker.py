@@ -227,19 +227,29 @@ class TierKVWorker:
             self.shutdown()
             return None
         hashes, base, lo, hi, salt = args
+        if op == "probe":  # (hashes from block 0): reach from lo, held below lo, tiers of the reached blocks
+            if base != 0:
+                raise ValueError("probe: the hashes must start at block 0")
+            reach = covered(self.resolve(hashes, 0, lo, hi, salt), lo, hi) if hi > lo else 0
+            held = covered(self.resolve(hashes, 0, 0, lo, salt), 0, lo) if lo else 0
+            return reach, held, self._locate(hashes, 0, lo, lo + reach, salt) if reach else []
         if op == "lookup":
             return covered(self.resolve(hashes, base, lo, hi, salt), lo, hi)
         if op == "locate":
-            found: dict[str, str | None] = {}
-            chunks = self.resolve(hashes, base, lo, hi, salt, all_layers=False, where=found)
-            where = [found.get(k) for k in self.layer_keys(len(self._layers) - 1,
-                                                           [hashes[c[1] - base] for c in chunks], salt)]
-            out: list[Any] = [None] * (hi - lo)
-            for (first, last), t in zip(chunks, where):
-                for b in range(max(first, lo), min(last + 1, hi)):
-                    out[b - lo] = None if t is None else (t, self._locality.get(t))
-            return out
+            return self._locate(hashes, base, lo, hi, salt)
         raise ValueError(f"unknown lookup op {op!r}")
+
+    def _locate(self, hashes: list[bytes], base: int, lo: int, hi: int, salt: str | None) -> list[Any]:
+        """(tier name, locality) of each block ``lo..hi-1``, or None where no tier holds it."""
+        found: dict[str, str | None] = {}
+        chunks = self.resolve(hashes, base, lo, hi, salt, all_layers=False, where=found)
+        where = [found.get(k) for k in self.layer_keys(len(self._layers) - 1,
+                                                       [hashes[c[1] - base] for c in chunks], salt)]
+        out: list[Any] = [None] * (hi - lo)
+        for (first, last), t in zip(chunks, where):
+            for b in range(max(first, lo), min(last + 1, hi)):
+                out[b - lo] = None if t is None else (t, self._locality.get(t))
+        return out
 
     # ---- vLLM's worker hooks --------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
