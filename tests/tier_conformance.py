@@ -13,14 +13,15 @@ import torch
 from tierkv.tiers.base import Tier
 
 
-def fail_nth(real, n: int, calls: list):
-    """A stand-in for a write call ``real(fd, buf_or_bufs, offset)`` whose ``n``-th call (from 0) raises EIO;
-    every call's offset goes to ``calls``."""
+def fail_nth(real, n: int, calls: list, sticky: bool = False):
+    """A stand-in for a write call ``real(fd, buf_or_bufs, offset)`` whose ``n``-th call (from 0) raises EIO
+    (``sticky``: and every call after it, a device that stays broken); every call's offset goes to ``calls``
+    (one list can count the calls of several stand-ins together)."""
     import errno
 
     def flaky(fd, bufs, off):
         calls.append(off)
-        if len(calls) - 1 == n:
+        if len(calls) - 1 == n or (sticky and len(calls) - 1 > n):
             raise OSError(errno.EIO, "Input/output error")
         return real(fd, bufs, off)
 
