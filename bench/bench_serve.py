@@ -275,7 +275,7 @@ _BUCKETS = (
     ("tierkv step bookkeeping (wait_for_save, get_finished)", ("get_finished", "wait_for_save",
                                                                "_finish_load_job")),
     ("tierkv scheduler lookup (get_num_new_matched_tokens, update_state_after_alloc)",
-     ("get_num_new_matched_tokens", "update_state_after_alloc", "_leading_hits")),
+     ("get_num_new_matched_tokens", "update_state_after_alloc", "TierKVScheduler.probe")),
     ("tierkv lookup service (worker side)", ("lookup.py", "_answer")),
     ("tierkv build_connector_meta", ("build_connector_meta",)),
     ("tierkv write-behind / tiers", ("writebehind.py", "tierkv/store.py", "tierkv/tiers/", "tierkv/buffers.py")),

@@ -132,18 +132,6 @@ class TierKVScheduler:
                 where = list(w)
         return reach, held, where
 
-    def leading_hits(self, request: Any, lo: int, hi: int) -> int:
-        """Blocks ``lo..hi-1`` stored for every layer of every shard, counted from ``lo``."""
-        if hi <= lo:
-            return 0
-        hashes, base = self.hash_window(request, lo, hi)
-        n = hi - lo
-        for rank in self._shard_ranks():
-            n = min(n, int(self._ask(rank, "lookup", hashes, base, lo, lo + n, request.cache_salt)))
-            if n == 0:
-                break
-        return n
-
     # ---- vLLM's scheduler hooks -----------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.options.load:
