@@ -182,7 +182,7 @@ def scrape(srv: S.ApiServer) -> dict[str, float]:
     for line in text.splitlines():
         if not line or line[0] == "#":
             continue
-        name, _, rest = line.partition("{") if "{" in line.split(" ", 1)[0] else line.partition(" ")
+        name = line.split(" ", 1)[0].split("{", 1)[0]
         if not name.endswith(("_total_count", "_total_sum")):
             name = name.removesuffix("_total")
         if name in COUNTERS:
@@ -472,12 +472,12 @@ def main(argv: list[str] | None = None) -> int:
         if args.profile and "tierkv" in servers:
             # a round of its own, not in the table: sampling slows what it samples
             raw = work / "tierkv-profile.txt"
+            if args.warm:  # (before the profiler attaches: only the measured requests are sampled)
+                prewarm(servers["tierkv"], round_prefixes(args, servers["tierkv"], model, 1000 + args.rounds,
+                                                          args.requests, bench_log))
             prof = start_profile(servers["tierkv"], raw, args.profile_rate)
             if prof is not None:
                 time.sleep(2.0)  # py-spy attaches to each process
-                if args.warm:
-                    prewarm(servers["tierkv"], round_prefixes(args, servers["tierkv"], model, 1000 + args.rounds,
-                                                              args.requests, bench_log))
                 try:
                     res = run_load(args, servers["tierkv"], model, 1000 + args.rounds, args.requests, bench_log)
                 finally:
