@@ -12,6 +12,8 @@ vLLM has dropped.  Back ends:
               extra config {"load_async": true}
     tierkv    TierKVConnector, store dram -> ssd (SSD in a temp dir)
     tierkv-async  the same with {"load_async": true}: hits load between steps, the request waits
+    tierkv-auto   the same with {"load_async": "auto"}: a step's first memory-tier hit loads in the step,
+                  the others between steps
 
 The load is vLLM's ``vllm.benchmarks.serve`` (called in-process) with the
 ``prefix_repetition`` dataset: --num-prefixes shared prefixes, each followed by
@@ -60,7 +62,10 @@ sys.path.insert(0, str(HERE))
 import serve_util as S
 import vllm_util as U
 
-BACKENDS = ("none", "mooncake", "tierkv", "tierkv-async")
+BACKENDS = ("none", "mooncake", "tierkv", "tierkv-async", "tierkv-auto")
+#: kv_connector_extra_config of each tierkv back end
+TIERKV_EXTRA: dict[str, Any] = {"tierkv": None, "tierkv-async": {"load_async": True},
+                                "tierkv-auto": {"load_async": "auto"}}
 #: the back ends of a run without --backends
 DEFAULT_BACKENDS = ("none", "mooncake", "tierkv")
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
@@ -443,7 +448,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(ssd, ignore_errors=True)
                 kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": args.dram},
                                                    {"medium": "ssd", "path": str(ssd), "capacity": args.ssd}]},
-                                        extra={"load_async": True} if name == "tierkv-async" else None)
+                                        extra=TIERKV_EXTRA[name])
             print(f"[{name}] starting server ...", file=sys.stderr, flush=True)
             srv = servers[name] = S.ApiServer(name, model, _server_args(args, max_len, kv_bytes, kv), env, work)
             startup[name] = srv.wait_ready(args.start_timeout)

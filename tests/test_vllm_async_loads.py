@@ -330,14 +330,15 @@ def test_shutdown_waits_for_the_running_load_and_fails_the_queued(rig):
 
 
 # ---- the scheduler side ---------------------------------------------------------------------
-def _scheduler(load_async: bool, reach: int):
+def _scheduler(load_async, reach: int, where=("dram", "host"), **opts):
     def ask(rank, op, hashes, base, lo, hi, salt):
         assert op == "probe"
         n = max(0, min(hi, reach) - lo)
-        return n, min(lo, reach), [("dram", "host")] * n
+        tiers = where(hashes[base:]) if callable(where) else [where] * n
+        return n, min(lo, reach), tiers[:n]
 
     info = EngineInfo(block_size=BS, layers=LAYERS, num_blocks=NB, shard=kv_shard(0, 1, 2), namespaces={0: "ns"})
-    return TierKVScheduler(ConnectorOptions(chunk_tokens=BS, load_async=load_async), info, ask=ask)
+    return TierKVScheduler(ConnectorOptions(chunk_tokens=BS, load_async=load_async, **opts), info, ask=ask)
 
 
 def _request(rid: str, blocks: int):
@@ -379,7 +380,42 @@ def test_scheduler_nothing_to_load_is_not_async_and_sync_mode_is_unchanged():
     assert s.build_connector_meta(_sched_output()).async_loads == []  # waits to be scheduled
 
 
-@pytest.mark.parametrize("value", ["false", "true", 1, 0, None])
+def test_scheduler_auto_loads_the_steps_first_memory_hit_in_the_step_and_parks_the_rest():
+    s = _scheduler("auto", reach=4)
+    a, b, c = _request("a", 4), _request("b", 4), _request("c", 4)
+    assert s.get_num_new_matched_tokens(a, 0) == (4 * BS, False)  # the step's first hit: in the step
+    assert s.get_num_new_matched_tokens(b, 0) == (4 * BS, True)  # the same step's next: between steps
+    s.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: ([1, 2, 3, 4, 5],)), 4 * BS)
+    s.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([6, 7, 8, 9, 10],)), 4 * BS)
+    new_a = SimpleNamespace(req_id="a", block_ids=([1, 2, 3, 4, 5],), num_computed_tokens=4 * BS)
+    meta = s.build_connector_meta(_sched_output(new=[new_a]))
+    assert [x.req_id for x in meta.loads] == ["a"] and [x.req_id for x in meta.async_loads] == ["b"]
+    # a new step: its first hit loads in the step again
+    assert s.get_num_new_matched_tokens(c, 0) == (4 * BS, False)
+    # nothing to load is never parked, and does not use up the step's in-step load
+    s.build_connector_meta(_sched_output())
+    assert s.get_num_new_matched_tokens(_request("d", 0), 0) == (0, False)
+    assert s.get_num_new_matched_tokens(c, 0) == (4 * BS, False)
+
+
+@pytest.mark.parametrize("where", [
+    ("ssd", "disk"),  # from disk: between steps
+    ("mooncake", "remote"),
+    lambda hashes: [("dram", "host")] * 3 + [("ssd", "disk")],  # one block from disk is enough
+    lambda hashes: [("dram", "host")] * 3,  # a block whose tier is not known
+])
+def test_scheduler_auto_parks_a_hit_that_is_not_all_in_memory(where):
+    s = _scheduler("auto", reach=4, where=where)
+    assert s.get_num_new_matched_tokens(_request("a", 4), 0) == (4 * BS, True)
+
+
+def test_scheduler_auto_parks_a_hit_longer_than_the_in_step_limit():
+    s = _scheduler("auto", reach=4, load_inline_max_tokens=3 * BS)
+    assert s.get_num_new_matched_tokens(_request("a", 4), 0) == (4 * BS, True)
+    assert s.get_num_new_matched_tokens(_request("b", 3), 0) == (3 * BS, False)  # at the limit: in the step
+
+
+@pytest.mark.parametrize("value", ["false", "true", "Auto", 1, 0, None])
 def test_load_async_option_is_typed(value):
     from tierkv.adapters.vllm.config import parse_options
     from tierkv.errors import ConfigError
@@ -387,4 +423,20 @@ def test_load_async_option_is_typed(value):
     with pytest.raises(ConfigError, match="load_async"):
         parse_options({"load_async": value})
     assert parse_options({"load_async": True}).load_async is True
+    assert parse_options({"load_async": "auto"}).load_async == "auto"
     assert parse_options({}).load_async is False
+
+
+@pytest.mark.parametrize("extra, match", [
+    ({"load_async": "auto", "load_inline_max_tokens": "4096"}, "expected an integer"),
+    ({"load_async": "auto", "load_inline_max_tokens": -1}, "at least 0"),
+    ({"load_async": True, "load_inline_max_tokens": 4096}, "needs"),
+    ({"load_inline_max_tokens": 4096}, "needs"),
+])
+def test_load_inline_max_tokens_is_typed_and_needs_auto(extra, match):
+    from tierkv.adapters.vllm.config import parse_options
+    from tierkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"load_inline_max_tokens.*{match}|{match}.*load_inline_max_tokens"):
+        parse_options(extra)
+    assert parse_options({"load_async": "auto", "load_inline_max_tokens": 0}).load_inline_max_tokens == 0

@@ -61,7 +61,8 @@ _WHAT = "kv_connector_extra_config"
 #: every option ``kv_connector_extra_config`` may hold (see :class:`ConnectorOptions`)
 OPTION_NAMES = (
     "tierkv", "tierkv_config_file", "model_id", "load", "save", "chunk_tokens", "layerwise",
-    "full_hit_recompute", "load_failure_policy", "load_async", "save_wait", "shutdown_timeout_s",
+    "full_hit_recompute", "load_failure_policy", "load_async", "load_inline_max_tokens", "save_wait",
+    "shutdown_timeout_s",
     "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt",
 )
 
@@ -81,14 +82,18 @@ class ConnectorOptions:
     layerwise: bool | None = None
     full_hit_recompute: str = "block"
     load_failure_policy: str = "recompute"
-    #: a hit is loaded between engine steps (the request waits, the batch does not); see docs/vllm.md
-    load_async: bool = False
+    #: a hit is loaded between engine steps (the request waits, the batch does not): True, False, or "auto"
+    #: (the first hit a step admits from a memory tier loads in the step, every other between steps); see
+    #: docs/vllm.md
+    load_async: bool | str = False
     #: wait_for_save returns once the step's saves are in the store (vLLM's contract)
     save_wait: bool = True
     #: how long a shutdown waits for saves still queued before abandoning them
     shutdown_timeout_s: float = 30.0
     #: request-trace capture (``trace_path`` and its rotation options), checked; empty: no capture
     trace: dict[str, Any] = field(default_factory=dict)
+    #: with load_async "auto": the longest hit (tokens) loaded in the step; a longer one goes between steps
+    load_inline_max_tokens: int = 8192
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -110,7 +115,14 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
         raise ConfigError(f"{_WHAT} option 'layerwise': expected true, false or \"auto\", got {short(lw)}")
     full_hit = pop_choice(opts, "full_hit_recompute", "block", _WHAT, ("block", "token"))
     policy = pop_choice(opts, "load_failure_policy", "recompute", _WHAT, ("recompute", "keep"))
-    load_async = pop_bool(opts, "load_async", False, _WHAT)
+    la = opts.pop("load_async", False)
+    if la == "auto" or isinstance(la, bool):
+        load_async = la
+    else:
+        raise ConfigError(f"{_WHAT} option 'load_async': expected true, false or \"auto\", got {short(la)}")
+    inline_max = pop_int(opts, "load_inline_max_tokens", 8192, _WHAT, min_value=0)
+    if "load_inline_max_tokens" in (extra or {}) and load_async != "auto":
+        raise ConfigError(f"{_WHAT} option 'load_inline_max_tokens' needs \"load_async\": \"auto\"")
     save_wait = pop_bool(opts, "save_wait", True, _WHAT)
     shutdown_timeout = pop_float(opts, "shutdown_timeout_s", 30.0, _WHAT, min_value=0.0)
     trace: dict[str, Any] = {}
@@ -127,7 +139,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     if opts:
         raise ConfigError(f"{_WHAT}: unknown option(s) {sorted(opts)}; known: {sorted(OPTION_NAMES)}")
     return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, load_async,
-                            save_wait, shutdown_timeout, trace)
+                            save_wait, shutdown_timeout, trace, inline_max)
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,12 @@ With ``load_async`` a hit is loaded between steps: vLLM parks the request
 (``async_loads``) and the workers report it done through ``get_finished``; a
 request whose load failed is recomputed from the failed block, and a lookup of it
 after that is a miss once (a medium that keeps failing must not send the request
-round the same failed load for ever).
+round the same failed load for ever).  With ``load_async: "auto"`` the first hit
+a step admits loads in that step when every block of it sits in a memory tier
+(locality ``device`` or ``host``) and it is at most ``load_inline_max_tokens``
+long: a request arriving alone starts at once instead of waiting a step for its
+load, while the batch waits for one memory-speed load a step at most; every other
+hit of the step (and any hit from disk or a remote tier) loads between steps.
 
 The store lives with the workers; questions go to them through ``ask`` (the
 lookup channel of lookup.py by default), one rank per KV-head shard, and the
@@ -42,6 +47,9 @@ logger = logging.getLogger("vllm.tierkv.scheduler")
 
 #: how long lookups are skipped (every request a miss) after one failed
 LOOKUP_BACKOFF_S = 10.0
+
+#: tiers a hit may be loaded from inside the step with ``load_async: "auto"`` (memory speed)
+INLINE_LOCALITIES = frozenset({"device", "host"})
 
 #: ask(tp_rank, op, hashes, base, lo, hi, salt) -> the worker's answer (see lookup.py)
 Ask = Callable[..., Any]
@@ -95,6 +103,8 @@ class TierKVScheduler:
         #: requests an async load failed for: their next lookup is a miss
         self._async_failed: set[str] = set()
         self._planned_saves: set[str] = set()
+        #: hits this step (since the last build_connector_meta) loads in the step under load_async "auto"
+        self._inline_this_step = 0
         #: lookups made, tokens hit, and hit tokens by tier name
         self.totals: dict[str, Any] = {"lookups": 0, "hit_tokens": 0, "hit_tokens_by_tier": {}}
 
@@ -172,9 +182,21 @@ class TierKVScheduler:
         ext = hits * bs
         if (local + hits) * bs >= request.num_tokens:  # only with full_hit_recompute="token"
             ext = max(0, request.num_tokens - 1 - local * bs)
-        is_async = self.options.load_async and ext > 0  # vLLM: never True with nothing to load
+        # (vLLM: never async with nothing to load; a block whose tier is unknown counts as a slow one)
+        is_async = ext > 0 and self._loads_between_steps(ext, (list(where[:hits]) + [None] * hits)[:hits])
         self._lookups[request.request_id] = (local, hits, stored, max_blocks, is_async, where)
         return ext, is_async
+
+    def _loads_between_steps(self, ext: int, where: list) -> bool:
+        """Whether a hit of ``ext`` tokens served from ``where`` (tier, locality per block) loads between steps."""
+        mode = self.options.load_async
+        if mode != "auto":
+            return bool(mode)
+        inline = (self._inline_this_step == 0 and ext <= self.options.load_inline_max_tokens
+                  and all(w is not None and w[1] in INLINE_LOCALITIES for w in where))
+        if inline:
+            self._inline_this_step += 1
+        return not inline
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
@@ -224,6 +246,7 @@ class TierKVScheduler:
 
     def build_connector_meta(self, scheduler_output: Any) -> TierKVConnectorMetadata:
         meta = TierKVConnectorMetadata(preempted=set(scheduler_output.preempted_req_ids or ()))
+        self._inline_this_step = 0  # (called once per schedule(): the next lookups are the next step's)
         bs = self._bs
         computed: dict[str, int] = {}
         for nr in scheduler_output.scheduled_new_reqs:
