@@ -10,10 +10,11 @@ vLLM has dropped.  Back ends:
     mooncake  vLLM's MooncakeStoreConnector over a loopback mooncake_master
               (embedded by default, --mooncake-mode standalone for a mooncake_client pool);
               extra config {"load_async": true}
-    tierkv    TierKVConnector, store dram -> ssd (SSD in a temp dir)
-    tierkv-async  the same with {"load_async": true}: hits load between steps, the request waits
-    tierkv-auto   the same with {"load_async": "auto"}: a step's first memory-tier hit loads in the step,
-                  the others between steps
+    tierkv    TierKVConnector, store dram -> ssd (SSD in a temp dir), default options (load_async "auto":
+              a step's first memory-tier hit loads in the step, the others between steps)
+    tierkv-sync   the same with {"load_async": false}: every hit loads in the step, the batch waits
+    tierkv-async  the same with {"load_async": true}: every hit loads between steps, the request waits
+    tierkv-auto   the same with {"load_async": "auto"} named (as tierkv)
 
 The load is vLLM's ``vllm.benchmarks.serve`` (called in-process) with the
 ``prefix_repetition`` dataset: --num-prefixes shared prefixes, each followed by
@@ -62,10 +63,10 @@ sys.path.insert(0, str(HERE))
 import serve_util as S
 import vllm_util as U
 
-BACKENDS = ("none", "mooncake", "tierkv", "tierkv-async", "tierkv-auto")
+BACKENDS = ("none", "mooncake", "tierkv", "tierkv-sync", "tierkv-async", "tierkv-auto")
 #: kv_connector_extra_config of each tierkv back end
-TIERKV_EXTRA: dict[str, Any] = {"tierkv": None, "tierkv-async": {"load_async": True},
-                                "tierkv-auto": {"load_async": "auto"}}
+TIERKV_EXTRA: dict[str, Any] = {"tierkv": None, "tierkv-sync": {"load_async": False},
+                                "tierkv-async": {"load_async": True}, "tierkv-auto": {"load_async": "auto"}}
 #: the back ends of a run without --backends
 DEFAULT_BACKENDS = ("none", "mooncake", "tierkv")
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",

@@ -50,9 +50,11 @@ from tierkv.tiers.ssd.format import aligned_buffer
 MiB = 1 << 20
 
 
-def paired(base, fn, rounds: int, base_setup=None, setup=None):
-    """(median base s, median tier s, median base/tier time ratio) of back-to-back rounds."""
-    tb, tt, ratios = [], [], []
+def paired(base, fn, rounds: int, base_setup=None, setup=None, ratios=None):
+    """(median base s, median tier s, median base/tier time ratio) of back-to-back rounds; ``ratios``, a list,
+    receives every round's."""
+    tb, tt = [], []
+    ratios = [] if ratios is None else ratios
     for _ in range(rounds):
         if base_setup:
             base_setup()
@@ -70,6 +72,14 @@ def paired(base, fn, rounds: int, base_setup=None, setup=None):
         tt.append(t)
         ratios.append(b / t)
     return statistics.median(tb), statistics.median(tt), statistics.median(ratios)
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    """The first and third quartiles of ``xs`` (its middle half lies between them)."""
+    if len(xs) < 2:
+        return (xs[0], xs[0]) if xs else (float("nan"), float("nan"))
+    q = statistics.quantiles(xs, n=4)
+    return q[0], q[2]
 
 
 class Raw:
@@ -115,12 +125,13 @@ class Raw:
         os.unlink(self.path)
 
 
-def interleaved(base_steps, steps, rounds: int, base_end=None, end=None, setup=None):
+def interleaved(base_steps, steps, rounds: int, base_end=None, end=None, setup=None, ratios=None):
     """``paired`` at the grain of one batch: each round runs base batch 0, tier batch 0, base batch 1, ...
     (then ``base_end`` and ``end``, each timed with its side), so a device that changes its speed in the
     middle of a round (a virtual disk does, by 2-4x within seconds) slows both sides alike.  For reads:
-    a side leaves nothing behind that the other's batches would pay for."""
-    tb, tt, ratios = [], [], []
+    a side leaves nothing behind that the other's batches would pay for.  ``ratios`` as in ``paired``."""
+    tb, tt = [], []
+    ratios = [] if ratios is None else ratios
     for _ in range(rounds):
         if setup:
             setup()
@@ -172,9 +183,12 @@ def bench_large(root: str, size: int, total: int, rounds: int) -> dict:
 
     # (puts pair whole rounds: a flush or fsync makes the device write back what either side left in
     # its cache, so batch by batch the side that syncs first would pay for both)
-    raw_w, put_s, put_ratio = paired(lambda: raw.write(rbufs), put_all, rounds, setup=lambda: t.delete(keys))
+    put_ratios: list[float] = []
+    get_ratios: list[float] = []
+    raw_w, put_s, put_ratio = paired(lambda: raw.write(rbufs), put_all, rounds, setup=lambda: t.delete(keys),
+                                     ratios=put_ratios)
     raw_r, get_s, get_ratio = interleaved([lambda i=i: raw.read(dbufs, i, i + 8) for i in at],
-                                          [get(i) for i in at], rounds)
+                                          [get(i) for i in at], rounds, ratios=get_ratios)
     assert all(torch.equal(a, b) for a, b in zip(srcs, dsts))
     # both sides from huge-page memory: the raw side's buffers, and for the tier the objects staged in a
     # ``StagingArena`` (as the store's write-behind stages them), which it writes from where they are
@@ -211,6 +225,7 @@ def bench_large(root: str, size: int, total: int, rounds: int) -> dict:
     return {"size_KiB": size >> 10, "objects": n, "direct_io": direct, "raw_write_GiBps": gb / raw_w,
             "put_GiBps": gb / put_s, "put_ratio": put_ratio, "raw_read_GiBps": gb / raw_r,
             "get_GiBps": gb / get_s, "get_ratio": get_ratio,
+            "put_ratio_quartiles": quartiles(put_ratios), "get_ratio_quartiles": quartiles(get_ratios),
             "raw_write_huge_GiBps": gb / huge_w, "put_staged_GiBps": gb / staged_s,
             "put_staged_ratio": staged_ratio, "put_staged_direct_share": direct_share,
             "raw_read_huge_GiBps": gb / statistics.median(huge_r)}
@@ -366,13 +381,17 @@ def main(argv=None) -> int:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--pages", choices=("huge", "4k"), default="huge",
                     help="the tier's region images and read scratch: transparent huge pages (its default) or 4 KiB")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="paired rounds per figure (default 5, 3 with --quick): more rounds, a steadier median")
     ap.add_argument("--sections", default="large,behind,small,reopen",
                     help="comma-separated: large, behind, small, reopen")
     args = ap.parse_args(argv)
     hostmem.HUGE_PAGES = args.pages == "huge"
     sections = set(args.sections.split(","))
     root = tempfile.mkdtemp(prefix="tierkv-bench-ssd-", dir=args.dir)
-    rounds = 3 if args.quick else 5
+    if args.rounds is not None and args.rounds < 1:
+        ap.error(f"--rounds must be at least 1, got {args.rounds}")
+    rounds = args.rounds if args.rounds is not None else (3 if args.quick else 5)
     try:
         res: dict = {"pages": args.pages}
         if "large" in sections:
@@ -391,9 +410,11 @@ def main(argv=None) -> int:
     for r in res.get("large", []):
         io = "O_DIRECT" if r["direct_io"] else "buffered"
         print(f"{'put ' + str(r['size_KiB']) + ' KiB (' + io + ')':<40}{r['put_GiBps']:>10.2f} GiB/s"
-              f"{r['raw_write_GiBps']:>10.2f} GiB/s{r['put_ratio']:>8.2f}  vs raw pwrite")
+              f"{r['raw_write_GiBps']:>10.2f} GiB/s{r['put_ratio']:>8.2f}  vs raw pwrite"
+              f" (rounds' middle half {r['put_ratio_quartiles'][0]:.2f}-{r['put_ratio_quartiles'][1]:.2f})")
         print(f"{'get ' + str(r['size_KiB']) + ' KiB (' + io + ')':<40}{r['get_GiBps']:>10.2f} GiB/s"
-              f"{r['raw_read_GiBps']:>10.2f} GiB/s{r['get_ratio']:>8.2f}  vs raw pread")
+              f"{r['raw_read_GiBps']:>10.2f} GiB/s{r['get_ratio']:>8.2f}  vs raw pread"
+              f" (rounds' middle half {r['get_ratio_quartiles'][0]:.2f}-{r['get_ratio_quartiles'][1]:.2f})")
         print(f"{'put ' + str(r['size_KiB']) + ' KiB from huge pages':<40}{r['put_staged_GiBps']:>10.2f} GiB/s"
               f"{r['raw_write_huge_GiBps']:>10.2f} GiB/s{r['put_staged_ratio']:>8.2f}  vs raw pwrite from huge pages"
               f" ({r['put_staged_direct_share']:.0%} written from where they are)")

@@ -423,15 +423,16 @@ def test_load_async_option_is_typed(value):
     with pytest.raises(ConfigError, match="load_async"):
         parse_options({"load_async": value})
     assert parse_options({"load_async": True}).load_async is True
+    assert parse_options({"load_async": False}).load_async is False
     assert parse_options({"load_async": "auto"}).load_async == "auto"
-    assert parse_options({}).load_async is False
+    assert parse_options({}).load_async == "auto"
 
 
 @pytest.mark.parametrize("extra, match", [
     ({"load_async": "auto", "load_inline_max_tokens": "4096"}, "expected an integer"),
     ({"load_async": "auto", "load_inline_max_tokens": -1}, "at least 0"),
     ({"load_async": True, "load_inline_max_tokens": 4096}, "needs"),
-    ({"load_inline_max_tokens": 4096}, "needs"),
+    ({"load_async": False, "load_inline_max_tokens": 4096}, "needs"),
 ])
 def test_load_inline_max_tokens_is_typed_and_needs_auto(extra, match):
     from tierkv.adapters.vllm.config import parse_options
@@ -440,3 +441,4 @@ def test_load_inline_max_tokens_is_typed_and_needs_auto(extra, match):
     with pytest.raises(ConfigError, match=f"load_inline_max_tokens.*{match}|{match}.*load_inline_max_tokens"):
         parse_options(extra)
     assert parse_options({"load_async": "auto", "load_inline_max_tokens": 0}).load_inline_max_tokens == 0
+    assert parse_options({"load_inline_max_tokens": 512}).load_inline_max_tokens == 512  # (auto: the default)

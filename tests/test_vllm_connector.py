@@ -274,7 +274,8 @@ def test_layerwise_load_overlaps_compute(model, workdir):
     prompts = _prompts()[:2]
     spec = {
         "model": model,
-        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"layerwise": True}),
+        # (loads in the step only: a batch's second hit would otherwise load between steps, whole)
+        "kv_transfer_config": U.connector_config(HOST_STORE, extra={"layerwise": True, "load_async": False}),
         "steps": [
             {"op": "generate", "prompts": prompts},
             {"op": "reset"},

@@ -82,10 +82,10 @@ class ConnectorOptions:
     layerwise: bool | None = None
     full_hit_recompute: str = "block"
     load_failure_policy: str = "recompute"
-    #: a hit is loaded between engine steps (the request waits, the batch does not): True, False, or "auto"
-    #: (the first hit a step admits from a memory tier loads in the step, every other between steps); see
-    #: docs/vllm.md
-    load_async: bool | str = False
+    #: where a hit is loaded: "auto" (the first hit a step admits from memory tiers loads in the step, every
+    #: other between steps), True (every hit between steps: the request waits, the batch does not) or False
+    #: (every hit in the step); see docs/vllm.md
+    load_async: bool | str = "auto"
     #: wait_for_save returns once the step's saves are in the store (vLLM's contract)
     save_wait: bool = True
     #: how long a shutdown waits for saves still queued before abandoning them
@@ -115,14 +115,15 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
         raise ConfigError(f"{_WHAT} option 'layerwise': expected true, false or \"auto\", got {short(lw)}")
     full_hit = pop_choice(opts, "full_hit_recompute", "block", _WHAT, ("block", "token"))
     policy = pop_choice(opts, "load_failure_policy", "recompute", _WHAT, ("recompute", "keep"))
-    la = opts.pop("load_async", False)
+    la = opts.pop("load_async", "auto")
     if la == "auto" or isinstance(la, bool):
         load_async = la
     else:
         raise ConfigError(f"{_WHAT} option 'load_async': expected true, false or \"auto\", got {short(la)}")
     inline_max = pop_int(opts, "load_inline_max_tokens", 8192, _WHAT, min_value=0)
     if "load_inline_max_tokens" in (extra or {}) and load_async != "auto":
-        raise ConfigError(f"{_WHAT} option 'load_inline_max_tokens' needs \"load_async\": \"auto\"")
+        raise ConfigError(f"{_WHAT} option 'load_inline_max_tokens' needs \"load_async\": \"auto\" (the "
+                          f"default), not {short(la)}")
     save_wait = pop_bool(opts, "save_wait", True, _WHAT)
     shutdown_timeout = pop_float(opts, "shutdown_timeout_s", 30.0, _WHAT, min_value=0.0)
     trace: dict[str, Any] = {}

@@ -12,7 +12,7 @@ With ``load_async`` a hit is loaded between steps: vLLM parks the request
 (``async_loads``) and the workers report it done through ``get_finished``; a
 request whose load failed is recomputed from the failed block, and a lookup of it
 after that is a miss once (a medium that keeps failing must not send the request
-round the same failed load for ever).  With ``load_async: "auto"`` the first hit
+round the same failed load for ever).  With ``load_async: "auto"`` (the default) the first hit
 a step admits loads in that step when every block of it sits in a memory tier
 (locality ``device`` or ``host``) and it is at most ``load_inline_max_tokens``
 long: a request arriving alone starts at once instead of waiting a step for its
