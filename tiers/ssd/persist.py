@@ -68,6 +68,8 @@ class Persistence:
         def _write_out(self, r: R.Region, end: int, data_end: int) -> bool: ...
         def _ensure_dirs(self) -> None: ...
         def _seal(self, r: R.Region) -> None: ...
+        def _wait_seals(self, drop: Optional[R.Region] = None) -> bool: ...
+        def _header_out(self) -> bool: ...
 
     def flush(self) -> None:
         if self._closed:
@@ -103,6 +105,7 @@ class Persistence:
             except OSError as e:
                 self._io_error(e, f"recreating {r.path}")
             self._write_out(r, F.align_up(r.pos), r.pos)
+        self._wait_seals()
         try:
             self._dead.write(self.fsync != "never")
         except OSError as e:
@@ -146,6 +149,7 @@ class Persistence:
             raise
         self._close_region_fd(r)
         r.fd, r.ino = fd, os.fstat(fd).st_ino
+        r.tail = (0, 0)  # (the new file holds ``written`` bytes, not the partial block after them)
 
     def _gather(self, tables: Optional[list] = None) -> recovery.Candidates:
         """Every live object with its key, read from the summaries.  Caller holds ``_wlock``.
@@ -213,6 +217,10 @@ class Persistence:
         A failure is counted, never raised.
         """
         sync = durable and self.fsync != "never"
+        # (it reads the summaries; it names the active region's seq, and may compact the dead log)
+        if not self._wait_seals() or not self._header_out():
+            self._count("checkpoint_errors")
+            return
         try:
             tables: list = []
             if cands is None:
@@ -280,6 +288,7 @@ class Persistence:
 
     def _close_region_fd(self, r) -> None:
         if r.fd >= 0:
+            self._wait_seals(drop=r)  # (none may be writing to it)
             self._dirty_fds.discard(r.fd)
             try:
                 os.close(r.fd)

@@ -52,12 +52,14 @@ class Region:
         "seq",
         "state",
         "sum_start",
+        "tail",
         "written",
     )
     buf: Optional[mmap.mmap]  # the image while ACTIVE (``format.aligned_buffer``)
     entries: Optional[bytearray]  # summary entries and keys while ACTIVE
     keys: Optional[bytearray]
     direct: set[int]  # offsets of the active region's records whose payload is in the file only
+    tail: tuple[int, int]  # (data end, end) of the last write-out: the file holds zeros between them
 
     def __init__(self, index: int, path: str) -> None:
         self.index = index
@@ -74,6 +76,7 @@ class Region:
         self.entries = self.keys = None
         self.direct = set()
         self.sum_start = 0  # where the summary of this use of the region starts, when known (0: unknown)
+        self.tail = (0, 0)
 
     # -- the active image ------------------------------------------------------------
     def start(self, seq: int, region_size: int, image: mmap.mmap) -> None:
@@ -90,6 +93,7 @@ class Region:
         self.live_bytes = self.live_count = 0
         self.sum_start = 0
         self.direct = set()
+        self.tail = (0, 0)
 
     def fits(self, rec_len: int, key_len: int, region_size: int) -> bool:
         end = F.align_up(self.pos + rec_len, F.ALIGN)

@@ -164,6 +164,8 @@ class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
         self._spare_image: Optional[mmap.mmap] = None  # the last sealed region's image, reused by the next
         self._image_addrs: dict[int, tuple] = {}  # id(image) -> (address, keeper)
         self._image_addr = 0
+        self._writer: Optional[ThreadPoolExecutor] = None  # write-outs overlapping a batch's copies
+        self._seals: list = []  # summaries being written behind a seal (``WritePath._seal``)
         self._prepare_dir()
         check_old_layout(self.path)
         self._lock_file = DirLock(self.path, what)
@@ -177,7 +179,6 @@ class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
             raise
         self._threads = io_threads or min(4, max(2, os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=f"tierkv-{name}")
-        self._writer: Optional[ThreadPoolExecutor] = None  # write-outs overlapping a batch's copies
 
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "SSDTier":

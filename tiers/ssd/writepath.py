@@ -71,6 +71,7 @@ class WritePath:
     _dirty_fds: set[int]
     _writer: Optional[ThreadPoolExecutor]
     _spare_image: Optional[mmap.mmap]
+    _seals: list  # (region, future, summary buffer, its offset) of summaries on the writer thread (``_seal``)
     _image_addrs: dict[int, tuple]
     _image_addr: int
     _counters: dict[str, int]
@@ -198,10 +199,10 @@ class WritePath:
                 end = (pos + rec_len + align - 1) & -align
                 n = 0
             if not n:
-                if gather and r.written < pos:  # (records copied into the image before: to the file first)
-                    self._write_out(r, pos, pos)
-                seg.begin(r, pos, gather and r.written == pos)
+                seg.begin(r, pos, gather)
                 iov = seg.iov
+                if gather and r.written < pos:  # (a header, records copied into the image: they lead the pieces)
+                    iov.append(mv[r.written:pos])
             at = pos + head + klen
             if direct:  # O_DIRECT: the payload's whole blocks go to the file from the caller's memory
                 src_addr = parts[0].data_ptr()
@@ -435,6 +436,7 @@ class WritePath:
             return False
         self._dirty_fds.add(r.fd)
         r.written = min(end, F.align_down(data_end)) if self.direct_io else end
+        r.tail = (data_end, end)
         return True
 
     def _room(self, rec_len: int, key_len: int) -> Optional[R.Region]:
@@ -491,6 +493,8 @@ class WritePath:
         r = self._regions.get(idx)
         if r is None:
             r = R.Region(idx, os.path.join(self.regions_dir, R.region_name(idx)))
+        elif self._seals:
+            self._wait_seals(drop=r)  # (its old summary, if still due, is no longer)
         fresh = r.fd < 0
         if not fresh:
             try:
@@ -514,10 +518,13 @@ class WritePath:
             self._image_addrs[id(image)] = image_address(image)
         self._image_addr = self._image_addrs[id(image)][0]
         r.start(self._next_seq, self.region_size, image)
-        # the new seq reaches the disk before anything refers to it
-        R.pwrite_all(r.fd, memoryview(cast("mmap.mmap", r.buf))[:F.BLOCK], 0)
-        r.written = F.BLOCK
-        self._dirty_fds.add(r.fd)
+        if fresh:  # (a file of zeros would read as foreign at the next open)
+            R.pwrite_all(r.fd, memoryview(cast("mmap.mmap", r.buf))[:F.BLOCK], 0)
+            r.written = F.BLOCK
+            self._dirty_fds.add(r.fd)
+        # else the new header leaves with the region's first write-out (``written`` 0): until then the file
+        # is what it was, a region of the old seq whose records are all dead (the dead log names them until
+        # a compaction, which a checkpoint runs only once the new header is out: ``_header_out``)
         self._next_seq += 1
         with self._lock:
             self._regions[idx] = r
@@ -525,15 +532,26 @@ class WritePath:
         return r
 
     def _seal(self, r: R.Region) -> None:
-        """Write the rest of the active image and its summary; raises OSError (the region stays active)."""
+        """Write the rest of the active image, then its summary and footer behind the caller (the writer
+        thread: ``_wait_seals``); raises OSError (the region stays active).
+
+        The summary is copied out of the image first (the image is the next region's), and the writer thread
+        runs its jobs in order, so the summary reaches the file before any byte of the next region's.  A
+        summary that fails to reach it costs the next open a scan of the region's records (``recovery``)."""
         buf = cast("mmap.mmap", r.buf)  # (set while ACTIVE, as are entries and keys)
+        self._wait_seals()  # (they are few: the last seal's, or one that failed)
         start = F.pack_summary(buf, self.region_size, r.seq, bytes(cast(bytearray, r.entries)),
                                bytes(cast(bytearray, r.keys)), r.count)
         mv = memoryview(buf)
-        mv[r.pos:F.align_up(r.pos)] = bytes(F.align_up(r.pos) - r.pos)  # (a reused image holds old bytes)
-        if F.align_up(r.pos) > r.written:
-            R.pwrite_all(r.fd, mv[r.written:F.align_up(r.pos)], r.written)
-        R.pwrite_all(r.fd, mv[start:self.region_size], start)
+        end = F.align_up(r.pos)
+        # (with O_DIRECT the last write-out usually took the partial last block with zeros after the data)
+        if end > r.written and not (self.direct_io and r.tail[0] == r.pos and r.tail[1] >= end):
+            mv[r.pos:end] = bytes(end - r.pos)  # (a reused image holds old bytes)
+            R.pwrite_all(r.fd, mv[r.written:end], r.written)
+        summary = F.aligned_buffer(self.region_size - start)
+        summary[:] = mv[start:self.region_size]
+        fut = self._writer_pool().submit(R.pwrite_all, r.fd, summary, start)
+        self._seals.append((r, fut, summary, start))
         self._dirty_fds.add(r.fd)
         with self._lock:  # readers copy from the image under this lock: none is using it now
             r.sum_start = start
@@ -544,3 +562,39 @@ class WritePath:
             self._active = None
             self._changed = True
         self._sealed_since_ckpt += 1
+
+    def _wait_seals(self, drop: Optional[R.Region] = None) -> bool:
+        """Wait for the summaries ``_seal`` handed to the writer thread.  One that failed is written again
+        from the caller's thread; if that fails too it is counted and kept, to be tried again by the next
+        call, and the result is False (a checkpoint then waits: it would cover the region, whose summary it
+        reads).  ``drop``: a region whose file is going away or being reused: its summary is no longer due.
+        Called before anything that needs them in the file: a flush, a checkpoint, closing or reusing a
+        region's file, the next seal."""
+        kept = []
+        for r, fut, summary, start in self._seals:
+            if fut is not None:
+                try:
+                    fut.result()
+                    summary.close()
+                    continue
+                except OSError as e:
+                    self._io_error(e, f"writing the summary of {r.path} (tried again)")
+            if r is drop or r.state != R.SEALED:
+                summary.close()
+                continue
+            try:
+                R.pwrite_all(r.fd, summary, start)
+                summary.close()
+            except OSError as e:
+                self._io_error(e, f"writing the summary of {r.path}")
+                kept.append((r, None, summary, start))
+        self._seals = kept
+        return not kept
+
+    def _header_out(self) -> bool:
+        """Write the active region's header if it has not left yet (``_begin``): before a checkpoint names
+        the region's new seq or compacts the dead log.  False if that fails."""
+        r = self._active
+        if r is None or r.written > 0:
+            return True
+        return self._write_out(r, F.BLOCK, F.BLOCK)
