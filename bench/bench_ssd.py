@@ -37,6 +37,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from typing import Optional
 
@@ -374,6 +375,97 @@ def bench_reopen(root: str, n: int) -> dict:
             "raw_regions_read_s": raw_all, "reopen_summaries_s": from_summaries, "index_bytes_per_object": index_bpo}
 
 
+class WriteLog:
+    """Every ``os.pwrite`` / ``os.pwritev`` of this process timed, with its thread and size, while active."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[float, float, bool, int]] = []  # (start, end, on the main thread, bytes)
+        self._real = (os.pwrite, os.pwritev)
+
+    def __enter__(self) -> "WriteLog":
+        pwrite, pwritev = self._real
+        main = threading.main_thread()
+        ev = self.events
+
+        def timed_pwrite(fd, buf, offset):
+            t0 = time.perf_counter()
+            n = pwrite(fd, buf, offset)
+            ev.append((t0, time.perf_counter(), threading.current_thread() is main, n))
+            return n
+
+        def timed_pwritev(fd, bufs, offset, *flags):
+            t0 = time.perf_counter()
+            n = pwritev(fd, bufs, offset, *flags)
+            ev.append((t0, time.perf_counter(), threading.current_thread() is main, n))
+            return n
+
+        os.pwrite, os.pwritev = timed_pwrite, timed_pwritev  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        os.pwrite, os.pwritev = self._real  # type: ignore[assignment]
+
+    def idle(self, t0: float, t1: float) -> float:
+        """Seconds of ``[t0, t1)`` with no write in flight (the device given nothing to do)."""
+        busy, a0, b0 = 0.0, None, None
+        for a, b, _, _ in sorted(self.events):
+            if b0 is None or a > b0:
+                if b0 is not None:
+                    busy += b0 - a0
+                a0, b0 = a, b
+            else:
+                b0 = max(b0, b)
+        if b0 is not None:
+            busy += b0 - a0
+        return (t1 - t0) - busy
+
+
+def bench_timeline(root: str, size: int, total: int, rounds: int) -> dict:
+    """Where a put round leaves the device idle: every write timed, for the tier (batches of 8, ``flush()``)
+    and for raw ``pwrite`` + ``fsync`` of the same bytes; medians over rounds of the idle time (no write in
+    flight), the writes, and the small ones (< 64 KiB) the caller's own thread made.  Less at the mercy of
+    the device's speed than the put ratio: the gaps are the writer's own work between writes."""
+    n = max(8, total // size)
+    srcs = [torch.randint(0, 255, (size,), dtype=torch.uint8) for _ in range(n)]
+    path = os.path.join(root, f"timeline-{size}")
+    t = SSDTier("ssd", 2 * n * size + 256 * MiB, path)
+    raw = Raw(os.path.join(root, f"raw-timeline-{size}"), [size] * n, t.direct_io)
+    rbufs = raw.buffers(srcs)
+    keys = [f"t{size}-{i}" for i in range(n)]
+    rows: dict[str, list] = {"tier": [], "raw": []}
+
+    def measure(side: str, fn) -> None:
+        os.sync()
+        with WriteLog() as wl:
+            t0 = time.perf_counter()
+            fn()
+            t1 = time.perf_counter()
+        small = sum(1 for _, _, main, nb in wl.events if main and nb < 64 << 10)
+        rows[side].append((t1 - t0, wl.idle(t0, t1), len(wl.events), small))
+
+    def put_all() -> None:
+        for i in range(0, n, 8):
+            t.write(keys[i:i + 8], [[s] for s in srcs[i:i + 8]])
+        t.flush()
+
+    for _ in range(rounds + 1):  # (the first: files fresh on both sides, not counted)
+        t.delete(keys)
+        measure("raw", lambda: raw.write(rbufs))
+        measure("tier", put_all)
+    t.close()
+    raw.close()
+    shutil.rmtree(path)
+    out: dict = {"size_KiB": size >> 10, "objects": n, "rounds": rounds}
+    for side, rs in rows.items():
+        rs = rs[1:]
+        out[side] = {"round_ms": statistics.median(r[0] for r in rs) * 1e3,
+                     "idle_ms": statistics.median(r[1] for r in rs) * 1e3,
+                     "idle_share": statistics.median(r[1] / r[0] for r in rs),
+                     "writes": statistics.median(r[2] for r in rs),
+                     "small_writes_on_caller": statistics.median(r[3] for r in rs)}
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes and fewer rounds")
@@ -384,7 +476,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None,
                     help="paired rounds per figure (default 5, 3 with --quick): more rounds, a steadier median")
     ap.add_argument("--sections", default="large,behind,small,reopen",
-                    help="comma-separated: large, behind, small, reopen")
+                    help="comma-separated: large, behind, small, reopen, timeline (not in the default)")
     args = ap.parse_args(argv)
     hostmem.HUGE_PAGES = args.pages == "huge"
     sections = set(args.sections.split(","))
@@ -404,6 +496,9 @@ def main(argv=None) -> int:
             res["small"] = bench_small(root, 20_000 if args.quick else 100_000, rounds)
         if "reopen" in sections:
             res["reopen"] = bench_reopen(root, 200_000 if args.quick else 1_000_000)
+        if "timeline" in sections:
+            res["timeline"] = [bench_timeline(root, s, (64 if args.quick else 256) * MiB, rounds)
+                               for s in (2 * MiB, 4 * MiB)]
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print(f"{'figure':<40}{'tier':>14}{'baseline':>14}{'ratio':>8}  target   (tier pages: {args.pages})")
@@ -425,6 +520,13 @@ def main(argv=None) -> int:
               f"{b['raw_write_huge_GiBps']:>10.2f} GiB/s{b['drain_ratio']:>8.2f}  vs raw pwrite from huge pages")
         print(f"{'  the same, staged copy (no views)':<40}{b['drain_staged_GiBps']:>10.2f} GiB/s"
               f"{'':>14}{b['drain_staged_ratio']:>8.2f}  (what the slab's views save)")
+    for tl in res.get("timeline", []):
+        a, b = tl["tier"], tl["raw"]
+        print(f"{'device idle, put round ' + str(tl['size_KiB']) + ' KiB (ms)':<40}{a['idle_ms']:>14.2f}"
+              f"{b['idle_ms']:>14.2f}{'':>8}  of {a['round_ms']:.1f} / {b['round_ms']:.1f} ms a round"
+              f" ({a['idle_share']:.1%} / {b['idle_share']:.1%})")
+        print(f"{'  writes a round, small on the caller':<40}{a['writes']:>10.0f}, {a['small_writes_on_caller']:<3.0f}"
+              f"{b['writes']:>10.0f}, {b['small_writes_on_caller']:<3.0f}")
     if "small" in res:
         report_small(res["small"])
     if "reopen" in res:

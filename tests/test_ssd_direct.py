@@ -369,7 +369,8 @@ def test_large_payloads_from_ordinary_memory_are_copied_in_steps_and_read_back_e
     copied into the image in steps, the writer taking finished steps as they come: batches across region
     changes read back exact from the active image, the file, and after reopen (checkpoint and summaries).
     ``snapshot``: each piece's bytes are taken the moment it is handed to the writer (as a device that
-    reads at once would), so a piece handed over before its bytes are final fails the test."""
+    reads at once would), and the bytes offered to the writer's pump are written on the spot, so a piece
+    handed over or offered before its bytes are final fails the test."""
     from tierkv.tiers.ssd import segment, writepath
 
     if snapshot:
@@ -392,6 +393,13 @@ def test_large_payloads_from_ordinary_memory_are_copied_in_steps_and_read_back_e
             return real(pool, wait, fn, *[snap(a) for a in args])
 
         monkeypatch.setattr(segment, "_handoff", at_once)
+
+        def offer_at_once(self, pool, r, upto, least):
+            with self.lock:
+                self.ready = max(self.ready, upto)
+            self._pump(r)  # (on the caller's thread, now)
+
+        monkeypatch.setattr(segment.Segment, "offer", offer_at_once)
 
     assert min(STREAMED) >= writepath._STREAM_MIN and max(STREAMED) > 4 * writepath._STREAM_STEP
     vals = [blob(i, STREAMED[i % len(STREAMED)]) for i in range(54)]

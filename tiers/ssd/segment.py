@@ -8,6 +8,7 @@ rest, waits for the pieces, and only then indexes the segment's records.
 from __future__ import annotations
 
 import _thread
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Optional, cast
 
@@ -72,8 +73,8 @@ class Segment:
     file from then on (``Region.direct``: the image never holds their payloads)."""
 
     __slots__ = ("digests", "direct", "end", "entries", "futures", "gather", "hole_i", "holes", "idx", "iov",
-                 "key_bytes", "keys", "n", "offsets", "raw_lens", "rec_lens", "region", "start", "submitted",
-                 "written")
+                 "key_bytes", "keys", "lock", "n", "offsets", "pumping", "raw_lens", "ready", "rec_lens", "region",
+                 "start", "submitted", "written")
 
     def __init__(self) -> None:
         self.idx: list[int] = []
@@ -87,6 +88,7 @@ class Segment:
         self.direct: list[int] = []
         self.region: Optional[R.Region] = None
         self.futures: list = []
+        self.lock = threading.Lock()  # (``submitted`` and ``ready`` between the caller and the writer: ``offer``)
         self.reset()
 
     def reset(self) -> None:
@@ -94,7 +96,8 @@ class Segment:
                     self.holes, self.direct):
             lst.clear()
         self.n = self.key_bytes = self.end = self.start = self.hole_i = 0
-        self.submitted = self.written = 0
+        self.submitted = self.written = self.ready = 0
+        self.pumping = False
         self.region = None
         self.futures = []
         self.gather = False
@@ -102,7 +105,7 @@ class Segment:
 
     def begin(self, r: R.Region, pos: int, gather: bool) -> None:
         self.region, self.start, self.gather = r, pos, gather
-        self.submitted = self.written = r.written
+        self.submitted = self.written = self.ready = r.written
 
     def submit_gathered(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
         """Write the pieces gathered so far (``[submitted, upto)`` of the file) on the writer thread."""
@@ -114,17 +117,47 @@ class Segment:
         """Whether the writer has finished every piece submitted so far."""
         return not self.futures or self.futures[-1].done()
 
-    def submit(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
-        """Write ``[submitted, upto)`` of the image on the writer thread while the caller copies on."""
-        start = self.submitted
-        if upto <= start:
-            return
+    def offer(self, pool: ThreadPoolExecutor, r: R.Region, upto: int, least: int) -> None:
+        """The image is copied up to ``upto`` (block aligned): the writer thread takes it.  A writer already
+        pumping takes it when its write in flight returns (no wake-up: it goes on while bytes are ready);
+        an idle one is started once ``least`` bytes are waiting."""
+        with self.lock:
+            if upto > self.ready:
+                self.ready = upto
+            if self.pumping or self.ready - self.submitted < least:
+                return
+            self.pumping = True
+        self.futures.append(_handoff(pool, True, self._pump, r))
+
+    def _pump(self, r: R.Region) -> None:
+        """On the writer thread: write what is ready, again and again, until nothing is."""
         mv = memoryview(cast("mmap.mmap", r.buf))
-        if self.holes:
-            self.futures.append(_handoff(pool, True, R.pwrite_runs, r.fd, self.runs(mv, start, upto)))
-        else:
-            self.futures.append(_handoff(pool, True, R.pwrite_all, r.fd, mv[start:upto], start))
-        self.submitted = self.written = upto
+        try:
+            while True:
+                with self.lock:
+                    start, upto = self.submitted, self.ready
+                    if upto <= start:
+                        self.pumping = False
+                        return
+                    runs = self.runs(mv, start, upto) if self.holes else None
+                    self.submitted = self.written = upto
+                if runs is not None:
+                    R.pwrite_runs(r.fd, runs)
+                else:
+                    R.pwrite_all(r.fd, mv[start:upto], start)
+        except BaseException:
+            with self.lock:
+                self.pumping = False
+            raise
+
+    def claim_rest(self) -> int:
+        """The commit's: everything not yet taken by the writer is the caller's to write; returns where that
+        begins (the writer takes nothing more)."""
+        with self.lock:
+            self.ready = max(self.ready, self.submitted)
+            start = self.submitted
+            self.submitted = self.written = self.ready = 1 << 62
+            return start
 
     def submit_hole(self, pool: ThreadPoolExecutor, r: R.Region, lo: int, hi: int, addr: int) -> None:
         """Write a hole (``[lo, hi)`` of the file from ``addr``) on the writer thread now, ahead of the bytes

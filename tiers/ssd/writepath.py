@@ -255,8 +255,8 @@ class WritePath:
                     m = min(_STREAM_STEP, raw_len - done)
                     memmove(base + at + done, src_addr + done, m)
                     done += m
-                    if done < raw_len and at + done - seg.submitted >= pipe_min and seg.idle():
-                        seg.submit(self._writer_pool(), r, (at + done) & -block)
+                    if done < raw_len:
+                        seg.offer(self._writer_pool(), r, (at + done) & -block, pipe_min)
             else:
                 if len(parts) == 1:
                     if raw_len:
@@ -285,12 +285,12 @@ class WritePath:
             seg.key_bytes += klen
             seg.n = n + 1
             seg.end = end
-            if i < last and end - seg.submitted >= pipe_min and seg.idle():  # (the last piece: the commit's)
-                if seg.gather:
+            if i < last:  # (the last piece: the commit's)
+                if not seg.gather:
+                    seg.offer(self._writer_pool(), r, F.align_down(end), pipe_min)
+                elif end - seg.submitted >= pipe_min and seg.idle():
                     seg.submit_gathered(self._writer_pool(), r, end)
                     iov = seg.iov
-                else:
-                    seg.submit(self._writer_pool(), r, F.align_down(end))
         self._commit(seg, out)
         return out, one_by_one
 
@@ -319,7 +319,7 @@ class WritePath:
                 r.written = seg.end
                 self._dirty_fds.add(r.fd)
         else:
-            r.written = max(r.written, seg.written)
+            r.written = max(r.written, seg.claim_rest())
             ok = self._write_out(r, F.align_up(seg.end), seg.end, seg)  # (beside the writer's piece in flight)
             ok = seg.wait(self) and ok
         if not ok:  # (buffered, the file holds exactly ``written`` bytes; O_DIRECT rewrites a partial block)
