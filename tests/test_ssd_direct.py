@@ -397,6 +397,7 @@ def test_large_payloads_from_ordinary_memory_are_copied_in_steps_and_read_back_e
         def offer_at_once(self, pool, r, upto, least):
             with self.lock:
                 self.ready = max(self.ready, upto)
+                self.pumping += 1
             self._pump(r)  # (on the caller's thread, now)
 
         monkeypatch.setattr(segment.Segment, "offer", offer_at_once)

@@ -1,8 +1,9 @@
 """A batch's records on their way to a region file: ``Segment``, the write path's unit of commit.
 
 ``WritePath._append_batch`` (``writepath.py``) appends a batch's records to the active image and
-hands the segment's bytes to the writer thread piece by piece; ``WritePath._commit`` writes the
-rest, waits for the pieces, and only then indexes the segment's records.
+hands the segment's bytes to the writer threads piece by piece (with O_DIRECT they pump what is
+ready: ``Segment.offer``); ``WritePath._commit`` writes the rest, waits for the pieces, and only then
+indexes the segment's records.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ if TYPE_CHECKING:
     from .writepath import WritePath
 
 
+#: writes of one segment in flight at most, and the backlog that starts the second (two in flight keep a
+#: device busier than one when the caller is ahead of it)
+PUMPS = 2
+SECOND_PUMP = 2 << 20
 #: how long a hand-off waits for the writer thread to take its piece (it normally takes microseconds)
 _HANDOFF_WAIT = 0.002
 
@@ -97,7 +102,7 @@ class Segment:
             lst.clear()
         self.n = self.key_bytes = self.end = self.start = self.hole_i = 0
         self.submitted = self.written = self.ready = 0
-        self.pumping = False
+        self.pumping = 0
         self.region = None
         self.futures = []
         self.gather = False
@@ -118,15 +123,17 @@ class Segment:
         return not self.futures or self.futures[-1].done()
 
     def offer(self, pool: ThreadPoolExecutor, r: R.Region, upto: int, least: int) -> None:
-        """The image is copied up to ``upto`` (block aligned): the writer thread takes it.  A writer already
-        pumping takes it when its write in flight returns (no wake-up: it goes on while bytes are ready);
-        an idle one is started once ``least`` bytes are waiting."""
+        """The image is copied up to ``upto`` (block aligned): the writer threads take it.  A writer already
+        pumping takes it when its write in flight returns (no wake-up: it goes on while bytes are ready, each
+        write taking all of them); the first is started once ``least`` bytes wait, a second (``PUMPS``) once
+        ``SECOND_PUMP`` bytes wait beside a write in flight."""
         with self.lock:
             if upto > self.ready:
                 self.ready = upto
-            if self.pumping or self.ready - self.submitted < least:
+            backlog = self.ready - self.submitted
+            if backlog < (least if not self.pumping else SECOND_PUMP if self.pumping < PUMPS else 1 << 62):
                 return
-            self.pumping = True
+            self.pumping += 1
         self.futures.append(_handoff(pool, True, self._pump, r))
 
     def _pump(self, r: R.Region) -> None:
@@ -137,7 +144,7 @@ class Segment:
                 with self.lock:
                     start, upto = self.submitted, self.ready
                     if upto <= start:
-                        self.pumping = False
+                        self.pumping -= 1
                         return
                     runs = self.runs(mv, start, upto) if self.holes else None
                     self.submitted = self.written = upto
@@ -147,7 +154,7 @@ class Segment:
                     R.pwrite_all(r.fd, mv[start:upto], start)
         except BaseException:
             with self.lock:
-                self.pumping = False
+                self.pumping -= 1
             raise
 
     def claim_rest(self) -> int:

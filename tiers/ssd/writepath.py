@@ -2,8 +2,8 @@
 
 A ``write`` call is one batch: its host objects are copied into the active image one after
 another (header packed in one call, its check one xxh3 call over header and key; buffered,
-large payloads are written from the caller's parts instead, see ``Segment``) while a
-writer thread writes out what is already copied; at the end of the batch (or of a region)
+large payloads are written from the caller's parts instead, see ``Segment``) while
+writer threads write out what is already copied; at the end of the batch (or of a region)
 the rest is written and only then do the batch's digests enter the index, together.  So
 every object ``write`` acknowledged is in the region file when it returns, and a write-out
 that fails indexes none of the batch's objects (the next records overwrite their bytes).
@@ -31,6 +31,7 @@ from tierkv.hostmem import contiguous
 from ..base import Parts
 from . import format as F
 from . import region as R
+from . import segment
 from .deadlog import DeadLog
 from .format import WRITE_UNIT
 from .hostbuf import _host_view, cbuffer, ctype_of, image_address
@@ -109,10 +110,12 @@ class WritePath:
         """Append a batch: host objects are copied into the active image one after another (buffered,
         a payload of ``_GATHER_MIN`` bytes or more is only summed, and written from the caller's parts:
         see ``Segment``) and committed per region in one go: the batch's bytes reach the file, then its
-        digests enter the index together.  While the writer thread is idle, each finished object hands
-        it everything since its last write (at least ``PIPE_UNIT``, ``PIPE_MIN_DIRECT`` with O_DIRECT),
-        so it writes while the caller goes on, in pieces that grow with the backlog; the commit writes
-        the rest beside the writer's last piece.  Compressed or device objects take ``_put_one``.
+        digests enter the index together.  With O_DIRECT, each finished copy step or object is offered
+        to the writer threads (``Segment.offer``): once ``PIPE_MIN_DIRECT`` bytes wait, a writer pumps
+        whatever is finished, write after write, while the caller goes on (a second joins when the
+        backlog grows); buffered, an idle writer is handed everything since its last write once
+        ``PIPE_UNIT`` bytes wait.  The commit writes the rest beside the writers' last pieces.
+        Compressed or device objects take ``_put_one``.
         Returns the results and whether any object took ``_put_one``."""
         out = [False] * len(keys)
         one_by_one = False
@@ -297,7 +300,7 @@ class WritePath:
     def _writer_pool(self) -> ThreadPoolExecutor:
         w = self._writer
         if w is None:
-            w = self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"tierkv-{self.name}-w")
+            w = self._writer = ThreadPoolExecutor(max_workers=segment.PUMPS, thread_name_prefix=f"tierkv-{self.name}-w")
         return w
 
     def _commit(self, seg: "Segment", out: list[bool]) -> None:
@@ -535,9 +538,10 @@ class WritePath:
         """Write the rest of the active image, then its summary and footer behind the caller (the writer
         thread: ``_wait_seals``); raises OSError (the region stays active).
 
-        The summary is copied out of the image first (the image is the next region's), and the writer thread
-        runs its jobs in order, so the summary reaches the file before any byte of the next region's.  A
-        summary that fails to reach it costs the next open a scan of the region's records (``recovery``)."""
+        The summary is copied out of the image first (the image is the next region's); the region's own file
+        is written again only once its summary is out (``_begin`` waits for it), so a summary never lands
+        over a newer use of the file.  One that fails to reach the file is tried again (``_wait_seals``); a
+        region without one costs the next open a scan of its records (``recovery``)."""
         buf = cast("mmap.mmap", r.buf)  # (set while ACTIVE, as are entries and keys)
         self._wait_seals()  # (they are few: the last seal's, or one that failed)
         start = F.pack_summary(buf, self.region_size, r.seq, bytes(cast(bytearray, r.entries)),
