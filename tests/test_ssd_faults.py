@@ -619,3 +619,45 @@ def test_a_summary_that_fails_behind_the_seal_is_retried_and_never_costs_an_obje
     ok, outs = read_all(t, [key(i) for i in range(100)], 30000)
     assert all(ok) and all(torch.equal(o, blob(i, 30000)) for i, o in enumerate(outs))
     t.close()
+
+
+def test_a_region_change_does_not_wait_for_the_old_regions_summary(tmp_path, monkeypatch):
+    """The summary goes behind the caller: a write that seals a region and begins a reused one returns while
+    the summary is still being written, and a flush waits for it (the next open finds everything)."""
+    import threading
+
+    from tierkv.tiers.ssd import region as R
+
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    for i in range(40):  # region 0 full, region 1 begun
+        assert t.write([key(i)], [[blob(i, 30000)]]) == [True]
+    t.delete([key(i) for i in range(40)])  # region 0 free: the next region change reuses it
+    t.flush()
+    real = R.pwrite_all
+    gate = threading.Event()
+    held = []
+
+    def slow_summary(fd, view, offset):
+        if offset + len(memoryview(view)) == 1 << 20 and threading.current_thread() is not threading.main_thread():
+            held.append(offset)
+            assert gate.wait(5), "the summary was never let through"
+        return real(fd, view, offset)
+
+    monkeypatch.setattr(R, "pwrite_all", slow_summary)
+    begun = t.extra_stats()["regions"]
+    try:
+        for i in range(100, 140):  # region 1 full, a reused region begun
+            assert t.write([key(i)], [[blob(i, 30000)]]) == [True]
+        assert held and not gate.is_set()  # the caller went on while the summary waited
+        assert t.extra_stats()["regions"] == begun  # (no new file: a reused one)
+        ok, outs = read_all(t, [key(i) for i in range(100, 140)], 30000)
+        assert all(ok) and all(torch.equal(o, blob(i, 30000)) for i, o in zip(range(100, 140), outs))
+    finally:
+        gate.set()
+    t.flush()
+    assert t.extra_stats()["io_errors"] == 0
+    t.close()
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    assert {k for k, _ in t.recover()} == {key(i) for i in range(100, 140)}
+    t.close()

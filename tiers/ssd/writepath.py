@@ -496,8 +496,8 @@ class WritePath:
         r = self._regions.get(idx)
         if r is None:
             r = R.Region(idx, os.path.join(self.regions_dir, R.region_name(idx)))
-        elif self._seals:
-            self._wait_seals(drop=r)  # (its old summary, if still due, is no longer)
+        elif any(e[0] is r for e in self._seals):
+            self._wait_seals(drop=r)  # (its old summary, if still due, is no longer; others stay behind)
         fresh = r.fd < 0
         if not fresh:
             try:
