@@ -550,11 +550,11 @@ def test_a_crash_before_a_reused_regions_first_write_out_loses_nothing_flushed(t
     and none of the objects deleted before it."""
     import shutil
 
-    from tierkv.tiers.ssd.writepath import WritePath
+    from tierkv.tiers.ssd.regionchange import RegionChange
 
     d = tmp_path / "s"
     t = SSDTier("ssd", 8 * MiB, str(d), region_size="1MiB")
-    real = WritePath._begin
+    real = RegionChange._begin
     snaps = []
 
     def begin(self, idx):
@@ -566,7 +566,7 @@ def test_a_crash_before_a_reused_regions_first_write_out_loses_nothing_flushed(t
             snaps.append((snap, len(states)))
         return r
 
-    monkeypatch.setattr(WritePath, "_begin", begin)
+    monkeypatch.setattr(RegionChange, "_begin", begin)
     states: list = []
     states += _churn(t, 400)
     t.close()

@@ -38,9 +38,9 @@ Invariants:
 Thread safety: ``_wlock`` serialises appends, reclamation and checkpoints; ``_lock``
 guards the index and region states, held only briefly, so reads run beside a writer.
 
-The write path is in ``writepath.py`` (a batch on its way to the file: ``segment.py``), the read
-path in ``readpath.py``, reclamation in ``reclaim.py``, flush / checkpoint / close in
-``persist.py``; this module opens a directory.
+The write path is in ``writepath.py`` (a batch on its way to the file: ``segment.py``), region
+changes in ``regionchange.py``, the read path in ``readpath.py``, reclamation in ``reclaim.py``,
+flush / checkpoint / close in ``persist.py``; this module opens a directory.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ from .lock import DirLock
 from .persist import Persistence
 from .readpath import ReadPath
 from .reclaim import Reclaim
+from .regionchange import RegionChange
 from .writepath import PIPE_UNIT, WritePath  # noqa: F401  (PIPE_UNIT: tests)
 
 log = logging.getLogger(__name__)
@@ -114,7 +115,7 @@ def footprint_of(nbytes):
         + F.ENTRY + F.MAX_KEY
 
 
-class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
+class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
     """Chunks in a log of large region files under ``path`` (see the module docstring)."""
 
     medium = "ssd"
@@ -165,7 +166,7 @@ class SSDTier(WritePath, ReadPath, Reclaim, Persistence, Tier):
         self._image_addrs: dict[int, tuple] = {}  # id(image) -> (address, keeper)
         self._image_addr = 0
         self._writer: Optional[ThreadPoolExecutor] = None  # write-outs overlapping a batch's copies
-        self._seals: list = []  # summaries being written behind a seal (``WritePath._seal``)
+        self._seals: list = []  # summaries being written behind a seal (``RegionChange._seal``)
         self._prepare_dir()
         check_old_layout(self.path)
         self._lock_file = DirLock(self.path, what)
