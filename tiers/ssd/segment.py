@@ -79,7 +79,7 @@ class Segment:
 
     __slots__ = ("digests", "direct", "end", "entries", "futures", "gather", "hole_i", "holes", "idx", "iov",
                  "key_bytes", "keys", "lock", "n", "offsets", "pumping", "raw_lens", "ready", "rec_lens", "region",
-                 "start", "submitted", "written")
+                 "start", "submitted")
 
     def __init__(self) -> None:
         self.idx: list[int] = []
@@ -101,7 +101,7 @@ class Segment:
                     self.holes, self.direct):
             lst.clear()
         self.n = self.key_bytes = self.end = self.start = self.hole_i = 0
-        self.submitted = self.written = self.ready = 0
+        self.submitted = self.ready = 0
         self.pumping = 0
         self.region = None
         self.futures = []
@@ -110,13 +110,13 @@ class Segment:
 
     def begin(self, r: R.Region, pos: int, gather: bool) -> None:
         self.region, self.start, self.gather = r, pos, gather
-        self.submitted = self.written = self.ready = r.written
+        self.submitted = self.ready = r.written
 
     def submit_gathered(self, pool: ThreadPoolExecutor, r: R.Region, upto: int) -> None:
         """Write the pieces gathered so far (``[submitted, upto)`` of the file) on the writer thread."""
         self.futures.append(_handoff(pool, False, R.pwritev_all, r.fd, self.iov, self.submitted))
         self.iov = []
-        self.submitted = self.written = upto
+        self.submitted = upto
 
     def idle(self) -> bool:
         """Whether the writer has finished every piece submitted so far."""
@@ -147,7 +147,7 @@ class Segment:
                         self.pumping -= 1
                         return
                     runs = self.runs(mv, start, upto) if self.holes else None
-                    self.submitted = self.written = upto
+                    self.submitted = upto
                 if runs is not None:
                     R.pwrite_runs(r.fd, runs)
                 else:
@@ -163,7 +163,7 @@ class Segment:
         with self.lock:
             self.ready = max(self.ready, self.submitted)
             start = self.submitted
-            self.submitted = self.written = self.ready = 1 << 62
+            self.submitted = self.ready = 1 << 62
             return start
 
     def submit_hole(self, pool: ThreadPoolExecutor, r: R.Region, lo: int, hi: int, addr: int) -> None:
