@@ -166,6 +166,37 @@ def prewarm(srv: S.ApiServer, prompts: list[str], settle: float = 1.0) -> float:
     return time.monotonic() - t0
 
 
+def _cpu_busy() -> tuple[int, int]:
+    """(busy, total) jiffies of every CPU since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    idle = v[3] + (v[4] if len(v) > 4 else 0)  # idle + iowait
+    return sum(v) - idle, sum(v)
+
+
+def settle(least: float, quiet: float = 0.15, window: float = 0.25, most: float = 20.0) -> float:
+    """Wait until the machine is quiet before a measured run; returns the seconds waited.
+
+    Sleeps ``least`` seconds, then until one ``window`` in which the CPUs were busy less than ``quiet`` of the
+    time (``most`` seconds at the latest).  Every server stays up between runs, and a server that has just run
+    keeps working for a while: vLLM's shared-memory readers (the worker waiting for the next step, the engine
+    core waiting for the worker's answer) spin with ``sched_yield`` for a second after their last message
+    (``SpinCondition.busy_loop_s``), and a connector may still be writing behind.  On a small machine the
+    next back end's first prefill would share the cores with that tail.
+    """
+    t0 = time.monotonic()
+    time.sleep(least)
+    if not os.path.exists("/proc/stat"):
+        return time.monotonic() - t0
+    while time.monotonic() - t0 < most:
+        b0, t_0 = _cpu_busy()
+        time.sleep(window)
+        b1, t_1 = _cpu_busy()
+        if t_1 > t_0 and (b1 - b0) / (t_1 - t_0) < quiet:
+            break
+    return time.monotonic() - t0
+
+
 #: vLLM's counters read from each server's /metrics before and after a run (summed over label sets)
 COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:external_prefix_cache_queries",
             "vllm:external_prefix_cache_hits", "vllm:request_queue_time_seconds_sum",
@@ -392,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warm", action="store_true",
                     help="before each measured run, serve the first request of each of its prefixes once "
                          "(not measured): every request hits, no cold prefill in the figures")
+    ap.add_argument("--settle", type=float, default=2.0,
+                    help="seconds to wait before each measured run, then until the CPUs are quiet (0: not at all)")
     ap.add_argument("--start-timeout", type=float, default=900)
     ap.add_argument("--workdir", default=None, help="keep model, stores and logs here (default: a temp dir)")
     ap.add_argument("--json", default=None, help="write every number to this file")
@@ -465,16 +498,18 @@ def main(argv: list[str] | None = None) -> int:
                     took = prewarm(servers[name], warm)
                     print(f"round {r + 1}/{args.rounds} {name}: {len(warm)} prefixes served once ({took:.0f}s)",
                           file=sys.stderr, flush=True)
+                waited = settle(args.settle) if args.settle > 0 else 0.0
                 t0 = time.monotonic()
                 before = scrape(servers[name])
                 res = run_load(args, servers[name], model, 1000 + r, args.requests, bench_log)
                 src = served_from(before, scrape(servers[name]))
                 print(f"round {r + 1}/{args.rounds} {name}: {res['request_throughput']:.3f} req/s, "
                       f"TTFT p50 {res['median_ttft_ms']:.0f} ms p99 {res['p99_ttft_ms']:.0f} ms "
-                      f"({time.monotonic() - t0:.0f}s); " + ", ".join(f"{k} {v:.2f}" for k, v in src.items()),
+                      f"({time.monotonic() - t0:.0f}s, settled {waited:.1f}s); "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in src.items()),
                       file=sys.stderr, flush=True)
                 runs[name].append({k: res.get(k) for k in METRICS}
-                                  | {"ttfts": res.get("ttfts"), "round": r, "served_from": src})
+                                  | {"ttfts": res.get("ttfts"), "round": r, "served_from": src, "settled_s": waited})
         if args.profile and "tierkv" in servers:
             # a round of its own, not in the table: sampling slows what it samples
             raw = work / "tierkv-profile.txt"
