@@ -202,7 +202,8 @@ COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:externa
             "vllm:external_prefix_cache_hits", "vllm:request_queue_time_seconds_sum",
             "vllm:request_queue_time_seconds_count", "vllm:request_prefill_time_seconds_sum",
             "vllm:request_prefill_time_seconds_count", "vllm:iteration_tokens_total_count",
-            "vllm:iteration_tokens_total_sum", "tierkv_connector_load_seconds",
+            "vllm:iteration_tokens_total_sum", "vllm:time_to_first_token_seconds_sum",
+            "vllm:time_to_first_token_seconds_count", "tierkv_connector_load_seconds",
             "tierkv_connector_loaded_bytes")
 
 
@@ -233,7 +234,8 @@ def scrape(srv: S.ApiServer) -> dict[str, float]:
 def served_from(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Where a run's prompt tokens came from and where its requests waited, from two ``scrape``s: the shares of
     queried tokens hit in vLLM's own prefix cache and in the connector's store, and the mean queue and
-    prefill time per request (ms)."""
+    prefill time per request (ms), and the server's own mean TTFT (``server_ttft_ms``: from the request's
+    arrival in the API server to its first token leaving vLLM's output processor)."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in COUNTERS}
     out: dict[str, float] = {}
     if d["vllm:prefix_cache_queries"] > 0:
@@ -244,6 +246,9 @@ def served_from(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         n = d[f"vllm:request_{what}_time_seconds_count"]
         if n > 0:
             out[f"{what}_ms"] = 1000 * d[f"vllm:request_{what}_time_seconds_sum"] / n
+    if d["vllm:time_to_first_token_seconds_count"] > 0:  # the server's own TTFT: arrival to first token out
+        out["server_ttft_ms"] = 1000 * d["vllm:time_to_first_token_seconds_sum"] / d[
+            "vllm:time_to_first_token_seconds_count"]
     if d["vllm:iteration_tokens_total_count"] > 0:  # engine steps, and tokens computed per step
         out["steps"] = d["vllm:iteration_tokens_total_count"]
         out["tokens_per_step"] = d["vllm:iteration_tokens_total_sum"] / d["vllm:iteration_tokens_total_count"]
@@ -460,6 +465,11 @@ def main(argv: list[str] | None = None) -> int:
     base_env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # the server runs its engine core in a child
     base_env.update({"VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                      "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
+    # vLLM's CPU executor keeps cores off the worker's OpenMP threads for its scheduler process: one per
+    # worker, and one more per worker when a KV connector is configured - unless the cores are too few, and
+    # then none.  On a 2-core machine the server without a connector would run its forward on one core and
+    # every connector's server on two; no reservation for any of them keeps the back ends comparable.
+    base_env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     servers: dict[str, S.ApiServer] = {}
     pools: list[S.MooncakePool] = []
     runs: dict[str, list[dict[str, Any]]] = {b: [] for b in backends}
@@ -572,10 +582,11 @@ def main(argv: list[str] | None = None) -> int:
             row += f"{v:>13.3f}" if key == "request_throughput" else f"{v:>13.0f}"
             row += f"{ratio:>7.2f}" if ratio is not None else f"{'-':>7}"
         print(row)
-    src_keys = ("local_hit", "connector_hit", "queue_ms", "prefill_ms", "steps", "tokens_per_step", "load_ms",
-                "load_GiBps")
+    src_keys = ("local_hit", "connector_hit", "queue_ms", "prefill_ms", "server_ttft_ms", "steps", "tokens_per_step",
+                "load_ms", "load_GiBps")
     print("\nFrom vLLM's /metrics, medians over rounds: shares of queried prompt tokens hit in vLLM's own prefix "
-          "cache and in the connector's store; mean time per request queued and in prefill; engine steps and tokens "
+          "cache and in the connector's store; mean time per request queued and in prefill, and the server's mean "
+          "TTFT (arrival in the API server to first token out); engine steps and tokens "
           "computed per step; tierkv's time in loads per request and their speed")
     print(f"{'backend':<13}" + "".join(f"{k:>16}" for k in src_keys))
     for name, rs in runs.items():
