@@ -444,6 +444,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown back end {b!r} (choose from {', '.join(BACKENDS)})")
     if args.requests < args.num_prefixes:
         raise SystemExit(f"--requests {args.requests} must be at least --num-prefixes {args.num_prefixes}")
+    if args.settle < 0:
+        raise SystemExit(f"--settle {args.settle} must be 0 or more seconds")
     if args.warmup is not None and args.warmup < args.num_prefixes:
         raise SystemExit(f"--warmup {args.warmup} must be at least --num-prefixes {args.num_prefixes}")
 
@@ -526,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.warm:  # (before the profiler attaches: only the measured requests are sampled)
                 prewarm(servers["tierkv"], round_prefixes(args, servers["tierkv"], model, 1000 + args.rounds,
                                                           args.requests, bench_log))
+            if args.settle > 0:
+                settle(args.settle)
             prof = start_profile(servers["tierkv"], raw, args.profile_rate)
             if prof is not None:
                 time.sleep(2.0)  # py-spy attaches to each process
