@@ -552,6 +552,9 @@ def main(argv: list[str] | None = None) -> int:
             pool.stop()
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+        else:  # a kept workdir keeps model, logs and profile; the stores' files are gigabytes of scratch
+            for name in servers:
+                shutil.rmtree(work / f"{name}-ssd", ignore_errors=True)
 
     # -- report ---------------------------------------------------------------------------
     summary: dict[str, dict[str, Any]] = {}
