@@ -1,0 +1,80 @@
+"""The serving benchmark's own arithmetic: what it reads from /metrics, and how it waits between runs.
+
+The benchmark itself needs vLLM servers and minutes; these parts decide what its figures mean.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+import bench_serve as B
+
+
+def _counters(**kw: float) -> dict[str, float]:
+    out = dict.fromkeys(B.COUNTERS, 0.0)
+    out.update({f"vllm:{k}": v for k, v in kw.items()})
+    return out
+
+
+def test_served_from_takes_differences_of_counters() -> None:
+    before = _counters(request_queue_time_seconds_sum=1.0, request_queue_time_seconds_count=10,
+                       request_prefill_time_seconds_sum=2.0, request_prefill_time_seconds_count=10,
+                       time_to_first_token_seconds_sum=5.0, time_to_first_token_seconds_count=10,
+                       prefix_cache_queries=1000, prefix_cache_hits=100)
+    after = _counters(request_queue_time_seconds_sum=1.5, request_queue_time_seconds_count=20,
+                      request_prefill_time_seconds_sum=3.0, request_prefill_time_seconds_count=20,
+                      time_to_first_token_seconds_sum=7.0, time_to_first_token_seconds_count=20,
+                      prefix_cache_queries=2000, prefix_cache_hits=600)
+    got = B.served_from(before, after)
+    assert got["queue_ms"] == pytest.approx(50.0)
+    assert got["prefill_ms"] == pytest.approx(100.0)
+    assert got["server_ttft_ms"] == pytest.approx(200.0)
+    assert got["local_hit"] == pytest.approx(0.5)
+    assert "connector_hit" not in got  # nothing asked of a connector: no share at all
+
+
+def test_served_from_leaves_out_what_did_not_move() -> None:
+    same = _counters(time_to_first_token_seconds_sum=5.0, time_to_first_token_seconds_count=10)
+    assert B.served_from(same, same) == {}
+
+
+def test_settle_waits_at_least_the_time_asked() -> None:
+    t0 = time.monotonic()
+    waited = B.settle(0.2, quiet=1.01)  # every window is quiet enough: the wait is the time asked and one window
+    assert 0.2 <= time.monotonic() - t0 < 5
+    assert waited >= 0.2
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat")
+def test_settle_waits_while_the_cpus_are_busy_and_gives_up_at_most() -> None:
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    t = threading.Thread(target=spin, daemon=True)
+    t.start()
+    try:
+        # one thread spinning keeps at least one CPU busy: never quiet at 0 % busy, so it waits until ``most``
+        waited = B.settle(0.0, quiet=0.0, window=0.05, most=0.5)
+    finally:
+        stop.set()
+        t.join()
+    assert 0.5 <= waited < 3
+
+
+def test_cpu_busy_counts_grow() -> None:
+    if not Path("/proc/stat").exists():
+        pytest.skip("reads /proc/stat")
+    b0, t0 = B._cpu_busy()
+    time.sleep(0.05)
+    b1, t1 = B._cpu_busy()
+    assert t1 >= t0 and b1 >= b0 and t0 >= b0
