@@ -125,6 +125,48 @@ def test_watcher_reports_a_worker_that_died_before_its_shutdown(tmp_path, ending
     assert sock.exists() == (ending == "clean")
 
 
+def test_a_report_from_a_signal_handler_gets_through_while_the_thread_was_inside_send(tmp_path):
+    """The worker's shutdown runs in a signal handler on the engine's thread, which may have been inside
+    ``send`` (its totals, every step): the handler's own ``logged`` still reaches the watcher, and nothing
+    waits on itself.  (Sending under the watcher's lock, this hung until the engine's SIGKILL, and the
+    watcher then printed a second totals line.)"""
+    out = _run("""
+    import os, signal
+    from tierkv.adapters.vllm import lifecycle
+    w = lifecycle.Watcher.get()
+    report = w.watch("w1", None)
+    report("totals", {"saved_blocks": 7})
+    signal.signal(signal.SIGUSR1, lambda s, f: report("logged"))
+    with w._lock:  # as inside send() when the signal lands
+        signal.raise_signal(signal.SIGUSR1)  # the handler runs here, on this thread
+        report("totals", {"saved_blocks": 8})
+    print("sent", flush=True)
+    os._exit(0)  # killed right after the handler: the watcher must not print the totals again
+    """, timeout=60)
+    assert "sent" in out.stdout, out.stderr
+    assert [x for x in out.stdout.splitlines() if "TierKVConnector totals" in x] == [], out.stdout
+
+
+def test_watcher_lines_stay_whole_between_threads(tmp_path):
+    """Reports from several threads at once reach the watcher whole: the last totals of a killed worker
+    are printed once, as sent."""
+    out = _run("""
+    import os, threading
+    from tierkv.adapters.vllm import lifecycle
+    w = lifecycle.Watcher.get()
+    report = w.watch("w1", None)
+    def hammer(i):
+        for j in range(300):
+            report("totals", {"thread": i, "n": j, "pad": "x" * 200})
+    ts = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
+    [t.start() for t in ts]; [t.join() for t in ts]
+    report("totals", {"saved_blocks": 42})
+    os._exit(0)
+    """, timeout=60)
+    lines = [x for x in out.stdout.splitlines() if "TierKVConnector totals" in x]
+    assert len(lines) == 1 and "{'saved_blocks': 42}" in lines[0], out.stdout
+
+
 def _unix_sockets() -> str:
     with open("/proc/net/unix") as f:
         return f.read()

@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -110,7 +111,8 @@ class Watcher:
             [sys.executable, "-I", "-S", reaper.__file__, str(os.getpid())],
             stdin=subprocess.PIPE, stdout=None, stderr=None, close_fds=True, start_new_session=True,
         )
-        self._pipe = proc.stdin
+        self._pipe = proc.stdin  # (kept: its descriptor stays open while this handle lives)
+        self._fd = cast("IO[bytes]", proc.stdin).fileno()
         proc.wait(timeout=30)  # it forks the watcher and exits at once: reap it
         if proc.returncode != 0:
             raise RuntimeError(f"the watcher did not start (exit {proc.returncode})")
@@ -128,14 +130,32 @@ class Watcher:
             return cls._instance
 
     def send(self, kind: str, ident: str, payload: Any = None) -> None:
-        line = json.dumps([kind, ident, payload], default=str) + "\n"
-        with self._lock:
-            try:
-                pipe = cast("IO[bytes]", self._pipe)  # (stdin=PIPE)
-                pipe.write(line.encode())
-                pipe.flush()
-            except (OSError, ValueError):
-                pass  # the watcher is gone: nothing more to tell it
+        """Tell the watcher one line; never raises (the watcher gone, there is nothing more to tell it).
+
+        A line of at most ``PIPE_BUF`` bytes (every report the connector makes) leaves in one ``write(2)``,
+        which the kernel keeps whole between writers, so it takes no lock: the worker's shutdown runs in a
+        signal handler on the engine's thread, and a lock held by that thread's interrupted ``send`` would
+        never be released for the handler's own report (``logged``).  A longer line takes the lock, and is
+        dropped if it is not free within a second.
+        """
+        data = (json.dumps([kind, ident, payload], default=str) + "\n").encode()
+        if len(data) <= select.PIPE_BUF:
+            self._write(data)
+            return
+        if not self._lock.acquire(timeout=1.0):
+            return
+        try:
+            self._write(data)
+        finally:
+            self._lock.release()
+
+    def _write(self, data: bytes) -> None:
+        view = memoryview(data)
+        try:
+            while view:
+                view = view[os.write(self._fd, view):]
+        except OSError:
+            pass  # the watcher is gone: nothing more to tell it
 
     def watch(self, ident: str, socket_path: str | None) -> Callable[[str, dict | None], None]:
         """Register a worker; returns its ``report(kind, payload)`` (kinds: totals, logged, clean)."""
