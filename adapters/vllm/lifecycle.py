@@ -106,7 +106,6 @@ class Watcher:
     def __init__(self) -> None:
         from tierkv.adapters.vllm import reaper
 
-        self._lock = threading.Lock()
         proc = subprocess.Popen(
             [sys.executable, "-I", "-S", reaper.__file__, str(os.getpid())],
             stdin=subprocess.PIPE, stdout=None, stderr=None, close_fds=True, start_new_session=True,
@@ -132,22 +131,16 @@ class Watcher:
     def send(self, kind: str, ident: str, payload: Any = None) -> None:
         """Tell the watcher one line; never raises (the watcher gone, there is nothing more to tell it).
 
-        A line of at most ``PIPE_BUF`` bytes (every report the connector makes) leaves in one ``write(2)``,
-        which the kernel keeps whole between writers, so it takes no lock: the worker's shutdown runs in a
-        signal handler on the engine's thread, and a lock held by that thread's interrupted ``send`` would
-        never be released for the handler's own report (``logged``).  A longer line takes the lock, and is
-        dropped if it is not free within a second.
+        Every line leaves in one ``write(2)`` of at most ``PIPE_BUF`` bytes, which the kernel keeps whole
+        between writers, so no lock is taken: the worker's shutdown runs in a signal handler on the engine's
+        thread, and a lock held by that thread's interrupted ``send`` would never be released for the
+        handler's own report (``logged``).  A line that would be longer (none is: totals are a dozen
+        counters, a socket path at most 108 bytes) goes with its payload replaced by its length.
         """
         data = (json.dumps([kind, ident, payload], default=str) + "\n").encode()
-        if len(data) <= select.PIPE_BUF:
-            self._write(data)
-            return
-        if not self._lock.acquire(timeout=1.0):
-            return
-        try:
-            self._write(data)
-        finally:
-            self._lock.release()
+        if len(data) > select.PIPE_BUF:
+            data = (json.dumps([kind, ident, {"over_pipe_buf": len(data)}]) + "\n").encode()
+        self._write(data)
 
     def _write(self, data: bytes) -> None:
         view = memoryview(data)
