@@ -72,7 +72,7 @@ def test_flush_makes_the_copies_and_counts_them(tmp_path):
     keys = keys_for(20)
     with TieredStore.from_config(chain(tmp_path / "ssd")) as store:
         store.put(keys, [chunk(i) for i in range(20)])
-        assert store.flush() is True
+        assert store.flush()  # true: everything durable
         s = store.stats()
         assert s["ssd"]["persisted"] == 20 and s["ssd"]["entries"] == 20
         assert s["total"]["write_behind_queued"] == 20 and s["total"]["write_behind_pending"] == 0

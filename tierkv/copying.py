@@ -20,9 +20,11 @@ import logging
 from typing import TYPE_CHECKING, Any, Optional
 
 from tierkv.buffers import Parts
+from tierkv.durability import DropLedger, DropReason, fault_counts, reason_of_failed_write
 from tierkv.hooks import call_policy
 from tierkv.hostmem import StagingArena
 from tierkv.level import Level
+from tierkv.placement import UNAVAILABLE
 
 log = logging.getLogger("tierkv")
 
@@ -67,6 +69,8 @@ class Copying:
     _arena: StagingArena
     _arena_lock: Any
     _counters: Any
+    _drops: DropLedger
+    _faults_seen: dict[int, dict[str, int]]
     promotion: Any
 
     if TYPE_CHECKING:  # defined by ``Placement``
@@ -77,17 +81,61 @@ class Copying:
         def _mask(self, key: str) -> int: ...
         def _place(self, key: str, nbytes: int, start: int, stop: int, held: dict) -> tuple[Optional[int], int]: ...
         def _reserve(self, j: int, key: str, nbytes: int, held: dict) -> bool: ...
-        def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True) -> bool: ...
+        def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True,
+                          source: Optional[Level] = None) -> bool: ...
 
     # ------------------------------------------------------------------ write-behind
     def _queue_behind(self, stored: list[tuple[int, str]]) -> None:
         keys = [key for j, key in stored if any(k > j for k in self._behind_levels)]
         if not keys:
             return
-        dropped = self._behind.submit(keys)  # type: ignore[union-attr]
+        dropped = self._behind.submit(keys)  # type: ignore[union-attr]  # (drops reach _behind_dropped)
         with self._lock:
             self._counters.write_behind_queued += len(keys) - dropped
-            self._counters.write_behind_dropped += dropped
+
+    # ------------------------------------------------------------------ undurable chunks
+    def _behind_dropped(self, keys: list[str], why: DropReason) -> None:
+        """The write-behind queue gave up ``keys``: note those a write-behind level still lacks and admits."""
+        with self._lock:
+            self._drops.record([key for key in keys if self._still_wanted(key)], why)
+
+    def _still_wanted(self, key: str) -> bool:
+        """Whether ``key`` is READY above some write-behind level that lacks and admits it (lock held)."""
+        mask = self._mask(key)
+        if not mask:
+            return False  # removed (or gone) meanwhile: nothing to make durable
+        j = (mask & -mask).bit_length() - 1
+        nbytes = self.levels[j].ready_nbytes(key)
+        down: list[str] = []
+        return nbytes >= 0 and (self._wanted_below(j, mask, key, nbytes, down) or bool(down))
+
+    def _note_evicted(self, j: int, keys: list[str]) -> None:
+        """Victims of level ``j`` about to leave it without a demotion (lock held): note as undurable those a
+        write-behind level below lacks and admits, and no level above holds."""
+        lvl = self.levels[j]
+        lost = []
+        for key in keys:
+            nbytes = lvl.ready_nbytes(key)
+            if nbytes < 0:
+                continue  # removed meanwhile
+            mask = self._mask(key)
+            if mask & (lvl.bit - 1):
+                continue  # still held above
+            down: list[str] = []
+            if self._wanted_below(j, mask, key, nbytes, down) or down:
+                lost.append(key)
+        if lost:
+            self._drops.record(lost, DropReason.EVICTED)
+
+    def _drop_reason(self, k: int) -> DropReason:
+        """Why level ``k`` failed a write just now, from its medium's fault counters (lock held)."""
+        try:
+            now = fault_counts(self.levels[k].tier.extra_stats())
+        except Exception:  # noqa: BLE001 - a medium's stats never cost the bookkeeping
+            now = {}
+        seen = self._faults_seen.get(k)
+        self._faults_seen[k] = now
+        return reason_of_failed_write(seen if seen is not None else fault_counts(None), now)
 
     def _copy_behind(self, keys: list[str]) -> None:
         """Background: copy each key from the fastest level holding it into the write-behind levels below.
@@ -100,15 +148,18 @@ class Copying:
         as any other.
         """
         todo: dict[int, list[tuple[str, int]]] = {}
+        down: list[str] = []
         with self._lock:
             for key in dict.fromkeys(keys):
                 mask = self._mask(key)
                 if not mask:
-                    continue  # removed or dropped meanwhile
+                    continue  # removed, or evicted and dropped meanwhile (``_evict`` noted that)
                 j = (mask & -mask).bit_length() - 1
                 nbytes = self.levels[j].ready_nbytes(key)
-                if nbytes >= 0 and self._wanted_below(j, mask, key, nbytes):
+                if nbytes >= 0 and self._wanted_below(j, mask, key, nbytes, down):
                     todo.setdefault(j, []).append((key, nbytes))
+            if down:
+                self._drops.record(down, DropReason.UNAVAILABLE)
         for j, items in todo.items():
             limit = min(_COPY_BATCH_BYTES, self.levels[j].capacity // _COPY_PIN_SHARE)
             at = 0
@@ -121,14 +172,21 @@ class Copying:
                     at += 1
                 self._copy_batch(j, batch)
 
-    def _wanted_below(self, j: int, mask: int, key: str, nbytes: int) -> bool:
-        """Whether a write-behind level below ``j`` lacks ``key`` and would admit it (lock held)."""
+    def _wanted_below(self, j: int, mask: int, key: str, nbytes: int, down: list[str]) -> bool:
+        """Whether an available write-behind level below ``j`` lacks ``key`` and would admit it (lock held).
+
+        ``key`` is appended to ``down`` (once) when such a level would admit it but is unavailable.
+        """
+        wanted = False
         for k in self._behind_levels:
             lvl = self.levels[k]
-            if k > j and not mask & lvl.bit and lvl.tier.available \
-                    and call_policy(lvl.admission, "admit", lvl.name, key, nbytes, lvl.name):
-                return True
-        return False
+            if k > j and not mask & lvl.bit and call_policy(lvl.admission, "admit", lvl.name, key, nbytes,
+                                                               lvl.name):
+                if lvl.tier.available:
+                    wanted = True
+                elif not down or down[-1] != key:
+                    down.append(key)
+        return wanted
 
     def _copy_batch(self, j: int, batch: list[tuple[str, int]]) -> None:
         """Pin the chunks of ``batch`` still READY in level ``j``, write them below, unpin.
@@ -149,6 +207,9 @@ class Copying:
             with self._arena_lock:  # (one batch at a time: its views are the arena's until the next carve)
                 bufs = [[b] for b in self._arena.carve([nb for _, nb in batch])]
                 oks = self._tier_io(src, "read", keys, bufs)
+                if False in oks:
+                    with self._lock:
+                        self._drops.record([key for key, ok in zip(keys, oks) if not ok], DropReason.READ_FAILED)
                 self._write_all_below(j, batch, bufs, oks)
         finally:
             with self._lock:
@@ -169,10 +230,12 @@ class Copying:
     def _write_all_below(self, j: int, batch: list[tuple[str, int]], bufs: list[Parts], oks: list[bool]) -> None:
         for k in self._behind_levels:
             if k > j:
-                self._write_below(k, batch, bufs, oks)
+                self._write_below(j, k, batch, bufs, oks)
 
-    def _write_below(self, k: int, batch: list[tuple[str, int]], bufs: list[Parts], oks: list[bool]) -> None:
-        """Write the chunks of ``batch`` held in ``bufs`` into write-behind level ``k`` where it lacks them."""
+    def _write_below(self, j: int, k: int, batch: list[tuple[str, int]], bufs: list[Parts],
+                     oks: list[bool]) -> None:
+        """Write the chunks of ``batch`` (read from level ``j``, where they are pinned) held in ``bufs`` into
+        write-behind level ``k`` where it lacks them."""
         lvl = self.levels[k]
         held: dict[tuple[int, str], None] = {}
         try:
@@ -181,19 +244,40 @@ class Copying:
                 with self._lock:
                     if not oks[i] or lvl.holds(key):
                         continue
-                if self._place(key, nbytes, k, k + 1, held)[0] is not None:
+                placed, flags = self._place(key, nbytes, k, k + 1, held)
+                if placed is not None:
                     go.append(i)
+                elif flags:  # (no flags: its admission said no, which is no loss)
+                    self._refused_below(lvl, key, nbytes, flags)
             if not go:
                 return
             wrote = self._tier_io(lvl, "write", [batch[i][0] for i in go], [bufs[i] for i in go])
             with self._lock:
+                failed = []
                 for i, ok in zip(go, wrote):
                     key, nbytes = batch[i]
                     held.pop((k, key), None)
-                    if self._finish_write(lvl, key, nbytes, ok):
+                    if self._finish_write(lvl, key, nbytes, ok, source=self.levels[j]):
                         lvl.counters.persisted += 1
+                    elif not ok:
+                        failed.append(key)
+                if failed:
+                    self._drops.record(failed, self._drop_reason(k))
         finally:
             self._release(held)
+
+    def _refused_below(self, lvl: Level, key: str, nbytes: int, flags: int) -> None:
+        """Note why write-behind level ``lvl`` took no copy of ``key`` (``_place``'s flags)."""
+        with self._lock:
+            if key in lvl.index:
+                return  # another writer holds it there (a demotion in flight): not lost
+            if lvl.footprint(nbytes) > lvl.capacity:
+                why = DropReason.TOO_LARGE
+            elif flags & UNAVAILABLE:
+                why = DropReason.UNAVAILABLE
+            else:
+                why = DropReason.NO_ROOM
+            self._drops.record([key], why)
 
     def _promote(self, keys: list[str], prepared: list[tuple[Parts, int]], served: list[Optional[int]]) -> None:
         """Copy hits served below the top managed level up, as the promotion policy says.
@@ -231,7 +315,7 @@ class Copying:
                         ok = self._tier_io(lvl, "write", [key], [parts])[0]
                         with self._lock:
                             held.pop((k, key), None)
-                            if self._finish_write(lvl, key, nbytes, ok):
+                            if self._finish_write(lvl, key, nbytes, ok, source=self.levels[j]):
                                 self.levels[j].counters.promotions += 1
                     break
         finally:

@@ -411,6 +411,19 @@ class Level(Eviction):
             if self.located:
                 self._give_back([-v])
 
+    def withdraw(self, key: str) -> None:
+        """Release a reservation whose bytes were written but must not stay (the chunk was removed while
+        its copy was in flight): the reservation goes, and so do the bytes on the medium."""
+        v = self.index.get(key)
+        if type(v) is not int or v > 0:  # type: ignore[operator]
+            return
+        self.abort(key)
+        if not self.located:  # (a located tier's bytes went with its code)
+            try:
+                self.tier.delete([key])
+            except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
+                log.warning("tierkv: tier %s delete failed: %s", self.name, exc)
+
     def _give_back(self, codes: list[int]) -> None:
         """Return a located tier's space (a fault is logged: the index no longer reaches those bytes)."""
         try:

@@ -21,7 +21,9 @@ Store totals: ``tierkv_hits_total``, ``tierkv_misses_total``,
 ``tierkv_evictions_total``, ``tierkv_demotions_total``,
 ``tierkv_promotions_total``, ``tierkv_rejected_total``, ``tierkv_errors_total``,
 ``tierkv_used_bytes``, ``tierkv_capacity_bytes``, ``tierkv_calls_total{op}``,
-``tierkv_chunks_total{op}`` and ``tierkv_in_flight``.
+``tierkv_chunks_total{op}``, ``tierkv_write_behind_dropped_total{reason}`` (acknowledged
+chunks whose copy into a persistent tier was given up: see ``TieredStore.flush``) and
+``tierkv_in_flight``.
 
 Latency (one observation per batch, timed in the store): histograms
 ``tierkv_get_seconds``, ``tierkv_put_seconds`` and ``tierkv_lookup_seconds``.
@@ -122,6 +124,12 @@ class StoreCollector:
         for op in ("put", "stored", "deduped", "rejected"):
             chunks.add_metric([op], float(tot.get(f"chunks_{op}", 0)))
         yield chunks
+        dropped = CounterMetricFamily(f"{p}_write_behind_dropped",
+                                      "Acknowledged chunks whose copy into a persistent tier was given up, by "
+                                      "reason (flush() names them)", labels=["reason"])
+        for reason, n in (tot.get("write_behind_dropped_by_reason") or {}).items():
+            dropped.add_metric([reason], float(n))
+        yield dropped
         g = GaugeMetricFamily(f"{p}_in_flight", "Store calls in progress")
         g.add_metric([], float(tot.get("in_flight", 0)))
         yield g

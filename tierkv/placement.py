@@ -10,7 +10,7 @@ is left on any path out (``_release`` in a ``finally``).
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -37,6 +37,10 @@ class Placement:
     levels: list[Level]
     _lock: Any
     _managed_levels: list[int]
+    _behind_levels: list[int]
+
+    if TYPE_CHECKING:  # defined by ``Copying``
+        def _note_evicted(self, j: int, keys: list[str]) -> None: ...
 
     @staticmethod
     def _refusal(flags: int) -> PutOutcome:
@@ -247,6 +251,8 @@ class Placement:
                     else set()
                 with self._lock:
                     batch = victims[at:end]
+                    if len(below) < len(batch) and self._behind_levels and self._behind_levels[-1] > j:
+                        self._note_evicted(j, [key for key in batch if key not in below])
                     at = end  # evict_many releases every pin of the batch, raising or not
                     lvl.counters.evictions += len(batch)
                     lvl.counters.demotions += len(below)
@@ -308,7 +314,7 @@ class Placement:
                     with self._lock:
                         for key, ok in zip(go, wrote):
                             held.pop((k, key), None)
-                            if self._finish_write(lvl, key, nbytes[key], ok):
+                            if self._finish_write(lvl, key, nbytes[key], ok, source=self.levels[j]):
                                 below.add(key)
                             else:
                                 rest.append(key)
@@ -317,8 +323,18 @@ class Placement:
                 self._release(held)
         return below
 
-    def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True) -> bool:
-        """Commit (ok) or abort a write into ``lvl``; caller holds the lock.  Returns ``ok``."""
+    def _finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True,
+                      source: Optional[Level] = None) -> bool:
+        """Commit (ok) or abort a write into ``lvl``; caller holds the lock.  Returns whether it stays.
+
+        ``source``: the level a copy the store makes on its own (write-behind, demotion,
+        promotion) read the chunk from.  If the chunk is no longer READY there, a ``remove``
+        ran while the copy was in flight: the copy is withdrawn, bytes and all, so what
+        ``remove`` removed stays removed.
+        """
+        if ok and source is not None and source.managed and lvl.managed and not source.holds(key):
+            lvl.withdraw(key)
+            return False
         if lvl.managed:
             if ok:
                 lvl.commit(key)

@@ -37,7 +37,6 @@ class StoreCounters:
     bytes_put: int = 0
     bytes_got: int = 0
     write_behind_queued: int = 0  # chunks handed to the write-behind queue
-    write_behind_dropped: int = 0  # copies dropped: the queue was full (the device could not keep up)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

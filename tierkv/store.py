@@ -39,7 +39,11 @@ and ``tests/test_concurrency.py``):
 6. **Persistence.**  A ``write_behind`` level (the default for persistent media)
    receives a copy of every chunk stored above it that its admission policy
    accepts, from a bounded background queue that never blocks the caller (a full
-   queue drops and counts); ``flush()`` and ``close()`` drain it first.
+   queue drops and counts); ``flush()`` and ``close()`` drain it first.  A copy
+   given up (queue full, too large, no room, disk full, a failed read or write)
+   is counted by reason and named by the next ``flush()``, whose answer is then
+   false (``tierkv.durability``).  What ``remove`` removed stays removed: a copy
+   in flight when it ran is withdrawn, bytes and all.
 7. **Thread safety.**  One lock guards all metadata; bytes move outside it, with
    pins and reservations making that safe.  Policies are only called under the
    lock, so they need none of their own.
@@ -64,6 +68,7 @@ import torch
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
 from tierkv.copying import Copying
+from tierkv.durability import DropLedger, FlushResult
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
 from tierkv.hooks import call_policy
 from tierkv.hostmem import StagingArena
@@ -134,7 +139,11 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         self._shared_levels = [i for i, lvl in enumerate(self.levels) if not lvl.managed]
         self._any_write_through = any(lvl.write_through for lvl in self.levels)
         self._behind_levels = [i for i, lvl in enumerate(self.levels) if lvl.write_behind]
-        self._behind = WriteBehind(self._copy_behind, max_queued=write_behind_queue) if self._behind_levels else None
+        #: acknowledged chunks whose write-behind copy was given up (``flush`` reports them)
+        self._drops = DropLedger()
+        self._faults_seen: dict[int, dict[str, int]] = {}  # (see ``Copying._drop_reason``)
+        self._behind = WriteBehind(self._copy_behind, max_queued=write_behind_queue,
+                                   on_drop=self._behind_dropped) if self._behind_levels else None
         self._arena = StagingArena()  # (write-behind batches are staged here: see ``Copying._copy_batch``)
         self._arena_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
@@ -231,19 +240,35 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
     def __exit__(self, *exc: Any) -> None:
         self.close()
 
-    def flush(self, timeout: Optional[float] = None) -> bool:
+    def flush(self, timeout: Optional[float] = None) -> FlushResult:
         """Copy everything queued for write-behind tiers, then make persistent tiers durable.
 
-        After it returns, everything stored before the call survives a crash of this
-        process in every persistent tier that admitted it.  False if the queue did
-        not drain within ``timeout`` seconds.
+        The durability contract: after it returns, every chunk acknowledged before the
+        call is durable in every persistent ``write_behind`` tier that admits it, **or
+        the answer says which are not**.  The ``FlushResult`` is true only when all of
+        it is durable; otherwise it counts the chunks given up since the last ``flush``
+        (``not_durable``, per reason in ``reasons``, and their ``keys``), the copies
+        still queued when ``timeout`` seconds ran out (``pending``) and the tiers whose
+        own flush failed (``tier_errors``).  The same events are counted in ``stats()``
+        (``write_behind_dropped``, ``write_behind_dropped_by_reason``) and logged.
         """
         self._enter()
         try:
             drained = self._behind.drain(timeout) if self._behind is not None else True
+            errors: dict[str, str] = {}
             for lvl in self.levels:
-                lvl.tier.flush()
-            return drained
+                try:
+                    lvl.tier.flush()
+                except Exception as e:  # noqa: BLE001 - a tier that cannot sync is reported, not raised
+                    errors[lvl.name] = str(e)[:300] or type(e).__name__
+                    log.warning("tierkv: tier %s flush failed: %s", lvl.name, errors[lvl.name])
+            with self._lock:
+                n, reasons, keys = self._drops.take()
+            pending = self._behind.pending() if not drained and self._behind is not None else 0
+            result = FlushResult(n, reasons, keys, pending, errors)
+            if not result:
+                log.warning("tierkv: %s", result)
+            return result
         finally:
             self._leave()
 
@@ -477,6 +502,8 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
                 total[field] = sum(t[field] for t in tiers.values())
             total["in_flight"] = self._in_flight
             total["write_behind_pending"] = self._behind.pending() if self._behind is not None else 0
+            total["write_behind_dropped"] = self._drops.total
+            total["write_behind_dropped_by_reason"] = self._drops.by_reason()
         self._observer_stats(tiers)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         for name, d in tiers.items():

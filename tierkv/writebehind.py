@@ -1,8 +1,10 @@
 """The write-behind queue: chunks stored in fast tiers are copied into persistent ones in the background.
 
 ``submit`` never blocks the caller: when ``max_queued`` keys already wait, the
-new ones are dropped and counted (the device cannot keep up; the chunk is still
-stored above and may reach the persistent tier later by demotion).  One thread
+new ones are dropped, counted and handed to ``on_drop`` with the reason (the device
+cannot keep up; the chunk is still stored above and may reach the persistent tier
+later by demotion).  A batch whose copy raises, and keys still queued when ``close``
+gives up waiting, go to ``on_drop`` too: ``flush`` reports every one of them.  One thread
 drains the queue in batches through the store's ``copy`` callback; ``drain``
 waits until everything submitted so far has been handled (``flush`` and
 ``close`` use it).  The queue holds keys only, never the caller's buffers: the
@@ -18,14 +20,18 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Optional
 
+from tierkv.durability import DropReason
+
 log = logging.getLogger("tierkv")
 
 
 class WriteBehind:
     """A bounded queue of keys and the one thread that copies them down."""
 
-    def __init__(self, copy: Callable[[list[str]], None], max_queued: int = 65536, batch: int = 256) -> None:
+    def __init__(self, copy: Callable[[list[str]], None], max_queued: int = 65536, batch: int = 256,
+                 on_drop: Optional[Callable[[list[str], DropReason], None]] = None) -> None:
         self._copy = copy
+        self._on_drop = on_drop
         self.max_queued = max_queued
         self._batch = batch
         self._queue: deque[str] = deque()
@@ -38,24 +44,34 @@ class WriteBehind:
         self.failed_batches = 0
 
     def submit(self, keys: Sequence[str]) -> int:
-        """Queue ``keys``; returns how many were dropped because the queue is full."""
+        """Queue ``keys``; returns how many were dropped because the queue is full (or closed)."""
         if not keys:
             return 0
         with self._cv:
             if self._stop:
                 self.dropped += len(keys)
-                return len(keys)
-            room = max(0, self.max_queued - len(self._queue))
-            take = keys if len(keys) <= room else keys[:room]
-            self._queue.extend(take)
-            self.submitted += len(take)
-            dropped = len(keys) - len(take)
-            self.dropped += dropped
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="tierkv-write-behind", daemon=True)
-                self._thread.start()
-            self._cv.notify_all()
-        return dropped
+                lost, why = list(keys), DropReason.CLOSED
+            else:
+                room = max(0, self.max_queued - len(self._queue))
+                take = keys if len(keys) <= room else keys[:room]
+                self._queue.extend(take)
+                self.submitted += len(take)
+                lost, why = list(keys[len(take):]), DropReason.QUEUE_FULL
+                self.dropped += len(lost)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="tierkv-write-behind", daemon=True)
+                    self._thread.start()
+                self._cv.notify_all()
+        if lost:
+            self._dropped(lost, why)
+        return len(lost)
+
+    def _dropped(self, keys: list[str], why: DropReason) -> None:
+        if self._on_drop is not None:
+            try:
+                self._on_drop(keys, why)
+            except Exception as e:  # noqa: BLE001 - the bookkeeping of a drop never costs the caller
+                log.warning("tierkv: write-behind drop report failed: %s", e)
 
     def pending(self) -> int:
         with self._cv:
@@ -77,11 +93,13 @@ class WriteBehind:
         done = self.drain(timeout)
         with self._cv:
             self._stop = True
-            if not done:
-                self.dropped += len(self._queue)
-                self._queue.clear()
+            lost = list(self._queue) if not done else []
+            self.dropped += len(lost)
+            self._queue.clear()
             self._cv.notify_all()
             thread = self._thread
+        if lost:
+            self._dropped(lost, DropReason.CLOSED)
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout=5)
         return done
@@ -100,6 +118,7 @@ class WriteBehind:
             except Exception as e:  # a copy that fails costs the copy, never the thread  # noqa: BLE001 - a plug-in or medium fault is contained here by design
                 self.failed_batches += 1
                 log.warning("tierkv: write-behind copy of %d chunks failed: %s", len(batch), e)
+                self._dropped(batch, DropReason.COPY_FAILED)
             finally:
                 with self._cv:
                     self._busy = False
