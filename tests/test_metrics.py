@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import pytest
 import torch
@@ -118,3 +120,145 @@ def test_register_into_an_engines_registry(store):
     exp.stop()
     left = generate_latest(reg).decode()
     assert "tierkv_tier_hits_total" not in left and "tierkv_put_seconds" not in left
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the catalogue: every name docs/tools.md lists, and nothing it does not
+# ---------------------------------------------------------------------------------------------------------
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "tools.md"
+
+
+def documented_metrics() -> dict[str, str]:
+    """``{name: type}`` of every row of docs/tools.md's metric tables."""
+    out = {}
+    for line in DOCS.read_text().splitlines():
+        m = re.match(r"\| `(tierkv_[a-z_]+)` \| (counter|gauge|histogram) \|", line)
+        if m:
+            out[m.group(1)] = m.group(2)
+    return out
+
+
+def sample_names(name: str, kind: str) -> set[str]:
+    """The sample names one documented metric shows as (a histogram: its buckets, count and sum)."""
+    return {f"{name}_bucket", f"{name}_count", f"{name}_sum"} if kind == "histogram" else {name}
+
+
+def exported_families(text: str) -> dict[str, str]:
+    return {f.name: f.type for f in text_string_to_metric_families(text)}
+
+
+def busy_store(tmp_path, **extra):
+    """A DRAM tier over a small-region SSD tier, with a shadow, after some work of every kind."""
+    s = TieredStore.from_config({"tiers": [
+        {"medium": "dram", "capacity": 64 * 1024},
+        {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "8MiB", "region_size": "1MiB"}],
+        "shadow": {"rate": 1.0}, **extra})
+    x = torch.ones(16 * 1024, dtype=torch.uint8)
+    for i in range(12):
+        s.put([f"k{i}", f"k{i + 1}"], [x, x])
+        s.get([f"k{i // 2}"], [torch.empty_like(x)])
+    s.lookup(["k1", "k2", "nope"])
+    s.flush()
+    return s
+
+
+def test_every_documented_metric_is_exported_and_nothing_else(tmp_path):
+    docs = documented_metrics()
+    assert len(docs) > 40 and docs["tierkv_chunks_total"] == "counter"
+    store = busy_store(tmp_path)
+    try:
+        with serve(store, 0) as exp:
+            text = urllib.request.urlopen(exp.url, timeout=10).read().decode()
+    finally:
+        store.close()
+    seen = {s.name for f in text_string_to_metric_families(text) for s in f.samples}
+    standalone = {n: k for n, k in docs.items() if not n.startswith("tierkv_connector_")}
+    for name, kind in standalone.items():
+        assert sample_names(name, kind) <= seen, name
+    # and the other way round: no tierkv series the docs do not list
+    for fam, kind in exported_families(text).items():
+        shown = fam + "_total" if kind == "counter" else fam
+        assert shown in standalone and standalone[shown] == kind, fam
+
+
+def test_chunks_total_counts_each_operation_by_outcome(tmp_path):
+    store = TieredStore.from_config({"tiers": [
+        {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "8MiB", "region_size": "1MiB"}]})
+    small, huge = torch.ones(4096, dtype=torch.uint8), torch.ones(200 * 1024, dtype=torch.uint8)
+    try:
+        exp = register(store, CollectorRegistry())
+        # put a, b, c (stored), a again (deduped), one over the SSD's largest slot (rejected: too large)
+        assert store.put(["a", "b", "c"], [small] * 3) == [True] * 3
+        assert store.put(["a", "big"], [small, huge]) == [True, False]
+        # get: two hits, one miss
+        assert store.get(["a", "b", "zz"], [torch.empty_like(small) for _ in range(3)]) == [True, True, False]
+        got = {}
+        for fam in text_string_to_metric_families(exp.text()):
+            for s in fam.samples:
+                if s.name == "tierkv_chunks_total":
+                    got[(s.labels["op"], s.labels["outcome"])] = s.value
+                elif s.name == "tierkv_tier_medium_errors_total" and s.labels["reason"] == "too_large":
+                    got["too_large"] = s.value
+        assert got == {("put", "stored"): 3, ("put", "deduped"): 1, ("put", "rejected"): 1,
+                       ("get", "hit"): 2, ("get", "miss"): 1, "too_large": 1}
+        # the outcomes of an operation add up to its chunks
+        tot = store.stats()["total"]
+        assert sum(v for k, v in got.items() if k[0] == "put") == tot["chunks_put"] == 5
+        exp.stop()
+    finally:
+        store.close()
+
+
+def test_series_keep_their_final_values_after_close(tmp_path):
+    store = busy_store(tmp_path)
+    exp = serve(store, 0)
+    try:
+        before = scrape(exp.url)
+        store.get(["k3"], [torch.empty(16 * 1024, dtype=torch.uint8)])
+        store.close()  # drains the write-behind queue: the final figures are read after it
+        after = scrape(exp.url)
+        again = scrape(exp.url)
+    finally:
+        exp.stop()
+    assert before[("tierkv_open", ())] == 1.0 and after[("tierkv_open", ())] == 0.0
+    for t in ("dram", "ssd"):
+        assert before[tier("tierkv_tier_available", t)] == 1.0
+        assert after[tier("tierkv_tier_available", t)] == 0.0
+    assert after[("tierkv_calls_total", (("op", "get"),))] == before[("tierkv_calls_total", (("op", "get"),))] + 1
+    assert after[("tierkv_get_seconds_count", ())] == before[("tierkv_get_seconds_count", ())] + 1
+    assert after[tier("tierkv_tier_capacity_bytes", "ssd")] == 8 * 2**20
+    # every series of the open store is still there, and stays put
+    assert set(before) <= set(after) and after == again
+
+
+def test_a_busy_port_leaves_the_store_as_it_was(store):
+    import socket
+
+    from tierkv.metrics import LatencyRecorder
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        with pytest.raises(OSError, match=f"127.0.0.1:{port}"):
+            serve(store, port)
+    assert LatencyRecorder.find(store) is None  # nothing left attached
+    with serve(store, 0) as exp:
+        assert LatencyRecorder.find(store) is not None
+        assert ("tierkv_open", ()) in scrape(exp.url)
+    assert LatencyRecorder.find(store) is None
+
+
+def test_write_behind_queue_depth_and_drops_are_exported(tmp_path):
+    store = busy_store(tmp_path)
+    try:
+        exp = register(store, CollectorRegistry())
+        text = exp.text()
+        tot = store.stats()["total"]
+        assert tot["write_behind_queued"] > 0
+        assert f"tierkv_write_behind_queued_total {float(tot['write_behind_queued'])}" in text
+        assert "tierkv_write_behind_dropped_total 0.0" in text
+        assert "tierkv_write_behind_pending 0.0" in text  # flushed
+        exp.stop()
+    finally:
+        store.close()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tierkv import TieredStore
-from tierkv.adapters.vllm.prom import attach_store_snapshot, merge_store_snapshots
+from tierkv.adapters.vllm.prom import attach_store_snapshot, merge_store_snapshots, watch_store
 from tierkv.adapters.vllm.trace_hook import RequestTracer
 from tierkv.errors import ConfigError
 from tierkv.sim import read_trace
@@ -56,6 +56,8 @@ def test_prom_metrics_through_vllms_hooks():
     cfg = types.SimpleNamespace(kv_transfer_config=None)
     prom = build_prom_metrics(cfg, types_, ["model_name", "engine"], {0: ["tiny", "0"]})
     stores = [TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": 4096}]}) for _ in range(2)]
+    for s in stores:
+        watch_store(s)  # as the connector's worker does
     try:
         x = torch.zeros(1024, dtype=torch.uint8)
         for rank, s in enumerate(stores):
@@ -86,6 +88,21 @@ def test_prom_metrics_through_vllms_hooks():
         text = generate_latest(reg).decode()
         assert f'tierkv_tier_hits_total{{{labels},tier="dram"}} 3.0' in text
         assert f'tierkv_tier_capacity_bytes{{{labels},tier="dram"}} 8192.0' in text
+        # every store family rides along: chunks by op and outcome, the store's state, latency per batch
+        assert f'tierkv_chunks_total{{{labels},op="put",outcome="stored"}} 12.0' in text
+        assert f'tierkv_chunks_total{{{labels},op="get",outcome="hit"}} 3.0' in text
+        assert f'tierkv_open{{{labels}}} 1.0' in text
+        assert f'tierkv_tier_available{{{labels},tier="dram"}} 1.0' in text
+        assert f'tierkv_get_seconds_count{{{labels}}} 3.0' in text  # 2 + 1 gets, timed in the workers
+        assert f'tierkv_put_seconds_count{{{labels}}} 4.0' in text
+        # a rank whose tier is down makes the engine's tier unavailable (the minimum over ranks)
+        snap = {}
+        attach_store_snapshot(snap, stores[1], rank=1)
+        snap["tierkv_store"]["1"]["tiers"]["dram"]["values"]["available"] = 0.0
+        prom.observe(snap, 0)
+        text = generate_latest(reg).decode()
+        assert f'tierkv_tier_available{{{labels},tier="dram"}} 0.0' in text
+        assert f'tierkv_get_seconds_count{{{labels}}} 3.0' in text  # nothing new: nothing added twice
     finally:
         for s in stores:
             s.close()

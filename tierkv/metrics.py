@@ -1,171 +1,375 @@
-"""Prometheus exporter of a store's counters, gauges and latencies.
+"""Prometheus metrics of a store: one catalogue, two exporters.
 
-``serve(store, port)`` starts an HTTP endpoint (port 0 picks a free one; the
-chosen port is ``.port``) and returns an ``Exporter`` with ``stop()`` /
-``close()``.  ``Exporter(store).registry`` can also be served by the engine's
-own HTTP server, or ``register(store, registry)`` adds tierkv's metrics to an
-existing registry.
+``snapshot(store)`` reads every number a store reports (``stats()``: per-tier
+counters and gauges, the medium's own figures, shadow estimates, store totals,
+the write-behind queue; the latency histograms of its ``LatencyRecorder``) into a
+JSON-able dict.  ``families(snapshot)`` turns one into metric families, each a
+name, a kind, a help line, label names and samples.  Both exporters render those
+families, so the names are the same everywhere:
 
-Per tier (label ``tier``), read from ``store.stats()`` at scrape time:
-``tierkv_tier_hits_total``, ``_misses_total``, ``_read_bytes_total``,
-``_written_bytes_total``, ``_evictions_total``, ``_demotions_total``,
-``_promotions_total``, ``_rejected_total``, ``_errors_total`` (all
-``tierkv_tier_…``), gauges ``tierkv_tier_used_bytes``,
-``tierkv_tier_capacity_bytes``, ``tierkv_tier_entries``,
-``tierkv_tier_available`` (1 or 0) and, with a shadow observer,
-``tierkv_tier_shadow_hit_ratio{tier, capacity_factor}`` (plus
-``tierkv_tier_shadow_cumulative_hit_ratio``).
+* standalone: ``serve(store, port)`` starts an HTTP endpoint (port 0 picks a free
+  one; read ``.port``) and returns an ``Exporter`` with ``stop()`` / ``close()``;
+  ``register(store, registry)`` adds the metrics to an existing registry;
+* vLLM: the connector ships each worker's snapshot to vLLM's logger, which renders
+  the same families on vLLM's ``/metrics`` (``tierkv.adapters.vllm.prom``).
 
-Store totals: ``tierkv_hits_total``, ``tierkv_misses_total``,
-``tierkv_read_bytes_total``, ``tierkv_written_bytes_total``,
-``tierkv_evictions_total``, ``tierkv_demotions_total``,
-``tierkv_promotions_total``, ``tierkv_rejected_total``, ``tierkv_errors_total``,
-``tierkv_used_bytes``, ``tierkv_capacity_bytes``, ``tierkv_calls_total{op}``,
-``tierkv_chunks_total{op}``, ``tierkv_write_behind_dropped_total{reason}`` (acknowledged
-chunks whose copy into a persistent tier was given up: see ``TieredStore.flush``) and
-``tierkv_in_flight``.
-
-Latency (one observation per batch, timed in the store): histograms
-``tierkv_get_seconds``, ``tierkv_put_seconds`` and ``tierkv_lookup_seconds``.
+Generic by construction: every field of ``TierCounters`` and ``StoreCounters``
+(``tierkv.stats``) is exported, and a medium's numeric ``extra_stats()`` too, so a
+counter added there appears without touching this module.  After ``close()`` the
+standalone exporter keeps serving the store's final figures (taken as it closed),
+with ``tierkv_open`` 0 and every ``tierkv_tier_available`` 0.  The list of metrics
+and their meaning is in docs/tools.md.
 """
 
 from __future__ import annotations
 
+import bisect
+import enum
+import errno
 import threading
-from typing import TYPE_CHECKING, Any, Optional, cast
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Optional
 
-from prometheus_client import CollectorRegistry, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+from tierkv.stats import StoreCounters, TierCounters
 
 if TYPE_CHECKING:
     from wsgiref.simple_server import WSGIServer
 
-    from prometheus_client.registry import Collector
+LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
+                   0.5, 1.0, 2.5, 5.0, 10.0)
+LATENCY_OPS = ("get", "put", "lookup")
 
-#: stats() field -> (metric suffix, help); counters
+
+class Kind(enum.Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+
+
+class Merge(enum.Enum):
+    """How one engine's ranks combine into one value (vLLM's ``/metrics``); counters always add up."""
+
+    SUM = "sum"
+    MIN = "min"  # 1 only when every rank says 1
+    MEAN = "mean"
+
+
+@dataclass
+class Family:
+    """One metric: ``name`` (a counter's without ``_total``), its samples as (label values, value)."""
+
+    name: str
+    kind: Kind
+    help: str
+    labels: tuple[str, ...] = ()
+    samples: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
+    merge: Merge = Merge.SUM
+
+
+# -- the catalogue: stats() field -> (metric name, help) ------------------------------------------------------
+#: per-tier counters (``TierCounters``); a field not listed is exported as ``tierkv_tier_<field>_total``
 TIER_COUNTERS = {
     "hits": ("hits", "Chunks served by the tier"),
     "misses": ("misses", "Chunks looked for in the tier and not found there"),
     "bytes_read": ("read_bytes", "Bytes read from the tier (hits, demotion sources)"),
     "bytes_written": ("written_bytes", "Bytes written into the tier (puts, demotions, promotions)"),
+    "puts": ("puts", "Chunks a put stored in the tier"),
     "evictions": ("evictions", "Chunks evicted from the tier"),
     "demotions": ("demotions", "Evicted chunks copied to a lower tier"),
     "promotions": ("promotions", "Hits of the tier copied up to a faster tier"),
     "rejected": ("rejected", "Chunks the tier refused (admission, no room)"),
     "errors": ("errors", "Failed or corrupt reads and writes"),
+    "persisted": ("persisted", "Chunks the write-behind queue copied into the tier"),
 }
+#: per-tier gauges: field -> (help, how ranks combine)
 TIER_GAUGES = {
-    "used_bytes": ("used_bytes", "Bytes of capacity in use"),
-    "capacity_bytes": ("capacity_bytes", "Configured capacity"),
-    "entries": ("entries", "Chunks held (managed tiers)"),
-    "available": ("available", "1 while the tier serves, 0 while its backend is down"),
+    "used_bytes": ("Bytes of capacity in use", Merge.SUM),
+    "capacity_bytes": ("Configured capacity", Merge.SUM),
+    "stored_bytes": ("Bytes the medium holds (payloads and their headers)", Merge.SUM),
+    "entries": ("Chunks held (managed tiers)", Merge.SUM),
+    "available": ("1 while the tier serves, 0 while its backend is down or the store is closed", Merge.MIN),
 }
-LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
-                   0.5, 1.0, 2.5, 5.0, 10.0)
+#: a medium's fault counters (``extra_stats()``) -> the ``reason`` of ``tierkv_tier_medium_errors_total``
+MEDIUM_ERRORS = {
+    "io_errors": "io",
+    "corrupt": "corrupt",
+    "enospc": "disk_full",
+    "too_large": "too_large",
+    "checkpoint_errors": "checkpoint",
+    "bad_key": "bad_key",
+    "timeouts": "timeout",
+    "transfer_errors": "peer_unreachable",
+}
+#: store counters with a name of their own; every other ``StoreCounters`` field is ``tierkv_<field>_total``
+_CALLS = {"put_calls": "put", "get_calls": "get", "lookup_calls": "lookup"}
+_CHUNKS = {"chunks_stored": ("put", "stored"), "chunks_deduped": ("put", "deduped"),
+           "chunks_rejected": ("put", "rejected"), "hits": ("get", "hit"), "misses": ("get", "miss")}
+STORE_COUNTER_HELP = {
+    "hits": "Chunks a get found in some tier",
+    "misses": "Chunks a get found in no tier",
+    "bytes_put": "Bytes of the chunks puts stored",
+    "bytes_got": "Bytes of the chunks gets found",
+    "write_behind_queued": "Chunks handed to the write-behind queue",
+    "write_behind_dropped": "Acknowledged chunks whose copy into a persistent tier was given up, by reason "
+                            "(flush() names them)",
+}
+#: store gauges (``stats()["total"]`` fields that are neither ``StoreCounters`` nor per-tier sums)
+STORE_GAUGE_HELP = {
+    "used_bytes": "Bytes of capacity in use (all tiers)",
+    "capacity_bytes": "Configured capacity (all tiers)",
+    "in_flight": "Store calls in progress",
+    "write_behind_pending": "Chunks waiting in the write-behind queue (its depth)",
+}
+_STORE_COUNTERS = {f.name for f in fields(StoreCounters)}
+_TIER_COUNTERS = [f.name for f in fields(TierCounters)]
+_NOT_MEDIUM = {*_TIER_COUNTERS, *TIER_GAUGES, *MEDIUM_ERRORS}
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float))  # (bool included: 1 / 0)
+
+
+# -- latency -------------------------------------------------------------------------------------------------
+class LatencyRecorder:
+    """Store observer keeping one latency histogram per operation (a batch is one observation).
+
+    Plain counts (no Prometheus object), so a snapshot travels between processes.
+    ``LatencyRecorder.of(store)`` finds the store's recorder, attaching one if needed.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counts = {op: [0] * (len(LATENCY_BUCKETS) + 1) for op in LATENCY_OPS}
+        self._sums = dict.fromkeys(LATENCY_OPS, 0.0)
+        self._at_close: list[Callable[[], None]] = []
+
+    @classmethod
+    def find(cls, store: Any) -> Optional[LatencyRecorder]:
+        for obs in getattr(store, "observers", tuple)():
+            if isinstance(obs, cls):
+                return obs
+        return None
+
+    @classmethod
+    def of(cls, store: Any) -> LatencyRecorder:
+        rec = cls.find(store)
+        if rec is None:
+            rec = cls()
+            store.add_observer(rec)
+        return rec
+
+    def observe(self, op: str, keys: list, result: Any, seconds: float, sizes: Any) -> None:
+        counts = self._counts.get(op)
+        if counts is not None:
+            i = bisect.bisect_left(LATENCY_BUCKETS, seconds)  # the first bucket whose bound is >= seconds
+            with self._lock:
+                counts[i] += 1
+                self._sums[op] += seconds
+
+    def snapshot(self) -> dict[str, dict[str, Any]]:
+        """``{op: {"counts": [per bucket, the last one +Inf], "sum": seconds}}``."""
+        with self._lock:
+            return {op: {"counts": list(c), "sum": self._sums[op]} for op, c in self._counts.items()}
+
+    def at_close(self, fn: Callable[[], None]) -> None:
+        """Call ``fn()`` when the store closes (before its tiers are released)."""
+        self._at_close.append(fn)
+
+    def forget(self, fn: Callable[[], None]) -> None:
+        self._at_close = [f for f in self._at_close if f != fn]
+
+    def close(self) -> None:
+        for fn in list(self._at_close):
+            fn()
+
+
+# -- snapshot and families -----------------------------------------------------------------------------------
+def snapshot(store: Any) -> dict[str, Any]:
+    """Every number ``store`` reports, JSON-able: ``{"open", "tiers": {name: {"values", "shadow"}}, "total",
+    "latency"}`` (``latency`` only with a ``LatencyRecorder`` attached)."""
+    st = store.stats()
+    tiers: dict[str, Any] = {}
+    for name, t in st["tiers"].items():
+        shadow = ((t.get("shadow") or {}).get("factors") or {})
+        tiers[name] = {
+            "values": {k: float(v) for k, v in t.items() if _number(v)},
+            "shadow": {f: [float(e["hit_rate"]), float(e["cumulative_hit_rate"])] for f, e in shadow.items()},
+        }
+    out: dict[str, Any] = {
+        "open": 0.0 if getattr(store, "closed", False) else 1.0,
+        "tiers": tiers,
+        "total": {k: float(v) for k, v in st["total"].items() if _number(v)},
+        # ``X_by_reason`` dicts of stats()["total"]: the counter X split by reason
+        "by_reason": {k[:-len("_by_reason")]: {r: float(n) for r, n in v.items()}
+                      for k, v in st["total"].items() if k.endswith("_by_reason") and isinstance(v, dict)},
+    }
+    rec = LatencyRecorder.find(store)
+    if rec is not None:
+        out["latency"] = rec.snapshot()
+    return out
+
+
+def families(snap: dict[str, Any]) -> list[Family]:
+    """The metric families of one snapshot (histograms apart: see ``latency_families``)."""
+    tiers = snap.get("tiers") or {}
+    out: list[Family] = [Family("tierkv_open", Kind.GAUGE, "1 while the store is open, 0 once it is closed",
+                                samples=[((), float(snap.get("open", 1.0)))], merge=Merge.MIN)]
+    by_tier: dict[str, Family] = {}
+    for f in _TIER_COUNTERS:
+        suffix, doc = TIER_COUNTERS.get(f, (f, f"stats() tier counter {f}"))
+        by_tier[f] = Family(f"tierkv_tier_{suffix}", Kind.COUNTER, doc, ("tier",))
+    for f, (doc, merge) in TIER_GAUGES.items():
+        by_tier[f] = Family(f"tierkv_tier_{f}", Kind.GAUGE, doc, ("tier",), merge=merge)
+    errors = Family("tierkv_tier_medium_errors", Kind.COUNTER,
+                    "Faults the medium counted, by reason (io, corrupt, disk_full, too_large, checkpoint, bad_key, "
+                    "timeout, peer_unreachable)", ("tier", "reason"))
+    medium = Family("tierkv_tier_medium", Kind.GAUGE,
+                    "Every other number the medium reports in stats() (its own counters and levels)",
+                    ("tier", "field"))
+    shadow = Family("tierkv_tier_shadow_hit_ratio", Kind.GAUGE,
+                    "Estimated share of chunk requests the tier would serve at capacity_factor x its capacity "
+                    "(sampled shadow cache)", ("tier", "capacity_factor"), merge=Merge.MEAN)
+    cum = Family("tierkv_tier_shadow_cumulative_hit_ratio", Kind.GAUGE,
+                 "Estimated share of chunk requests served at or above the tier at capacity_factor x its capacity",
+                 ("tier", "capacity_factor"), merge=Merge.MEAN)
+    for name, t in tiers.items():
+        for f, v in (t.get("values") or {}).items():
+            fam = by_tier.get(f)
+            if fam is not None:
+                fam.samples.append(((name,), v))
+            elif f in MEDIUM_ERRORS:
+                errors.samples.append(((name, MEDIUM_ERRORS[f]), v))
+            else:
+                medium.samples.append(((name, f), v))
+        for factor, (hit, cumulative) in (t.get("shadow") or {}).items():
+            shadow.samples.append(((name, factor), hit))
+            cum.samples.append(((name, factor), cumulative))
+    out += [*by_tier.values(), errors, medium, shadow, cum]
+
+    total = snap.get("total") or {}
+    calls = Family("tierkv_calls", Kind.COUNTER, "Store calls (batches)", ("op",))
+    chunks = Family("tierkv_chunks", Kind.COUNTER,
+                    "Chunks by operation and outcome (put: stored, deduped, rejected; get: hit, miss); the sum over "
+                    "outcome is the chunks of that operation", ("op", "outcome"))
+    for f in _CALLS:
+        calls.samples.append(((_CALLS[f],), total.get(f, 0.0)))
+    for f, labels in _CHUNKS.items():
+        chunks.samples.append((labels, total.get(f, 0.0)))
+    out += [calls, chunks]
+    split = snap.get("by_reason") or {}
+    for f, counts in split.items():
+        out.append(Family(f"tierkv_{f}", Kind.COUNTER, STORE_COUNTER_HELP.get(f, f"stats() store counter {f}"),
+                          ("reason",), [((r,), n) for r, n in counts.items()]))
+    for f, v in total.items():
+        if f in _CALLS or f == "chunks_put" or (f.startswith("chunks_") and f in _CHUNKS) or f in split:
+            continue  # (chunks_put is the sum of the put outcomes; a split counter's total, of its reasons)
+        if f in _STORE_COUNTERS:
+            out.append(Family(f"tierkv_{f}", Kind.COUNTER, STORE_COUNTER_HELP.get(f, f"stats() store counter {f}"),
+                              samples=[((), v)]))
+        elif f in TIER_COUNTERS:
+            suffix, doc = TIER_COUNTERS[f]
+            out.append(Family(f"tierkv_{suffix}", Kind.COUNTER, f"{doc} (all tiers)", samples=[((), v)]))
+        else:
+            out.append(Family(f"tierkv_{f}", Kind.GAUGE, STORE_GAUGE_HELP.get(f, f"stats() store figure {f}"),
+                              samples=[((), v)]))
+    return out
+
+
+def latency_families(snap: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{metric name: {"counts", "sum"}}`` of the snapshot's latency histograms."""
+    return {f"tierkv_{op}_seconds": h for op, h in (snap.get("latency") or {}).items()}
+
+
+def latency_help(name: str) -> str:
+    return f"Latency of one store {name[len('tierkv_'):-len('_seconds')]} batch (seconds)"
+
+
+# -- the standalone exporter ---------------------------------------------------------------------------------
 class StoreCollector:
-    """A prometheus_client collector that reads ``store.stats()`` on every scrape."""
+    """A prometheus_client collector rendering ``families(snapshot(store))`` on every scrape.
 
-    def __init__(self, store: Any, prefix: str = "tierkv") -> None:
+    Once the store is closed it renders the final snapshot (taken as the store closed when
+    ``recorder`` is attached to it), with ``tierkv_open`` and every ``tierkv_tier_available`` 0.
+    """
+
+    def __init__(self, store: Any, recorder: Optional[LatencyRecorder] = None) -> None:
         self.store = store
-        self.prefix = prefix
+        self._final: Optional[dict[str, Any]] = None
+        if recorder is not None:
+            recorder.at_close(self._keep_final)
 
-    def describe(self):  # no pre-registration: metric names depend on nothing but the prefix
+    def _keep_final(self) -> None:
+        self._final = _closed(snapshot(self.store))
+
+    def describe(self):  # no pre-registration: the names depend on what the store reports
         return []
 
     def collect(self):
-        p = self.prefix
-        if getattr(self.store, "closed", False):
-            return
-        st = self.store.stats()
-        tiers = st["tiers"]
-        for field, (suffix, doc) in TIER_COUNTERS.items():
-            m = CounterMetricFamily(f"{p}_tier_{suffix}", doc, labels=["tier"])
-            for name, t in tiers.items():
-                m.add_metric([name], float(t.get(field) or 0))
-            yield m
-        for field, (suffix, doc) in TIER_GAUGES.items():
-            m = GaugeMetricFamily(f"{p}_tier_{suffix}", doc, labels=["tier"])
-            for name, t in tiers.items():
-                v = t.get(field)
-                if v is not None:
-                    m.add_metric([name], float(v))
-            yield m
-        shadow = GaugeMetricFamily(f"{p}_tier_shadow_hit_ratio",
-                                   "Estimated share of chunk requests the tier would serve at capacity_factor x "
-                                   "its capacity (sampled shadow cache)", labels=["tier", "capacity_factor"])
-        cum = GaugeMetricFamily(f"{p}_tier_shadow_cumulative_hit_ratio",
-                                "Estimated share of chunk requests served at or above the tier at capacity_factor "
-                                "x its capacity", labels=["tier", "capacity_factor"])
-        for name, t in tiers.items():
-            for f, est in ((t.get("shadow") or {}).get("factors") or {}).items():
-                shadow.add_metric([name, f], est["hit_rate"])
-                cum.add_metric([name, f], est["cumulative_hit_rate"])
-        yield shadow
-        yield cum
-        tot = st["total"]
-        for field, (suffix, doc) in TIER_COUNTERS.items():
-            src = {"hits": "hits", "misses": "misses"}.get(field, field)
-            m = CounterMetricFamily(f"{p}_{suffix}", f"{doc} (all tiers)" if field not in ("hits", "misses")
-                                    else ("Chunks a get found in some tier" if field == "hits"
-                                          else "Chunks a get found in no tier"))
-            m.add_metric([], float(tot.get(src) or 0))
-            yield m
-        for field in ("used_bytes", "capacity_bytes"):
-            m = GaugeMetricFamily(f"{p}_{field}", f"{TIER_GAUGES[field][1]} (all tiers)")
-            m.add_metric([], float(tot.get(field) or 0))
-            yield m
-        calls = CounterMetricFamily(f"{p}_calls", "Store calls (batches)", labels=["op"])
-        for op in ("put", "get", "lookup"):
-            calls.add_metric([op], float(tot.get(f"{op}_calls", 0)))
-        yield calls
-        chunks = CounterMetricFamily(f"{p}_chunks", "Chunks by outcome", labels=["op"])
-        for op in ("put", "stored", "deduped", "rejected"):
-            chunks.add_metric([op], float(tot.get(f"chunks_{op}", 0)))
-        yield chunks
-        dropped = CounterMetricFamily(f"{p}_write_behind_dropped",
-                                      "Acknowledged chunks whose copy into a persistent tier was given up, by "
-                                      "reason (flush() names them)", labels=["reason"])
-        for reason, n in (tot.get("write_behind_dropped_by_reason") or {}).items():
-            dropped.add_metric([reason], float(n))
-        yield dropped
-        g = GaugeMetricFamily(f"{p}_in_flight", "Store calls in progress")
-        g.add_metric([], float(tot.get("in_flight", 0)))
-        yield g
+        snap = self._final
+        if snap is None:
+            if not getattr(self.store, "closed", False):
+                snap = snapshot(self.store)
+            else:  # closed before a final snapshot could be kept: what stats() still says, if anything
+                try:
+                    snap = _closed(snapshot(self.store))
+                except Exception:  # noqa: BLE001 - a released medium may refuse; the store is closed all the same
+                    snap = {"open": 0.0, "tiers": {}, "total": {}}
+        yield from render(snap)
 
 
-class LatencyObserver:
-    """Store observer feeding one histogram per operation (a batch is one observation)."""
+def _closed(snap: dict[str, Any]) -> dict[str, Any]:
+    snap["open"] = 0.0
+    for t in snap["tiers"].values():
+        t["values"]["available"] = 0.0
+    return snap
 
-    def __init__(self, registry: CollectorRegistry, prefix: str = "tierkv") -> None:
-        self.hists = {op: Histogram(f"{prefix}_{op}_seconds", f"Latency of one store {op} batch",
-                                    registry=registry, buckets=LATENCY_BUCKETS)
-                      for op in ("get", "put", "lookup")}
 
-    def observe(self, op: str, keys: list, result: Any, seconds: float, sizes: Any) -> None:
-        h = self.hists.get(op)
-        if h is not None:
-            h.observe(seconds)
+def render(snap: dict[str, Any]):
+    """prometheus_client metric families of one snapshot."""
+    for fam in families(snap):
+        cls = CounterMetricFamily if fam.kind is Kind.COUNTER else GaugeMetricFamily
+        m = cls(fam.name, fam.help, labels=list(fam.labels))
+        for labels, v in fam.samples:
+            m.add_metric(list(labels), v)
+        yield m
+    for name, h in latency_families(snap).items():
+        cumulative, acc = [], 0.0
+        for bound, n in zip((*LATENCY_BUCKETS, float("inf")), h["counts"]):
+            acc += n
+            cumulative.append(("+Inf" if bound == float("inf") else repr(float(bound)), acc))
+        yield HistogramMetricFamily(name, latency_help(name), buckets=cumulative, sum_value=h["sum"])
 
 
 class Exporter:
-    """tierkv's metrics for one store in a registry of their own; ``serve`` starts an HTTP endpoint."""
+    """tierkv's metrics for one store in a registry (its own unless given); ``serve`` starts an HTTP endpoint."""
 
     def __init__(self, store: Any, registry: Optional[CollectorRegistry] = None) -> None:
         self.store = store
         self.registry = registry if registry is not None else CollectorRegistry(auto_describe=False)
-        self.collector = StoreCollector(store)
-        self.registry.register(self.collector)
-        self.latency = LatencyObserver(self.registry)
-        store.add_observer(self.latency)
+        had = LatencyRecorder.find(store)
+        self.latency = had or LatencyRecorder.of(store)
+        self._own_recorder = had is None
+        self.collector = StoreCollector(store, self.latency)
+        self.registry.register(self.collector)  # type: ignore[arg-type]
         self._server: Optional[WSGIServer] = None
         self._thread: Optional[threading.Thread] = None
         self.port: Optional[int] = None
         self.addr: Optional[str] = None
 
-    def serve(self, port: int = 0, addr: str = "127.0.0.1") -> "Exporter":
-        self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+    def serve(self, port: int = 0, addr: str = "127.0.0.1") -> Exporter:
+        """Listen on ``addr:port``; on failure (port in use…) the exporter is stopped and ``OSError`` raised."""
+        try:
+            self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        except OSError as e:
+            self.stop()
+            raise OSError(e.errno or errno.EADDRNOTAVAIL,
+                          f"tierkv.metrics: cannot listen on {addr}:{port}: {e.strerror or e}") from e
+        except BaseException:
+            self.stop()
+            raise
         self.addr = addr
         self.port = self._server.server_port
         return self
@@ -185,16 +389,17 @@ class Exporter:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
-        self.store.remove_observer(self.latency)
-        for c in (self.collector, *self.latency.hists.values()):
-            try:
-                self.registry.unregister(cast("Collector", c))
-            except KeyError:
-                pass
+        self.latency.forget(self.collector._keep_final)
+        if self._own_recorder:
+            self.store.remove_observer(self.latency)
+        try:
+            self.registry.unregister(self.collector)  # type: ignore[arg-type]
+        except KeyError:
+            pass
 
     close = stop
 
-    def __enter__(self) -> "Exporter":
+    def __enter__(self) -> Exporter:
         return self
 
     def __exit__(self, *exc: Any) -> None:

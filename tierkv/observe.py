@@ -38,6 +38,10 @@ class Observable:
         """Call ``observer`` after every batch (see the module docstring)."""
         self._observers = [*self._observers, observer]  # copy on write: batches in flight keep their list
 
+    def observers(self) -> tuple[Any, ...]:
+        """The observers attached, in order."""
+        return tuple(self._observers)
+
     def remove_observer(self, observer: Any) -> None:
         self._observers = [o for o in self._observers if o is not observer]
 

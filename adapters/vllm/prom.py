@@ -1,4 +1,4 @@
-"""tierkv's counters on vLLM's ``/metrics``: the connector's Prometheus hooks.
+"""tierkv's metrics on vLLM's ``/metrics``: the connector's Prometheus hooks.
 
 vLLM asks a connector class for ``build_prom_metrics(vllm_config, metric_types,
 labelnames, per_engine_labelvalues)`` and then calls ``observe(data, engine_idx)``
@@ -6,26 +6,32 @@ with each interval's aggregated ``KVConnectorStats.data``.  Two things ride in i
 
 * the connector's own interval counters (``load_tokens``, ``load_bytes``,
   ``load_s``, ``load_errors``, ``save_blocks``, ``save_bytes``, ``save_s``,
-  ``save_errors``, ``hit_tokens`` by tier) -> counters
+  ``save_errors``, ``save_refused``, ``hit_tokens`` by tier) -> counters
   ``tierkv_connector_loaded_tokens_total`` … and ``tierkv_connector_hit_tokens_total{tier}``;
-* a cumulative snapshot of each worker's store under ``"tierkv_store"`` (put there by
-  ``attach_store_snapshot``, merged across workers by ``merge_store_snapshots``) ->
-  the same per-tier names ``tierkv.metrics`` exports (``tierkv_tier_hits_total{tier}`` …,
-  gauges ``tierkv_tier_used_bytes`` / ``tierkv_tier_capacity_bytes`` summed over ranks),
-  counters advanced by the growth since the last snapshot of that rank.
+* each worker's store as ``tierkv.metrics.snapshot`` reads it, under ``"tierkv_store"``
+  by rank (put there by ``attach_store_snapshot``, merged across workers by
+  ``merge_store_snapshots``) -> every family ``tierkv.metrics.families`` makes, under
+  the standalone exporter's names: counters advanced by each rank's growth since its
+  last snapshot, gauges combined over ranks as the family says (sum; ``available`` and
+  ``tierkv_open``: the minimum; shadow ratios: the mean), latency histograms advanced
+  bucket by bucket.
 
-vLLM's labels (engine, model) come first; ``tier`` is added.  Nothing here
-imports vLLM until ``build_prom_metrics`` is called.
+vLLM's labels (engine, model) come first, then the family's own.  Metrics are made on
+first sight, so a counter the store adds later appears without a change here.  Nothing
+here imports vLLM until ``build_prom_metrics`` is called.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
-from tierkv.metrics import TIER_COUNTERS
+from tierkv.metrics import LATENCY_BUCKETS, Kind, LatencyRecorder, Merge, families, latency_families, latency_help
+from tierkv.metrics import snapshot as read_snapshot
 
 SNAPSHOT_KEY = "tierkv_store"
-SNAPSHOT_GAUGES = ("used_bytes", "capacity_bytes")
+#: a worker sends a snapshot with every non-empty interval, and at least this often while the engine steps
+SNAPSHOT_EVERY_S = 1.0
 CONNECTOR_COUNTERS = {
     "load_tokens": ("tierkv_connector_loaded_tokens", "Tokens loaded from tierkv into vLLM's KV cache"),
     "load_bytes": ("tierkv_connector_loaded_bytes", "Bytes loaded from tierkv"),
@@ -35,21 +41,20 @@ CONNECTOR_COUNTERS = {
     "save_bytes": ("tierkv_connector_saved_bytes", "Bytes saved to tierkv"),
     "save_s": ("tierkv_connector_save_seconds", "Seconds spent saving to tierkv"),
     "save_errors": ("tierkv_connector_save_errors", "Saves that failed"),
+    "save_refused": ("tierkv_connector_save_refused", "Chunks the store declined to keep (admission, no room)"),
 }
 
 
-def store_snapshot(store: Any) -> dict[str, dict[str, float]]:
-    """Cumulative per-tier counters and gauges of one store, JSON-able (it travels worker -> logger)."""
-    out = {}
-    for name, t in store.stats()["tiers"].items():
-        out[name] = {f: float(t.get(f) or 0) for f in (*TIER_COUNTERS, *SNAPSHOT_GAUGES)}
-    return out
+def watch_store(store: Any) -> None:
+    """Time ``store``'s batches for the latency histograms (a ``LatencyRecorder``, once)."""
+    if hasattr(store, "observers"):
+        LatencyRecorder.of(store)
 
 
 def attach_store_snapshot(data: dict[str, Any], store: Any, rank: Any = 0) -> None:
     """Put ``store``'s snapshot into a stats payload under this worker's ``rank``."""
     if store is not None:
-        data.setdefault(SNAPSHOT_KEY, {})[str(rank)] = store_snapshot(store)
+        data.setdefault(SNAPSHOT_KEY, {})[str(rank)] = read_snapshot(store)
 
 
 def merge_store_snapshots(dst: dict[str, Any], src: dict[str, Any]) -> None:
@@ -57,6 +62,20 @@ def merge_store_snapshots(dst: dict[str, Any], src: dict[str, Any]) -> None:
     snaps = (src or {}).get(SNAPSHOT_KEY)
     if snaps:
         dst.setdefault(SNAPSHOT_KEY, {}).update(snaps)
+
+
+class SnapshotClock:
+    """When a worker's next snapshot is due even though its interval moved nothing."""
+
+    def __init__(self, every_s: float = SNAPSHOT_EVERY_S) -> None:
+        self.every_s = every_s
+        self._last = float("-inf")
+
+    def due(self) -> bool:
+        return time.monotonic() - self._last >= self.every_s
+
+    def sent(self) -> None:
+        self._last = time.monotonic()
 
 
 _CLASS = None
@@ -69,6 +88,31 @@ def _gauge(cls: Any, name: str, doc: str, labelnames: list[str]) -> Any:
         return cls(name=name, documentation=doc, labelnames=labelnames)
 
 
+def _combine(merge: Merge, values: list[float]) -> float:
+    if merge is Merge.MIN:
+        return min(values)
+    if merge is Merge.MEAN:
+        return sum(values) / len(values)
+    return sum(values)
+
+
+def _add_to_histogram(child: Any, counts: list[float], total: float) -> None:
+    """Add per-bucket counts (and their sum) to one histogram child."""
+    buckets, summed = getattr(child, "_buckets", None), getattr(child, "_sum", None)
+    if buckets is not None and summed is not None and len(buckets) == len(counts):
+        for b, n in zip(buckets, counts):
+            if n > 0:
+                b.inc(n)
+        summed.inc(total)
+        return
+    # a metric class without prometheus_client's buckets (e.g. a Ray wrapper): one observation per count at
+    # its bucket's bound (the sum is then approximate)
+    bounds = (*LATENCY_BUCKETS, LATENCY_BUCKETS[-1])
+    for bound, n in zip(bounds, counts):
+        for _ in range(int(n)):
+            child.observe(bound)
+
+
 def build_prom_metrics(vllm_config: Any, metric_types: dict, labelnames: list[str],
                        per_engine_labelvalues: dict[int, list[object]]) -> Any:
     """What ``TierKVConnector.build_prom_metrics`` returns (a ``KVConnectorPromMetrics``)."""
@@ -79,26 +123,38 @@ def _prom_class():
     global _CLASS
     if _CLASS is not None:
         return _CLASS
-    from prometheus_client import Counter, Gauge
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
     class TierKVPromMetrics(KVConnectorPromMetrics):
-        """Per-engine tierkv counters and gauges on vLLM's registry."""
+        """Per-engine tierkv counters, gauges and histograms on vLLM's registry."""
 
         def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues):
             super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-            gauge_cls, counter_cls = metric_types[Gauge], metric_types[Counter]
-            names = list(labelnames)
-            self._conn = {k: counter_cls(name=n, documentation=d, labelnames=names)
+            self._names = list(labelnames)
+            self._conn = {k: self._counter_cls(name=n, documentation=d, labelnames=self._names)
                           for k, (n, d) in CONNECTOR_COUNTERS.items()}
-            self._hit_tokens = counter_cls(name="tierkv_connector_hit_tokens",
-                                           documentation="Prompt tokens found in tierkv, by the tier serving them",
-                                           labelnames=[*names, "tier"])
-            self._tier = {f: counter_cls(name=f"tierkv_tier_{suffix}", documentation=doc, labelnames=[*names, "tier"])
-                          for f, (suffix, doc) in TIER_COUNTERS.items()}
-            self._gauges = {f: _gauge(gauge_cls, f"tierkv_tier_{f}", f"tierkv tier {f} (all ranks)",
-                                      [*names, "tier"]) for f in SNAPSHOT_GAUGES}
-            self._last: dict[tuple, float] = {}  # (engine, rank, tier, field) -> last cumulative value
+            self._hit_tokens = self._counter_cls(name="tierkv_connector_hit_tokens",
+                                                 documentation="Prompt tokens found in tierkv, by the tier serving them",
+                                                 labelnames=[*self._names, "tier"])
+            self._made: dict[str, Any] = {}  # metric name -> vLLM's metric object
+            self._last: dict[tuple, Any] = {}  # (engine, rank, name, labels) -> last cumulative value(s)
+            self._levels: dict[tuple, dict[str, float]] = {}  # (engine, name, labels) -> {rank: gauge value}
+            self._merge: dict[str, Merge] = {}
+
+        def _metric(self, name: str, kind: Kind | None, doc: str, labels: tuple[str, ...]) -> Any:
+            m = self._made.get(name)
+            if m is None:
+                names = [*self._names, *labels]
+                if kind is Kind.COUNTER:
+                    m = self._counter_cls(name=name, documentation=doc, labelnames=names)
+                elif kind is Kind.GAUGE:
+                    m = _gauge(self._gauge_cls, name, doc, names)
+                else:
+                    hist_cls: Any = self._histogram_cls
+                    m = hist_cls(name=name, documentation=doc, labelnames=names,
+                                 buckets=list(LATENCY_BUCKETS))
+                self._made[name] = m
+            return m
 
         def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0):
             labels = [str(v) for v in self.per_engine_labelvalues.get(engine_idx, [])]
@@ -110,25 +166,37 @@ def _prom_class():
             for tier, n in (d.get("hit_tokens") or {}).items():
                 if n > 0:
                     self._hit_tokens.labels(*labels, tier).inc(n)
-            snaps = d.get(SNAPSHOT_KEY) or {}
-            gauges: dict[tuple[str, str], float] = {}
-            for rank, tiers in snaps.items():
-                for tier, vals in tiers.items():
-                    for f, c in self._tier.items():
-                        cur = float(vals.get(f, 0))
-                        key = (engine_idx, rank, tier, f)
-                        prev = self._last.get(key, 0.0)
-                        grow = cur - prev if cur >= prev else cur  # a restarted worker counts from zero
-                        self._last[key] = cur
-                        if grow > 0:
-                            c.labels(*labels, tier).inc(grow)
-                    for f in SNAPSHOT_GAUGES:
-                        self._last[(engine_idx, rank, tier, f)] = float(vals.get(f, 0))
-            for (e, rank, tier, f), v in self._last.items():  # noqa: B007 - the name documents the loop
-                if e == engine_idx and f in SNAPSHOT_GAUGES:
-                    gauges[(tier, f)] = gauges.get((tier, f), 0.0) + v
-            for (tier, f), v in gauges.items():
-                self._gauges[f].labels(*labels, tier).set(v)
+            touched = set()
+            for rank, snap in (d.get(SNAPSHOT_KEY) or {}).items():
+                for fam in families(snap):
+                    m = self._metric(fam.name, fam.kind, fam.help, fam.labels)
+                    for lv, v in fam.samples:
+                        if fam.kind is Kind.COUNTER:
+                            key = (engine_idx, rank, fam.name, lv)
+                            prev = self._last.get(key, 0.0)
+                            self._last[key] = v
+                            grow = v - prev if v >= prev else v  # a restarted worker counts from zero
+                            if grow > 0:
+                                m.labels(*labels, *lv).inc(grow)
+                        else:
+                            self._levels.setdefault((engine_idx, fam.name, lv), {})[rank] = v
+                            self._merge[fam.name] = fam.merge
+                            touched.add((engine_idx, fam.name, lv))
+                for name, h in latency_families(snap).items():
+                    m = self._metric(name, None, latency_help(name), ())
+                    key = (engine_idx, rank, name, ())
+                    prev_counts, prev_sum = self._last.get(key, ([0.0] * len(h["counts"]), 0.0))
+                    counts, total = [float(n) for n in h["counts"]], float(h["sum"])
+                    if sum(counts) < sum(prev_counts):  # a restarted worker counts from zero
+                        prev_counts, prev_sum = [0.0] * len(counts), 0.0
+                    self._last[key] = (counts, total)
+                    grow = [max(0.0, a - b) for a, b in zip(counts, prev_counts)]
+                    if any(grow):
+                        _add_to_histogram(m.labels(*labels), grow, max(0.0, total - prev_sum))
+            for level in touched:
+                _, name, lv = level
+                value = _combine(self._merge[name], list(self._levels[level].values()))
+                self._made[name].labels(*labels, *lv).set(value)
 
     _CLASS = TierKVPromMetrics
     return _CLASS

@@ -52,7 +52,7 @@ from .loading import Loader, LoadJob
 from .lookup import LookupServer, endpoint, sweep_stale_sockets
 from .metadata import LoadSpec, TierKVConnectorMetadata
 from .paged import Cuts, PagedLayer
-from .prom import attach_store_snapshot
+from .prom import SnapshotClock, attach_store_snapshot, watch_store
 from .saving import SaveItem, SavePlan
 from .stats import RequestRecords, SaveTally, TierKVConnectorStats
 
@@ -75,6 +75,8 @@ class TierKVWorker:
         self.options = options
         self.info = info
         self.store = store
+        watch_store(store)  # latency histograms for vLLM's /metrics
+        self._snapshots = SnapshotClock()
         self._release = release or _flush_and_close
         self._bs = info.block_size
         self._G = max(1, options.chunk_tokens // info.block_size)
@@ -503,11 +505,12 @@ class TierKVWorker:
 
     def get_stats(self) -> TierKVConnectorStats | None:
         with self._lock:
-            if self._interval.is_empty():
+            if self._interval.is_empty() and not self._snapshots.due():
                 return None
             out, self._interval = self._interval, TierKVConnectorStats()
-        try:  # the store's cumulative per-tier numbers ride along, for vLLM's /metrics
+        try:  # the store's cumulative numbers ride along (at least once a second), for vLLM's /metrics
             attach_store_snapshot(out.data, self.store, self.tp_rank)
+            self._snapshots.sent()
         except Exception as e:  # noqa: BLE001 - metrics never fail a step
             logger.debug("TierKVConnector: no store snapshot: %s", e)
         return out
