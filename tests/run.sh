@@ -24,6 +24,9 @@ fi
 VPIP=(.venv/bin/python -m pip)
 # torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
 "${VPIP[@]}" install "${PIP_QUIET[@]}" "torch==2.13.0"
+# tierkv is published as tierkv-store: an install under the old name (or the index's unrelated "tierkv") would
+# shadow this checkout's import name
+if "${VPIP[@]}" show tierkv >/dev/null 2>&1; then "${VPIP[@]}" uninstall -y -q tierkv; fi
 "${VPIP[@]}" install "${PIP_QUIET[@]}" -e ".[test]"
 "${VPIP[@]}" install "${PIP_QUIET[@]}" "mooncake-transfer-engine-non-cuda==0.3.13.post1"
 if [ "${TIERKV_SKIP_VLLM:-0}" != 1 ]; then

