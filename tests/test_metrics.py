@@ -257,7 +257,7 @@ def test_write_behind_queue_depth_and_drops_are_exported(tmp_path):
         tot = store.stats()["total"]
         assert tot["write_behind_queued"] > 0
         assert f"tierkv_write_behind_queued_total {float(tot['write_behind_queued'])}" in text
-        assert "tierkv_write_behind_dropped_total 0.0" in text
+        assert 'tierkv_write_behind_dropped_total{reason="queue_full"} 0.0' in text
         assert "tierkv_write_behind_pending 0.0" in text  # flushed
         exp.stop()
     finally:
