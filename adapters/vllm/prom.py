@@ -136,6 +136,9 @@ def _prom_class():
             self._hit_tokens = self._counter_cls(name="tierkv_connector_hit_tokens",
                                                  documentation="Prompt tokens found in tierkv, by the tier serving them",
                                                  labelnames=[*self._names, "tier"])
+            for values in per_engine_labelvalues.values():  # every series shows from the start, at 0
+                for c in self._conn.values():
+                    c.labels(*[str(v) for v in values])
             self._made: dict[str, Any] = {}  # metric name -> vLLM's metric object
             self._last: dict[tuple, Any] = {}  # (engine, rank, name, labels) -> last cumulative value(s)
             self._levels: dict[tuple, dict[str, float]] = {}  # (engine, name, labels) -> {rank: gauge value}
@@ -176,8 +179,9 @@ def _prom_class():
                             prev = self._last.get(key, 0.0)
                             self._last[key] = v
                             grow = v - prev if v >= prev else v  # a restarted worker counts from zero
+                            child = m.labels(*labels, *lv)  # (shown from the first snapshot on, at 0 too)
                             if grow > 0:
-                                m.labels(*labels, *lv).inc(grow)
+                                child.inc(grow)
                         else:
                             self._levels.setdefault((engine_idx, fam.name, lv), {})[rank] = v
                             self._merge[fam.name] = fam.merge
@@ -191,8 +195,11 @@ def _prom_class():
                         prev_counts, prev_sum = [0.0] * len(counts), 0.0
                     self._last[key] = (counts, total)
                     grow = [max(0.0, a - b) for a, b in zip(counts, prev_counts)]
+                    child = m.labels(*labels)
                     if any(grow):
-                        _add_to_histogram(m.labels(*labels), grow, max(0.0, total - prev_sum))
+                        _add_to_histogram(child, grow, max(0.0, total - prev_sum))
+                for tier in snap.get("tiers") or {}:
+                    self._hit_tokens.labels(*labels, tier)
             for level in touched:
                 _, name, lv = level
                 value = _combine(self._merge[name], list(self._levels[level].values()))
