@@ -7,7 +7,8 @@ calls the hooks under its lock, so a policy needs no locking of its own.
 Contract of ``victims(nbytes, protected)``:
     Return keys currently tracked by the policy, in eviction order, whose sizes
     add up to at least ``nbytes``, none of them in ``protected`` (chunks pinned by
-    a read or a write in flight).  Return ``None`` when that is impossible.  The
+    a read or a write in flight; a read-only container: a policy that tries to
+    change it gets an error).  Return ``None`` when that is impossible.  The
     store checks the answer (unknown, duplicate or protected keys raise
     ``PolicyError``) and then calls ``on_remove`` for each victim it evicts: a
     policy must not forget a key just because it named it.

@@ -39,9 +39,10 @@ def reference_lru(requests, capacity_blocks: int) -> tuple[int, int]:
     """An independent LRU over blocks, as an engine drives a cache: (hit tokens, present blocks).
 
     Per request: the leading blocks present are read (refreshed, in order); the rest
-    are offered in one batch — those present when it starts are left alone, the
-    missing ones inserted in order, the least recent evicted to make room.  Blocks
-    the batch inserts are not evicted while it inserts (they are in flight).
+    are offered in one batch — those present when it starts count as used (refreshed,
+    once each, in order) and are never evicted by it, the missing ones inserted in
+    order, the least recent other block evicted to make room.  Blocks the batch
+    inserts are not evicted while it inserts (they are in flight).
     """
     cache: OrderedDict[int, None] = OrderedDict()
     hit_tokens = present = 0
@@ -58,17 +59,23 @@ def reference_lru(requests, capacity_blocks: int) -> tuple[int, int]:
         new: list[int] = []
         seen = set(r.hash_ids[:lead])
         missing = []
+        held: list[int] = []  # present blocks of the batch, first appearance order
         for h in r.hash_ids[lead:]:
             if h in seen or h in cache:
                 present += 1
-            else:
+                if h in cache and h not in held:
+                    held.append(h)
+            elif h not in missing:
                 missing.append(h)
             seen.add(h)
+        for h in held:
+            cache.move_to_end(h)
         for h in missing:
             if len(cache) + len(new) >= capacity_blocks:
-                if not cache:
-                    continue  # only in-flight blocks left: this one is refused
-                cache.popitem(last=False)
+                victim = next((b for b in cache if b not in held), None)
+                if victim is None:
+                    continue  # only in-flight and protected blocks left: this one is refused
+                del cache[victim]
             new.append(h)
         for h in new:
             cache[h] = None
@@ -91,19 +98,33 @@ def reference_policy(requests, capacity_bytes: int, block_bytes: int, policy) ->
             policy.on_access(k)
         hit_tokens += min(lead * r.block_tokens, r.input_length)
         present += lead
-        reserved: list[str] = []
         seen = set(keys[:lead])
         missing = []
+        held: list[str] = []  # present keys of the batch: used now, protected while it makes room
         for k in keys[lead:]:
             if k in seen or k in cache:
                 present += 1
-            else:
+                if k in cache and k not in held:
+                    held.append(k)
+            elif k not in missing:
                 missing.append(k)
             seen.add(k)
+        for k in held:
+            policy.on_access(k)
         used = sum(cache.values())
-        for k in missing:
+        # what fits without evicting is reserved first; room for the rest is asked in one call
+        free = max(0, (capacity_bytes - used) // block_bytes)
+        reserved, slow = missing[:free], missing[free:]
+        used += len(reserved) * block_bytes
+        if len(slow) > 1:
+            short = min(len(slow) * block_bytes - (capacity_bytes - used), used)
+            victims = policy.victims(short, set(held)) if short > 0 else None
+            for v in victims or ():
+                used -= cache.pop(v)
+                policy.on_remove(v)
+        for k in slow:
             if used + block_bytes > capacity_bytes:
-                victims = policy.victims(used + block_bytes - capacity_bytes, set())
+                victims = policy.victims(used + block_bytes - capacity_bytes, set(held))
                 if victims is None:
                     continue
                 for v in victims:

@@ -33,6 +33,7 @@ def as_bytes(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
         raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
     if not t.is_contiguous():
         raise ValueError(f"{what} must be contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+    _check_has_bytes(t, what)
     if t.dtype == torch.uint8 and t.dim() == 1:
         return t
     if t.numel() == 0:
@@ -40,9 +41,23 @@ def as_bytes(t: torch.Tensor, what: str = "tensor") -> torch.Tensor:
     return t.reshape(-1).view(torch.uint8)
 
 
+def _check_has_bytes(t: torch.Tensor, what: str) -> None:
+    """Refuse a tensor whose bytes live nowhere: a ``meta`` tensor, or one (a fake tensor) with no storage."""
+    if t.is_meta:
+        raise ValueError(f"{what} is a 'meta' tensor: it holds no bytes to store or to fill")
+    if type(t) is not torch.Tensor:
+        try:
+            from torch._subclasses.fake_tensor import FakeTensor
+        except ImportError:  # (a torch without fake tensors)
+            return
+        if isinstance(t, FakeTensor):
+            raise ValueError(f"{what} is a fake tensor: it holds no bytes to store or to fill")
+
+
 def to_parts(value: Value, what: str = "value") -> tuple[Parts, int]:
     """Normalise a tensor or a sequence of tensors to (parts, total nbytes)."""
-    if type(value) is torch.Tensor and value.dtype is torch.uint8 and value.dim() == 1 and value.is_contiguous():
+    if (type(value) is torch.Tensor and value.dtype is torch.uint8 and value.dim() == 1 and value.is_contiguous()
+            and not value.is_meta):
         return [value], value.numel()  # the common case, without the general checks
     if isinstance(value, torch.Tensor):
         p = as_bytes(value, what)
@@ -59,7 +74,7 @@ def to_parts_many(values: Sequence[Value], what: str) -> list[tuple[Parts, int]]
     append = out.append
     tensor, u8 = torch.Tensor, torch.uint8
     for i, v in enumerate(values):
-        if type(v) is tensor and v.dtype is u8 and v.dim() == 1 and v.is_contiguous():
+        if type(v) is tensor and v.dtype is u8 and v.dim() == 1 and v.is_contiguous() and not v.is_meta:
             append(([v], v.numel()))
         else:
             append(to_parts(v, f"{what}[{i}]"))
@@ -150,11 +165,12 @@ def to_parts_ptrs(values: Sequence[Value], what: str) -> tuple[list[tuple[Parts,
     for i, v in enumerate(values):
         if type(v) is tensor and v.dtype is u8 and v.dim() == 1 and v.is_contiguous():
             append(([v], v.numel()))
-            if ptrs is not None:
-                if v.is_cpu:
-                    ptrs.append(v.data_ptr())
-                else:
-                    ptrs = None
+            if ptrs is not None and v.is_cpu:
+                ptrs.append(v.data_ptr())
+            else:  # (a device tensor: no host address; and never one without bytes)
+                ptrs = None
+                if v.is_meta:
+                    _check_has_bytes(v, f"{what}[{i}]")
         else:
             append(to_parts(v, f"{what}[{i}]"))
             ptrs = None

@@ -127,12 +127,24 @@ def keys_from_block_hashes(block_hashes: Sequence[Any], namespace: str = "") -> 
 def check_key(key: object) -> str:
     """Return ``key`` if it is a valid key string, else raise ``ValueError`` naming it."""
     if (not isinstance(key, str) or not key or "/" in key or "\x00" in key
-            or (len(key) > 50 and len(key.encode()) > 200)):
-        shown = repr(key) if len(repr(key)) <= 60 else repr(key)[:50] + f"...' ({len(key)} chars)" \
-            if isinstance(key, str) else f"<{type(key).__name__}>"
-        raise ValueError(f"invalid key {shown}: keys are non-empty strings of at most 200 UTF-8 bytes, "
+            or (not key.isascii() and _utf8_len(key) < 0) or (len(key) > 50 and _utf8_len(key) > 200)):
+        if isinstance(key, str):
+            shown = repr(key) if len(repr(key)) <= 60 else repr(key)[:50] + f"...' ({len(key)} chars)"
+        else:
+            shown = f"<{type(key).__name__}>"
+        why = " (it cannot be encoded as UTF-8: a lone surrogate)" if isinstance(key, str) and key \
+            and _utf8_len(key) < 0 else ""
+        raise ValueError(f"invalid key {shown}{why}: keys are non-empty strings of at most 200 UTF-8 bytes, "
                          "without '/' or NUL")
     return key
+
+
+def _utf8_len(key: str) -> int:
+    """The UTF-8 length of ``key``; -1 when it has none (a lone surrogate)."""
+    try:
+        return len(key.encode())
+    except UnicodeEncodeError:
+        return -1
 
 
 def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
@@ -155,8 +167,9 @@ def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
         if lens and min(lens):
             longest = max(lens)
             joined = "".join(keys)
-            if ((longest <= 50 or (longest <= 200 and joined.isascii()))
-                    and "/" not in joined and "\x00" not in joined):
+            # (ASCII: always UTF-8; otherwise one encode of the batch finds a lone surrogate)
+            if ((joined.isascii() and longest <= 200) or (longest <= 50 and _utf8_len(joined) >= 0)) \
+                    and "/" not in joined and "\x00" not in joined:
                 return keys
         for k in keys:
             check_key(k)

@@ -128,19 +128,31 @@ class Eviction:
         fps: list[Any] = list(map(self._fp_only.get, fields))
         return None if None in fps else sum(fps)
 
+    def _listed(self, raw: Any, pname: str) -> list:
+        """A policy's answer as a list; an answer that is no sequence, or an iterator that raises, is the
+        policy's fault (``PolicyError``)."""
+        try:  # (a copy: the policy may keep the list it answered and change it later)
+            return list(raw)
+        except TypeError as e:
+            if not hasattr(raw, "__iter__"):
+                raise PolicyError(f"eviction policy {pname} of tier {self.name!r} returned "
+                                  f"{type(raw).__name__}, not a list of keys") from None
+            raise PolicyError(f"eviction policy {pname} of tier {self.name!r}: its victims raised "
+                              f"TypeError: {str(e)[:200]}") from e
+        except Exception as e:
+            raise PolicyError(f"eviction policy {pname} of tier {self.name!r}: its victims raised "
+                              f"{type(e).__name__}: {str(e)[:200]}") from e
+
     def victims(self, need: int) -> Optional[list[str]]:
         """Ask the policy for victims freeing ``need`` footprint bytes, then check its answer."""
         policy = self.eviction
         pname = type(policy).__name__
         pinned = self.pinned
-        raw = call_policy(policy, "victims", self.name, need, pinned)
+        # the pins as a read-only view: a policy cannot unpin a chunk being read by changing its argument
+        raw = call_policy(policy, "victims", self.name, need, pinned.keys())
         if raw is None:
             return None
-        try:
-            victims = list(raw)
-        except TypeError:
-            raise PolicyError(f"eviction policy {pname} of tier {self.name!r} returned "
-                              f"{type(raw).__name__}, not a list of keys") from None
+        victims = self._listed(raw, pname)
         freed, seen = 0, set()
         index = self.index
         fast = self._fast_victims(victims)
@@ -162,10 +174,10 @@ class Eviction:
             freed += self.value_footprint(e)
         if freed < need:
             # a policy that counts other sizes than the footprints it was given: ask for the rest
-            more = call_policy(policy, "victims", self.name, need - freed, set(pinned) | seen)
+            more = call_policy(policy, "victims", self.name, need - freed, frozenset(pinned.keys() | seen))
             if more is None:
                 return None
-            for v in more:
+            for v in self._listed(more, pname):
                 e = index.get(v) if isinstance(v, str) else None
                 if v in seen or type(e) is not int or e < 0 or v in pinned:  # type: ignore[operator]
                     continue

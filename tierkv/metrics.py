@@ -407,8 +407,15 @@ class Exporter:
 
 
 def serve(store: Any, port: int = 0, addr: str = "127.0.0.1") -> Exporter:
-    """Export ``store``'s metrics over HTTP on ``addr:port`` (0: a free port, read ``.port``)."""
-    return Exporter(store).serve(port, addr)
+    """Export ``store``'s metrics over HTTP on ``addr:port`` (0: a free port, read ``.port``).
+
+    If the endpoint cannot start (a port in use), nothing stays attached to the store and the error is raised."""
+    exporter = Exporter(store)
+    try:
+        return exporter.serve(port, addr)
+    except BaseException:
+        exporter.stop()
+        raise
 
 
 def register(store: Any, registry: CollectorRegistry) -> Exporter:

@@ -111,7 +111,43 @@ class Placement:
             raise
         except Exception as e:  # noqa: BLE001 - the choke point: a medium fault is a miss
             log.warning("tierkv: tier %s %s failed: %s", lvl.name, op, str(e)[:300])
+            if len(keys) > 1 and parts is not None and lvl.managed and lvl.tier.available:
+                # one chunk's fault never costs the others: a local medium is asked again key by key
+                return self._one_by_one(lvl, op, keys, parts, ptrs, codes)
             return None
+
+    def _one_by_one(self, lvl: Level, op: str, keys: list[str], parts: list[Parts],
+                    ptrs: Optional[list[int]], codes: Optional[list[int]]) -> list:
+        """``_tier_ask`` of each key alone, after the batch failed: a key whose own call fails is a miss."""
+        out: list = []
+        failed = 0
+        for i, key in enumerate(keys):
+            try:
+                if lvl.located:
+                    if codes is None:
+                        with self._lock:
+                            code = lvl.codes([key])
+                    else:
+                        code = [codes[i]]
+                    if op == "write":
+                        lvl.tier.write_at(code, [parts[i]], None if ptrs is None else [ptrs[i]])
+                        out.append(True)
+                        continue
+                    res = lvl.tier.read_at(code, [parts[i]], None if ptrs is None else [ptrs[i]])
+                else:
+                    res = getattr(lvl.tier, op)([key], [parts[i]])
+                if res is None or len(res) != 1:
+                    raise RuntimeError(f"answered {0 if res is None else len(res)} results for 1 key")
+                out.append(bool(res[0]))
+            except StoreClosedError:
+                raise
+            except Exception:  # noqa: BLE001 - the choke point: a medium fault is a miss
+                failed += 1
+                out.append(False)
+        if failed:
+            log.warning("tierkv: tier %s %s: %d of %d chunks failed alone; the rest went through",
+                        lvl.name, op, failed, len(keys))
+        return out
 
     def _admit(self, lvl: Level, key: str, nbytes: int) -> bool:
         if lvl.admits_all:

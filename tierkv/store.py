@@ -124,6 +124,14 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         tiers_seen = [id(lvl.tier) for lvl in self.levels]
         if len(set(tiers_seen)) != len(tiers_seen):
             raise ConfigError("the same Tier object appears twice in the chain")
+        owner: dict[int, str] = {}
+        for lvl in self.levels:  # a policy keeps one tier's metadata: two tiers would each evict the other's keys
+            if lvl.eviction is None:
+                continue
+            other = owner.setdefault(id(lvl.eviction), lvl.name)
+            if other != lvl.name:
+                raise ConfigError(f"tiers {other!r} and {lvl.name!r} share one eviction policy object "
+                                  f"({type(lvl.eviction).__name__}); give each tier its own instance")
         for i, lvl in enumerate(self.levels):
             lvl.bind(1 << i)
         self.promotion = build_promotion(promotion)

@@ -18,6 +18,8 @@ from tierkv.level import Level
 from tierkv.outcome import PutOutcome
 from tierkv.placement import FAILED
 
+_INT = {int}
+
 
 class WritePath:
     """The batch put path of ``TieredStore`` (see the module docstring)."""
@@ -58,49 +60,59 @@ class WritePath:
         batch0: dict[str, None] = {}
         groups: dict[int, list[int]] = {}
         slow: list[int] = []
-        with self._lock:
-            c = self._counters
-            c.put_calls += 1
-            c.chunks_put += n
-            if self._admissions:
-                for key in keys:
-                    for adm in self._admissions:
-                        call_policy(adm, "on_access", "*", key)
-            if unique and self._managed_levels == [0] and self._fast_top() and self.levels[0].tier.available:
-                # one managed level on top that takes everything without asking: reserve the batch at once
-                present, got0 = [], []
-                codes = self.levels[0].reserve_many(keys, [p[1] for p in prepared])
-                for i, code in enumerate(codes):
-                    if code == 0:
-                        got0.append(i)
-                    elif code == 1:
-                        present.append(i)
-                    else:
-                        slow.append(i)  # no room without evicting (or a doomed copy still read)
-                for i in present:
-                    out[i] = PutOutcome.PRESENT
-                c.chunks_deduped += len(present)
-                if got0:
-                    groups[0] = got0
-                    batch0 = dict.fromkeys([keys[i] for i in got0])
-            else:
-                busy = self._busy
-                for i, key in enumerate(keys):
-                    if key in first:  # a repeat inside the batch: takes the first one's result
-                        c.chunks_deduped += 1
-                        continue
-                    first[key] = i
-                    if busy(key):  # READY or being written somewhere
-                        out[i] = PutOutcome.PRESENT
-                        c.chunks_deduped += 1
-                    else:
-                        todo.append(i)
+        # keys found READY: pinned (never a victim of this call's room making) until the call ends
+        holding: list[tuple[Level, list[str]]] = []
         start = [0] * n  # the first level each key may still go to
         why = [0] * n  # refusal flags per key
         behind: list[tuple[int, str]] = []
         queue_behind = self._behind is not None
         first_pass = True
         try:
+            with self._lock:
+                c = self._counters
+                c.put_calls += 1
+                c.chunks_put += n
+                if self._admissions:
+                    for key in keys:
+                        for adm in self._admissions:
+                            call_policy(adm, "on_access", "*", key)
+                if unique and self._managed_levels == [0] and self._fast_top() and self.levels[0].tier.available:
+                    # one managed level on top that takes everything without asking: reserve the batch at once
+                    present, got0 = [], []
+                    index0 = self.levels[0].index
+                    if not index0.keys().isdisjoint(keys):
+                        # (before reserving: a policy ordering the index sees the access, then the new keys)
+                        self._hold_present([k for k in keys if k in index0], holding)
+                    codes = self.levels[0].reserve_many(keys, [p[1] for p in prepared])
+                    for i, code in enumerate(codes):
+                        if code == 0:
+                            got0.append(i)
+                        elif code == 1:
+                            present.append(i)
+                        else:
+                            slow.append(i)  # no room without evicting (or a doomed copy still read)
+                    for i in present:
+                        out[i] = PutOutcome.PRESENT
+                    c.chunks_deduped += len(present)
+                    if got0:
+                        groups[0] = got0
+                        batch0 = dict.fromkeys([keys[i] for i in got0])
+                else:
+                    busy = self._busy
+                    found: list[str] = []
+                    for i, key in enumerate(keys):
+                        if key in first:  # a repeat inside the batch: takes the first one's result
+                            c.chunks_deduped += 1
+                            continue
+                        first[key] = i
+                        if busy(key):  # READY or being written somewhere
+                            out[i] = PutOutcome.PRESENT
+                            c.chunks_deduped += 1
+                            found.append(key)
+                        else:
+                            todo.append(i)
+                    if found:
+                        self._hold_present(found, holding)
             while todo or first_pass:
                 if first_pass:
                     first_pass = False  # groups and slow as the batch reservation left them
@@ -183,6 +195,10 @@ class WritePath:
                         self.levels[0].abort(key)
                 batch0.clear()
             self._release(held)
+            if holding:
+                with self._lock:
+                    for lvl, ks in holding:
+                        lvl.unpin_many(ks)
         if behind and self._behind is not None:
             self._queue_behind(behind)
         if None in out:
@@ -195,6 +211,28 @@ class WritePath:
             with self._lock:
                 self._counters.chunks_rejected += refused
         return out  # type: ignore[return-value]
+
+    def _hold_present(self, keys: list[str], holding: list[tuple[Level, list[str]]]) -> None:
+        """Keys a put found present count as used: pin each where it is READY (appended to ``holding``, which
+        the caller unpins when its call ends), so the room the same call makes never takes them, and tell
+        the eviction policy of the fastest level holding each of an access.  Caller holds the lock."""
+        told: set[str] = set()
+        for j in self._managed_levels:
+            lvl = self.levels[j]
+            index = lvl.index
+            vals: list[Any] = list(map(index.get, keys))
+            if vals and set(map(type, vals)) == _INT and min(vals) > 0:
+                ready = keys  # the common case: every one READY here
+            else:
+                ready = [k for k, v in zip(keys, vals) if type(v) is int and v > 0]
+            if not ready:
+                continue
+            lvl.pin_many(ready)
+            holding.append((lvl, ready))
+            fresh = ready if not told else [k for k in ready if k not in told]
+            if len(self._managed_levels) > 1:
+                told.update(fresh)
+            lvl.accessed(fresh)
 
     def _reserve_top(self, slow: list[int], keys: list[str], prepared: list[tuple[Parts, int]],
                      start: list[int], groups: dict[int, list[int]], held: dict) -> list[int]:

@@ -94,6 +94,9 @@ class SlabTier(Tier):
                  prefault: bool = True) -> None:
         super().__init__(name, capacity_bytes)
         self.device = torch.device(device)
+        if self.device.type == "meta":
+            raise ConfigError(f"tier {name!r}: device 'meta' holds no bytes; give a device with memory "
+                              "('cpu', 'cuda', 'npu')")
         try:
             slab = torch.empty(capacity_bytes, dtype=torch.uint8, device=self.device)
         except RuntimeError as e:
