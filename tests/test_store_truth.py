@@ -389,7 +389,7 @@ def test_a_key_that_is_not_utf8_is_refused_at_the_door(tmp_path, bad):
             with pytest.raises(ValueError, match="UTF-8"):
                 call()
         assert store.put(["good"], [chunk(1)]) == [True]
-        assert store.flush() is True
+        assert store.flush()
 
 
 def poison_writes(tier, poison: str):
@@ -426,7 +426,8 @@ def test_write_behind_loses_only_the_chunk_that_failed(tmp_path):
     with TieredStore.from_config(ssd_cfg(tmp_path)) as store:
         poison_writes(store.levels[1].tier, "k20")
         assert store.put(keys, [chunk(i) for i in range(41)]) == [True] * 41
-        store.flush()
+        res = store.flush()
+        assert not res and res.not_durable == 1 and res.keys == ("k20",)  # the one chunk lost, named
         assert store.stats()["ssd"]["errors"] == 1
     with TieredStore.from_config(ssd_cfg(tmp_path)) as store:
         assert store.locate(keys) == ["ssd"] * 20 + [None] + ["ssd"] * 20
