@@ -20,6 +20,9 @@ NAME = "dead"
 _DTYPE = np.dtype([("key", "<u8"), ("check", "<u8")])
 _SEQ_BITS = 19
 _OFF_BITS = 25  # offset / 64 for regions up to 2 GiB
+#: bytes of blocks kept reserved after the file's end (65536 entries), so that removals can still be
+#: recorded once the file system is full (``write``)
+RESERVE = 1 << 20
 
 
 def dead_keys(region, offset, seq) -> np.ndarray:
@@ -69,6 +72,7 @@ class DeadLog:
         self.dirpath = dirpath
         self.pending: list[tuple[int, int, int]] = []
         self.compacted = 0  # entries in the file after the last compaction
+        self.reserved = 0  # bytes reserved after the file's end (``RESERVE``), as far as this process knows
 
     @property
     def path(self) -> str:
@@ -76,6 +80,20 @@ class DeadLog:
 
     def add(self, region: int, offset: int, seq: int) -> None:
         self.pending.append((region, offset, seq))
+
+    def reserve(self) -> None:
+        """Reserve ``RESERVE`` bytes after the file's end now (creating it empty), if the file system has them."""
+        from .region import reserve_beyond_end
+
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
+        except OSError:
+            return
+        try:
+            if reserve_beyond_end(fd, RESERVE):
+                self.reserved = RESERVE
+        finally:
+            os.close(fd)
 
     def write(self, fsync: bool) -> None:
         if not self.pending:
@@ -87,6 +105,13 @@ class DeadLog:
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
+            if self.reserved <= RESERVE // 2:  # (blocks for the next appends, taken while there is room)
+                from .region import reserve_beyond_end
+
+                if reserve_beyond_end(fd, RESERVE):
+                    self.reserved = RESERVE
+            else:
+                self.reserved -= len(data)
             if fsync:
                 os.fsync(fd)
         finally:
@@ -120,3 +145,4 @@ class DeadLog:
             os.close(fd)
         os.rename(tmp, self.path)
         self.compacted = len(keep)
+        self.reserved = 0

@@ -3,17 +3,35 @@
 ``flock`` locks belong to an open file description, so a second tier in the same
 process conflicts just as another process does; the kernel drops the lock when the
 holder dies (SIGKILL included), so a stale file never blocks a restart.
+
+The lock holds for the holder's whole life, even when the directory is removed behind it
+(a tmp cleaner, an operator): a lock on a removed file guards nothing, so a watcher thread
+checks every ``WATCH_INTERVAL`` seconds that ``LOCK`` is still the file it holds and, if not,
+recreates the directory and ``LOCK`` and takes the lock again (``retake``).  Within this
+process the paths held are also registered, so a second opener here is refused even before
+the watcher has run.  If another process took the recreated lock first, the lock is *lost*
+(``lost``): the tier then refuses every write (the directory is someone else's).
 """
 
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
+import stat
+import threading
 from typing import Optional
 
 from tierkv.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 LOCK_NAME = "LOCK"
+#: how often the watcher checks that ``LOCK`` is still the file held (seconds)
+WATCH_INTERVAL = 0.1
+
+_held: dict[str, "DirLock"] = {}  # directory -> its lock, for every lock this process holds
+_held_lock = threading.Lock()
 
 
 def holder_pid(path: str) -> Optional[int]:
@@ -24,32 +42,118 @@ def holder_pid(path: str) -> Optional[int]:
         return None
 
 
+def _in_use(what: str, path: str, lock_path: str, pid: Optional[int]) -> ConfigError:
+    who = f"process {pid}" if pid is not None else "another process"
+    return ConfigError(f"{what}: directory {path} is in use by {who} (lock {lock_path}); one writer per directory")
+
+
 class DirLock:
-    """Held from construction until ``release()``."""
+    """Held from construction until ``release()`` (raises ``ConfigError`` if it cannot be taken)."""
 
     def __init__(self, path: str, what: str) -> None:
+        self.dir = path
         self.path = os.path.join(path, LOCK_NAME)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o600)
+        self.what = what
+        self.lost = False  # another process holds the directory's (recreated) lock
+        self.retaken = 0  # times the lock was taken again after ``LOCK`` was removed
+        self._mu = threading.Lock()  # (``_fd`` between the owner and the watcher)
+        self._stop = threading.Event()
+        self._watcher: Optional[threading.Thread] = None
+        with _held_lock:
+            other = _held.get(path)
+            if other is not None:
+                raise _in_use(what, path, self.path, os.getpid())
+            self._fd = self._take()
+            _held[path] = self
+
+    def _take(self) -> int:
+        """Open ``LOCK``, lock it, write our pid; the fd.  ConfigError if it is held or cannot be."""
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            pid = holder_pid(path)
-            who = f"process {pid}" if pid is not None else "another process"
-            raise ConfigError(f"{what}: directory {path} is in use by {who} (lock {self.path}); "
-                              "one writer per directory") from None
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
         except OSError as e:
+            raise ConfigError(f"{self.what}: cannot open the lock file {self.path}: {e.strerror or e}") from e
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ConfigError(f"{self.what}: the lock file {self.path} is not a regular file")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _in_use(self.what, self.dir, self.path, holder_pid(self.dir)) from None
+            except OSError as e:
+                raise ConfigError(f"{self.what}: cannot lock {self.path}: {e.strerror or e}") from e
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError as e:
+                raise ConfigError(f"{self.what}: cannot write the lock file {self.path}: {e.strerror or e}") from e
+        except BaseException:
             os.close(fd)
-            raise ConfigError(f"{what}: cannot lock {self.path}: {e}") from e
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
+            raise
+        return fd
+
+    def watch(self) -> None:
+        """Start the watcher thread (see the module docstring)."""
+        if self._watcher is None:
+            self._watcher = threading.Thread(target=self._watch, name=f"tierkv-lock-{os.path.basename(self.dir)}",
+                                             daemon=True)
+            self._watcher.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_INTERVAL):
+            if not self.lost and not self.intact():
+                self.retake()
+
+    def intact(self) -> bool:
+        """Whether ``LOCK`` is still the file this lock holds (not removed, not replaced)."""
+        with self._mu:
+            return self._intact()
+
+    def _intact(self) -> bool:
+        if self._fd < 0:
+            return True
+        try:
+            st = os.fstat(self._fd)
+            return st.st_nlink > 0 and os.stat(self.path).st_ino == st.st_ino
+        except OSError:
+            return False
+
+    def retake(self) -> bool:
+        """Recreate the directory and ``LOCK`` and take the lock again, if ``LOCK`` is not the file held.
+        False (and ``lost`` set, logged) if another process holds it now."""
+        with self._mu:
+            if self._fd < 0 or self.lost:
+                return False
+            if self._intact():
+                return True
+            try:
+                os.makedirs(self.dir, mode=0o700, exist_ok=True)
+                fd = self._take()
+            except (OSError, ConfigError) as e:
+                if not self.lost:
+                    log.error("%s: %s was removed and the lock could not be taken again: %s; "
+                              "no more writes to this directory", self.what, self.path, e)
+                self.lost = True
+                return False
+            os.close(self._fd)
+            self._fd = fd
+            self.retaken += 1
+            log.warning("%s: %s was removed behind the tier; recreated and locked again", self.what, self.path)
+            return True
 
     def release(self) -> None:
-        if self._fd >= 0:
-            try:
-                os.ftruncate(self._fd, 0)
-            except OSError:
-                pass
-            os.close(self._fd)  # closing drops the flock
-            self._fd = -1
+        self._stop.set()
+        w = self._watcher
+        if w is not None and w is not threading.current_thread():
+            w.join()
+        with self._mu:
+            if self._fd >= 0:
+                if not self.lost:
+                    try:
+                        os.ftruncate(self._fd, 0)
+                    except OSError:
+                        pass
+                os.close(self._fd)  # closing drops the flock
+                self._fd = -1
+        with _held_lock:
+            if _held.get(self.dir) is self:
+                del _held[self.dir]

@@ -114,6 +114,11 @@ def open_fd(path: str, direct: bool, create: bool = False) -> int:
     return os.open(path, flags, 0o600)
 
 
+def no_space(e: OSError) -> bool:
+    """Whether an error says the file system (or a quota, or a file size limit) has no room."""
+    return e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
 def preallocate(fd: int, size: int) -> None:
     """Reserve the region's blocks now, so a full disk shows here and not mid-region."""
     try:
@@ -122,6 +127,27 @@ def preallocate(fd: int, size: int) -> None:
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, getattr(errno, "ENOTSUP", errno.EOPNOTSUPP)):
             raise
         os.ftruncate(fd, size)
+
+
+_FALLOC_KEEP_SIZE = 1
+_libc = None
+
+
+def reserve_beyond_end(fd: int, nbytes: int) -> bool:
+    """Reserve ``nbytes`` of blocks after the file's end without changing its size (``fallocate`` with
+    ``FALLOC_FL_KEEP_SIZE``), so appends there need no new blocks (a file system that fills up later still
+    takes them).  False where the file system cannot or has no room (nothing is reserved then)."""
+    global _libc
+    if _libc is None:
+        import ctypes
+
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    try:
+        end = os.fstat(fd).st_size
+    except OSError:
+        return False
+    return _libc.fallocate(fd, _FALLOC_KEEP_SIZE, end, nbytes) == 0
 
 
 def pwrite_all(fd: int, view, offset: int) -> None:
@@ -225,6 +251,18 @@ def read_header(fd: int, direct: bool):
     except OSError:
         return None, False
     return F.parse_region_header(b), F.is_region_magic(b)
+
+
+def never_begun(fd: int, direct: bool) -> bool:
+    """Whether a region file is what a failed or interrupted creation leaves: empty, or zeros where its
+    header belongs (a file the tier made gets its header right after its blocks are reserved)."""
+    try:
+        if os.fstat(fd).st_size == 0:
+            return True
+        b = read_span(fd, 0, F.BLOCK, direct)
+    except OSError:
+        return False
+    return not any(b)
 
 
 def read_summary(fd: int, region_size: int, seq: int, direct: bool, start_hint: int = 0):

@@ -45,11 +45,12 @@ flush / checkpoint / close in ``persist.py``; this module opens a directory.
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
 import os
+import stat
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -77,7 +78,7 @@ from . import format as F
 from . import region as R
 from .deadlog import DeadLog
 from .index import DigestIndex
-from .lock import DirLock
+from .lock import LOCK_NAME, DirLock
 from .persist import Persistence
 from .readpath import ReadPath
 from .reclaim import Reclaim
@@ -91,8 +92,12 @@ MIN_REGION = 1 << 20
 MAX_REGION = 2 << 30
 REGIONS_DIR = "regions"
 _COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
-             "gc_relocated", "gc_dropped", "checkpoints", "checkpoint_errors", "torn_regions", "skipped_files",
-             "trimmed", "direct_writes")
+             "gc_relocated", "gc_dropped", "gc_disk_full", "gc_in_place", "checkpoints", "checkpoint_errors",
+             "torn_regions", "skipped_files", "partial_files_removed", "trimmed", "direct_writes")
+#: a lack of room is logged at most once in this many seconds (every one is counted: ``enospc``)
+NO_SPACE_LOG_EVERY = 10.0
+#: room a full file system keeps beyond a checkpoint's and the dead log's (see ``_space_reserve``)
+SPACE_SLACK = 256 << 10
 
 
 def check_old_layout(path: str) -> None:
@@ -149,6 +154,8 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         self.path = os.path.abspath(os.path.expanduser(path))
         self._what = what
         self._counters = dict.fromkeys(_COUNTERS, 0)
+        self._no_space_logged = -NO_SPACE_LOG_EVERY  # (monotonic time of the last line about it)
+        self._no_space_unlogged = 0
         self._wlock = threading.Lock()
         self._lock_file: Optional[DirLock] = None
         self._regions: dict[int, R.Region] = {}
@@ -169,15 +176,20 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         self._seals: list = []  # summaries being written behind a seal (``RegionChange._seal``)
         self._prepare_dir()
         check_old_layout(self.path)
+        self._check_layout()
         self._lock_file = DirLock(self.path, what)
         try:
             self.direct_io = self._probe_direct(direct_io)
             self.region_size = rs
-            self._open()
+            try:
+                self._open()
+            except OSError as e:  # (a read-only volume, a file where a directory belongs, ...)
+                raise ConfigError(f"{what}: cannot open {e.filename or self.path}: {e.strerror or e}") from e
         except BaseException:
             self._close_fds()
             self._lock_file.release()
             raise
+        self._lock_file.watch()
         self._threads = io_threads or min(4, max(2, os.cpu_count() or 2))
         self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=f"tierkv-{name}")
 
@@ -224,8 +236,30 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         st = os.stat(self.path)
         if st.st_uid != os.geteuid():
             raise ConfigError(f"{self._what}: directory {self.path} is owned by uid {st.st_uid}, not us")
+        if not stat.S_ISDIR(st.st_mode):
+            raise ConfigError(f"{self._what}: {self.path} is not a directory")
         if st.st_mode & 0o077:
-            os.chmod(self.path, 0o700)
+            try:
+                os.chmod(self.path, 0o700)
+            except OSError as e:
+                raise ConfigError(f"{self._what}: cannot make {self.path} private (0700): {e.strerror or e}") from e
+
+    def _check_layout(self) -> None:
+        """A ``ConfigError`` naming the path if something of the layout is of the wrong kind."""
+        for name, want_dir in ((REGIONS_DIR, True), (LOCK_NAME, False), (C.NAME, False), (deadlog.NAME, False)):
+            p = os.path.join(self.path, name)
+            try:
+                st = os.stat(p)
+            except FileNotFoundError:
+                continue
+            except OSError as e:
+                raise ConfigError(f"{self._what}: cannot use {p}: {e.strerror or e}") from e
+            if want_dir and not stat.S_ISDIR(st.st_mode):
+                raise ConfigError(f"{self._what}: {p} is not a directory (the tier keeps its region files there); "
+                                  "move it away or give the tier another directory")
+            if not want_dir and not stat.S_ISREG(st.st_mode):
+                raise ConfigError(f"{self._what}: {p} is not a regular file (the tier keeps its {name} file "
+                                  "there); move it away or give the tier another directory")
 
     @property
     def regions_dir(self) -> str:
@@ -275,6 +309,16 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
                 self._regions[idx] = r
                 continue
             h, ours = R.read_header(r.fd, self.direct_io)
+            if h is None and not ours and R.never_begun(r.fd, self.direct_io):
+                # a region file whose creation failed (a full disk) or was cut short: no header, nothing in it
+                os.close(r.fd)
+                try:
+                    os.unlink(r.path)
+                    self._counters["partial_files_removed"] += 1
+                    log.info("%s: removed %s, a region file never begun (no header, no data)", self._what, r.path)
+                except OSError as e:
+                    log.warning("%s: cannot remove %s, a region file never begun: %s", self._what, r.path, e)
+                continue
             if h is None and not ours:
                 r.foreign = True  # not a region of ours: never reused, never deleted
                 self._counters["skipped_files"] += 1
@@ -306,6 +350,7 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         if ckpt is not None and ckpt.region_size != self.region_size:
             ckpt = None
         self._dead = DeadLog(self.path)
+        self._dead.reserve()  # (removals are recorded even once the file system is full)
         loaded = recovery.load(self.path, valid, self.region_size, self.direct_io, ckpt, deadlog.read(self.path))
         self._counters["torn_regions"] = loaded.torn
         self.recovered_from = loaded.source if valid else "empty"
@@ -383,8 +428,36 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         self._live_total -= m
 
     def _io_error(self, e: OSError, what: str) -> None:
-        self._count("enospc" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "io_errors")
+        if R.no_space(e):
+            self._no_space(f"{what} failed: {e}")
+            return
+        self._count("io_errors")
         log.warning("%s: %s failed: %s", self._what, what, e)
+
+    def _no_space(self, what: str) -> None:
+        """Count a lack of room (``enospc``: a refused write, or the file system's ENOSPC, EDQUOT or EFBIG)
+        and log it, at most once every ``NO_SPACE_LOG_EVERY`` seconds (with how many since the last line)."""
+        now = time.monotonic()
+        with self._lock:
+            self._counters["enospc"] += 1
+            self._no_space_unlogged += 1
+            if now - self._no_space_logged < NO_SPACE_LOG_EVERY:
+                return
+            n, self._no_space_unlogged, self._no_space_logged = self._no_space_unlogged, 0, now
+        log.warning("%s: no space: %s (%d such events since the last line, %d in all)", self._what, what, n,
+                    self._counters["enospc"])
+
+    def _space_reserve(self) -> int:
+        """Bytes of the file system kept for a checkpoint (a new one is written beside the old) and the dead
+        log when deciding how many region files it can take."""
+        sizes = 0
+        for name in (C.NAME, deadlog.NAME):
+            try:
+                sizes += os.path.getsize(os.path.join(self.path, name))
+            except OSError:
+                pass
+        want = len(self._index) * (F.ENTRY + 64) + self._index.nbytes  # (a checkpoint of what is indexed now)
+        return 2 * max(sizes, want) + SPACE_SLACK
 
     # -- deletes ----------------------------------------------------------------------------
     def _delete(self, keys: Sequence[str]) -> None:

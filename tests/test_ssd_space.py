@@ -1,0 +1,235 @@
+"""The ssd tier where its room runs out or goes away: a full file system, a directory removed behind a live
+writer, a broken layout, a read-only volume.  Each fault is a counted, logged event or a ``ConfigError``
+naming the path, never a silent loss or a raw ``OSError``."""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from tier_conformance import blob, key
+
+from tierkv.errors import ConfigError
+from tierkv.tiers.ssd import SSDTier
+from tierkv.tiers.ssd import region as R
+
+MiB = 1 << 20
+SIZE = 60000  # a chunk: 17 to a 1 MiB region
+
+
+def read_exact(t, keys, seeds, n=SIZE) -> list[bool]:
+    """Per key: read, and its bytes are exactly ``blob(seed, n)``."""
+    outs = [torch.zeros(n, dtype=torch.uint8) for _ in keys]
+    ok = t.read(keys, [[o] for o in outs])
+    return [f and torch.equal(o, blob(s, n)) for f, o, s in zip(ok, outs, seeds)]
+
+
+@pytest.fixture
+def small_fs(tmp_path):
+    """A tmpfs of 8 MiB (skipped where mounting is not permitted)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mnt)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("mounting a small tmpfs is not permitted here")
+    try:
+        yield str(mnt)
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
+
+
+def fill(t, start=0, limit=400) -> list[int]:
+    """Put chunks one at a time until the tier refuses one; the indices it took."""
+    took = []
+    for i in range(start, start + limit):
+        if not t.write([key(i)], [[blob(i, SIZE)]])[0]:
+            break
+        took.append(i)
+    return took
+
+
+def region_files(d):
+    rd = os.path.join(d, "regions")
+    return sorted(os.path.join(rd, f) for f in os.listdir(rd))
+
+
+# -- a full file system --------------------------------------------------------------------------
+def test_a_full_disk_takes_writes_again_after_half_the_chunks_are_removed(small_fs):
+    """The tier's capacity is far beyond the file system's: it fills the disk, is refused (counted), and once
+    every other chunk is removed (no region empties: removals are scattered) it reclaims its own regions and
+    takes new chunks, which a reopen finds exact."""
+    d = os.path.join(small_fs, "s")
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    took = fill(t)
+    assert len(took) > 40 and t.extra_stats()["enospc"] >= 1
+    assert fill(t, 1000, 5) == []  # refused until something is removed
+    removed = took[::2]
+    t.delete([key(i) for i in removed])
+    kept = sorted(set(took) - set(removed))
+    new = fill(t, 1000, len(removed) // 2)
+    assert len(new) == len(removed) // 2, "no write got in after half the chunks were removed"
+    st = t.extra_stats()
+    assert st["gc_disk_full"] >= 1 and st["gc_relocated"] >= 1
+    assert all(read_exact(t, [key(i) for i in kept + new], kept + new))
+    t.close()
+    assert not [f for f in region_files(d) if os.path.getsize(f) == 0]
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    assert {k for k, _ in t.recover()} == {key(i) for i in kept + new}
+    assert all(read_exact(t, [key(i) for i in kept + new], kept + new))
+    more = fill(t, 2000)  # the room that is left, until refused again (counted)
+    assert len(more) < 400 and t.extra_stats()["enospc"] >= 1
+    t.delete([key(i) for i in new + more])
+    assert fill(t, 3000, len(new)) == list(range(3000, 3000 + len(new)))
+    t.close()
+
+
+def test_a_disk_filled_behind_the_tier_is_compacted_in_place(small_fs):
+    """Another writer takes the rest of the file system: the tier has no file to spare, so once removals
+    leave room it compacts its emptiest region within its own file, and writes get in again."""
+    d = os.path.join(small_fs, "s")
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    took = fill(t, 0, 60)
+    filler = os.path.join(small_fs, "filler")
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:  # the rest of the disk, 64 KiB at a time until it is full
+        while os.write(fd, bytes(64 << 10)):
+            pass
+    except OSError as e:
+        assert e.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
+    more = fill(t, 500, 100)
+    assert len(more) < 100
+    took += more
+    assert not [f for f in region_files(d) if os.path.getsize(f) == 0]  # (a failed creation leaves nothing)
+    removed = took[::2]
+    t.delete([key(i) for i in removed])
+    kept = sorted(set(took) - set(removed))
+    new = fill(t, 1000, 10)
+    assert len(new) == 10
+    assert t.extra_stats()["gc_in_place"] >= 1
+    assert all(read_exact(t, [key(i) for i in kept + new], kept + new))
+    t.close()
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    assert {k for k, _ in t.recover()} == {key(i) for i in kept + new}
+    assert all(read_exact(t, [key(i) for i in kept + new], kept + new))
+    t.close()
+
+
+def test_a_failed_region_creation_leaves_no_file_and_the_tier_goes_on_in_place(tmp_path, monkeypatch):
+    """ENOSPC where the tier reserves a new region's blocks: the file it just created is removed (counted),
+    the failure counted and logged, and the tier reclaims its own regions instead."""
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    took = fill(t, 0, 40)  # three regions
+    real = os.posix_fallocate
+
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    more = fill(t, 100, 40)
+    assert len(more) < 40
+    st = t.extra_stats()
+    assert st["enospc"] >= 1 and st["partial_files_removed"] >= 1
+    assert all(os.path.getsize(f) == MiB for f in region_files(d))
+    t.delete([key(i) for i in (took + more)[::2]])
+    assert len(fill(t, 200, 8)) == 8
+    assert t.extra_stats()["gc_in_place"] >= 1
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    t.close()
+
+
+def test_region_files_never_begun_are_removed_at_open(tmp_path):
+    """A zero-length region file, or one of zeros (a creation that failed or was cut short), is ours and
+    holds nothing: the open removes it (counted) rather than skipping it as foreign at every open."""
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 8 * MiB, d, region_size="1MiB")
+    t.write([key(1)], [[blob(1, 1000)]])
+    t.close()
+    rd = os.path.join(d, "regions")
+    open(os.path.join(rd, "r000005.region"), "wb").close()
+    with open(os.path.join(rd, "r000006.region"), "wb") as f:
+        f.write(bytes(MiB))
+    with open(os.path.join(rd, "r000007.region"), "wb") as f:
+        f.write(b"not ours" * 100)  # (someone else's: kept)
+    t = SSDTier("ssd", 8 * MiB, d, region_size="1MiB")
+    st = t.extra_stats()
+    assert st["partial_files_removed"] == 2 and st["skipped_files"] == 1
+    assert sorted(os.listdir(rd)) == ["r000000.region", "r000007.region"]
+    assert read_exact(t, [key(1)], [1], 1000) == [True]
+    t.close()
+
+
+def test_every_lack_of_room_is_counted_and_logged_at_a_limited_rate(tmp_path, monkeypatch, caplog):
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    caplog.set_level("WARNING", logger="tierkv.tiers.ssd")
+    oks = [t.write([key(i)], [[blob(i, SIZE)]])[0] for i in range(60)]
+    assert not all(oks)
+    n = t.extra_stats()["enospc"]
+    assert n >= 60 - sum(oks)
+    lines = [r for r in caplog.records if "no space" in r.getMessage()]
+    assert 1 <= len(lines) < n
+    t.close()
+
+
+# -- a broken layout, a read-only volume ---------------------------------------------------------------
+@pytest.mark.parametrize("broken", ["regions is a file", "LOCK is a directory", "checkpoint is a directory",
+                                    "dead is a directory"])
+def test_a_broken_layout_is_a_config_error_naming_the_path(tmp_path, broken):
+    d = tmp_path / "s"
+    d.mkdir()
+    name, kind = broken.split(" is a ")
+    (d / name).mkdir() if kind == "directory" else (d / name).write_bytes(b"")
+    with pytest.raises(ConfigError, match=rf"{d / name}.* not a"):
+        SSDTier("ssd", 8 * MiB, str(d), region_size="1MiB")
+    assert (d / name).exists()  # refused, nothing removed
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """(directory holding a tier's files, the same seen through a read-only bind mount) or a skip."""
+    src, ro = tmp_path / "src", tmp_path / "ro"
+    src.mkdir()
+    ro.mkdir()
+    r = subprocess.run(["mount", "--bind", "-o", "ro", str(src), str(ro)], capture_output=True)
+    if r.returncode != 0:
+        pytest.skip("a read-only bind mount is not permitted here")
+    try:
+        yield str(src), str(ro)
+    finally:
+        subprocess.run(["umount", "-l", str(ro)])
+
+
+@pytest.mark.parametrize("what", ["a tier's directory", "an empty directory", "a new directory"])
+def test_a_read_only_volume_is_a_config_error_naming_the_path_and_the_cause(read_only, what):
+    src, ro = read_only
+    os.makedirs(os.path.join(src, "s"), mode=0o700)
+    if what == "a tier's directory":
+        t = SSDTier("ssd", 8 * MiB, os.path.join(src, "s"), region_size="1MiB")
+        t.write([key(1)], [[blob(1, 1000)]])
+        t.close()
+    path = os.path.join(ro, "new" if what == "a new directory" else "s")
+    with pytest.raises(ConfigError, match=rf"{path}.*[Rr]ead-only file system"):
+        SSDTier("ssd", 8 * MiB, path, region_size="1MiB")
+
+
+def test_the_store_reports_a_broken_ssd_directory_as_a_config_error(tmp_path):
+    from tierkv import TieredStore
+
+    d = tmp_path / "s"
+    d.mkdir()
+    (d / "regions").write_bytes(b"")
+    cfg = {"tiers": [{"medium": "dram", "capacity": "1MiB"},
+                     {"medium": "ssd", "path": str(d), "capacity": "8MiB", "region_size": "1MiB"}]}
+    with pytest.raises(ConfigError, match=str(d / "regions")):
+        TieredStore.from_config(cfg)
