@@ -6,10 +6,7 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
@@ -17,7 +14,6 @@ from tier_conformance import blob, key
 
 from tierkv.errors import ConfigError
 from tierkv.tiers.ssd import SSDTier
-from tierkv.tiers.ssd import region as R
 
 MiB = 1 << 20
 SIZE = 60000  # a chunk: 17 to a 1 MiB region
