@@ -15,7 +15,8 @@ Contract of ``victims(nbytes, protected)``:
 
 Batch hooks: ``on_insert_many(keys, sizes)``, ``on_access_many(keys)`` and
 ``on_remove_many(keys)`` mean the same as the single hooks called for each key in
-order.  The base class implements them that way, so a subclass that implements only
+order; ``on_adopt(keys, sizes)`` (chunks a persistent tier recovered, at a store's
+open) means ``on_insert_many``.  The base class implements them that way, so a subclass that implements only
 the four single hooks works unchanged; the built-ins override them with tighter
 loops, and a store may prefer them when it has a batch in hand.
 
@@ -92,6 +93,12 @@ class EvictionPolicy:
         """``on_insert(keys[i], sizes[i])`` for each i, in order."""
         for key, nbytes in zip(keys, sizes):
             self.on_insert(key, nbytes)
+
+    def on_adopt(self, keys: Sequence[Key], sizes: Sequence[int]) -> None:
+        """Chunks a persistent tier kept from an earlier process became readable, oldest first (a store's
+        open: millions at once).  Means ``on_insert_many(keys, sizes)``, which it calls; override it to
+        load the metadata in bulk (a policy sharing a level's index has nothing to do)."""
+        self.on_insert_many(keys, sizes)
 
     def on_access_many(self, keys: Iterable[Key]) -> None:
         """``on_access(key)`` for each key, in order."""

@@ -27,8 +27,11 @@ consistent again, so the caller only has to release what it holds.
 from __future__ import annotations
 
 import logging
+from itertools import repeat
 from operator import neg as _neg
 from typing import Any, Optional, Union
+
+import numpy as np
 
 from tierkv.errors import ConfigError, PolicyError
 from tierkv.hooks import batch_hook, call_policy
@@ -129,8 +132,9 @@ class Level(Eviction):
         self._fp_only: dict[int, int] = {}  # nbytes -> footprint (the same sizes as ``_fps``)
         if self.located:
             tier.attach(self.ready_codes)
-        if type(self.eviction) in _SHARING and not len(self.eviction):  # type: ignore[arg-type]
-            # the built-in orders keep no dict of their own: they order this index
+        #: the eviction policy is a built-in that orders this index (it keeps no dict of its own)
+        self._orders_index = type(self.eviction) in _SHARING and not len(self.eviction)  # type: ignore[arg-type]
+        if self._orders_index:
             self.eviction.share_index(self.index, self.value_footprint,  # type: ignore[union-attr]
                                       lambda: self.ready_count, lambda: self.ready_bytes)
 
@@ -390,6 +394,74 @@ class Level(Eviction):
                 except Exception:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
                     pass
             raise
+
+    def adopt(self, keys: list[str], sizes: np.ndarray) -> bool:
+        """Enter chunks the persistent medium recovered as READY, oldest first, in bulk (a store's open).
+
+        ``sizes``: their nbytes, an int array.  The caller (``TieredStore._recover``) chose them: keys none
+        of which is in the index, footprints that fit in the room left.  The index is loaded by C-level
+        operations (one footprint and one shared value per distinct size, spread by numpy), and the
+        eviction policy is told once, by ``on_adopt`` (``EvictionPolicy``'s default: ``on_insert_many``).
+        Returns False, changing nothing, when some key is listed twice (the caller then picks the newest
+        entry of each).  If the policy raises, none of the chunks stays.
+        """
+        n = len(keys)
+        if not n:
+            return True
+        index = self.index
+        if self.located or index:  # (no persistent medium is located today; the index is empty at open)
+            if len(set(keys)) != n:
+                return False
+            codes = self.reserve_many(keys, [int(x) for x in sizes])
+            self.commit_many([k for k, c in zip(keys, codes) if c == 0])
+            return True
+        sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+        if sizes.min() == sizes.max():  # one size (the common case): no sort
+            fp, v = self._size(int(sizes[0]))[0], self._shared(size_value(int(sizes[0])))
+            fps = np.full(n, fp, dtype=np.int64)
+            total = fp * n
+            vals: Any = None
+        else:
+            uniq, inv = np.unique(sizes, return_inverse=True)
+            inv = inv.reshape(-1)
+            fps_u = np.empty(len(uniq), dtype=np.int64)
+            vals_u = np.empty(len(uniq), dtype=object)
+            for i, nb in enumerate(uniq.tolist()):  # one step per distinct size, never per chunk
+                fps_u[i] = self._size(nb)[0]
+                vals_u[i] = self._shared(size_value(nb))
+            fps = fps_u[inv]
+            total = int(fps.sum())
+            vals = vals_u[inv].tolist()  # (the shared value objects, spread in C)
+        if self.used + total > self.capacity:
+            raise ValueError(f"tier {self.name!r}: {n} recovered chunks ({total} bytes) exceed the room left")
+        index.update(zip(keys, repeat(v) if vals is None else vals))
+        if len(index) != n:  # some key listed twice (the index was empty)
+            index.clear()
+            return False
+        self.used += total
+        self.ready_count += n
+        self.ready_bytes += total
+        policy = self.eviction
+        if policy is None:
+            return True
+        # (a built-in ordering this index learns nothing from the sizes: no list of them is made for it)
+        sizes_seq: Any = fps if self._orders_index else fps.tolist()
+        try:
+            if hasattr(policy, "on_adopt"):
+                call_policy(policy, "on_adopt", self.name, keys, sizes_seq)
+            else:  # (a policy that is no ``EvictionPolicy`` subclass)
+                call_policy(policy, "on_insert_many", self.name, keys, sizes_seq)
+        except BaseException:
+            index.clear()  # (it held these alone) none of them may stay unknown to the policy
+            self.used -= total
+            self.ready_count -= n
+            self.ready_bytes -= total
+            try:
+                policy.on_remove_many(keys)
+            except Exception:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
+                pass
+            raise
+        return True
 
     def accessed(self, keys: list[str]) -> None:
         """Tell the eviction policy these READY keys were read (one call when it has ``on_access_many``)."""

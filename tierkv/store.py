@@ -63,6 +63,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, Union
 
+import numpy as np
 import torch
 
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
@@ -92,6 +93,45 @@ log = logging.getLogger("tierkv")
 
 StoreConfig = Union[dict, str, "os.PathLike[str]"]  # (a name for type checkers only)
 
+
+
+def plan_recovery(keys: list[str], sizes: Any, footprint: Any, room: int,
+                  distinct: bool = False) -> tuple[list[str], np.ndarray, list[str]]:
+    """Which recovered objects (oldest first) a level indexes: (kept keys, their nbytes, keys to delete).
+
+    Of a key listed more than once the newest entry counts; then the newest keys whose footprints
+    (``footprint(nbytes)``, asked once per distinct size) add up to at most ``room`` are kept, in their
+    order, and the older rest is trimmed.  When everything fits, the keys are handed back as they are
+    unless ``distinct`` asks for the newest entry of each first (``Level.adopt`` finds repeated keys on
+    its own, at no cost).  Every step is a C-level operation over the whole list.
+    """
+    n = len(keys)
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    if len(sizes) != n:
+        raise ValueError(f"recovery listed {n} keys but {len(sizes)} sizes")
+    for attempt in (0, 1):
+        if n and sizes.min() == sizes.max():  # one size (the common case): no sort
+            fps = np.full(n, footprint(int(sizes[0])), dtype=np.int64)
+        else:
+            uniq, inv = np.unique(sizes, return_inverse=True)
+            fps = np.fromiter(map(footprint, uniq.tolist()), dtype=np.int64, count=len(uniq))[inv.reshape(-1)]
+        if attempt or distinct or int(fps.sum()) > room:
+            if attempt or len(set(keys)) == n:
+                break
+            newest = dict(zip(keys, range(n)))  # (a later entry of a key replaces its earlier one)
+            pos = np.fromiter(newest.values(), dtype=np.int64, count=len(newest))
+            del newest
+            pos.sort()
+            keys = list(map(keys.__getitem__, pos.tolist()))
+            sizes = sizes[pos]
+            n = len(keys)
+            continue
+        return keys, sizes, []
+    if int(fps.sum()) <= room:
+        return keys, sizes, []
+    fit = int(np.searchsorted(np.cumsum(fps[::-1]), room, side="right"))  # how many of the newest fit
+    cut = n - fit
+    return keys[cut:], sizes[cut:], keys[:cut]
 
 
 class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
@@ -175,28 +215,30 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         return store
 
     def _recover(self) -> None:
-        """Index what persistent media kept from an earlier process: the newest that fit."""
+        """Index what persistent media kept from an earlier process: the newest that fit.
+
+        Bulk from end to end (nothing here runs per object in Python): the tier hands its objects over as
+        columns (``recover_columns``), ``plan_recovery`` picks the newest version of each key and the
+        newest keys whose footprints fit, and ``Level.adopt`` loads them, READY, into the index and the
+        eviction policy.  Keys that do not fit are deleted from the medium.
+        """
         for lvl in self.levels:
             if not (lvl.managed and lvl.tier.persistent):
                 continue
-            found = lvl.tier.recover()  # oldest first
-            keep, drop, room, seen = [], [], lvl.capacity, set()
-            for key, nbytes in reversed(found):
-                fp = lvl.tier.footprint(nbytes)
-                if key in seen or fp > room:
-                    drop.append(key)  # a duplicate, or the configured capacity shrank
-                    continue
-                seen.add(key)
-                keep.append((key, nbytes))
-                room -= fp
-            if drop:
-                lvl.tier.delete(drop)
-            for key, nbytes in reversed(keep):
-                if lvl.reserve(key, nbytes):
-                    lvl.commit(key)
-            if keep:
-                log.info("tierkv: tier %s recovered %d chunks (%d bytes); dropped %d", lvl.name, len(keep),
-                         lvl.used, len(drop))
+            keys, sizes = lvl.tier.recover_columns()  # oldest first
+            if not len(keys):
+                continue
+            room = lvl.capacity - lvl.used
+            keep, sizes_kept, trimmed = plan_recovery(keys, sizes, lvl.footprint, room)
+            if trimmed:
+                lvl.tier.delete(trimmed)  # the configured capacity shrank: the oldest go
+            if not lvl.adopt(keep, sizes_kept):  # some key listed twice: its newest entry counts
+                keep, sizes_kept, trimmed = plan_recovery(keys, sizes, lvl.footprint, room, distinct=True)
+                if trimmed:
+                    lvl.tier.delete(trimmed)
+                lvl.adopt(keep, sizes_kept)
+            log.info("tierkv: tier %s recovered %d chunks (%d bytes); dropped %d", lvl.name, len(keep), lvl.used,
+                     len(keys) - len(keep))
 
     # ------------------------------------------------------------------ lifecycle
     def _enter(self) -> None:

@@ -232,6 +232,16 @@ class Tier:
         """(key, nbytes) of objects left by an earlier process (persistent media)."""
         return []
 
+    def recover_columns(self) -> tuple[list[str], Any]:
+        """``recover`` as two columns: the keys (a list) and their nbytes (a sequence or an int array), oldest
+        first.  A medium that holds them as arrays hands them over as they are (the store loads its index
+        from them in bulk); the default splits ``recover()``."""
+        found = self.recover()
+        if not found:
+            return [], []
+        keys, sizes = zip(*found)
+        return list(keys), sizes
+
     def flush(self) -> None:
         """Make everything written so far durable (persistent media)."""
 

@@ -418,6 +418,16 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
             c = self._gather()
         return recovery.listing(recovery.take(c, np.lexsort((c.offset, c.seq))))
 
+    def recover_columns(self) -> tuple[list[str], np.ndarray]:
+        """``recover`` as (keys, nbytes as an int64 array), oldest first, made without a pair per object."""
+        if self._recovered is not None:
+            c, self._recovered = self._recovered, None
+        else:
+            with self._wlock:
+                c = self._gather()
+            c = recovery.take(c, np.lexsort((c.offset, c.seq)))
+        return recovery.key_list(c), c.raw_len.astype(np.int64, copy=False)
+
     # -- bookkeeping --------------------------------------------------------------------------
     def _unlive(self, idx: int, rec_len: int) -> None:
         """An object left region ``idx``.  Caller holds ``_lock``."""
