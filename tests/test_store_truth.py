@@ -481,3 +481,33 @@ def test_serve_on_a_busy_port_leaves_nothing_attached():
         finally:
             ok.stop()
         assert store._observers == []
+
+
+# -- the rest of the family: answers that said more than was done ------------------------------
+def test_a_put_of_a_present_key_with_other_bytes_than_stored_is_refused():
+    # a key names its bytes: the same key with a chunk of another size is not "present", it is misuse
+    from tierkv import BufferSizeError
+
+    with dram_store(4) as store:
+        assert store.put(["a", "b"], [chunk(1), chunk(2)]) == [True, True]
+        for batch in (["a"], ["c", "a"], ["c", "a", "a"]):
+            with pytest.raises(BufferSizeError, match="holds 100 bytes but the stored chunk has 4096"):
+                store.put(batch, [torch.zeros(100, dtype=torch.uint8) if k == "a" else chunk(3) for k in batch])
+        lvl = store.levels[0]
+        assert lvl.pinned == {} and store.contains(["c"]) == [False]
+        assert store.stats()["dram"]["used_bytes"] == 2 * CHUNK
+
+
+def test_a_delete_the_medium_fails_is_counted(tmp_path):
+    cfg = {"tiers": [{"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "16MiB"}]}
+    with TieredStore.from_config(cfg) as store:
+        assert store.put(["a", "b"], [chunk(1), chunk(2)]) == [True, True]
+        tier = store.levels[0].tier
+
+        def broken(keys):
+            raise OSError("cannot delete")
+
+        tier.delete = broken
+        store.remove(["a"])
+        assert store.contains(["a", "b"]) == [False, True]
+        assert store.stats()["ssd"]["errors"] == 1

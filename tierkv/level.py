@@ -495,6 +495,7 @@ class Level(Eviction):
                 self.tier.delete([key])
             except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
                 log.warning("tierkv: tier %s delete failed: %s", self.name, exc)
+                self.counters.errors += 1  # (the bytes stay on the medium: counted, not only logged)
 
     def _give_back(self, codes: list[int]) -> None:
         """Return a located tier's space (a fault is logged: the index no longer reaches those bytes)."""
@@ -502,6 +503,7 @@ class Level(Eviction):
             self.tier.free_at(codes)
         except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
             log.warning("tierkv: tier %s free failed: %s", self.name, exc)
+            self.counters.errors += 1  # (the bytes stay on the medium: counted, not only logged)
 
     # -- readers -----------------------------------------------------------------
     def pin(self, key: str) -> int:
@@ -593,5 +595,6 @@ class Level(Eviction):
             self.tier.delete([key])
         except Exception as exc:  # the bytes are unreachable through the index either way  # noqa: BLE001 - a plug-in or medium fault is contained here by design
             log.warning("tierkv: tier %s delete failed: %s", self.name, exc)
+            self.counters.errors += 1  # (the bytes stay on the medium: counted, not only logged)
 
     # -- eviction ------------------------------------------------------------------

@@ -38,6 +38,7 @@ class Eviction:
         pinned: dict[str, int]
         eviction: Any
         tier: Any
+        counters: Any
         located: bool
         used: int
         ready_count: int
@@ -107,6 +108,7 @@ class Eviction:
                         self.tier.delete(dead)
                     except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
                         log.warning("tierkv: tier %s delete failed: %s", self.name, exc)
+                        self.counters.errors += 1  # (the bytes stay on the medium: counted, not only logged)
             if gone:
                 if self._remove_many:
                     call_policy(self.eviction, "on_remove_many", self.name, gone)

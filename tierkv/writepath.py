@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Optional
 
-from tierkv.buffers import Parts
+from tierkv.buffers import Parts, check_size
 from tierkv.hooks import call_policy
-from tierkv.level import Level
+from tierkv.level import _NB_MASK, Level
 from tierkv.outcome import PutOutcome
 from tierkv.placement import FAILED
 
@@ -82,7 +82,8 @@ class WritePath:
                     index0 = self.levels[0].index
                     if not index0.keys().isdisjoint(keys):
                         # (before reserving: a policy ordering the index sees the access, then the new keys)
-                        self._hold_present([k for k in keys if k in index0], holding)
+                        at = [i for i, k in enumerate(keys) if k in index0]
+                        self._hold_present([keys[i] for i in at], [prepared[i][1] for i in at], holding)
                     codes = self.levels[0].reserve_many(keys, [p[1] for p in prepared])
                     for i, code in enumerate(codes):
                         if code == 0:
@@ -100,6 +101,7 @@ class WritePath:
                 else:
                     busy = self._busy
                     found: list[str] = []
+                    found_sizes: list[int] = []
                     for i, key in enumerate(keys):
                         if key in first:  # a repeat inside the batch: takes the first one's result
                             c.chunks_deduped += 1
@@ -109,10 +111,11 @@ class WritePath:
                             out[i] = PutOutcome.PRESENT
                             c.chunks_deduped += 1
                             found.append(key)
+                            found_sizes.append(prepared[i][1])
                         else:
                             todo.append(i)
                     if found:
-                        self._hold_present(found, holding)
+                        self._hold_present(found, found_sizes, holding)
             while todo or first_pass:
                 if first_pass:
                     first_pass = False  # groups and slow as the batch reservation left them
@@ -212,21 +215,29 @@ class WritePath:
                 self._counters.chunks_rejected += refused
         return out  # type: ignore[return-value]
 
-    def _hold_present(self, keys: list[str], holding: list[tuple[Level, list[str]]]) -> None:
+    def _hold_present(self, keys: list[str], sizes: list[int], holding: list[tuple[Level, list[str]]]) -> None:
         """Keys a put found present count as used: pin each where it is READY (appended to ``holding``, which
         the caller unpins when its call ends), so the room the same call makes never takes them, and tell
-        the eviction policy of the fastest level holding each of an access.  Caller holds the lock."""
+        the eviction policy of the fastest level holding each of an access.  Caller holds the lock.
+
+        A key stored with another size than the put gives it is not the caller's chunk: ``BufferSizeError``
+        (as for a ``get``), before anything is pinned in that level."""
         told: set[str] = set()
         for j in self._managed_levels:
             lvl = self.levels[j]
             index = lvl.index
             vals: list[Any] = list(map(index.get, keys))
             if vals and set(map(type, vals)) == _INT and min(vals) > 0:
-                ready = keys  # the common case: every one READY here
+                ready, ready_vals, ready_sizes = keys, vals, sizes  # the common case: every one READY here
             else:
-                ready = [k for k, v in zip(keys, vals) if type(v) is int and v > 0]
+                at = [i for i, v in enumerate(vals) if type(v) is int and v > 0]
+                ready, ready_vals, ready_sizes = [keys[i] for i in at], [vals[i] for i in at], [sizes[i] for i in at]
             if not ready:
                 continue
+            fields = [v >> 1 & _NB_MASK for v in ready_vals]
+            if fields != ready_sizes or _NB_MASK in fields:  # (at the marker: a large chunk, sized elsewhere)
+                for key, v, nb in zip(ready, ready_vals, ready_sizes):
+                    check_size(key, nb, lvl.value_nbytes(v))
             lvl.pin_many(ready)
             holding.append((lvl, ready))
             fresh = ready if not told else [k for k in ready if k not in told]
