@@ -99,6 +99,9 @@ def test_scraped_while_the_store_works(store):
     for f in ("0.5", "1", "2", "4"):
         key = ("tierkv_tier_shadow_hit_ratio", (("capacity_factor", f), ("tier", "dram")))
         assert final[key] == pytest.approx(sh[f]["hit_rate"])
+        key = ("tierkv_tier_shadow_sampled_chunks", (("capacity_factor", f), ("tier", "dram")))
+        assert final[key] == sh[f]["sampled_chunks"]
+    assert final[tier("tierkv_tier_shadow_requests_total", "dram")] == st["tiers"]["dram"]["shadow"]["requests"] > 0
     assert final[("tierkv_tier_shadow_hit_ratio", (("capacity_factor", "4"), ("tier", "dram")))] >= \
         final[("tierkv_tier_shadow_hit_ratio", (("capacity_factor", "0.5"), ("tier", "dram")))]
     exp.stop()

@@ -103,6 +103,23 @@ MEDIUM_ERRORS = {
     "timeouts": "timeout",
     "transfer_errors": "peer_unreachable",
 }
+#: a shadow's estimate per capacity factor (``tierkv.shadow``): field -> (metric suffix, help, how ranks combine)
+SHADOW_FACTOR_FIELDS = {
+    "hit_rate": ("hit_ratio", "Estimated share of chunk requests the tier would serve at capacity_factor x its "
+                 "capacity (sampled shadow cache)", Merge.MEAN),
+    "cumulative_hit_rate": ("cumulative_hit_ratio", "Estimated share of chunk requests served at or above the tier "
+                            "at capacity_factor x its capacity", Merge.MEAN),
+    "capacity_bytes": ("capacity_bytes", "The capacity the shadow cache models (capacity_factor x the tier's)",
+                       Merge.SUM),
+    "sampled_chunks": ("sampled_chunks", "Chunks the shadow cache holds (a few hundred make a steady estimate)",
+                       Merge.SUM),
+}
+#: a shadow's figures per tier
+SHADOW_FIELDS = {
+    "sample_rate": (Kind.GAUGE, "Share of chunk keys the shadow samples"),
+    "sampled_requests": (Kind.COUNTER, "Chunk requests the shadow sampled"),
+    "requests": (Kind.COUNTER, "Chunk requests the shadow saw (gets that found the chunk, and puts)"),
+}
 #: store counters with a name of their own; every other ``StoreCounters`` field is ``tierkv_<field>_total``
 _CALLS = {"put_calls": "put", "get_calls": "get", "lookup_calls": "lookup"}
 _CHUNKS = {"chunks_stored": ("put", "stored"), "chunks_deduped": ("put", "deduped"),
@@ -188,15 +205,17 @@ class LatencyRecorder:
 
 # -- snapshot and families -----------------------------------------------------------------------------------
 def snapshot(store: Any) -> dict[str, Any]:
-    """Every number ``store`` reports, JSON-able: ``{"open", "tiers": {name: {"values", "shadow"}}, "total",
-    "latency"}`` (``latency`` only with a ``LatencyRecorder`` attached)."""
+    """Every number ``store`` reports, JSON-able: ``{"open", "tiers": {name: {"values", "shadow", "factors"}}, "total",
+    "by_reason", "latency"}`` (``latency`` only with a ``LatencyRecorder`` attached)."""
     st = store.stats()
     tiers: dict[str, Any] = {}
     for name, t in st["tiers"].items():
-        shadow = ((t.get("shadow") or {}).get("factors") or {})
+        shadow = t.get("shadow") or {}
         tiers[name] = {
             "values": {k: float(v) for k, v in t.items() if _number(v)},
-            "shadow": {f: [float(e["hit_rate"]), float(e["cumulative_hit_rate"])] for f, e in shadow.items()},
+            "shadow": {k: float(v) for k, v in shadow.items() if _number(v)},
+            "factors": {f: {k: float(v) for k, v in e.items() if _number(v)}
+                        for f, e in (shadow.get("factors") or {}).items()},
         }
     out: dict[str, Any] = {
         "open": 0.0 if getattr(store, "closed", False) else 1.0,
@@ -229,12 +248,10 @@ def families(snap: dict[str, Any]) -> list[Family]:
     medium = Family("tierkv_tier_medium", Kind.GAUGE,
                     "Every other number the medium reports in stats() (its own counters and levels)",
                     ("tier", "field"))
-    shadow = Family("tierkv_tier_shadow_hit_ratio", Kind.GAUGE,
-                    "Estimated share of chunk requests the tier would serve at capacity_factor x its capacity "
-                    "(sampled shadow cache)", ("tier", "capacity_factor"), merge=Merge.MEAN)
-    cum = Family("tierkv_tier_shadow_cumulative_hit_ratio", Kind.GAUGE,
-                 "Estimated share of chunk requests served at or above the tier at capacity_factor x its capacity",
-                 ("tier", "capacity_factor"), merge=Merge.MEAN)
+    per_factor = {f: Family(f"tierkv_tier_shadow_{name}", Kind.GAUGE, doc, ("tier", "capacity_factor"), merge=merge)
+                  for f, (name, doc, merge) in SHADOW_FACTOR_FIELDS.items()}
+    shadow_top = {f: Family(f"tierkv_tier_shadow_{f}", kind, doc, ("tier",), merge=Merge.MEAN)
+                  for f, (kind, doc) in SHADOW_FIELDS.items()}
     for name, t in tiers.items():
         for f, v in (t.get("values") or {}).items():
             fam = by_tier.get(f)
@@ -244,10 +261,14 @@ def families(snap: dict[str, Any]) -> list[Family]:
                 errors.samples.append(((name, MEDIUM_ERRORS[f]), v))
             else:
                 medium.samples.append(((name, f), v))
-        for factor, (hit, cumulative) in (t.get("shadow") or {}).items():
-            shadow.samples.append(((name, factor), hit))
-            cum.samples.append(((name, factor), cumulative))
-    out += [*by_tier.values(), errors, medium, shadow, cum]
+        for f, v in (t.get("shadow") or {}).items():
+            if f in shadow_top:
+                shadow_top[f].samples.append(((name,), v))
+        for factor, est in (t.get("factors") or {}).items():
+            for f, v in est.items():
+                if f in per_factor:
+                    per_factor[f].samples.append(((name, factor), v))
+    out += [*by_tier.values(), errors, medium, *per_factor.values(), *shadow_top.values()]
 
     total = snap.get("total") or {}
     calls = Family("tierkv_calls", Kind.COUNTER, "Store calls (batches)", ("op",))
