@@ -8,6 +8,13 @@ checkpoint and from the summaries alike, so a removed key never comes back and o
 several versions of a key only the newest can.  An entry whose region has since been
 reused (another seq) names nothing any more; compaction rewrites the file without them.
 A torn or flipped entry fails its check and is ignored.
+
+A *mark* entry (region field ``MARK_REGION``, no real region's index) carries a seq in full:
+each region begun appends one, so the highest seq ever handed out is known at the next open
+even when the region file that bore it is lost or its header damaged.  A new region's seq is
+always above it, so no seq is handed out twice and an entry can only ever name the record it
+was written for.  (A directory written before marks existed has none: its regions'
+headers and checkpoint say what was used.)
 """
 
 from __future__ import annotations
@@ -23,6 +30,10 @@ _OFF_BITS = 25  # offset / 64 for regions up to 2 GiB
 #: bytes of blocks kept reserved after the file's end (65536 entries), so that removals can still be
 #: recorded once the file system is full (``write``)
 RESERVE = 1 << 20
+_REGION_SHIFT = _OFF_BITS + _SEQ_BITS
+#: the region field of a mark entry (region indices stop at 999999, six digits in a file name)
+MARK_REGION = (1 << (64 - _REGION_SHIFT)) - 1
+_MARK_SEQ = (1 << _REGION_SHIFT) - 1
 
 
 def dead_keys(region, offset, seq) -> np.ndarray:
@@ -35,7 +46,23 @@ def dead_keys(region, offset, seq) -> np.ndarray:
 
 
 def key_region_seq(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return keys >> np.uint64(_OFF_BITS + _SEQ_BITS), keys & np.uint64((1 << _SEQ_BITS) - 1)
+    return keys >> np.uint64(_REGION_SHIFT), keys & np.uint64((1 << _SEQ_BITS) - 1)
+
+
+def key_offset(keys: np.ndarray) -> np.ndarray:
+    """The record offset each key names."""
+    return ((keys >> np.uint64(_SEQ_BITS)) & np.uint64((1 << _OFF_BITS) - 1)) << np.uint64(6)
+
+
+def mark_key(seq: int) -> int:
+    """The key of a mark entry for ``seq``."""
+    return (MARK_REGION << _REGION_SHIFT) | (seq & _MARK_SEQ)
+
+
+def high_water(keys: np.ndarray) -> int:
+    """The highest seq a mark among ``keys`` names (0: none)."""
+    m = keys[(keys >> np.uint64(_REGION_SHIFT)) == np.uint64(MARK_REGION)]
+    return int((m & np.uint64(_MARK_SEQ)).max()) if len(m) else 0
 
 
 def _check(keys: np.ndarray) -> np.ndarray:
@@ -94,12 +121,19 @@ class DeadLog:
                 self.reserved = RESERVE
         finally:
             os.close(fd)
+    def mark(self, seq: int) -> None:
+        """Record that ``seq`` was handed out.  Written ahead of every entry added after it (one append)."""
+        self.pending.append((MARK_REGION, 0, seq))
 
     def write(self, fsync: bool) -> None:
         if not self.pending:
             return
         a = np.array(self.pending, dtype=np.uint64)
-        data = encode(dead_keys(a[:, 0], a[:, 1], a[:, 2]))
+        keys = dead_keys(a[:, 0], a[:, 1], a[:, 2])
+        is_mark = a[:, 0] == np.uint64(MARK_REGION)
+        if is_mark.any():
+            keys[is_mark] = [mark_key(int(x)) for x in a[is_mark, 2].tolist()]
+        data = encode(keys)
         fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:
             view = memoryview(data)
@@ -124,15 +158,20 @@ class DeadLog:
         except OSError:
             return 0
 
-    def compact(self, current_seq: dict, fsync: bool) -> None:
-        """Rewrite without the entries of reused regions (``current_seq``: region index -> seq)."""
+    def compact(self, current_seq: dict, fsync: bool, high: int = 0) -> None:
+        """Rewrite without the entries of reused regions (``current_seq``: region index -> seq), and with
+        one mark: the highest seq handed out (``high`` or a mark's, whichever is higher)."""
         keys = read(self.dirpath)
+        high = max(high, high_water(keys))
+        keys = keys[(keys >> np.uint64(_REGION_SHIFT)) != np.uint64(MARK_REGION)]
         reg, sq = key_region_seq(keys)
         table = np.full(max(current_seq, default=0) + 2, -1, dtype=np.int64)
         for i, s in current_seq.items():
             table[i] = s & ((1 << _SEQ_BITS) - 1)
         reg = np.minimum(reg.astype(np.int64), len(table) - 1)
         keep = keys[table[reg] == sq.astype(np.int64)]
+        if high:
+            keep = np.concatenate([np.array([mark_key(high)], dtype=np.uint64), keep])
         tmp = self.path + ".tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0), 0o600)
         try:

@@ -70,6 +70,8 @@ class Persistence:
         def _seal(self, r: R.Region) -> None: ...
         def _wait_seals(self, drop: Optional[R.Region] = None) -> bool: ...
         def _header_out(self) -> bool: ...
+        def _seal_scanned(self, r: R.Region, sc: recovery.Scanned) -> None: ...
+        def _unlive(self, idx: int, rec_len: int) -> None: ...
 
     def flush(self) -> None:
         if self._closed:
@@ -106,17 +108,17 @@ class Persistence:
                 self._io_error(e, f"recreating {r.path}")
             self._write_out(r, F.align_up(r.pos), r.pos)
         self._wait_seals()
-        try:
-            self._dead.write(self.fsync != "never")
-        except OSError as e:
-            self._io_error(e, "writing the dead log")
-        if self.fsync != "never":
-            for fd in list(self._dirty_fds):
+        if self.fsync != "never":  # the regions first: an entry of the dead log may name a record whose new
+            for fd in list(self._dirty_fds):  # copy (reclamation) is among what these write out
                 try:
                     os.fdatasync(fd)  # (the files keep their size: data and allocation are what matter)
                 except OSError as e:
                     self._io_error(e, "fsync")
             self._dirty_fds.clear()
+        try:
+            self._dead.write(self.fsync != "never")
+        except OSError as e:
+            self._io_error(e, "writing the dead log")
         if checkpoint and self._changed:
             self._checkpoint()
         elif self._ckpt_unsynced and self.fsync != "never":
@@ -179,6 +181,8 @@ class Persistence:
                 got = (ent, keys, offs)
             else:
                 got = R.read_summary(r.fd, self.region_size, r.seq, self.direct_io, r.sum_start)
+                if got is None:  # (a summary cut or damaged since: the records say the same)
+                    got = self._rescan(r)
             if got is None:
                 have[grp] = False
                 continue
@@ -199,7 +203,40 @@ class Persistence:
             np.zeros(0, dtype=np.uint64)
         c = recovery.Candidates(cols["digest"], cols["region"], seqs, cols["offset"], cols["rec_len"],
                                 cols["raw_len"], np.zeros(n, dtype=np.uint8), key_start, key_len, b"".join(blobs))
+        if not have.all():  # objects no summary or record names any more: dropped, and counted
+            self._drop_lost(cols["digest"][~have], cols["region"][~have], cols["offset"][~have],
+                            cols["rec_len"][~have])
         return recovery.take(c, np.flatnonzero(have))
+
+    def _rescan(self, r: R.Region):
+        """(entries, keys, key offsets) of a sealed region whose summary cannot be read, from its records
+        (one read of the region), and its summary written again from them; None if that read fails."""
+        try:
+            data = R.read_span(r.fd, 0, self.region_size, self.direct_io)
+        except OSError as e:
+            self._io_error(e, f"reading {r.path}")
+            return None
+        entries, keys, offs, end = R.scan(data, r.seq)
+        del data
+        self._count("summaries_rebuilt")
+        log.warning("%s: the summary of %s could not be read; rebuilt from its %d records", self._what, r.path,
+                    len(entries))
+        self._seal_scanned(r, recovery.Scanned(entries, keys, end))
+        return entries, keys, offs
+
+    def _drop_lost(self, digest, region, offset, rec_len) -> None:
+        """Index entries whose records can no longer be found: counted (``corrupt``), removed, named dead."""
+        with self._lock:
+            for d, rg, off, ln in zip(digest.tolist(), region.tolist(), offset.tolist(), rec_len.tolist()):
+                slot = self._index.find(d)
+                if slot < 0 or self._index.region.item(slot) != rg or self._index.offset.item(slot) != off:
+                    continue
+                self._index.remove(d)
+                self._unlive(rg, ln)
+                self._dead.add(rg, off, self._regions[rg].seq)
+                self._counters["corrupt"] += 1
+                self._changed = True
+        log.warning("%s: %d objects whose records could not be found were dropped", self._what, len(digest))
 
     def _checkpoint(self, cands: Optional[recovery.Candidates] = None, durable: bool = True) -> None:
         """Write the index (with keys; ``cands`` when the caller has them) atomically.
@@ -258,7 +295,7 @@ class Persistence:
             if self._dead.size() > max(1 << 16, 4 * self._dead.compacted):
                 self._dead.write(self.fsync != "never")
                 self._dead.compact({i: r.seq for i, r in self._regions.items() if not r.foreign},
-                                   self.fsync != "never")
+                                   self.fsync != "never", self._next_seq - 1)
         except OSError as e:
             self._io_error(e, "compacting the dead log")
         self._covered = covered

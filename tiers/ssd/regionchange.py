@@ -47,6 +47,7 @@ class RegionChange:
     _seals: list  # (region, future, summary buffer, its offset) of summaries on a writer thread (``_seal``)
     _image_addrs: dict[int, tuple]
     _image_addr: int
+    _dead: DeadLog
 
     if TYPE_CHECKING:  # defined by ``SSDTier``, ``WritePath``, ``Persistence`` and ``Reclaim``
         @property
@@ -209,6 +210,7 @@ class RegionChange:
         with self._lock:  # (readers find each object where it was until the region changes here, at once)
             self._image_addr = self._image_addrs[id(image)][0]
             victim.start(new_seq, self.region_size, image)
+            self._dead.mark(new_seq)
             self._next_seq += 1
             relocated = 0
             for slot, off, new, ln, raw_len, key, flags in moved:
@@ -284,6 +286,7 @@ class RegionChange:
             self._image_addrs[id(image)] = image_address(image)
         self._image_addr = self._image_addrs[id(image)][0]
         r.start(self._next_seq, self.region_size, image)
+        self._dead.mark(self._next_seq)  # (a seq is never handed out again, even if this file is lost)
         if fresh:
             r.written = F.BLOCK
             self._dirty_fds.add(r.fd)
@@ -364,3 +367,34 @@ class RegionChange:
         if r is None or r.written > 0:
             return True
         return self._write_out(r, F.BLOCK, F.BLOCK)
+
+    def _resume(self, r: R.Region, end: int, entries: bytes, keys: bytes) -> None:
+        """Make region ``r``, unsealed with its records up to ``end`` (a scan at open), the active region
+        again, filled on from ``end`` under its own seq: at open, when every region holds live objects
+        (a crash in the middle of a reclamation) and ``r`` is the newest, so what is appended stays the
+        newest.  The file after ``end`` is zeroed first (no record of an interrupted write is found there
+        later).  Raises OSError."""
+        image, self._spare_image = self._spare_image, None
+        if image is None:
+            image = F.aligned_buffer(self.region_size, populate=True)
+            self._image_addrs[id(image)] = image_address(image)
+        start = F.align_down(end)
+        mv = memoryview(image)
+        mv[:start] = R.read_span(r.fd, 0, start, self.direct_io) if start else b""
+        mv[start:end] = R.read_span(r.fd, start, end - start, self.direct_io)
+        mv[end:self.region_size] = bytes(self.region_size - end)
+        R.pwrite_all(r.fd, mv[start:self.region_size], start)
+        self._dirty_fds.add(r.fd)
+        self._image_addr = self._image_addrs[id(image)][0]
+        with self._lock:
+            r.buf = image
+            r.state = R.ACTIVE
+            r.pos = end
+            r.written = start if self.direct_io else end
+            r.entries = bytearray(entries)
+            r.keys = bytearray(keys)
+            r.count = len(entries) // F.ENTRY
+            r.sum_start = 0
+            r.direct = set()
+            r.tail = (0, 0)
+            self._active = r

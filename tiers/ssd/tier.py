@@ -93,7 +93,8 @@ MAX_REGION = 2 << 30
 REGIONS_DIR = "regions"
 _COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
              "gc_relocated", "gc_dropped", "gc_disk_full", "gc_in_place", "checkpoints", "checkpoint_errors",
-             "torn_regions", "skipped_files", "partial_files_removed", "trimmed", "direct_writes")
+             "torn_regions", "skipped_files", "partial_files_removed", "trimmed", "direct_writes",
+             "summaries_rebuilt", "regions_removed")
 #: a lack of room is logged at most once in this many seconds (every one is counted: ``enospc``)
 NO_SPACE_LOG_EVERY = 10.0
 #: room a full file system keeps beyond a checkpoint's and the dead log's (see ``_space_reserve``)
@@ -351,11 +352,16 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
             ckpt = None
         self._dead = DeadLog(self.path)
         self._dead.reserve()  # (removals are recorded even once the file system is full)
-        loaded = recovery.load(self.path, valid, self.region_size, self.direct_io, ckpt, deadlog.read(self.path))
+        dead = deadlog.read(self.path)
+        loaded = recovery.load(self.path, valid, self.region_size, self.direct_io, ckpt, dead)
         self._counters["torn_regions"] = loaded.torn
         self.recovered_from = loaded.source if valid else "empty"
-        seqs = [r.seq for r in valid.values()]
-        self._next_seq = max([*seqs, ckpt.covered_seq if ckpt is not None else 0]) + 1
+        # above every seq ever handed out: the regions' headers, the checkpoint's, the dead log's marks (a
+        # region file lost or damaged since took its seq with it, and the dead log may name its records)
+        seqs = [h.seq for h in headers.values() if h is not None]
+        if ckpt is not None:
+            seqs += [ckpt.covered_seq, int(ckpt.region_seqs.max()) if len(ckpt.region_seqs) else 0]
+        self._next_seq = max([*seqs, deadlog.high_water(dead)], default=0) + 1
         c = loaded.cands
         # a smaller capacity keeps the newest that fit
         fps = footprint_of(c.raw_len)
@@ -382,17 +388,55 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
                 r.state, r.live_bytes, r.live_count = R.SEALED, int(live[idx]), int(cnt[idx])
             self._live_total = int(meas.sum())
         self._covered = ckpt.covered_seq if ckpt is not None else 0
-        for idx, sc in loaded.scanned.items():  # seal what an earlier process left unsealed
-            self._seal_scanned(valid[idx], sc)
-        self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
         if len(dropped.digest):
             self._counters["trimmed"] = len(dropped.digest)
             for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
                 self._dead.add(rg, off, sq)
-        if any(valid[i].seq >= self._covered for i in loaded.read_regions) or len(dropped.digest):
-            with self._wlock:  # the keys are at hand: the checkpoint needs no summary read
+        resume = self._to_resume(valid, loaded.scanned, dead)
+        for idx, sc in loaded.scanned.items():  # seal what an earlier process left unsealed
+            if idx != resume:
+                self._seal_scanned(valid[idx], sc)
+        moved = 0
+        with self._wlock:
+            if resume is not None:
+                sc = loaded.scanned[resume]
+                try:
+                    self._resume(valid[resume], sc.end, sc.entries.tobytes(), sc.keys)
+                except OSError as e:
+                    self._io_error(e, f"reopening {valid[resume].path}")
+                    self._seal_scanned(valid[resume], sc)
+            gc_before = self._counters["gc_runs"]
+            lost = self._settle()  # never every region holding objects
+            moved = self._counters["gc_runs"] - gc_before
+            self._remove_surplus()  # never more region files than the capacity provisions
+        if lost:
+            c = recovery.take(c, np.flatnonzero(self._index.find_many(c.digest) >= 0))
+        self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
+        if (any(valid[i].seq >= self._covered for i in loaded.read_regions) or len(dropped.digest) or lost
+                or moved or resume is not None or self._counters["regions_removed"]):
+            with self._wlock:  # the keys are at hand unless objects moved: then the summaries say where
                 self._flush_locked(checkpoint=False)
-                self._checkpoint(c)
+                self._checkpoint(None if moved or resume is not None else c)
+
+    def _to_resume(self, valid: dict, scanned: dict, dead: np.ndarray) -> Optional[int]:
+        """The region to fill on at open, if one must be: when every region holds live objects (no free
+        one, none left to create), the newest if it is unsealed, has room and no dead-log entry names an
+        offset at or after its last good record (those offsets will hold new records)."""
+        need = self.regions_needed()
+        mine = [r for r in self._regions.values() if not r.foreign]
+        free = sum(1 for r in mine if r.live_count == 0) + max(0, need - len(mine))
+        if free or not valid:
+            return None
+        newest = max(valid.values(), key=lambda r: r.seq)
+        sc = scanned.get(newest.index)
+        if sc is None or sc.end + (64 << 10) > F.summary_start(self.region_size, len(sc.entries), len(sc.keys)):
+            return None
+        reg, sq = deadlog.key_region_seq(dead)
+        mask = np.uint64((1 << deadlog._SEQ_BITS) - 1)
+        mine_dead = (reg == np.uint64(newest.index)) & (sq == (np.uint64(newest.seq) & mask))
+        if bool((deadlog.key_offset(dead[mine_dead]) >= np.uint64(sc.end)).any()):
+            return None
+        return newest.index
 
     def _seal_scanned(self, r: R.Region, sc: recovery.Scanned) -> None:
         count = len(sc.entries)
