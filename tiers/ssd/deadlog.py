@@ -49,9 +49,12 @@ def key_region_seq(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return keys >> np.uint64(_REGION_SHIFT), keys & np.uint64((1 << _SEQ_BITS) - 1)
 
 
-def key_offset(keys: np.ndarray) -> np.ndarray:
-    """The record offset each key names."""
-    return ((keys >> np.uint64(_SEQ_BITS)) & np.uint64((1 << _OFF_BITS) - 1)) << np.uint64(6)
+def names_from(keys: np.ndarray, region: int, seq: int, offset: int) -> bool:
+    """Whether any of ``keys`` names a record of ``region`` under ``seq`` at ``offset`` or after."""
+    reg, sq = key_region_seq(keys)
+    mine = keys[(reg == np.uint64(region)) & (sq == np.uint64(seq & ((1 << _SEQ_BITS) - 1)))]
+    offs = ((mine >> np.uint64(_SEQ_BITS)) & np.uint64((1 << _OFF_BITS) - 1)) << np.uint64(6)
+    return bool((offs >= np.uint64(offset)).any())
 
 
 def mark_key(seq: int) -> int:

@@ -431,12 +431,7 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         sc = scanned.get(newest.index)
         if sc is None or sc.end + (64 << 10) > F.summary_start(self.region_size, len(sc.entries), len(sc.keys)):
             return None
-        reg, sq = deadlog.key_region_seq(dead)
-        mask = np.uint64((1 << deadlog._SEQ_BITS) - 1)
-        mine_dead = (reg == np.uint64(newest.index)) & (sq == (np.uint64(newest.seq) & mask))
-        if bool((deadlog.key_offset(dead[mine_dead]) >= np.uint64(sc.end)).any()):
-            return None
-        return newest.index
+        return None if deadlog.names_from(dead, newest.index, newest.seq, sc.end) else newest.index
 
     def _seal_scanned(self, r: R.Region, sc: recovery.Scanned) -> None:
         count = len(sc.entries)
