@@ -47,7 +47,6 @@ class RegionChange:
     _seals: list  # (region, future, summary buffer, its offset) of summaries on a writer thread (``_seal``)
     _image_addrs: dict[int, tuple]
     _image_addr: int
-    _dead: DeadLog
 
     if TYPE_CHECKING:  # defined by ``SSDTier``, ``WritePath``, ``Persistence`` and ``Reclaim``
         @property
