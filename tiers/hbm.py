@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, install_hint
 from tierkv.options import pop_bool, pop_str
 
 from .slab import SlabTier
@@ -18,7 +18,8 @@ def resolve_device(device: str) -> torch.device:
         try:
             import torch_npu  # noqa: F401  (registers the npu device with torch)
         except ImportError as e:
-            raise ConfigError(f"device {device!r} needs torch_npu, which is not installed: {e}") from e
+            raise ConfigError(f"device {device!r} needs torch_npu, which is not installed ({install_hint('npu')}): "
+                              f"{e}") from e
     try:
         dev = torch.device(device)
     except RuntimeError as e:
