@@ -22,8 +22,12 @@ fi
 
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
 VPIP=(.venv/bin/python -m pip)
-# torch first and pinned: 2.13.0 is the CPU build; an unpinned torch would pull a multi-GB CUDA build.
-"${VPIP[@]}" install "${PIP_QUIET[@]}" "torch==2.13.0"
+# torch first and pinned: on our CI machines pip finds a local 2.13.0 CPU wheel; an unpinned torch would pull a
+# multi-GB CUDA build. Elsewhere set TIERKV_TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu (PyTorch's CPU
+# wheel index) for this one install.
+TORCH_INDEX=()
+[ -z "${TIERKV_TORCH_INDEX_URL:-}" ] || TORCH_INDEX=(--index-url "$TIERKV_TORCH_INDEX_URL")
+"${VPIP[@]}" install "${PIP_QUIET[@]}" ${TORCH_INDEX[@]+"${TORCH_INDEX[@]}"} "torch==2.13.0"
 # tierkv is published as tierkv-store: an install under the old name (or the index's unrelated "tierkv") would
 # shadow this checkout's import name
 if "${VPIP[@]}" show tierkv >/dev/null 2>&1; then "${VPIP[@]}" uninstall -y -q tierkv; fi
