@@ -106,11 +106,12 @@ def test_a_copy_taken_right_after_a_reclamation_reopens_accepting_writes(tmp_pat
         assert disk_bytes(os.path.join(path, "regions")) <= region_bound(u)
 
 
-@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("direct,way", [(False, "resume"), (True, "resume"), (False, "in_place")])
 def test_a_crash_in_the_middle_of_a_reclamation_reopens_accepting_writes_and_losing_nothing(tmp_path, monkeypatch,
-                                                                                             direct):
+                                                                                             direct, way):
     """Half the victim's copies in the file, the dead log not yet naming the victim's records: every region
-    holds live objects at the reopen, which must still find a region to write into (and lose nothing)."""
+    holds live objects at the reopen, which must still find a region to write into (and lose nothing).
+    ``in_place``: as if the newest region could not be filled on: one is compacted within its own file."""
     live_dir = str(tmp_path / "live")
     t = SSDTier("ssd", 6 * MiB, live_dir, region_size="1MiB", direct_io=direct)
     rng = random.Random(2)
@@ -131,8 +132,13 @@ def test_a_crash_in_the_middle_of_a_reclamation_reopens_accepting_writes_and_los
     _churn_until_reclaimed(t, rng, live, 200, 1, lambda: None)
     t.close()
     ((path, flushed),) = crash
+    if way == "in_place":
+        monkeypatch.setattr(SSDTier, "_to_resume", lambda self, valid, scanned, dead: None)
     u = SSDTier("ssd", 6 * MiB, path, region_size="1MiB", direct_io=direct)
-    found = {k for k, _ in u.recover()}
+    assert u.extra_stats()["gc_in_place"] == (way == "in_place")
+    listed = [k for k, _ in u.recover()]
+    found = set(listed)
+    assert len(listed) == len(found) == u.extra_stats()["objects"]  # a key copied twice is one object
     assert u.extra_stats()["gc_runs"] >= 1  # every region held objects: the open finished the reclamation
     assert found >= flushed, "an object was lost"
     assert all(read_exact(u, sorted(found), _fill))

@@ -156,6 +156,7 @@ class Persistence:
     def _gather(self, tables: Optional[list] = None) -> recovery.Candidates:
         """Every live object with its key, read from the summaries.  Caller holds ``_wlock``.
         ``tables``: a list that gets the index's slots as they were when its objects were listed."""
+        self._wait_seals()  # (a summary still on its way to the file would read as unreadable)
         with self._lock:
             slots = self._index.live()
             ix = self._index
