@@ -511,3 +511,16 @@ def test_a_delete_the_medium_fails_is_counted(tmp_path):
         store.remove(["a"])
         assert store.contains(["a", "b"]) == [False, True]
         assert store.stats()["ssd"]["errors"] == 1
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"io_workers": 10 ** 400}, "io_workers.*at most 256"),
+    ({"shadow": {"rate": 10 ** 400}}, "shadow rate.*finite"),
+    ({"write_behind_queue": -10 ** 400}, "write_behind_queue.*at least 0"),
+])
+def test_a_huge_number_in_the_config_is_a_short_config_error(cfg, match):
+    from tierkv.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=match) as err:
+        TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": 4 * CHUNK}], **cfg})
+    assert len(str(err.value)) < 200

@@ -37,9 +37,9 @@ def check_int(value: Any, what: str, *, min_value: Optional[int] = None, max_val
         else:
             raise ConfigError(f"{what}: expected an integer, got {short(value)} ({type(value).__name__})")
     if min_value is not None and value < min_value:
-        raise ConfigError(f"{what}: must be at least {min_value}, got {value}")
+        raise ConfigError(f"{what}: must be at least {min_value}, got {short(value)}")
     if max_value is not None and value > max_value:
-        raise ConfigError(f"{what}: must be at most {max_value}, got {value}")
+        raise ConfigError(f"{what}: must be at most {max_value}, got {short(value)}")
     return int(value)
 
 
@@ -47,13 +47,16 @@ def check_float(value: Any, what: str, *, min_value: Optional[float] = None, max
                 min_exclusive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{what}: expected a number, got {short(value)} ({type(value).__name__})")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an int too large for a float
+        raise ConfigError(f"{what}: expected a finite number, got {short(value)}") from None
     if v != v or v in (float("inf"), float("-inf")):
-        raise ConfigError(f"{what}: expected a finite number, got {value!r}")
+        raise ConfigError(f"{what}: expected a finite number, got {short(value)}")
     if min_value is not None and (v < min_value or (min_exclusive and v == min_value)):
-        raise ConfigError(f"{what}: must be {'>' if min_exclusive else '>='} {min_value}, got {value!r}")
+        raise ConfigError(f"{what}: must be {'>' if min_exclusive else '>='} {min_value}, got {short(value)}")
     if max_value is not None and v > max_value:
-        raise ConfigError(f"{what}: must be at most {max_value}, got {value!r}")
+        raise ConfigError(f"{what}: must be at most {max_value}, got {short(value)}")
     return v
 
 
