@@ -47,6 +47,7 @@ LATENCY_OPS = ("get", "put", "lookup")
 class Kind(enum.Enum):
     COUNTER = "counter"
     GAUGE = "gauge"
+    HISTOGRAM = "histogram"  # (latency: ``latency_families``)
 
 
 class Merge(enum.Enum):

@@ -144,7 +144,7 @@ def _prom_class():
             self._levels: dict[tuple, dict[str, float]] = {}  # (engine, name, labels) -> {rank: gauge value}
             self._merge: dict[str, Merge] = {}
 
-        def _metric(self, name: str, kind: Kind | None, doc: str, labels: tuple[str, ...]) -> Any:
+        def _metric(self, name: str, kind: Kind, doc: str, labels: tuple[str, ...]) -> Any:
             m = self._made.get(name)
             if m is None:
                 names = [*self._names, *labels]
@@ -187,7 +187,7 @@ def _prom_class():
                             self._merge[fam.name] = fam.merge
                             touched.add((engine_idx, fam.name, lv))
                 for name, h in latency_families(snap).items():
-                    m = self._metric(name, None, latency_help(name), ())
+                    m = self._metric(name, Kind.HISTOGRAM, latency_help(name), ())
                     key = (engine_idx, rank, name, ())
                     prev_counts, prev_sum = self._last.get(key, ([0.0] * len(h["counts"]), 0.0))
                     counts, total = [float(n) for n in h["counts"]], float(h["sum"])
