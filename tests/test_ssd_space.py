@@ -6,7 +6,11 @@ from __future__ import annotations
 
 import errno
 import os
+import shutil
 import subprocess
+import sys
+import textwrap
+import time
 
 import pytest
 import torch
@@ -48,6 +52,14 @@ def fill(t, start=0, limit=400) -> list[int]:
             break
         took.append(i)
     return took
+
+
+def _direct_ok(tmp_path) -> bool:
+    try:
+        SSDTier("probe", MiB, str(tmp_path / "probe"), direct_io=True).close()
+        return True
+    except ConfigError:
+        return False
 
 
 def region_files(d):
@@ -118,11 +130,15 @@ def test_a_disk_filled_behind_the_tier_is_compacted_in_place(small_fs):
     t.close()
 
 
-def test_a_failed_region_creation_leaves_no_file_and_the_tier_goes_on_in_place(tmp_path, monkeypatch):
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_failed_region_creation_leaves_no_file_and_the_tier_goes_on_in_place(tmp_path, monkeypatch, direct):
     """ENOSPC where the tier reserves a new region's blocks: the file it just created is removed (counted),
-    the failure counted and logged, and the tier reclaims its own regions instead."""
+    the failure counted and logged, and the tier reclaims its own regions instead; a reopen finds exactly
+    what is left."""
+    if direct and not _direct_ok(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
     d = str(tmp_path / "s")
-    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=direct)
     took = fill(t, 0, 40)  # three regions
     real = os.posix_fallocate
 
@@ -135,10 +151,17 @@ def test_a_failed_region_creation_leaves_no_file_and_the_tier_goes_on_in_place(t
     st = t.extra_stats()
     assert st["enospc"] >= 1 and st["partial_files_removed"] >= 1
     assert all(os.path.getsize(f) == MiB for f in region_files(d))
-    t.delete([key(i) for i in (took + more)[::2]])
-    assert len(fill(t, 200, 8)) == 8
+    removed = (took + more)[::2]
+    t.delete([key(i) for i in removed])
+    new = fill(t, 200, 8)
+    assert len(new) == 8
     assert t.extra_stats()["gc_in_place"] >= 1
     monkeypatch.setattr(os, "posix_fallocate", real)
+    t.close()
+    left = sorted(set(took + more + new) - set(removed))
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=direct)
+    assert {k for k, _ in t.recover()} == {key(i) for i in left}
+    assert all(read_exact(t, [key(i) for i in left], left))
     t.close()
 
 
@@ -229,3 +252,163 @@ def test_the_store_reports_a_broken_ssd_directory_as_a_config_error(tmp_path):
                      {"medium": "ssd", "path": str(d), "capacity": "8MiB", "region_size": "1MiB"}]}
     with pytest.raises(ConfigError, match=str(d / "regions")):
         TieredStore.from_config(cfg)
+
+
+# -- a directory removed behind a live writer -----------------------------------------------------------
+@pytest.mark.parametrize("direct", [False, True])
+def test_chunks_written_after_the_directory_is_removed_are_all_found_after_a_reopen(tmp_path, direct):
+    """The region active when the directory went keeps nothing only in the removed file: every chunk
+    acknowledged and flushed after the removal is found, exact, by the next open; the objects that went
+    with the removal are counted (``objects_lost``), and the tier's count matches what a reopen finds."""
+    if direct and not _direct_ok(tmp_path):
+        pytest.skip("no O_DIRECT on this file system")
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=direct)
+    t.write([key(i) for i in range(30)], [[blob(i, SIZE)] for i in range(30)])  # the second region half full
+    t.flush()
+    shutil.rmtree(d)
+    after = list(range(100, 200))
+    for i in after:
+        assert t.write([key(i)], [[blob(i, SIZE)]]) == [True]
+    t.flush()
+    st = t.extra_stats()
+    assert st["dir_removed"] >= 1 and st["objects_lost"] >= 1
+    objects = st["objects"]
+    t.close()
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=direct)
+    found = {k for k, _ in t.recover()}
+    assert {key(i) for i in after} <= found, f"{len({key(i) for i in after} - found)} of 100 lost"
+    assert len(found) == objects == 100 + 30 - st["objects_lost"]
+    assert all(read_exact(t, [key(i) for i in after], after))
+    t.close()
+
+
+def test_a_removal_of_regions_alone_is_found_at_the_next_flush(tmp_path):
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    t.write([key(i) for i in range(40)], [[blob(i, SIZE)] for i in range(40)])
+    t.flush()
+    shutil.rmtree(os.path.join(d, "regions"))  # a tmp cleaner: the sealed regions' objects go with it
+    t.flush()
+    st = t.extra_stats()
+    assert st["dir_removed"] == 1 and st["objects"] == 40 - st["objects_lost"] and st["objects_lost"] > 0
+    t.close()
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    found = sorted(k for k, _ in t.recover())
+    assert len(found) == st["objects"]
+    assert all(read_exact(t, found, [int(k[1:5]) for k in found]))
+    t.close()
+
+
+CHILD = textwrap.dedent("""
+    import sys
+    sys.path.insert(0, sys.argv[3])
+    from tier_conformance import blob, key
+    from tierkv.tiers.ssd import SSDTier
+    path, direct = sys.argv[1], sys.argv[2] == "1"
+    t = SSDTier("ssd", 64 << 20, path, region_size="1MiB", direct_io=direct)
+    t.write([key(i) for i in range(30)], [[blob(i, 60000)] for i in range(30)])
+    t.flush()
+    print("ready", flush=True)
+    sys.stdin.readline()  # the directory is removed meanwhile
+    oks = [t.write([key(i)], [[blob(i, 60000)]])[0] for i in range(100, 200)]
+    print("written", sum(oks), flush=True)
+    sys.stdin.readline()  # (killed here)
+""")
+
+
+def test_chunks_acknowledged_after_the_directory_is_removed_survive_sigkill_without_flush(tmp_path):
+    d = str(tmp_path / "s")
+    here = os.path.dirname(os.path.abspath(__file__))
+    child = subprocess.Popen([sys.executable, "-c", CHILD, d, "0", here], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        shutil.rmtree(d)
+        child.stdin.write("\n")
+        child.stdin.flush()
+        assert child.stdout.readline().split() == ["written", "100"]
+    finally:
+        child.kill()
+        child.wait(30)
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    found = {k for k, _ in t.recover()}
+    after = list(range(100, 200))
+    assert {key(i) for i in after} <= found
+    assert all(read_exact(t, [key(i) for i in after], after))
+    t.close()
+
+
+HOLDER = textwrap.dedent("""
+    import sys
+    from tierkv.tiers.ssd import SSDTier
+    t = SSDTier("ssd", 1 << 20, sys.argv[1])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t.close()
+""")
+
+
+def test_a_second_process_is_refused_for_the_first_ones_whole_life_even_after_the_directory_is_removed(
+        tmp_path):
+    d = str(tmp_path / "s")
+    child = subprocess.Popen([sys.executable, "-c", HOLDER, d], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        shutil.rmtree(d)  # the holder is idle: its watcher makes the directory and LOCK again
+        lock = os.path.join(d, "LOCK")
+        deadline = time.monotonic() + 30
+        while R_holder(d) != child.pid:
+            assert time.monotonic() < deadline, "the lock was not taken again"
+            time.sleep(0.02)
+        with pytest.raises(ConfigError, match=rf"{d}.*process {child.pid}"):
+            SSDTier("ssd", MiB, d)
+        assert os.path.isfile(lock)
+    finally:
+        child.stdin.write("\n")
+        child.stdin.flush()
+        child.wait(30)
+    SSDTier("ssd", MiB, d).close()  # free again once the holder closed
+
+
+def R_holder(d):
+    from tierkv.tiers.ssd.lock import holder_pid
+
+    return holder_pid(d)
+
+
+def test_a_second_opener_in_this_process_is_refused_right_after_the_directory_is_removed(tmp_path):
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", MiB, d)
+    shutil.rmtree(d)
+    with pytest.raises(ConfigError, match=rf"{d}.*process {os.getpid()}"):
+        SSDTier("ssd2", MiB, d)
+    t.close()
+    SSDTier("ssd3", MiB, d).close()
+
+
+def test_a_lock_taken_by_another_opener_meanwhile_stops_every_write(tmp_path, monkeypatch):
+    """If another opener took the recreated directory's lock first, the tier writes nothing more there:
+    every write is refused and counted (``lock_lost``), flush and close write nothing."""
+    import fcntl
+
+    from tierkv.tiers.ssd import lock as L
+
+    monkeypatch.setattr(L, "WATCH_INTERVAL", 3600.0)  # (the watcher would win the race)
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    t.write([key(1)], [[blob(1, SIZE)]])
+    shutil.rmtree(d)
+    os.makedirs(d)
+    fd = os.open(os.path.join(d, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (another opener)
+    try:
+        assert t.write([key(2)], [[blob(2, SIZE)]]) == [True]  # (found after this one: it is in the old file)
+        assert t.write([key(3)], [[blob(3, SIZE)]]) == [False]
+        assert t.extra_stats()["lock_lost"] == 1
+        t.flush()
+        t.close()
+        assert os.listdir(d) == ["LOCK"]  # nothing written into the other's directory
+    finally:
+        os.close(fd)

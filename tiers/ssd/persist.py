@@ -58,6 +58,8 @@ class Persistence:
     _covered: int
     _sealed_since_ckpt: int
     _ckpt_unsynced: bool
+    _dir_id: tuple[int, int]  # (``_dir_ids``) as of the open, or the last rebuild after a removal
+    _rebuilding: bool  # (``_after_removal`` is running: its own flush does not look again)
     _next_seq: int
     _dirty_fds: set[int]
     _pool: ThreadPoolExecutor
@@ -99,13 +101,13 @@ class Persistence:
     def _flush_locked(self, checkpoint: bool) -> None:
         """Everything acknowledged to the file and, with ``fsync`` other than ``"never"``, the disk; then a
         checkpoint if ``checkpoint`` and the index changed since the last one.  A checkpoint a writer took on
-        its own (not fsynced) is made durable here without being written again."""
+        its own (not fsynced) is made durable here without being written again.  Files removed behind the
+        tier are found first (``_check_removed``): what was acknowledged is in files under the directory."""
+        if self._lock_lost():
+            return
+        self._check_removed(dirty=True)
         r = self._active
         if r is not None:
-            try:
-                self._revive(r)
-            except OSError as e:
-                self._io_error(e, f"recreating {r.path}")
             self._write_out(r, F.align_up(r.pos), r.pos)
         self._wait_seals()
         if self.fsync != "never":  # the regions first: an entry of the dead log may name a record whose new
@@ -130,28 +132,157 @@ class Persistence:
             except OSError as e:
                 self._io_error(e, "fsync of the checkpoint")
 
+    # -- files removed behind the tier ----------------------------------------------------------------
+    def _lock_lost(self) -> bool:
+        """Whether another process holds the directory now (its ``LOCK`` was removed and taken by another
+        opener before this tier took it again): nothing more is written there."""
+        return self._lock_file is not None and self._lock_file.lost
+
+    def _dir_ids(self) -> tuple[int, int]:
+        """(inode of the directory, of ``regions``): another pair means they were removed and made again."""
+        try:
+            return os.stat(self.path).st_ino, os.stat(os.path.join(self.path, "regions")).st_ino
+        except OSError:
+            return 0, 0
+
+    @staticmethod
+    def _gone(r: R.Region, deep: bool = True) -> bool:
+        """Whether a region's file was removed (``deep``: or replaced) behind the tier."""
+        if r.fd < 0:
+            return False
+        try:
+            if os.fstat(r.fd).st_nlink == 0:
+                return True
+            return deep and os.stat(r.path).st_ino != r.ino
+        except OSError:
+            return True
+
+    def _check_removed(self, dirty: bool = False) -> bool:
+        """Find files removed behind the tier (a tmp cleaner, an operator) and rebuild what the tier owes
+        (``_after_removal``); True if there were.  Cheap: the active region's file, with ``dirty`` every
+        file written since the last flush, and the directories' identity.  Caller holds ``_wlock``."""
+        if self._rebuilding:
+            return False
+        r = self._active
+        found = r is not None and self._gone(r, deep=dirty)
+        if not found and dirty:
+            try:
+                found = any(os.fstat(fd).st_nlink == 0 for fd in self._dirty_fds)
+            except OSError:
+                found = True
+            found = found or self._dir_ids() != self._dir_id
+        if found and not self._lock_lost():
+            self._after_removal()
+        return found
+
+    def _after_removal(self) -> None:
+        """The directory, or files in it, were removed behind the tier: make the directory and ``LOCK`` again
+        (taking the lock again), recreate from the removed files, still open, every region file written since
+        the last flush (it may hold writes acknowledged after the removal) and the active one, and drop the
+        objects of the other removed regions (they went with the removal: ``objects_lost``).  The removed
+        dead log's entries for the recreated regions are written again, and a checkpoint is taken, so that
+        a reopen finds exactly what the index holds.  Counted (``dir_removed``) and logged.  Caller holds
+        ``_wlock``."""
+        if self._lock_file is not None and not self._lock_file.retake():
+            return  # (another process holds the directory now: ``_lock_lost``)
+        self._count("dir_removed")
+        self._rebuilding = True
+        try:
+            self._rebuild()
+        finally:
+            self._rebuilding = False
+
+    def _rebuild(self) -> None:
+        try:
+            self._ensure_dirs()
+        except OSError as e:
+            self._io_error(e, f"recreating {self.path}")
+            return
+        self._wait_seals()
+        dirty = set(self._dirty_fds)
+        recreated, lost = [], 0
+        for r in list(self._regions.values()):
+            if r.foreign or not self._gone(r):
+                continue
+            if r is self._active or r.fd in dirty:
+                try:
+                    self._revive(r)
+                    recreated.append(r)
+                    continue
+                except OSError as e:
+                    self._io_error(e, f"recreating {r.path}")
+                    if r is self._active:
+                        continue  # (its objects are served from the removed file, and its image, meanwhile)
+            with self._lock:
+                slots = self._index.in_region(r.index)
+                if len(slots):
+                    self._index.digest[slots] = F.TOMB
+                    self._index.count -= len(slots)
+                    lost += len(slots)
+                self._live_total -= r.live_bytes
+                r.live_bytes = r.live_count = 0
+                if r.state == R.SEALED:
+                    r.state = R.FREE
+            self._close_region_fd(r)  # (reused later as a new file)
+        for r in recreated:  # records that died before the removal are named again
+            self._name_dead(r)
+        self._counters["objects_lost"] += lost
+        self._dead.reserve()
+        self._dir_id = self._dir_ids()
+        self._changed = True
+        self._flush_locked(checkpoint=True)
+        log.warning("%s: %s was removed behind the tier (files in it or all of it): directory and lock made "
+                    "again, %d region files recreated from the removed ones, %d objects lost with the others",
+                    self._what, self.path, len(recreated), lost)
+
+    def _name_dead(self, r: R.Region) -> None:
+        """Name in the dead log every record of a region that is not a live object (its old entries went with
+        the removed dead log)."""
+        if r is self._active:
+            ent = np.frombuffer(bytes(cast(bytearray, r.entries)), dtype=F.ENTRY_DTYPE)
+        else:
+            got = R.read_summary(r.fd, self.region_size, r.seq, self.direct_io, r.sum_start)
+            if got is None:
+                return
+            ent = got[0]
+        with self._lock:
+            live = self._index.offset[self._index.in_region(r.index)].astype(np.int64)
+        offs = ent["offset"].astype(np.int64)
+        for off in offs[~np.isin(offs, live)].tolist():
+            self._dead.add(r.index, off, r.seq)
+
     def _revive(self, r) -> None:
-        """Recreate the active region's file if it was removed, from its image."""
+        """Recreate a region's file if it was removed: the active region's from its image (with O_DIRECT and
+        nothing written from the caller's memory), any other from the removed file, still open."""
         try:
             if os.stat(r.path).st_ino == r.ino:
                 return
         except FileNotFoundError:
             pass
         self._ensure_dirs()
+        existed = os.path.lexists(r.path)
         fd = R.open_fd(r.path, self.direct_io, create=True)
+        length = r.written if r.state == R.ACTIVE else self.region_size
         try:
             R.preallocate(fd, self.region_size)
-            if self.direct_io and not r.direct:
-                R.pwrite_all(fd, memoryview(r.buf)[:r.written], 0)
+            if r.state == R.ACTIVE and self.direct_io and not r.direct:
+                R.pwrite_all(fd, memoryview(r.buf)[:length], 0)
             else:  # the image lacks payloads written from the caller's memory (``segment.Segment``):
-                for at in range(0, r.written, 1 << 20):  # the removed file's bytes, still open
-                    R.pwrite_all(fd, R.read_span(r.fd, at, min(1 << 20, r.written - at), self.direct_io), at)
+                for at in range(0, length, 1 << 20):  # the removed file's bytes, still open
+                    R.pwrite_all(fd, R.read_span(r.fd, at, min(1 << 20, length - at), self.direct_io), at)
         except OSError:
             os.close(fd)
+            if not existed:
+                try:
+                    os.unlink(r.path)
+                except OSError:
+                    pass
             raise
         self._close_region_fd(r)
         r.fd, r.ino = fd, os.fstat(fd).st_ino
-        r.tail = (0, 0)  # (the new file holds ``written`` bytes, not the partial block after them)
+        self._dirty_fds.add(fd)
+        if r.state == R.ACTIVE:
+            r.tail = (0, 0)  # (the new file holds ``written`` bytes, not the partial block after them)
 
     def _gather(self, tables: Optional[list] = None) -> recovery.Candidates:
         """Every live object with its key, read from the summaries.  Caller holds ``_wlock``.
@@ -343,9 +474,9 @@ class Persistence:
             return
         try:
             with self._wlock:
-                if self._active is not None:  # sealed, the next open reads its summary, not its records
-                    try:
-                        self._revive(self._active)
+                if self._active is not None and not self._lock_lost():  # sealed: the next open reads its
+                    try:  # summary, not its records
+                        self._check_removed()
                         self._seal(self._active)
                     except OSError as e:
                         self._io_error(e, "sealing at close")

@@ -60,6 +60,7 @@ class RegionChange:
         def _io_error(self, e: OSError, what: str) -> None: ...
         def _no_space(self, what: str) -> None: ...
         def _space_reserve(self) -> int: ...
+        def _check_removed(self, dirty: bool = False) -> bool: ...
         def _ensure_dirs(self) -> None: ...
         def _close_region_fd(self, r: R.Region) -> None: ...
         def _checkpoint(self, cands: Any = None, durable: bool = True) -> None: ...
@@ -132,6 +133,7 @@ class RegionChange:
         region compacted within its own file (``_compact_in_place``).  Either way a region is reclaimed only
         if that leaves room for the largest object; else the write is refused (the caller counts it)."""
         if self._active is not None:
+            self._check_removed()  # (its file is sealed under the directory, not into a removed file)
             self._seal(self._active)
         for allow_new in (True, False):
             free, limited = self._free_regions(allow_new)
@@ -177,7 +179,7 @@ class RegionChange:
         victim = self._pick_victim()
         if victim is None or victim.fd < 0 or not self._worth_reclaiming(victim):
             return None
-        self._wait_seals()
+        self._wait_seals(drop=victim)  # (a summary of its old use still due would land over its new one)
         with self._lock:
             slots = self._index.in_region(victim.index)
             offs = self._index.offset[slots].astype(np.int64)

@@ -93,8 +93,8 @@ MAX_REGION = 2 << 30
 REGIONS_DIR = "regions"
 _COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
              "gc_relocated", "gc_dropped", "gc_disk_full", "gc_in_place", "checkpoints", "checkpoint_errors",
-             "torn_regions", "skipped_files", "partial_files_removed", "trimmed", "direct_writes",
-             "summaries_rebuilt", "regions_removed")
+             "torn_regions", "skipped_files", "partial_files_removed", "dir_removed", "objects_lost", "lock_lost",
+             "trimmed", "direct_writes", "summaries_rebuilt", "regions_removed")
 #: a lack of room is logged at most once in this many seconds (every one is counted: ``enospc``)
 NO_SPACE_LOG_EVERY = 10.0
 #: room a full file system keeps beyond a checkpoint's and the dead log's (see ``_space_reserve``)
@@ -175,6 +175,8 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         self._image_addr = 0
         self._writer: Optional[ThreadPoolExecutor] = None  # write-outs overlapping a batch's copies
         self._seals: list = []  # summaries being written behind a seal (``RegionChange._seal``)
+        self._dir_id = (0, 0)  # (set by ``_open``: see ``Persistence._check_removed``)
+        self._rebuilding = False
         self._prepare_dir()
         check_old_layout(self.path)
         self._check_layout()
@@ -294,6 +296,7 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
     # -- open and recover ---------------------------------------------------------------
     def _open(self) -> None:
         self._ensure_dirs()
+        self._dir_id = self._dir_ids()
         headers = {}
         for name in sorted(os.listdir(self.regions_dir)):
             idx = R.parse_region_name(name)

@@ -91,10 +91,15 @@ class WritePath:
         def _pick_victim(self) -> Optional[R.Region]: ...
         def _reclaim(self, victim: R.Region, dest: R.Region) -> None: ...
         def _room(self, rec_len: int, key_len: int) -> Optional[R.Region]: ...
+        def _lock_lost(self) -> bool: ...
+        def _check_removed(self, dirty: bool = False) -> bool: ...
 
     # -- writes ---------------------------------------------------------------------------
     def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         with self._wlock:
+            if self._lock_lost():  # (the directory is another process's now: see ``lock.py``)
+                self._count("lock_lost", len(keys))
+                return [False] * len(keys)
             out, one_by_one = self._append_batch(keys, srcs)
             r = self._active
             if r is not None:
@@ -102,6 +107,9 @@ class WritePath:
                     self._flush_locked(checkpoint=False)
                 elif one_by_one and r.pos > r.written:  # (the others reached the file when committed)
                     self._write_out(r, F.align_up(r.pos), r.pos)
+            # what was acknowledged is in a file under the directory: one removed behind the tier is made
+            # again before the answer (``Persistence._after_removal``)
+            self._check_removed()
         return out
 
     def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
