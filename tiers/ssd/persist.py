@@ -228,6 +228,7 @@ class Persistence:
             self._name_dead(r)
         self._counters["objects_lost"] += lost
         self._dead.reserve()
+        self._dead.mark(self._next_seq - 1)  # (the removed log's mark of the seqs handed out)
         self._dir_id = self._dir_ids()
         self._changed = True
         self._flush_locked(checkpoint=True)
