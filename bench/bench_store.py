@@ -1,6 +1,6 @@
 """Store benchmarks, each figure a ratio to a baseline measured in the same run.
 
-    python bench/bench_store.py [--quick] [--json out.json]     (same as: tierkv bench --suite dram,ssd,lookup,keys)
+    python bench/bench_store.py [--quick] [--json > out.json]   (same as: tierkv bench --suite dram,ssd,lookup,keys)
 
 * dram put / get, 2 MiB and 32 MiB chunks, batches of 32, vs a plain torch copy
   of the same bytes into preallocated tensors (target ≥ 0.8×);

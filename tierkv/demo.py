@@ -5,20 +5,29 @@
 Simulates an engine that saves the KV of several prompts sharing a system
 prefix, then serves a repeated prompt from the tiers.  Prints per-tier hits,
 bytes moved and throughput.  No server, no model download.
+
+With a config of the operator's (``--config``), the demo keeps its tiers and
+policies but never writes where that config points: every tier's ``path`` is
+replaced by a directory under the demo's own, trace capture is left off, and the
+chunks the demo stored are removed before it closes the store (a shared pool
+keeps nothing of it either).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
+import os
 import shutil
 import tempfile
 import time
+from typing import Any
 
 import torch
 
 from tierkv import TieredStore, chunk_keys
-from tierkv.config import default_config
+from tierkv.config import default_config, load_config
 
 CHUNK_TOKENS = 256
 LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128  # K and V, fp16: 4 MiB per 256-token chunk
@@ -43,9 +52,38 @@ def _fmt_bytes(n: float) -> str:
     return str(n)
 
 
-def run(n_chunks: int, root: str, config: str | None) -> dict:
+def demo_config(config: Any, root: str) -> tuple[dict, list[str]]:
+    """``config`` made safe to demo on: each ``path`` moved under ``root``, no trace capture.
+
+    Returns the config and a line per change, for the operator to read.
+    """
+    cfg = copy.deepcopy(load_config(config))
+    changes = []
+    for i, t in enumerate(cfg["tiers"]):
+        if isinstance(t, dict) and "path" in t:
+            name = str(t.get("name") or t.get("medium") or i)
+            new = os.path.join(root, f"tier{i}-{name}")
+            changes.append(f"tier {name!r}: path {t['path']} -> {new} (the demo never writes into a configured "
+                           "directory)")
+            t["path"] = new
+    if "trace_path" in cfg:
+        changes.append(f"trace_path {cfg['trace_path']}: not captured (demo traffic is not traffic)")
+        cfg.pop("trace_path")
+        cfg.pop("trace", None)
+    return cfg, changes
+
+
+def run(n_chunks: int, root: str, config: Any = None) -> dict:
+    """Store and reload the demo's chunks on ``config`` (a config made safe by ``demo_config``, else the defaults)."""
     cfg = config or default_config(root)
     store = TieredStore.from_config(cfg)
+    try:
+        return _run(store, n_chunks)
+    finally:
+        store.close()
+
+
+def _run(store: TieredStore, n_chunks: int) -> dict:
     print(f"tierkv demo: {store!r}")
     # a system prompt shared by every request, then per-request text
     system = list(range(1000, 1000 + CHUNK_TOKENS * (n_chunks // 2)))
@@ -54,6 +92,7 @@ def run(n_chunks: int, root: str, config: str | None) -> dict:
 
     put_s = 0.0
     stored = moved_in = 0
+    written: list[str] = []
     for r, tokens in enumerate(prompts):
         keys = chunk_keys(tokens, CHUNK_TOKENS, namespace="demo-llama/fp16/tp0")
         have = store.lookup(keys)  # the engine saves only what the tiers lack
@@ -61,6 +100,7 @@ def run(n_chunks: int, root: str, config: str | None) -> dict:
         t0 = time.perf_counter()
         ok = store.put(keys[have:], values)
         put_s += time.perf_counter() - t0
+        written += keys[have:]
         stored += sum(ok)
         moved_in += len(values) * chunk_bytes
         print(f"  request {r}: {len(keys)} chunks, {have} already stored (shared prefix), {len(values)} written")
@@ -91,8 +131,12 @@ def run(n_chunks: int, root: str, config: str | None) -> dict:
     got = sum(found) * chunk_bytes
     print(f"\n  put: {_fmt_bytes(moved_in)} in {put_s:.2f} s ({moved_in / put_s / 2**30:.2f} GiB/s, demotions included)")
     print(f"  get: {_fmt_bytes(got)} in {get_s:.2f} s ({got / max(get_s, 1e-9) / 2**30:.2f} GiB/s, promotions included)")
-    store.close()
-    return {"found": sum(found), "asked": hit, "exact": exact, "stats": stats["total"]}
+    store.drain_write_behind(timeout=60)
+    store.remove(written)  # the demo leaves nothing behind, in a shared pool either
+    left = sum(store.contains(written))
+    print(f"  removed the {len(written)} chunks the demo stored" + (f" ({left} still present)" if left else ""))
+    return {"found": sum(found), "asked": hit, "exact": exact, "stored": stored, "removed": len(written) - left,
+            "tiers": stats["tiers"], "stats": stats["total"]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     root = args.dir or tempfile.mkdtemp(prefix="tierkv-demo-")
     try:
-        summary = run(args.chunks, root, args.config)
+        cfg = None
+        if args.config:
+            cfg, changes = demo_config(args.config, root)
+            for line in changes:
+                print(f"tierkv demo: {line}")
+        summary = run(args.chunks, root, cfg)
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)

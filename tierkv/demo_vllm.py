@@ -33,7 +33,8 @@ def _tiny_model(path: str) -> str:
     return path
 
 
-def run_vllm_demo(root: str, config: Optional[str] = None, prompt_tokens: int = 1024) -> dict[str, Any]:
+def run_vllm_demo(root: str, config: Optional[dict[str, Any]] = None, prompt_tokens: int = 1024) -> dict[str, Any]:
+    """``config``: a store config (``tierkv.demo.demo_config`` of the operator's), else the embedded defaults."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(root, "vllm-cache"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
@@ -49,7 +50,7 @@ def run_vllm_demo(root: str, config: Optional[str] = None, prompt_tokens: int = 
     steps = tqdm(total=4, desc="demo --vllm", file=sys.stderr, disable=None, leave=False)
     model = _tiny_model(os.path.join(root, "tiny-llama"))
     steps.update(1)
-    extra: dict[str, Any] = {"tierkv_config_file": config} if config else {"tierkv": default_config(root)}
+    extra: dict[str, Any] = {"tierkv": config if config else default_config(root)}
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, block_size=32,
               kv_cache_memory_bytes=64 << 20, dtype="float32", seed=0, max_model_len=4096,
               kv_transfer_config=KVTransferConfig(kv_connector="TierKVConnector",

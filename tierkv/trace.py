@@ -2,7 +2,12 @@
 
 A ``TraceWriter`` appends one JSON line per request::
 
-    {"timestamp": 1532, "input_length": 4096, "output_length": 128, "hash_ids": [...], "block_tokens": 256}
+    {"timestamp": 1532, "input_length": 4096, "output_length": 128, "hash_ids": [...], "block_tokens": 256,
+     "block_bytes": 2097152}
+
+``block_bytes`` — the bytes of one block's KV — is written once the writer knows
+it (given, or learnt by ``StoreTracer`` from the store's puts): ``tierkv
+simulate`` then prices blocks at their real size instead of assuming a model.
 
 ``timestamp`` is milliseconds since the writer started; ``hash_ids`` are 63-bit
 keyed digests (BLAKE2b, ``salt``) of the engine's block hashes or the store's
@@ -46,11 +51,14 @@ class TraceWriter:
     """Thread-safe writer of hash-only request records (see the module docstring)."""
 
     def __init__(self, path: str, max_bytes: Union[int, str] = 64 << 20, max_files: int = 8,
-                 block_tokens: int = 256, salt: Optional[Union[bytes, str]] = None) -> None:
+                 block_tokens: int = 256, salt: Optional[Union[bytes, str]] = None,
+                 block_bytes: Optional[Union[int, str]] = None) -> None:
         self.path = os.path.abspath(os.path.expanduser(check_str(path, "trace path")))
         self.max_bytes = parse_size(max_bytes, "trace max_bytes")
         self.max_files = check_int(max_files, "trace max_files", min_value=1)
         self.block_tokens = check_int(block_tokens, "trace block_tokens", min_value=1)
+        #: bytes of one block's KV, written into each record once known (None: not yet)
+        self.block_bytes = None if block_bytes is None else parse_size(block_bytes, "trace block_bytes")
         salt = DEFAULT_SALT if salt is None else salt
         self._key = (salt.encode() if isinstance(salt, str) else bytes(salt))[:64]
         self._lock = threading.Lock()
@@ -70,12 +78,13 @@ class TraceWriter:
 
     @classmethod
     def from_options(cls, path: str, options: Optional[dict[str, Any]] = None) -> "TraceWriter":
-        """From a config's ``trace_path`` and its ``trace`` options (max_bytes, max_files, block_tokens, salt)."""
+        """From a config's ``trace_path`` and its ``trace`` options (max_bytes, max_files, block_tokens,
+        block_bytes, salt)."""
         opts = dict(options or {})
-        unknown = set(opts) - {"max_bytes", "max_files", "block_tokens", "salt"}
+        unknown = set(opts) - {"max_bytes", "max_files", "block_tokens", "block_bytes", "salt"}
         if unknown:
-            raise ConfigError(f"trace: unknown option(s) {sorted(unknown)}; known: block_tokens, max_bytes, "
-                              "max_files, salt")
+            raise ConfigError(f"trace: unknown option(s) {sorted(unknown)}; known: block_bytes, block_tokens, "
+                              "max_bytes, max_files, salt")
         return cls(path, **opts)
 
     # -- ids ---------------------------------------------------------------------
@@ -91,13 +100,16 @@ class TraceWriter:
 
     # -- writing -------------------------------------------------------------------
     def record(self, hashes: Sequence[HashLike], input_length: Optional[int] = None, output_length: int = 0,
-               block_tokens: Optional[int] = None, **extra: Any) -> None:
-        """Append one request: its block hashes in prompt order; lengths in tokens."""
+               block_tokens: Optional[int] = None, block_bytes: Optional[int] = None, **extra: Any) -> None:
+        """Append one request: its block hashes in prompt order; lengths in tokens; a block's KV bytes."""
         bt = block_tokens or self.block_tokens
+        bb = block_bytes or self.block_bytes
         ids = [self.hash_id(h) for h in hashes]
         rec = {"timestamp": int((time.monotonic() - self._t0) * 1000),
                "input_length": int(input_length if input_length is not None else len(ids) * bt),
                "output_length": int(output_length), "hash_ids": ids, "block_tokens": bt, **extra}
+        if bb:
+            rec["block_bytes"] = int(bb)
         line = json.dumps(rec, separators=(",", ":")) + "\n"
         with self._lock:
             if self._f is None:
@@ -112,8 +124,11 @@ class TraceWriter:
                 self._fail(e)
 
     def _open(self) -> None:
-        header = json.dumps({"format": HEADER_FORMAT, "version": 1, "block_tokens": self.block_tokens,
-                             "started_unix_ms": self._started_ms}) + "\n"
+        head: dict[str, Any] = {"format": HEADER_FORMAT, "version": 1, "block_tokens": self.block_tokens,
+                                "started_unix_ms": self._started_ms}
+        if self.block_bytes:
+            head["block_bytes"] = self.block_bytes
+        header = json.dumps(head) + "\n"
         try:
             self._f = open(self.path, "a", encoding="utf-8", buffering=1 << 16)  # noqa: SIM115 - the handle outlives this block on purpose
             self._size = self._f.tell()
@@ -179,14 +194,21 @@ class TraceWriter:
 
 
 class StoreTracer:
-    """Store observer: each ``lookup`` is one request whose keys are its blocks (``trace_path`` in a store config)."""
+    """Store observer: each ``lookup`` is one request whose keys are its blocks (``trace_path`` in a store config).
+
+    A block's size is learnt from the store's puts (the largest chunk of the latest put: a prompt's last
+    chunk may be partial) unless the writer was given one.
+    """
 
     def __init__(self, writer: TraceWriter) -> None:
         self.writer = writer
+        self._learn = writer.block_bytes is None
 
     def observe(self, op: str, keys: list[str], result: Any, seconds: float, sizes: Any) -> None:
         if op == "lookup" and keys:
             self.writer.record(keys)
+        elif op == "put" and sizes and self._learn:
+            self.writer.block_bytes = max(sizes)
 
     def close(self) -> None:
         self.writer.close()

@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 from typing import Optional
 
 from tierkv.errors import ConfigError
 
 from . import bench, demo, inspect, pool, simulate, trace
-from ._common import EXIT_USAGE, CommandError
+from ._common import EXIT_FAIL, EXIT_USAGE, CommandError
 
 COMMANDS = {"demo": demo, "bench": bench, "inspect": inspect, "simulate": simulate, "trace": trace, "pool": pool}
 
@@ -50,9 +51,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ConfigError, CommandError) as e:
-        print(f"tierkv {args.command}: {e}", file=sys.stderr)
+        print(f"tierkv {args.command}: {_one_line(e)}", file=sys.stderr)
         return getattr(e, "code", EXIT_USAGE)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:  # `tierkv ... | head`
         return 0
+    except Exception as e:  # noqa: BLE001 - the last net: one line naming the fault, never a traceback
+        if args.verbose:
+            traceback.print_exc()
+        print(f"tierkv {args.command}: failed: {type(e).__name__}: {_one_line(e)}"
+              + ("" if args.verbose else " (-v shows where)"), file=sys.stderr)
+        return EXIT_FAIL
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__

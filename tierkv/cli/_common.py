@@ -1,9 +1,16 @@
-"""What the subcommands share: exit codes, errors, sizes, tables, progress bars, JSON output."""
+"""What the subcommands share: exit codes, errors, sizes, tables, progress, JSON output.
+
+Output convention of every command: ``--json`` prints one JSON document to
+stdout and nothing else (no table, no notes); warnings, notes and progress go to
+stderr, with or without ``--json``.
+"""
 
 from __future__ import annotations
 
 import json
+import math
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -50,21 +57,92 @@ def table(rows: Sequence[Sequence[Any]], header: Sequence[str], out=None) -> Non
 
 
 def dump_json(obj: Any, path: Optional[str] = None) -> None:
-    """To ``path``, or to stdout when ``path`` is None or ``-``."""
-    text = json.dumps(obj, indent=2, default=str)
+    """``obj`` as one JSON document on stdout (the ``--json`` convention: nothing else goes there).
+
+    ``path`` (other than None or ``-``): to that file instead, for a command not yet on the convention.
+    """
+    text = json.dumps(obj, indent=2, default=str, allow_nan=False)
     if path in (None, "-"):
         print(text)
-    else:
-        with open(path, "w") as f:
-            f.write(text + "\n")
+        return
+    with open_output(str(path), "--json") as f:
+        f.write(text + "\n")
 
 
-def progress(total: Optional[int], desc: str, unit: str = "it"):
-    """A tqdm bar on stderr (hidden when stderr is not a terminal)."""
-    from tqdm import tqdm
+def note(command: str, text: str) -> None:
+    """A warning or note for the operator: stderr, so that stdout stays the command's answer."""
+    print(f"tierkv {command}: {text}", file=sys.stderr, flush=True)
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=None, leave=False,
-                dynamic_ncols=True)
+
+def open_output(path: str, what: str, mode: str = "w"):
+    """``open(path, mode)`` for an output option; a path that cannot be written is a one-line ``CommandError``."""
+    try:
+        return open(path, mode, encoding=None if "b" in mode else "utf-8")
+    except OSError as e:
+        raise CommandError(f"{what} {path}: cannot write: {e.strerror or e}") from e
+
+
+class Progress:
+    """Progress of a long run on stderr: a tqdm bar on a terminal, else a plain line every ``period`` seconds.
+
+    ``update(n)`` counts ``n`` more units done.  Without a terminal nothing is printed for a run shorter
+    than ``period``; a longer one prints a line each ``period`` and a last one when it ends.
+    """
+
+    def __init__(self, total: Optional[int], desc: str, unit: str = "it", period: float = 5.0,
+                 command: str = "") -> None:
+        self.total, self.desc, self.unit, self.period = total, desc, unit, period
+        self.prefix = f"tierkv {command}: " if command else "tierkv: "
+        self.done = 0
+        self._t0 = self._last = time.monotonic()
+        self._printed = False
+        self._bar = None
+        if sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def update(self, n: int = 1) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+            return
+        now = time.monotonic()
+        if now - self._last >= self.period:
+            self._last = now
+            self._line(now)
+
+    def _line(self, now: float, end: str = "") -> None:
+        of = f"/{self.total}" if self.total else ""
+        print(f"{self.prefix}{self.desc}: {self.done}{of} {self.unit} in {now - self._t0:.0f} s{end}",
+              file=sys.stderr, flush=True)
+        self._printed = True
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        elif self._printed:
+            self._line(time.monotonic(), " (done)")
+            self._printed = False
+
+    def __enter__(self) -> "Progress":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def progress(total: Optional[int], desc: str, unit: str = "it", command: str = "") -> Progress:
+    return Progress(total, desc, unit, command=command)
+
+
+def positive(v: Optional[float], option: str, integer: bool = False) -> None:
+    """A numeric option must be a finite number above 0 (when given)."""
+    if v is None:
+        return
+    if not math.isfinite(v) or v <= 0:
+        raise CommandError(f"{option} must be a positive {'integer' if integer else 'number'}, got {v!r}")
 
 
 def parse_kv_sizes(items: Sequence[str], what: str) -> dict[str, int]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import os
 import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
 
-from ._common import EXIT_FAIL, EXIT_OK, CommandError
+from ._common import EXIT_FAIL, EXIT_OK, CommandError, dump_json
 
 HELP = "store and reload KV chunks through HBM(cpu) -> DRAM -> SSD (or a tiny vLLM model with --vllm)"
 DESCRIPTION = """\
@@ -26,31 +29,60 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chunks", type=int, default=96, help="chunks in the shared prompt set (default 96, 4 MiB each)")
     p.add_argument("--dir", help="directory for the SSD tier (default: a temporary one, removed afterwards)")
-    p.add_argument("--config", help="a store config file instead of the embedded defaults")
-    p.add_argument("--json", action="store_true", help="print a JSON summary at the end")
+    p.add_argument("--config", help="a store config file instead of the embedded defaults: its tiers and policies, "
+                                    "but every 'path' moved under the demo's directory and no trace capture")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON document on stdout, "
+                                                       "nothing else (the report goes to stderr)")
     p.add_argument("--vllm", action="store_true", help="run a tiny random-weight model through the tierkv connector")
     p.add_argument("--prompt-tokens", type=int, default=1024, help="--vllm: prompt length (default 1024)")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
+    from tierkv.demo import demo_config
+
     if args.chunks < 1:
         raise CommandError("--chunks must be positive")
+    if args.prompt_tokens < 1:
+        raise CommandError("--prompt-tokens must be positive")
+    if args.dir is not None and os.path.exists(args.dir) and not os.path.isdir(args.dir):
+        raise CommandError(f"--dir {args.dir}: not a directory")
     root = args.dir or tempfile.mkdtemp(prefix="tierkv-demo-")
     try:
-        if args.vllm:
-            from tierkv.demo_vllm import run_vllm_demo
+        # --json: whatever the demo (or vLLM, below Python) prints goes to stderr; stdout is the JSON alone
+        with _stdout_to_stderr() if args.json else contextlib.nullcontext():
+            cfg = None
+            if args.config:
+                cfg, changes = demo_config(args.config, root)
+                for line in changes:
+                    print(f"tierkv demo: {line}")
+            if args.vllm:
+                from tierkv.demo_vllm import run_vllm_demo
 
-            summary = run_vllm_demo(root, args.config, prompt_tokens=args.prompt_tokens)
-            ok = summary["warm_hit_tokens"] > 0 and summary["same_tokens"]
-        else:
-            from tierkv.demo import run as run_demo
+                summary = run_vllm_demo(root, cfg, prompt_tokens=args.prompt_tokens)
+                ok = summary["warm_hit_tokens"] > 0 and summary["same_tokens"]
+            else:
+                from tierkv.demo import run as run_demo
 
-            summary = run_demo(args.chunks, root, args.config)
-            ok = summary["exact"] and summary["found"] == summary["asked"]
+                summary = run_demo(args.chunks, root, cfg)
+                ok = summary["exact"] and summary["found"] == summary["asked"]
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
     if args.json:
-        print(json.dumps(summary, default=str))
+        dump_json({"ok": bool(ok), **summary})
     return EXIT_OK if ok else EXIT_FAIL
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        with contextlib.redirect_stdout(sys.stderr):
+            yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)

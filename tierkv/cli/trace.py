@@ -7,7 +7,7 @@ import itertools
 import json
 import sys
 
-from ._common import EXIT_OK, CommandError, dump_json, fmt_num, table
+from ._common import EXIT_OK, CommandError, dump_json, fmt_num, positive, table
 
 HELP = "captured request traces: show, convert (capture with a store's trace_path or the connector's)"
 DESCRIPTION = """\
@@ -34,7 +34,7 @@ def add_parser(sub) -> None:
     show.add_argument("trace", metavar="TRACE", help="trace file, directory of rotated files, or glob")
     show.add_argument("--format", choices=("mooncake", "bailian", "tierkv"), help="trace format (default: detect)")
     show.add_argument("--head", type=int, default=5, help="records to print (default 5)")
-    show.add_argument("--json", action="store_true", help="the summary as JSON")
+    show.add_argument("--json", action="store_true", help="the summary as one JSON document on stdout, nothing else")
     show.set_defaults(func=run_show)
     conv = tsub.add_parser("convert", help="rewrite a trace (any format, rotated files) as one file",
                            description="Read a trace in any known format (rotated captures included) and write it "
@@ -63,7 +63,7 @@ def run_show(args) -> int:
     reqs = list(read_trace(args.trace, args.format))
     s = summarize(reqs)
     if args.json:
-        dump_json(s)
+        dump_json({"trace": args.trace, **s, "head": [r.to_mooncake() for r in reqs[:args.head]]})
         return EXIT_OK
     table([[k, fmt_num(v, 3) if not isinstance(v, list) else ",".join(map(str, v))] for k, v in s.items()],
           ["trace", args.trace])
@@ -75,30 +75,46 @@ def run_show(args) -> int:
 
 
 def run_convert(args) -> int:
-    import gzip
-    import io
+    import os
 
-    from tierkv.sim.traces import read_trace
+    from tierkv.sim.traces import BLOCK_TOKENS, open_output, read_trace, trace_files
 
-    if args.limit is not None and args.limit < 1:
-        raise CommandError("--limit must be positive")
+    MOONCAKE_BLOCK_TOKENS = BLOCK_TOKENS["mooncake"]
+
+    positive(args.limit, "--limit", integer=True)
+    out = os.path.abspath(args.output)
+    if os.path.isdir(out):
+        raise CommandError(f"-o {args.output}: is a directory; give a file name")
+    if os.path.exists(out) and any(os.path.exists(f) and os.path.samefile(f, out) for f in trace_files(args.trace)):
+        raise CommandError(f"-o {args.output}: is the trace being read; give another file")
     reqs = read_trace(args.trace, args.format, limit=args.limit)
     first = next(reqs, None)
     if first is None:
         raise CommandError(f"trace {args.trace!r} holds no requests", code=1)
     t0 = first.timestamp if args.rebase else 0.0
-    opener = (lambda p: io.TextIOWrapper(gzip.open(p, "wb"), encoding="utf-8")) if args.output.endswith(".gz") \
-        else (lambda p: open(p, "w", encoding="utf-8"))  # noqa: SIM115 - the handle outlives this block on purpose
     n = 0
-    with opener(args.output) as f:
-        if args.to == "tierkv":
-            f.write(json.dumps({"format": "tierkv-trace", "version": 1, "block_tokens": first.block_tokens}) + "\n")
-        for r in itertools.chain([first], reqs):
-            r.timestamp -= t0
-            rec = r.to_mooncake()
-            if args.to == "mooncake":
-                rec = {k: rec[k] for k in ("timestamp", "input_length", "output_length", "hash_ids")}
-            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
-            n += 1
+    # written beside the output and renamed at the end: a trace that turns out bad halfway leaves no half file
+    partial = f"{out}.{os.getpid()}.partial" + (".gz" if out.endswith(".gz") else "")
+    try:
+        with open_output(partial) as f:
+            if args.to == "tierkv":
+                f.write(json.dumps({"format": "tierkv-trace", "version": 1, "block_tokens": first.block_tokens})
+                        + "\n")
+            for r in itertools.chain([first], reqs):
+                if args.to == "mooncake" and r.block_tokens != MOONCAKE_BLOCK_TOKENS:
+                    raise CommandError(f"--to mooncake: request {n} has blocks of {r.block_tokens} tokens; "
+                                       f"Mooncake's format has no such field (its blocks are "
+                                       f"{MOONCAKE_BLOCK_TOKENS}): use --to tierkv")
+                r.timestamp -= t0
+                rec = r.to_mooncake()
+                if args.to == "mooncake":
+                    rec = {k: rec[k] for k in ("timestamp", "input_length", "output_length", "hash_ids")}
+                f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+                n += 1
+        os.replace(partial, out)
+    except BaseException:
+        if os.path.exists(partial):
+            os.unlink(partial)
+        raise
     print(f"wrote {n} requests to {args.output} ({args.to} format)")
     return EXIT_OK

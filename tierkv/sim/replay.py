@@ -154,15 +154,17 @@ TIER_FIELDS = ("capacity_bytes", "used_bytes", "hits", "misses", "bytes_read", "
                "demotions", "promotions", "rejected", "eviction")
 
 
-def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: int = DEFAULT_BYTES_PER_TOKEN,
+def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Optional[int] = DEFAULT_BYTES_PER_TOKEN,
            bandwidths: Optional[dict[str, float]] = None, prefill_tokens_per_s: Optional[float] = None,
            progress=None) -> SimResult:
     """Drive ``store`` with ``requests`` (lookup, get of the leading hits, put of the rest; one batch each).
 
-    Every block is ``bytes_per_token * block_tokens`` bytes.  ``bandwidths`` maps a
+    Every block is ``bytes_per_token * block_tokens`` bytes; with ``bytes_per_token=None``, the request's
+    own ``block_bytes`` (a trace that carries sizes), else ``DEFAULT_BYTES_PER_TOKEN`` per token.  ``bandwidths`` maps a
     tier name to its read bandwidth in bytes/s; with ``prefill_tokens_per_s`` the
     result carries ``load_s`` (time to read every hit) and ``recompute_s`` (time to
-    prefill the tokens those hits saved).  ``progress(n)`` is called every 1000 requests.
+    prefill the tokens those hits saved).  ``progress(n)`` is called every 1000 requests and once at the end
+    for the rest, so the counts add up to the requests replayed.
     """
     res = SimResult()
     bufs: dict[int, torch.Tensor] = {}  # one never-touched buffer per block size: null media keep no bytes
@@ -177,7 +179,8 @@ def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: int
             progress(1000)
         if not nb:
             continue
-        size = bytes_per_token * r.block_tokens
+        size = bytes_per_token * r.block_tokens if bytes_per_token else \
+            (r.block_bytes or DEFAULT_BYTES_PER_TOKEN * r.block_tokens)
         buf = bufs.get(size)
         if buf is None:
             buf = bufs[size] = torch.empty(size, dtype=torch.uint8)
@@ -194,11 +197,13 @@ def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: int
         res.hit_tokens += min(lead * r.block_tokens, r.input_length)
         if lead < nb:
             put(keys[lead:], [buf] * (nb - lead))
+    if progress is not None and res.requests % 1000:
+        progress(res.requests % 1000)
     res.wall_s = time.perf_counter() - t0
     res.cpu_s = time.process_time() - c0
     st = store.stats()
     res.present_blocks = res.leading_hits + st["total"]["chunks_deduped"] - dedup0
-    res.block_bytes = bytes_per_token * (next(iter(bufs)) // bytes_per_token if bufs else 0)
+    res.block_bytes = max(bufs, default=0)  # (the largest, where a trace mixes block sizes)
     for name, t in st["tiers"].items():
         res.tiers[name] = {k: t.get(k) for k in TIER_FIELDS}
     if bandwidths is not None:

@@ -22,8 +22,8 @@ from .traces import Request
 
 _SPEC = re.compile(r"^\s*([^=\s]+)\s*=\s*([^.\s]+)\s*\.\.\s*([^:\s]+)\s*(?::\s*(\d+))?\s*$")
 
-CSV_FIELDS = ("policy", "tier", "capacity_bytes", "token_hit_rate", "chunk_hit_rate", "prefill_tokens_saved",
-              "hits", "evictions", "load_s", "recompute_s")
+CSV_FIELDS = ("policy", "tier", "capacity_bytes", "token_hit_rate", "chunk_hit_rate", "tier_hit_rate",
+              "prefill_tokens_saved", "hits", "evictions", "load_s", "recompute_s")
 
 
 def parse_sweep(spec: str) -> tuple[str, list[int]]:
@@ -46,19 +46,28 @@ def parse_sweep(spec: str) -> tuple[str, list[int]]:
 
 
 def sweep(requests: Sequence[Request], config: Any, tier: str, capacities: Sequence[int],
-          policies: Sequence[str], progress: Optional[Callable[[int], None]] = None, **kw: Any) -> list[dict]:
-    """One row per (policy, capacity): the replay's hit rates and the swept tier's counters."""
+          policies: Sequence[str], progress: Optional[Callable[[int], None]] = None,
+          other_capacities: Optional[dict[str, Any]] = None, other_evictions: Optional[dict[str, Any]] = None,
+          **kw: Any) -> list[dict]:
+    """One row per (policy, capacity): the replay's hit rates and the swept tier's counters.
+
+    ``tier_hit_rate`` is the swept tier's own hits over all blocks requested: in a chain, the tiers below
+    catch what it misses, so the chain's rates may not move while this one does.  ``progress(n)`` counts
+    requests replayed; ``other_capacities`` / ``other_evictions`` override other tiers in every run.
+    """
     rows = []
+    caps_kw = dict(other_capacities or {})
+    ev_kw = dict(other_evictions or {})
     for policy in policies:
         for cap in capacities:
-            res = simulate(requests, config, capacities={tier: cap}, evictions={tier: policy}, **kw)
+            res = simulate(requests, config, capacities={**caps_kw, tier: cap}, evictions={**ev_kw, tier: policy},
+                           progress=progress, **kw)
             t = res.tiers[tier]
             rows.append({"policy": policy, "tier": tier, "capacity_bytes": cap,
                          "token_hit_rate": res.token_hit_rate, "chunk_hit_rate": res.chunk_hit_rate,
+                         "tier_hit_rate": t["hits"] / res.blocks if res.blocks else 0.0,
                          "prefill_tokens_saved": res.hit_tokens, "hits": t["hits"], "evictions": t["evictions"],
                          "load_s": res.load_s, "recompute_s": res.recompute_s})
-            if progress is not None:
-                progress(1)
     return rows
 
 
@@ -104,8 +113,9 @@ def plot(rows: Sequence[dict], path: str, title: str = "", metric: str = "token_
         ax.set_ylim(0, 1)
         tier = rows[0]["tier"] if rows else ""
         ax.set_xlabel(f"{tier} capacity")
-        ax.set_ylabel(metric.replace("_", " "))
-        ax.set_title(title or f"{metric.replace('_', ' ')} vs {tier} capacity")
+        label = f"{tier} hit rate (its hits / all blocks)" if metric == "tier_hit_rate" else metric.replace("_", " ")
+        ax.set_ylabel(label)
+        ax.set_title(title or f"{label} vs {tier} capacity")
         ax.grid(True, alpha=0.3)
         # outside the axes: nothing but the curves is drawn inside the plot area
         ax.legend(title="eviction", loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0)

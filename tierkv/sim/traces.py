@@ -24,7 +24,9 @@ import glob
 import gzip
 import io
 import json
+import math
 import os
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Optional, cast
@@ -48,11 +50,15 @@ class Request:
     block_tokens: int
     session: Optional[str] = None
     extra: dict = field(default_factory=dict)
+    #: bytes of one block's KV when the trace says (captures do); None: the reader must assume a model
+    block_bytes: Optional[int] = None
 
     def to_mooncake(self) -> dict:
         """The record in Mooncake's JSONL shape (timestamp in ms), with tierkv's ``block_tokens``."""
         rec = {"timestamp": int(round(self.timestamp * 1000)), "input_length": self.input_length,
                "output_length": self.output_length, "hash_ids": self.hash_ids, "block_tokens": self.block_tokens}
+        if self.block_bytes is not None:
+            rec["block_bytes"] = self.block_bytes
         if self.session is not None:
             rec["session"] = self.session
         return rec
@@ -80,10 +86,41 @@ def _rotation_order(path: str) -> tuple:
     return (base, 0)
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+LFS_POINTER = "version https://git-lfs.github.com/spec/"
+
+
 def _open(path: str) -> io.TextIOBase:
-    if path.endswith(".gz"):
-        return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
-    return open(path, encoding="utf-8")
+    """The file as text; a ``.gz`` that is not gzip, or an unreadable file, is a ``ConfigError``."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(2)
+        if path.endswith(".gz"):
+            if magic != GZIP_MAGIC:
+                raise ConfigError(f"{path}: not a gzip file (the name ends in .gz)")
+            return io.TextIOWrapper(gzip.open(path, "rb"), encoding="utf-8")
+        return open(path, encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from e
+
+
+def _lines(fpath: str) -> Iterator[tuple[int, str]]:
+    """(line number, stripped line) of a trace file; undecodable bytes and broken gzip are ``ConfigError``."""
+    lineno = 0
+    try:
+        with _open(fpath) as f:
+            for lineno, line in enumerate(f, 1):
+                if lineno == 1 and line.startswith(LFS_POINTER):
+                    raise ConfigError(f"{fpath}: a Git LFS pointer, not the trace itself (fetch the file: "
+                                      "git lfs pull)")
+                yield lineno, line.strip()
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{fpath}: not UTF-8 text (byte {e.object[e.start]:#04x}); "
+                          "a trace is JSON lines, optionally gzip-compressed as a .gz file") from e
+    except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        raise ConfigError(f"{fpath}: a broken gzip stream after line {lineno}: {e}") from e
+    except OSError as e:
+        raise ConfigError(f"{fpath}: cannot read: {e.strerror or e}") from e
 
 
 def detect_format(rec: dict) -> str:
@@ -102,64 +139,106 @@ def read_trace(path: str, fmt: Optional[str] = None, block_tokens: Optional[int]
     """Requests of a trace in file order.  ``block_tokens`` overrides the format's block size."""
     if fmt is not None and fmt not in FORMATS:
         raise ConfigError(f"unknown trace format {fmt!r}; known: {', '.join(FORMATS)}")
+    if block_tokens is not None and (type(block_tokens) is not int or block_tokens < 1):
+        raise ConfigError(f"block_tokens must be a positive integer, got {block_tokens!r}")
     n = 0
     for fpath in trace_files(path):
-        file_fmt, file_bt = fmt, block_tokens
-        with _open(fpath) as f:
-            for lineno, line in enumerate(f, 1):
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{fpath}:{lineno}: not JSON: {e}") from e
-                if not isinstance(rec, dict):
-                    raise ConfigError(f"{fpath}:{lineno}: expected a JSON object per line")
+        file_fmt, file_bt, file_bb = fmt, block_tokens, None
+        for lineno, line in _lines(fpath):
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{fpath}:{lineno}: not JSON: {e}") from e
+            if not isinstance(rec, dict):
+                raise ConfigError(f"{fpath}:{lineno}: expected a JSON object per line")
+            try:
                 if rec.get("format") == HEADER_FORMAT:
                     file_fmt = file_fmt or "tierkv"
-                    file_bt = file_bt or rec.get("block_tokens")
+                    if file_bt is None and rec.get("block_tokens") is not None:
+                        file_bt = _positive(rec["block_tokens"], "block_tokens")
+                    if rec.get("block_bytes") is not None:
+                        file_bb = _positive(rec["block_bytes"], "block_bytes")
                     continue
                 if file_fmt is None:
                     file_fmt = detect_format(rec)
-                try:
-                    yield _parse(rec, file_fmt, file_bt)
-                except (KeyError, TypeError, ValueError) as e:
-                    raise ConfigError(f"{fpath}:{lineno}: bad {file_fmt} record: {e!r}") from e
-                n += 1
-                if limit is not None and n >= limit:
-                    return
+                req = _parse(rec, file_fmt, file_bt, file_bb)
+            except ConfigError as e:
+                raise ConfigError(f"{fpath}:{lineno}: {e}") from e
+            except (KeyError, TypeError, ValueError, OverflowError) as e:
+                why = f"lacks {e}" if isinstance(e, KeyError) else str(e)
+                raise ConfigError(f"{fpath}:{lineno}: bad {file_fmt} record: {why}") from e
+            yield req
+            n += 1
+            if limit is not None and n >= limit:
+                return
 
 
-def _parse(rec: dict, fmt: str, block_tokens: Optional[int]) -> Request:
+def _positive(v: object, what: str) -> int:
+    if type(v) is not int or v < 1:
+        raise ValueError(f"{what} must be a positive integer, got {v!r}")
+    return v
+
+
+def _count(v: object, what: str) -> int:
+    """A token count: an integer (or an integral float, as some traces write), 0 or more."""
+    if isinstance(v, float) and v.is_integer():
+        v = int(v)
+    if type(v) is not int or v < 0:
+        raise ValueError(f"{what} must be an integer of 0 or more, got {v!r}")
+    return v
+
+
+def _timestamp(v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ValueError(f"timestamp must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _parse(rec: dict, fmt: str, block_tokens: Optional[int], block_bytes: Optional[int] = None) -> Request:
     hash_ids = rec["hash_ids"]
-    if not isinstance(hash_ids, list):
-        raise TypeError("hash_ids must be a list")
+    if not isinstance(hash_ids, list) or not all(type(h) is int for h in hash_ids):
+        raise ValueError("hash_ids must be a list of integers")
+    input_length = _count(rec["input_length"], "input_length")
+    output_length = _count(rec.get("output_length", 0), "output_length")
     if fmt == "bailian":
-        ts = float(rec["timestamp"])
         session = rec.get("chat_id")
         extra = {k: rec[k] for k in ("parent_chat_id", "type", "turn") if k in rec}
         bt = block_tokens or BLOCK_TOKENS["bailian"]
-        return Request(ts, int(rec["input_length"]), int(rec.get("output_length", 0)), hash_ids, int(bt),
-                       None if session is None else str(session), extra)
-    bt = block_tokens or rec.get("block_tokens") or BLOCK_TOKENS[fmt]
+        return Request(_timestamp(rec["timestamp"]), input_length, output_length, hash_ids, bt,
+                       None if session is None else str(session), extra, block_bytes)
+    if block_tokens is None and rec.get("block_tokens") is not None:
+        bt = _positive(rec["block_tokens"], "block_tokens")
+    else:
+        bt = block_tokens or BLOCK_TOKENS[fmt]
+    if rec.get("block_bytes") is not None:
+        block_bytes = _positive(rec["block_bytes"], "block_bytes")
     session = rec.get("session")
-    return Request(float(rec["timestamp"]) / 1000.0, int(rec["input_length"]), int(rec.get("output_length", 0)),
-                   hash_ids, int(bt), None if session is None else str(session))
+    return Request(_timestamp(rec["timestamp"]) / 1000.0, input_length, output_length, hash_ids, bt,
+                   None if session is None else str(session), block_bytes=block_bytes)
 
 
 def write_trace(requests, path: str, header: Optional[dict] = None) -> int:
     """Write requests in tierkv's capture format (Mooncake's JSONL plus ``block_tokens``).  Returns the count."""
     n = 0
-    opener = (lambda p: io.TextIOWrapper(gzip.open(p, "wb"), encoding="utf-8")) if path.endswith(".gz") else \
-        (lambda p: open(p, "w", encoding="utf-8"))  # noqa: SIM115 - the handle outlives this block on purpose
-    with opener(path) as f:
+    with open_output(path) as f:
         if header is not None:
             f.write(json.dumps({"format": HEADER_FORMAT, **header}) + "\n")
         for r in requests:
             f.write(json.dumps(r.to_mooncake(), separators=(",", ":")) + "\n")
             n += 1
     return n
+
+
+def open_output(path: str) -> io.TextIOBase:
+    """A trace file to write (gzip when it ends in ``.gz``); a path that cannot be created is a ``ConfigError``."""
+    try:
+        if path.endswith(".gz"):
+            return io.TextIOWrapper(gzip.open(path, "wb"), encoding="utf-8")
+        return open(path, "w", encoding="utf-8")
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot write: {e.strerror or e}") from e
 
 
 def summarize(requests) -> dict:
