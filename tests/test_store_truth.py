@@ -367,12 +367,39 @@ def test_one_policy_object_for_two_tiers_is_refused():
     from tierkv.tiers.dram import DRAMTier
 
     shared = LRUPolicy()
-    levels = [Level(DRAMTier("a", 4 * CHUNK, prefault=False), eviction=shared),
-              Level(DRAMTier("b", 4 * CHUNK, prefault=False), eviction=shared)]
+    first = Level(DRAMTier("a", 4 * CHUNK, prefault=False), eviction=shared)
+    second = DRAMTier("b", 4 * CHUNK, prefault=False)
+    with pytest.raises(ConfigError, match="already serves tier 'a'; give tier 'b' its own instance"):
+        Level(second, eviction=shared)
+    with pytest.raises(ConfigError, match="already serves tier 'a'"):  # in another store too
+        TieredStore([Level(second, eviction=shared)])
+    store = TieredStore([first])
+    assert store.put(["k"], [chunk(1)]) == [True]
+    store.close()
+    # once the tier it served is closed, the object may serve another (a fresh one is the clear way)
+    with TieredStore([Level(second, eviction=LRUPolicy())]) as other:
+        assert other.put(["k"], [chunk(1)]) == [True]
+
+
+def test_a_chain_naming_one_policy_object_twice_is_refused():
+    from tierkv.errors import ConfigError
+    from tierkv.level import Level
+    from tierkv.policies.eviction import LRUPolicy
+    from tierkv.tiers.dram import DRAMTier
+
+    a, b = Level(DRAMTier("a", 4 * CHUNK, prefault=False), eviction=LRUPolicy()), \
+        Level(DRAMTier("b", 4 * CHUNK, prefault=False), eviction="lru")
+    b.eviction = a.eviction  # (a chain assembled by hand)
     with pytest.raises(ConfigError, match="'a' and 'b' share one eviction policy"):
-        TieredStore(levels)
-    for lvl in levels:
-        lvl.tier.close()
+        TieredStore([a, b])
+    a.tier.close()
+    b.tier.close()
+    pol = LRUPolicy()
+    with pytest.raises(ConfigError, match="already serves tier 'dram'"):
+        TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": 4 * CHUNK, "eviction": pol},
+                                           {"medium": "dram", "name": "d2", "capacity": 4 * CHUNK, "eviction": pol}]})
+    with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": 4 * CHUNK, "eviction": pol}]}) as store:
+        assert store.put(["k"], [chunk(1)]) == [True]  # the refused chain's tiers were closed
 
 
 # -- one bad key, one bad chunk --------------------------------------------------------------

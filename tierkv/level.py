@@ -27,6 +27,7 @@ consistent again, so the caller only has to release what it holds.
 from __future__ import annotations
 
 import logging
+import weakref
 from itertools import repeat
 from operator import neg as _neg
 from typing import Any, Optional, Union
@@ -79,6 +80,25 @@ _ONE = {1}
 _SHARING = (LRUPolicy, FIFOPolicy, S3FIFOPolicy, LFUPolicy, ARCPolicy)
 
 
+#: id(policy) -> the level it serves (weakly): one eviction policy object keeps one tier's metadata
+_BOUND: dict[int, weakref.ref] = {}
+
+
+def _bind_policy(policy: Any, level: Level) -> None:
+    """Give ``policy`` to ``level``; ConfigError if it still serves another level whose tier is open.
+
+    (A policy tracks the keys of one tier: given to two, each would name the other's keys as victims.)"""
+    ref = _BOUND.get(id(policy))
+    other = ref() if ref is not None else None
+    if other is not None and other is not level and other.eviction is policy and other.tier.available:
+        raise ConfigError(f"eviction policy object {type(policy).__name__} already serves tier {other.name!r}; "
+                          f"give tier {level.name!r} its own instance")
+    if len(_BOUND) > 256:  # forget the levels gone
+        for k in [k for k, r in _BOUND.items() if r() is None]:
+            del _BOUND[k]
+    _BOUND[id(policy)] = weakref.ref(level)
+
+
 def size_value(nbytes: int) -> int:
     """The READY value of a chunk of ``nbytes`` in a level whose tier is not located."""
     return nbytes << 1 | 1 if nbytes < NB_FIELD else nbytes << CODE_SHIFT | NB_FIELD << 1 | 1
@@ -103,6 +123,8 @@ class Level(Eviction):
         if not self.managed and eviction is not None:
             raise ConfigError(f"tier {tier.name!r} ({tier.medium}) manages its own space: it takes no 'eviction'")
         self.eviction: Optional[EvictionPolicy] = build_eviction(eviction) if self.managed else None
+        if self.eviction is not None:
+            _bind_policy(self.eviction, self)
         if self.eviction is not None:
             self.eviction.capacity_bytes = tier.capacity_bytes
         self._insert_many = batch_hook(self.eviction, "on_insert", "on_insert_many")
