@@ -15,7 +15,13 @@
   ``pwrite`` / ``pread`` of 16 KiB (targets ≥ 50 K puts/s, ≥ 100 K gets/s);
 * reopen of 1 M objects (``--quick``: 200 K) from the checkpoint (target ≤ 1 s) and from the
   region summaries alone (≤ 10 s), vs a raw read of the same files;
-* the index's bytes per object at that count (target ≤ 64).
+* the index's bytes per object at that count (target ≤ 64);
+* ``--sections open``: opening a ``TieredStore`` whose ``ssd`` tier holds 1 M and 10 M objects
+  (``--open-objects``; ``--quick``: 200 K) beside the tier's own recovery of the same directory
+  (``SSDTier`` + ``recover()``), alternating rounds: the store's extra time per object (target ≤ 1 µs).
+  Directories of ``--synthetic-from`` objects or more (default 2 M) are built synthetically: sealed
+  regions holding a header and a summary, no payloads (``build_synthetic``), opened once to write the
+  checkpoint; smaller ones by writing each object.
 Ratios are tier / baseline throughput (above 1: faster than the baseline), medians of paired rounds;
 the large objects' get rounds alternate the two sides batch by batch (see ``interleaved``).
 
@@ -41,6 +47,7 @@ import threading
 import time
 from typing import Optional
 
+import numpy as np
 import torch
 
 from tierkv import hostmem
@@ -375,6 +382,101 @@ def bench_reopen(root: str, n: int) -> dict:
             "raw_regions_read_s": raw_all, "reopen_summaries_s": from_summaries, "index_bytes_per_object": index_bpo}
 
 
+def build_synthetic(path: str, n: int, region_size: int = 64 * MiB) -> None:
+    """A directory of ``n`` objects of 64 bytes (keys ``f"{i:064x}"``), made without writing them: sealed
+    regions holding only a header and a summary (sparse files), as ``SSDTier`` seals them.  An open reads
+    the summaries alone and writes the checkpoint, so the next opens read the checkpoint, as after a clean
+    close.  The payloads are zeros: any read of them fails its sum (this directory is for opening only)."""
+    from tierkv.tiers.ssd import format as F
+    from tierkv.tiers.ssd import region as R
+
+    os.makedirs(os.path.join(path, "regions"), mode=0o700)
+    os.chmod(path, 0o700)
+    key_len, raw = 64, 64
+    rec = F.record_len(key_len, raw)
+    per = (region_size - F.BLOCK - F.FOOTER - F.BLOCK) // (F.align_up(rec, F.ALIGN) + F.ENTRY + key_len)
+    for idx, lo in enumerate(range(0, n, per)):
+        hi = min(n, lo + per)
+        count = hi - lo
+        keys = [f"{i:064x}".encode() for i in range(lo, hi)]
+        e = np.zeros(count, dtype=F.ENTRY_DTYPE)
+        e["digest"] = np.fromiter(map(F.key_digest, keys), dtype=np.uint64, count=count)
+        e["offset"] = F.BLOCK + np.arange(count, dtype=np.uint64) * F.align_up(rec, F.ALIGN)
+        e["rec_len"], e["raw_len"], e["key_len"] = rec, raw, key_len
+        blob = b"".join(keys)
+        tail = bytearray(region_size)  # (only its summary end is written)
+        start = F.pack_summary(tail, region_size, idx + 1, e.tobytes(), blob, count)
+        head = bytearray(F.BLOCK)
+        F.pack_region_header(head, idx, idx + 1, region_size)
+        fd = os.open(os.path.join(path, "regions", R.region_name(idx)), os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            os.ftruncate(fd, region_size)
+            os.pwrite(fd, bytes(head), 0)
+            os.pwrite(fd, bytes(tail[start:]), start)
+        finally:
+            os.close(fd)
+        del tail, keys, blob, e
+    t = SSDTier("ssd", n * 700 + 256 * MiB, path, direct_io=False)  # from the summaries; writes the checkpoint
+    got = t.recover()
+    if len(got) != n:
+        raise RuntimeError(f"the synthetic directory holds {len(got)} objects, not {n}")
+    del got
+    t.close()
+
+
+def bench_open(root: str, n: int, rounds: int, synthetic: bool) -> dict:
+    """Opening a ``TieredStore`` whose ``ssd`` tier holds ``n`` objects, beside the tier's own recovery
+    (``SSDTier(...)`` + ``recover()``) of the same directory: alternating rounds, medians; the store's
+    extra time per object is the figure (target <= 1 us)."""
+    import gc
+
+    from tierkv import TieredStore
+
+    path = os.path.join(root, "tier-open")
+    cap = n * 700 + 256 * MiB
+    t0 = time.perf_counter()
+    if synthetic:
+        build_synthetic(path, n)
+    else:
+        t = SSDTier("ssd", cap, path, direct_io=False)
+        one = torch.ones(64, dtype=torch.uint8)
+        for i in range(0, n, 1000):
+            t.write([f"{j:064x}" for j in range(i, min(n, i + 1000))], [[one]] * min(1000, n - i))
+        t.close()
+    fill = time.perf_counter() - t0
+    cfg = {"tiers": [{"medium": "ssd", "path": path, "capacity": cap, "direct_io": False}]}
+    tier_s, tier_cpu, store_s, store_cpu = [], [], [], []
+    for r in range(rounds):
+        for side in (("tier", "store") if r % 2 == 0 else ("store", "tier")):
+            gc.collect()
+            w0, c0 = time.perf_counter(), time.process_time()
+            if side == "tier":
+                t = SSDTier("ssd", cap, path, direct_io=False)
+                got = t.recover()
+                w, c = time.perf_counter() - w0, time.process_time() - c0
+                if len(got) != n or t.extra_stats()["recovered_from"] != "checkpoint":
+                    raise RuntimeError("the tier did not recover every object from the checkpoint")
+                del got
+                t.close()
+                tier_s.append(w)
+                tier_cpu.append(c)
+            else:
+                st = TieredStore.from_config(cfg)
+                w, c = time.perf_counter() - w0, time.process_time() - c0
+                if st.stats()["ssd"]["entries"] != n:
+                    raise RuntimeError("the store did not index every object")
+                st.close()
+                store_s.append(w)
+                store_cpu.append(c)
+    shutil.rmtree(path)
+    med = statistics.median
+    return {"objects": n, "synthetic": synthetic, "fill_s": fill, "rounds": rounds,
+            "tier_s": med(tier_s), "store_s": med(store_s), "tier_cpu_s": med(tier_cpu),
+            "store_cpu_s": med(store_cpu),
+            "extra_us_per_object": (med(store_s) - med(tier_s)) / n * 1e6,
+            "extra_cpu_us_per_object": (med(store_cpu) - med(tier_cpu)) / n * 1e6}
+
+
 class WriteLog:
     """Every ``os.pwrite`` / ``os.pwritev`` of this process timed, with its thread and size, while active."""
 
@@ -476,7 +578,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=None,
                     help="paired rounds per figure (default 5, 3 with --quick): more rounds, a steadier median")
     ap.add_argument("--sections", default="large,behind,small,reopen",
-                    help="comma-separated: large, behind, small, reopen, timeline (not in the default)")
+                    help="comma-separated: large, behind, small, reopen, timeline, open (the last two not in the "
+                         "default)")
+    ap.add_argument("--open-objects", default="1000000,10000000",
+                    help="object counts of the open section (default 1 M and 10 M; --quick: 200 K)")
+    ap.add_argument("--synthetic-from", type=int, default=2_000_000,
+                    help="the open section builds directories of this many objects or more synthetically "
+                         "(sealed regions' summaries, no payloads) instead of writing each object")
     args = ap.parse_args(argv)
     hostmem.HUGE_PAGES = args.pages == "huge"
     sections = set(args.sections.split(","))
@@ -496,6 +604,9 @@ def main(argv=None) -> int:
             res["small"] = bench_small(root, 20_000 if args.quick else 100_000, rounds)
         if "reopen" in sections:
             res["reopen"] = bench_reopen(root, 200_000 if args.quick else 1_000_000)
+        if "open" in sections:
+            counts = [200_000] if args.quick else [int(x) for x in args.open_objects.split(",")]
+            res["open"] = [bench_open(root, c, rounds, c >= args.synthetic_from) for c in counts]
         if "timeline" in sections:
             res["timeline"] = [bench_timeline(root, s, (64 if args.quick else 256) * MiB, rounds)
                                for s in (2 * MiB, 4 * MiB)]
@@ -531,6 +642,8 @@ def main(argv=None) -> int:
         report_small(res["small"])
     if "reopen" in res:
         report_reopen(res["reopen"])
+    for o in res.get("open", []):
+        report_open(o)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)
@@ -542,6 +655,15 @@ def report_small(s: dict) -> None:
           f"{s['put_ratio']:>8.2f}  >= 50,000/s")
     print(f"{'16 KiB gets/s (page cache)':<40}{s['gets_per_s']:>14,.0f}{s['raw_gets_per_s']:>14,.0f}"
           f"{s['get_ratio']:>8.2f}  >= 100,000/s")
+
+
+def report_open(o: dict) -> None:
+    what = f"open store, {o['objects']:,} objects" + (" (synth.)" if o["synthetic"] else "")
+    print(f"{what + ' (s)':<40}{o['store_s']:>14.2f}{o['tier_s']:>14.2f}{o['tier_s'] / o['store_s']:>8.2f}"
+          f"  store vs the tier's own recovery")
+    print(f"{'  store extra per object (us)':<40}{o['extra_us_per_object']:>14.2f}{'':>14}{'':>8}  <= 1 us"
+          f" (CPU time: {o['extra_cpu_us_per_object']:.2f} us; store {o['store_cpu_s']:.2f} s,"
+          f" tier {o['tier_cpu_s']:.2f} s)")
 
 
 def report_reopen(o: dict) -> None:
