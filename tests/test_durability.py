@@ -201,3 +201,16 @@ def test_remove_withdraws_a_demotion_in_flight():
     finally:
         slow.gate.set()
         store.close()
+
+
+def test_flush_reports_a_write_through_copy_that_failed():
+    slow = FakeTier("slow", 64 * CHUNK, persistent=True)
+    slow.fail_writes = True
+    store = TieredStore([Level(DRAMTier("fast", 64 * CHUNK, prefault=False)), Level(slow, persist="write_through")],
+                        promotion="never")
+    try:
+        assert store.put(keys_for(3), [chunk(i) for i in range(3)]) == [True] * 3  # stored in the fast tier
+        res = store.flush()
+        assert not res and res.reasons == {"write_failed": 3}, "the persistent copies are missing: say so"
+    finally:
+        store.close()

@@ -39,8 +39,12 @@ class Placement:
     _managed_levels: list[int]
     _behind_levels: list[int]
 
-    if TYPE_CHECKING:  # defined by ``Copying``
+    if TYPE_CHECKING:  # defined by ``Copying`` and the store
+        _drops: Any
+
         def _note_evicted(self, j: int, keys: list[str]) -> None: ...
+        def _refused_below(self, lvl: Level, key: str, nbytes: int, flags: int) -> None: ...
+        def _drop_reason(self, k: int) -> Any: ...
 
     @staticmethod
     def _refusal(flags: int) -> PutOutcome:
@@ -392,10 +396,15 @@ class Placement:
             with self._lock:
                 if lvl.managed and lvl.holds(key):
                     continue
-            if self._place(key, nbytes, k, k + 1, held)[0] is None:
+            placed, flags = self._place(key, nbytes, k, k + 1, held)
+            if placed is None:
+                if flags and lvl.tier.persistent:  # (no flags: its admission said no, which is no loss)
+                    self._refused_below(lvl, key, nbytes, flags)
                 continue
             ok = self._tier_io(lvl, "write", [key], [parts])[0]
             with self._lock:
                 held.pop((k, key), None)
                 self._finish_write(lvl, key, nbytes, ok)
+                if not ok and lvl.tier.persistent:  # acknowledged above, not durable here: ``flush`` says so
+                    self._drops.record([key], self._drop_reason(k))
 
