@@ -214,3 +214,18 @@ def test_flush_reports_a_write_through_copy_that_failed():
         assert not res and res.reasons == {"write_failed": 3}, "the persistent copies are missing: say so"
     finally:
         store.close()
+
+
+def test_flush_that_times_out_says_how_many_are_still_queued():
+    slow = FakeTier("slow", 64 * CHUNK, persistent=True)
+    slow.gate.clear()  # the device is stuck: nothing lands before the timeout
+    store = fast_over(slow)
+    try:
+        store.put(keys_for(4), [chunk(i) for i in range(4)])
+        res = store.flush(timeout=0.2)
+        assert not res and res.timed_out and res.pending > 0 and res.not_durable == 0
+        slow.gate.set()
+        assert store.flush()  # they landed after all
+    finally:
+        slow.gate.set()
+        store.close()
