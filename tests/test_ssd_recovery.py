@@ -253,3 +253,52 @@ def test_reopening_smaller_keeps_the_newest_that_fit_and_the_disk_within_the_bou
     assert {f"m{j}" for j in range(160, 200)} <= {k for k, _ in v.recover()}
     assert disk_bytes(os.path.join(d, "regions")) <= region_bound(v)
     v.close()
+
+
+def test_a_store_over_a_crashed_ssd_tier_stores_what_it_says_it_stores(tmp_path, monkeypatch):
+    """dram above ssd: after a crash in the middle of a reclamation the store's puts land on the ssd tier."""
+    from tierkv import TieredStore
+
+    live_dir = str(tmp_path / "live")
+
+    def cfg(path):
+        return {"tiers": [{"medium": "dram", "capacity": "256KiB"},
+                          {"medium": "ssd", "path": path, "capacity": "6MiB", "region_size": "1MiB",
+                           "write_through": True}]}
+
+    crash: list = []
+    real_move = SSDTier._settle_move
+
+    def move_then_crash(self, dest):
+        half = dest.pos // 2 // 4096 * 4096
+        self._write_out(dest, half, half)
+        if not crash:
+            crash.append(copy_dir(live_dir, str(tmp_path / "crash")))
+        real_move(self, dest)
+
+    monkeypatch.setattr(SSDTier, "_settle_move", move_then_crash)
+    keys = [f"{i:064x}" for i in range(2000)]
+    rng = random.Random(4)
+    with TieredStore.from_config(cfg(live_dir)) as store:
+        live = keys[:200]
+        assert store.put(live, [val(i) for i in range(200)]) == [True] * 200
+        store.flush()
+        n = 200
+        while not crash:
+            assert store.put(keys[n:n + 4], [val(i) for i in range(n, n + 4)]) == [True] * 4
+            live += keys[n:n + 4]
+            n += 4
+            gone = rng.sample(live, 4)
+            for k in gone:
+                live.remove(k)
+            store.remove(gone)
+    monkeypatch.setattr(SSDTier, "_settle_move", real_move)
+    new = [f"{i:064x}" for i in range(10000, 10040)]
+    with TieredStore.from_config(cfg(crash[0])) as store:
+        assert store.put(new, [val(i) for i in range(40)]) == [True] * 40
+        assert store.flush()
+        assert store.locate(new).count("ssd") + store.locate(new).count("dram") == 40
+        assert store.stats()["ssd"]["enospc"] == 0
+    t = SSDTier("ssd", 6 * MiB, crash[0], region_size="1MiB")
+    assert set(new) <= {k for k, _ in t.recover()}, "a put the store answered True for is not on the ssd tier"
+    t.close()
