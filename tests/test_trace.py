@@ -97,3 +97,20 @@ def test_a_write_failure_disables_the_trace_not_the_store(tmp_path):
     assert "No space left" in tracer.writer.failed
     assert store.lookup(["a"]) == 0 and tracer.writer.records == 0
     store.close()
+
+
+def test_connector_traces_carry_the_block_bytes(tmp_path):
+    from types import SimpleNamespace
+
+    from tierkv.adapters.vllm.trace_hook import RequestTracer
+
+    path = tmp_path / "vllm.jsonl"
+    tracer = RequestTracer.from_extra_config({"trace_path": str(path)}, 16, block_bytes=16 * 4096)
+    assert tracer is not None
+    tracer.on_lookup(SimpleNamespace(request_id="r1", block_hashes=[b"a" * 32, b"b" * 32], num_prompt_tokens=30,
+                                     max_tokens=4))
+    tracer.close()
+    header, rec = (json.loads(x) for x in path.read_text().splitlines())
+    assert header["block_bytes"] == rec["block_bytes"] == 16 * 4096
+    (req,) = read_trace(str(path))
+    assert req.block_bytes == 16 * 4096 and req.block_tokens == 16

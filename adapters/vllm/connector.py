@@ -118,6 +118,14 @@ def _layout_descriptor(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
     ])
 
 
+def _block_bytes(group: Any, layers: int) -> int | None:
+    """One block's KV bytes over every layer of a KV cache group (one worker's share), or None if unknown."""
+    try:
+        return int(group.kv_cache_spec.page_size_bytes) * layers or None
+    except (AttributeError, TypeError, ValueError):
+        return None
+
+
 def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
                 options: ConnectorOptions) -> EngineInfo:
     """The engine geometry, ranks and key namespaces of this connector (single KV cache group)."""
@@ -190,7 +198,9 @@ class TierKVConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = TierKVScheduler(options, info)
             # hash-only request traces (option trace_path), for `tierkv simulate`
-            self._tracer = RequestTracer.from_extra_config(options.trace, info.block_size) if options.trace else None
+            self._tracer = RequestTracer.from_extra_config(options.trace, info.block_size,
+                                                           _block_bytes(groups[0], len(info.layers))) \
+                if options.trace else None
             # vLLM aborts at once (shutdown_timeout 0) and kills the workers right after:
             # ask them to drain now; when vLLM drains instead, the workers finish first
             if getattr(vllm_config, "shutdown_timeout", 0) == 0:

@@ -40,7 +40,9 @@ class RequestTracer:
         self._warned = False
 
     @classmethod
-    def from_extra_config(cls, extra: Optional[dict[str, Any]], block_size: int) -> Optional["RequestTracer"]:
+    def from_extra_config(cls, extra: Optional[dict[str, Any]], block_size: int,
+                          block_bytes: Optional[int] = None) -> Optional["RequestTracer"]:
+        """``block_bytes``: one block's KV in one worker's store (every layer), written into each record."""
         opts = {k: v for k, v in (extra or {}).items() if k in OPTIONS}
         what = "kv_connector_extra_config"
         path = pop_str(opts, "trace_path", None, what)
@@ -48,7 +50,8 @@ class RequestTracer:
             return None
         writer = TraceWriter(path, max_bytes=pop_size(opts, "trace_max_bytes", 64 << 20, what),
                              max_files=pop_int(opts, "trace_max_files", 8, what, min_value=1),
-                             block_tokens=block_size, salt=pop_str(opts, "trace_salt", None, what))
+                             block_tokens=block_size, salt=pop_str(opts, "trace_salt", None, what),
+                             block_bytes=block_bytes or None)
         return cls(writer)
 
     def on_lookup(self, request: Any) -> None:
