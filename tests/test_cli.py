@@ -545,3 +545,9 @@ def test_demo_config_never_writes_into_the_configured_directory(tmp_path):
     assert s["ok"] and s["found"] == s["asked"] > 0 and s["removed"] == s["stored"]
     assert not prod.exists() and not (tmp_path / "prod-trace.jsonl").exists()
     assert str(prod) in r.stderr  # the demo says what it moved
+
+
+def test_nothing_to_do_is_not_a_success(tmp_path):
+    _one_line_error(tierkv("trace", "show", tmp_path / "nothing-*.jsonl"), "trace", 2, "no file matches")
+    _one_line_error(tierkv("trace", "show", tmp_path), "trace", 2, "no trace files")
+    _one_line_error(tierkv("demo", "--chunks", "2"), "demo", 2, "--chunks")

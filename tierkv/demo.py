@@ -15,12 +15,8 @@ keeps nothing of it either).
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
-import shutil
-import tempfile
 import time
 from typing import Any
 
@@ -140,26 +136,12 @@ def _run(store: TieredStore, n_chunks: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="tierkv-demo", description=__doc__.splitlines()[0])
-    ap.add_argument("--chunks", type=int, default=96, help="chunks in the shared prompt set (default 96, 4 MiB each)")
-    ap.add_argument("--dir", help="directory for the SSD tier (default: a temporary one, removed afterwards)")
-    ap.add_argument("--config", help="a store config file instead of the embedded defaults")
-    ap.add_argument("--json", action="store_true", help="print a JSON summary at the end")
-    args = ap.parse_args(argv)
-    root = args.dir or tempfile.mkdtemp(prefix="tierkv-demo-")
-    try:
-        cfg = None
-        if args.config:
-            cfg, changes = demo_config(args.config, root)
-            for line in changes:
-                print(f"tierkv demo: {line}")
-        summary = run(args.chunks, root, cfg)
-    finally:
-        if not args.dir:
-            shutil.rmtree(root, ignore_errors=True)
-    if args.json:
-        print(json.dumps(summary, default=str))
-    return 0 if summary["exact"] and summary["found"] == summary["asked"] else 1
+    """``python -m tierkv.demo`` and ``tierkv-demo``: the same command as ``tierkv demo``."""
+    import sys
+
+    from tierkv.cli import main as cli_main
+
+    return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -69,9 +69,14 @@ def trace_files(path: str) -> list[str]:
     if os.path.isdir(path):
         files = sorted(f for f in glob.glob(os.path.join(path, "*")) if os.path.isfile(f)
                        and (f.endswith(".jsonl") or f.endswith(".jsonl.gz") or ".jsonl." in os.path.basename(f)))
+        if not files:
+            raise ConfigError(f"trace {path!r}: a directory with no trace files (*.jsonl, *.jsonl.gz, *.jsonl.N)")
         return sorted(files, key=_rotation_order)
-    if any(c in path for c in "*?["):
-        return sorted(glob.glob(path), key=_rotation_order)
+    if any(c in path for c in "*?[") and not os.path.exists(path):
+        files = [f for f in glob.glob(path) if os.path.isfile(f)]
+        if not files:
+            raise ConfigError(f"trace {path!r}: no file matches")
+        return sorted(files, key=_rotation_order)
     if not os.path.exists(path):
         raise ConfigError(f"trace {path!r}: no such file or directory")
     return [path]
