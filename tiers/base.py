@@ -71,7 +71,7 @@ class Tier:
     medium: ClassVar[str] = ""
     #: True when the store accounts for and evicts from this tier's capacity
     managed: ClassVar[bool] = True
-    #: True when objects survive the process (the store rebuilds its index from ``recover()``)
+    #: True when objects survive the process (the store rebuilds its index from ``recover_columns()``)
     persistent: ClassVar[bool] = False
     #: where the bytes live, as the engine sees it: ``"device"`` (this device's memory),
     #: ``"host"`` (this host's DRAM), ``"remote"`` (another node, or a pool shared over the
