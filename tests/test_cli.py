@@ -551,3 +551,18 @@ def test_nothing_to_do_is_not_a_success(tmp_path):
     _one_line_error(tierkv("trace", "show", tmp_path / "nothing-*.jsonl"), "trace", 2, "no file matches")
     _one_line_error(tierkv("trace", "show", tmp_path), "trace", 2, "no trace files")
     _one_line_error(tierkv("demo", "--chunks", "2"), "demo", 2, "--chunks")
+
+
+def test_progress_shows_life_during_one_long_step(capsys):
+    import time
+
+    from tierkv.cli._common import Progress
+
+    with Progress(3, "replays", "runs", period=0.05, command="simulate") as bar:
+        deadline = time.monotonic() + 30
+        while "replays: 0/3 runs" not in capsys.readouterr().err:  # one long step, no update: the timer speaks
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        bar.update(3)
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("tierkv simulate: replays: 3/3 runs") and last.endswith("(done)")

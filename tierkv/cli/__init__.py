@@ -61,7 +61,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.verbose:
             traceback.print_exc()
         print(f"tierkv {args.command}: failed: {type(e).__name__}: {_one_line(e)}"
-              + ("" if args.verbose else " (-v shows where)"), file=sys.stderr)
+              + ("" if args.verbose else f" (tierkv -v {args.command} ... prints the traceback)"), file=sys.stderr)
         return EXIT_FAIL
 
 

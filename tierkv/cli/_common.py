@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any, Optional
@@ -86,7 +87,8 @@ class Progress:
     """Progress of a long run on stderr: a tqdm bar on a terminal, else a plain line every ``period`` seconds.
 
     ``update(n)`` counts ``n`` more units done.  Without a terminal nothing is printed for a run shorter
-    than ``period``; a longer one prints a line each ``period`` and a last one when it ends.
+    than ``period``; a longer one prints a line each ``period`` — from a timer, so a single long step
+    still shows it is alive — and a last one when it ends.
     """
 
     def __init__(self, total: Optional[int], desc: str, unit: str = "it", period: float = 5.0,
@@ -94,23 +96,27 @@ class Progress:
         self.total, self.desc, self.unit, self.period = total, desc, unit, period
         self.prefix = f"tierkv {command}: " if command else "tierkv: "
         self.done = 0
-        self._t0 = self._last = time.monotonic()
+        self._t0 = time.monotonic()
         self._printed = False
         self._bar = None
+        self._stop = threading.Event()
+        self._timer: Optional[threading.Thread] = None
         if sys.stderr.isatty():
             from tqdm import tqdm
 
             self._bar = tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True)
+        else:
+            self._timer = threading.Thread(target=self._tick, name="tierkv-progress", daemon=True)
+            self._timer.start()
 
     def update(self, n: int = 1) -> None:
-        self.done += n
+        self.done += n  # (one writer: the run's thread; the timer only reads)
         if self._bar is not None:
             self._bar.update(n)
-            return
-        now = time.monotonic()
-        if now - self._last >= self.period:
-            self._last = now
-            self._line(now)
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.period):
+            self._line(time.monotonic())
 
     def _line(self, now: float, end: str = "") -> None:
         of = f"/{self.total}" if self.total else ""
@@ -122,9 +128,12 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
-        elif self._printed:
-            self._line(time.monotonic(), " (done)")
-            self._printed = False
+        if self._timer is not None:
+            self._stop.set()
+            self._timer.join()
+            self._timer = None
+            if self._printed:
+                self._line(time.monotonic(), " (done)")
 
     def __enter__(self) -> "Progress":
         return self
