@@ -1,12 +1,12 @@
 """Read-only views of what tiers hold on disk or in a pool, for ``tierkv inspect``.
 
-``inspect_dir(path, verify, repair)`` describes an SSD tier's directory.  When the
-SSD medium provides ``tierkv.tiers.ssd.inspect_dir`` (the log-structured engine
-does) that is the authority; otherwise this module reads the one-file-per-object
-layout itself (``<shard>/<name>.kv`` files with a 64-byte header, see
-``tiers/ssd.py``).  Either way the answer has the keys ``path, layout, regions
-(list of {index, objects, live_bytes, size_bytes}), objects, bytes, corrupt,
-repaired, checkpoint``.  Nothing is written unless ``repair`` is True.
+``inspect_dir(path, verify, repair)`` describes an SSD tier's directory: the
+log-structured engine's (``tierkv.tiers.ssd.inspect_dir``, the authority, which refuses
+a directory holding no tier's data), or the former one-file-per-object layout, read
+here (``<shard>/<name>.kv`` files with a 64-byte header).  Either way the answer has
+the keys ``path, layout, regions (list of {index, objects, live_bytes, size_bytes}),
+objects, bytes, corrupt (a list: each entry names its ``key`` or ``file`` and the
+``reason``), repaired, checkpoint, checked``.  Nothing is written unless ``repair``.
 
 ``inspect_pool(master, ...)`` counts tierkv's objects in a Mooncake pool through
 the master's HTTP endpoint (``/get_all_keys``, ``/batch_query_keys``): the client API
@@ -39,25 +39,35 @@ _TMP_PREFIX = ".tmp."
 
 
 def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[str, Any]:
-    """Describe an SSD tier's directory (see the module docstring)."""
+    """Describe an SSD tier's directory (see the module docstring); a ``ConfigError`` when ``path`` is no
+    directory or holds no tier's data (nothing is read or written then)."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
         raise ConfigError(f"{path}: not a directory")
-    try:
-        from tierkv.tiers import ssd as ssd_medium
+    if _old_layout(path):
+        return _inspect_files(path, verify, repair)
+    from tierkv.tiers.ssd import inspect_dir as native
 
-        native = getattr(ssd_medium, "inspect_dir", None)
-    except ImportError:
-        native = None
-    if native is not None:
-        info = dict(native(path, verify=verify, repair=repair))
-        for k, default in (("path", path), ("layout", "log"), ("regions", []), ("objects", 0), ("bytes", 0),
-                           ("corrupt", []), ("repaired", 0), ("checkpoint", None)):
-            info.setdefault(k, default)
-        if isinstance(info["corrupt"], int):  # a count: keep the shape callers rely on
-            info["corrupt"] = [{"reason": "corrupt"}] * info["corrupt"]
-        return info
-    return _inspect_files(path, verify, repair)
+    info = dict(native(path, verify=verify, repair=repair))
+    info["corrupt"] = list(info.get("corrupt_objects", []))  # (each names its key or its file, and why)
+    return info
+
+
+def _old_layout(path: str) -> bool:
+    """Whether ``path`` holds the one-file-per-object layout (``*.kv`` files in two-hex-digit shards)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    for n in names:
+        p = os.path.join(path, n)
+        if len(n) == 2 and os.path.isdir(p):
+            try:
+                if any(f.endswith(_SUFFIX) or f.startswith(_TMP_PREFIX) for f in os.listdir(p)):
+                    return True
+            except OSError:
+                continue
+    return False
 
 
 def _parse_header(head: bytes) -> Optional[tuple]:
@@ -121,7 +131,8 @@ def _check_file(fpath: str, verify: bool) -> tuple[Optional[dict], Optional[str]
 def _inspect_files(path: str, verify: bool, repair: bool) -> dict[str, Any]:
     regions: list[dict] = []
     corrupt: list[dict] = []
-    temp_files = repaired = objects = live = 0
+    removed: list[dict] = []
+    temp_files = objects = live = 0
     for shard in sorted(os.listdir(path)):
         sdir = os.path.join(path, shard)
         if not os.path.isdir(sdir):
@@ -132,7 +143,7 @@ def _inspect_files(path: str, verify: bool, repair: bool) -> dict[str, Any]:
             if fname.startswith(_TMP_PREFIX):
                 temp_files += 1
                 if repair and _unlink(fpath):
-                    repaired += 1
+                    removed.append({"file": os.path.relpath(fpath, path), "reason": "stray temporary file"})
                 continue
             if not fname.endswith(_SUFFIX):
                 continue
@@ -143,9 +154,11 @@ def _inspect_files(path: str, verify: bool, repair: bool) -> dict[str, Any]:
             except OSError:
                 pass
             if obj is None:
-                corrupt.append({"file": os.path.relpath(fpath, path), "reason": why})
+                entry = {"file": os.path.relpath(fpath, path), "reason": why}
                 if repair and _unlink(fpath):
-                    repaired += 1
+                    removed.append(entry)
+                else:
+                    corrupt.append(entry)  # (after a repair: what could not be removed)
                 continue
             n += 1
             sbytes += obj["raw_len"]
@@ -157,8 +170,9 @@ def _inspect_files(path: str, verify: bool, repair: bool) -> dict[str, Any]:
         objects += n
         live += sbytes
     return {"path": path, "layout": "files", "regions": regions, "objects": objects, "bytes": live,
-            "corrupt": corrupt, "repaired": repaired, "checkpoint": None, "temp_files": temp_files,
-            "verified": verify}
+            "corrupt": corrupt, "repaired": len(removed), "checkpoint": None, "temp_files": temp_files,
+            "verified": verify, "checked": ["every file's header and size"] + (["payload sums"] if verify else []),
+            "removed": removed}
 
 
 def _unlink(path: str) -> bool:

@@ -10,11 +10,20 @@ from ._common import EXIT_FAIL, EXIT_OK, CommandError, dump_json, fmt_bytes, tab
 
 HELP = "objects, bytes and corrupt objects of an SSD tier's directory (or a Mooncake pool with --master)"
 DESCRIPTION = """\
-Describe an SSD tier's directory: objects, bytes, space per region (log-structured
-layout) or per shard directory (one file per object), corrupt objects.  Read-only:
-nothing is changed unless --repair is given (which deletes corrupt objects and
-stray temporary files).  --verify reads every object and checks its checksum;
-without it only headers are checked.  Exit 1 when corrupt objects were found.
+Describe an SSD tier's directory: objects, bytes, space per region, corrupt objects
+(each named by its key, or a region file by its name, with the reason).  A directory
+that holds no tier's data (empty, or a mistyped path) is refused, exit 2, before
+anything is read or written.
+
+Plain: reads the region headers, summaries, checkpoint and dead log, never a sealed
+region's records; it takes no lock and writes nothing, so it may run beside a live
+writer (then nothing is judged corrupt: the directory changes as it is read).
+--verify: also reads every object's record and checks its header, key, length and
+payload sum, holding a shared lock on DIR/LOCK (a directory in use by a writer is
+refused, exit 2, naming its pid).  --repair: under the writer lock, verifies and
+removes exactly the corrupt objects (nothing else: no capacity applies), lists them
+and reports the directory afterwards.  Exit 1 when corruption was found (after
+--repair: when some remains).
 
 With --master HOST:PORT (and no PATH): a Mooncake pool's view, as far as the
 Mooncake client API allows: it has no listing call, so the master's HTTP endpoint
@@ -26,7 +35,7 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("path", nargs="?", metavar="PATH", help="the SSD tier's directory (its 'path' option)")
     p.add_argument("--verify", action="store_true", help="read every object and check its checksum")
-    p.add_argument("--repair", action="store_true", help="delete corrupt objects and stray temporary files")
+    p.add_argument("--repair", action="store_true", help="remove corrupt objects (implies --verify; takes the writer lock)")
     p.add_argument("--json", nargs="?", const="-", metavar="FILE", help="JSON instead of a table (stdout: -)")
     p.add_argument("--master", metavar="HOST:PORT", help="inspect a Mooncake pool instead of a directory")
     p.add_argument("--metrics-port", type=int, default=9003,
@@ -39,6 +48,8 @@ def run(args) -> int:
     if args.master:
         if args.path:
             raise CommandError("give either PATH or --master, not both")
+        if args.verify or args.repair:
+            raise CommandError("--verify and --repair apply to an SSD tier's directory (PATH), not --master")
         from tierkv.inspect import inspect_pool
 
         info = inspect_pool(args.master, args.metrics_port, args.namespace)
@@ -51,15 +62,22 @@ def run(args) -> int:
     if not args.path:
         raise CommandError("give the SSD tier's directory (PATH), or --master HOST:PORT")
     if not os.path.isdir(args.path):
-        raise CommandError(f"{args.path}: not a directory", code=EXIT_FAIL if os.path.exists(args.path) else 2)
+        raise CommandError(f"{args.path}: not a directory" if os.path.exists(args.path)
+                           else f"{args.path}: not a directory (no such path)")
     from tierkv.inspect import inspect_dir
 
-    info = inspect_dir(args.path, verify=args.verify, repair=args.repair)
+    try:
+        info = inspect_dir(args.path, verify=args.verify or args.repair, repair=args.repair)
+    except OSError as e:
+        raise CommandError(f"{e.filename or args.path}: {e.strerror or e}", code=EXIT_FAIL) from None
     if args.json:
         dump_json(info, args.json)
     if args.json != "-":
         _print_dir(info, args)
-    return EXIT_FAIL if info["corrupt"] and not args.repair else EXIT_OK
+    elif info["corrupt"]:
+        print(f"corrupt: {len(info['corrupt'])}" + ("" if args.repair else " (--repair removes corrupt objects)"),
+              file=sys.stderr)
+    return EXIT_FAIL if info["corrupt"] else EXIT_OK
 
 
 def _print_dir(info: dict, args) -> None:
@@ -70,20 +88,47 @@ def _print_dir(info: dict, args) -> None:
         label = "region" if info["layout"] != "files" else "shard"
         table([[r.get("name", r["index"]), r["objects"], fmt_bytes(r["live_bytes"]), fmt_bytes(r["size_bytes"])]
                for r in regions], [label, "objects", "live", "on disk"])
-    if info.get("checkpoint") is not None:
-        print(f"checkpoint: {info['checkpoint']}")
-    checked = "checksums verified" if args.verify else "headers checked (--verify reads every checksum)"
-    print(f"corrupt: {len(info['corrupt'])}  ({checked})")
-    for c in info["corrupt"][:20]:
-        print(f"  {c.get('file') or c.get('key')}: {c.get('reason')}")
-    if len(info["corrupt"]) > 20:
-        print(f"  ... and {len(info['corrupt']) - 20} more (--json lists all)")
-    if info.get("temp_files"):
-        print(f"stray temporary files: {info['temp_files']}")
+    ck = info.get("checkpoint")
+    if isinstance(ck, dict):
+        if not ck.get("present"):
+            print("checkpoint: none (the regions' summaries are read)")
+        elif ck.get("valid"):
+            print(f"checkpoint: valid, lists {ck['objects']} objects, covers regions of seq below {ck['covered_seq']}")
+        else:
+            print("checkpoint: fails its check, ignored (the regions' summaries are read)")
+    if info.get("live_writer") is not None:
+        pid = info["live_writer"]
+        who = f"process {pid}" if pid else "another process"
+        print(f"live: in use by {who}; read without a lock while it changes", file=sys.stderr)
+    for s in info.get("skipped_files") or []:
+        print(f"skipped: {s['file']}: {s['reason']}" if isinstance(s, dict) else f"skipped: {s}")
+    if info.get("torn_regions"):
+        print(f"torn regions: {info['torn_regions']} (records end at a bad record before the region's end)")
+    print(f"checked: {'; '.join(info.get('checked') or [])}")
+    if not info.get("verified"):
+        print("not checked: the objects' records (--verify reads every one)")
+    if info.get("unverified"):
+        print(f"unverified: {info['unverified']} objects (their payload sum cannot be computed here)")
     if args.repair:
         print(f"repaired: {info['repaired']} removed")
-    elif info["corrupt"]:
-        print("run with --repair to remove them", file=sys.stderr)
+        for c in info.get("removed") or []:
+            print(f"  removed {c.get('key') or c.get('file')}: {c.get('reason')}")
+    if info.get("live_writer") is not None:
+        print("corrupt: not judged (a live writer; stop it, then --verify)")
+        return
+    print(f"corrupt: {len(info['corrupt'])}" + ("  (remaining after the repair)" if args.repair else ""))
+    for c in info["corrupt"][:20]:
+        extra = f" ({c['objects_lost']} objects listed there lost)" if c.get("objects_lost") else ""
+        print(f"  {c.get('key') or c.get('file')}: {c.get('reason')}{extra}")
+    if len(info["corrupt"]) > 20:
+        print(f"  ... and {len(info['corrupt']) - 20} more (--json lists all)")
+    if info.get("temp_files") and not args.repair:
+        print(f"stray temporary files: {info['temp_files']}")
+    if not args.repair and any("key" in c for c in info["corrupt"]):
+        print("run with --repair to remove the corrupt objects", file=sys.stderr)
+    if any("key" not in c for c in info["corrupt"]):
+        print("a region file that fails its header check is left in place (the tier skips it and never "
+              "reuses it): move it away by hand to reclaim its space", file=sys.stderr)
 
 
 def _print_pool(info: dict) -> None:

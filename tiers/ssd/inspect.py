@@ -1,16 +1,36 @@
 """``inspect_dir``: what an ``ssd`` directory holds, for the operator's ``tierkv inspect``.
 
-Read-only unless ``repair=True``: it opens files for reading only, takes no lock (so it
-works while a writer holds the directory) and changes nothing.  ``verify=True`` reads
-every live object and checks its sums.  ``repair=True`` takes the writer lock (a
-``ConfigError`` naming the holder if a writer is running), verifies everything and
-drops the corrupt objects.
+A directory is an ssd tier's when it holds a checkpoint of ours, region files under
+``regions/``, or an empty ``regions/`` beside a ``LOCK`` (a tier opened it and wrote
+nothing).  Anything else (an empty directory, a typo'd path) is refused with a
+``ConfigError`` before anything is read or written.
+
+Three modes, each saying in ``checked`` what it actually checked:
+
+* plain: reads the region headers, the summaries (or an unsealed region's records),
+  the checkpoint and the dead log; never a sealed region's records.  It takes no lock
+  and writes nothing, so it works beside a running writer: then (``live_writer``, the
+  holder's pid) the directory may change under it, and no file is judged corrupt.
+* ``verify=True``: also reads every listed object's record and checks its header,
+  key, region seq, length and payload sum.  It holds a shared ``flock`` on ``LOCK``
+  while it reads, so the view is consistent; a live writer is refused with a
+  ``ConfigError`` naming its pid (and a tier opening the directory meanwhile is
+  refused, as a second writer is).
+* ``repair=True``: takes the writer lock (``lock.DirLock``: a live writer is refused,
+  naming its pid), verifies, and names each corrupt object's record in the dead log,
+  which is exactly how the tier drops a corrupt object it reads; nothing else is
+  written, no capacity applies, so no intact object is ever dropped.  ``removed``
+  lists what was removed; the rest of the report is the directory afterwards.
+
+A region file whose header fails its check is reported (``corrupt_objects`` entry with
+``file``) and left in place: the tier skips such a file and never writes or deletes it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
@@ -20,68 +40,206 @@ from . import checkpoint as C
 from . import deadlog, recovery
 from . import format as F
 from . import region as R
+from .lock import LOCK_NAME, DirLock, holder_pid
+
+REGIONS_DIR = "regions"  # (tier.REGIONS_DIR; not imported from there, to keep this module light)
+_RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
 def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[str, Any]:
+    """Describe (``verify``: and check; ``repair``: and fix) an ssd directory (see the module docstring)."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
-        raise ConfigError(f"ssd inspect: {path} is not a directory")
+        raise ConfigError(f"{path}: not a directory")
+    refuse_foreign(path)
     if repair:
         return _repair(path)
-    from .tier import REGIONS_DIR, check_old_layout
+    if verify:
+        fd = _shared_lock(path, "verify")
+        try:
+            info = _scan(path, verify=True, live=None)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+        if fd < 0:  # (no LOCK file: no writer was running; one may have started since)
+            pid = _writer(path)
+            if pid is not None:
+                raise ConfigError(f"{path}: a writer ({_who(pid)}) opened the directory during the check; "
+                                  "a live directory cannot be verified")
+        return info
+    pid = _writer(path)
+    info = _scan(path, verify=False, live=pid)
+    if pid is None and (after := _writer(path)) is not None:  # it started meanwhile: judge nothing
+        info = _scan(path, verify=False, live=after)
+    return info
 
+
+# -- whose directory ---------------------------------------------------------------------
+def refuse_foreign(path: str) -> None:
+    """Raise a ``ConfigError`` unless ``path`` holds ssd tier data (see the module docstring)."""
     try:
-        check_old_layout(path)
-        layout = "regions"
-    except ConfigError:
-        layout = "files-per-object (old)"
+        names = os.listdir(path)
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot list: {e.strerror}") from None
+    if not names:
+        raise ConfigError(f"{path}: empty directory, not an ssd tier's directory")
+    if C.NAME in names and _starts_with(os.path.join(path, C.NAME), C.MAGIC):
+        return
+    rdir = os.path.join(path, REGIONS_DIR)
+    if REGIONS_DIR in names and os.path.isdir(rdir):
+        try:
+            entries = os.listdir(rdir)
+        except OSError as e:
+            raise ConfigError(f"{rdir}: cannot list: {e.strerror}") from None
+        if any(R.parse_region_name(n) is not None for n in entries):
+            return
+        if not entries and LOCK_NAME in names:
+            return
+    if any(n.endswith(".kv") for n in names):
+        raise ConfigError(f"{path} holds the old one-file-per-object layout (*.kv files), not regions")
+    raise ConfigError(f"{path}: not an ssd tier's directory (no checkpoint, no region files under "
+                      f"{REGIONS_DIR}/); nothing was read or changed")
+
+
+def _starts_with(fpath: str, magic: bytes) -> bool:
+    try:
+        with open(fpath, "rb") as f:
+            return f.read(len(magic)) == magic
+    except OSError:
+        return False
+
+
+# -- the writer's lock ------------------------------------------------------------------
+def _who(pid: Optional[int]) -> str:
+    return f"process {pid}" if pid is not None and pid > 0 else "another process"
+
+
+def _writer(path: str) -> Optional[int]:
+    """None when no writer holds ``LOCK`` now, else its pid (0 when the file does not say)."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), _RDONLY)
+    except OSError:
+        return None  # (no LOCK: no tier has it open; a writer creates it before anything else)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return None
+    except BlockingIOError:
+        return holder_pid(path) or 0
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # (drops the probe's shared lock at once: a writer starting now is not refused)
+
+
+def _shared_lock(path: str, what: str) -> int:
+    """A shared ``flock`` on ``LOCK`` held until the fd is closed; -1 when there is no ``LOCK``."""
+    try:
+        fd = os.open(os.path.join(path, LOCK_NAME), _RDONLY)
+    except FileNotFoundError:
+        return -1
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot open {LOCK_NAME}: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ConfigError(f"{path} is in use by {_who(holder_pid(path))} (it holds {LOCK_NAME}): a live "
+                          f"directory cannot be checked ({what}); stop the writer, or inspect without "
+                          "--verify/--repair") from None
+    except OSError as e:
+        os.close(fd)
+        raise ConfigError(f"{path}: cannot lock {LOCK_NAME}: {e.strerror}") from None
+    return fd
+
+
+# -- reading ------------------------------------------------------------------------------
+def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] = None) -> dict[str, Any]:
+    """The report.  ``live``: a writer's pid (files are then not judged).  ``bad_out`` receives
+    (region, offset, seq) of each corrupt record found by ``verify``."""
+    judge = live is None
     rdir = os.path.join(path, REGIONS_DIR)
     regions: dict[int, R.Region] = {}
-    others: list[str] = []
-    fds = []
+    sizes: dict[int, int] = {}
+    skipped: list[dict] = []  # files the tier does not read (not judged corrupt)
+    bad_files: list[dict] = []  # region files of ours that fail their header check
+    fds: list[int] = []
     try:
-        for name in sorted(os.listdir(rdir)) if os.path.isdir(rdir) else []:
+        names = sorted(os.listdir(rdir)) if os.path.isdir(rdir) else []
+        for name in names:
+            rel = os.path.join(REGIONS_DIR, name)
             idx = R.parse_region_name(name)
             if idx is None:
-                others.append(name)
+                skipped.append({"file": rel, "reason": "not a region file name"})
+                continue
+            try:
+                fd = os.open(os.path.join(rdir, name), _RDONLY)
+            except OSError as e:
+                bad_files.append({"file": rel, "reason": f"unreadable: {e.strerror}"})
+                continue
+            fds.append(fd)
+            try:
+                head = bytes(R.read_span(fd, 0, F.BLOCK, False))
+            except OSError as e:
+                bad_files.append({"file": rel, "reason": f"unreadable: {e.strerror}"})
+                continue
+            h = F.parse_region_header(head)
+            if h is None:
+                if any(head):
+                    bad_files.append({"file": rel, "index": idx, "reason": "bad region header"})
+                else:
+                    skipped.append({"file": rel, "reason": "no header (a region file never written)"})
+                continue
+            if h.index != idx:
+                bad_files.append({"file": rel, "index": idx, "reason": f"its header names region {h.index}"})
                 continue
             r = R.Region(idx, os.path.join(rdir, name))
-            try:
-                r.fd = os.open(r.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-            except OSError:
-                others.append(name)
-                continue
-            fds.append(r.fd)
-            h, _ = R.read_header(r.fd, False)
-            if h is None or h.index != idx:
-                others.append(name)
-                continue
-            r.seq = h.seq
-            r.live_bytes = h.region_size  # (the region's size, until counted below)
+            r.fd, r.seq = fd, h.seq
             regions[idx] = r
-        sizes = [r.live_bytes for r in regions.values()]
-        region_size = max(set(sizes), key=sizes.count) if sizes else 0
-        regions = {i: r for i, r in regions.items() if r.live_bytes == region_size}
+            sizes[idx] = h.region_size
+        counts = list(sizes.values())
+        region_size = max(set(counts), key=counts.count) if counts else 0
+        for idx in [i for i, s in sizes.items() if s != region_size]:
+            r = regions.pop(idx)
+            skipped.append({"file": os.path.join(REGIONS_DIR, os.path.basename(r.path)),
+                            "reason": f"region size {sizes[idx]}, the others' {region_size}"})
         ckpt = C.read(path)
         ckpt_info = {"present": os.path.exists(os.path.join(path, C.NAME)), "valid": ckpt is not None,
                      "objects": len(ckpt.cols["digest"]) if ckpt is not None else 0,
                      "covered_seq": ckpt.covered_seq if ckpt is not None else None}
-        if ckpt is not None and ckpt.region_size != region_size:
+        if ckpt is not None and ckpt.region_size != region_size and regions:
             ckpt = None
+        for b in bad_files:  # what the checkpoint lists there is lost with the header
+            if ckpt is not None and "index" in b:
+                b["objects_lost"] = int(np.count_nonzero(ckpt.cols["region"] == b["index"]))
         loaded = recovery.load(path, regions, region_size, False, ckpt, deadlog.read(path)) if regions else None
         c = loaded.cands if loaded is not None else None
-        corrupt: list[str] = []
+        corrupt: list[dict] = []
+        checked = ["region headers", "checkpoint", "dead log"]
+        if loaded is not None and len(loaded.read_regions) > len(loaded.scanned):
+            checked.append(f"summaries of {len(loaded.read_regions) - len(loaded.scanned)} region(s) the "
+                           "checkpoint does not cover")
+        if loaded is not None and loaded.scanned:
+            checked.append(f"every record of {len(loaded.scanned)} unsealed region(s)")
+        unverified = 0
         if verify and c is not None:
-            for i, k in enumerate(recovery.key_list(c)):
-                r = regions[int(c.region[i])]
-                data: memoryview | bytes
-                try:
-                    data = R.read_span(r.fd, int(c.offset[i]), int(c.rec_len[i]), False)
-                except OSError:
-                    data = b""
-                h = F.parse_record(data, r.seq)
-                if h is None or h.key != k.encode():
-                    corrupt.append(k)
+            keys = recovery.key_list(c)
+            for i, k in enumerate(keys):
+                idx, off, n = int(c.region[i]), int(c.offset[i]), int(c.rec_len[i])
+                why = _check_record(regions[idx].fd, off, n, regions[idx].seq, k.encode())
+                if why is None:
+                    continue
+                if why == _CANNOT_TELL:
+                    unverified += 1
+                    continue
+                corrupt.append({"key": k, "region": idx, "offset": off, "reason": why})
+                if bad_out is not None:
+                    bad_out.append((idx, off, regions[idx].seq))
+            checked.append("every object's record: header, key, seq, length, payload sum")
+        if judge:
+            corrupt = bad_files + corrupt
+        else:
+            skipped += [{**b, "reason": b["reason"] + " (not judged: a writer is live)"} for b in bad_files]
+            checked = [f"nothing judged: a writer ({_who(live)}) holds the directory; read as it changed"]
         out_regions = []
         for idx, r in sorted(regions.items()):
             sel = np.flatnonzero(c.region == idx) if c is not None else np.zeros(0, dtype=np.int64)
@@ -93,34 +251,83 @@ def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[s
                 "sealed": R.read_summary(r.fd, region_size, r.seq, False) is not None,
                 "read": loaded is not None and idx in loaded.read_regions})
         return {
-            "path": path, "layout": layout, "region_size": region_size, "regions": out_regions,
+            "path": path, "layout": "regions", "region_size": region_size, "regions": out_regions,
             "objects": int(len(c.digest)) if c is not None else 0,
             "bytes": int(c.raw_len.sum()) if c is not None else 0,
-            "corrupt": len(corrupt), "corrupt_keys": corrupt[:100], "repaired": 0,
+            "corrupt": len(corrupt), "corrupt_keys": [e["key"] for e in corrupt if "key" in e],
+            "corrupt_objects": corrupt, "unverified": unverified, "repaired": 0, "removed": [],
             "torn_regions": loaded.torn if loaded is not None else 0,
             "recovered_from": loaded.source if loaded is not None else "empty",
-            "skipped_files": others, "checkpoint": ckpt_info,
+            "skipped_files": skipped, "checkpoint": ckpt_info, "verified": verify, "checked": checked,
+            "live_writer": live,
         }
     finally:
         for fd in fds:
             os.close(fd)
 
 
-def _repair(path: str) -> dict[str, Any]:
-    """Verify under the writer lock and drop what fails."""
-    report = inspect_dir(path, verify=True)
-    from .tier import SSDTier
+_CANNOT_TELL = "cannot tell"
 
-    nreg = max(1, len(report["regions"]))
-    size = report["region_size"] or (64 << 20)
-    tier = SSDTier("inspect", nreg * size, path, direct_io=False, region_size=size)  # takes the lock
+
+def _check_record(fd: int, offset: int, rec_len: int, seq: int, key: bytes) -> Optional[str]:
+    """None when the record at ``offset`` is ``key``'s, intact; else why not."""
     try:
-        tier.recover()
-        if report["corrupt_keys"]:
-            tier.delete(report["corrupt_keys"])
-        tier.flush()
+        data = R.read_span(fd, offset, rec_len, False)
+    except OSError as e:
+        return f"unreadable: {e.strerror}"
+    if len(data) < rec_len:
+        return "short: the file ends inside the record"
+    klen = F.record_key_len(data)
+    if F.REC_HDR + klen > len(data):
+        return "bad record header"
+    h = F.parse_record_header(data[:F.REC_HDR], bytes(data[F.REC_HDR:F.REC_HDR + klen]))
+    if h is None:
+        return "bad record header"
+    if h.key != key:
+        return "another key's record"
+    if h.seq != seq:
+        return "stale record (an earlier use of the region)"
+    if h.rec_len != rec_len:
+        return "record length differs from the index"
+    if h.flags & F.FLAG_TOMB:
+        return None
+    s = F.payload_sum([data[h.body_at:h.rec_len]], h.flags)
+    if s is None:
+        return _CANNOT_TELL
+    return None if s == h.psum else "payload sum mismatch"
+
+
+# -- repair -------------------------------------------------------------------------------
+def _repair(path: str) -> dict[str, Any]:
+    """Under the writer lock: verify, name each corrupt record in the dead log, report what is left."""
+    lock = DirLock(path, f"ssd repair of {path}")  # a live writer is refused, naming its pid
+    try:
+        bad: list = []
+        before = _scan(path, verify=True, live=None, bad_out=bad)
+        if bad:
+            log = deadlog.DeadLog(path)
+            existed = os.path.exists(log.path)
+            for rg, off, sq in bad:
+                log.add(rg, off, sq)
+            try:
+                log.write(fsync=True)
+                if not existed:
+                    _fsync_dir(path)
+            except OSError as e:
+                raise ConfigError(f"{path}: repair could not write {log.path}: {e.strerror}; "
+                                  "nothing was removed") from None
+        after = _scan(path, verify=True, live=None)
     finally:
-        tier.close()
-    out = inspect_dir(path, verify=True)
-    out["repaired"] = report["corrupt"]
-    return out
+        lock.release()
+    removed = [e for e in before["corrupt_objects"] if "key" in e]
+    after["repaired"] = len(removed)
+    after["removed"] = removed
+    return after
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, _RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
