@@ -126,7 +126,7 @@ def _print_dir(info: dict, args) -> None:
         print(f"stray temporary files: {info['temp_files']}")
     if not args.repair and any("key" in c for c in info["corrupt"]):
         print("run with --repair to remove the corrupt objects", file=sys.stderr)
-    if any("key" not in c for c in info["corrupt"]):
+    if any(c.get("reason") == "bad region header" for c in info["corrupt"]):
         print("a region file that fails its header check is left in place (the tier skips it and never "
               "reuses it): move it away by hand to reclaim its space", file=sys.stderr)
 

@@ -208,9 +208,18 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
                      "covered_seq": ckpt.covered_seq if ckpt is not None else None}
         if ckpt is not None and ckpt.region_size != region_size and regions:
             ckpt = None
-        for b in bad_files:  # what the checkpoint lists there is lost with the header
-            if ckpt is not None and "index" in b:
-                b["objects_lost"] = int(np.count_nonzero(ckpt.cols["region"] == b["index"]))
+        if ckpt is not None:  # what the checkpoint lists in a region file that fails or is gone is lost
+            listed = np.bincount(ckpt.cols["region"].astype(np.int64)) if len(ckpt.cols["region"]) else \
+                np.zeros(0, dtype=np.int64)
+            for b in bad_files:
+                if "index" in b and b["index"] < len(listed):
+                    b["objects_lost"] = int(listed[b["index"]])
+            present = {R.parse_region_name(n) for n in names}
+            for idx in np.flatnonzero(listed).tolist():
+                if idx not in present:
+                    bad_files.append({"file": os.path.join(REGIONS_DIR, R.region_name(idx)), "index": idx,
+                                      "reason": "missing",
+                                      "objects_lost": int(listed[idx])})
         loaded = recovery.load(path, regions, region_size, False, ckpt, deadlog.read(path)) if regions else None
         c = loaded.cands if loaded is not None else None
         corrupt: list[dict] = []
@@ -241,12 +250,14 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
             skipped += [{**b, "reason": b["reason"] + " (not judged: a writer is live)"} for b in bad_files]
             checked = [f"nothing judged: a writer ({_who(live)}) holds the directory; read as it changed"]
         out_regions = []
+        nreg = max(regions, default=-1) + 1
+        counts_of = np.bincount(c.region, minlength=nreg) if c is not None else np.zeros(nreg, dtype=np.int64)
+        bytes_of = np.bincount(c.region, weights=c.rec_len, minlength=nreg) if c is not None else \
+            np.zeros(nreg)
         for idx, r in sorted(regions.items()):
-            sel = np.flatnonzero(c.region == idx) if c is not None else np.zeros(0, dtype=np.int64)
             st = os.fstat(r.fd)
             out_regions.append({
-                "index": idx, "seq": r.seq, "objects": int(len(sel)),
-                "live_bytes": int(c.rec_len[sel].sum()) if c is not None and len(sel) else 0,
+                "index": idx, "seq": r.seq, "objects": int(counts_of[idx]), "live_bytes": int(bytes_of[idx]),
                 "size_bytes": region_size, "file_bytes": st.st_size,
                 "sealed": R.read_summary(r.fd, region_size, r.seq, False) is not None,
                 "read": loaded is not None and idx in loaded.read_regions})
