@@ -208,19 +208,18 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
                      "covered_seq": ckpt.covered_seq if ckpt is not None else None}
         if ckpt is not None and ckpt.region_size != region_size and regions:
             ckpt = None
-        if ckpt is not None:  # what the checkpoint lists in a region file that fails or is gone is lost
-            listed = np.bincount(ckpt.cols["region"].astype(np.int64)) if len(ckpt.cols["region"]) else \
-                np.zeros(0, dtype=np.int64)
+        dead = deadlog.read(path)
+        if ckpt is not None:  # what the checkpoint lists, alive, in a region file that fails or is gone is lost
+            lost_in = _listed_alive(ckpt, dead)
             for b in bad_files:
-                if "index" in b and b["index"] < len(listed):
-                    b["objects_lost"] = int(listed[b["index"]])
+                if "index" in b:
+                    b["objects_lost"] = int(lost_in[b["index"]]) if b["index"] < len(lost_in) else 0
             present = {R.parse_region_name(n) for n in names}
-            for idx in np.flatnonzero(listed).tolist():
+            for idx in np.flatnonzero(lost_in).tolist():
                 if idx not in present:
                     bad_files.append({"file": os.path.join(REGIONS_DIR, R.region_name(idx)), "index": idx,
-                                      "reason": "missing",
-                                      "objects_lost": int(listed[idx])})
-        loaded = recovery.load(path, regions, region_size, False, ckpt, deadlog.read(path)) if regions else None
+                                      "reason": "missing", "objects_lost": int(lost_in[idx])})
+        loaded = recovery.load(path, regions, region_size, False, ckpt, dead) if regions else None
         c = loaded.cands if loaded is not None else None
         corrupt: list[dict] = []
         checked = ["region headers", "checkpoint", "dead log"]
@@ -278,6 +277,20 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
 
 
 _CANNOT_TELL = "cannot tell"
+
+
+def _listed_alive(ckpt: C.Checkpoint, dead: np.ndarray) -> np.ndarray:
+    """Per region index: how many objects the checkpoint lists there that the dead log does not name."""
+    reg = ckpt.cols["region"].astype(np.int64)
+    if not len(reg):
+        return np.zeros(0, dtype=np.int64)
+    seqs = ckpt.region_seqs
+    ok = reg < len(seqs)
+    reg = reg[ok]
+    alive = np.ones(len(reg), dtype=bool)
+    if len(dead):
+        alive = ~np.isin(deadlog.dead_keys(reg, ckpt.cols["offset"][ok], seqs[reg]), dead)
+    return np.bincount(reg[alive], minlength=int(reg.max()) + 1 if len(reg) else 0)
 
 
 def _check_record(fd: int, offset: int, rec_len: int, seq: int, key: bytes) -> Optional[str]:
