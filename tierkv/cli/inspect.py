@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from ._common import EXIT_FAIL, EXIT_OK, CommandError, dump_json, fmt_bytes, table
+from ._common import EXIT_FAIL, EXIT_OK, CommandError, dump_json, fmt_bytes, note, table
 
 HELP = "objects, bytes and corrupt objects of an SSD tier's directory (or a Mooncake pool with --master)"
 DESCRIPTION = """\
@@ -36,7 +35,8 @@ def add_parser(sub) -> None:
     p.add_argument("path", nargs="?", metavar="PATH", help="the SSD tier's directory (its 'path' option)")
     p.add_argument("--verify", action="store_true", help="read every object and check its checksum")
     p.add_argument("--repair", action="store_true", help="remove corrupt objects (implies --verify; takes the writer lock)")
-    p.add_argument("--json", nargs="?", const="-", metavar="FILE", help="JSON instead of a table (stdout: -)")
+    p.add_argument("--json", action="store_true",
+                   help="the report as one JSON document on stdout, nothing else (notes go to stderr)")
     p.add_argument("--master", metavar="HOST:PORT", help="inspect a Mooncake pool instead of a directory")
     p.add_argument("--metrics-port", type=int, default=9003,
                    help="the master's HTTP metrics port, which lists keys (default 9003)")
@@ -54,9 +54,8 @@ def run(args) -> int:
 
         info = inspect_pool(args.master, args.metrics_port, args.namespace)
         if args.json:
-            dump_json(info, args.json)
-            if args.json == "-":
-                return EXIT_OK
+            dump_json(info)
+            return EXIT_OK
         _print_pool(info)
         return EXIT_OK
     if not args.path:
@@ -71,12 +70,10 @@ def run(args) -> int:
     except OSError as e:
         raise CommandError(f"{e.filename or args.path}: {e.strerror or e}", code=EXIT_FAIL) from None
     if args.json:
-        dump_json(info, args.json)
-    if args.json != "-":
+        dump_json(info)
+    else:
         _print_dir(info, args)
-    elif info["corrupt"]:
-        print(f"corrupt: {len(info['corrupt'])}" + ("" if args.repair else " (--repair removes corrupt objects)"),
-              file=sys.stderr)
+    _notes(info, args)
     return EXIT_FAIL if info["corrupt"] else EXIT_OK
 
 
@@ -96,10 +93,6 @@ def _print_dir(info: dict, args) -> None:
             print(f"checkpoint: valid, lists {ck['objects']} objects, covers regions of seq below {ck['covered_seq']}")
         else:
             print("checkpoint: fails its check, ignored (the regions' summaries are read)")
-    if info.get("live_writer") is not None:
-        pid = info["live_writer"]
-        who = f"process {pid}" if pid else "another process"
-        print(f"live: in use by {who}; read without a lock while it changes", file=sys.stderr)
     for s in info.get("skipped_files") or []:
         print(f"skipped: {s['file']}: {s['reason']}" if isinstance(s, dict) else f"skipped: {s}")
     if info.get("torn_regions"):
@@ -124,11 +117,21 @@ def _print_dir(info: dict, args) -> None:
         print(f"  ... and {len(info['corrupt']) - 20} more (--json lists all)")
     if info.get("temp_files") and not args.repair:
         print(f"stray temporary files: {info['temp_files']}")
+
+
+def _notes(info: dict, args) -> None:
+    """What the operator should know beside the report: stderr, with or without --json."""
+    if info.get("live_writer") is not None:
+        pid = info["live_writer"]
+        note("inspect", f"{info['path']} is in use by {f'process {pid}' if pid else 'another process'}: read "
+                        "without a lock while it changes, nothing judged (--verify and --repair refuse it)")
+    if info["corrupt"] and args.json:  # (the table says it on stdout)
+        note("inspect", f"corrupt: {len(info['corrupt'])}" + (" remain after the repair" if args.repair else ""))
     if not args.repair and any("key" in c for c in info["corrupt"]):
-        print("run with --repair to remove the corrupt objects", file=sys.stderr)
+        note("inspect", "run with --repair to remove the corrupt objects")
     if any(c.get("reason") == "bad region header" for c in info["corrupt"]):
-        print("a region file that fails its header check is left in place (the tier skips it and never "
-              "reuses it): move it away by hand to reclaim its space", file=sys.stderr)
+        note("inspect", "a region file that fails its header check is left in place (the tier skips it and never "
+                        "reuses it): move it away by hand to reclaim its space")
 
 
 def _print_pool(info: dict) -> None:
@@ -137,5 +140,5 @@ def _print_pool(info: dict) -> None:
     if info.get("by_tag"):
         table([[tag, d["objects"], fmt_bytes(d["bytes"])] for tag, d in info["by_tag"].items()],
               ["medium", "objects", "bytes"])
-    for note in info.get("notes", []):
-        print(f"note: {note}")
+    for line in info.get("notes", []):
+        print(f"note: {line}")
