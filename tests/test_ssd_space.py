@@ -300,6 +300,51 @@ def test_a_removal_of_regions_alone_is_found_at_the_next_flush(tmp_path):
     t.close()
 
 
+def test_an_old_region_file_removed_alone_is_found_at_the_next_flush(tmp_path):
+    """A tmp cleaner removing old files: a sealed region written long before the last flush goes; its objects
+    are dropped and counted at the next flush, so the tier's count is what a reopen finds."""
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    t.write([key(i) for i in range(60)], [[blob(i, SIZE)] for i in range(60)])
+    t.flush()
+    t.write([key(100)], [[blob(100, SIZE)]])
+    t.flush()
+    os.unlink(region_files(d)[0])
+    t.flush()
+    st = t.extra_stats()
+    assert st["dir_removed"] == 1 and st["objects_lost"] > 0 and st["objects"] == 61 - st["objects_lost"]
+    t.close()
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    found = sorted(k for k, _ in t.recover())
+    assert len(found) == st["objects"] and key(100) in found
+    assert all(read_exact(t, found, [int(k[1:5]) for k in found]))
+    t.close()
+
+
+def test_a_removed_active_region_that_cannot_be_recreated_answers_false_and_counts_its_objects(
+        tmp_path, monkeypatch):
+    """The directory is removed and the disk then has no room to recreate the active region's file: the
+    write that finds it is answered False, the objects that went are counted (``objects_lost``), no more goes
+    into the removed file, and writes go on into a new region once there is room."""
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    t.write([key(i) for i in range(5)], [[blob(i, SIZE)] for i in range(5)])
+    shutil.rmtree(d)
+    real = os.posix_fallocate
+    monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
+        OSError(errno.ENOSPC, "No space left on device")))
+    assert t.write([key(5)], [[blob(5, SIZE)]]) == [False]
+    st = t.extra_stats()
+    assert st["objects_lost"] == 6 and st["objects"] == 0 and st["enospc"] >= 1
+    monkeypatch.setattr(os, "posix_fallocate", real)
+    assert t.write([key(6)], [[blob(6, SIZE)]]) == [True]
+    t.close()
+    t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
+    assert [k for k, _ in t.recover()] == [key(6)]
+    assert read_exact(t, [key(6)], [6]) == [True]
+    t.close()
+
+
 CHILD = textwrap.dedent("""
     import sys
     sys.path.insert(0, sys.argv[3])

@@ -58,7 +58,7 @@ class Persistence:
     _covered: int
     _sealed_since_ckpt: int
     _ckpt_unsynced: bool
-    _dir_id: tuple[int, int]  # (``_dir_ids``) as of the open, or the last rebuild after a removal
+    _dir_id: tuple[int, int, int]  # (``_dir_ids``) as of the open, or the last rebuild after a removal
     _rebuilding: bool  # (``_after_removal`` is running: its own flush does not look again)
     _next_seq: int
     _dirty_fds: set[int]
@@ -138,12 +138,14 @@ class Persistence:
         opener before this tier took it again): nothing more is written there."""
         return self._lock_file is not None and self._lock_file.lost
 
-    def _dir_ids(self) -> tuple[int, int]:
-        """(inode of the directory, of ``regions``): another pair means they were removed and made again."""
+    def _dir_ids(self) -> tuple[int, int, int]:
+        """(inode of the directory, of ``regions``, the time ``regions`` last changed): other inodes mean they
+        were removed and made again; another time, that a file in ``regions`` may have been removed."""
         try:
-            return os.stat(self.path).st_ino, os.stat(os.path.join(self.path, "regions")).st_ino
+            st = os.stat(os.path.join(self.path, "regions"))
+            return os.stat(self.path).st_ino, st.st_ino, st.st_mtime_ns
         except OSError:
-            return 0, 0
+            return 0, 0, 0
 
     @staticmethod
     def _gone(r: R.Region, deep: bool = True) -> bool:
@@ -159,8 +161,9 @@ class Persistence:
 
     def _check_removed(self, dirty: bool = False) -> bool:
         """Find files removed behind the tier (a tmp cleaner, an operator) and rebuild what the tier owes
-        (``_after_removal``); True if there were.  Cheap: the active region's file, with ``dirty`` every
-        file written since the last flush, and the directories' identity.  Caller holds ``_wlock``."""
+        (``_after_removal``); True if there were.  Cheap: the active region's file; with ``dirty`` also every
+        file written since the last flush and the directories' identity, and every file only when
+        ``regions`` changed since the last look.  Caller holds ``_wlock``."""
         if self._rebuilding:
             return False
         r = self._active
@@ -170,7 +173,13 @@ class Persistence:
                 found = any(os.fstat(fd).st_nlink == 0 for fd in self._dirty_fds)
             except OSError:
                 found = True
-            found = found or self._dir_ids() != self._dir_id
+            now = self._dir_ids()
+            if not found and now != self._dir_id:
+                # (a region file made or removed changes ``regions``: one look at every file, rarely)
+                found = now[:2] != self._dir_id[:2] or any(
+                    self._gone(r, deep=False) for r in self._regions.values() if not r.foreign)
+                if not found:
+                    self._dir_id = now
         if found and not self._lock_lost():
             self._after_removal()
         return found
@@ -209,10 +218,8 @@ class Persistence:
                     self._revive(r)
                     recreated.append(r)
                     continue
-                except OSError as e:
+                except OSError as e:  # (its objects go as the others' do: acknowledged, they are reported)
                     self._io_error(e, f"recreating {r.path}")
-                    if r is self._active:
-                        continue  # (its objects are served from the removed file, and its image, meanwhile)
             with self._lock:
                 slots = self._index.in_region(r.index)
                 if len(slots):
@@ -221,8 +228,12 @@ class Persistence:
                     lost += len(slots)
                 self._live_total -= r.live_bytes
                 r.live_bytes = r.live_count = 0
-                if r.state == R.SEALED:
-                    r.state = R.FREE
+                if r is self._active:  # (no more writes into the removed file: the next begins a new region)
+                    self._spare_image, r.buf = r.buf, None
+                    r.entries = r.keys = None
+                    r.direct = set()
+                    self._active = None
+                r.state = R.FREE
             self._close_region_fd(r)  # (reused later as a new file)
         for r in recreated:  # records that died before the removal are named again
             self._name_dead(r)

@@ -175,7 +175,7 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         self._image_addr = 0
         self._writer: Optional[ThreadPoolExecutor] = None  # write-outs overlapping a batch's copies
         self._seals: list = []  # summaries being written behind a seal (``RegionChange._seal``)
-        self._dir_id = (0, 0)  # (set by ``_open``: see ``Persistence._check_removed``)
+        self._dir_id = (0, 0, 0)  # (set by ``_open``: see ``Persistence._check_removed``)
         self._rebuilding = False
         self._prepare_dir()
         check_old_layout(self.path)

@@ -108,8 +108,13 @@ class WritePath:
                 elif one_by_one and r.pos > r.written:  # (the others reached the file when committed)
                     self._write_out(r, F.align_up(r.pos), r.pos)
             # what was acknowledged is in a file under the directory: one removed behind the tier is made
-            # again before the answer (``Persistence._after_removal``)
-            self._check_removed()
+            # again before the answer (``Persistence._after_removal``); an object that went with a file that
+            # could not be is answered False (and counted there: ``objects_lost``)
+            if self._check_removed():
+                with self._lock:
+                    for i, k in enumerate(keys):
+                        if out[i] and self._index.find(F.key_digest(k.encode())) < 0:
+                            out[i] = False
         return out
 
     def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
