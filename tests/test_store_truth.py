@@ -551,3 +551,67 @@ def test_a_huge_number_in_the_config_is_a_short_config_error(cfg, match):
     with pytest.raises(ConfigError, match=match) as err:
         TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": 4 * CHUNK}], **cfg})
     assert len(str(err.value)) < 200
+
+
+class Watching:
+    """An admission policy that takes everything and signals each put's arrival (its ``on_access`` runs in the
+    same lock hold in which a put sorts its keys into present and new)."""
+
+    def __init__(self):
+        import threading
+
+        self.seen = 0
+        self.second = threading.Event()
+
+    def admit(self, key, nbytes, tier):
+        return True
+
+    def on_access(self, key):
+        self.seen += 1
+        if self.seen == 2:
+            self.second.set()
+
+
+@pytest.mark.parametrize("first_write_fails", [True, False])
+def test_a_put_of_a_key_another_put_is_writing_answers_what_became_of_it(first_write_fails):
+    import threading
+
+    from fake_media import FakeTier
+
+    from tierkv.level import Level
+    from tierkv.policies import AdmissionPolicy
+
+    class FirstWrite(FakeTier):
+        def _write(self, keys, srcs):
+            self.fail_writes = first_write_fails and self.calls == 0
+            return super()._write(keys, srcs)
+
+    class Admit(Watching, AdmissionPolicy):
+        pass
+
+    tier = FirstWrite("fake", 8 * CHUNK)
+    adm = Admit()
+    store = TieredStore([Level(tier, admission=adm)])
+    try:
+        tier.gate.clear()  # the first put stops inside its write of k
+        got: dict[str, list] = {}
+        a = threading.Thread(target=lambda: got.setdefault("a", store.put_detailed(["k"], [chunk(1)])))
+        a.start()
+        assert tier.entered.wait(10)
+        b = threading.Thread(target=lambda: got.setdefault("b", store.put_detailed(["k"], [chunk(1)])))
+        b.start()
+        assert adm.second.wait(10)  # b found k being written
+        tier.gate.set()
+        a.join(10)
+        b.join(10)
+        assert [o.name for o in got["a"]] == (["ERROR"] if first_write_fails else ["STORED"])
+        # b's answer is what it left: stored by itself when a's write failed, else present
+        assert [o.name for o in got["b"]] == (["STORED"] if first_write_fails else ["PRESENT"])
+        assert store.contains(["k"]) == [True]
+        assert tier.calls == 2 if first_write_fails else tier.calls == 1
+        t = store.stats()["total"]
+        assert (t["put_calls"], t["chunks_put"], t["chunks_stored"], t["chunks_deduped"]) == \
+            ((2, 2, 1, 0) if first_write_fails else (2, 2, 1, 1))
+    finally:
+        tier.gate.set()
+        store.close()

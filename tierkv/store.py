@@ -177,6 +177,8 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         self.promotion = build_promotion(promotion)
         self._lock = threading.RLock()
         self._idle = threading.Condition(self._lock)
+        self._settled = threading.Condition(self._lock)  # a put waiting for another call's write (WritePath)
+        self._settle_waiters = 0
         self._in_flight = 0
         self._closed = False
         self._counters = StoreCounters()
@@ -249,6 +251,8 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
 
     def _leave(self) -> None:
         with self._lock:
+            if self._settle_waiters:
+                self._settled.notify_all()
             self._in_flight -= 1
             if self._in_flight == 0:
                 self._idle.notify_all()

@@ -10,6 +10,7 @@ a ``finally`` releases whatever an exception left.
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from tierkv.buffers import Parts, check_size
@@ -19,6 +20,8 @@ from tierkv.outcome import PutOutcome
 from tierkv.placement import FAILED
 
 _INT = {int}
+#: how long a put waits for another call's write of a key it found being written
+_SETTLE_S = 30.0
 
 
 class WritePath:
@@ -31,11 +34,14 @@ class WritePath:
     _managed_levels: list[int]
     _behind: Any
     _any_write_through: bool
+    _settled: Any  # a Condition on ``_lock``, notified as calls end while ``_settle_waiters``
+    _settle_waiters: int
 
     if TYPE_CHECKING:  # defined by ``Placement`` and ``Copying``
         def _tier_io(self, lvl: Level, op: str, keys: list[str], parts: list[Parts],
                      ptrs: Optional[list[int]] = None, codes: Optional[list[int]] = None) -> list[bool]: ...
         def _busy(self, key: str) -> bool: ...
+        def _mask(self, key: str) -> int: ...
         def _place_fast(self, key: str, nbytes: int, start: int, held: dict) -> tuple[Optional[int], int]: ...
         def _place(self, key: str, nbytes: int, start: int, stop: int, held: dict) -> tuple[Optional[int], int]: ...
         def _make_room_for(self, idx: list[int], keys: list[str], prepared: list, start: list[int]) -> None: ...
@@ -62,6 +68,7 @@ class WritePath:
         slow: list[int] = []
         # keys found READY: pinned (never a victim of this call's room making) until the call ends
         holding: list[tuple[Level, list[str]]] = []
+        inflight: list[int] = []  # positions of keys another call is writing (answered present for now)
         start = [0] * n  # the first level each key may still go to
         why = [0] * n  # refusal flags per key
         behind: list[tuple[int, str]] = []
@@ -83,7 +90,10 @@ class WritePath:
                     if not index0.keys().isdisjoint(keys):
                         # (before reserving: a policy ordering the index sees the access, then the new keys)
                         at = [i for i, k in enumerate(keys) if k in index0]
-                        self._hold_present([keys[i] for i in at], [prepared[i][1] for i in at], holding)
+                        writing = self._hold_present([keys[i] for i in at], [prepared[i][1] for i in at], holding)
+                        if writing:
+                            pos = {k: i for i, k in enumerate(keys)}
+                            inflight = [pos[k] for k in writing]
                     codes = self.levels[0].reserve_many(keys, [p[1] for p in prepared])
                     for i, code in enumerate(codes):
                         if code == 0:
@@ -115,7 +125,9 @@ class WritePath:
                         else:
                             todo.append(i)
                     if found:
-                        self._hold_present(found, found_sizes, holding)
+                        writing = self._hold_present(found, found_sizes, holding)
+                        if writing:
+                            inflight = [first[k] for k in writing]
             while todo or first_pass:
                 if first_pass:
                     first_pass = False  # groups and slow as the batch reservation left them
@@ -204,6 +216,8 @@ class WritePath:
                         lvl.unpin_many(ks)
         if behind and self._behind is not None:
             self._queue_behind(behind)
+        if inflight:
+            self._settle(keys, prepared, inflight, out)
         if None in out:
             for i in range(n):
                 if out[i] is None:
@@ -215,19 +229,24 @@ class WritePath:
                 self._counters.chunks_rejected += refused
         return out  # type: ignore[return-value]
 
-    def _hold_present(self, keys: list[str], sizes: list[int], holding: list[tuple[Level, list[str]]]) -> None:
+    def _hold_present(self, keys: list[str], sizes: list[int],
+                      holding: list[tuple[Level, list[str]]]) -> list[str]:
         """Keys a put found present count as used: pin each where it is READY (appended to ``holding``, which
         the caller unpins when its call ends), so the room the same call makes never takes them, and tell
         the eviction policy of the fastest level holding each of an access.  Caller holds the lock.
 
         A key stored with another size than the put gives it is not the caller's chunk: ``BufferSizeError``
-        (as for a ``get``), before anything is pinned in that level."""
+        (as for a ``get``), before anything is pinned in that level.  Returns the keys READY nowhere (another
+        call is writing them: ``_settle`` waits for that write)."""
         told: set[str] = set()
+        everywhere = False  # every key READY in some one level
+        pinned: list[list[str]] = []
         for j in self._managed_levels:
             lvl = self.levels[j]
             index = lvl.index
             vals: list[Any] = list(map(index.get, keys))
             if vals and set(map(type, vals)) == _INT and min(vals) > 0:
+                everywhere = True
                 ready, ready_vals, ready_sizes = keys, vals, sizes  # the common case: every one READY here
             else:
                 at = [i for i, v in enumerate(vals) if type(v) is int and v > 0]
@@ -240,10 +259,55 @@ class WritePath:
                     check_size(key, nb, lvl.value_nbytes(v))
             lvl.pin_many(ready)
             holding.append((lvl, ready))
+            pinned.append(ready)
             fresh = ready if not told else [k for k in ready if k not in told]
             if len(self._managed_levels) > 1:
                 told.update(fresh)
             lvl.accessed(fresh)
+        if everywhere:
+            return []
+        seen = {k for ks in pinned for k in ks}
+        return [k for k in keys if k not in seen and self._writing_elsewhere(k)]  # another call is writing them
+
+    def _writing_elsewhere(self, key: str) -> bool:
+        """Whether ``key`` is reserved (being written) in some managed level and READY in none.  Lock held."""
+        writing = False
+        for j in self._managed_levels:
+            v = self.levels[j].index.get(key)
+            if type(v) is int:
+                if v > 0:
+                    return False
+                writing = True
+        return writing
+
+    def _settle(self, keys: list[str], prepared: list[tuple[Parts, int]], at: list[int],
+                out: list[Optional[PutOutcome]]) -> None:
+        """The keys at ``at`` were answered present because another call was writing them: wait for that
+        write; a key it did not store is put now, and one still being written after ``_SETTLE_S`` seconds
+        is an ``ERROR`` (unverified), so a ``PRESENT`` is never a chunk that is not there."""
+        deadline = time.monotonic() + _SETTLE_S
+        with self._lock:
+            self._settle_waiters += 1
+            try:
+                while True:
+                    left = [i for i in at if self._writing_elsewhere(keys[i])]
+                    wait = deadline - time.monotonic()
+                    if not left or wait <= 0:
+                        break
+                    self._settled.wait(min(wait, 0.05))
+            finally:
+                self._settle_waiters -= 1
+            gone = [i for i in at if i not in left and not self._mask(keys[i])]
+            c = self._counters
+            c.chunks_deduped -= len(gone) + len(left)
+            if gone:  # (the put below counts them as part of this call)
+                c.put_calls -= 1
+                c.chunks_put -= len(gone)
+        for i in left:
+            out[i] = PutOutcome.ERROR
+        if gone:
+            for i, o in zip(gone, self._put([keys[i] for i in gone], [prepared[i] for i in gone])):
+                out[i] = o
 
     def _reserve_top(self, slow: list[int], keys: list[str], prepared: list[tuple[Parts, int]],
                      start: list[int], groups: dict[int, list[int]], held: dict) -> list[int]:
