@@ -615,3 +615,16 @@ def test_a_put_of_a_key_another_put_is_writing_answers_what_became_of_it(first_w
     finally:
         tier.gate.set()
         store.close()
+
+
+def test_a_namespace_or_block_hash_that_is_not_utf8_is_named():
+    from tierkv import chunk_keys
+    from tierkv.keys import keys_from_block_hashes
+
+    with pytest.raises(ValueError, match="namespace .* cannot be encoded as UTF-8"):
+        chunk_keys([1, 2, 3, 4], chunk_tokens=2, namespace="m\udc80")
+    with pytest.raises(ValueError, match="namespace .* cannot be encoded as UTF-8"):
+        keys_from_block_hashes([b"x"], namespace="\ud800")
+    with pytest.raises(ValueError, match="block hash .* cannot be encoded as UTF-8"):
+        keys_from_block_hashes(["ok", "b\udc80"])
+    assert len(keys_from_block_hashes(["ok", 7, b"x"], namespace="é")) == 3

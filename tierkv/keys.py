@@ -29,11 +29,21 @@ _DOMAIN = b"tierkv/chunk/v1\x00"
 _HASH_DOMAIN = b"tierkv/blockhash/v1\x00"
 
 
+def _utf8(text: str, what: str) -> bytes:
+    """``text`` as UTF-8; a ``ValueError`` naming ``what`` when it has none (a lone surrogate)."""
+    try:
+        return text.encode()
+    except UnicodeEncodeError:
+        r = repr(text)
+        raise ValueError(f"{what} {r if len(r) <= 60 else r[:50] + '...'} cannot be encoded as UTF-8 "
+                         "(a lone surrogate)") from None
+
+
 def namespace_root(namespace: str, chunk_tokens: int) -> bytes:
     """The 32-byte digest every chain under ``namespace`` starts from."""
     if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-    return hashlib.sha256(_DOMAIN + str(int(chunk_tokens)).encode() + b"\x00" + namespace.encode()).digest()
+    return hashlib.sha256(_DOMAIN + str(int(chunk_tokens)).encode() + b"\x00" + _utf8(namespace, "namespace")).digest()
 
 
 def _as_token_bytes(token_ids: Any) -> memoryview:
@@ -89,7 +99,7 @@ def block_hash_root(namespace: str = "") -> bytes:
     """The 32-byte digest the keys of engine-hashed blocks under ``namespace`` start from."""
     if not isinstance(namespace, str):
         raise TypeError(f"namespace must be a str, got {type(namespace).__name__}")
-    return hashlib.sha256(_HASH_DOMAIN + namespace.encode()).digest()
+    return hashlib.sha256(_HASH_DOMAIN + _utf8(namespace, "namespace")).digest()
 
 
 def keys_from_root(root: bytes, block_hashes: Sequence[Any]) -> list[str]:
@@ -106,7 +116,7 @@ def keys_from_root(root: bytes, block_hashes: Sequence[Any]) -> list[str]:
     out = []
     for bh in block_hashes:
         if isinstance(bh, str):
-            bh = bh.encode()
+            bh = _utf8(bh, "block hash")
         elif isinstance(bh, int):
             bh = bh.to_bytes(max(1, (bh.bit_length() + 8) // 8), "little", signed=True)
         out.append(sha(root + bytes(bh)).hexdigest())
