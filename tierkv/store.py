@@ -69,7 +69,7 @@ import torch
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
 from tierkv.copying import Copying
-from tierkv.durability import DropLedger, FlushResult
+from tierkv.durability import DropLedger, FlushResult, fault_counts
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
 from tierkv.hooks import call_policy
 from tierkv.hostmem import StagingArena
@@ -191,7 +191,7 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         self._behind_levels = [i for i, lvl in enumerate(self.levels) if lvl.write_behind]
         #: acknowledged chunks whose write-behind copy was given up (``flush`` reports them)
         self._drops = DropLedger()
-        self._faults_seen: dict[int, dict[str, int]] = {}  # (see ``Copying._drop_reason``)
+        self._faults_seen: dict[int, dict[str, int]] = {}  # level -> its medium's fault counters (``_drop_reason``)
         self._behind = WriteBehind(self._copy_behind, max_queued=write_behind_queue,
                                    on_drop=self._behind_dropped) if self._behind_levels else None
         self._arena = StagingArena()  # (write-behind batches are staged here: see ``Copying._copy_batch``)
@@ -199,6 +199,12 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
         self._observers: list[Any] = []  # see Observable (tierkv.observe)
         self._recover()
+        for k, lvl in enumerate(self.levels):  # (after recovery: what opening counted is no write's fault)
+            if lvl.tier.persistent:
+                try:
+                    self._faults_seen[k] = fault_counts(lvl.tier.extra_stats())
+                except Exception:  # noqa: BLE001 - a medium's stats never cost the construction
+                    pass
 
     # ------------------------------------------------------------------ construction
     @classmethod
