@@ -20,7 +20,9 @@ and ``tests/test_concurrency.py``):
    longer read.  Footprint is the one unit of size: eviction policies are told
    footprints and asked for footprints.
 2. **Pinning.**  A chunk being read (a ``get``, the source of a demotion or of a
-   background copy) is pinned and is never named as an eviction victim; a chunk
+   background copy), or found present by a ``put`` (for the rest of that call), is
+   pinned and is never named as an eviction victim (a policy sees the pins as a
+   read-only view, and its answer is checked against them); a chunk
    being written is RESERVED, unknown to the eviction policy, and so never
    evicted either.  Two-phase write: a RESERVED chunk is neither found by
    ``lookup`` nor read.

@@ -6,6 +6,11 @@ concern; placement itself (admission, reservation, eviction, demotion) is
 ``Placement``'s.  Every reservation the call takes is held in ``held`` (or in the
 batch reservation of the top level) until its write is committed or aborted, and
 a ``finally`` releases whatever an exception left.
+
+A key the call finds present counts as used: its tier's policy hears of an access and
+the key stays pinned until the call ends, so the room it makes never takes a key it
+answered present for.  A key another call is still writing is answered only once that
+write is settled (``_settle``).
 """
 
 from __future__ import annotations
