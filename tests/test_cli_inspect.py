@@ -214,3 +214,27 @@ def test_a_live_writer_is_never_reported_as_corruption(tmp_path):
     r = tierkv("inspect", d, "--verify", "--json")
     info = json.loads(r.stdout)
     assert r.returncode == 0 and info["corrupt"] == [] and info["objects"] > 0 and info["live_writer"] is None
+
+
+def test_verify_reads_a_consistent_view_a_tier_cannot_open_meanwhile(tmp_path, monkeypatch):
+    from tierkv.errors import ConfigError
+    from tierkv.tiers.ssd import SSDTier
+    from tierkv.tiers.ssd import inspect as ssd_inspect
+
+    d = tmp_path / "ssd"
+    _fill(d, 3, 5000)
+    refused = []
+    check = ssd_inspect._check_record
+
+    def check_and_try_a_writer(*args):
+        try:
+            SSDTier("ssd", 64 << 20, str(d)).close()
+        except ConfigError as e:
+            refused.append(str(e))
+        return check(*args)
+
+    monkeypatch.setattr(ssd_inspect, "_check_record", check_and_try_a_writer)
+    info = ssd_inspect.inspect_dir(str(d), verify=True)
+    assert info["corrupt"] == 0 and info["objects"] == 3
+    assert len(refused) == 3 and all("in use" in m for m in refused)
+    SSDTier("ssd", 64 << 20, str(d)).close()  # the shared lock went with the check

@@ -68,9 +68,15 @@ def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[s
                                   "a live directory cannot be verified")
         return info
     pid = _writer(path)
-    info = _scan(path, verify=False, live=pid)
-    if pid is None and (after := _writer(path)) is not None:  # it started meanwhile: judge nothing
-        info = _scan(path, verify=False, live=after)
+    try:
+        info = _scan(path, verify=False, live=pid)
+        if pid is None and (pid := _writer(path)) is not None:  # it started meanwhile: judge nothing
+            info = _scan(path, verify=False, live=pid)
+    except OSError as e:
+        if pid is None:
+            raise
+        raise ConfigError(f"{path} is in use by {_who(pid)} and changed while it was read "
+                          f"({e.filename or path}: {e.strerror or e}); try again") from None
     return info
 
 
