@@ -5,6 +5,12 @@ A full region is sealed (its summary and footer written at its end, behind the c
 when only the spare is left, the emptiest sealed region's live objects are re-appended into it
 (``reclaim.py``).  A reused file's new header leaves with the region's first write-out
 (``_begin``; a checkpoint writes it first: ``_header_out``).
+
+Files not yet created are offered only as far as the file system can take them (``statvfs``): on a
+full file system the last file it takes plays the spare, and when it takes none (or creating one fails
+for lack of space: the partial file is removed) the tier lives on its files, compacting the emptiest
+region within its own file when none is free (``_compact_in_place``).  A region is reclaimed there only
+when that leaves room for the largest object; until removals make one that empty, writes are refused.
 """
 
 from __future__ import annotations

@@ -30,11 +30,18 @@ Invariants:
       itself, up to its first bad record).  ``recover()`` lists objects oldest first, and
       drops the oldest when they exceed a smaller ``capacity_bytes``, so the newest stay.
     * A directory in the old one-file-per-object layout is refused with a ``ConfigError``;
-      a file the tier cannot interpret is skipped and never written or deleted.
-    * Files are 0600 in directories 0700 that this user owns.  A directory removed
-      behind the tier's back is recreated when the next region or checkpoint is written.
+      a file the tier cannot interpret is skipped and never written or deleted (but a region
+      file never begun, empty or zeros where its header belongs, is removed at open); a broken
+      layout or a directory it cannot write is a ``ConfigError`` naming the path.
+    * Files are 0600 in directories 0700 that this user owns.  Files removed behind the tier's
+      back (the directory, ``regions``, a region file, ``LOCK``) are found after each write, at
+      region changes and at flush: what was acknowledged since the last flush is recreated from the
+      removed files, still open; the other removed regions' objects are dropped and counted
+      (``dir_removed``, ``objects_lost``); the lock is taken again (``lock.py``).
     * Disk full or any I/O error refuses the write (counted: ``enospc``, ``io_errors``);
-      nothing raises into the caller.
+      nothing raises into the caller.  A full file system is lived with: the tier keeps the last
+      file it can create to reclaim into, else compacts a region within its own file
+      (``regionchange.py``), so writes get in again once objects are removed.
 Thread safety: ``_wlock`` serialises appends, reclamation and checkpoints; ``_lock``
 guards the index and region states, held only briefly, so reads run beside a writer.
 
