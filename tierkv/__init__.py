@@ -15,6 +15,10 @@ def __getattr__(name: str):
         from tierkv import store
 
         return getattr(store, name)
+    if name == "FlushResult":
+        from tierkv.durability import FlushResult
+
+        return FlushResult
     raise AttributeError(f"module 'tierkv' has no attribute {name!r}")
 
 
@@ -23,6 +27,7 @@ __version__ = "0.2.0.dev0"
 __all__ = [
     "BufferSizeError",
     "ConfigError",
+    "FlushResult",
     "Level",
     "PolicyError",
     "PutOutcome",
