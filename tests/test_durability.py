@@ -11,8 +11,13 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import threading
 
+import pytest
 from fake_media import FakeTier
 from test_persistence import CHUNK, chain, chunk, keys_for, ssd_only
 
@@ -229,3 +234,30 @@ def test_flush_that_times_out_says_how_many_are_still_queued():
     finally:
         slow.gate.set()
         store.close()
+
+
+REMOVE_CHILD = textwrap.dedent("""
+    import os, sys
+    sys.path.insert(0, {testdir!r})
+    from tierkv import TieredStore
+    from test_persistence import chain, chunk, keys_for
+    store = TieredStore.from_config(chain({path!r}, ssd_chunks=4096))
+    keys = keys_for(2000, "r")
+    for i, k in enumerate(keys):
+        store.put([k], [chunk(i % 7)])
+        store.remove([k])
+    res = store.flush()
+    print("flushed", bool(res), flush=True)
+    os.kill(os.getpid(), 9)
+""")
+
+
+@pytest.mark.slow
+def test_put_then_remove_loop_finds_none_back_after_a_kill(tmp_path):
+    code = REMOVE_CHILD.format(testdir=os.path.dirname(__file__), path=str(tmp_path / "ssd"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    assert "flushed True" in p.stdout
+    keys = keys_for(2000, "r")
+    with TieredStore.from_config(ssd_only(tmp_path / "ssd", 4096)) as store:
+        assert not any(store.contains(keys)), "a removed key came back after a kill"
