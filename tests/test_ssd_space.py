@@ -62,6 +62,13 @@ def _direct_ok(tmp_path) -> bool:
         return False
 
 
+def remove_behind(d):
+    """``rm -rf`` of a live tier's directory.  Its lock watcher may make the directory and ``LOCK`` again
+    while the removal runs (the last ``rmdir`` then fails: the directory is in use): every other file goes."""
+    shutil.rmtree(d, ignore_errors=True)
+    assert not os.path.exists(os.path.join(d, "regions"))
+
+
 def region_files(d):
     rd = os.path.join(d, "regions")
     return sorted(os.path.join(rd, f) for f in os.listdir(rd))
@@ -266,7 +273,7 @@ def test_chunks_written_after_the_directory_is_removed_are_all_found_after_a_reo
     t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=direct)
     t.write([key(i) for i in range(30)], [[blob(i, SIZE)] for i in range(30)])  # the second region half full
     t.flush()
-    shutil.rmtree(d)
+    remove_behind(d)
     after = list(range(100, 200))
     for i in after:
         assert t.write([key(i)], [[blob(i, SIZE)]]) == [True]
@@ -329,7 +336,7 @@ def test_a_removed_active_region_that_cannot_be_recreated_answers_false_and_coun
     d = str(tmp_path / "s")
     t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
     t.write([key(i) for i in range(5)], [[blob(i, SIZE)] for i in range(5)])
-    shutil.rmtree(d)
+    remove_behind(d)
     real = os.posix_fallocate
     monkeypatch.setattr(os, "posix_fallocate", lambda fd, off, n: (_ for _ in ()).throw(
         OSError(errno.ENOSPC, "No space left on device")))
@@ -369,7 +376,7 @@ def test_chunks_acknowledged_after_the_directory_is_removed_survive_sigkill_with
                              stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        shutil.rmtree(d)
+        remove_behind(d)
         child.stdin.write("\n")
         child.stdin.flush()
         assert child.stdout.readline().split() == ["written", "100"]
@@ -401,7 +408,7 @@ def test_a_second_process_is_refused_for_the_first_ones_whole_life_even_after_th
                              text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
-        shutil.rmtree(d)  # the holder is idle: its watcher makes the directory and LOCK again
+        remove_behind(d)  # the holder is idle: its watcher makes the directory and LOCK again
         lock = os.path.join(d, "LOCK")
         deadline = time.monotonic() + 30
         while R_holder(d) != child.pid:
@@ -426,7 +433,7 @@ def R_holder(d):
 def test_a_second_opener_in_this_process_is_refused_right_after_the_directory_is_removed(tmp_path):
     d = str(tmp_path / "s")
     t = SSDTier("ssd", MiB, d)
-    shutil.rmtree(d)
+    remove_behind(d)
     with pytest.raises(ConfigError, match=rf"{d}.*process {os.getpid()}"):
         SSDTier("ssd2", MiB, d)
     t.close()
@@ -444,8 +451,8 @@ def test_a_lock_taken_by_another_opener_meanwhile_stops_every_write(tmp_path, mo
     d = str(tmp_path / "s")
     t = SSDTier("ssd", 64 * MiB, d, region_size="1MiB", direct_io=False)
     t.write([key(1)], [[blob(1, SIZE)]])
-    shutil.rmtree(d)
-    os.makedirs(d)
+    remove_behind(d)
+    os.makedirs(d, exist_ok=True)
     fd = os.open(os.path.join(d, "LOCK"), os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (another opener)
     try:
