@@ -21,6 +21,7 @@ import re
 import struct
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from typing import Any, Optional
 
 import xxhash
@@ -38,7 +39,8 @@ _SUFFIX = ".kv"
 _TMP_PREFIX = ".tmp."
 
 
-def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[str, Any]:
+def inspect_dir(path: str, verify: bool = False, repair: bool = False,
+                progress: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
     """Describe an SSD tier's directory (see the module docstring); a ``ConfigError`` when ``path`` is no
     directory or holds no tier's data (nothing is read or written then)."""
     path = os.path.abspath(os.path.expanduser(path))
@@ -48,7 +50,7 @@ def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[s
         return _inspect_files(path, verify, repair)
     from tierkv.tiers.ssd import inspect_dir as native
 
-    info = dict(native(path, verify=verify, repair=repair))
+    info = dict(native(path, verify=verify, repair=repair, progress=progress))
     info["corrupt"] = list(info.get("corrupt_objects", []))  # (each names its key or its file, and why)
     return info
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from ._common import EXIT_FAIL, EXIT_OK, CommandError, dump_json, fmt_bytes, note, table
+from ._common import EXIT_FAIL, EXIT_OK, CommandError, dump_json, fmt_bytes, note, progress, table
 
 HELP = "objects, bytes and corrupt objects of an SSD tier's directory (or a Mooncake pool with --master)"
 DESCRIPTION = """\
@@ -65,10 +65,21 @@ def run(args) -> int:
                            else f"{args.path}: not a directory (no such path)")
     from tierkv.inspect import inspect_dir
 
+    bar = None
+
+    def verifying(done: int, total: int) -> None:
+        nonlocal bar
+        if bar is None:
+            bar = progress(total, "verifying", "objects", command="inspect")
+        bar.update(done - bar.done)
+
     try:
-        info = inspect_dir(args.path, verify=args.verify or args.repair, repair=args.repair)
+        info = inspect_dir(args.path, verify=args.verify or args.repair, repair=args.repair, progress=verifying)
     except OSError as e:
         raise CommandError(f"{e.filename or args.path}: {e.strerror or e}", code=EXIT_FAIL) from None
+    finally:
+        if bar is not None:
+            bar.close()
     if args.json:
         dump_json(info)
     else:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+from collections.abc import Callable
 from typing import Any, Optional
 
 import numpy as np
@@ -46,18 +47,20 @@ REGIONS_DIR = "regions"  # (tier.REGIONS_DIR; not imported from there, to keep t
 _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 
-def inspect_dir(path: str, verify: bool = False, repair: bool = False) -> dict[str, Any]:
-    """Describe (``verify``: and check; ``repair``: and fix) an ssd directory (see the module docstring)."""
+def inspect_dir(path: str, verify: bool = False, repair: bool = False,
+                progress: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
+    """Describe (``verify``: and check; ``repair``: and fix) an ssd directory (see the module docstring).
+    ``progress(done, total)`` is called now and then while objects are verified."""
     path = os.path.abspath(os.path.expanduser(path))
     if not os.path.isdir(path):
         raise ConfigError(f"{path}: not a directory")
     refuse_foreign(path)
     if repair:
-        return _repair(path)
+        return _repair(path, progress)
     if verify:
         fd = _shared_lock(path, "verify")
         try:
-            info = _scan(path, verify=True, live=None)
+            info = _scan(path, verify=True, live=None, progress=progress)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -159,7 +162,8 @@ def _shared_lock(path: str, what: str) -> int:
 
 
 # -- reading ------------------------------------------------------------------------------
-def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] = None) -> dict[str, Any]:
+def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] = None,
+          progress: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
     """The report.  ``live``: a writer's pid (files are then not judged).  ``bad_out`` receives
     (region, offset, seq) of each corrupt record found by ``verify``."""
     judge = live is None
@@ -238,6 +242,8 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
         if verify and c is not None:
             keys = recovery.key_list(c)
             for i, k in enumerate(keys):
+                if progress is not None and not i % 4096:
+                    progress(i, len(keys))
                 idx, off, n = int(c.region[i]), int(c.offset[i]), int(c.rec_len[i])
                 why = _check_record(regions[idx].fd, off, n, regions[idx].seq, k.encode())
                 if why is None:
@@ -248,6 +254,8 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
                 corrupt.append({"key": k, "region": idx, "offset": off, "reason": why})
                 if bad_out is not None:
                     bad_out.append((idx, off, regions[idx].seq))
+            if progress is not None:
+                progress(len(keys), len(keys))
             checked.append("every object's record: header, key, seq, length, payload sum")
         if judge:
             corrupt = bad_files + corrupt
@@ -328,12 +336,12 @@ def _check_record(fd: int, offset: int, rec_len: int, seq: int, key: bytes) -> O
 
 
 # -- repair -------------------------------------------------------------------------------
-def _repair(path: str) -> dict[str, Any]:
+def _repair(path: str, progress: Optional[Callable[[int, int], None]] = None) -> dict[str, Any]:
     """Under the writer lock: verify, name each corrupt record in the dead log, report what is left."""
     lock = DirLock(path, f"ssd repair of {path}")  # a live writer is refused, naming its pid
     try:
         bad: list = []
-        before = _scan(path, verify=True, live=None, bad_out=bad)
+        before = _scan(path, verify=True, live=None, bad_out=bad, progress=progress)
         if bad:
             log = deadlog.DeadLog(path)
             existed = os.path.exists(log.path)
@@ -346,9 +354,10 @@ def _repair(path: str) -> dict[str, Any]:
             except OSError as e:
                 raise ConfigError(f"{path}: repair could not write {log.path}: {e.strerror}; "
                                   "nothing was removed") from None
-        after = _scan(path, verify=True, live=None)
+        after = _scan(path, verify=False, live=None)  # (what is left was verified above, under the same lock)
     finally:
         lock.release()
+    after.update(verified=True, checked=before["checked"], unverified=before["unverified"])
     removed = [e for e in before["corrupt_objects"] if "key" in e]
     after["repaired"] = len(removed)
     after["removed"] = removed
