@@ -110,7 +110,8 @@ def _print_dir(info: dict, args) -> None:
         print(f"torn regions: {info['torn_regions']} (records end at a bad record before the region's end)")
     print(f"checked: {'; '.join(info.get('checked') or [])}")
     if not info.get("verified"):
-        print("not checked: the objects' records (--verify reads every one)")
+        what = "payload sums" if info["layout"] == "files" else "the objects' records"
+        print(f"not checked: {what} (--verify reads every one)")
     if info.get("unverified"):
         print(f"unverified: {info['unverified']} objects (their payload sum cannot be computed here)")
     if args.repair:
