@@ -81,8 +81,14 @@ def test_footprint_bounds_the_space_an_object_takes(tmp_path):
     sizes = [1, 777, 4096, 60000]
     t.write([key(i) for i in range(4)], [[blob(i, n)] for i, n in enumerate(sizes)])
     assert t.used_bytes <= sum(t.footprint(n) for n in sizes)
-    too_big = t.max_slot
-    assert t.write(["big"], [[torch.zeros(too_big, dtype=torch.uint8)]]) == [False]
+    big = t.max_slot  # more than one record holds: pieces and a manifest, its footprint theirs
+    assert t.write(["big"], [[blob(9, big)]]) == [True]
+    assert t.used_bytes <= sum(t.footprint(n) for n in sizes) + t.footprint(big)
+    ok, (out,) = read_all(t, ["big"], [big])
+    assert ok == [True] and torch.equal(out, blob(9, big))
+    too_big = 64 * MiB  # more than the whole tier: refused, counted
+    assert t.footprint(too_big) > t.capacity_bytes
+    assert t.write(["huge"], [[torch.zeros(too_big, dtype=torch.uint8)]]) == [False]
     assert t.extra_stats()["too_large"] == 1
     t.close()
 

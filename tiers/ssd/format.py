@@ -11,7 +11,8 @@ Region file ``regions/rNNNNNN.region`` (``region_size`` bytes, preallocated)::
 
 Record (header 64 bytes, then the key, ``pad`` bytes, then the stored payload)::
 
-    magic "TKVO", version u8, flags u8 (1 lz4, 2 payload sum is CRC32C, 4 reserved: never served),
+    magic "TKVO", version u8, flags u8 (1 lz4, 2 payload sum is CRC32C, 4 reserved: never served,
+    8 a large object's manifest: raw_len is the object's length, the payload its table, ``large.py``),
     key_len u16, seq u64 (the region's seq: a record left from an earlier use of the
     region never parses as current), raw_len u32, stored_len u32, payload sum u64,
     header check u64 (xxh3-64 of the 64 header bytes with this field zeroed, and the key),
@@ -64,6 +65,7 @@ MAX_KEY = 200  # bytes (the store's keys are at most 200 UTF-8 bytes)
 FLAG_LZ4 = 1
 FLAG_CRC32C = 2
 FLAG_TOMB = 4
+FLAG_LARGE = 8  # a large object's manifest (``large.py``): raw_len is the object's, the payload its table
 CHECKSUMS = ("xxh3", "crc32c")
 
 REGION_MAGIC = b"TKVR"

@@ -65,7 +65,10 @@ class Persistence:
     _pool: ThreadPoolExecutor
     _writer: Optional[ThreadPoolExecutor]
 
+    _has_large: bool
+
     if TYPE_CHECKING:  # defined by ``SSDTier``
+        def _geometry(self) -> Any: ...
         def _io_error(self, e: OSError, what: str) -> None: ...
         def _write_out(self, r: R.Region, end: int, data_end: int) -> bool: ...
         def _ensure_dirs(self) -> None: ...
@@ -461,11 +464,22 @@ class Persistence:
     def extra_stats(self) -> dict[str, Any]:
         with self._lock:
             regions = [r for r in self._regions.values() if not r.foreign]
-            return {"path": self.path, "objects": len(self._index), "compression": self.compression or "none",
+            large, pieces = self._large_count()
+            return {"path": self.path, "objects": len(self._index) - pieces, "large_objects": large,
+                    "compression": self.compression or "none",
                     "checksum": self.checksum, "direct_io": self.direct_io, "region_size": self.region_size,
                     "regions": len(regions), "regions_free": sum(r.state == R.FREE for r in regions),
                     "index_bytes": self._index.nbytes, "recovered_from": self.recovered_from,
                     **self._counters}
+
+    def _large_count(self) -> tuple[int, int]:
+        """(large objects, their pieces) in the index (``large.py``).  Caller holds ``_lock``."""
+        if not self._has_large:
+            return 0, 0
+        geom = self._geometry()
+        raw = self._index.raw_len[self._index.live()].astype(np.int64)
+        big = raw[raw > geom.single]
+        return len(big), int((-(-big // geom.piece)).sum())
 
     def _close_region_fd(self, r) -> None:
         if r.fd >= 0:

@@ -29,6 +29,7 @@ from tierkv.buffers import share_work
 
 from ..base import Parts
 from . import format as F
+from . import large as L
 from . import region as R
 from .deadlog import DeadLog
 from .hostbuf import cbuffer, ctype_of, scatter
@@ -76,10 +77,14 @@ class ReadPath:
     _pool: ThreadPoolExecutor
     _image_addr: int
 
-    if TYPE_CHECKING:  # defined by ``SSDTier`` and ``Persistence``
+    _wlock: threading.Lock
+
+    if TYPE_CHECKING:  # defined by ``SSDTier``, ``WritePath`` and ``Persistence``
         def _count(self, what: str, n: int = 1) -> None: ...
         def _io_error(self, e: OSError, what: str) -> None: ...
         def _unlive(self, idx: int, rec_len: int) -> None: ...
+        def _geometry(self) -> L.Geometry: ...
+        def _drop_pieces(self, d: int, lo: int, hi: int) -> None: ...
 
     def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
         n = len(keys)
@@ -87,6 +92,8 @@ class ReadPath:
         kbs = list(map(str.encode, keys))
         digs = list(map(F.key_digest, kbs))
         todo: list = []  # (region, offset, i, rec_len, raw_len, Region, seq) of each record to read
+        large: list = []  # (i, raw_len) of the large objects (``large.py``)
+        single = self._geometry().single
         with self._lock:
             if n >= _MANY:
                 _, reg, off, rec, raw = self._index.get_many(np.array(digs, dtype=np.uint64))
@@ -105,12 +112,17 @@ class ReadPath:
             written = active.written if active is not None else 0
             direct = active.direct if active is not None else ()
             for i, ri, o, rl, wl in found:
+                if wl > single:  # a large object's manifest: its pieces are read below
+                    large.append((i, wl))
+                    continue
                 r = regions[ri]
                 if r is active and (in_image or o + rl > written) and o not in direct:
                     # copied and checked under the lock, so the image cannot be reused meanwhile
                     out[i] = self._image_read(keys[i], (kbs[i], digs[i], r, o, rl, wl, r.seq, r.buf), dsts[i])
                 else:
                     todo.append((ri, o, i, rl, wl, r, r.seq))
+        if large:
+            self._read_large(large, keys, kbs, digs, dsts, out)
         if not todo:
             return out
         runs = self._runs(todo, dsts, (kbs, digs))
@@ -447,6 +459,101 @@ class ReadPath:
         else:
             scatter(body, parts)
         return _OK
+
+    # -- large objects (``large.py``) -------------------------------------------------------
+    def _read_large(self, items: list, keys: Sequence[str], kbs: list, digs: list, dsts: Sequence[Parts],
+                    out: list[bool]) -> None:
+        """Each large object's manifest, then all their pieces in one batch, each straight into its part of
+        the caller's buffer (its nonce into a scratch beside it).  Served when every piece is there and
+        carries the manifest's nonce; a manifest whose pieces are gone or of another put is dropped."""
+        geom = self._geometry()
+        reqs: list = []  # (i, table, nonces, manifest's place, first piece's position in the batch)
+        pkeys: list[str] = []
+        pdsts: list[Parts] = []
+        for i, wl in items:
+            parts = dsts[i]
+            if sum(p.numel() for p in parts) != wl:
+                continue
+            got = self._manifest(kbs[i], digs[i], geom)
+            if got is None:
+                continue
+            table, place = got
+            if table is None:  # one record after all (lz4 made it fit, before large objects existed)
+                with self._lock:
+                    loc = self._locate(kbs[i])
+                out[i] = self._read_one(keys[i], loc, parts)
+                continue
+            nonces = torch.empty(table.count * L.NONCE, dtype=torch.uint8)
+            reqs.append((i, table, nonces, place, len(pkeys)))
+            pkeys += L.piece_keys(digs[i], 0, table.count)
+            for j in range(table.count):
+                lo = j * table.piece
+                pdsts.append([nonces[j * L.NONCE:(j + 1) * L.NONCE],
+                              *L.slices(parts, lo, min(table.total, lo + table.piece))])
+        if not pkeys:
+            return
+        res = self._read(pkeys, pdsts)
+        for i, table, nonces, place, at in reqs:
+            got = res[at:at + table.count]
+            mine = table.nonce.to_bytes(L.NONCE, "little")
+            seen = nonces.numpy().tobytes()
+            if all(got) and seen == mine * table.count:
+                out[i] = True
+                continue
+            other = any(ok and seen[j * L.NONCE:(j + 1) * L.NONCE] != mine for j, ok in enumerate(got))
+            self._drop_large(digs[i], place, geom, other)
+
+    def _manifest(self, kb: bytes, d: int, geom: L.Geometry):
+        """(table, (region, offset, seq)) of the large object of key ``kb``; (None, place) for a record that
+        is no manifest; None for a miss (a bad manifest is dropped with its pieces)."""
+        for attempt in (0, 1):
+            with self._lock:
+                loc = self._locate(kb)
+                if loc is None:
+                    return None
+                _, _, r, off, rec_len, raw_len, seq, image = loc
+                view: "bytes | memoryview | None" = \
+                    bytes(memoryview(image)[off:off + rec_len]) if image is not None else None
+            place = (r.index, off, seq)
+            if view is None:
+                try:
+                    view = R.read_span(r.fd, off, rec_len, self.direct_io)
+                except OSError as e:
+                    self._io_error(e, f"reading the manifest of {kb[:16]!r}")
+                    return None
+            h = F.parse_record(view, seq)
+            if h is not None and h.key != kb:
+                self._count("collisions")
+                return None
+            if h is not None:
+                if not h.flags & F.FLAG_LARGE:
+                    return None, place
+                table = L.parse_table(view[h.body_at:h.rec_len], geom)
+                if table is not None and table.total == h.raw_len == raw_len:
+                    return table, place
+            if attempt:  # bad twice where the index says it is: corrupt
+                self._drop_large(d, place, geom, True)
+        return None
+
+    def _drop_large(self, d: int, place: tuple, geom: L.Geometry, broken: bool) -> None:
+        """A large object that did not read whole: if its manifest is still at ``place`` and it is
+        ``broken`` (a bad manifest, a piece of another put) or a piece is gone, the manifest and its pieces
+        are dropped (counted ``corrupt``); otherwise (a fault of the moment, or written again meanwhile)
+        it was a miss and nothing changes."""
+        with self._wlock, self._lock:  # (_wlock: no write of it is half done while this looks)
+            e = self._index.get(d)
+            if e is None or (e[0], e[1]) != place[:2] or self._regions[e[0]].seq != place[2]:
+                return
+            count = geom.layout(e[3])[0]
+            if not broken and all(self._index.find(F.key_digest(k.encode())) >= 0
+                                  for k in L.piece_keys(d, 0, count)):
+                return
+            self._index.remove(d)
+            self._unlive(e[0], e[2])
+            self._dead.add(e[0], e[1], place[2])
+            self._drop_pieces(d, 0, count)
+            self._changed = True
+            self._counters["corrupt"] += 1
 
     def _direct_into(self, fd: int, off: int, rec_len: int, kb: bytes, seq: int, raw_len: int, parts: Parts) -> int:
         """One preadv: header and key into a small buffer, the payload into the caller's parts."""

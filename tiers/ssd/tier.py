@@ -18,7 +18,9 @@ Invariants:
       largest object slot, ``U // 8``), so whenever live footprints fit ``capacity_bytes``
       the emptiest sealed region holds less than ``U - M`` live bytes, and reclaiming it
       into the spare region always leaves room: a write the store reserved never fails
-      for lack of space.  Objects whose slot exceeds ``M`` are refused (``too_large``).
+      for lack of space.  An object too large for one slot is stored as pieces of at most
+      one slot each and a manifest (``large.py``), its footprint theirs; only an object
+      larger than the whole tier is refused (``too_large``, logged).
     * Durability.  ``flush()`` writes out the active image, fsyncs, and checkpoints the
       index; after it, everything written survives SIGKILL (and power loss unless
       ``fsync: "never"``).  Every record that stops being an object (removed, replaced,
@@ -82,6 +84,7 @@ from ..base import Tier
 from . import checkpoint as C
 from . import deadlog, recovery
 from . import format as F
+from . import large as L
 from . import region as R
 from .deadlog import DeadLog
 from .index import DigestIndex
@@ -123,9 +126,8 @@ def check_old_layout(path: str) -> None:
 
 
 def footprint_of(nbytes):
-    """``footprint`` for an int or a numpy array of sizes."""
-    return (F.REC_HDR + F.MAX_KEY + nbytes + F.pad_allowance(nbytes) + F.ALIGN - 1) // F.ALIGN * F.ALIGN \
-        + F.ENTRY + F.MAX_KEY
+    """What one record of ``nbytes`` takes at most (an int or a numpy array of them): ``large.record_footprint``."""
+    return L.record_footprint(nbytes)
 
 
 class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
@@ -184,6 +186,8 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         self._seals: list = []  # summaries being written behind a seal (``RegionChange._seal``)
         self._dir_id = (0, 0, 0)  # (set by ``_open``: see ``Persistence._check_removed``)
         self._rebuilding = False
+        self._has_large = False  # a large object was stored or found (``large.py``): writes look for them
+        self._too_large_quiet = 0.0
         self._prepare_dir()
         check_old_layout(self.path)
         self._check_layout()
@@ -234,8 +238,20 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         per = self.usable - self.max_slot
         return -(-self.capacity_bytes // per) + 2
 
+    def _geometry(self) -> L.Geometry:
+        """The size rule of this directory's region size (``large.py``)."""
+        g = self.__dict__.get("_geom")
+        rs = self.__dict__.get("region_size", DEFAULT_REGION)
+        if g is None or g.region_size != rs:
+            if not isinstance(rs, int):  # (the simulator's footprint probe holds the option as configured)
+                rs = parse_size(rs, "region_size")
+            g = self._geom = L.Geometry.of(rs)
+        return g
+
     def footprint(self, nbytes: int) -> int:
-        return int(footprint_of(int(nbytes)))
+        """One record's bound, or for an object too large for one (more than ``_geometry().single`` bytes)
+        the sum of its pieces' and its manifest's (``large.py``)."""
+        return int(self._geometry().footprint(int(nbytes)))
 
     # -- directory -------------------------------------------------------------------------
     def _prepare_dir(self) -> None:
@@ -373,14 +389,21 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
             seqs += [ckpt.covered_seq, int(ckpt.region_seqs.max()) if len(ckpt.region_seqs) else 0]
         self._next_seq = max([*seqs, deadlog.high_water(dead)], default=0) + 1
         c = loaded.cands
-        # a smaller capacity keeps the newest that fit
-        fps = footprint_of(c.raw_len)
-        if int(fps.sum()) <= self.capacity_bytes:  # (all of it fits: nothing to select)
+        geom = self._geometry()
+        # pieces no manifest claims (a process killed before the manifest was written) go (``large.py``)
+        keep = ~L.orphans(c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom)
+        pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
+        # a smaller capacity keeps the newest that fit (a large object's footprint is its manifest's)
+        fps = np.where(pieces, 0, geom.footprint(c.raw_len))
+        if int(fps[keep].sum()) > self.capacity_bytes:
+            keep &= (np.cumsum(np.where(keep, fps, 0)[::-1])[::-1] <= self.capacity_bytes) | pieces
+            keep &= ~L.orphans(c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom, alive=keep)
+        if keep.all():  # (nothing to select)
             dropped = recovery.take(c, np.zeros(0, dtype=np.int64))
         else:
-            keep_from_end = np.cumsum(fps[::-1])[::-1] <= self.capacity_bytes
-            dropped = recovery.take(c, np.flatnonzero(~keep_from_end))
-            c = recovery.take(c, np.flatnonzero(keep_from_end))
+            dropped = recovery.take(c, np.flatnonzero(~keep))
+            c = recovery.take(c, np.flatnonzero(keep))
+        self._has_large = bool(len(c.raw_len)) and bool((c.raw_len > geom.single).any())
         if (ckpt is not None and ckpt.table is not None and not loaded.read_regions and not len(dropped.digest)
                 and len(c.digest) == len(ckpt.cols["digest"]) == ckpt.table[0]):
             self._index.load_table(ckpt.table)  # every object the checkpoint lists is current: its index as is
@@ -462,10 +485,14 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         """(key, nbytes) of the objects found on open, oldest first (within ``capacity_bytes``)."""
         if self._recovered is not None:
             c, self._recovered = self._recovered, None  # the tier keeps no keys once the store has them
-            return recovery.listing(c)
-        with self._wlock:
-            c = self._gather()
-        return recovery.listing(recovery.take(c, np.lexsort((c.offset, c.seq))))
+        else:
+            with self._wlock:
+                c = self._gather()
+            c = recovery.take(c, np.lexsort((c.offset, c.seq)))
+        pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
+        if pieces.any():  # (a large object is its manifest: its pieces are no objects of their own)
+            c = recovery.take(c, np.flatnonzero(~pieces))
+        return recovery.listing(c)
 
     def recover_columns(self) -> tuple[list[str], np.ndarray]:
         """``recover`` as (keys, nbytes as an int64 array), oldest first, made without a pair per object."""
@@ -520,13 +547,18 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
 
     # -- deletes ----------------------------------------------------------------------------
     def _delete(self, keys: Sequence[str]) -> None:
+        geom = self._geometry()
         with self._wlock, self._lock:  # (_wlock: reclamation may be moving these very objects)
             for key in keys:
-                old = self._index.remove(F.key_digest(key.encode()))
+                d = F.key_digest(key.encode())
+                e = self._index.get(d) if self._has_large else None
+                old = self._index.remove(d)
                 if old is not None:
                     self._unlive(old[0], old[2])
                     self._dead.add(old[0], old[1], self._regions[old[0]].seq)
                     self._changed = True
+                    if e is not None and e[3] > geom.single:  # a large object: its pieces go with it
+                        self._drop_pieces(d, 0, geom.layout(e[3])[0])
 
     def _contains(self, keys: Sequence[str]) -> list[bool]:
         with self._lock:

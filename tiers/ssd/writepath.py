@@ -15,18 +15,23 @@ A full region is sealed and the next one begun by ``regionchange.py``.
 from __future__ import annotations
 
 import ctypes
+import logging
 import mmap
+import os
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, cast
 
+import torch
 import xxhash
 
 from tierkv.hostmem import contiguous
 
 from ..base import Parts
 from . import format as F
+from . import large as L
 from . import region as R
 from . import segment
 from .deadlog import DeadLog
@@ -34,6 +39,8 @@ from .format import WRITE_UNIT
 from .hostbuf import _host_view, cbuffer, ctype_of
 from .index import DigestIndex
 from .segment import Segment
+
+log = logging.getLogger(__name__)
 
 #: a batch's finished bytes go to the writer thread in pieces of at least this much (buffered writes)
 PIPE_UNIT = 512 << 10
@@ -73,8 +80,13 @@ class WritePath:
     _image_addrs: dict[int, tuple]
     _image_addr: int
     _counters: dict[str, int]
+    _what: str
+    capacity_bytes: int
+    _has_large: bool  # a large object was stored or found since the open (``large.py``)
+    _too_large_quiet: float  # no ``too_large`` warning is logged before this (monotonic) time
 
     if TYPE_CHECKING:  # defined by ``SSDTier``, ``Persistence`` and ``Reclaim``
+        def _geometry(self) -> L.Geometry: ...
         @property
         def max_slot(self) -> int: ...
         @property
@@ -96,11 +108,19 @@ class WritePath:
 
     # -- writes ---------------------------------------------------------------------------
     def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+        if keys and min(keys) < "\x01":  # (one C pass: no key of the store starts so)
+            return self._write_reserved(keys, srcs)
         with self._wlock:
             if self._lock_lost():  # (the directory is another process's now: see ``lock.py``)
                 self._count("lock_lost", len(keys))
                 return [False] * len(keys)
-            out, one_by_one = self._append_batch(keys, srcs)
+            prior = self._large_before(keys) if self._has_large else None
+            out, one_by_one, large = self._append_batch(keys, srcs)
+            for i in large:
+                out[i] = self._put_large(keys[i], srcs[i])
+                one_by_one = True
+            if prior:
+                self._replaced_large(prior, keys, srcs, out)
             r = self._active
             if r is not None:
                 if self.fsync == "always":
@@ -117,7 +137,18 @@ class WritePath:
                             out[i] = False
         return out
 
-    def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool]:
+    def _write_reserved(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+        """A batch holding keys that are empty or start with NUL (the names of pieces, ``large.py``):
+        those are refused (``bad_key``), the others written."""
+        good = [i for i, k in enumerate(keys) if k[:1] > "\x00"]
+        self._count("bad_key", len(keys) - len(good))
+        out = [False] * len(keys)
+        if good:
+            for i, ok in zip(good, self._write([keys[i] for i in good], [srcs[i] for i in good])):
+                out[i] = ok
+        return out
+
+    def _append_batch(self, keys: Sequence[str], srcs: Sequence[Parts]) -> tuple[list[bool], bool, list[int]]:
         """Append a batch: host objects are copied into the active image one after another (buffered,
         a payload of ``_GATHER_MIN`` bytes or more is only summed, and written from the caller's parts:
         see ``Segment``) and committed per region in one go: the batch's bytes reach the file, then its
@@ -126,10 +157,13 @@ class WritePath:
         whatever is finished, write after write, while the caller goes on (a second joins when the
         backlog grows); buffered, an idle writer is handed everything since its last write once
         ``PIPE_UNIT`` bytes wait.  The commit writes the rest beside the writers' last pieces.
-        Compressed or device objects take ``_put_one``.
-        Returns the results and whether any object took ``_put_one``."""
+        Compressed or device objects take ``_put_one``.  Objects of more than ``Geometry.single`` bytes
+        are left to the caller (``_put_large``).
+        Returns the results, whether any object took ``_put_one``, and the positions of the large objects."""
         out = [False] * len(keys)
         one_by_one = False
+        large: list[int] = []
+        single = self._geometry().single
         seg = Segment()
         flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
         psum_of = F.sum_function(flags)
@@ -184,6 +218,9 @@ class WritePath:
                     raw_len += p.numel()
                     if host and not (p.is_cpu and p.is_contiguous()):
                         host = False
+            if raw_len > single:  # (pieces and a manifest: ``large.py``)
+                large.append(i)
+                continue
             if not host:
                 self._commit(seg, out)
                 out[i] = self._put_one(key, parts)
@@ -306,7 +343,7 @@ class WritePath:
                     seg.submit_gathered(self._writer_pool(), r, end)
                     iov = seg.iov
         self._commit(seg, out)
-        return out, one_by_one
+        return out, one_by_one, large
 
     def _writer_pool(self) -> ThreadPoolExecutor:
         w = self._writer
@@ -362,7 +399,10 @@ class WritePath:
             out[i] = True
         seg.reset()
 
-    def _put_one(self, key: str, parts: Parts) -> bool:
+    def _put_one(self, key: str, parts: Parts, large_total: int = 0) -> bool:
+        """One record, copied into the active image (compressed when that is smaller).  ``large_total``: the
+        record is the manifest of a large object of that many bytes (``large.py``): never compressed, its
+        raw length the object's."""
         kb = key.encode()
         if len(kb) > F.MAX_KEY:
             self._count("bad_key")
@@ -377,18 +417,22 @@ class WritePath:
         flags = F.FLAG_CRC32C if self.checksum == "crc32c" else 0
         direct: Optional[list[Optional[tuple[int, int]]]]
         payload: list[Any]
-        if None in hosts or self.compression:
+        compression = self.compression and not large_total
+        if None in hosts or compression:
             payload = [_host_view(p) for p in parts if p.numel()]
             direct = None
         else:
             payload = direct = cast("list[Any]", hosts)
-        if self.compression and raw_len:
+        if compression and raw_len:
             import lz4.block
 
             packed = lz4.block.compress(payload[0] if len(payload) == 1 else b"".join(payload), store_size=False)
             if len(packed) < raw_len:
                 payload, flags = [memoryview(packed)], flags | F.FLAG_LZ4
         stored = raw_len if direct is not None else sum(len(v) for v in payload)
+        if large_total:
+            flags |= F.FLAG_LARGE
+            raw_len = large_total
         rec_len = F.record_len(len(kb), stored)
         if F.measure(rec_len) > self.max_slot or raw_len >= 1 << 32:
             self._count("too_large")
@@ -428,6 +472,73 @@ class WritePath:
             self._changed = True
         r.add_entry(d, pos, rec_len, raw_len, kb, flags)
         return True
+
+    # -- large objects (``large.py``) -------------------------------------------------------
+    def _put_large(self, key: str, parts: Parts) -> bool:
+        """Pieces, in the file before the manifest is appended; if any piece or the manifest fails, the
+        pieces written are removed (none is left behind).  Caller holds ``_wlock``."""
+        kb = key.encode()
+        if len(kb) > F.MAX_KEY:
+            self._count("bad_key")
+            return False
+        total = sum(p.numel() for p in parts)
+        geom = self._geometry()
+        if total > L.MAX_OBJECT or geom.footprint(total) > self.capacity_bytes:
+            self._refuse_large(total)
+            return False
+        count, piece = geom.layout(total)
+        nonce = int.from_bytes(os.urandom(8), "little")
+        d = F.key_digest(kb)
+        tag = torch.frombuffer(bytearray(nonce.to_bytes(L.NONCE, "little")), dtype=torch.uint8)
+        srcs = [[tag, *L.slices(parts, i * piece, min(total, (i + 1) * piece))] for i in range(count)]
+        res, _, _ = self._append_batch(L.piece_keys(d, 0, count), srcs)
+        table = torch.frombuffer(bytearray(L.pack_table(count, piece, total, nonce)), dtype=torch.uint8)
+        if all(res) and self._put_one(key, [table], large_total=total):
+            self._has_large = True
+            return True
+        with self._lock:
+            self._drop_pieces(d, 0, count)
+        return False
+
+    def _large_before(self, keys: Sequence[str]) -> list[tuple[int, int, int]]:
+        """(position, digest, object length) of each key of a batch that names a large object now."""
+        digs = [F.key_digest(k.encode()) for k in keys]
+        single = self._geometry().single
+        with self._lock:
+            found = self._index.lookup(digs)
+        return [(i, digs[i], raw) for i, _, _, _, raw in found if raw > single]
+
+    def _replaced_large(self, prior: list[tuple[int, int, int]], keys: Sequence[str], srcs: Sequence[Parts],
+                        out: list[bool]) -> None:
+        """Large objects a batch replaced: their pieces that the new value did not replace go too."""
+        geom = self._geometry()
+        with self._lock:
+            for i, d, old_total in prior:
+                if not out[i]:
+                    continue
+                total = sum(p.numel() for p in srcs[i])
+                now = geom.layout(total)[0] if total > geom.single else 0
+                self._drop_pieces(d, now, geom.layout(old_total)[0])
+
+    def _drop_pieces(self, d: int, lo: int, hi: int) -> None:
+        """Remove pieces ``lo`` to ``hi - 1`` of the large object of digest ``d``.  Caller holds ``_lock``."""
+        for k in L.piece_keys(d, lo, hi):
+            old = self._index.remove(F.key_digest(k.encode()))
+            if old is not None:
+                self._unlive(old[0], old[2])
+                self._dead.add(old[0], old[1], self._regions[old[0]].seq)
+                self._changed = True
+
+    def _refuse_large(self, nbytes: int) -> None:
+        """An object larger than the whole tier: counted (``too_large``), logged at most once a minute."""
+        self._count("too_large")
+        now = time.monotonic()
+        if now >= self._too_large_quiet:
+            self._too_large_quiet = now + 60.0
+            log.warning("%s: refused an object of %d bytes: larger than the tier (capacity %d bytes, the object "
+                        "takes %s); too_large: %d so far", self._what, nbytes, self.capacity_bytes,
+                        self._geometry().footprint(nbytes) if nbytes <= L.MAX_OBJECT else "more than 4 GiB",
+                        self._counters["too_large"])
 
     def _write_out(self, r: R.Region, end: int, data_end: int, seg: Optional["Segment"] = None) -> bool:
         """Write the active image from ``r.written`` up to ``end`` (block aligned); its bytes end at
