@@ -147,6 +147,7 @@ class Level(Eviction):
         self.ready_count = 0
         self.ready_bytes = 0  # footprint of the READY entries
         self.counters = TierCounters()
+        self.too_large_quiet = 0.0  # no "larger than the tier" line is logged before this (monotonic) time
         self.bit = 0
         self._canon: dict[int, int] = {}
         #: nbytes -> (footprint, shared reservation value): a medium's footprint is a function of nbytes alone

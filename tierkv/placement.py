@@ -10,6 +10,7 @@ is left on any path out (``_release`` in a ``finally``).
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -200,7 +201,8 @@ class Placement:
                 return j, flags
             if self._reserve(j, key, nbytes, held):
                 return j, flags
-            flags |= NO_ROOM
+            if lvl.footprint(nbytes) <= lvl.capacity:  # (a chunk larger than the tier is a refusal)
+                flags |= NO_ROOM
         return None, flags
 
     def _reserve(self, j: int, key: str, nbytes: int, held: dict) -> bool:
@@ -208,8 +210,7 @@ class Placement:
         lvl = self.levels[j]
         fp = lvl.tier.footprint(nbytes)
         if fp > lvl.capacity:
-            with self._lock:
-                lvl.counters.rejected += 1
+            self._too_large(lvl, nbytes, fp)
             return False
         for _ in range(_RESERVE_ATTEMPTS):
             with self._lock:
@@ -228,6 +229,20 @@ class Placement:
         with self._lock:
             lvl.counters.rejected += 1
         return False
+
+    def _too_large(self, lvl: Level, nbytes: int, fp: int) -> None:
+        """A chunk that takes more than the whole of ``lvl``: refused (``rejected``, ``too_large``), and said
+        in the log at most once a minute per tier."""
+        with self._lock:
+            lvl.counters.rejected += 1
+            lvl.counters.too_large += 1
+            now = time.monotonic()
+            if now < lvl.too_large_quiet:
+                return
+            lvl.too_large_quiet = now + 60.0
+            n = lvl.counters.too_large
+        log.warning("tierkv: tier %s refused a chunk of %d bytes: it takes %d bytes there, more than the tier's "
+                    "capacity of %d (too_large: %d so far)", lvl.name, nbytes, fp, lvl.capacity, n)
 
     def _make_room(self, j: int, need: int) -> None:
         """Evict (demoting) from managed level ``j`` what ``need`` more footprint bytes lack, in one
