@@ -349,3 +349,36 @@ def test_a_kill_mid_large_write_leaves_the_object_whole_or_a_miss(tmp_path, mode
     assert t.used_bytes <= sum(t.footprint(n) for _, n in live)
     assert t.extra_stats()["objects"] == len(live)
     t.close()
+
+
+# -- the simulator -----------------------------------------------------------------------------
+def test_simulate_stores_large_chunks_in_ssd_as_the_real_store_does(tmp_path):
+    """``tierkv simulate`` runs the real store over null media with the ssd tier's footprint rule: 32 MiB
+    chunks (256 tokens of a Llama-3-8B) land in ssd as they do in a real store, and a chunk larger than
+    the tier is refused in both (``too_large``)."""
+    from tierkv.sim import Request, replay, simulate
+    from tierkv.sim.replay import DEFAULT_BYTES_PER_TOKEN, footprint_rule
+    from tierkv.tiers import medium_class
+
+    rule = footprint_rule(medium_class("ssd"), {"region_size": "1MiB"})
+    t = SSDTier("ssd", 64 * MiB, str(tmp_path / "probe"), region_size="1MiB")
+    assert all(rule(n) == t.footprint(n) for n in (1000, t._geometry().single + 1, 3 * MiB, LLAMA3_8B_CHUNK))
+    t.close()
+
+    reqs = [Request(float(i), 512, 8, [2 * i, 2 * i + 1], 256) for i in range(4)]  # 8 chunks of 32 MiB
+    assert DEFAULT_BYTES_PER_TOKEN * 256 == LLAMA3_8B_CHUNK
+
+    def cfg(path, ssd_cap):
+        return {"tiers": [{"medium": "dram", "capacity": "80MiB"},
+                          {"medium": "ssd", "path": path, "capacity": ssd_cap}]}
+
+    sim = simulate(reqs, cfg(str(tmp_path / "unused"), "160MiB")).tiers
+    with TieredStore.from_config(cfg(str(tmp_path / "real"), "160MiB")) as store:
+        replay(reqs, store)
+        assert store.flush() is True
+        real = store.stats()["tiers"]
+        assert real["ssd"]["objects"] == real["ssd"]["entries"]
+    assert sim["ssd"]["entries"] == real["ssd"]["entries"] == 4  # as many as fit 160 MiB by footprint
+    assert sim["ssd"]["too_large"] == real["ssd"]["too_large"] == 0
+    small = simulate(reqs, cfg(str(tmp_path / "unused"), "30MiB")).tiers["ssd"]  # a chunk is more than the tier
+    assert small["entries"] == 0 and small["too_large"] > 0 and small["rejected"] >= small["too_large"]

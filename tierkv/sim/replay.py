@@ -150,8 +150,8 @@ class SimResult:
                 "tiers": self.tiers}
 
 
-TIER_FIELDS = ("capacity_bytes", "used_bytes", "hits", "misses", "bytes_read", "bytes_written", "evictions",
-               "demotions", "promotions", "rejected", "eviction")
+TIER_FIELDS = ("capacity_bytes", "used_bytes", "entries", "hits", "misses", "bytes_read", "bytes_written", "evictions",
+               "demotions", "promotions", "rejected", "too_large", "eviction")
 
 
 def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Optional[int] = DEFAULT_BYTES_PER_TOKEN,
