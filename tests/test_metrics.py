@@ -187,10 +187,10 @@ def test_every_documented_metric_is_exported_and_nothing_else(tmp_path):
 def test_chunks_total_counts_each_operation_by_outcome(tmp_path):
     store = TieredStore.from_config({"tiers": [
         {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "8MiB", "region_size": "1MiB"}]})
-    small, huge = torch.ones(4096, dtype=torch.uint8), torch.ones(200 * 1024, dtype=torch.uint8)
+    small, huge = torch.ones(4096, dtype=torch.uint8), torch.ones(9 << 20, dtype=torch.uint8)
     try:
         exp = register(store, CollectorRegistry())
-        # put a, b, c (stored), a again (deduped), one over the SSD's largest slot (rejected: too large)
+        # put a, b, c (stored), a again (deduped), one larger than the whole SSD tier (rejected: too large)
         assert store.put(["a", "b", "c"], [small] * 3) == [True] * 3
         assert store.put(["a", "big"], [small, huge]) == [True, False]
         # get: two hits, one miss

@@ -107,11 +107,15 @@ def test_a_llama3_8b_chunk_through_dram_above_ssd_is_flushed_and_read_back_from_
     assert chunk.numel() == 32 * MiB
     with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "128MiB"}, ssd]}) as store:
         assert store.put_detailed(["llama"], [chunk]) == [PutOutcome.STORED]
-        assert store.flush() is True
+        res = store.flush()
+        assert res and res.not_durable == 0
         st = store.levels[1].tier.extra_stats()
         assert st["objects"] == 1 and st["too_large"] == 0
     with TieredStore.from_config({"tiers": [ssd]}) as store:
         assert store.locate(["llama"]) == ["ssd"]
+        st = store.stats()["ssd"]
+        assert st["entries"] == st["objects"] == 1  # the chunk, not its pieces
+        assert st["used_bytes"] == store.levels[0].tier.footprint(32 * MiB)
         out = torch.empty(32 * MiB, dtype=torch.uint8)
         assert store.get(["llama"], [out]) == [True]
         assert torch.equal(out, chunk)
@@ -375,7 +379,8 @@ def test_simulate_stores_large_chunks_in_ssd_as_the_real_store_does(tmp_path):
     sim = simulate(reqs, cfg(str(tmp_path / "unused"), "160MiB")).tiers
     with TieredStore.from_config(cfg(str(tmp_path / "real"), "160MiB")) as store:
         replay(reqs, store)
-        assert store.flush() is True
+        res = store.flush()
+        assert res and res.not_durable == 0
         real = store.stats()["tiers"]
         assert real["ssd"]["objects"] == real["ssd"]["entries"]
     assert sim["ssd"]["entries"] == real["ssd"]["entries"] == 4  # as many as fit 160 MiB by footprint

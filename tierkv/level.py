@@ -147,6 +147,9 @@ class Level(Eviction):
         self.ready_count = 0
         self.ready_bytes = 0  # footprint of the READY entries
         self.counters = TierCounters()
+        #: chunks the store refused here (among ``counters.rejected``) as larger than the whole tier; ``stats()``
+        #: adds the medium's own ``too_large`` (one fault reason of the medium's, in the exporter's terms)
+        self.too_large = 0
         self.too_large_quiet = 0.0  # no "larger than the tier" line is logged before this (monotonic) time
         self.bit = 0
         self._canon: dict[int, int] = {}

@@ -29,7 +29,7 @@ _RESERVE_ATTEMPTS = 8
 _DEMOTE_BATCH_BYTES = 64 << 20
 
 # why a chunk was not placed (bit flags gathered while scanning the chain)
-NO_ROOM, UNAVAILABLE, FAILED = 1, 2, 4
+NO_ROOM, UNAVAILABLE, FAILED, TOO_LARGE = 1, 2, 4, 8
 
 
 class Placement:
@@ -201,8 +201,8 @@ class Placement:
                 return j, flags
             if self._reserve(j, key, nbytes, held):
                 return j, flags
-            if lvl.footprint(nbytes) <= lvl.capacity:  # (a chunk larger than the tier is a refusal)
-                flags |= NO_ROOM
+            # (a chunk larger than the tier is a refusal there, not a lack of room)
+            flags |= NO_ROOM if lvl.footprint(nbytes) <= lvl.capacity else TOO_LARGE
         return None, flags
 
     def _reserve(self, j: int, key: str, nbytes: int, held: dict) -> bool:
@@ -235,12 +235,12 @@ class Placement:
         in the log at most once a minute per tier."""
         with self._lock:
             lvl.counters.rejected += 1
-            lvl.counters.too_large += 1
+            lvl.too_large += 1
             now = time.monotonic()
             if now < lvl.too_large_quiet:
                 return
             lvl.too_large_quiet = now + 60.0
-            n = lvl.counters.too_large
+            n = lvl.too_large
         log.warning("tierkv: tier %s refused a chunk of %d bytes: it takes %d bytes there, more than the tier's "
                     "capacity of %d (too_large: %d so far)", lvl.name, nbytes, fp, lvl.capacity, n)
 

@@ -16,7 +16,6 @@ class TierCounters:
     promotions: int = 0
     demotions: int = 0
     rejected: int = 0  # refused: admission said no, or no room could be made
-    too_large: int = 0  # refused (among ``rejected``): the chunk takes more than the whole tier
     errors: int = 0  # failed or corrupt reads and writes
     persisted: int = 0  # chunks copied in by the write-behind queue
 

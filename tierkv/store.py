@@ -557,8 +557,8 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
                     extra = {"extra_stats_error": str(e)}
                 for k, v in extra.items():
                     d.setdefault(k, v)
-                if isinstance(extra.get("too_large"), int):  # (refused by the store, and by the medium itself)
-                    d["too_large"] = lvl.counters.too_large + extra["too_large"]
+                mine = extra.get("too_large")  # (refused by the store as larger than the tier, or by the medium)
+                d["too_large"] = lvl.too_large + (mine if isinstance(mine, int) else 0)
                 tiers[lvl.name] = d
             total: dict[str, Any] = self._counters.as_dict()
             for field in ("capacity_bytes", "used_bytes", "evictions", "promotions", "demotions", "errors",

@@ -483,6 +483,16 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
 
     def recover(self) -> list[tuple[str, int]]:
         """(key, nbytes) of the objects found on open, oldest first (within ``capacity_bytes``)."""
+        return recovery.listing(self._objects_found())
+
+    def recover_columns(self) -> tuple[list[str], np.ndarray]:
+        """``recover`` as (keys, nbytes as an int64 array), oldest first, made without a pair per object."""
+        c = self._objects_found()
+        return recovery.key_list(c), c.raw_len.astype(np.int64, copy=False)
+
+    def _objects_found(self) -> recovery.Candidates:
+        """The objects ``recover`` lists, oldest first: a large object once, as its manifest (its pieces are
+        no objects of their own, ``large.py``)."""
         if self._recovered is not None:
             c, self._recovered = self._recovered, None  # the tier keeps no keys once the store has them
         else:
@@ -490,19 +500,7 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
                 c = self._gather()
             c = recovery.take(c, np.lexsort((c.offset, c.seq)))
         pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
-        if pieces.any():  # (a large object is its manifest: its pieces are no objects of their own)
-            c = recovery.take(c, np.flatnonzero(~pieces))
-        return recovery.listing(c)
-
-    def recover_columns(self) -> tuple[list[str], np.ndarray]:
-        """``recover`` as (keys, nbytes as an int64 array), oldest first, made without a pair per object."""
-        if self._recovered is not None:
-            c, self._recovered = self._recovered, None
-        else:
-            with self._wlock:
-                c = self._gather()
-            c = recovery.take(c, np.lexsort((c.offset, c.seq)))
-        return recovery.key_list(c), c.raw_len.astype(np.int64, copy=False)
+        return recovery.take(c, np.flatnonzero(~pieces)) if pieces.any() else c
 
     # -- bookkeeping --------------------------------------------------------------------------
     def _unlive(self, idx: int, rec_len: int) -> None:
