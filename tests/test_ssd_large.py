@@ -77,6 +77,8 @@ def test_the_size_rule_one_record_up_to_single_then_pieces_within_a_slot():
             # the footprint is the pieces' and the manifest's, each a record of its own
             assert g.footprint(total) >= total + count * L.NONCE
             assert g.footprint(np.array([total]))[0] == g.footprint(total)
+        # lengths are 32-bit: a longer object takes more than any tier holds, so the store refuses it
+        assert g.footprint(L.MAX_OBJECT + 1) == L.NEVER > g.footprint(L.MAX_OBJECT)
 
 
 # -- the issue's examples --------------------------------------------------------------------
@@ -387,3 +389,14 @@ def test_simulate_stores_large_chunks_in_ssd_as_the_real_store_does(tmp_path):
     assert sim["ssd"]["too_large"] == real["ssd"]["too_large"] == 0
     small = simulate(reqs, cfg(str(tmp_path / "unused"), "30MiB")).tiers["ssd"]  # a chunk is more than the tier
     assert small["entries"] == 0 and small["too_large"] > 0 and small["rejected"] >= small["too_large"]
+
+
+def test_inspect_counts_a_large_object_once(tmp_path):
+    from tierkv.tiers.ssd import inspect_dir
+
+    path = str(tmp_path / "s")
+    t = SSDTier("ssd", 32 * MiB, path, region_size="1MiB", direct_io=False)
+    assert t.write(["a", "b"], [[val(1, 3 * MiB)], [val(2, 1000)]]) == [True, True]
+    t.close()
+    rep = inspect_dir(path, verify=True)
+    assert rep["objects"] == 2 and rep["bytes"] == 3 * MiB + 1000 and rep["corrupt"] == 0

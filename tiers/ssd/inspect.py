@@ -40,6 +40,7 @@ from tierkv.errors import ConfigError
 from . import checkpoint as C
 from . import deadlog, recovery
 from . import format as F
+from . import large as L
 from . import region as R
 from .lock import LOCK_NAME, DirLock, holder_pid
 
@@ -274,10 +275,12 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
                 "size_bytes": region_size, "file_bytes": st.st_size,
                 "sealed": R.read_summary(r.fd, region_size, r.seq, False) is not None,
                 "read": loaded is not None and idx in loaded.read_regions})
+        # (a large object is its manifest, at its full size: its pieces are no objects of their own, ``large.py``)
+        whole = ~L.piece_mask(c.key_len, c.key_start, c.keys) if c is not None else np.zeros(0, dtype=bool)
         return {
             "path": path, "layout": "regions", "region_size": region_size, "regions": out_regions,
-            "objects": int(len(c.digest)) if c is not None else 0,
-            "bytes": int(c.raw_len.sum()) if c is not None else 0,
+            "objects": int(whole.sum()),
+            "bytes": int(c.raw_len[whole].sum()) if c is not None else 0,
             "corrupt": len(corrupt), "corrupt_keys": [e["key"] for e in corrupt if "key" in e],
             "corrupt_objects": corrupt, "unverified": unverified, "repaired": 0, "removed": [],
             "torn_regions": loaded.torn if loaded is not None else 0,

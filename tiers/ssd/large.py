@@ -47,6 +47,8 @@ NONCE = 8  # bytes of nonce before each piece's bytes
 PIECE_KEY_LEN = 25
 #: raw lengths are u32 in the index and the summaries
 MAX_OBJECT = (1 << 32) - 1
+#: the footprint of a longer object: more than any capacity, so the store refuses it (``too_large``)
+NEVER = 1 << 62
 
 
 def record_footprint(nbytes):
@@ -81,7 +83,7 @@ class Geometry(NamedTuple):
 
     def footprint(self, nbytes):
         """What an object of ``nbytes`` takes (an int or a numpy array of them): one record, or its pieces
-        and manifest."""
+        and manifest; ``NEVER`` for one longer than ``MAX_OBJECT``."""
         if isinstance(nbytes, np.ndarray):
             n = nbytes.astype(np.int64)
             small = record_footprint(n)
@@ -90,10 +92,12 @@ class Geometry(NamedTuple):
             last = n - (count - 1) * piece
             big = ((count - 1) * record_footprint(piece + NONCE) + record_footprint(last + NONCE)
                    + record_footprint(TABLE.size))
-            return np.where(n > self.single, big, small)
+            return np.where(n > MAX_OBJECT, NEVER, np.where(n > self.single, big, small))
         n = int(nbytes)
         if n <= self.single:
             return int(record_footprint(n))
+        if n > MAX_OBJECT:
+            return NEVER
         count, piece = self.layout(n)
         last = n - (count - 1) * piece
         return int((count - 1) * record_footprint(piece + NONCE) + record_footprint(last + NONCE)

@@ -477,8 +477,8 @@ class Persistence:
         if not self._has_large:
             return 0, 0
         geom = self._geometry()
-        raw = self._index.raw_len[self._index.live()].astype(np.int64)
-        big = raw[raw > geom.single]
+        ix = self._index
+        big = ix.raw_len[(ix.raw_len > geom.single) & (ix.digest > F.TOMB)].astype(np.int64)
         return len(big), int((-(-big // geom.piece)).sum())
 
     def _close_region_fd(self, r) -> None:

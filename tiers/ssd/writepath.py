@@ -483,7 +483,7 @@ class WritePath:
             return False
         total = sum(p.numel() for p in parts)
         geom = self._geometry()
-        if total > L.MAX_OBJECT or geom.footprint(total) > self.capacity_bytes:
+        if geom.footprint(total) > self.capacity_bytes:  # (``NEVER`` past ``MAX_OBJECT``)
             self._refuse_large(total)
             return False
         count, piece = geom.layout(total)
@@ -537,7 +537,7 @@ class WritePath:
             self._too_large_quiet = now + 60.0
             log.warning("%s: refused an object of %d bytes: larger than the tier (capacity %d bytes, the object "
                         "takes %s); too_large: %d so far", self._what, nbytes, self.capacity_bytes,
-                        self._geometry().footprint(nbytes) if nbytes <= L.MAX_OBJECT else "more than 4 GiB",
+                        self._geometry().footprint(nbytes) if nbytes <= L.MAX_OBJECT else "4 GiB or more: too long",
                         self._counters["too_large"])
 
     def _write_out(self, r: R.Region, end: int, data_end: int, seg: Optional["Segment"] = None) -> bool:
