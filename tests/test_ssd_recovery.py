@@ -302,3 +302,41 @@ def test_a_store_over_a_crashed_ssd_tier_stores_what_it_says_it_stores(tmp_path,
     t = SSDTier("ssd", 6 * MiB, crash[0], region_size="1MiB")
     assert set(new) <= {k for k, _ in t.recover()}, "a put the store answered True for is not on the ssd tier"
     t.close()
+
+
+@pytest.mark.parametrize("cut", ["header-only", "empty-records"])
+def test_a_region_cut_to_its_header_costs_its_objects_and_nothing_else(tmp_path, cut):
+    """A sealed region cut short after a clean close (its records gone, the checkpoint still listing them):
+    the reopen trusts the checkpoint, the next checkpoint finds nothing in the region; its objects are
+    dropped and counted, the close succeeds and every other object is kept."""
+    d = str(tmp_path / "s")
+    t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    names = [f"k{i}" for i in range(150)]  # several regions
+    assert t.write(names, [[val(i)] for i in range(150)]) == [True] * 150
+    newest = t._active
+    in_newest = {k for k in names if t._index.get(key_digest(k.encode()))[0] == newest.index}
+    assert 0 < len(in_newest) < len(names)
+    t.close()
+    victim = os.path.join(d, "regions", os.path.basename(newest.path))
+    if cut == "header-only":
+        os.truncate(victim, 4096)
+    else:  # the file keeps its size, its records and summary zeroed
+        size = os.path.getsize(victim)
+        with open(victim, "r+b") as f:
+            f.seek(4096)
+            f.write(bytes(size - 4096))
+    u = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    u.recover()
+    after = [f"n{i}" for i in range(30)]
+    assert u.write(after, [[val(i)] for i in range(30)]) == [True] * 30
+    u.checkpoint()  # gathers every key: the cut region names none of those the index holds there
+    st = u.extra_stats()
+    u.close()
+    assert st["objects_lost"] >= len(in_newest) or st["corrupt"] >= len(in_newest), st
+    v = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
+    found = {k for k, _ in v.recover()}
+    others = [k for k in names if k not in in_newest]
+    assert set(after) | set(others) <= found
+    assert not found & in_newest
+    assert all(read_exact(v, others + after, lambda k: val(int(k[1:]))))
+    v.close()

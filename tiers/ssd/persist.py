@@ -334,6 +334,9 @@ class Persistence:
                 have[grp] = False
                 continue
             ent, keys, offs = got
+            if not len(ent):  # (a region cut to its header: none of the objects listed there is in it)
+                have[grp] = False
+                continue
             eo = ent["offset"].astype(np.int64)
             srt = np.argsort(eo, kind="stable")
             want = cols["offset"][grp]
