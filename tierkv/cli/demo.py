@@ -56,6 +56,11 @@ def run(args) -> int:
                 cfg, changes = demo_config(args.config, root)
                 for line in changes:
                     print(f"tierkv demo: {line}")
+                pools = [t.get("name") or t.get("medium") for t in cfg["tiers"]
+                         if isinstance(t, dict) and t.get("medium") in ("dram_pool", "remote_npu")]
+                if args.vllm and pools:
+                    print(f"tierkv demo: note: the chunks vLLM stores stay in the shared tier(s) {pools} until "
+                          "they are evicted (only the demo without --vllm removes what it stored)")
             if args.vllm:
                 from tierkv.demo_vllm import run_vllm_demo
 
