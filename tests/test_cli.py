@@ -396,9 +396,10 @@ def test_bench_fails_on_a_tier_that_refuses_or_corrupts(tmp_path, medium, words)
     assert failed, r.stdout  # the row says FAILED, with no figure
     assert "GiB/s" not in " ".join(failed)
     assert any(all(w in x for w in words) for x in r.stderr.splitlines()), r.stderr
-    r = tierkv(*args, "--json")
+    r = tierkv(*args, "--json", "--suite", "keys")  # --config always adds its tiers to the suites asked for
     assert r.returncode == 1
     doc = json.loads(r.stdout)
+    assert doc["suites"] == ["keys", "config"]
     assert doc["ok"] is False and doc["failures"]
     bad = [x for x in doc["rows"] if x["failures"]]
     assert bad and all(x["value"] is None and x["ratio"] is None for x in bad)

@@ -45,7 +45,7 @@ def add_parser(sub) -> None:
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--suite", default=None,
                    help="comma-separated: dram,hbm,ssd,dram_pool,config,lookup,keys (default: all but dram_pool "
-                        "and config; dram_pool with --master; only config with --config)")
+                        "and config; dram_pool with --master; only config with --config, which always adds it)")
     p.add_argument("--quick", action="store_true", help="3 rounds instead of 7, 100K keys for lookup")
     p.add_argument("--rounds", type=int, help="rounds per benchmark (default 7, --quick 3)")
     p.add_argument("--sizes", default="2,32", help="chunk sizes in MiB, comma-separated (default 2,32)")
@@ -97,6 +97,8 @@ def _suites(args, known: tuple) -> list[str]:
             raise CommandError(f"--suite: unknown suite(s) {bad}; known: {', '.join(known)}")
         if "config" in suites and not args.config:
             raise CommandError("--suite config needs --config FILE")
+        if args.config and "config" not in suites:  # the tiers given are benched, whatever else is asked
+            suites.append("config")
         return suites
     if args.config:
         return ["config"]
