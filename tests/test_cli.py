@@ -521,6 +521,10 @@ def test_sweep_of_a_chain_plots_what_varies(work, tmp_path):
                    capacities={"dram": doc["rows"][0]["capacity_bytes"]})
     assert lru[0] == pytest.approx(ref.tiers["dram"]["hits"] / ref.blocks)
     assert "sweep: 6 replays" in r.stderr
+    rows = list(csv.DictReader(open(tmp_path / "sw" / "sweep.csv")))
+    for x, y in zip(rows, doc["rows"]):  # every tier's hits, per point
+        assert [int(x[f"hits_{t}"]) for t in ("hbm", "dram", "ssd")] == [y[f"hits_{t}"] for t in ("hbm", "dram", "ssd")]
+        assert int(x["hits_dram"]) == y["hits"]
 
 
 def test_json_means_one_document_on_stdout(work, tmp_path):

@@ -51,9 +51,10 @@ def sweep(requests: Sequence[Request], config: Any, tier: str, capacities: Seque
           **kw: Any) -> list[dict]:
     """One row per (policy, capacity): the replay's hit rates and the swept tier's counters.
 
-    ``tier_hit_rate`` is the swept tier's own hits over all blocks requested: in a chain, the tiers below
-    catch what it misses, so the chain's rates may not move while this one does.  ``progress(n)`` counts
-    requests replayed; ``other_capacities`` / ``other_evictions`` override other tiers in every run.
+    ``hits_<tier>`` are every tier's hits.  ``tier_hit_rate`` is the swept tier's own hits over all blocks
+    requested: in a chain, the tiers below catch what it misses, so the chain's rates may not move while
+    this one does.  ``progress(n)`` counts requests replayed; ``other_capacities`` / ``other_evictions``
+    override other tiers in every run.
     """
     rows = []
     caps_kw = dict(other_capacities or {})
@@ -67,16 +68,19 @@ def sweep(requests: Sequence[Request], config: Any, tier: str, capacities: Seque
                          "token_hit_rate": res.token_hit_rate, "chunk_hit_rate": res.chunk_hit_rate,
                          "tier_hit_rate": t["hits"] / res.blocks if res.blocks else 0.0,
                          "prefill_tokens_saved": res.hit_tokens, "hits": t["hits"], "evictions": t["evictions"],
-                         "load_s": res.load_s, "recompute_s": res.recompute_s})
+                         "load_s": res.load_s, "recompute_s": res.recompute_s,
+                         **{f"hits_{name}": x["hits"] for name, x in res.tiers.items()}})
     return rows
 
 
 def write_csv(rows: Sequence[dict], path: str) -> None:
+    """The rows: ``CSV_FIELDS``, then ``hits_<tier>`` for each tier of the chain."""
+    fields = list(CSV_FIELDS) + list(dict.fromkeys(k for r in rows for k in r if k.startswith("hits_")))
     with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=CSV_FIELDS)
+        w = csv.DictWriter(f, fieldnames=fields)
         w.writeheader()
         for r in rows:
-            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in CSV_FIELDS})
+            w.writerow({k: ("" if r.get(k) is None else r[k]) for k in fields})
 
 
 def read_csv(path: str) -> list[dict]:
