@@ -484,6 +484,10 @@ def test_simulate_warns_on_a_bandwidth_no_device_has(work):
     assert "more than any" in r.stderr and "'dram'" not in r.stderr
     _one_line_error(tierkv("simulate", work / "chat.jsonl", "--config", work / "store.yaml",
                            "--bandwidth", "nvme=2GiB"), "simulate", 2, "nvme")
+    r = tierkv("simulate", work / "chat.jsonl", "--config", work / "store.yaml", "--limit", "200",
+               "--bandwidth", "ssd=2GiB", "--json")
+    out = json.loads(r.stdout)
+    assert out["load_s"] is None and any("no read bandwidth" in w and "'hbm'" in w for w in out["warnings"])
 
 
 def test_captured_traces_carry_chunk_sizes(tmp_path, work):

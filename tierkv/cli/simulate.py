@@ -227,6 +227,12 @@ def run(args) -> int:
                        prefill_tokens_per_s=args.prefill_tokens_per_s, capacities=capacities, evictions=evictions,
                        progress=bar.update)
     out = res.as_dict()
+    if bws is not None:
+        unpriced = [n for n, t in out["tiers"].items() if t["hits"] and not bws.get(n)]
+        if unpriced:
+            warnings.append(f"no read bandwidth for tier(s) {unpriced}, which served hits: the load time is not "
+                            "computed (give --bandwidth TIER=SIZE)")
+            note("simulate", f"warning: {warnings[-1]}")
     out["trace"] = args.trace or args.output
     out["read_s"] = read_s
     out["bytes_per_token"] = bpt
