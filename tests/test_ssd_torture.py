@@ -41,9 +41,10 @@ def name(gen: int, n: int) -> str:
 
 
 def value(k: str) -> np.ndarray:
-    """The bytes of chunk ``k``: 4-24 KiB, half of them compressible."""
+    """The bytes of chunk ``k``: 4-24 KiB, half of them compressible; one in 29 is 137-257 KB, more than one
+    record of a 1 MiB region holds (pieces and a manifest: ``tiers/ssd/large.py``)."""
     s = int(k[-12:], 16) * 7919 + int(k[:8], 16)
-    size = 4096 + (s % 5) * 5000
+    size = 4096 + (s % 5) * 5000 if s % 29 else 137_000 + (s % 7) * 20_000
     if s % 2:
         return np.frombuffer(np.random.default_rng(s).bytes(size), dtype=np.uint8)
     return np.resize(np.frombuffer(s.to_bytes(8, "little") * 4, dtype=np.uint8), size)
