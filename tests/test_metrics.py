@@ -252,6 +252,18 @@ def test_a_busy_port_leaves_the_store_as_it_was(store):
     assert LatencyRecorder.find(store) is None
 
 
+@pytest.mark.parametrize("port, addr", [(-1, "127.0.0.1"), (70000, "127.0.0.1"), ("abc", "127.0.0.1"),
+                                        (1.5, "127.0.0.1"), (None, "127.0.0.1"), (True, "127.0.0.1"),
+                                        (0, None)])
+def test_a_bad_port_or_address_is_a_clear_error_that_leaves_the_store_as_it_was(store, port, addr):
+    from tierkv.errors import ConfigError
+    from tierkv.metrics import LatencyRecorder
+
+    with pytest.raises(ConfigError, match="tierkv.metrics: (port|addr)"):
+        serve(store, port, addr)
+    assert LatencyRecorder.find(store) is None
+
+
 def test_write_behind_queue_depth_and_drops_are_exported(tmp_path):
     store = busy_store(tmp_path)
     try:

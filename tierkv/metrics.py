@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
+from tierkv.options import check_int, check_str
 from tierkv.stats import StoreCounters, TierCounters
 
 if TYPE_CHECKING:
@@ -382,8 +383,11 @@ class Exporter:
         self.addr: Optional[str] = None
 
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> Exporter:
-        """Listen on ``addr:port``; on failure (port in use…) the exporter is stopped and ``OSError`` raised."""
+        """Listen on ``addr:port``; on failure (port in use…) the exporter is stopped and ``OSError`` raised
+        (a port that is no integer of 0–65535, or an address that is no string: ``ConfigError``)."""
         try:
+            port = check_int(port, "tierkv.metrics: port", min_value=0, max_value=65535)
+            addr = check_str(addr, "tierkv.metrics: addr")
             self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
         except OSError as e:
             self.stop()
