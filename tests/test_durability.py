@@ -261,3 +261,24 @@ def test_put_then_remove_loop_finds_none_back_after_a_kill(tmp_path):
     keys = keys_for(2000, "r")
     with TieredStore.from_config(ssd_only(tmp_path / "ssd", 4096)) as store:
         assert not any(store.contains(keys)), "a removed key came back after a kill"
+
+
+def test_flush_reports_chunks_the_ssd_tier_lost_with_its_regions_removed_behind_it(tmp_path):
+    """A tmp cleaner removes the sealed region files of a live tier: the chunks in them were acknowledged
+    and flushed, and are gone.  The next ``flush()`` is false and counts them under ``lost`` (the medium
+    names no keys), as ``stats()`` does; a flush after that, with nothing new lost, is true again."""
+    import shutil
+
+    cfg = {"tiers": [{"medium": "ssd", "path": str(tmp_path / "s"), "capacity": 256 * (CHUNK + 8192),
+                      "region_size": "1MiB"}]}
+    keys = keys_for(150)
+    with TieredStore.from_config(cfg) as store:
+        assert all(store.put(keys, [chunk(i) for i in range(150)]))
+        assert store.flush()
+        shutil.rmtree(tmp_path / "s" / "regions")  # the sealed regions' chunks go with it
+        res = store.flush()
+        lost = store.levels[0].tier.extra_stats()["objects_lost"]
+        assert lost > 0
+        assert not res and res.reasons.get(DropReason.LOST.value) == lost and res.not_durable >= lost
+        assert store.stats()["total"]["write_behind_dropped_by_reason"][DropReason.LOST.value] == lost
+        assert store.flush(), "a loss is reported by one flush only"

@@ -45,6 +45,7 @@ class DropReason(enum.Enum):
     UNAVAILABLE = "unavailable"  #: the persistent tier was down
     EVICTED = "evicted"  #: evicted above before its copy landed, and its demotion failed
     COPY_FAILED = "copy_failed"  #: the background copy raised (logged)
+    LOST = "lost"  #: the persistent tier lost chunks it had acknowledged (its files removed behind it, damage)
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,15 @@ class DropLedger:
         self._maybe_log()
         return n
 
+    def record_count(self, n: int, reason: DropReason) -> None:
+        """Note ``n`` undurable chunks whose keys nobody can name (a medium reports only how many it lost)."""
+        if n <= 0:
+            return
+        self._left_out[reason] = self._left_out.get(reason, 0) + n
+        self.totals[reason] += n
+        self._unlogged[reason] = self._unlogged.get(reason, 0) + n
+        self._maybe_log()
+
     def _maybe_log(self) -> None:
         now = time.monotonic()
         if now - self._logged_at < LOG_EVERY or not self._unlogged:
@@ -154,6 +164,8 @@ class DropLedger:
 
 #: a medium's ``extra_stats`` counters that say why it refused a write
 FAULT_COUNTERS = (("enospc", DropReason.DISK_FULL), ("too_large", DropReason.TOO_LARGE))
+#: a medium's ``extra_stats`` counter of acknowledged objects it lost on its own (ssd: its files removed)
+LOST_COUNTER = "objects_lost"
 
 
 def fault_counts(stats: Optional[dict]) -> dict[str, int]:
@@ -166,6 +178,14 @@ def fault_counts(stats: Optional[dict]) -> dict[str, int]:
         except (TypeError, ValueError):
             out[name] = 0
     return out
+
+
+def lost_count(stats: Optional[dict]) -> int:
+    """A medium's ``LOST_COUNTER`` (0 where it has none)."""
+    try:
+        return int((stats or {}).get(LOST_COUNTER) or 0)
+    except (TypeError, ValueError):
+        return 0
 
 
 def reason_of_failed_write(before: dict[str, int], after: dict[str, int]) -> DropReason:

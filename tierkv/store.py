@@ -71,7 +71,7 @@ import torch
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
 from tierkv.copying import Copying
-from tierkv.durability import DropLedger, FlushResult, fault_counts
+from tierkv.durability import DropLedger, DropReason, FlushResult, fault_counts, lost_count
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
 from tierkv.hooks import call_policy
 from tierkv.hostmem import StagingArena
@@ -194,6 +194,7 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         #: acknowledged chunks whose write-behind copy was given up (``flush`` reports them)
         self._drops = DropLedger()
         self._faults_seen: dict[int, dict[str, int]] = {}  # level -> its medium's fault counters (``_drop_reason``)
+        self._lost_seen: dict[int, int] = {}  # persistent level -> its medium's lost objects so far (``_count_lost``)
         self._behind = WriteBehind(self._copy_behind, max_queued=write_behind_queue,
                                    on_drop=self._behind_dropped) if self._behind_levels else None
         self._arena = StagingArena()  # (write-behind batches are staged here: see ``Copying._copy_batch``)
@@ -204,7 +205,9 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         for k, lvl in enumerate(self.levels):  # (after recovery: what opening counted is no write's fault)
             if lvl.tier.persistent:
                 try:
-                    self._faults_seen[k] = fault_counts(lvl.tier.extra_stats())
+                    extra = lvl.tier.extra_stats()
+                    self._faults_seen[k] = fault_counts(extra)
+                    self._lost_seen[k] = lost_count(extra)
                 except Exception:  # noqa: BLE001 - a medium's stats never cost the construction
                     pass
 
@@ -324,6 +327,7 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
                 except Exception as e:  # noqa: BLE001 - a tier that cannot sync is reported, not raised
                     errors[lvl.name] = str(e)[:300] or type(e).__name__
                     log.warning("tierkv: tier %s flush failed: %s", lvl.name, errors[lvl.name])
+            self._count_lost()
             with self._lock:
                 n, reasons, keys = self._drops.take()
             pending = self._behind.pending() if not drained and self._behind is not None else 0
@@ -333,6 +337,19 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
             return result
         finally:
             self._leave()
+
+    def _count_lost(self) -> None:
+        """Acknowledged chunks a persistent medium lost on its own since the last look (its ``objects_lost``):
+        counted under ``lost`` and reported by this ``flush`` (the medium names no keys, so the count only)."""
+        for k, seen in self._lost_seen.items():
+            try:
+                now = lost_count(self.levels[k].tier.extra_stats())
+            except Exception:  # noqa: BLE001 - a medium's stats never cost a flush
+                continue
+            if now > seen:
+                with self._lock:
+                    self._lost_seen[k] = now
+                    self._drops.record_count(now - seen, DropReason.LOST)
 
     def drain_write_behind(self, timeout: Optional[float] = None) -> bool:
         """Wait until every background copy queued so far is done (without fsync); False on timeout."""
