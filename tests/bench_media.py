@@ -1,7 +1,8 @@
 """Media that lie, for ``tierkv bench --config`` tests: a benchmark must fail on each, never report a figure.
 
 ``RefusingTier`` stores nothing; ``FlippingTier`` stores the bytes but flips one on every read;
-``SilentTier`` answers True to a read without writing the destination; ``BrokenTier`` cannot be built.
+``SilentTier`` answers True to a read without writing the destination; ``DiskFullTier`` refuses every write
+as a full device (its ``enospc`` counter grows); ``BrokenTier`` cannot be built.
 """
 
 from __future__ import annotations
@@ -79,3 +80,20 @@ class BrokenTier(_DictTier):
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
         raise RuntimeError("the medium's device is gone")
+
+
+class DiskFullTier(_DictTier):
+    """Refuses every write as a full device does, and counts it (``enospc``) as the ``ssd`` tier does."""
+
+    medium = "disk_full"
+
+    def __init__(self, name: str, capacity_bytes: int) -> None:
+        super().__init__(name, capacity_bytes)
+        self.enospc = 0
+
+    def _write(self, keys, srcs):
+        self.enospc += len(keys)
+        return [False] * len(keys)
+
+    def extra_stats(self):
+        return {"enospc": self.enospc}

@@ -386,7 +386,8 @@ def _bench_config(tmp_path, medium: str) -> Path:
 
 @pytest.mark.parametrize("medium,words", [("RefusingTier", ["put:", "not stored"]),
                                           ("FlippingTier", ["get:", "bytes differ"]),
-                                          ("SilentTier", ["get:", "bytes differ"])])
+                                          ("SilentTier", ["get:", "bytes differ"]),
+                                          ("DiskFullTier", ["put:", "not stored", "disk full"])])
 def test_bench_fails_on_a_tier_that_refuses_or_corrupts(tmp_path, medium, words):
     args = ["bench", "--config", _bench_config(tmp_path, medium), "--sizes", "0.25", "--batch", "4", "--rounds", "2"]
     r = tierkv(*args)
@@ -575,3 +576,24 @@ def test_progress_shows_life_during_one_long_step(capsys):
         bar.update(3)
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert last.startswith("tierkv simulate: replays: 3/3 runs") and last.endswith("(done)")
+
+
+def test_bench_ssd_gets_read_the_device_not_the_region_image(tmp_path):
+    # a batch far below a region: before the store is reopened the gets were copies of the in-memory image
+    code = ("import atexit, sys\n"
+            "from tierkv.tiers.ssd.readpath import ReadPath\n"
+            "n = [0]\n"
+            "orig = ReadPath._image_read\n"
+            "def counted(self, *a):\n"
+            "    n[0] += 1\n"
+            "    return orig(self, *a)\n"
+            "ReadPath._image_read = counted\n"
+            "atexit.register(lambda: print('image reads:', n[0], file=sys.stderr))\n"
+            "from tierkv.cli import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    r = subprocess.run([sys.executable, "-c", code, "bench", "--suite", "ssd", "--rounds", "1", "--batch", "2",
+                        "--sizes", "0.25", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    assert "ssd get 0.25 MiB x2" in r.stdout
+    assert "image reads: 0" in r.stderr, r.stderr

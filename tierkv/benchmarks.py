@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 from tierkv import TieredStore, chunk_keys
+from tierkv.durability import fault_counts, reason_of_failed_write
 from tierkv.errors import ConfigError
 
 BATCH = 32
@@ -83,24 +84,45 @@ def _row(bench: str, nbytes: int, base_s: list[float], tier_s: list[float], agai
             "baseline_rounds": bases, "failures": []}
 
 
+#: a put outcome that is not "stored", in words (an ``error`` is named by the tier's fault counters where they grew)
+PUT_REASONS = {"present": "already present", "rejected": "refused by admission", "no_room": "no room",
+               "error": "write failed", "disk_full": "disk full", "too_large": "too large for the tier"}
+
+
+def _faults(store: TieredStore) -> dict[str, int]:
+    """The fault counters (``enospc``, ``too_large``) of every tier of ``store``, summed."""
+    out: collections.Counter = collections.Counter()
+    for lvl in store.levels:
+        extra = getattr(lvl.tier, "extra_stats", None)
+        try:
+            out.update(fault_counts(extra() if extra else None))
+        except Exception:  # noqa: BLE001 - a tier that cannot say: its errors stay "write failed"
+            pass
+    return dict(out)
+
+
 def _shortfall(op: str, bad: collections.Counter, asked: int, rounds: int) -> list[str]:
     """One line for what ``op`` failed to do over all rounds, by reason; none when it did everything."""
     if not bad:
         return []
-    why = ", ".join(f"{k}: {v}" for k, v in sorted(bad.items()))
+    why = ", ".join(f"{PUT_REASONS.get(k, k)}: {v}" for k, v in sorted(bad.items()))
     what = "not stored" if op == "put" else "not read back"
     return [f"{op}: {sum(bad.values())} of {asked} chunks {what} over {rounds} round(s) ({why})"]
 
 
 def bench_store_io(store: TieredStore, name: str, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
                    rounds: int, raw_put: Callable[[], Any], raw_get: Callable[[], Any], against: str,
-                   raw_put_setup: Optional[Callable[[], Any]] = None, fresh_keys: bool = False) -> list[dict]:
+                   raw_put_setup: Optional[Callable[[], Any]] = None, fresh_keys: bool = False,
+                   reopen: Optional[Callable[[], TieredStore]] = None) -> list[dict]:
     """Put and get rows of ``store`` against ``raw_put`` / ``raw_get``, with every answer checked.
 
-    Each put round stores every chunk anew (removed first, or fresh keys for a shared pool where a
-    removal is not immediate).  Before each get round the destinations are overwritten with the
-    complement of the expected bytes, then compared with the sources: a get that answered True
-    without writing them fails.
+    One untimed warm-up put (and raw write) comes first, so that no round times the creation of a
+    region or file.  Each put round stores every chunk anew (removed first, or fresh keys for a
+    shared pool where a removal is not immediate).  ``reopen``: called between the put and get
+    phases, it closes the store and answers it reopened (a persistent tier: the gets then read the
+    device, not an image of the region just written).  Before each get round the destinations are
+    overwritten with the complement of the expected bytes, then compared with the sources: a get that
+    answered True without writing them fails.
     """
     n, chunk = len(srcs), srcs[0].numel()
     rnd = iter(range(1 << 30))
@@ -112,16 +134,31 @@ def bench_store_io(store: TieredStore, name: str, srcs: list[torch.Tensor], dsts
 
     put_bad: collections.Counter = collections.Counter()
     base_put, tier_put = [], []
-    for _ in range(rounds):
+
+    def put_round(timed: bool) -> None:
+        nonlocal keys
         if raw_put_setup:
             raw_put_setup()
-        base_put.append(_timed(raw_put)[0])
+        base_s = _timed(raw_put)[0]
         if keys and not fresh_keys:
             store.remove(keys)
         keys = new_keys()
+        before = _faults(store)
         t, outcomes = _timed(functools.partial(store.put_detailed, keys, srcs))
-        tier_put.append(t)
-        put_bad.update(getattr(o, "value", str(o)) for o in outcomes if getattr(o, "value", None) != "stored")
+        values = [getattr(o, "value", str(o)) for o in outcomes]
+        if "error" in values:  # (named by the counter that grew: disk full, too large)
+            why = reason_of_failed_write(before, _faults(store)).value
+            values = [why if v == "error" else v for v in values]
+        if timed:
+            base_put.append(base_s)
+            tier_put.append(t)
+            put_bad.update(v for v in values if v != "stored")
+
+    put_round(timed=False)  # warm-up: region and file creation, first-touch, not timed
+    for _ in range(rounds):
+        put_round(timed=True)
+    if reopen is not None:
+        store = reopen()
     get_bad: collections.Counter = collections.Counter()
     base_get, tier_get = [], []
     expected = [s.bitwise_not() for s in srcs]  # what the destinations hold before each timed get
@@ -271,10 +308,19 @@ def _bench_config_tier(tier: dict, chunk: int, rounds: int, root: Optional[str],
         cfg["capacity"] = 2 * batch * chunk + (64 << 20)
     if "path" in cfg and root is not None and not str(cfg["path"]).startswith(root):
         cfg["path"] = tempfile.mkdtemp(prefix=f"{name}-", dir=root)
-    store = TieredStore.from_config({"tiers": [cfg]})
+    box = {"store": TieredStore.from_config({"tiers": [cfg]})}
     where: dict[str, Any] = {}
     keep: list = []
+
+    def reopen() -> TieredStore:
+        """The store closed and opened again: a reopened ssd tier holds no image of a region, every get
+        reads the device."""
+        box["store"].close()
+        box["store"] = TieredStore.from_config({"tiers": [cfg]})
+        return box["store"]
+
     try:
+        store = box["store"]
         obj = store.levels[0].tier
         if medium == "ssd":
             direct = bool(getattr(obj, "direct_io", False))
@@ -286,7 +332,7 @@ def _bench_config_tier(tier: dict, chunk: int, rounds: int, root: Optional[str],
             against = f"raw writev / preadv ({where['io_mode']})"
             try:
                 rows = bench_store_io(store, name, srcs, dsts, rounds, raw_put, raw_get, against,
-                                      raw_put_setup=raw_unlink)
+                                      raw_put_setup=raw_unlink, reopen=reopen)
             finally:
                 raw_unlink()
         else:
@@ -295,7 +341,7 @@ def _bench_config_tier(tier: dict, chunk: int, rounds: int, root: Optional[str],
             rows = bench_store_io(store, name, srcs, dsts, rounds, copy_, copy_, "torch copy",
                                   fresh_keys=medium in POOL_MEDIA)
     finally:
-        store.close()
+        box["store"].close()
         del keep
     for r in rows:
         r.update(where)
