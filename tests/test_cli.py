@@ -597,3 +597,43 @@ def test_bench_ssd_gets_read_the_device_not_the_region_image(tmp_path):
     assert "Traceback" not in r.stderr
     assert "ssd get 0.25 MiB x2" in r.stdout
     assert "image reads: 0" in r.stderr, r.stderr
+
+
+def test_demo_counts_only_what_it_stored_read_and_removed(tmp_path):
+    # 64 MiB of DRAM and 64 MiB of SSD cannot hold the demo's 4 MiB chunks: most are refused, none of the
+    # repeated prompt survives; every figure must say so
+    cfg = tmp_path / "prod.json"
+    cfg.write_text(json.dumps({"tiers": [{"medium": "dram", "capacity": "64MiB"},
+                                         {"medium": "ssd", "path": str(tmp_path / "prod-ssd"), "capacity": "64MiB"}]}))
+    d = tmp_path / "demo"
+    d.mkdir()
+    (d / "mine.txt").write_text("an operator's file")
+    r = tierkv("demo", "--config", cfg, "--dir", d, "--json")
+    assert r.returncode == 1, r.stderr  # nothing read back
+    assert "Traceback" not in r.stderr
+    s = json.loads(r.stdout)
+    assert 0 < s["stored"] < s["offered"]
+    assert sum(s["refused"].values()) == s["offered"] - s["stored"]
+    assert s["refused"].get("no_room")
+    assert 0 <= s["removed"] <= s["stored"] and s["left"] == 0
+    assert s["found"] == 0 and s["exact"] is None
+    assert f"{s['found']}/{s['asked']} chunks read" in r.stderr  # the text and the JSON: one fact
+    assert "bytes exact: n/a (nothing read)" in r.stderr
+    put = next(x for x in r.stderr.splitlines() if x.strip().startswith("put:"))
+    assert f"{s['stored'] * 4:.1f} MiB stored ({s['stored']} of {s['offered']} chunks offered)" in put
+    assert "no room" in put
+    assert f"removed {s['removed']} chunks of the {s['stored']} the demo stored" in r.stderr
+    # what the demo wrote under --dir is gone, what was there stays; the configured path was never made
+    assert sorted(p.name for p in d.iterdir()) == ["mine.txt"]
+    assert not (tmp_path / "prod-ssd").exists()
+
+
+def test_demo_dir_is_cleaned_and_never_written_over(tmp_path):
+    r = tierkv("demo", "--chunks", "8", "--dir", tmp_path / "new")
+    assert r.returncode == 0, r.stderr
+    assert "bytes exact: True" in r.stdout
+    assert not (tmp_path / "new").exists()  # made for the demo, removed with what it held
+    (tmp_path / "old" / "ssd").mkdir(parents=True)
+    (tmp_path / "old" / "ssd" / "region-0").write_bytes(b"someone's data")
+    _one_line_error(tierkv("demo", "--chunks", "8", "--dir", tmp_path / "old"), "demo", 2, "already holds files")
+    assert (tmp_path / "old" / "ssd" / "region-0").read_bytes() == b"someone's data"

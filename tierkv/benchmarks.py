@@ -89,7 +89,7 @@ PUT_REASONS = {"present": "already present", "rejected": "refused by admission",
                "error": "write failed", "disk_full": "disk full", "too_large": "too large for the tier"}
 
 
-def _faults(store: TieredStore) -> dict[str, int]:
+def fault_totals(store: TieredStore) -> dict[str, int]:
     """The fault counters (``enospc``, ``too_large``) of every tier of ``store``, summed."""
     out: collections.Counter = collections.Counter()
     for lvl in store.levels:
@@ -143,11 +143,11 @@ def bench_store_io(store: TieredStore, name: str, srcs: list[torch.Tensor], dsts
         if keys and not fresh_keys:
             store.remove(keys)
         keys = new_keys()
-        before = _faults(store)
+        before = fault_totals(store)
         t, outcomes = _timed(functools.partial(store.put_detailed, keys, srcs))
         values = [getattr(o, "value", str(o)) for o in outcomes]
         if "error" in values:  # (named by the counter that grew: disk full, too large)
-            why = reason_of_failed_write(before, _faults(store)).value
+            why = reason_of_failed_write(before, fault_totals(store)).value
             values = [why if v == "error" else v for v in values]
         if timed:
             base_put.append(base_s)

@@ -15,15 +15,18 @@ keeps nothing of it either).
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
 from tierkv import TieredStore, chunk_keys
+from tierkv.benchmarks import PUT_REASONS, fault_totals
 from tierkv.config import default_config, load_config
+from tierkv.durability import reason_of_failed_write
 
 CHUNK_TOKENS = 256
 LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128  # K and V, fp16: 4 MiB per 256-token chunk
@@ -87,19 +90,27 @@ def _run(store: TieredStore, n_chunks: int) -> dict:
     chunk_bytes = sum(p.numel() * p.element_size() for p in kv_chunk(0))
 
     put_s = 0.0
-    stored = moved_in = 0
-    written: list[str] = []
+    offered = 0
+    written: list[str] = []  # the keys stored now (a refused one was never the demo's to remove)
+    refused: collections.Counter = collections.Counter()
     for r, tokens in enumerate(prompts):
         keys = chunk_keys(tokens, CHUNK_TOKENS, namespace="demo-llama/fp16/tp0")
         have = store.lookup(keys)  # the engine saves only what the tiers lack
         values = [kv_chunk(int(k[:8], 16)) for k in keys[have:]]
+        before = fault_totals(store)
         t0 = time.perf_counter()
-        ok = store.put(keys[have:], values)
+        outcomes = store.put_detailed(keys[have:], values)
         put_s += time.perf_counter() - t0
-        written += keys[have:]
-        stored += sum(ok)
-        moved_in += len(values) * chunk_bytes
-        print(f"  request {r}: {len(keys)} chunks, {have} already stored (shared prefix), {len(values)} written")
+        why = [o.value for o in outcomes]
+        if "error" in why:  # (named by the tier counter that grew: disk full, too large)
+            named = reason_of_failed_write(before, fault_totals(store)).value
+            why = [named if w == "error" else w for w in why]
+        new = [k for k, w in zip(keys[have:], why) if w == "stored"]
+        written += new
+        offered += len(values)
+        refused.update(w for w in why if w not in ("stored", "present"))
+        print(f"  request {r}: {len(keys)} chunks, {have} already stored (shared prefix), {len(values)} offered, "
+              f"{len(new)} stored")
 
     # an engine's next request comes a while later: the background copies into the SSD tier are done by
     # then, so the locations printed below are the settled ones
@@ -113,25 +124,40 @@ def _run(store: TieredStore, n_chunks: int) -> dict:
     t0 = time.perf_counter()
     found = store.get(keys[:hit], outs)
     get_s = time.perf_counter() - t0
-    exact = all(all(torch.equal(a, b) for a, b in zip(o, kv_chunk(int(k[:8], 16))))
-                for k, o, f in zip(keys, outs, found) if f)
+    n_read = sum(found)
+    exact: Optional[bool] = None  # (nothing read: nothing checked)
+    if n_read:
+        exact = all(all(torch.equal(a, b) for a, b in zip(o, kv_chunk(int(k[:8], 16))))
+                    for k, o, f in zip(keys, outs, found) if f)
     stats = store.stats()
-    print(f"\n  repeated request: {hit}/{len(keys)} chunks found ({hit * CHUNK_TOKENS} tokens need no prefill); "
-          f"served from { {t: where[:hit].count(t) for t in store.tier_names()} }; bytes exact: {exact}")
+    lookup_note = "" if n_read == hit else f", {hit} found by lookup"
+    print(f"\n  repeated request: {n_read}/{len(keys)} chunks read{lookup_note} ({n_read * CHUNK_TOKENS} tokens need "
+          f"no prefill); served from { {t: where[:hit].count(t) for t in store.tier_names()} }; bytes exact: "
+          f"{'n/a (nothing read)' if exact is None else exact}")
     print(f"\n  {'tier':<8}{'capacity':>12}{'used':>12}{'hits':>7}{'read':>12}{'written':>12}"
           f"{'evicted':>9}{'demoted':>9}{'promoted':>9}")
     for name, t in stats["tiers"].items():
         print(f"  {name:<8}{_fmt_bytes(t['capacity_bytes']):>12}{_fmt_bytes(t['used_bytes']):>12}{t['hits']:>7}"
               f"{_fmt_bytes(t['bytes_read']):>12}{_fmt_bytes(t['bytes_written']):>12}{t['evictions']:>9}"
               f"{t['demotions']:>9}{t['promotions']:>9}")
-    got = sum(found) * chunk_bytes
-    print(f"\n  put: {_fmt_bytes(moved_in)} in {put_s:.2f} s ({moved_in / put_s / 2**30:.2f} GiB/s, demotions included)")
+    moved_in = len(written) * chunk_bytes  # only what was stored
+    got = n_read * chunk_bytes
+    why = ", ".join(f"{PUT_REASONS.get(k, k)}: {v}" for k, v in sorted(refused.items()))
+    not_stored = f"; {sum(refused.values())} of {offered} refused ({why})" if refused else ""
+    print(f"\n  put: {_fmt_bytes(moved_in)} stored ({len(written)} of {offered} chunks offered) in {put_s:.2f} s "
+          f"({moved_in / max(put_s, 1e-9) / 2**30:.2f} GiB/s, demotions included){not_stored}")
     print(f"  get: {_fmt_bytes(got)} in {get_s:.2f} s ({got / max(get_s, 1e-9) / 2**30:.2f} GiB/s, promotions included)")
     store.drain_write_behind(timeout=60)
+    present = sum(store.contains(written))  # (some may have been evicted from every tier since)
     store.remove(written)  # the demo leaves nothing behind, in a shared pool either
     left = sum(store.contains(written))
-    print(f"  removed the {len(written)} chunks the demo stored" + (f" ({left} still present)" if left else ""))
-    return {"found": sum(found), "asked": hit, "exact": exact, "stored": stored, "removed": len(written) - left,
+    removed = present - left
+    gone = len(written) - present
+    print(f"  removed {removed} chunks of the {len(written)} the demo stored"
+          + (f" ({gone} already evicted from every tier)" if gone else "")
+          + (f" ({left} still present)" if left else ""))
+    return {"found": n_read, "asked": len(keys), "lookup_found": hit, "exact": exact, "offered": offered,
+            "stored": len(written), "refused": dict(refused), "removed": removed, "left": left,
             "tiers": stats["tiers"], "stats": stats["total"]}
 
 

