@@ -142,8 +142,8 @@ def _run(store: TieredStore, n_chunks: int) -> dict:
               f"{t['demotions']:>9}{t['promotions']:>9}")
     moved_in = len(written) * chunk_bytes  # only what was stored
     got = n_read * chunk_bytes
-    why = ", ".join(f"{PUT_REASONS.get(k, k)}: {v}" for k, v in sorted(refused.items()))
-    not_stored = f"; {sum(refused.values())} of {offered} refused ({why})" if refused else ""
+    reasons = ", ".join(f"{PUT_REASONS.get(k, k)}: {v}" for k, v in sorted(refused.items()))
+    not_stored = f"; {sum(refused.values())} of {offered} refused ({reasons})" if refused else ""
     print(f"\n  put: {_fmt_bytes(moved_in)} stored ({len(written)} of {offered} chunks offered) in {put_s:.2f} s "
           f"({moved_in / max(put_s, 1e-9) / 2**30:.2f} GiB/s, demotions included){not_stored}")
     print(f"  get: {_fmt_bytes(got)} in {get_s:.2f} s ({got / max(get_s, 1e-9) / 2**30:.2f} GiB/s, promotions included)")
