@@ -264,22 +264,27 @@ def _raw_files(raw_dir: str, srcs, dsts, keep: list, direct: bool):
         views = [memoryview(s.numpy()) for s in srcs]  # type: ignore[arg-type]  # ndarray exports a buffer
         dviews = [memoryview(d.numpy()) for d in dsts]  # type: ignore[arg-type]
     flag = os.O_DIRECT if direct else 0
+    raw_fail: list[str] = []
 
     def raw_write() -> None:
         for i, v in enumerate(views):
             fd = os.open(os.path.join(raw_dir, f"{i}"), os.O_CREAT | os.O_WRONLY | os.O_TRUNC | flag, 0o600)
             try:
-                os.writev(fd, [v])
+                done = os.writev(fd, [v])
             finally:
                 os.close(fd)
+            if done != len(v):  # (a short write: the baseline did not do the work it is timed for)
+                raw_fail.append(f"raw writev wrote {done} of {len(v)} bytes")
 
     def raw_read() -> None:
         for i, v in enumerate(dviews):
             fd = os.open(os.path.join(raw_dir, f"{i}"), os.O_RDONLY | flag)
             try:
-                os.preadv(fd, [v], 0)
+                done = os.preadv(fd, [v], 0)
             finally:
                 os.close(fd)
+            if done != len(v):
+                raw_fail.append(f"raw preadv read {done} of {len(v)} bytes")
 
     def raw_unlink() -> None:
         for i in range(len(srcs)):
@@ -288,7 +293,15 @@ def _raw_files(raw_dir: str, srcs, dsts, keep: list, direct: bool):
             except FileNotFoundError:
                 pass
 
-    return raw_write, raw_read, raw_unlink
+    return raw_write, raw_read, raw_unlink, raw_fail
+
+
+def _fail_baseline(rows: list[dict], raw_fail: list[str]) -> None:
+    """A baseline that did not do all its work has no figure to compare with: its rows fail."""
+    if raw_fail:
+        for r in rows:
+            r.update(value=None, baseline=None, ratio=None, value_rounds=[], baseline_rounds=[],
+                     failures=r["failures"] + raw_fail[:1])
 
 
 #: media whose capacity is the pool's, not ours to size
@@ -327,12 +340,13 @@ def _bench_config_tier(tier: dict, chunk: int, rounds: int, root: Optional[str],
             path = str(getattr(obj, "path", cfg.get("path")))
             where = {"dir": path, "fs": fs_type(path), "io_mode": "O_DIRECT" if direct else "page cache"}
             srcs, dsts, keep = _chunks(chunk, batch, aligned=direct)
-            raw_put, raw_get, raw_unlink = _raw_files(os.path.join(os.path.dirname(path), f"{name}-raw-{chunk}"),
+            raw_put, raw_get, raw_unlink, raw_fail = _raw_files(os.path.join(os.path.dirname(path), f"{name}-raw-{chunk}"),
                                                       srcs, dsts, keep, direct)
             against = f"raw writev / preadv ({where['io_mode']})"
             try:
                 rows = bench_store_io(store, name, srcs, dsts, rounds, raw_put, raw_get, against,
                                       raw_put_setup=raw_unlink, reopen=reopen)
+                _fail_baseline(rows, raw_fail)
             finally:
                 raw_unlink()
         else:
@@ -393,13 +407,13 @@ def bench_dram_pool(master: str, metadata: Optional[str], chunk: int, rounds: in
                 raw_fail.append(f"raw batch_put_from failed: {rcs}")
 
         def raw_get() -> None:
-            raw.batch_get_into(state["raw"], [d.data_ptr() for d in dsts], [chunk] * n)
+            got = raw.batch_get_into(state["raw"], [d.data_ptr() for d in dsts], [chunk] * n)
+            if any(int(x) != chunk for x in got or []) or len(got or []) != n:
+                raw_fail.append(f"raw batch_get_into read {sum(int(x) == chunk for x in got or [])} of {n} objects")
 
         rows = bench_store_io(store, "dram_pool", srcs, dsts, rounds, raw_put, raw_get,
                               "raw batch_put_from / batch_get_into", fresh_keys=True)
-        if raw_fail:
-            for r in rows:
-                r.update(value=None, baseline=None, ratio=None, failures=r["failures"] + raw_fail[:1])
+        _fail_baseline(rows, raw_fail)
     finally:
         if store is not None:
             store.close()
