@@ -43,6 +43,10 @@ def main(argv=None) -> int:
     ap.add_argument("--object-mib", type=int, default=2, help="bytes a pwrite writes, MiB")
     ap.add_argument("--rounds", type=int, default=4)
     args = ap.parse_args(argv)
+    if args.dir is not None and not os.path.isdir(args.dir):
+        ap.error(f"--dir {args.dir}: no such directory")
+    if args.mib < 1 or args.object_mib < 1 or args.rounds < 1:
+        ap.error("--mib, --object-mib and --rounds must be at least 1")
     size, total = args.object_mib * MiB, args.mib * MiB
     n = total // size
     image_len = min(total, 64 * MiB)

@@ -588,6 +588,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     hostmem.HUGE_PAGES = args.pages == "huge"
     sections = set(args.sections.split(","))
+    if args.dir is not None and not os.path.isdir(args.dir):
+        ap.error(f"--dir {args.dir}: no such directory")
     root = tempfile.mkdtemp(prefix="tierkv-bench-ssd-", dir=args.dir)
     if args.rounds is not None and args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
