@@ -18,7 +18,7 @@ from tierkv import TieredStore
 from tierkv.errors import PolicyError
 from tierkv.level import Level, size_value
 from tierkv.policies import EvictionPolicy
-from tierkv.store import plan_recovery
+from tierkv.recovery import plan_recovery
 from tierkv.tiers.ssd import SSDTier
 
 BUILT_INS = ["lru", "fifo", "lfu", "s3fifo", "arc"]

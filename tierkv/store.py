@@ -65,7 +65,6 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, Union
 
-import numpy as np
 import torch
 
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
@@ -83,6 +82,7 @@ from tierkv.outcome import PutOutcome
 from tierkv.placement import Placement
 from tierkv.policies import AdmissionPolicy, PromotionPolicy, build_promotion
 from tierkv.readpath import ReadPath
+from tierkv.recovery import plan_recovery
 from tierkv.stats import StoreCounters
 from tierkv.tiers.base import Tier
 from tierkv.writebehind import WriteBehind
@@ -94,46 +94,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tierkv")
 
 StoreConfig = Union[dict, str, "os.PathLike[str]"]  # (a name for type checkers only)
-
-
-
-def plan_recovery(keys: list[str], sizes: Any, footprint: Any, room: int,
-                  distinct: bool = False) -> tuple[list[str], np.ndarray, list[str]]:
-    """Which recovered objects (oldest first) a level indexes: (kept keys, their nbytes, keys to delete).
-
-    Of a key listed more than once the newest entry counts; then the newest keys whose footprints
-    (``footprint(nbytes)``, asked once per distinct size) add up to at most ``room`` are kept, in their
-    order, and the older rest is trimmed.  When everything fits, the keys are handed back as they are
-    unless ``distinct`` asks for the newest entry of each first (``Level.adopt`` finds repeated keys on
-    its own, at no cost).  Every step is a C-level operation over the whole list.
-    """
-    n = len(keys)
-    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
-    if len(sizes) != n:
-        raise ValueError(f"recovery listed {n} keys but {len(sizes)} sizes")
-    for attempt in (0, 1):
-        if n and sizes.min() == sizes.max():  # one size (the common case): no sort
-            fps = np.full(n, footprint(int(sizes[0])), dtype=np.int64)
-        else:
-            uniq, inv = np.unique(sizes, return_inverse=True)
-            fps = np.fromiter(map(footprint, uniq.tolist()), dtype=np.int64, count=len(uniq))[inv.reshape(-1)]
-        if attempt or distinct or int(fps.sum()) > room:
-            if attempt or len(set(keys)) == n:
-                break
-            newest = dict(zip(keys, range(n)))  # (a later entry of a key replaces its earlier one)
-            pos = np.fromiter(newest.values(), dtype=np.int64, count=len(newest))
-            del newest
-            pos.sort()
-            keys = list(map(keys.__getitem__, pos.tolist()))
-            sizes = sizes[pos]
-            n = len(keys)
-            continue
-        return keys, sizes, []
-    if int(fps.sum()) <= room:
-        return keys, sizes, []
-    fit = int(np.searchsorted(np.cumsum(fps[::-1]), room, side="right"))  # how many of the newest fit
-    cut = n - fit
-    return keys[cut:], sizes[cut:], keys[:cut]
 
 
 class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):

@@ -1,0 +1,50 @@
+"""What a level indexes of the objects a persistent medium kept from an earlier process.
+
+Pure arithmetic over the columns a tier hands over (``Tier.recover_columns``): no store, no
+medium, no per-object Python loop; ``TieredStore._recover`` applies the plan.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def plan_recovery(keys: list[str], sizes: Any, footprint: Any, room: int,
+                  distinct: bool = False) -> tuple[list[str], np.ndarray, list[str]]:
+    """Which recovered objects (oldest first) a level indexes: (kept keys, their nbytes, keys to delete).
+
+    Of a key listed more than once the newest entry counts; then the newest keys whose footprints
+    (``footprint(nbytes)``, asked once per distinct size) add up to at most ``room`` are kept, in their
+    order, and the older rest is trimmed.  When everything fits, the keys are handed back as they are
+    unless ``distinct`` asks for the newest entry of each first (``Level.adopt`` finds repeated keys on
+    its own, at no cost).  Every step is a C-level operation over the whole list.
+    """
+    n = len(keys)
+    sizes = np.asarray(sizes, dtype=np.int64).reshape(-1)
+    if len(sizes) != n:
+        raise ValueError(f"recovery listed {n} keys but {len(sizes)} sizes")
+    for attempt in (0, 1):
+        if n and sizes.min() == sizes.max():  # one size (the common case): no sort
+            fps = np.full(n, footprint(int(sizes[0])), dtype=np.int64)
+        else:
+            uniq, inv = np.unique(sizes, return_inverse=True)
+            fps = np.fromiter(map(footprint, uniq.tolist()), dtype=np.int64, count=len(uniq))[inv.reshape(-1)]
+        if attempt or distinct or int(fps.sum()) > room:
+            if attempt or len(set(keys)) == n:
+                break
+            newest = dict(zip(keys, range(n)))  # (a later entry of a key replaces its earlier one)
+            pos = np.fromiter(newest.values(), dtype=np.int64, count=len(newest))
+            del newest
+            pos.sort()
+            keys = list(map(keys.__getitem__, pos.tolist()))
+            sizes = sizes[pos]
+            n = len(keys)
+            continue
+        return keys, sizes, []
+    if int(fps.sum()) <= room:
+        return keys, sizes, []
+    fit = int(np.searchsorted(np.cumsum(fps[::-1]), room, side="right"))  # how many of the newest fit
+    cut = n - fit
+    return keys[cut:], sizes[cut:], keys[:cut]
