@@ -81,7 +81,7 @@ def test_the_size_rule_one_record_up_to_single_then_pieces_within_a_slot():
         assert g.footprint(L.MAX_OBJECT + 1) == L.NEVER > g.footprint(L.MAX_OBJECT)
 
 
-# -- the documented examples-------------------------------------------------------------------
+# -- the documented examples -------------------------------------------------------------------
 def test_8mib_chunks_are_stored_in_the_default_64mib_regions(tmp_path, mode):
     path = str(tmp_path / "s")
     t = SSDTier("ssd", 256 * MiB, path, **mode)
