@@ -308,7 +308,8 @@ def test_put_detailed_says_why():
     store = TieredStore([Level(dram("d", 2))])
     out = store.put_detailed(["a", "a", "big"], [val(1), val(1), val(9, 3 * C)])
     assert out[0] is PutOutcome.STORED and out[1] is PutOutcome.STORED
-    assert out[2] is PutOutcome.NO_ROOM
+    assert out[2] is PutOutcome.REJECTED  # larger than the whole tier: refused, never "no room" or an error
+    assert store.stats()["tiers"]["d"]["too_large"] == 1
     assert store.put_detailed(["a"], [val(1)]) == [PutOutcome.PRESENT]
     store.close()
     store = TieredStore([Level(dram("d", 2), admission=Never())])
