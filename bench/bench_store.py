@@ -8,14 +8,14 @@
   of the same bytes, one file per chunk) on the same directory (target ≥ 0.8×);
 * lookup of a 512-chunk prefix against 1M stored keys (target ≤ 100 µs);
 * chunk_keys over 128K tokens (target ≥ 50M tokens/s).
-The suites live in ``tierkv.benchmarks``; ``tierkv bench`` runs them too.
+The suites live in ``tierkv.tools.benchmarks``; ``tierkv bench`` runs them too.
 """
 
 from __future__ import annotations
 
 import sys
 
-from tierkv.cli import main
+from tierkv.tools.cli import main
 
 if __name__ == "__main__":
     args = sys.argv[1:]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tierkv import TieredStore
-from tierkv.sim import read_trace, simulate
+from tierkv.tools.sim import read_trace, simulate
 
 BIN = Path(sys.executable).parent
 TESTS = Path(__file__).parent
@@ -263,7 +263,7 @@ def test_demo_entry_points(tmp_path):
     summary = json.loads(r.stdout)
     assert summary["exact"] and summary["found"] == summary["asked"] > 0
     assert "hbm" in r.stderr and "ssd" in r.stderr  # the report, beside the JSON
-    for how in (("-m", "tierkv", "demo", "--chunks", "8"), ("-m", "tierkv.demo", "--chunks", "8")):
+    for how in (("-m", "tierkv", "demo", "--chunks", "8"), ("-m", "tierkv.tools.demo", "--chunks", "8")):
         r = tierkv(*how[1:], exe="-m")
         assert r.returncode == 0, r.stderr
         assert "repeated request" in r.stdout
@@ -439,7 +439,7 @@ def test_bench_ssd_says_where_and_how_it_measured(tmp_path):
     assert r.returncode == 0, r.stderr
     where = [x for x in r.stdout.splitlines() if x.startswith("ssd: measured in ")]
     assert where and str(tmp_path) in where[0]
-    from tierkv.benchmarks import fs_type
+    from tierkv.tools.benchmarks import fs_type
 
     assert fs_type(str(tmp_path)) in where[0]
     mode = "O_DIRECT" if "O_DIRECT" in where[0] else "page cache"
@@ -453,7 +453,7 @@ def _bench_doc(rounds_by_bench: dict) -> dict:
 
 
 def test_compare_weighs_a_change_against_the_spread_of_rounds():
-    from tierkv.cli.bench import compare
+    from tierkv.tools.cli.bench import compare
 
     new = _bench_doc({"a": [9.0, 10.0, 11.0]})["rows"][0]
     noisy = _bench_doc({"a": [0.5, 0.6, 20.0]})["rows"][0]  # a median of 0.6 but rounds up to 20
@@ -566,7 +566,7 @@ def test_nothing_to_do_is_not_a_success(tmp_path):
 def test_progress_shows_life_during_one_long_step(capsys):
     import time
 
-    from tierkv.cli._common import Progress
+    from tierkv.tools.cli._common import Progress
 
     with Progress(3, "replays", "runs", period=0.05, command="simulate") as bar:
         deadline = time.monotonic() + 30
@@ -589,7 +589,7 @@ def test_bench_ssd_gets_read_the_device_not_the_region_image(tmp_path):
             "    return orig(self, *a)\n"
             "ReadPath._image_read = counted\n"
             "atexit.register(lambda: print('image reads:', n[0], file=sys.stderr))\n"
-            "from tierkv.cli import main\n"
+            "from tierkv.tools.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     r = subprocess.run([sys.executable, "-c", code, "bench", "--suite", "ssd", "--rounds", "1", "--batch", "2",
                         "--sizes", "0.25", "--dir", str(tmp_path)], capture_output=True, text=True, timeout=300)

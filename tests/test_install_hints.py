@@ -80,8 +80,8 @@ def test_a_yaml_config_loads(tmp_path):
 
 
 def test_the_vllm_demo_hint_reaches_the_user(monkeypatch, tmp_path):
-    from tierkv.cli._common import CommandError
-    from tierkv.demo_vllm import run_vllm_demo
+    from tierkv.tools.cli._common import CommandError
+    from tierkv.tools.demo_vllm import run_vllm_demo
 
     monkeypatch.setitem(sys.modules, "vllm", None)
     for name in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CACHE_ROOT", "VLLM_LOGGING_LEVEL", "TOKENIZERS_PARALLELISM"):

@@ -10,7 +10,7 @@ import torch
 from tierkv import TieredStore
 from tierkv.errors import ConfigError
 from tierkv.shadow import attach
-from tierkv.sim import generate, replay, simulate
+from tierkv.tools.sim import generate, replay, simulate
 
 BPT = 64
 BLOCK = 16 * BPT  # 1 KiB chunks: the store's bookkeeping, not byte copies, dominates

@@ -10,9 +10,9 @@ import pytest
 
 from tierkv.errors import ConfigError
 from tierkv.policies import build_eviction
-from tierkv.sim import Request, generate, null_store, read_trace, replay, simulate, write_trace
-from tierkv.sim.replay import footprint_rule
 from tierkv.tiers import medium_class
+from tierkv.tools.sim import Request, generate, null_store, read_trace, replay, simulate, write_trace
+from tierkv.tools.sim.replay import footprint_rule
 
 BT = 16  # tokens per block in the small traces
 BPT = 64  # bytes per token: 1 KiB blocks

@@ -362,9 +362,9 @@ def test_simulate_stores_large_chunks_in_ssd_as_the_real_store_does(tmp_path):
     """``tierkv simulate`` runs the real store over null media with the ssd tier's footprint rule: 32 MiB
     chunks (256 tokens of a Llama-3-8B) land in ssd as they do in a real store, and a chunk larger than
     the tier is refused in both (``too_large``)."""
-    from tierkv.sim import Request, replay, simulate
-    from tierkv.sim.replay import DEFAULT_BYTES_PER_TOKEN, footprint_rule
     from tierkv.tiers import medium_class
+    from tierkv.tools.sim import Request, replay, simulate
+    from tierkv.tools.sim.replay import DEFAULT_BYTES_PER_TOKEN, footprint_rule
 
     rule = footprint_rule(medium_class("ssd"), {"region_size": "1MiB"})
     t = SSDTier("ssd", 64 * MiB, str(tmp_path / "probe"), region_size="1MiB")

@@ -16,8 +16,8 @@ import torch
 
 from tierkv import TieredStore
 from tierkv.policies import EvictionPolicy
-from tierkv.sim import Request, null_store, simulate
 from tierkv.tiers.slab import ALIGN
+from tierkv.tools.sim import Request, null_store, simulate
 
 CHUNK = 4096
 assert CHUNK % ALIGN == 0
@@ -494,7 +494,7 @@ def test_a_fractional_size_of_a_larger_unit_is_exact():
 def test_serve_on_a_busy_port_leaves_nothing_attached():
     import socket
 
-    from tierkv import metrics
+    from tierkv.tools import metrics
 
     with dram_store(4) as store, socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

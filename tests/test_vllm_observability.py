@@ -11,7 +11,7 @@ from tierkv import TieredStore
 from tierkv.adapters.vllm.prom import attach_store_snapshot, merge_store_snapshots, watch_store
 from tierkv.adapters.vllm.trace_hook import RequestTracer
 from tierkv.errors import ConfigError
-from tierkv.sim import read_trace
+from tierkv.tools.sim import read_trace
 
 
 def fake_request(rid, hashes, n_prompt, max_tokens=16):

@@ -59,7 +59,7 @@ def test_connector_trace_path_captures_hash_only_request_traces(tmp_path):
     """Option trace_path: one record per request in Mooncake's format, replayable by the simulator."""
     import json
 
-    from tierkv.sim.traces import read_trace
+    from tierkv.tools.sim.traces import read_trace
 
     model = U.make_tiny_model(tmp_path / "model", layers=2)
     prompts = _prompts()

@@ -1,5 +1,5 @@
-"""``python -m tierkv`` runs the ``tierkv`` command (``python -m tierkv.demo`` runs the demo alone)."""
+"""``python -m tierkv`` runs the ``tierkv`` command (``python -m tierkv.tools.demo`` runs the demo alone)."""
 
-from tierkv.cli import main
+from tierkv.tools.cli import main
 
 raise SystemExit(main())

@@ -11,7 +11,7 @@ Shape::
       ],
       "promotion": {"policy": "on-hit", "min_hits": 2},
       "io_workers": 4,
-      "trace_path": "/var/log/tierkv/trace",       # optional: hash-only request traces (tierkv.trace)
+      "trace_path": "/var/log/tierkv/trace",       # optional: hash-only request traces (tierkv.tools.trace)
       "trace": {"max_bytes": "64MiB", "max_files": 8},
       "shadow": {"rate": 0.05}                     # optional: what more capacity would buy (tierkv.shadow)
     }

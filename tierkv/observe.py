@@ -11,7 +11,7 @@ share state between threads lock it themselves.
 Config keys (``tierkv.config``):
 
 ``"trace_path": PATH`` records every ``lookup`` as a hash-only request trace
-(``tierkv.trace``); ``"trace": {"max_bytes": "64MiB", "max_files": 8,
+(``tierkv.tools.trace``); ``"trace": {"max_bytes": "64MiB", "max_files": 8,
 "block_tokens": 256, "salt": "..."}`` tunes it.  ``"shadow": true`` or
 ``{"rate": 0.05, "factors": [0.5, 2, 4]}`` estimates hit rates at other
 capacities (``tierkv.shadow``).
@@ -25,6 +25,7 @@ from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.options import check_bool, check_str
+from tierkv.plugins import plugin
 
 log = logging.getLogger("tierkv")
 
@@ -87,7 +88,7 @@ def attach_from_config(store: Any, cfg: dict[str, Any]) -> None:
         if cfg.get("trace") is not None and path is None:
             raise ConfigError("config key 'trace' needs 'trace_path'")
         if path is not None:
-            from tierkv.trace import StoreTracer, TraceWriter
+            StoreTracer, TraceWriter = plugin("store_tracer"), plugin("trace_writer")  # tierkv.tools.trace
 
             opts = cfg.get("trace") or {}
             if not isinstance(opts, dict):

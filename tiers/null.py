@@ -1,6 +1,6 @@
 """``null``: a payload-free medium that accounts bytes and keeps none.
 
-The simulator (``tierkv.sim``) swaps every configured medium for this one at
+The simulator (``tierkv.tools.sim``) swaps every configured medium for this one at
 the same capacity and footprint rule, so the real ``TieredStore`` — its index,
 eviction, admission, promotion and demotion — runs over a trace without moving
 or holding a byte.  A ``read`` of a stored object reports True and leaves the

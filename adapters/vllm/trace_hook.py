@@ -4,7 +4,7 @@
 unless ``"trace_path"`` is set; otherwise a tracer whose ``on_lookup(request)``
 records the request's block hashes once (the first lookup of a request id: the
 scheduler may ask again while a request waits), keyed-digested by
-``tierkv.trace.TraceWriter`` — no token id and no raw block hash is written.
+``tierkv.tools.trace.TraceWriter`` — no token id and no raw block hash is written.
 
 Options (in ``kv_connector_extra_config``): ``trace_path`` (file; rotated copies
 beside it), ``trace_max_bytes`` (default 64MiB), ``trace_max_files`` (default 8),
@@ -21,7 +21,7 @@ from collections import OrderedDict
 from typing import Any, Optional
 
 from tierkv.options import pop_int, pop_size, pop_str
-from tierkv.trace import TraceWriter
+from tierkv.tools.trace import TraceWriter
 
 from .config import block_hash_bytes
 

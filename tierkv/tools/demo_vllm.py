@@ -12,9 +12,9 @@ import sys
 import time
 from typing import Any, Optional
 
-from tierkv.cli._common import CommandError, fmt_bytes, table
 from tierkv.config import default_config
 from tierkv.errors import install_hint
+from tierkv.tools.cli._common import CommandError, fmt_bytes, table
 
 
 def _tiny_model(path: str) -> str:
@@ -34,7 +34,7 @@ def _tiny_model(path: str) -> str:
 
 
 def run_vllm_demo(root: str, config: Optional[dict[str, Any]] = None, prompt_tokens: int = 1024) -> dict[str, Any]:
-    """``config``: a store config (``tierkv.demo.demo_config`` of the operator's), else the embedded defaults."""
+    """``config``: a store config (``tierkv.tools.demo.demo_config`` of the operator's), else the embedded defaults."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CACHE_ROOT", os.path.join(root, "vllm-cache"))
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")

@@ -41,7 +41,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from tierkv.demo import demo_config
+    from tierkv.tools.demo import demo_config
 
     if args.chunks < 4:  # (a prompt is half the set shared and a quarter its own: fewer is no demo at all)
         raise CommandError(f"--chunks must be 4 or more, got {args.chunks}")
@@ -76,12 +76,12 @@ def run(args) -> int:
                     print(f"tierkv demo: note: the chunks vLLM stores stay in the shared tier(s) {pools} until "
                           "they are evicted (only the demo without --vllm removes what it stored)")
             if args.vllm:
-                from tierkv.demo_vllm import run_vllm_demo
+                from tierkv.tools.demo_vllm import run_vllm_demo
 
                 summary = run_vllm_demo(root, cfg, prompt_tokens=args.prompt_tokens)
                 ok = summary["warm_hit_tokens"] > 0 and summary["same_tokens"]
             else:
-                from tierkv.demo import run as run_demo
+                from tierkv.tools.demo import run as run_demo
 
                 summary = run_demo(args.chunks, root, cfg)
                 ok = summary["exact"] is True and summary["found"] == summary["lookup_found"] > 0

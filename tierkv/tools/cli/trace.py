@@ -56,7 +56,7 @@ def _no_sub(p) -> int:
 
 
 def run_show(args) -> int:
-    from tierkv.sim.traces import read_trace, summarize
+    from tierkv.tools.sim.traces import read_trace, summarize
 
     if args.head < 0:
         raise CommandError("--head must be 0 or more")
@@ -77,7 +77,7 @@ def run_show(args) -> int:
 def run_convert(args) -> int:
     import os
 
-    from tierkv.sim.traces import BLOCK_TOKENS, open_output, read_trace, trace_files
+    from tierkv.tools.sim.traces import BLOCK_TOKENS, open_output, read_trace, trace_files
 
     MOONCAKE_BLOCK_TOKENS = BLOCK_TOKENS["mooncake"]
 

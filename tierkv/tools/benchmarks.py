@@ -376,7 +376,7 @@ def bench_config(config: dict, chunk: int, rounds: int, root: str, batch: int = 
 
 def bench_dram_pool(master: str, metadata: Optional[str], chunk: int, rounds: int, batch: int = BATCH) -> list[dict]:
     """``dram_pool`` put / get vs raw ``batch_put_from`` / ``batch_get_into`` of a client through the same master."""
-    from tierkv.tiers._mooncake import import_mooncake
+    from tierkv.tiers.remote.mooncake import import_mooncake
 
     mstore = import_mooncake()
     n = batch

@@ -1,4 +1,4 @@
-"""``tierkv bench``: benchmark suites, each medium against memcpy and raw file I/O (``tierkv.benchmarks``)."""
+"""``tierkv bench``: benchmark suites, each medium against memcpy and raw file I/O (``tierkv.tools.benchmarks``)."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def _sizes(text: str) -> list[float]:
 
 
 def run(args) -> int:
-    from tierkv.benchmarks import MEDIA, MEMORY_FS, SUITES, bandwidths, failures, rows, run_suites
+    from tierkv.tools.benchmarks import MEDIA, MEMORY_FS, SUITES, bandwidths, failures, rows, run_suites
 
     suites = _suites(args, SUITES)
     sizes = _sizes(args.sizes)

@@ -1,6 +1,6 @@
 """tierkv's main job on embedded defaults: store KV chunks, reload them through HBM(cpu) → DRAM → SSD.
 
-    python -m tierkv.demo [--chunks 96] [--dir PATH] [--config FILE]
+    python -m tierkv.tools.demo [--chunks 96] [--dir PATH] [--config FILE]
 
 Simulates an engine that saves the KV of several prompts sharing a system
 prefix, then serves a repeated prompt from the tiers.  Prints per-tier hits,
@@ -24,9 +24,9 @@ from typing import Any, Optional
 import torch
 
 from tierkv import TieredStore, chunk_keys
-from tierkv.benchmarks import PUT_REASONS, fault_totals
 from tierkv.config import default_config, load_config
 from tierkv.durability import reason_of_failed_write
+from tierkv.tools.benchmarks import PUT_REASONS, fault_totals
 
 CHUNK_TOKENS = 256
 LAYERS, KV_HEADS, HEAD_DIM = 4, 8, 128  # K and V, fp16: 4 MiB per 256-token chunk
@@ -162,10 +162,10 @@ def _run(store: TieredStore, n_chunks: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m tierkv.demo`` and ``tierkv-demo``: the same command as ``tierkv demo``."""
+    """``python -m tierkv.tools.demo`` and ``tierkv-demo``: the same command as ``tierkv demo``."""
     import sys
 
-    from tierkv.cli import main as cli_main
+    from tierkv.tools.cli import main as cli_main
 
     return cli_main(["demo", *(sys.argv[1:] if argv is None else argv)])
 

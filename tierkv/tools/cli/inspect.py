@@ -50,7 +50,7 @@ def run(args) -> int:
             raise CommandError("give either PATH or --master, not both")
         if args.verify or args.repair:
             raise CommandError("--verify and --repair apply to an SSD tier's directory (PATH), not --master")
-        from tierkv.inspect import inspect_pool
+        from tierkv.tools.inspect import inspect_pool
 
         info = inspect_pool(args.master, args.metrics_port, args.namespace)
         if args.json:
@@ -63,7 +63,7 @@ def run(args) -> int:
     if not os.path.isdir(args.path):
         raise CommandError(f"{args.path}: not a directory" if os.path.exists(args.path)
                            else f"{args.path}: not a directory (no such path)")
-    from tierkv.inspect import inspect_dir
+    from tierkv.tools.inspect import inspect_dir
 
     bar = None
 

@@ -115,7 +115,7 @@ def bandwidths_from(args, cfg: Optional[dict], warnings: Optional[list[str]] = N
     media = {(t.get("name") or str(t.get("medium"))): str(t.get("medium")) for t in (cfg or {}).get("tiers", [])
              if isinstance(t, dict)}
     if args.bench_json:
-        from tierkv.benchmarks import read_bandwidths
+        from tierkv.tools.benchmarks import read_bandwidths
 
         by_medium = read_bandwidths(args.bench_json)
         for name, medium in media.items():
@@ -142,8 +142,8 @@ def bandwidths_from(args, cfg: Optional[dict], warnings: Optional[list[str]] = N
 
 
 def _generate(args) -> Optional[list]:
-    from tierkv.sim.generate import generate
-    from tierkv.sim.traces import write_trace
+    from tierkv.tools.sim.generate import generate
+    from tierkv.tools.sim.traces import write_trace
 
     positive(args.requests, "--requests", integer=True)
     positive(args.rate, "--rate")
@@ -174,8 +174,8 @@ def _generate(args) -> Optional[list]:
 
 
 def run(args) -> int:
-    from tierkv.sim.replay import tune_allocator
-    from tierkv.sim.traces import read_trace
+    from tierkv.tools.sim.replay import tune_allocator
+    from tierkv.tools.sim.traces import read_trace
 
     tune_allocator()
     positive(args.block_tokens, "--block-tokens", integer=True)
@@ -220,7 +220,7 @@ def run(args) -> int:
         evictions[name] = pol
     if args.sweep:
         return _run_sweep(args, reqs, cfg, bpt, bws, capacities, evictions, warnings)
-    from tierkv.sim.replay import simulate
+    from tierkv.tools.sim.replay import simulate
 
     with progress(len(reqs), "replay", "requests", command="simulate") as bar:
         res = simulate(reqs, cfg, bytes_per_token=bpt, bandwidths=bws,
@@ -251,7 +251,7 @@ def _bytes_per_token(args, reqs: list, warnings: list[str]) -> tuple[Optional[in
     None with ``trace``: every request carries its own ``block_bytes``.  With --bytes-per-token the
     trace's sizes are overridden; a trace without sizes gets the default model, said in ``warnings``.
     """
-    from tierkv.sim import DEFAULT_BYTES_PER_TOKEN
+    from tierkv.tools.sim import DEFAULT_BYTES_PER_TOKEN
 
     if args.bytes_per_token:
         for r in reqs:
@@ -301,7 +301,7 @@ def _print_result(out: dict[str, Any]) -> None:
 
 
 def _run_sweep(args, reqs, cfg, bpt, bws, capacities, evictions, warnings) -> int:
-    from tierkv.sim.sweep import parse_sweep, plot, sweep, write_csv
+    from tierkv.tools.sim.sweep import parse_sweep, plot, sweep, write_csv
 
     tier, caps = parse_sweep(args.sweep)
     names = [t.get("name") or t.get("medium") for t in cfg["tiers"]]
