@@ -55,7 +55,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
 from mooncake_util import MooncakeMaster, client_env, missing_reason
 
-from tierkv.tiers.dram_pool import DramPoolTier
+from tierkv.tiers.remote.media import DramPoolTier
 
 MiB = 1 << 20
 

@@ -20,7 +20,7 @@ import torch
 from tier_conformance import TierConformance, blob, key
 
 from tierkv.errors import ConfigError
-from tierkv.tiers.dram_pool import DramPoolTier
+from tierkv.tiers.remote.media import DramPoolTier
 
 
 class FakeMemcacheStore:
@@ -239,10 +239,10 @@ def test_restarted_pool_is_not_claimed(make_memcache, fake_memcache):
 
 
 def test_parts_the_backend_cannot_reach_go_through_staging(make_memcache, fake_memcache, monkeypatch):
-    from tierkv.tiers import _memcache
+    from tierkv.tiers.remote import memcache
 
     # a backend that reaches no caller memory directly: every part is staged through the tier's own buffer
-    monkeypatch.setattr(_memcache.MemcacheClient, "accepts_device", lambda self, device_type: False)
+    monkeypatch.setattr(memcache.MemcacheClient, "accepts_device", lambda self, device_type: False)
     t = make_memcache()
     layers = [blob(i, 3000 + i) for i in range(3)]
     assert t.write([key(1), key(2)], [layers, [blob(9, 777)]]) == [True, True]

@@ -12,8 +12,7 @@ from tier_conformance import TierConformance, blob, key
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.store import TieredStore
 from tierkv.tiers import medium_class
-from tierkv.tiers.dram_pool import DramPoolTier
-from tierkv.tiers.remote_npu import RemoteNPUTier
+from tierkv.tiers.remote.media import DramPoolTier, RemoteNPUTier
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))]
 

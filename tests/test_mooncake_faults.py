@@ -20,7 +20,7 @@ from mooncake_util import MooncakeMaster, missing_reason
 from tier_conformance import blob
 
 from tierkv.store import TieredStore
-from tierkv.tiers.dram_pool import DramPoolTier
+from tierkv.tiers.remote.media import DramPoolTier
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.slow,
               pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))]
@@ -125,7 +125,7 @@ def test_hung_master_costs_one_deadline_then_instant_misses():
 
 OWNER = r"""
 import json, sys, torch
-from tierkv.tiers.dram_pool import DramPoolTier
+from tierkv.tiers.remote.media import DramPoolTier
 opts, keys = json.loads(sys.argv[1]), json.loads(sys.argv[2])
 tier = DramPoolTier.from_config("owner", opts)
 g = torch.Generator().manual_seed(5)

@@ -22,7 +22,7 @@ from tier_conformance import TierConformance, blob
 
 from tierkv.errors import ConfigError
 from tierkv.store import TieredStore
-from tierkv.tiers.dram_pool import DramPoolTier
+from tierkv.tiers.remote.media import DramPoolTier
 from tierkv.tiers.remote.standalone import StandalonePool, client_binary, main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -77,7 +77,7 @@ def test_bad_options_name_the_option(extra, match):
 
 
 def test_standalone_is_a_dram_pool_mode():
-    from tierkv.tiers.remote_npu import RemoteNPUTier
+    from tierkv.tiers.remote.media import RemoteNPUTier
 
     with pytest.raises(ConfigError, match="dram_pool mode"):
         RemoteNPUTier.from_config("r", {**BASE, "mode": "standalone"})
@@ -282,7 +282,7 @@ def test_standalone_client_killed_misses_then_the_store_recovers_by_itself(ipc):
 
 FLOOD = r"""
 import json, sys, torch
-from tierkv.tiers.dram_pool import DramPoolTier
+from tierkv.tiers.remote.media import DramPoolTier
 opts = json.loads(sys.argv[1])
 tier = DramPoolTier.from_config("flood", opts)
 i = 0

@@ -16,12 +16,11 @@ from tier_conformance import blob, key
 
 from tierkv.errors import ConfigError
 from tierkv.options import pop_int
-from tierkv.tiers.dram_pool import DramPoolTier
 from tierkv.tiers.remote import Outcome, RemoteClient
 from tierkv.tiers.remote.backends import BACKENDS, backend_class, register_backend
 from tierkv.tiers.remote.client import Backend, BackendSpec
+from tierkv.tiers.remote.media import DramPoolTier, RemoteNPUTier
 from tierkv.tiers.remote.mooncake import outcome_of as mooncake_outcome
-from tierkv.tiers.remote_npu import RemoteNPUTier
 
 FULL, GONE = -1, -2
 
