@@ -227,9 +227,9 @@ _memmove = ctypes.memmove
 def host_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` for tensors of equal byte size; one ``memmove`` when both are contiguous host memory.
 
-    Inside a vLLM CPU engine process torch's copy kernel was measured moving host
-    bytes at about a third of ``memmove``'s speed (outside one they are equal),
-    and it holds the GIL while it runs; ``memmove`` through ctypes releases it.
+    Inside a vLLM CPU engine process torch's copy kernel moves host bytes slower
+    than ``memmove`` (docs/benchmarks.md), and it holds the GIL while it runs;
+    ``memmove`` through ctypes releases it.
     On a thread other than the engine's, a parallel torch op also starts an
     OpenMP team for that thread, whose workers then spin on the engine's cores.
     Anything else (a device tensor, a strided view, a dtype conversion) goes

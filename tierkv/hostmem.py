@@ -3,9 +3,8 @@
 A DMA transfer (an O_DIRECT read or write, a copy to or from an accelerator) is split into one
 segment per physically contiguous run of pages.  A buffer of 4 KiB pages is as many segments as
 pages, merged only where neighbours happen to lie side by side; a 2 MiB transparent huge page is
-one.  Measured on this project's virtual disk (``bench/bench_dio_buffers.py``, docs/ssd.md
-"Huge-page region images"): 2 MiB O_DIRECT writes ran at 6.0-7.0 GiB/s from huge pages, 3.1-5.5
-from a buffer of 4 KiB pages and 2.8-4.9 straight from torch tensors.
+one, so a transfer from huge pages runs faster than one of the same bytes from 4 KiB pages
+(``bench/bench_dio_buffers.py`` measures it; figures in docs/ssd.md, "Figures").
 
 * ``page_buffer`` maps a zeroed, page-aligned buffer, advised as huge pages from ``HUGE`` bytes on.
 * ``StagingArena`` keeps one such buffer for staging batches of chunks between tiers, reused batch

@@ -39,8 +39,8 @@ _OK, _BAD, _OTHER, _SIZE = 1, 2, 3, 4  # exact; corrupt or moved; another key's 
 _ZERO_CHECK = bytes(8)  # a header's check field, as its check was computed
 _RUN_GAP = 4096  # records at most this far apart are read together
 _RUN_MAX = 1 << 20  # a run's span is at most this long
-#: O_DIRECT runs may be longer: a device serves one long read faster than several short ones (measured
-#: with ``bench/bench_ssd.py``: 256 KiB gets went from 0.5-0.97 to 0.9-1.06 of raw ``pread`` with 2 MiB)
+#: O_DIRECT runs may be longer: a device serves one long read faster than several short ones
+#: (``bench/bench_ssd.py``; docs/ssd.md, "Figures")
 _RUN_MAX_DIRECT = (2 << 20) + (64 << 10)  # (2 MiB of payloads with their records' headers, keys and pads)
 _RUN_OBJECT = 256 << 10  # records longer than this are read on their own
 _MANY = 64  # batches of at least this many keys are looked up in the index with numpy

@@ -36,10 +36,10 @@ def _handoff(pool: ThreadPoolExecutor, wait: bool, fn, *args):
 
     A woken writer needs the GIL to begin, and the caller, copying on in steps that release the GIL only
     briefly, takes it back first, again and again: the device then idles up to the interpreter's switch
-    interval (measured: 0.7-1.3 ms after a region change, against the microseconds the writer takes to
-    start).  The caller is ahead of the device, so waiting for the start costs nothing the device would
-    have used.  Buffered pieces are not worth the wait: a batch of small records would pay it once per
-    batch (0.05-0.1 ms against 0.2 ms of work), and the page cache takes a piece in microseconds."""
+    interval, where the writer needs microseconds to start.  The caller is ahead of the device, so
+    waiting for the start costs nothing the device would have used.  Buffered pieces are not worth the
+    wait: a batch of small records would pay it once per batch, a large share of its work, and the page
+    cache takes a piece in microseconds (docs/history.md, 2026-12-02)."""
     if not wait:
         return pool.submit(fn, *args)
     started = _thread.allocate_lock()
