@@ -20,8 +20,9 @@ Saves
     ``save_kv_layer`` queues the layer's newly completed chunks for a background
     put; ``wait_for_save`` settles the step's loads, releases the saves they held
     back and (``save_wait``, the default) returns once the step's saves are in
-    the store, so nothing is queued between steps and an engine killed between
-    steps loses no save.  ``get_finished`` reports requests whose saves are done.
+    the store, so the connector queues nothing between steps (the store's
+    write-behind copies to a persistent tier may still be queued: docs/vllm.md,
+    "When the engine goes down").  ``get_finished`` reports requests whose saves are done.
 
 Ownership
     The worker owns its store reference (released at ``shutdown``), its lookup
