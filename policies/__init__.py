@@ -21,16 +21,20 @@ from .admission import (
     FrequencyAdmission,
     SizeAdmission,
 )
-from .eviction import (
-    EVICTION_POLICIES,
-    ARCPolicy,
-    EvictionPolicy,
-    FIFOPolicy,
-    LFUPolicy,
-    LRUPolicy,
-    S3FIFOPolicy,
-)
+from .arc import ARCPolicy
+from .eviction import EvictionPolicy, FIFOPolicy, LFUPolicy, LRUPolicy
 from .promotion import PROMOTION_POLICIES, NeverPromote, PromoteOnHit, PromotionPolicy
+from .s3fifo import S3FIFOPolicy
+
+#: eviction policy name -> class (the scan-resistant built-ins have modules of their own over eviction.py's base)
+EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "fifo": FIFOPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "s3-fifo": S3FIFOPolicy,
+    "arc": ARCPolicy,
+}
 
 
 def _build(kind: str, base: type, table: dict[str, type], spec: Any, default: str) -> Any:

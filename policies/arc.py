@@ -1,7 +1,7 @@
 """ARC eviction (Adaptive Replacement Cache), sized in bytes.
 
 Split out of ``eviction.py`` (which holds the base class, its contract and the
-simpler built-ins); ``tierkv.policies.eviction.ARCPolicy`` still names it.
+simpler built-ins); ``tierkv.policies.ARCPolicy`` names it.
 """
 
 from __future__ import annotations

@@ -461,18 +461,3 @@ def _to_end(index: dict, keys: list) -> None:
     """Move ``keys`` (in the index) to its end, in order."""
     if keys:
         index.update([(k, index.pop(k)) for k in keys])
-
-
-# the scan-resistant built-ins live in modules of their own (each imports the base above)
-from .arc import ARCPolicy  # noqa: E402
-from .s3fifo import S3FIFOPolicy  # noqa: E402
-
-EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
-    "lru": LRUPolicy,
-    "lfu": LFUPolicy,
-    "fifo": FIFOPolicy,
-    "s3fifo": S3FIFOPolicy,
-    "s3-fifo": S3FIFOPolicy,
-    "arc": ARCPolicy,
-}
-

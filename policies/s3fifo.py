@@ -1,7 +1,7 @@
 """S3-FIFO eviction: a small probationary FIFO, a main FIFO and a ghost FIFO.
 
 Split out of ``eviction.py`` (which holds the base class, its contract and the
-simpler built-ins); ``tierkv.policies.eviction.S3FIFOPolicy`` still names it.
+simpler built-ins); ``tierkv.policies.S3FIFOPolicy`` names it.
 """
 
 from __future__ import annotations

@@ -39,7 +39,9 @@ from tierkv.hooks import batch_hook, call_policy
 from tierkv.level_eviction import Eviction
 from tierkv.persist import resolve_persist
 from tierkv.policies import AdmissionPolicy, AdmitAll, EvictionPolicy, build_admission, build_eviction
-from tierkv.policies.eviction import ARCPolicy, FIFOPolicy, LFUPolicy, LRUPolicy, S3FIFOPolicy
+from tierkv.policies.arc import ARCPolicy
+from tierkv.policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy
+from tierkv.policies.s3fifo import S3FIFOPolicy
 from tierkv.stats import TierCounters
 from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Tier
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import _thread
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Optional, cast
+from typing import TYPE_CHECKING, Optional, Protocol, cast
 
 from . import region as R
 from .hostbuf import ctype_of
@@ -19,7 +19,13 @@ from .hostbuf import ctype_of
 if TYPE_CHECKING:
     import mmap
 
-    from .writepath import WritePath
+
+class Writer(Protocol):
+    """What ``Segment.wait`` needs of the tier that writes it: where an I/O error goes, which files need a sync."""
+
+    _dirty_fds: set[int]
+
+    def _io_error(self, e: OSError, what: str) -> None: ...
 
 
 #: writes of one segment in flight at most, and the backlog that starts the second (two in flight keep a
@@ -214,7 +220,7 @@ class Segment:
             out.append((run_at, cur))
         return out
 
-    def wait(self, tier: WritePath) -> bool:
+    def wait(self, tier: Writer) -> bool:
         """Wait for the submitted writes; False (counted) if any failed."""
         ok = True
         for f in self.futures:
