@@ -274,7 +274,6 @@ def test_demo_entry_points(tmp_path):
 @pytest.mark.vllm
 @pytest.mark.slow
 def test_demo_vllm_cold_then_warm(tmp_path):
-    pytest.importorskip("vllm")
     r = tierkv("demo", "--vllm", "--prompt-tokens", "512", "--dir", tmp_path, "--json", timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
     summary = json.loads(r.stdout)

