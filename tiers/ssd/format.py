@@ -132,7 +132,7 @@ def aligned_buffer(n: int, populate: bool = False, huge: Optional[bool] = None) 
 
     ``tierkv.hostmem.page_buffer``: ``populate`` faults its pages in at once, after the huge-page
     advice, so the pages faulted in are huge ones (an O_DIRECT transfer from or into them is a few
-    long segments instead of one per 4 KiB page: docs/ssd.md, "Huge-page region images").
+    long segments instead of one per 4 KiB page: docs/ssd.md, "Figures").
     """
     return page_buffer(n, populate, huge)
 
