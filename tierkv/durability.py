@@ -1,6 +1,6 @@
 """What ``TieredStore.flush`` answers: which acknowledged chunks did not become durable, and why.
 
-The contract (``docs/ssd.md`` opens with it): after ``flush()`` returns, every chunk
+The contract (``docs/ssd.md``, "What survives, and what it costs"): after ``flush()`` returns, every chunk
 acknowledged before the call is durable in every persistent ``write_behind`` tier whose
 admission policy accepts it, **or the answer says which are not**.  A chunk is
 *undurable* when the store gave up on its copy into such a tier: the queue was full,
