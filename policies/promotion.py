@@ -66,5 +66,4 @@ class PromoteOnHit(PromotionPolicy):
 PROMOTION_POLICIES: dict[str, type[PromotionPolicy]] = {
     "never": NeverPromote,
     "on-hit": PromoteOnHit,
-    "on_hit": PromoteOnHit,
 }

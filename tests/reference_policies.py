@@ -357,6 +357,5 @@ EVICTION_POLICIES: dict[str, type[EvictionPolicy]] = {
     "lfu": LFUPolicy,
     "fifo": FIFOPolicy,
     "s3fifo": S3FIFOPolicy,
-    "s3-fifo": S3FIFOPolicy,
     "arc": ARCPolicy,
 }

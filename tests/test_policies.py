@@ -6,9 +6,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, PolicyError
 from tierkv.policies import (
+    ADMISSION_POLICIES,
     EVICTION_POLICIES,
+    PROMOTION_POLICIES,
+    Admission,
+    AdmissionCounts,
+    AdmissionPolicy,
+    AdmitAll,
+    AdmitNone,
+    AllOf,
+    AnyOf,
     ARCPolicy,
     EvictionPolicy,
     FIFOPolicy,
@@ -16,7 +25,9 @@ from tierkv.policies import (
     LFUPolicy,
     LRUPolicy,
     PromoteOnHit,
+    RateLimitAdmission,
     S3FIFOPolicy,
+    SizeAdmission,
     build_admission,
     build_eviction,
     build_promotion,
@@ -211,3 +222,191 @@ def test_frequency_admission_needs_k_accesses():
 def test_every_named_policy_builds():
     for name in EVICTION_POLICIES:
         assert isinstance(build_eviction(name), EvictionPolicy)
+
+
+# -- admission: typed answers, a checked call, composition, throttling -------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Answering(AdmissionPolicy):
+    """Answers what it is given, and remembers what it was asked."""
+
+    def __init__(self, answer) -> None:
+        self.answer = answer
+        self.asked: list[str] = []
+
+    def admit(self, key, nbytes, tier):
+        self.asked.append(key)
+        return self.answer
+
+
+def test_admission_answers_are_an_enum_true_only_for_admit():
+    assert [a.value for a in Admission] == ["admit", "reject", "throttled"]
+    assert Admission("throttled") is Admission.THROTTLED
+    assert bool(Admission.ADMIT) and not Admission.REJECT and not Admission.THROTTLED
+
+
+@pytest.mark.parametrize("answer,expected", [
+    (True, Admission.ADMIT), (False, Admission.REJECT),
+    (Admission.ADMIT, Admission.ADMIT), (Admission.REJECT, Admission.REJECT),
+    (Admission.THROTTLED, Admission.THROTTLED),
+])
+def test_decide_turns_the_hook_answer_into_an_admission(answer, expected):
+    assert Answering(answer).decide("k", 10, "ssd") is expected
+
+
+@pytest.mark.parametrize("answer", [None, 1, 0, "yes", "admit"])
+def test_decide_refuses_an_answer_of_another_type_naming_the_policy(answer):
+    with pytest.raises(PolicyError, match=r"Answering\.admit answered .* for tier 'ssd'"):
+        Answering(answer).decide("k", 10, "ssd")
+
+
+def test_decide_names_the_policy_when_the_hook_raises():
+    class Broken(AdmissionPolicy):
+        def admit(self, key, nbytes, tier):
+            raise KeyError(key)
+
+    with pytest.raises(PolicyError, match=r"Broken\.admit raised for tier 'dram': KeyError"):
+        Broken().decide("k", 1, "dram")
+
+
+def test_every_built_in_decides_through_the_base():
+    built = [build_admission(name) for name in ("always", "never", "frequency")]
+    built += [build_admission({"policy": "size", "max_bytes": 64}),
+              build_admission({"policy": "rate-limit", "bytes_per_s": "1MiB"}),
+              build_admission({"policy": "all-of", "policies": ["always"]}),
+              build_admission({"policy": "any-of", "policies": ["never"]})]
+    assert {type(p).name for p in built} == set(ADMISSION_POLICIES)
+    for p in built:
+        assert isinstance(p.decide("k", 8, "t"), Admission)
+
+
+def test_all_of_and_any_of_are_registered_and_built_from_config():
+    assert ADMISSION_POLICIES["all-of"] is AllOf and ADMISSION_POLICIES["any-of"] is AnyOf
+    a = build_admission({"policy": "all-of",
+                         "policies": [{"policy": "frequency", "min_accesses": 2}, {"policy": "size", "max_bytes": 100}]})
+    assert isinstance(a, AllOf)
+    assert [type(p) for p in a.policies] == [FrequencyAdmission, SizeAdmission]
+    a.on_access("k")
+    assert a.decide("k", 10, "ssd") is Admission.REJECT  # accessed once, two needed
+    a.on_access("k")  # demand reaches the members
+    assert a.decide("k", 10, "ssd") is Admission.ADMIT
+    assert a.decide("k", 101, "ssd") is Admission.REJECT  # too large
+    o = build_admission({"policy": "any-of", "policies": ["never", {"policy": "size", "max_bytes": 100}]})
+    assert isinstance(o, AnyOf)
+    assert o.decide("k", 10, "ssd") is Admission.ADMIT
+    assert o.decide("k", 101, "ssd") is Admission.REJECT
+
+
+def test_all_of_answers_the_first_refusal_and_asks_no_further():
+    admit, throttle, reject = Answering(True), Answering(Admission.THROTTLED), Answering(False)
+    assert AllOf(admit, throttle, reject).decide("k", 1, "t") is Admission.THROTTLED
+    assert reject.asked == []  # a member after the first refusal is not asked (spends nothing)
+    assert AllOf(Answering(True), Answering(False), Answering(Admission.THROTTLED)).decide("k", 1, "t") \
+        is Admission.REJECT
+    assert AllOf(Answering(True), Answering(Admission.ADMIT)).decide("k", 1, "t") is Admission.ADMIT
+
+
+def test_any_of_admits_on_the_first_yes_and_otherwise_says_throttled_over_reject():
+    first, second = Answering(Admission.ADMIT), Answering(True)
+    assert AnyOf(first, second).decide("k", 1, "t") is Admission.ADMIT
+    assert second.asked == []
+    assert AnyOf(Answering(False), Answering(Admission.THROTTLED)).decide("k", 1, "t") is Admission.THROTTLED
+    assert AnyOf(Answering(False), Answering(False)).decide("k", 1, "t") is Admission.REJECT
+
+
+def test_a_member_that_breaks_its_contract_is_named_inside_a_composite():
+    with pytest.raises(PolicyError, match=r"Answering\.admit answered None"):
+        AllOf(Answering(True), Answering(None)).decide("k", 1, "t")
+
+
+@pytest.mark.parametrize("spec,match", [
+    ({"policy": "all-of"}, "'all-of' needs 'policies'"),
+    ({"policy": "any-of", "policies": []}, "'any-of' needs 'policies'"),
+    ({"policy": "all-of", "policies": "frequency"}, "'all-of' needs 'policies'"),
+    ({"policy": "all-of", "policies": ["nope"]}, "unknown admission policy 'nope'"),
+    ({"policy": "all-of", "policies": [{"policy": "size", "max_bytes": "huge"}]}, "max_bytes"),
+    ({"policy": "rate-limit"}, "bad parameters"),
+    ({"policy": "rate-limit", "bytes_per_s": "fast"}, "bytes_per_s"),
+    ({"policy": "rate-limit", "bytes_per_s": 10, "burst": 0}, "burst"),
+])
+def test_bad_admission_specs_are_named(spec, match):
+    with pytest.raises(ConfigError, match=match):
+        build_admission(spec)
+
+
+def test_composites_take_policy_instances_only():
+    with pytest.raises(ConfigError, match="members must be AdmissionPolicy instances"):
+        AllOf("frequency")
+    with pytest.raises(ConfigError, match="at least one member"):
+        AnyOf()
+
+
+def test_rate_limit_throttles_past_its_budget_and_recovers_with_time():
+    clock = FakeClock()
+    r = RateLimitAdmission(bytes_per_s=1024, burst=300, clock=clock)
+    assert build_admission({"policy": "rate-limit", "bytes_per_s": "1KiB"}).burst == 1024  # burst: one second
+    assert [r.decide(f"k{i}", 100, "ssd") for i in range(4)] == [Admission.ADMIT] * 3 + [Admission.THROTTLED]
+    clock.now += 1 / 16  # 64 bytes back: not enough for 100
+    assert r.decide("k", 100, "ssd") is Admission.THROTTLED
+    clock.now += 1 / 16
+    assert r.decide("k", 100, "ssd") is Admission.ADMIT
+    clock.now += 60  # the bucket refills to its burst, no further
+    assert [r.decide(f"k{i}", 100, "ssd") for i in range(4)] == [Admission.ADMIT] * 3 + [Admission.THROTTLED]
+    assert r.decide("huge", 301, "ssd") is Admission.REJECT  # could never fit in a burst
+
+
+def test_admission_counts_record_each_answer_in_one_place():
+    counts = AdmissionCounts()
+    for answer in (Admission.ADMIT, Admission.ADMIT, Admission.REJECT, Admission.THROTTLED):
+        assert counts.record(answer) is answer
+    counts.record(Admission.THROTTLED, 3)
+    assert counts.as_dict() == {"admitted": 2, "rejected": 1, "throttled": 4}
+    with pytest.raises(TypeError):
+        counts.record(True)
+
+
+def test_admits_everything_says_when_the_store_may_skip_asking():
+    class Picky(AdmitAll):
+        def admit(self, key, nbytes, tier):
+            return nbytes < 10
+
+    class Watching(AdmitAll):
+        def on_access(self, key):
+            pass
+
+    assert AdmitAll().admits_everything and build_admission(None).admits_everything
+    assert Watching().admits_everything  # observing demand does not change the answer
+    assert not Picky().admits_everything  # overriding admit does
+    for p in (AdmitNone(), FrequencyAdmission(), SizeAdmission(10), RateLimitAdmission(10), Answering(True)):
+        assert not p.admits_everything
+    assert AllOf(AdmitAll(), AdmitAll()).admits_everything
+    assert not AllOf(AdmitAll(), SizeAdmission(10)).admits_everything
+    assert AnyOf(SizeAdmission(10), AdmitAll()).admits_everything
+    assert not AnyOf(SizeAdmission(10), Picky()).admits_everything
+
+
+# -- one spelling per concept: removed names are refused, naming the one to use ----------------------------
+@pytest.mark.parametrize("build,spec,match", [
+    (build_eviction, "s3-fifo", "eviction policy 's3-fifo' is no longer a name: use 's3fifo'"),
+    (build_eviction, {"policy": "S3-FIFO", "small_ratio": 0.2}, "use 's3fifo'"),
+    (build_promotion, "on_hit", "promotion policy 'on_hit' is no longer a name: use 'on-hit'"),
+    (build_promotion, {"policy": "on_hit", "min_hits": 2}, "use 'on-hit'"),
+    (build_admission, {"policy": "frequency", "threshold": 2},
+     "admission policy 'frequency': parameter 'threshold' is no longer accepted: use 'min_accesses'"),
+])
+def test_removed_spellings_are_refused_naming_the_one_to_use(build, spec, match):
+    with pytest.raises(ConfigError, match=match):
+        build(spec)
+
+
+def test_removed_spellings_are_absent_from_the_registries():
+    assert "s3-fifo" not in EVICTION_POLICIES and "s3fifo" in EVICTION_POLICIES
+    assert "on_hit" not in PROMOTION_POLICIES and "on-hit" in PROMOTION_POLICIES
+    with pytest.raises(TypeError):
+        FrequencyAdmission(threshold=2)  # type: ignore[call-arg]

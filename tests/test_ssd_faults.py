@@ -317,7 +317,7 @@ def test_buffered_batch_written_from_the_callers_parts_indexes_none_when_a_write
 def test_store_dram_over_ssd_restarts_and_finds_everything(tmp_path):
     cfg = {"tiers": [{"medium": "dram", "capacity": "1MiB"},
                      {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB", "region_size": "4MiB",
-                      "write_through": True}]}
+                      "persist": "write_through"}]}
     keys = [f"{i:064x}" for i in range(200)]
     with TieredStore.from_config(cfg) as store:
         assert store.put(keys, [val(i, 50000) for i in range(200)]) == [True] * 200

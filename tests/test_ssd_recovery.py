@@ -264,7 +264,7 @@ def test_a_store_over_a_crashed_ssd_tier_stores_what_it_says_it_stores(tmp_path,
     def cfg(path):
         return {"tiers": [{"medium": "dram", "capacity": "256KiB"},
                           {"medium": "ssd", "path": path, "capacity": "6MiB", "region_size": "1MiB",
-                           "write_through": True}]}
+                           "persist": "write_through"}]}
 
     crash: list = []
     real_move = SSDTier._settle_move

@@ -68,7 +68,7 @@ def _child(path: str, mode: str, store: bool, seed: int, gen: int, live: list, c
     if store:
         cfg = {"tiers": [{"medium": "dram", "capacity": "256KiB"},
                          {"medium": "ssd", "path": path, "capacity": CAPACITY, "region_size": REGION,
-                          "write_through": True, **_options(mode, store)}]}
+                          "persist": "write_through", **_options(mode, store)}]}
         s = TieredStore.from_config(cfg)
         tier = s.levels[1].tier
 

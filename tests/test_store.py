@@ -207,7 +207,7 @@ def test_frequency_admission_spares_the_ssd(tmp_path):
 def test_write_through_copies_into_lower_tier(tmp_path):
     cfg = {"tiers": [
         {"medium": "dram", "capacity": 8 * CHUNK},
-        {"medium": "ssd", "path": str(tmp_path / "s"), "capacity": "1MiB", "write_through": True},
+        {"medium": "ssd", "path": str(tmp_path / "s"), "capacity": "1MiB", "persist": "write_through"},
     ]}
     keys = keys_for(3)
     with TieredStore.from_config(cfg) as store:

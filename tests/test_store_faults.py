@@ -225,10 +225,11 @@ def test_bad_top_level_values_are_config_errors(top, match):
         TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "1MiB"}], **top})
 
 
-def test_contradicting_persist_options_are_refused():
-    with pytest.raises(ConfigError, match="contradicts"):
-        TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "1MiB", "write_through": True,
-                                            "persist": "on_evict"}]})
+@pytest.mark.parametrize("extra", [{"write_through": True}, {"write_through": False},
+                                   {"write_through": True, "persist": "write_through"}])
+def test_the_removed_write_through_option_is_refused_naming_persist(extra):
+    with pytest.raises(ConfigError, match="'write_through' is no longer accepted: use \"persist\": \"write_through\""):
+        TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "1MiB", **extra}]})
 
 
 # -- 12. keys are an ordered sequence of strings, everywhere ------------------------------------

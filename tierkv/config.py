@@ -20,9 +20,11 @@ Keys every tier takes: ``medium`` (a built-in name or ``"package.module:Class"``
 ``name`` (defaults to the medium; must be unique), ``eviction`` (managed media),
 ``admission``, ``persist`` (``"write_behind"``: every chunk stored above is copied
 in by a background queue, the default for persistent media; ``"write_through"``:
-copied in synchronously; ``"on_evict"``: only demotions, the default otherwise)
-and ``write_through`` (true is the same as ``"persist": "write_through"``).  Everything else goes to the medium, which
-rejects what it does not know.  Unknown keys are errors, never ignored.
+copied in synchronously; ``"on_evict"``: only demotions, the default otherwise; a
+``tierkv.persist.PersistMode``).  Everything else goes to the medium, which rejects what it
+does not know.  Unknown keys are errors, never ignored; a removed spelling (``"write_through": true``,
+``"eviction": "s3-fifo"``, ``"promotion": "on_hit"``, admission ``"threshold"``) is an error naming
+the one to use.
 """
 
 from __future__ import annotations
@@ -35,11 +37,12 @@ from typing import Any
 from tierkv.errors import ConfigError
 from tierkv.level import Level
 from tierkv.options import check_int, check_str
+from tierkv.persist import pop_persist
 from tierkv.tiers import medium_class
 
 TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue",
             "trace_path", "trace", "shadow"}  # the last three: tierkv.observe
-LEVEL_KEYS = {"medium", "name", "eviction", "admission", "write_through", "persist"}
+LEVEL_KEYS = {"medium", "name", "eviction", "admission", "persist"}
 
 
 def default_config(root: str | None = None) -> dict[str, Any]:
@@ -125,15 +128,13 @@ def build_levels(tier_cfgs: list[Any]) -> list[Level]:
             names.add(name)
             eviction = opts.pop("eviction", None)
             admission = opts.pop("admission", None)
-            write_through = opts.pop("write_through", None)
-            persist = opts.pop("persist", None)
+            persist = pop_persist(opts, f"tier {name!r}")
             for key, path in ((k, v) for k, v in opts.items() if k in ("path", "root")):
                 if any(getattr(lvl.tier, "path", None) == os.path.abspath(os.path.expanduser(str(path))) for lvl in levels):
                     raise ConfigError(f"tiers[{pos}]: {key} {path!r} is used by another tier of this store")
             tier = cls.from_config(name, opts)
             try:
-                levels.append(Level(tier, eviction=eviction, admission=admission, write_through=write_through,
-                                    persist=persist))
+                levels.append(Level(tier, eviction=eviction, admission=admission, persist=persist))
             except Exception:
                 tier.close()
                 raise

@@ -38,10 +38,17 @@ from tierkv.errors import ConfigError, PolicyError
 from tierkv.hooks import batch_hook, call_policy
 from tierkv.level_eviction import Eviction
 from tierkv.persist import resolve_persist
-from tierkv.policies import AdmissionPolicy, AdmitAll, EvictionPolicy, build_admission, build_eviction
-from tierkv.policies.arc import ARCPolicy
-from tierkv.policies.eviction import FIFOPolicy, LFUPolicy, LRUPolicy
-from tierkv.policies.s3fifo import S3FIFOPolicy
+from tierkv.policies import (
+    AdmissionPolicy,
+    ARCPolicy,
+    EvictionPolicy,
+    FIFOPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    S3FIFOPolicy,
+    build_admission,
+    build_eviction,
+)
 from tierkv.stats import TierCounters
 from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Tier
 
@@ -134,7 +141,7 @@ class Level(Eviction):
         self._remove_many = batch_hook(self.eviction, "on_remove", "on_remove_many")
         self.admission: AdmissionPolicy = build_admission(admission)
         #: the default admission: the store skips asking it
-        self.admits_all = type(self.admission) is AdmitAll
+        self.admits_all = self.admission.admits_everything
         self.persist = resolve_persist(tier, persist, write_through)
         if self.persist == "write_behind" and not self.managed:
             raise ConfigError(f"tier {tier.name!r} ({tier.medium}) is a shared pool: 'persist' may be "

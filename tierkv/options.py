@@ -9,13 +9,15 @@ how sizes are written).  ``what`` names the option in the message, e.g.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Collection, MutableMapping
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 from tierkv.errors import ConfigError
 from tierkv.units import parse_size
 
 _MISSING: Any = object()
+E = TypeVar("E", bound=enum.Enum)
 
 
 def short(value: Any, limit: int = 60) -> str:
@@ -74,6 +76,16 @@ def check_choice(value: Any, what: str, choices: Collection[str]) -> str:
     return value
 
 
+def check_enum(value: Any, what: str, kind: type[E]) -> E:
+    """A member of the enum ``kind``, given as a member or as its value (the config spelling)."""
+    if isinstance(value, kind):
+        return value
+    for member in kind:
+        if type(value) is str and value == member.value:
+            return member
+    raise ConfigError(f"{what}: expected one of {sorted(str(m.value) for m in kind)}, got {short(value)}")
+
+
 def _pop(options: MutableMapping[str, Any], key: str, default: Any) -> Any:
     if not isinstance(options, MutableMapping):
         raise ConfigError(f"options must be a mapping, got {type(options).__name__}")
@@ -114,6 +126,14 @@ def pop_choice(options: MutableMapping[str, Any], key: str, default: Any, what: 
     if v is _MISSING or (v is None and default is None):
         return default
     return check_choice(v, f"{what} option {key!r}", choices)
+
+
+def pop_enum(options: MutableMapping[str, Any], key: str, default: Any, what: str, kind: type[E]) -> Any:
+    """A member of the enum ``kind``, written as its value (``"write_through"``)."""
+    v = _pop(options, key, _MISSING)
+    if v is _MISSING or (v is None and default is None):
+        return default
+    return check_enum(v, f"{what} option {key!r}", kind)
 
 
 def pop_size(options: MutableMapping[str, Any], key: str, default: Any, what: str) -> Any:

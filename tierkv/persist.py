@@ -2,33 +2,56 @@
 
 ``write_behind`` (the default of a persistent managed medium) copies every admitted
 chunk down on a background writer; ``write_through`` writes it within the put;
-``on_evict`` only receives demotions.  ``write_through: true`` is the older
-spelling of ``persist: "write_through"``; giving both must agree.
+``on_evict`` only receives demotions (the default otherwise).  The mode is a
+``PersistMode``; its values are the config spellings, and being a ``str`` it prints
+and serialises (stats, JSON) as that spelling.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+import enum
+from collections.abc import MutableMapping
+from typing import Any, Optional
 
 from tierkv.errors import ConfigError
-from tierkv.options import check_bool, check_choice
+from tierkv.options import check_enum, pop_enum
 from tierkv.tiers.base import Tier
 
-#: how a level receives chunks stored above it
-PERSIST_MODES = ("write_behind", "write_through", "on_evict")
+
+class PersistMode(enum.StrEnum):
+    """How a level receives chunks stored above it (the tier option ``"persist"``)."""
+
+    WRITE_BEHIND = "write_behind"  #: a background queue copies in every chunk stored above that it admits
+    WRITE_THROUGH = "write_through"  #: copied in synchronously, before ``put`` returns
+    ON_EVICT = "on_evict"  #: only demotions
 
 
-def resolve_persist(tier: Tier, persist: Optional[str], write_through: Optional[bool]) -> str:
-    """The level's persistence mode from the two options (``write_through`` is the older spelling)."""
+#: the config spellings of ``persist``
+PERSIST_MODES = tuple(m.value for m in PersistMode)
+
+
+def default_persist(medium: type[Tier] | Tier) -> PersistMode:
+    """The mode of a tier of ``medium`` that gives no ``persist``: write-behind into a persistent managed medium."""
+    return PersistMode.WRITE_BEHIND if (medium.persistent and medium.managed) else PersistMode.ON_EVICT
+
+
+def pop_persist(options: MutableMapping[str, Any], what: str) -> Optional[PersistMode]:
+    """Remove and check a tier config's ``persist`` (None when absent); the removed ``write_through`` is refused."""
+    if "write_through" in options:
+        raise ConfigError(f"{what}: option 'write_through' is no longer accepted: use "
+                          "\"persist\": \"write_through\"")
+    return pop_enum(options, "persist", None, what, PersistMode)
+
+
+def resolve_persist(tier: Tier, persist: Optional[str], write_through: Optional[bool] = None) -> PersistMode:
+    """The level's persistence mode from its ``persist`` option (None: the medium's default).
+
+    ``write_through`` is a removed option: giving it is a ``ConfigError`` naming ``"persist"``.
+    """
     what = f"tier {tier.name!r}"
     if write_through is not None:
-        write_through = check_bool(write_through, f"{what} option 'write_through'")
+        raise ConfigError(f"{what}: option 'write_through' is no longer accepted: use "
+                          "\"persist\": \"write_through\"")
     if persist is not None:
-        persist = check_choice(persist, f"{what} option 'persist'", PERSIST_MODES)
-        if write_through is not None and write_through != (persist == "write_through"):
-            raise ConfigError(f"{what}: 'write_through': {str(write_through).lower()} contradicts "
-                              f"'persist': {persist!r} (give only 'persist')")
-        return persist
-    if write_through:
-        return "write_through"
-    return "write_behind" if (tier.persistent and tier.managed) else "on_evict"
+        return check_enum(persist, f"{what} option 'persist'", PersistMode)
+    return default_persist(tier)

@@ -44,6 +44,7 @@ Failures:
 
 from __future__ import annotations
 
+import enum
 import threading
 from collections.abc import Sequence
 from typing import Any, ClassVar, Optional
@@ -64,6 +65,15 @@ CODE_SHIFT = 25
 NB_FIELD = (1 << 24) - 1
 
 
+class Locality(enum.StrEnum):
+    """Where a tier's bytes live, as the engine sees it (``Tier.locality``); the values are the words stats print."""
+
+    DEVICE = "device"  #: this device's memory
+    HOST = "host"  #: this host's DRAM
+    REMOTE = "remote"  #: another node, or a pool shared over the network
+    DISK = "disk"  #: local files
+
+
 class Tier:
     """Base class of storage media.  Subclasses implement ``_write`` / ``_read`` / ``_delete`` / ``_contains``."""
 
@@ -73,14 +83,22 @@ class Tier:
     managed: ClassVar[bool] = True
     #: True when objects survive the process (the store rebuilds its index from ``recover_columns()``)
     persistent: ClassVar[bool] = False
-    #: where the bytes live, as the engine sees it: ``"device"`` (this device's memory),
-    #: ``"host"`` (this host's DRAM), ``"remote"`` (another node, or a pool shared over the
-    #: network) or ``"disk"`` (local files)
-    locality: ClassVar[str] = "host"
+    #: where the bytes live, as the engine sees it: a ``Locality`` (``device``, ``host``, ``remote``,
+    #: ``disk``); a subclass that declares it as a string has it checked and turned into a member
+    locality: ClassVar[Locality] = Locality.HOST
     #: False for a payload-free medium (the simulator's): it accounts bytes but holds none
     keeps_bytes: ClassVar[bool] = True
     #: True when the tier can leave each object's location to its level (see "Located tiers")
     located: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        declared = cls.__dict__.get("locality")
+        if declared is not None and not isinstance(declared, Locality):
+            if type(declared) is not str or declared not in Locality._value2member_map_:
+                raise ConfigError(f"medium class {cls.__name__}: locality must be one of "
+                                  f"{[m.value for m in Locality]}, got {declared!r}")
+            cls.locality = Locality(declared)
 
     def __init__(self, name: str, capacity_bytes: int) -> None:
         if capacity_bytes <= 0:

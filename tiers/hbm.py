@@ -9,6 +9,7 @@ import torch
 from tierkv.errors import ConfigError, install_hint
 from tierkv.options import pop_bool, pop_str
 
+from .base import Locality
 from .slab import SlabTier
 
 
@@ -33,7 +34,7 @@ class HBMTier(SlabTier):
     """A preallocated pool of device memory."""
 
     medium = "hbm"
-    locality = "device"
+    locality = Locality.DEVICE
 
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "HBMTier":

@@ -15,10 +15,10 @@ from typing import Any, Optional
 from tierkv.errors import ConfigError
 from tierkv.options import pop_choice, pop_int
 
-from .base import Parts, Tier
+from .base import Locality, Parts, Tier
 from .slab import align_up
 
-LOCALITIES = ("device", "host", "remote", "disk")
+LOCALITIES = tuple(m.value for m in Locality)
 
 
 class NullTier(Tier):
@@ -28,11 +28,11 @@ class NullTier(Tier):
     keeps_bytes = False
 
     def __init__(self, name: str, capacity_bytes: int, footprint: Optional[Callable[[int], int]] = None,
-                 locality: str = "host", persistent: bool = False) -> None:
+                 locality: str = Locality.HOST, persistent: bool = False) -> None:
         super().__init__(name, capacity_bytes)
         if locality not in LOCALITIES:
             raise ConfigError(f"tier {name!r} (null): locality must be one of {LOCALITIES}, got {locality!r}")
-        self.locality = locality  # type: ignore[misc]  # shadows the class attribute: a null tier stands in for any medium
+        self.locality = Locality(locality)  # type: ignore[misc]  # shadows the class attribute: a null tier stands in for any medium
         self.persistent = persistent  # type: ignore[misc]  # (likewise)
         self._footprint = footprint
         self._fp_cache: dict[int, int] = {}

@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 from tierkv.errors import ConfigError
 from tierkv.options import pop_str
 
+from ..base import Locality
 from .backends import DEFAULT_BACKEND, backend_class
 from .client import BackendSpec
 from .options import pop_remote_options, what
@@ -65,7 +66,7 @@ class DramPoolTier(_RemoteMedium):
     """Host DRAM pooled across nodes (Mooncake Store by default; MemFabric memcache on Ascend)."""
 
     medium = "dram_pool"
-    locality = "remote"
+    locality = Locality.REMOTE
     key_tag = "dram_pool"
 
     @classmethod
@@ -77,7 +78,7 @@ class RemoteNPUTier(_RemoteMedium):
     """Other nodes' device memory as a tier (Mooncake Store segments, ``ascend`` protocol on Ascend)."""
 
     medium = "remote_npu"
-    locality = "remote"
+    locality = Locality.REMOTE
     key_tag = "remote_npu"
     device = "cpu"
 

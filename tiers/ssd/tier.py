@@ -80,7 +80,7 @@ from tierkv.options import (
 )
 from tierkv.units import parse_size
 
-from ..base import Tier
+from ..base import Locality, Tier
 from . import checkpoint as C
 from . import deadlog, recovery
 from . import format as F
@@ -134,7 +134,7 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
     """Chunks in a log of large region files under ``path`` (see the module docstring)."""
 
     medium = "ssd"
-    locality = "disk"
+    locality = Locality.DISK
     persistent = True
     managed = True
 

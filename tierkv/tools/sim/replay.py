@@ -33,6 +33,7 @@ import torch
 from tierkv.config import load_config
 from tierkv.errors import ConfigError
 from tierkv.options import check_float
+from tierkv.persist import PersistMode, default_persist, pop_persist
 from tierkv.store import Level, TieredStore
 from tierkv.tiers import medium_class
 from tierkv.tiers.base import Tier
@@ -94,16 +95,10 @@ def null_store(config: Any, capacities: Optional[dict[str, int]] = None,
         names.append(name)
         eviction = evictions.pop(name, opts.pop("eviction", None))
         admission = opts.pop("admission", None)
-        write_through = opts.pop("write_through", None)
-        persist = opts.pop("persist", None)
-        if persist is None:
-            if write_through is True:
-                persist = "write_through"
-            else:
-                persist = "write_behind" if (cls.persistent and cls.managed) else "on_evict"
+        persist = pop_persist(opts, f"tier {name!r}") or default_persist(cls)
         if persist == "write_behind":
             # the same placement as the background copy, made synchronously: a replay is deterministic
-            persist = "write_through"
+            persist = PersistMode.WRITE_THROUGH
         raw_cap = capacities.pop(name, opts.pop("capacity", None))
         if raw_cap is None:
             raise ConfigError(f"tier {name!r} has no 'capacity' in the config: give the simulator one "
