@@ -5,7 +5,8 @@ promotion or a write-behind copy) and gets an ``Admission``: ``ADMIT``, ``REJECT
 the next tier) or ``THROTTLED`` (the tier would take it, but not now: it goes on too, counted apart).
 ``decide`` is the checked public method: it calls the policy's ``admit`` hook, accepts ``True`` /
 ``False`` or an ``Admission``, and turns anything else, or an exception, into a ``PolicyError`` naming the
-policy.  ``on_access(key)`` is called for every put and get of the key, so a policy can count demand.
+policy.  ``on_access(key)`` is called for every put and get of the key, so a policy can count demand
+(``observes_demand`` says whether it needs to be).
 
 Policies compose: ``AllOf(a, b)`` (``"all-of"``) admits what every member admits, ``AnyOf(a, b)``
 (``"any-of"``) what some member admits.  ``admits_everything`` tells the store it may skip asking.
@@ -38,6 +39,11 @@ class AdmissionPolicy:
         """True when every chunk is admitted without asking, so the store may skip ``decide`` (and the
         batch fast paths that need no per-chunk answer stay open).  False unless a policy knows better."""
         return False
+
+    @property
+    def observes_demand(self) -> bool:
+        """True when ``on_access`` does something (a subclass overrides it): only then need the store tell it."""
+        return type(self).on_access is not AdmissionPolicy.on_access
 
     def admit(self, key: Hashable, nbytes: int, tier: str) -> Answer:
         """The hook to override: may ``tier`` take the chunk ``key`` of ``nbytes`` bytes?
@@ -171,9 +177,14 @@ class _Composite(AdmissionPolicy):
                 raise ConfigError(f"{self.name} admission: members must be AdmissionPolicy instances, got "
                                   f"{type(p).__name__}")
         self.policies: tuple[AdmissionPolicy, ...] = tuple(policies)
+        self._observers = tuple(p for p in self.policies if p.observes_demand)
+
+    @property
+    def observes_demand(self) -> bool:
+        return type(self).on_access is not _Composite.on_access or bool(self._observers)
 
     def on_access(self, key):
-        for p in self.policies:
+        for p in self._observers:
             p.on_access(key)
 
 

@@ -3,23 +3,43 @@
 ``should_promote(key, src, dst)`` is asked once per hit served by tier ``src``
 (a tier name) for the faster tier ``dst`` the store would copy it into.  A copy
 is inclusive: the chunk stays in ``src`` too, so demoting it later costs nothing.
+The store asks through ``decide``, the checked public method: an answer that is
+not a ``bool``, or an exception, becomes a ``PolicyError`` naming the policy.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import final
 
-from tierkv.options import check_int
+from tierkv.errors import PolicyError
+from tierkv.options import check_int, short
 
 
 class PromotionPolicy:
-    """Base class: override ``should_promote``."""
+    """Base class: override ``should_promote``; the store calls ``decide``."""
 
     name = "custom"
 
     def should_promote(self, key: Hashable, src: str, dst: str) -> bool:
+        """The hook to override: copy ``key``, just read from tier ``src``, up into tier ``dst``?"""
         raise NotImplementedError
+
+    @final
+    def decide(self, key: Hashable, src: str, dst: str) -> bool:
+        """Whether to promote: ``should_promote`` called and its answer checked (never override)."""
+        try:
+            answer = self.should_promote(key, src, dst)
+        except PolicyError:
+            raise
+        except Exception as e:
+            raise PolicyError(f"{type(self).__name__}.should_promote raised for tier {src!r}: "
+                              f"{type(e).__name__}: {str(e)[:200]}") from e
+        if answer is True or answer is False:
+            return answer
+        raise PolicyError(f"{type(self).__name__}.should_promote answered {short(answer)} for tier {src!r}: "
+                          "a promotion answer is True or False")
 
     def on_remove(self, key: Hashable) -> None:
         """The chunk left the store entirely (optional hook)."""

@@ -25,6 +25,7 @@ from tierkv.policies import (
     LFUPolicy,
     LRUPolicy,
     PromoteOnHit,
+    PromotionPolicy,
     RateLimitAdmission,
     S3FIFOPolicy,
     SizeAdmission,
@@ -410,3 +411,39 @@ def test_removed_spellings_are_absent_from_the_registries():
     assert "on_hit" not in PROMOTION_POLICIES and "on-hit" in PROMOTION_POLICIES
     with pytest.raises(TypeError):
         FrequencyAdmission(threshold=2)  # type: ignore[call-arg]
+
+
+def test_observes_demand_says_whether_on_access_needs_calling():
+    assert FrequencyAdmission().observes_demand
+    for p in (AdmitAll(), AdmitNone(), SizeAdmission(10), RateLimitAdmission(10), Answering(True)):
+        assert not p.observes_demand
+    assert AllOf(SizeAdmission(10), FrequencyAdmission()).observes_demand
+    assert not AnyOf(SizeAdmission(10), AdmitAll()).observes_demand
+
+
+# -- promotion: the checked call -------------------------------------------------------------------------
+class Promoting(PromotionPolicy):
+    def __init__(self, answer) -> None:
+        self.answer = answer
+
+    def should_promote(self, key, src, dst):
+        if isinstance(self.answer, Exception):
+            raise self.answer
+        return self.answer
+
+
+def test_promotion_decide_passes_a_bool_through():
+    assert Promoting(True).decide("k", "ssd", "hbm") is True
+    assert Promoting(False).decide("k", "ssd", "hbm") is False
+    assert build_promotion({"policy": "on-hit", "min_hits": 2}).decide("k", "ssd", "hbm") is False
+
+
+@pytest.mark.parametrize("answer,match", [
+    (None, r"Promoting\.should_promote answered None for tier 'ssd'"),
+    (1, r"Promoting\.should_promote answered 1"),
+    (Admission.ADMIT, r"a promotion answer is True or False"),
+    (ValueError("boom"), r"Promoting\.should_promote raised for tier 'ssd': ValueError: boom"),
+])
+def test_promotion_decide_names_the_policy_on_a_bad_answer(answer, match):
+    with pytest.raises(PolicyError, match=match):
+        Promoting(answer).decide("k", "ssd", "hbm")
