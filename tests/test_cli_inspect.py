@@ -153,6 +153,20 @@ def test_a_directory_without_tier_data_is_refused_and_left_untouched(tmp_path, w
     assert r.returncode == 2 and "not a directory" in r.stderr and not (tmp_path / "missing").exists()
 
 
+def test_the_old_one_file_per_object_layout_is_refused_not_read(tmp_path):
+    from tierkv.errors import ConfigError
+    from tierkv.tools.inspect import inspect_dir
+
+    # (in process: the command's own refusal is the test above) shards of *.kv files, as the former layout kept them
+    old = tmp_path / "a7" / ("k" * 64 + ".kv")
+    old.parent.mkdir()
+    old.write_bytes(b"TKV1" + bytes(100))
+    with pytest.raises(ConfigError, match="not an ssd tier's directory"):
+        inspect_dir(str(tmp_path), verify=True, repair=True)
+    assert old.read_bytes() == b"TKV1" + bytes(100)  # refused, neither read as a tier nor repaired away
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a7"]
+
+
 def test_bad_arguments_are_one_line_errors(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")

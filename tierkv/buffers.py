@@ -68,19 +68,6 @@ def to_parts(value: Value, what: str = "value") -> tuple[Parts, int]:
     raise TypeError(f"{what} must be a torch.Tensor or a non-empty list of tensors, got {type(value).__name__}")
 
 
-def to_parts_many(values: Sequence[Value], what: str) -> list[tuple[Parts, int]]:
-    """``to_parts`` of each value (errors name ``what[i]``); the common case of flat uint8 tensors inline."""
-    out: list[tuple[Parts, int]] = []
-    append = out.append
-    tensor, u8 = torch.Tensor, torch.uint8
-    for i, v in enumerate(values):
-        if type(v) is tensor and v.dtype is u8 and v.dim() == 1 and v.is_contiguous() and not v.is_meta:
-            append(([v], v.numel()))
-        else:
-            append(to_parts(v, f"{what}[{i}]"))
-    return out
-
-
 class HostViews(list):
     """Flat ``uint8`` views cut from one contiguous host tensor, listed with their addresses and sizes.
 
@@ -148,8 +135,9 @@ class HostViews(list):
 
 
 def to_parts_ptrs(values: Sequence[Value], what: str) -> tuple[list[tuple[Parts, int]], Optional[list[int]]]:
-    """``to_parts_many``, and the host address of each value when every one is a flat, contiguous
-    ``uint8`` tensor in host memory (else None): what a located host tier can copy by address alone.
+    """``to_parts`` of each value (errors name ``what[i]``), and the host address of each value when every
+    one is a flat, contiguous ``uint8`` tensor in host memory (else None): what a located host tier can copy
+    by address alone.
 
     ``HostViews`` are taken on trust (their maker checked them), unless their lengths disagree."""
     if type(values) is HostViews:
@@ -175,10 +163,6 @@ def to_parts_ptrs(values: Sequence[Value], what: str) -> tuple[list[tuple[Parts,
             append(to_parts(v, f"{what}[{i}]"))
             ptrs = None
     return out, ptrs
-
-
-def parts_nbytes(parts: Sequence[torch.Tensor]) -> int:
-    return sum(p.numel() for p in parts)
 
 
 def check_size(key: str, parts_n: int, stored_n: int) -> None:

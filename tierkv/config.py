@@ -42,7 +42,6 @@ from tierkv.tiers import medium_class
 
 TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue",
             "trace_path", "trace", "shadow"}  # the last three: tierkv.observe
-LEVEL_KEYS = {"medium", "name", "eviction", "admission", "persist"}
 
 
 def default_config(root: str | None = None) -> dict[str, Any]:

@@ -23,7 +23,6 @@ from typing import Any
 
 import numpy as np
 
-KEY_HEX_LEN = 64
 _ARRAY_OK = array.array("I").itemsize == 4 and sys.byteorder == "little"
 _DOMAIN = b"tierkv/chunk/v1\x00"
 _HASH_DOMAIN = b"tierkv/blockhash/v1\x00"

@@ -37,22 +37,18 @@ from tierkv.options import check_float
 
 
 def _xxh(key: str) -> int:
+    """A key's sampling hash: ``_xxh(key) & _MASK < threshold`` puts it in the sample, the same way in every process.
+
+    xxh3 of the key: a stable spatial hash, so an estimate is reproducible run to
+    run and agrees with ``tierkv simulate`` on the same trace (Python's own string
+    hash is seeded per process, so the sample, and the estimate, would change with it).
+    """
     return xxhash.xxh3_64_intdigest(key.encode())
 
 
 _SCALE = 1 << 24
 _MASK = _SCALE - 1
 DEFAULT_FACTORS = (0.5, 1.0, 2.0, 4.0)
-
-
-def sampled(key: str, threshold: int) -> bool:
-    """Whether ``key`` is in the sample: the same answer for the same key, in every process.
-
-    xxh3 of the key: a stable spatial hash, so an estimate is reproducible run to
-    run and agrees with ``tierkv simulate`` on the same trace (Python's own string
-    hash is seeded per process, so the sample, and the estimate, would change with it).
-    """
-    return _xxh(key) & _MASK < threshold
 
 
 class ShadowCache:
@@ -128,7 +124,7 @@ class ShadowObserver:
     def observe(self, op: str, keys: list[str], result: Any, seconds: float, sizes: Optional[list[int]]) -> None:
         if op == "put":
             demand = len(keys)
-            t = self._threshold  # inlined ``sampled``: this runs for every key of every batch
+            t = self._threshold  # (inline: this runs for every key of every batch)
             picks = [(k, n) for k, n in zip(keys, cast("list[int]", sizes)) if _xxh(k) & _MASK < t]  # (given for puts)
         elif op == "get":
             demand = sum(result)

@@ -215,10 +215,6 @@ def bench_memory(medium: str, chunk: int, rounds: int, batch: int = BATCH) -> li
     return bench_tier(tier, chunk, rounds, batch=batch)
 
 
-def bench_dram(chunk: int, rounds: int, batch: int = BATCH) -> list[dict]:
-    return bench_memory("dram", chunk, rounds, batch)
-
-
 def fs_type(path: str) -> str:
     """The filesystem type holding ``path`` (from /proc/mounts; "unknown" elsewhere)."""
     best, fstype = "", "unknown"

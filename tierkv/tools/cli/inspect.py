@@ -93,9 +93,8 @@ def _print_dir(info: dict, args) -> None:
           f"  ({info['bytes']} B)")
     regions = info.get("regions") or []
     if regions:
-        label = "region" if info["layout"] != "files" else "shard"
         table([[r.get("name", r["index"]), r["objects"], fmt_bytes(r["live_bytes"]), fmt_bytes(r["size_bytes"])]
-               for r in regions], [label, "objects", "live", "on disk"])
+               for r in regions], ["region", "objects", "live", "on disk"])
     ck = info.get("checkpoint")
     if isinstance(ck, dict):
         if not ck.get("present"):
@@ -110,8 +109,7 @@ def _print_dir(info: dict, args) -> None:
         print(f"torn regions: {info['torn_regions']} (records end at a bad record before the region's end)")
     print(f"checked: {'; '.join(info.get('checked') or [])}")
     if not info.get("verified"):
-        what = "payload sums" if info["layout"] == "files" else "the objects' records"
-        print(f"not checked: {what} (--verify reads every one)")
+        print("not checked: the objects' records (--verify reads every one)")
     if info.get("unverified"):
         print(f"unverified: {info['unverified']} objects (their payload sum cannot be computed here)")
     if args.repair:
@@ -127,8 +125,6 @@ def _print_dir(info: dict, args) -> None:
         print(f"  {c.get('key') or c.get('file')}: {c.get('reason')}{extra}")
     if len(info["corrupt"]) > 20:
         print(f"  ... and {len(info['corrupt']) - 20} more (--json lists all)")
-    if info.get("temp_files") and not args.repair:
-        print(f"stray temporary files: {info['temp_files']}")
 
 
 def _notes(info: dict, args) -> None:

@@ -83,11 +83,6 @@ def write_csv(rows: Sequence[dict], path: str) -> None:
             w.writerow({k: ("" if r.get(k) is None else r[k]) for k in fields})
 
 
-def read_csv(path: str) -> list[dict]:
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
 def _fmt_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
