@@ -3,14 +3,26 @@
 Subclass ``TierConformance`` in a test module and provide a ``make_tier`` fixture
 that returns a factory ``make_tier(capacity_bytes) -> Tier`` (the fixture owns
 closing what it made).  Every test here then runs against that medium.
+
+``LocatedTierConformance`` does the same for the located half of the interface
+(``allocate`` / ``write_at`` / ``read_at`` / ``free_at`` / ``views_at``), with a
+Hypothesis model (``LocatedModel``) that interleaves those calls against a plain
+dict; ``tests/test_located_conformance.py`` runs it against every located medium.
 """
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from tierkv.tiers.base import Tier
+from tierkv.errors import StoreClosedError
+from tierkv.tiers.base import NB_FIELD, Tier
 
 
 def fail_nth(real, n: int, calls: list, sticky: bool = False):
@@ -115,3 +127,337 @@ class TierConformance:
     def test_stats_and_availability(self, tier):
         assert tier.available
         assert isinstance(tier.extra_stats(), dict)
+
+
+# -- the located half of Tier (tiers/base.py, "Located tiers") ---------------------------------------------------
+
+
+def split_parts(t: torch.Tensor, cuts: list[int]) -> list[torch.Tensor]:
+    """``t`` as consecutive parts cut at the sorted offsets ``cuts`` (empty parts included)."""
+    edges = [0, *sorted(min(max(c, 0), t.numel()) for c in cuts), t.numel()]
+    return [t[a:b] for a, b in itertools.pairwise(edges)]
+
+
+#: the Hypothesis model's tier: small, so that every allocation path (slot classes, extents, a larger slot,
+#: gathered pieces) is reached in a few steps
+MODEL_CAPACITY = 96 << 10
+MODEL_SIZES = st.one_of(
+    st.integers(0, 64),
+    st.sampled_from([256, 1000, 1024, 4096]),  # the few sizes of one model's chunks, twice as likely
+    st.sampled_from([256, 1000, 1024, 4096]),
+    st.integers(0, MODEL_CAPACITY // 3),
+)
+
+
+class LocatedModel(RuleBasedStateMachine):
+    """A located tier driven by the level's calls, beside a plain model: code -> (nbytes, bytes written).
+
+    Checked after every step: every object written reads back exact (so no two live objects share a byte),
+    codes are positive ints that tell their nbytes, the footprints of live objects never exceed
+    ``capacity_bytes`` and an allocation is refused only when its footprint does not fit in what is left
+    (no fragmentation failure), ``used_bytes`` lies between the live objects' nbytes and their footprints.
+    """
+
+    make: Any = None  # capacity -> tier: set by ``LocatedTierConformance.test_model`` on a subclass
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tier = type(self).make(MODEL_CAPACITY)
+        self.live: dict[int, int] = {}  # code -> nbytes, of the objects of at least one byte
+        self.empty: list[int] = []  # codes of empty objects (which hold no byte: they may share a code)
+        self.data: dict[int, torch.Tensor] = {}  # code -> what was last written there
+        self.host = self.tier.views_at([]) is not None
+
+    def fp(self, n: int) -> int:
+        return self.tier.footprint(n)
+
+    def room(self) -> int:
+        return self.tier.capacity_bytes - sum(self.fp(n) for n in self.live.values())
+
+    def _take(self, sizes: list[int], codes: list) -> None:
+        assert len(codes) == len(sizes), f"allocate answered {len(codes)} codes for {len(sizes)} sizes"
+        room = self.room()
+        for n, code in zip(sizes, codes):
+            if code is None:
+                assert self.fp(n) > room, f"allocate({n}) refused with {room} bytes free (fragmentation failure)"
+                continue
+            assert type(code) is int and code > 0, f"allocate answered {code!r}, not a positive int"
+            if n == 0:
+                assert self.tier.code_nbytes(code) == 0
+                self.empty.append(code)
+                continue
+            assert code not in self.live, f"code {code} given out twice"
+            assert self.fp(n) <= room, f"allocate({n}) placed an object with {room} bytes free: capacity exceeded"
+            assert self.tier.code_nbytes(code) == n
+            room -= self.fp(n)
+            self.live[code] = n
+
+    @rule(sizes=st.lists(MODEL_SIZES, min_size=1, max_size=12))
+    def allocate(self, sizes):
+        self._take(sizes, self.tier.allocate(sizes))
+
+    @rule(data=st.data())
+    def fill_to_the_last_byte(self, data):
+        """Sizes whose footprints add up to exactly the room left are all placed; then nothing more fits."""
+        room = self.room()
+        sizes = []
+        while room > 0:
+            n = min(data.draw(MODEL_SIZES, label="size"), room) or room
+            while n and self.fp(n) > room:
+                n -= 1
+            if not n:
+                break
+            sizes.append(n)
+            room -= self.fp(n)
+        codes = self.tier.allocate(sizes)
+        assert None not in codes, f"{sizes} fit the {self.room()} bytes left, yet allocate refused {codes}"
+        self._take(sizes, codes)
+        assert self.room() == 0 or self.fp(1) > self.room()
+        assert self.tier.allocate([1]) == [None], "an object was placed in a full tier"
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), with_ptrs=st.booleans())
+    def write(self, data, with_ptrs):
+        codes = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, max_size=6, unique=True))
+        vals = [torch.randint(0, 256, (self.live[c],), dtype=torch.uint8) for c in codes]
+        if with_ptrs and self.host:  # vouched buffers: one contiguous host part of exactly the object's size
+            self.tier.write_at(codes, [[v] for v in vals], [v.data_ptr() for v in vals])
+        else:
+            srcs = []
+            for v in vals:
+                cuts = data.draw(st.lists(st.integers(0, v.numel()), max_size=3))
+                if data.draw(st.booleans(), label="strided source") and v.numel():
+                    # a non-contiguous part: every second byte of a buffer twice as long
+                    wide = torch.zeros(2 * v.numel(), dtype=torch.uint8)
+                    wide[::2] = v
+                    srcs.append([wide[::2]])
+                else:
+                    srcs.append(split_parts(v, cuts))
+            self.tier.write_at(codes, srcs)
+        for c, v in zip(codes, vals):
+            self.data[c] = v
+
+    @precondition(lambda self: self.data)
+    @rule(data=st.data(), with_ptrs=st.booleans())
+    def read(self, data, with_ptrs):
+        codes = data.draw(st.lists(st.sampled_from(sorted(self.data)), min_size=1, max_size=6, unique=True))
+        outs = [torch.full((self.live[c],), 0xA5, dtype=torch.uint8) for c in codes]
+        if with_ptrs and self.host:
+            got = self.tier.read_at(codes, [[o] for o in outs], [o.data_ptr() for o in outs])
+        else:
+            got = self.tier.read_at(codes, [split_parts(o, data.draw(st.lists(st.integers(0, o.numel()), max_size=3)))
+                                            for o in outs])
+        assert got == [True] * len(codes)
+        for c, o in zip(codes, outs):
+            assert torch.equal(o, self.data[c]), f"code {c}: the bytes read are not the bytes written"
+
+    @precondition(lambda self: self.data)
+    @rule(data=st.data(), delta=st.sampled_from([-1, 1, 8]))
+    def read_into_a_wrong_size_is_a_miss(self, data, delta):
+        c = data.draw(st.sampled_from(sorted(self.data)))
+        if self.live[c] + delta < 0:
+            return
+        out = torch.zeros(self.live[c] + delta, dtype=torch.uint8)
+        assert self.tier.read_at([c], [[out]]) == [False]
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data(), delta=st.sampled_from([-1, 1, 8]))
+    def write_of_a_wrong_size_is_refused(self, data, delta):
+        c = data.draw(st.sampled_from(sorted(self.live)))
+        if self.live[c] + delta < 0:
+            return
+        with pytest.raises(ValueError, match="bytes"):
+            self.tier.write_at([c], [[torch.zeros(self.live[c] + delta, dtype=torch.uint8)]])
+
+    @precondition(lambda self: self.data)
+    @rule(data=st.data())
+    def views_alias_the_stored_bytes(self, data):
+        codes = data.draw(st.lists(st.sampled_from(sorted(self.data)), min_size=1, max_size=6, unique=True))
+        views = self.tier.views_at(codes)
+        if views is None:
+            assert not self.host
+            return
+        assert len(views) == len(codes)
+        for c, parts in zip(codes, views):
+            for p in parts:
+                assert p.dtype == torch.uint8 and p.dim() == 1 and p.is_cpu and p.is_contiguous()
+            got = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.uint8)
+            assert torch.equal(got, self.data[c]), f"code {c}: its views do not show the bytes written"
+        # a view is the stored bytes themselves, not a copy: a new write shows through a view taken before it
+        c, parts = codes[0], views[0]
+        if self.live[c]:
+            new = torch.randint(0, 256, (self.live[c],), dtype=torch.uint8)
+            self.tier.write_at([c], [[new]])
+            self.data[c] = new
+            assert torch.equal(torch.cat(parts), new), f"code {c}: a view taken before a write does not show it"
+
+    @precondition(lambda self: self.empty)
+    @rule()
+    def empty_objects_round_trip_and_free(self):
+        none = torch.zeros(0, dtype=torch.uint8)
+        self.tier.write_at(self.empty, [[none] for _ in self.empty])
+        assert self.tier.read_at(self.empty, [[] for _ in self.empty]) == [True] * len(self.empty)
+        self.tier.free_at(self.empty)
+        self.empty = []
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def free(self, data):
+        codes = data.draw(st.lists(st.sampled_from(sorted(self.live)), min_size=1, max_size=8, unique=True))
+        self.tier.free_at(codes)
+        for c in codes:
+            del self.live[c]
+            self.data.pop(c, None)
+
+    @invariant()
+    def accounting_and_bytes(self):
+        assert self.room() >= 0, "the live objects' footprints exceed the capacity"
+        nbytes = sum(self.live.values())
+        assert nbytes <= self.tier.used_bytes <= sum(self.fp(n) for n in self.live.values())
+        if self.data:  # every written object still holds its bytes: nothing written since overlapped it
+            codes = sorted(self.data)
+            outs = [torch.empty(self.live[c], dtype=torch.uint8) for c in codes]
+            assert self.tier.read_at(codes, [[o] for o in outs]) == [True] * len(codes)
+            for c, o in zip(codes, outs):
+                assert torch.equal(o, self.data[c]), f"code {c} lost its bytes to another object"
+
+    def teardown(self):
+        self.tier.close()
+
+
+class LocatedTierConformance:
+    """The located half of ``Tier``: ``allocate`` / ``write_at`` / ``read_at`` / ``free_at`` / ``views_at`` /
+    ``code_nbytes``, as the level calls them (the production path of ``hbm`` and ``dram``).
+
+    Subclass it with a ``make_tier`` fixture as for ``TierConformance`` (``make_tier(capacity_bytes) -> Tier``,
+    the fixture closes what it made) and ``model_tier``, a plain callable of the same shape that the
+    Hypothesis model calls for each example (its teardown closes the tier)."""
+
+    capacity = 4 << 20
+    model_examples = 60
+
+    @staticmethod
+    def model_tier(capacity: int) -> Tier:
+        raise NotImplementedError
+
+    @pytest.fixture
+    def tier(self, make_tier) -> Tier:
+        return make_tier(self.capacity)
+
+    def test_is_located(self, tier):
+        assert tier.located is True and tier.managed is True
+
+    def test_codes_are_positive_ints_that_tell_their_nbytes(self, tier):
+        sizes = [0, 1, 7, 8, 9, 255, 4096, 4097, 65536, 65537, 1 << 20]
+        codes = tier.allocate(sizes)
+        assert None not in codes
+        assert all(type(c) is int and c > 0 for c in codes) and len(set(codes)) == len(codes)
+        assert [tier.code_nbytes(c) for c in codes] == sizes
+        tier.free_at(codes)
+
+    def test_write_at_then_read_at_exact_bytes(self, tier):
+        sizes = [0, 1, 100, 4096, 70_000, 1 << 20]
+        vals = [blob(i, n) for i, n in enumerate(sizes)]
+        codes = tier.allocate(sizes)
+        tier.write_at(codes, [[v] for v in vals])
+        outs = [torch.zeros(n, dtype=torch.uint8) for n in sizes]
+        assert tier.read_at(codes, [[o] for o in outs]) == [True] * len(sizes)
+        assert all(torch.equal(v, o) for v, o in zip(vals, outs))
+
+    def test_parts_cross_any_boundary_either_way(self, tier):
+        whole = blob(3, 10_000)
+        (code,) = tier.allocate([whole.numel()])
+        tier.write_at([code], [[whole[:1], whole[1:4097], whole[4097:4097], whole[4097:]]])
+        out = torch.zeros(10_000, dtype=torch.uint8)
+        assert tier.read_at([code], [split_parts(out, [5000, 5001, 9999])]) == [True]
+        assert torch.equal(out, whole)
+
+    def test_objects_larger_than_a_code_can_hold(self, make_tier):
+        """nbytes at and past ``NB_FIELD``: the code's field saturates and ``code_nbytes`` still answers."""
+        tier = make_tier(3 * NB_FIELD + (1 << 20))
+        sizes = [NB_FIELD - 1, NB_FIELD, NB_FIELD + 1]
+        codes = tier.allocate(sizes)
+        assert None not in codes and [tier.code_nbytes(c) for c in codes] == sizes
+        vals = [blob(i, n) for i, n in enumerate(sizes)]
+        tier.write_at(codes, [[v] for v in vals])
+        outs = [torch.empty(n, dtype=torch.uint8) for n in sizes]
+        assert tier.read_at(codes, [[o] for o in outs]) == [True] * 3
+        assert all(torch.equal(v, o) for v, o in zip(vals, outs))
+        tier.free_at(codes)
+        assert tier.allocate([3 * NB_FIELD]) != [None]  # their space is whole again
+
+    def test_capacity_is_never_exceeded_and_freed_space_is_reused(self, tier):
+        f = tier.footprint(4096)
+        n = tier.capacity_bytes // f
+        codes = tier.allocate([4096] * (n + 3))
+        assert codes[n:] == [None] * 3 and None not in codes[:n]
+        assert tier.allocate([1]) == [None] or tier.capacity_bytes - n * f >= tier.footprint(1)
+        tier.free_at(codes[:n])
+        again = tier.allocate([tier.capacity_bytes - tier.capacity_bytes % f])  # one object where there were n
+        assert again != [None], "freed space is not reusable as one object"
+
+    def test_a_refused_batch_entry_takes_nothing(self, tier):
+        """A None in an allocate answer costs nothing: what it could not place is free afterwards too."""
+        big = tier.capacity_bytes
+        codes = tier.allocate([1000, big, 1000])
+        assert codes[1] is None and codes[0] is not None and codes[2] is not None
+        tier.free_at([codes[0], codes[2]])
+        assert tier.allocate([big]) != [None]
+
+    def test_a_batch_sees_the_space_its_own_earlier_entries_took(self, tier):
+        """Slots popped for the first entries of a batch are not counted free for its later ones: the later
+        ones are refused (None), never a crash or a leak."""
+        codes = tier.allocate([1024] * (tier.capacity_bytes // 1024))
+        assert None not in codes
+        tier.free_at(codes[:4])  # 4 KiB free, in 1 KiB slots
+        got = tier.allocate([1024, 3584, 1024])  # after the first, 3 KiB are free: 3.5 KiB does not fit
+        assert got[0] is not None and got[1] is None and got[2] is not None
+        tier.free_at([got[0], got[2]])
+        assert None not in tier.allocate([1024] * 4)  # and nothing leaked
+
+    def test_views_alias_the_stored_bytes(self, tier):
+        vals = [blob(1, 3000), blob(2, 70_000)]
+        codes = tier.allocate([v.numel() for v in vals])
+        tier.write_at(codes, [[v] for v in vals])
+        views = tier.views_at(codes)
+        if views is None:
+            pytest.skip(f"{tier.name} gives no host views (device memory)")
+        for v, parts in zip(vals, views):
+            assert torch.equal(torch.cat(parts), v)
+        new = blob(3, 3000)
+        tier.write_at(codes[:1], [[new]])
+        assert torch.equal(torch.cat(views[0]), new)  # the same bytes, not a copy
+        assert torch.equal(torch.cat(views[1]), vals[1])  # and only that object's
+
+    def test_bad_sizes_are_refused_by_name(self, tier):
+        for bad in ([-1], [1, -8]):
+            with pytest.raises(ValueError, match="size"):
+                tier.allocate(bad)
+        for bad in ([1.5], ["8"], [None]):
+            with pytest.raises(TypeError, match="size"):
+                tier.allocate(bad)
+        assert tier.used_bytes == 0  # and nothing was taken
+        assert tier.allocate([tier.capacity_bytes]) != [None]
+
+    def test_mismatched_batches_are_refused(self, tier):
+        codes = tier.allocate([16, 16])
+        with pytest.raises(ValueError, match="2 codes"):
+            tier.write_at(codes, [[torch.zeros(16, dtype=torch.uint8)]])
+        with pytest.raises(ValueError, match="2 codes"):
+            tier.read_at(codes, [[torch.zeros(16, dtype=torch.uint8)]] * 3)
+
+    def test_a_closed_tier_refuses_located_calls(self, tier):
+        (code,) = tier.allocate([64])
+        tier.close()
+        with pytest.raises(StoreClosedError):
+            tier.allocate([64])
+        with pytest.raises(StoreClosedError):
+            tier.write_at([code], [[torch.zeros(64, dtype=torch.uint8)]])
+        with pytest.raises(StoreClosedError):
+            tier.read_at([code], [[torch.zeros(64, dtype=torch.uint8)]])
+
+    def test_model(self):
+        model = type(f"{type(self).__name__}Model", (LocatedModel,), {"make": staticmethod(self.model_tier)})
+        run_state_machine_as_test(model, settings=settings(
+            max_examples=self.model_examples, stateful_step_count=30, deadline=None,
+            suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))

@@ -43,6 +43,7 @@ __all__ = ["ALIGN", "ExtentAllocator", "SlabAllocator", "SlabTier", "align_up"]
 _ALIGN_BITS = ALIGN.bit_length() - 1
 _ALIGN_MASK = -ALIGN
 _ODD = NB_FIELD << 1 | 1  # the low bits of an odd object's code
+_INT = {int}
 
 
 def _run_moves(moves: list[tuple[int, int, int]], total: int) -> None:
@@ -79,6 +80,22 @@ def _views(slab: torch.Tensor, pieces: Sequence[tuple[int, int]], nbytes: int) -
             out.append(slab[off:off + take])
         left -= take
     return out
+
+
+def _check_sizes(name: str, sizes: Sequence[int]) -> Sequence[int]:
+    """``sizes`` as ``allocate`` takes them (ints >= 0); TypeError / ValueError naming the first bad one."""
+    if isinstance(sizes, (str, bytes, torch.Tensor)) or not isinstance(sizes, Sequence):
+        raise TypeError(f"tier {name!r}: sizes must be a sequence of ints (a list), got {type(sizes).__name__}")
+    if not sizes:
+        return sizes
+    if set(map(type, sizes)) != _INT:  # (one C pass for the common case)
+        for n in sizes:
+            if not isinstance(n, int) or isinstance(n, bool):
+                raise TypeError(f"tier {name!r}: sizes must be ints, got {n!r} ({type(n).__name__})")
+        sizes = [int(n) for n in sizes]
+    if min(sizes) < 0:
+        raise ValueError(f"tier {name!r}: sizes must be >= 0, got {min(sizes)}")
+    return sizes
 
 
 def _on_host(parts: Parts) -> bool:
@@ -155,6 +172,7 @@ class SlabTier(Tier):
 
     def allocate(self, sizes: Sequence[int]) -> list[Optional[int]]:
         self._check_open()
+        sizes = _check_sizes(self.name, sizes)
         out: list[Optional[int]] = []
         append = out.append
         alloc = self._alloc
@@ -164,13 +182,15 @@ class SlabTier(Tier):
                 fast = self._allocate_slots(sizes)
                 if fast is not None:
                     return fast
-            slot_taken = used = count = 0
+            used = count = 0
             try:
                 for nbytes in sizes:
                     f = (nbytes + ALIGN - 1) & _ALIGN_MASK
                     st = stacks.get(f) if f <= slot_max else None
                     if st:  # the common case inline: a free slot of its class
-                        slot_taken += f
+                        # (taken off the free bytes now: a later size of this batch that goes to the allocator
+                        # must not count this slot as free)
+                        alloc._slot_free -= f
                         loc: Optional[Location] = st.pop()
                     else:
                         loc = allocate(f)
@@ -184,7 +204,6 @@ class SlabTier(Tier):
                     used += nbytes
                     count += 1
             finally:
-                alloc._slot_free -= slot_taken
                 self._used += used
                 self._count += count
         return out
