@@ -62,6 +62,6 @@ def test_cpu_busy_counts_grow() -> None:
     if not Path("/proc/stat").exists():
         pytest.skip("reads /proc/stat")
     b0, t0 = B._cpu_busy()
-    time.sleep(0.05)
+    time.sleep(0.05)  # time passing on purpose: the counters measure it
     b1, t1 = B._cpu_busy()
     assert t1 >= t0 and b1 >= b0 and t0 >= b0

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import torch
 
@@ -24,7 +23,7 @@ CHILD = textwrap.dedent("""
     store.put([f"c{i:05d}" for i in range(flushed_n)], [val(i) for i in range(flushed_n)])
     store.flush()
     print("flushed", flush=True)
-    i = flushed_n
+    i, rounds = flushed_n, 0
     while True:  # keep writing until killed, over a ring of keys well inside the capacity
         if i >= flushed_n + 300:
             i = flushed_n
@@ -32,6 +31,9 @@ CHILD = textwrap.dedent("""
         store.remove(names)
         store.put(names, [val(i), val(i + 1)])
         i += 2
+        rounds += 1
+        if rounds == 32:  # well into unflushed writes: the parent may kill from now on, mid-write
+            print("writing", flush=True)
 """)
 
 
@@ -40,7 +42,7 @@ def test_sigkill_mid_write_leaves_no_torn_chunk(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", CHILD, path, "20"], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "flushed"
-        time.sleep(0.5)  # let it get well into unflushed writes
+        assert proc.stdout.readline().strip() == "writing"  # the kill lands while it keeps writing
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()

@@ -261,7 +261,7 @@ def test_standalone_client_killed_misses_then_the_store_recovers_by_itself(ipc):
                 got = store.get(keys, outs)  # never raises
                 assert all(got[i] and torch.equal(outs[i], vals[i]) for i in local)
                 assert not any(got[i] for i in remote)
-                time.sleep(0.3)
+                time.sleep(0.3)  # time passing on purpose: gets keep missing, never raising, over probe rounds
             assert store.put([k(100)], [blob(100, 1000)]) == [True]  # the local tier still takes writes
             assert tier.write([k(101)], [[blob(101, 64 << 10)]]) == [False]  # no pool memory: refused
             assert wait_for(lambda: not tier.available, 10)

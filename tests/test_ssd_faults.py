@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 import torch
@@ -45,14 +44,14 @@ def read_all(t, keys, n):
 WRITER = textwrap.dedent("""
     import sys, torch
     from tierkv.tiers.ssd import SSDTier
-    path, flushed_n = sys.argv[1], int(sys.argv[2])
+    path, flushed_n, announce = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     t = SSDTier("ssd", 64 << 20, path, region_size="4MiB")
     t.recover()
     val = lambda i: torch.full((256 << 10,), i % 251, dtype=torch.uint8)
     t.write([f"c{i:05d}" for i in range(flushed_n)], [[val(i)] for i in range(flushed_n)])
     t.flush()
     print("flushed", flush=True)
-    i = flushed_n
+    i, rounds = flushed_n, 0
     while True:  # regions fill, seal and are reclaimed until the kill
         if i >= flushed_n + 150:
             i = flushed_n
@@ -60,16 +59,22 @@ WRITER = textwrap.dedent("""
         t.delete(names)
         t.write(names, [[val(i)], [val(i + 1)]])
         i += 2
+        rounds += 1
+        if rounds == announce:  # the parent kills from now on, while this goes on writing
+            print("writing", flush=True)
 """)
 
 
-@pytest.mark.parametrize("round_", range(3))
-def test_sigkill_mid_region_write_keeps_flushed_objects_and_serves_no_torn_one(tmp_path, round_):
+# 8 rounds (16 objects of 256 KiB) fill a 4 MiB region: killed in the first unflushed region, after several
+# were sealed, and once the ring of 150 keys has wrapped and regions are being reclaimed
+@pytest.mark.parametrize("rounds", [5, 37, 110])
+def test_sigkill_mid_region_write_keeps_flushed_objects_and_serves_no_torn_one(tmp_path, rounds):
     path = str(tmp_path / "ssd")
-    proc = subprocess.Popen([sys.executable, "-c", WRITER, path, "40"], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", WRITER, path, "40", str(rounds)], stdout=subprocess.PIPE,
+                            text=True)
     try:
         assert proc.stdout.readline().strip() == "flushed"
-        time.sleep(0.3 + 0.4 * round_)
+        assert proc.stdout.readline().strip() == "writing"
     finally:
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -99,7 +104,7 @@ CHECKPOINTER = textwrap.dedent("""
         fd = os.open(os.path.join(dirpath, C.NAME + ".tmp"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.write(fd, data[: len(data) // 2])
         print("mid-checkpoint", flush=True)
-        time.sleep(60)
+        time.sleep(60)  # parked here until the parent's SIGKILL (the sleep only bounds an orphan's life)
     C.write = slow_write
     t.delete([f"a{i:04d}" for i in range(0, 100, 3)])
     t.write([f"b{i:04d}" for i in range(50)], [[torch.full((9000,), i, dtype=torch.uint8)] for i in range(50)])

@@ -216,7 +216,7 @@ def test_a_writer_killed_at_random_points_loses_nothing_flushed(tmp_path):
                     lines -= 1
                     if gcs is not None and line.startswith("gc "):
                         gcs -= 1
-                time.sleep(rng.uniform(0, 0.02))
+                time.sleep(rng.uniform(0, 0.02))  # on purpose: the kill lands anywhere in what follows the lines
             finally:
                 os.kill(p.pid, signal.SIGKILL)
                 p.join()

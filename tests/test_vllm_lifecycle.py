@@ -28,26 +28,28 @@ def _run(script: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 
 _WORKER = """
-    import json, os, signal, sys, time, torch
+    import json, os, signal, sys, threading, time, torch
     from tierkv import TieredStore
     from tierkv.adapters.vllm import lifecycle
     from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, kv_shard
     from tierkv.adapters.vllm.metadata import SaveSpec, TierKVConnectorMetadata
     from tierkv.adapters.vllm.worker import TierKVWorker
 
-    class SlowPuts:
-        '''The real store, each put taking a while: saves are still queued when the signal comes.'''
+    gate = threading.Event()
+
+    class GatedPuts:
+        '''The real store, each put held until ``gate`` opens: saves are still queued when the signal comes.'''
         def __init__(self, store): self._store = store
         def __getattr__(self, name): return getattr(self._store, name)
         def put(self, keys, values):
-            time.sleep(0.3)
+            assert gate.wait(60), "the gate never opened"
             return self._store.put(keys, values)
 
     store = TieredStore.from_config({"tiers": [{"medium": "ssd", "path": sys.argv[1], "capacity": "64MiB"}]})
     layers = ("l0", "l1")
     info = EngineInfo(block_size=16, layers=layers, num_blocks=8, shard=kv_shard(0, 1, 2), namespaces={0: "ns"})
     opts = ConnectorOptions(chunk_tokens=16, save_wait=False)
-    worker = TierKVWorker(opts, info, SlowPuts(store), serve=False)
+    worker = TierKVWorker(opts, info, GatedPuts(store), serve=False)
     worker.register_kv_caches({n: torch.randn(8, 2, 16, 8) for n in layers})
     # one request of 3 blocks, one object per block
     spec = SaveSpec("r1", [(0, 0), (1, 1), (2, 2)], [[3], [4], [5]], [bytes([i]) * 32 for i in range(3)], [3, 4, 5])
@@ -65,12 +67,17 @@ def test_signal_drains_queued_saves_then_runs_the_engines_handler(tmp_path):
         raise SystemExit(7)
     signal.signal(signal.SIGTERM, engines_handler)
     assert lifecycle.on_engine_signal(worker.shutdown)
+    chained = signal.getsignal(signal.SIGTERM)
+    def open_gate_then_chain(signum, frame):  # the signal opens the store's gate, then the drain runs
+        gate.set()
+        chained(signum, frame)
+    signal.signal(signal.SIGTERM, open_gate_then_chain)
     for n in layers:
         worker.save_kv_layer(n)
-    assert worker.pending_saves() == 2  # one put per layer, queued behind the slow store
+    assert worker.pending_saves() == 2  # one put per layer, held at the closed gate until the signal
     try:
         os.kill(os.getpid(), signal.SIGTERM)
-        time.sleep(5)
+        time.sleep(5)  # the handler raises SystemExit right here; the sleep only bounds a handler that does not
         print("no SystemExit")
     except SystemExit as e:
         print("RESULT " + json.dumps({"code": e.code, "closed": worker.closed, "store_closed": store.closed,
