@@ -8,7 +8,9 @@ name, a kind, a help line, label names and samples.  Both exporters render those
 families, so the names are the same everywhere:
 
 * standalone: ``serve(store, port)`` starts an HTTP endpoint (port 0 picks a free
-  one; read ``.port``) and returns an ``Exporter`` with ``stop()`` / ``close()``;
+  one; read ``.port``) and returns an ``Exporter`` with ``stop()`` / ``close()``; beside
+  ``/metrics`` it serves ``/status``, the same snapshot as JSON with the store's health
+  (``status_document``: HTTP 200 when healthy, 503 when not);
   ``register(store, registry)`` adds the metrics to an existing registry;
 * vLLM: the connector ships each worker's snapshot to vLLM's logger, which renders
   the same families on vLLM's ``/metrics`` (``tierkv.adapters.vllm.prom``).
@@ -26,19 +28,21 @@ from __future__ import annotations
 import bisect
 import enum
 import errno
+import json
+import math
+import socket
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from tierkv.options import check_int, check_str
 from tierkv.stats import StoreCounters, TierCounters
-
-if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
 
 LATENCY_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25,
                    0.5, 1.0, 2.5, 5.0, 10.0)
@@ -124,7 +128,7 @@ SHADOW_FIELDS = {
 }
 #: store counters with a name of their own; every other ``StoreCounters`` field is ``tierkv_<field>_total``
 _CALLS = {"put_calls": "put", "get_calls": "get", "lookup_calls": "lookup"}
-_CHUNKS = {"chunks_stored": ("put", "stored"), "chunks_deduped": ("put", "deduped"),
+CHUNK_OUTCOMES = {"chunks_stored": ("put", "stored"), "chunks_deduped": ("put", "deduped"),
            "chunks_rejected": ("put", "rejected"), "hits": ("get", "hit"), "misses": ("get", "miss")}
 STORE_COUNTER_HELP = {
     "hits": "Chunks a get found in some tier",
@@ -207,8 +211,9 @@ class LatencyRecorder:
 
 # -- snapshot and families -----------------------------------------------------------------------------------
 def snapshot(store: Any) -> dict[str, Any]:
-    """Every number ``store`` reports, JSON-able: ``{"open", "tiers": {name: {"values", "shadow", "factors"}}, "total",
-    "by_reason", "latency"}`` (``latency`` only with a ``LatencyRecorder`` attached)."""
+    """Every number ``store`` reports, JSON-able: ``{"open", "tiers": {name: {"values", "shadow", "factors", "info"}},
+    "total", "by_reason", "latency"}`` (``latency`` only with a ``LatencyRecorder`` attached; ``info``: the tier's
+    words, e.g. ``medium``, ``backend``, ``last_error``, which no metric carries)."""
     st = store.stats()
     tiers: dict[str, Any] = {}
     for name, t in st["tiers"].items():
@@ -218,6 +223,7 @@ def snapshot(store: Any) -> dict[str, Any]:
             "shadow": {k: float(v) for k, v in shadow.items() if _number(v)},
             "factors": {f: {k: float(v) for k, v in e.items() if _number(v)}
                         for f, e in (shadow.get("factors") or {}).items()},
+            "info": {k: v for k, v in t.items() if isinstance(v, str)},
         }
     out: dict[str, Any] = {
         "open": 0.0 if getattr(store, "closed", False) else 1.0,
@@ -279,7 +285,7 @@ def families(snap: dict[str, Any]) -> list[Family]:
                     "outcome is the chunks of that operation", ("op", "outcome"))
     for f in _CALLS:
         calls.samples.append(((_CALLS[f],), total.get(f, 0.0)))
-    for f, labels in _CHUNKS.items():
+    for f, labels in CHUNK_OUTCOMES.items():
         chunks.samples.append((labels, total.get(f, 0.0)))
     out += [calls, chunks]
     split = snap.get("by_reason") or {}
@@ -287,7 +293,7 @@ def families(snap: dict[str, Any]) -> list[Family]:
         out.append(Family(f"tierkv_{f}", Kind.COUNTER, STORE_COUNTER_HELP.get(f, f"stats() store counter {f}"),
                           ("reason",), [((r,), n) for r, n in counts.items()]))
     for f, v in total.items():
-        if f in _CALLS or f == "chunks_put" or (f.startswith("chunks_") and f in _CHUNKS) or f in split:
+        if f in _CALLS or f == "chunks_put" or (f.startswith("chunks_") and f in CHUNK_OUTCOMES) or f in split:
             continue  # (chunks_put is the sum of the put outcomes; a split counter's total, of its reasons)
         if f in _STORE_COUNTERS:
             out.append(Family(f"tierkv_{f}", Kind.COUNTER, STORE_COUNTER_HELP.get(f, f"stats() store counter {f}"),
@@ -310,6 +316,55 @@ def latency_help(name: str) -> str:
     return f"Latency of one store {name[len('tierkv_'):-len('_seconds')]} batch (seconds)"
 
 
+# -- health --------------------------------------------------------------------------------------------------
+def health(snap: dict[str, Any]) -> tuple[list[str], list[str]]:
+    """``(problems, warnings)`` of one snapshot: healthy means no problem.
+
+    Problems: the store is closed, a tier reports itself unavailable, or the write-behind queue gave up
+    acknowledged chunks (``write_behind_dropped`` above 0, cumulative: they never reached their persistent tier).
+    Warnings: faults that cost a miss or a refused put and nothing else (a tier's errors, its medium's faults)."""
+    problems: list[str] = []
+    warnings: list[str] = []
+    closed = not snap.get("open", 1.0)
+    if closed:
+        problems.append("the store is closed")
+    for name, t in (snap.get("tiers") or {}).items():
+        v = t.get("values") or {}
+        if not closed and v.get("available", 1.0) < 1:
+            err = (t.get("info") or {}).get("last_error")
+            problems.append(f"tier {name} is unavailable" + (f" ({err})" if err else ""))
+        faults = {reason: v[f] for f, reason in MEDIUM_ERRORS.items() if v.get(f)}
+        said = [f"{v['errors']:.0f} failed or corrupt reads and writes"] if v.get("errors") else []
+        if faults:
+            said.append("medium faults: " + ", ".join(f"{reason} {n:.0f}" for reason, n in faults.items()))
+        if said:
+            warnings.append(f"tier {name}: " + "; ".join(said))
+    dropped = (snap.get("total") or {}).get("write_behind_dropped", 0.0)
+    if dropped:
+        reasons = {r: n for r, n in ((snap.get("by_reason") or {}).get("write_behind_dropped") or {}).items() if n}
+        detail = ", ".join(f"{r} {n:.0f}" for r, n in reasons.items())
+        problems.append(f"the write-behind queue dropped {dropped:.0f} acknowledged chunks"
+                        + (f" ({detail})" if detail else ""))
+    return problems, warnings
+
+
+def status_document(snap: dict[str, Any]) -> dict[str, Any]:
+    """What ``/status`` serves: ``{"healthy", "problems", "warnings", "snapshot"}`` (strict JSON: a number that is
+    not finite is null)."""
+    problems, warnings = health(snap)
+    return {"healthy": not problems, "problems": problems, "warnings": warnings, "snapshot": _finite(snap)}
+
+
+def _finite(obj: Any) -> Any:
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 # -- the standalone exporter ---------------------------------------------------------------------------------
 class StoreCollector:
     """A prometheus_client collector rendering ``families(snapshot(store))`` on every scrape.
@@ -330,7 +385,8 @@ class StoreCollector:
     def describe(self):  # no pre-registration: the names depend on what the store reports
         return []
 
-    def collect(self):
+    def current(self) -> dict[str, Any]:
+        """The snapshot a scrape shows now (the final one once the store is closed)."""
         snap = self._final
         if snap is None:
             if not getattr(self.store, "closed", False):
@@ -340,7 +396,10 @@ class StoreCollector:
                     snap = _closed(snapshot(self.store))
                 except Exception:  # noqa: BLE001 - a released medium may refuse; the store is closed all the same
                     snap = {"open": 0.0, "tiers": {}, "total": {}}
-        yield from render(snap)
+        return snap
+
+    def collect(self):
+        yield from render(self.current())
 
 
 def _closed(snap: dict[str, Any]) -> dict[str, Any]:
@@ -377,6 +436,7 @@ class Exporter:
         self._own_recorder = had is None
         self.collector = StoreCollector(store, self.latency)
         self.registry.register(self.collector)  # type: ignore[arg-type]
+        self._metrics = make_wsgi_app(self.registry)
         self._server: Optional[WSGIServer] = None
         self._thread: Optional[threading.Thread] = None
         self.port: Optional[int] = None
@@ -388,7 +448,7 @@ class Exporter:
         try:
             port = check_int(port, "tierkv.tools.metrics: port", min_value=0, max_value=65535)
             addr = check_str(addr, "tierkv.tools.metrics: addr")
-            self._server, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+            self._server, self._thread = _start_server(port, addr, self._app)
         except OSError as e:
             self.stop()
             raise OSError(e.errno or errno.EADDRNOTAVAIL,
@@ -400,9 +460,23 @@ class Exporter:
         self.port = self._server.server_port
         return self
 
+    def _app(self, environ: dict[str, Any], start_response: Any) -> list[bytes]:
+        """``/status``: ``status_document`` of the snapshot a scrape would show; any other path: the metrics."""
+        if environ.get("PATH_INFO") != "/status" or environ.get("REQUEST_METHOD") != "GET":
+            return self._metrics(environ, start_response)
+        doc = status_document(self.collector.current())
+        body = json.dumps(doc, default=str).encode()
+        start_response("200 OK" if doc["healthy"] else "503 Service Unavailable",
+                       [("Content-Type", "application/json"), ("Content-Length", str(len(body)))])
+        return [body]
+
     @property
     def url(self) -> str:
         return f"http://{self.addr}:{self.port}/metrics"
+
+    @property
+    def status_url(self) -> str:
+        return f"http://{self.addr}:{self.port}/status"
 
     def text(self) -> str:
         from prometheus_client import generate_latest
@@ -430,6 +504,25 @@ class Exporter:
 
     def __exit__(self, *exc: Any) -> None:
         self.stop()
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # (a scrape is no news)
+        pass
+
+
+def _start_server(port: int, addr: str, app: Any) -> tuple[WSGIServer, threading.Thread]:
+    """A threaded HTTP server for ``app`` on ``addr:port`` (IPv4 or IPv6, as ``addr`` resolves), serving from a
+    daemon thread."""
+    family = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+
+    class Server(ThreadingWSGIServer):
+        address_family = family
+
+    server = make_server(addr, port, app, Server, handler_class=_Quiet)
+    thread = threading.Thread(target=server.serve_forever, name="tierkv-metrics", daemon=True)
+    thread.start()
+    return server, thread
 
 
 def serve(store: Any, port: int = 0, addr: str = "127.0.0.1") -> Exporter:

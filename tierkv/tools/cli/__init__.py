@@ -6,6 +6,8 @@
     tierkv simulate    replay a request trace through the real store over payload-free media
     tierkv trace       captured traces: show, convert
     tierkv pool start  a standalone Mooncake pool on this node that outlives the engines
+    tierkv describe    a running store (its metrics endpoint) or pool (its master): contents, usage, health
+    tierkv ping        does a running store's metrics endpoint, or a pool's master, answer?
 
 Exit codes: 0 ok, 1 failure (a check failed, a run went wrong), 2 usage or configuration error.
 """
@@ -20,10 +22,11 @@ from typing import Optional
 
 from tierkv.errors import ConfigError
 
-from . import bench, demo, inspect, pool, simulate, trace
+from . import bench, demo, describe, inspect, ping, pool, simulate, trace
 from ._common import EXIT_FAIL, EXIT_USAGE, CommandError
 
 COMMANDS = {"demo": demo, "bench": bench, "inspect": inspect, "simulate": simulate, "trace": trace, "pool": pool}
+COMMANDS.update(describe=describe, ping=ping)
 
 
 def build_parser() -> argparse.ArgumentParser:

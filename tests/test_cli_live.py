@@ -1,0 +1,257 @@
+"""``tierkv describe`` / ``tierkv ping`` and the exporter's ``/status``: a live store through its metrics endpoint,
+a pool through its real ``mooncake_master``.
+
+The reports are built in-process from real stores with real exporters (``tierkv.tools.live``); a handful of runs
+of the installed command check what an operator sees (each imports torch: they are few).
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from mooncake_util import mooncake_master  # noqa: F401  (fixture)
+from test_cli import tierkv
+
+from tierkv import TieredStore, chunk_keys
+from tierkv.errors import ConfigError
+from tierkv.tools import live, metrics
+from tierkv.tools.cli import describe
+
+CHUNK = 64 << 10
+
+
+@pytest.fixture
+def served(tmp_path):
+    """A dram -> ssd store that put 8 chunks (dram holds 4: 4 went on to the ssd) and read them all back once,
+    served by the standalone exporter."""
+    store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": 4 * CHUNK},
+                                               {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "16MiB"}]})
+    keys = chunk_keys(list(range(64 * 8)), chunk_tokens=64, namespace="live")
+    vals = [torch.full((CHUNK,), i, dtype=torch.uint8) for i in range(8)]
+    assert all(store.put(keys, vals))
+    assert all(store.get(keys, [torch.empty_like(v) for v in vals]))
+    assert store.flush().durable
+    exporter = metrics.serve(store, 0)
+    try:
+        yield store, exporter
+    finally:
+        exporter.stop()
+        store.close()
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stats_by_tier(store) -> dict:
+    return store.stats()["tiers"]
+
+
+# -- the report of a live store ------------------------------------------------------------------------------
+def test_describe_names_the_tiers_and_the_counts_the_store_made(served):
+    store, exporter = served
+    st = _stats_by_tier(store)
+    for url in (exporter.url, exporter.status_url, f"127.0.0.1:{exporter.port}"):
+        doc = live.read_store(url)
+        assert doc["reachable"] and doc["healthy"], doc["problems"]
+        assert [t["name"] for t in doc["tiers"]] == ["dram", "ssd"]
+        assert doc["total"]["hits"] == 8 and doc["total"]["misses"] == 0 and doc["total"]["hit_rate"] == 1.0
+        assert doc["total"]["chunks_stored"] == 8 and doc["total"]["put_calls"] == 1
+        for t in doc["tiers"]:
+            real = st[t["name"]]
+            assert t["available"] is True
+            assert (t["hits"], t["misses"], t["puts"], t["evictions"], t["entries"]) == \
+                   (real["hits"], real["misses"], real["puts"], real["evictions"], real["entries"])
+            assert t["used_bytes"] == real["used_bytes"] and t["capacity_bytes"] == real["capacity_bytes"]
+        dram, ssd = doc["tiers"]
+        assert dram["capacity_bytes"] == 4 * CHUNK and dram["entries"] == 4 and ssd["entries"] == 8
+        assert dram["hits"] + ssd["hits"] == 8 and dram["share_of_hits"] + ssd["share_of_hits"] == 1.0
+        assert doc["write_behind"]["pending"] == 0 and doc["write_behind"]["dropped"] == 0
+    # only /status knows the tiers' words (medium, backend, last error): no metric carries them
+    assert live.read_store(exporter.status_url)["tiers"][1]["medium"] == "ssd"
+    assert live.read_store(exporter.url)["tiers"][1]["medium"] is None
+    text = describe.render(live.read_store(exporter.url))
+    assert "hit rate: 100.0% (8 hits, 0 misses)" in text and "chunks: 8 stored" in text
+    assert [line.split()[0] for line in text.splitlines() if line.startswith(("dram ", "ssd "))] == ["dram", "ssd"]
+    assert text.rstrip().endswith("health: ok")
+
+
+def test_metrics_text_gives_back_the_snapshot_it_was_made_from(served):
+    # one source of truth: the scrape rebuilds every number of the snapshot the exporter rendered
+    store, exporter = served
+    snap = exporter.collector.current()
+    back, extras = live.snapshot_from_text(exporter.text())
+    for t in snap["tiers"].values():
+        t.pop("info")
+    snap.pop("latency")
+    assert back == snap and extras == {"sources": [], "connector": {}}
+
+
+def test_engines_on_one_vllm_endpoint_are_combined(served):
+    # vLLM's /metrics: each family under vLLM's labels first, one series per engine
+    _, exporter = served
+    lines = []
+    for line in exporter.text().splitlines():
+        if not line.startswith("tierkv_") or "_created" in line:
+            lines.append(line)
+            continue
+        name, _, value = line.rpartition(" ")
+        for engine in ("0", "1"):
+            own = name[name.index("{") + 1:-1] if "{" in name else ""
+            base = name.split("{")[0]
+            labels = f'engine="{engine}",model_name="m"' + ("," + own if own else "")
+            v = "0.0" if base == "tierkv_tier_available" and engine == "1" else value
+            lines.append(f"{base}{{{labels}}} {v}")
+    lines.append('tierkv_connector_hit_tokens_total{engine="0",model_name="m",tier="dram"} 96.0')
+    snap, extras = live.snapshot_from_text("\n".join(lines) + "\n")
+    doc = live.describe_store(snap, "x", extras)
+    assert doc["total"]["hits"] == 16 and doc["tiers"][0]["entries"] == 8  # counters and sizes add up
+    assert not doc["healthy"] and doc["problems"] == ["tier dram is unavailable", "tier ssd is unavailable"]
+    assert extras["sources"] == [{"engine": "0", "model_name": "m"}, {"engine": "1", "model_name": "m"}]
+    assert doc["connector"] == {"hit_tokens": {"dram": 96}}
+    assert "2 engines: figures combined" in describe.render(doc)
+
+
+def test_status_says_unhealthy_when_the_write_behind_queue_drops(tmp_path):
+    # the ssd is smaller than one chunk: dram acknowledges the put, the copy below is given up (too_large)
+    store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "1MiB"},
+                                               {"medium": "ssd", "path": str(tmp_path), "capacity": "64KiB"}]})
+    exporter = metrics.serve(store, 0)
+    try:
+        keys = chunk_keys(list(range(64 * 3)), chunk_tokens=64, namespace="drop")
+        assert all(store.put(keys, [torch.full((100 << 10,), i, dtype=torch.uint8) for i in range(3)]))
+        assert not store.flush().durable
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(exporter.status_url, timeout=5)
+        assert e.value.code == 503
+        status = json.loads(e.value.read())
+        assert not status["healthy"]
+        assert status["problems"] == ["the write-behind queue dropped 3 acknowledged chunks (too_large 3)"]
+        assert status["warnings"] == ["tier ssd: medium faults: too_large 3"]
+        doc = live.read_store(exporter.url)
+        assert doc["problems"] == status["problems"] and doc["write_behind"]["dropped_by_reason"] == {"too_large": 3}
+        assert "UNHEALTHY" in describe.render(doc)
+    finally:
+        exporter.stop()
+        store.close()
+
+
+def test_a_closed_store_is_unhealthy_and_a_stopped_exporter_unreachable(served):
+    store, exporter = served
+    store.close()
+    doc = live.read_store(exporter.url)
+    assert doc["reachable"] and not doc["healthy"] and doc["problems"] == ["the store is closed"]
+    assert [t["available"] for t in doc["tiers"]] == [False, False]
+    exporter.stop()
+    doc = live.read_store(exporter.url, timeout=2)
+    assert not doc["reachable"] and not doc["healthy"]
+    assert doc["problems"] == [f"cannot reach {exporter.url}: connection refused (nothing listens on that port)"]
+    assert not live.ping_store(exporter.url)["answered"]
+
+
+def test_an_endpoint_without_tierkv_metrics_is_not_a_store():
+    class Plain(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"other_metric 1\n" if self.path == "/metrics" else b"nope"
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *a):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Plain)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        port = server.server_address[1]
+        doc = live.read_store(f"127.0.0.1:{port}")
+        assert doc["reachable"] and not doc["healthy"] and "carries no tierkv metrics" in doc["problems"][0]
+        assert "answered HTTP 404" in live.read_store(f"http://127.0.0.1:{port}/x")["problems"][0]
+        ping = live.ping_store(f"127.0.0.1:{port}")
+        assert not ping["answered"] and "without tierkv's metrics" in ping["why"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize("target,words", [
+    ("127.0.0.1", "no port"), ("ftp://127.0.0.1:80", "not an http"), ("127.0.0.1:70000", "not a number of 1-65535"),
+    ("http://:80/metrics", "no host"), ("", "expected a metrics endpoint"), ("127.0.0.1:0", "port 0"),
+])
+def test_a_malformed_endpoint_is_refused_naming_the_fault(target, words):
+    with pytest.raises(ConfigError, match=words):
+        live.read_store(target)
+
+
+def test_bad_master_addresses_are_refused():
+    for master, port, words in [("127.0.0.1", 9003, "expected HOST:PORT"), ("127.0.0.1:x", 9003, "not a number"),
+                                ("127.0.0.1:5", 0, "--metrics-port"), ("127.0.0.1:5", 5, "name one port")]:
+        with pytest.raises(ConfigError, match=words):
+            live.read_master(master, port)
+    with pytest.raises(ConfigError, match="--timeout"):
+        live.read_store("127.0.0.1:5", timeout=float("nan"))
+
+
+# -- the installed command -----------------------------------------------------------------------------------
+def test_the_command_describes_a_live_store_and_says_when_nothing_answers(served):
+    store, exporter = served
+    r = tierkv("describe", f"127.0.0.1:{exporter.port}", "--json")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    doc = json.loads(r.stdout)
+    assert [t["name"] for t in doc["tiers"]] == ["dram", "ssd"] and doc["total"]["hits"] == 8 and doc["healthy"]
+    r = tierkv("describe", exporter.status_url)
+    assert r.returncode == 0, r.stderr
+    assert "store at " in r.stdout and "(8 hits, 0 misses)" in r.stdout and "health: ok" in r.stdout
+    assert [line.split()[0] for line in r.stdout.splitlines() if line.startswith(("dram ", "ssd "))] == ["dram", "ssd"]
+    port = _closed_port()
+    r = tierkv("describe", f"127.0.0.1:{port}")
+    assert r.returncode == 1 and r.stdout == ""
+    assert r.stderr.splitlines() == [f"tierkv describe: unhealthy: cannot reach http://127.0.0.1:{port}/metrics: "
+                                     "connection refused (nothing listens on that port)"]
+    r = tierkv("ping", "http://127.0.0.1:99999/metrics")
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1 and "Traceback" not in r.stderr
+    assert "not a number of 1-65535" in r.stderr
+
+
+# -- a pool through its master -------------------------------------------------------------------------------
+@pytest.mark.mooncake
+def test_describe_and_ping_a_pool_through_its_master(mooncake_master):
+    m = mooncake_master
+    doc = live.read_master(m.master, m.metrics_port)
+    assert doc["reachable"] and doc["rpc"]["answered"] and doc["capacity_bytes"] == 0
+    assert not doc["healthy"] and doc["problems"][0].startswith("no memory is mounted")
+    store = TieredStore.from_config({"tiers": [m.tier_config(segment="64MiB")]})
+    try:
+        vals = [torch.full((3000 + i,), i, dtype=torch.uint8) for i in range(5)]
+        assert all(store.put([f"obj{i}" for i in range(5)], vals))
+        doc = live.read_master(m.master, m.metrics_port)
+        assert doc["healthy"], doc["problems"]
+        assert doc["capacity_bytes"] == 64 << 20 and doc["clients"] == 1 and len(doc["segments"]) == 1
+        assert doc["keys"] >= 5  # the store's 5 objects (and its pool sentinel)
+        assert doc["used_bytes"] == doc["segments"][0]["used_bytes"] >= sum(v.numel() for v in vals)
+        text = describe.render(doc)
+        assert f"keys: {doc['keys']}" in text and "segments: 1" in text and "health: ok" in text
+        r = tierkv("describe", "--master", m.master, "--metrics-port", m.metrics_port, "--json")
+        assert r.returncode == 0, r.stderr
+        got = json.loads(r.stdout)
+        assert got["keys"] == doc["keys"] and got["capacity_bytes"] == 64 << 20 and got["healthy"]
+        assert live.ping_master(m.master, m.metrics_port)["answered"]
+        wrong = live.ping_master(m.master, _closed_port())
+        assert not wrong["answered"] and "give --metrics-port" in wrong["why"]
+        r = tierkv("ping", "--master", m.master, "--metrics-port", _closed_port())
+        assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "no answer" in r.stderr
+    finally:
+        store.close()
+    m.kill()
+    doc = live.read_master(m.master, m.metrics_port, timeout=2)
+    assert not doc["reachable"] and not doc["healthy"] and not doc["rpc"]["answered"]
+    assert doc["problems"][0].startswith(f"cannot reach the master's RPC port {m.master}")
