@@ -3,6 +3,7 @@ benchmark suites, demos, the Prometheus exporter (``metrics``), request traces (
 read-only inspection (``inspect``).
 
 Tools may import every other layer (foundations, the store engine, media, policies and,
-inside a function, the vLLM adapter); nothing outside ``tierkv.tools`` imports a tool,
-save ``python -m tierkv`` (``tierkv.__main__``).  ``tests/test_layers.py`` checks both.
+inside a function, the vLLM adapter).  No foundation, engine, medium or policy module
+imports a tool: the store reaches the tracer a config turns on through ``tierkv.plugins``.
+The vLLM adapter uses the exporter and the trace writer.  ``tests/test_layers.py`` checks it.
 """
