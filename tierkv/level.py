@@ -269,10 +269,6 @@ class Level(Eviction):
             return self.value_nbytes(v)
         return -1
 
-    def doomed(self, key: str) -> bool:
-        """Whether ``key`` was dropped while a reader held it (it is freed at the last unpin)."""
-        return type(self.index.get(key)) is Entry
-
     def entry(self, key: str) -> Optional[Entry]:
         """A view of ``key``'s state (nbytes, footprint, ready, pins, doomed); None if absent."""
         v = self.index.get(key)

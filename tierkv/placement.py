@@ -318,10 +318,6 @@ class Placement:
                     for key in victims[at:]:
                         lvl.unpin(key)
 
-    def _demote(self, j: int, key: str, nbytes: int) -> bool:
-        """Copy ``key`` from level ``j`` into the next lower level that takes it.  True if it now lives below."""
-        return key in self._demote_many(j, [key], [nbytes])
-
     def _demote_many(self, j: int, keys: list[str], sizes: list[int]) -> set[str]:
         """Copy pinned ``keys`` of level ``j`` into the next lower level that takes each; the keys now below.
 

@@ -503,12 +503,6 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         """``remove`` on the store's I/O threads, awaitable."""
         return await self._run(self.remove, keys)
 
-    # the same coroutines under the longer names some engines expect
-    put_async = aput
-    get_async = aget
-    lookup_async = alookup
-    remove_async = aremove
-
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Counters per tier (under ``"tiers"`` and at the top level, by name) and store totals (``"total"``)."""
