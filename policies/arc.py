@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Optional
 
-from .eviction import EvictionPolicy, Key, _Sizes, _to_end, _trim_front
+from .eviction import EvictionPolicy, Key, LevelOrder, _Sizes, _to_end, _trim_front
 
 
 class ARCPolicy(EvictionPolicy):
@@ -20,13 +20,14 @@ class ARCPolicy(EvictionPolicy):
     grows the recency target ``p``, one found in B2 shrinks it, so the split
     between recency and frequency adapts to the workload.
 
-    A store's level may hand a policy of exactly this class its own index
-    (``share_index``): T1 is then the level's READY entries not in T2, in index
-    order, so a chunk not read since it entered costs the policy nothing; T2 and
-    the ghost lists stay its own.  Subclasses always keep their own dicts.
+    In a store it follows its level's order (``follow_order``): T1 is then the
+    level's READY entries not in T2, in the level's order, so a chunk not read since
+    it entered costs the policy nothing; T2 and the ghost lists stay its own.
+    Subclasses keep their own dicts unless they opt in too.
     """
 
     name = "arc"
+    follows_level_order = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,18 +45,12 @@ class ARCPolicy(EvictionPolicy):
         self._count: Callable[[], int] = int
         self._ready_bytes: Callable[[], int] = int
 
-    def share_index(self, index: dict, footprint_of: Callable[[int], int], count: Callable[[], int],
-                    ready_bytes: Optional[Callable[[], int]] = None) -> None:
-        """Take the READY entries of ``index`` (a level's: key -> int, READY > 0) not in T2 as T1.
-
-        ``footprint_of(value)`` is a READY entry's footprint, ``count()`` how many are READY
-        and ``ready_bytes()`` the sum of their footprints.
-        """
-        if ready_bytes is None:
-            raise TypeError("ARCPolicy.share_index needs ready_bytes (the READY entries' footprint sum)")
+    def follow_order(self, order: LevelOrder) -> None:
+        """Take the level's READY entries not in T2 as T1."""
         if len(self) or self._b1 or self._b2:
-            raise RuntimeError(f"{type(self).__name__} already tracks keys: share an index before first use")
-        self._index, self._fp_of, self._count, self._ready_bytes = index, footprint_of, count, ready_bytes
+            raise RuntimeError(f"{type(self).__name__} already tracks keys: follow an order before first use")
+        self._index, self._fp_of = order.entries, order.footprint
+        self._count, self._ready_bytes = order.ready_count, order.ready_bytes
 
     def _t1b(self) -> int:
         return self._t1_bytes if self._index is None else self._ready_bytes() - self._t2_bytes

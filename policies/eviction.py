@@ -24,10 +24,17 @@ Memory: sizes are held as shared ``int`` objects (``_Sizes``), so a tracked key 
 its container entries only; LRU and FIFO keep one plain dict (insertion order is
 their eviction order); LFU keeps one insertion-ordered dict per frequency instead of
 a sorted list of tuples; S3-FIFO's queues and ARC's T1 and T2 are plain dicts too.
-In a store, a level hands the built-ins (these classes exactly) its own index
-(``share_index``): LRU and FIFO then order it instead of a dict of their own, and
-S3-FIFO, LFU and ARC take its READY entries as their queue of keys not read since
-they entered (small, frequency 1, T1), keeping only read keys and ghosts themselves.
+
+The level order (opt-in, the same for built-in and user policies): a policy class that
+says ``follows_level_order = True`` in its own body is handed, before first use, the
+order of its level's entries (``LevelOrder``, through ``follow_order``) instead of
+keeping an order of its own.  The built-ins say so: LRU and FIFO then order the level's
+entries themselves, and S3-FIFO, LFU and ARC take its READY entries as their queue of
+keys not read since they entered (small, frequency 1, T1), keeping only read keys and
+ghosts themselves.  A subclass keeps its own metadata unless it says so too (the
+attribute is not inherited).  A policy given no order (outside a store, or a level
+whose policy already tracks keys) keeps its own, with the same answers
+(``tests/test_policy_differential.py``).
 
 Subclass ``EvictionPolicy`` and implement the four hooks to customise eviction.
 """
@@ -36,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
 from itertools import repeat
-from typing import Optional
+from typing import Optional, Protocol
 
 Key = Hashable
 _INT = {int}
@@ -62,11 +69,46 @@ class _Sizes:
         return n
 
 
+class LevelOrder(Protocol):
+    """The order of a level's entries, as a level offers it to a policy that follows it.
+
+    ``entries``: the level's mapping, key -> token, in the level's order: a key enters at the
+    end when room is reserved for it.  A policy may move a key to the end (pop its token and
+    put the same token back) and changes the mapping in no other way; it never changes while
+    the policy is not being called.  A token is READY (readable, known to the policy) when it
+    is a positive ``int``; a reservation or a chunk on its way out is any other value.  What
+    else a token encodes is the level's own: ``footprint(token)`` is a READY token's footprint.
+    ``ready_count()`` and ``ready_bytes()`` are how many READY entries there are and the sum of
+    their footprints.
+    """
+
+    entries: dict
+
+    def footprint(self, token: int) -> int: ...
+
+    def ready_count(self) -> int: ...
+
+    def ready_bytes(self) -> int: ...
+
+
 class EvictionPolicy:
     """Base class: implement ``on_insert``, ``on_access``, ``on_remove``, ``victims``."""
 
     #: config name (``"eviction": "lru"``)
     name = "custom"
+    #: this class orders its level's entries (``follow_order``) instead of keeping an order of its
+    #: own: a class opts in in its own body; a subclass does not inherit it (see the module docstring)
+    follows_level_order = False
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if "follows_level_order" not in cls.__dict__:
+            cls.follows_level_order = False
+
+    def follow_order(self, order: LevelOrder) -> None:
+        """Take ``order`` (its level's) instead of an order of its own; called once, before first use, on a
+        policy whose class says ``follows_level_order``."""
+        raise NotImplementedError(f"{type(self).__name__} says follows_level_order but has no follow_order")
 
     def __init__(self) -> None:
         #: capacity of the tier this policy serves; set by the store before first use
@@ -138,16 +180,16 @@ class LRUPolicy(EvictionPolicy):
     ``OrderedDict``'s (no linked-list node per key); subclasses may read ``_od``
     as an ordered mapping (``iter``, ``reversed``, ``[key]``).
 
-    A store's level may hand an LRU or FIFO policy of exactly these classes its own
-    index (``share_index``): the policy then keeps no dict of its own and orders
-    the level's index itself, so a chunk costs one dict entry for both.  A chunk's
-    place in that order is its reservation (the level enters it when it reserves
-    room), then its last read; ``on_insert`` and ``on_remove`` are then nothing to
-    do, and ``victims`` skips entries that are not READY.  Subclasses always keep
-    their own dict.
+    In a store it follows its level's order (``follow_order``): it then keeps no dict
+    of its own and orders the level's entries itself, so a chunk costs one dict entry
+    for both.  A chunk's place in that order is its reservation (the level enters it
+    when it reserves room), then its last read; ``on_insert`` and ``on_remove`` are
+    then nothing to do, and ``victims`` skips entries that are not READY.  Subclasses
+    keep their own dict unless they opt in too.
     """
 
     name = "lru"
+    follows_level_order = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -157,17 +199,12 @@ class LRUPolicy(EvictionPolicy):
         self._fp_of: Callable[[int], int] = int
         self._count: Callable[[], int] = int
 
-    def share_index(self, index: dict, footprint_of: Callable[[int], int], count: Callable[[], int],
-                    ready_bytes: Optional[Callable[[], int]] = None) -> None:
-        """Order ``index`` (a level's: key -> int, READY > 0) instead of a dict of its own.
-
-        ``footprint_of(value)`` is a READY entry's footprint, ``count()`` how many are READY
-        (``ready_bytes()``, their footprints' sum, LRU and FIFO do not need).
-        """
+    def follow_order(self, order: LevelOrder) -> None:
+        """Order the level's entries instead of a dict of its own."""
         if self._od:
-            raise RuntimeError(f"{type(self).__name__} already tracks keys: share an index before first use")
-        self._index, self._fp_of, self._count = index, footprint_of, count
-        self._od = index
+            raise RuntimeError(f"{type(self).__name__} already tracks keys: follow an order before first use")
+        self._index, self._fp_of, self._count = order.entries, order.footprint, order.ready_count
+        self._od = order.entries
 
     def on_insert(self, key, nbytes):
         if self._index is not None:
@@ -246,6 +283,7 @@ class FIFOPolicy(LRUPolicy):
     """First in, first out: reads do not refresh a chunk."""
 
     name = "fifo"
+    follows_level_order = True
 
     def on_access(self, key):
         pass
@@ -263,14 +301,15 @@ class LFUPolicy(EvictionPolicy):
     frequency is the eviction order.  Every hook is O(1); ``victims`` sorts the
     frequencies present (few) and walks from the front.
 
-    A store's level may hand a policy of exactly this class its own index
-    (``share_index``): frequency 1 (never read since it entered) is then the level's
-    READY entries not read, in index order, so only read keys cost the policy a
-    bucket entry (holding the index's own int, whose footprint the level reads) and a
-    frequency.  Subclasses always keep their own dicts.
+    In a store it follows its level's order (``follow_order``): frequency 1 (never
+    read since it entered) is then the level's READY entries not read, in the level's
+    order, so only read keys cost the policy a bucket entry (holding the level's own
+    token, whose footprint the order reads) and a frequency.  Subclasses keep their
+    own dicts unless they opt in too.
     """
 
     name = "lfu"
+    follows_level_order = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -281,15 +320,11 @@ class LFUPolicy(EvictionPolicy):
         self._fp_of: Callable[[int], int] = int
         self._count: Callable[[], int] = int
 
-    def share_index(self, index: dict, footprint_of: Callable[[int], int], count: Callable[[], int],
-                    ready_bytes: Optional[Callable[[], int]] = None) -> None:
-        """Take the READY entries of ``index`` (a level's: key -> int, READY > 0) not read as frequency 1.
-
-        ``footprint_of(value)`` is a READY entry's footprint, ``count()`` how many are READY.
-        """
+    def follow_order(self, order: LevelOrder) -> None:
+        """Take the level's READY entries not read as frequency 1."""
         if len(self):
-            raise RuntimeError(f"{type(self).__name__} already tracks keys: share an index before first use")
-        self._index, self._fp_of, self._count = index, footprint_of, count
+            raise RuntimeError(f"{type(self).__name__} already tracks keys: follow an order before first use")
+        self._index, self._fp_of, self._count = order.entries, order.footprint, order.ready_count
 
     def _enter(self, key, freq, nbytes):
         bucket = self._buckets.get(freq)

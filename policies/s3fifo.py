@@ -10,7 +10,7 @@ from collections.abc import Callable
 from itertools import repeat
 from typing import Optional
 
-from .eviction import EvictionPolicy, Key, _Sizes, _to_end, _trim_front
+from .eviction import EvictionPolicy, Key, LevelOrder, _Sizes, _to_end, _trim_front
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -24,20 +24,21 @@ class S3FIFOPolicy(EvictionPolicy):
 
     Memory: small, main and the ghost are plain dicts (key -> size; insertion order
     is queue order; the ghost is trimmed from its front once per ``victims``), and the
-    frequency is kept only for keys read since they entered a queue.  A store's level may
-    hand a policy of exactly this class its own index (``share_index``), as it does
-    to LRU and FIFO: the small queue is then the level's index itself (its READY
-    entries not in main, in index order), so a chunk that was never read since it
-    entered costs the policy nothing; only main, the read keys' frequencies and the
-    ghost are the policy's own.  A chunk's place in small is then its reservation
-    rather than its commit (the same whenever one writer at a time commits what it
-    reserved, as a store does under its lock).  Subclasses always keep their own dicts.
+    frequency is kept only for keys read since they entered a queue.  In a store it follows
+    its level's order (``follow_order``), as LRU and FIFO do: the small queue is then the
+    level's entries themselves (the READY ones not in main, in the level's order), so a
+    chunk that was never read since it entered costs the policy nothing; only main, the
+    read keys' frequencies and the ghost are the policy's own.  A chunk's place in small
+    is then its reservation rather than its commit (the same whenever one writer at a time
+    commits what it reserved, as a store does under its lock).  Subclasses keep their own
+    dicts unless they opt in too.
 
     ``victims`` walks each queue forward once and applies its moves after the walk,
     which leaves the same queues as moving each key as it is met.
     """
 
     name = "s3fifo"
+    follows_level_order = True
 
     def __init__(self, small_ratio: float = 0.1) -> None:
         super().__init__()
@@ -57,19 +58,13 @@ class S3FIFOPolicy(EvictionPolicy):
         #: (shared index) keys went to the index's end while reservations were out: a commit goes behind them
         self._stale = False
 
-    def share_index(self, index: dict, footprint_of: Callable[[int], int], count: Callable[[], int],
-                    ready_bytes: Optional[Callable[[], int]] = None) -> None:
-        """Take the READY entries of ``index`` (a level's: key -> int, READY > 0) not in main as the small queue.
-
-        ``footprint_of(value)`` is a READY entry's footprint, ``count()`` how many are READY
-        and ``ready_bytes()`` the sum of their footprints (the policy cannot look a key up
-        once the level has let it go).
-        """
-        if ready_bytes is None:
-            raise TypeError("S3FIFOPolicy.share_index needs ready_bytes (the READY entries' footprint sum)")
+    def follow_order(self, order: LevelOrder) -> None:
+        """Take the level's READY entries not in main as the small queue (its ``ready_bytes`` counts them:
+        the policy cannot look a key up once the level has let it go)."""
         if len(self) or self._ghost:
-            raise RuntimeError(f"{type(self).__name__} already tracks keys: share an index before first use")
-        self._index, self._fp_of, self._count, self._ready_bytes = index, footprint_of, count, ready_bytes
+            raise RuntimeError(f"{type(self).__name__} already tracks keys: follow an order before first use")
+        self._index, self._fp_of = order.entries, order.footprint
+        self._count, self._ready_bytes = order.ready_count, order.ready_bytes
 
     # -- hooks -----------------------------------------------------------------------
     def _tracked(self, key) -> bool:

@@ -209,7 +209,7 @@ def test_store_reads_and_writes_by_address_exactly_the_bytes_of_each_chunk(large
     """Batches of flat host tensors go by address, others by parts, side-table chunks (16 MiB and up) by
     their location: every chunk comes back exact, and nothing beside a buffer is written."""
     from tierkv import TieredStore
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     big = (16 << 20) + 3 if large else 700
@@ -290,7 +290,7 @@ def test_the_store_hands_host_views_to_to_parts_ptrs_as_they_are(monkeypatch):
     import tierkv.store as store_mod
     from tierkv import TieredStore
     from tierkv.buffers import HostViews
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     seen = []
@@ -322,7 +322,7 @@ def test_a_host_views_list_changed_by_hand_is_checked_view_by_view():
     one made without ``over``, goes through the checks of any other batch: exact bytes either way."""
     from tierkv import TieredStore
     from tierkv.buffers import HostViews, to_parts_ptrs
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     flat = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
@@ -370,7 +370,7 @@ def test_host_views_addresses_always_name_their_views(case):
     give (each view's own address and size), and a store takes and returns its bytes exactly."""
     from tierkv import TieredStore
     from tierkv.buffers import HostViews, to_parts_ptrs
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     size, ops = case

@@ -23,7 +23,7 @@ from test_persistence import CHUNK, chain, chunk, keys_for, ssd_only
 
 from tierkv import TieredStore
 from tierkv.durability import DropReason, FlushResult
-from tierkv.level import Level
+from tierkv import Level
 from tierkv.tiers.dram import DRAMTier
 
 

@@ -18,7 +18,7 @@ import torch
 from fake_media import FakeTier
 
 from tierkv import TieredStore
-from tierkv.level import Level
+from tierkv import Level
 from tierkv.tiers.dram import DRAMTier
 
 CHUNK = 16 << 10

@@ -161,7 +161,7 @@ store_op = st.one_of(
 def test_a_policy_ordering_the_level_index_evicts_as_one_with_its_own_dict(shared_cls, own_cls, trace):
 
     from tierkv import TieredStore
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     a_pol, b_pol = shared_cls(), own_cls()
@@ -243,7 +243,7 @@ def test_a_policy_queueing_on_the_level_index_evicts_as_one_with_its_own_dicts(s
                                                                                 trace, capacity):
 
     from tierkv import TieredStore
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     a_pol, b_pol = shared_cls(), own_cls()
@@ -264,7 +264,7 @@ def test_a_policy_queueing_on_the_level_index_evicts_as_one_with_its_own_dicts(s
 
 def test_the_store_differential_test_can_fail():
     """A shared S3-FIFO that put its small queue in the wrong order is caught on a short trace."""
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     a = Level(DRAMTier("d", 4096, prefault=False), eviction=S3FIFOPolicy())

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from tierkv import ConfigError, PolicyError, PutOutcome, StoreClosedError, TieredStore
-from tierkv.level import Level
+from tierkv import Level
 from tierkv.policies import AdmissionPolicy, LRUPolicy
 from tierkv.tiers.dram import DRAMTier
 from tierkv.tiers.slab import ALIGN

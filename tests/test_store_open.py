@@ -16,9 +16,10 @@ from fake_media import FakeTier
 
 from tierkv import TieredStore
 from tierkv.errors import PolicyError
-from tierkv.level import Level, size_value
+from tierkv import Level
+from tierkv.engine.level import size_value
 from tierkv.policies import EvictionPolicy
-from tierkv.recovery import plan_recovery
+from tierkv.engine.recovery import plan_recovery
 from tierkv.tiers.ssd import SSDTier
 
 BUILT_INS = ["lru", "fifo", "lfu", "s3fifo", "arc"]

@@ -157,7 +157,7 @@ def test_a_put_tells_the_policy_of_the_present_keys_once_each_in_order():
             return [k for k in self.order if k not in protected][: -(-nbytes // CHUNK)] or None
 
     policy = Recorder()
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers import medium_class
 
     tier = medium_class("dram").from_config("dram", {"capacity": 8 * CHUNK})
@@ -305,7 +305,7 @@ def test_a_policy_changing_its_protected_argument_cannot_evict_a_chunk_being_rea
     import threading
 
     from tierkv.errors import PolicyError
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     class Gated(DRAMTier):
@@ -341,7 +341,7 @@ def test_a_policy_changing_its_protected_argument_cannot_evict_a_chunk_being_rea
 
 def test_a_victims_generator_that_raises_is_a_policy_error():
     from tierkv.errors import PolicyError
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     class Exploding(Unpinning):
@@ -362,7 +362,7 @@ def test_a_victims_generator_that_raises_is_a_policy_error():
 
 def test_one_policy_object_for_two_tiers_is_refused():
     from tierkv.errors import ConfigError
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.policies.eviction import LRUPolicy
     from tierkv.tiers.dram import DRAMTier
 
@@ -383,7 +383,7 @@ def test_one_policy_object_for_two_tiers_is_refused():
 
 def test_a_chain_naming_one_policy_object_twice_is_refused():
     from tierkv.errors import ConfigError
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.policies.eviction import LRUPolicy
     from tierkv.tiers.dram import DRAMTier
 
@@ -578,7 +578,7 @@ def test_a_put_of_a_key_another_put_is_writing_answers_what_became_of_it(first_w
 
     from fake_media import FakeTier
 
-    from tierkv.level import Level
+    from tierkv import Level
     from tierkv.policies import AdmissionPolicy
 
     class FirstWrite(FakeTier):

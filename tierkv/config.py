@@ -35,13 +35,13 @@ import os
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.level import Level
+from tierkv.engine.level import Level
 from tierkv.options import check_int, check_str
 from tierkv.persist import pop_persist
 from tierkv.tiers import medium_class
 
 TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue",
-            "trace_path", "trace", "shadow"}  # the last three: tierkv.observe
+            "trace_path", "trace", "shadow"}  # the last three: tierkv.engine.observers
 
 
 def default_config(root: str | None = None) -> dict[str, Any]:

@@ -8,7 +8,8 @@ one, so a transfer from huge pages runs faster than one of the same bytes from 4
 
 * ``page_buffer`` maps a zeroed, page-aligned buffer, advised as huge pages from ``HUGE`` bytes on.
 * ``StagingArena`` keeps one such buffer for staging batches of chunks between tiers, reused batch
-  after batch, each chunk at a 4 KiB boundary.
+  after batch, each chunk at a 4 KiB boundary; ``StagingPool`` lends arenas, one per batch in
+  flight, to every copy a store makes between tiers (write-behind, promotion, demotion).
 * ``advise_huge`` advises the whole 2 MiB pages of memory mapped elsewhere (a host slab's tensor)
   before their first touch.
 * ``contiguous(addr, n)`` says whether ``[addr, addr + n)`` lies in one registered huge-page range
@@ -167,3 +168,67 @@ class StagingArena:
             unregister(self._addr)
         self._buf = self._tensor = None
         self._addr = 0
+
+
+class StagingPool:
+    """Arenas lent one per batch in flight: the one staging mechanism for copies between tiers.
+
+    ``with pool.carve(sizes) as bufs:`` lends a free arena (or a new one), carves ``bufs`` from it
+    and takes it back when the block ends; the views must not be used after it.  A copy that
+    stages while another is staging (a demotion that makes room by demoting further down, two
+    puts evicting at once) simply holds another arena.  At most ``keep`` arenas stay mapped
+    between batches; ``release`` lets every idle one go (a store's ``close``).
+    """
+
+    def __init__(self, keep: int = 4) -> None:
+        self._free: list[StagingArena] = []
+        self._lent = 0
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def carve(self, sizes: list[int]) -> _Lease:
+        with self._lock:
+            arena = self._free.pop() if self._free else StagingArena()
+            self._lent += 1
+        return _Lease(self, arena, sizes)
+
+    def _give_back(self, arena: StagingArena) -> None:
+        with self._lock:
+            self._lent -= 1
+            if not self._closed and len(self._free) < self._keep:
+                self._free.append(arena)
+                return
+        arena.release()
+
+    @property
+    def lent(self) -> int:
+        """Arenas lent now (batches being staged)."""
+        return self._lent
+
+    def release(self) -> None:
+        """Let every idle arena go; arenas lent now are let go when given back."""
+        with self._lock:
+            self._closed = True
+            free, self._free = self._free, []
+        for arena in free:
+            arena.release()
+
+
+class _Lease:
+    """One arena lent for one batch (``StagingPool.carve``)."""
+
+    __slots__ = ("_arena", "_pool", "_sizes")
+
+    def __init__(self, pool: StagingPool, arena: StagingArena, sizes: list[int]) -> None:
+        self._pool, self._arena, self._sizes = pool, arena, sizes
+
+    def __enter__(self) -> list[torch.Tensor]:
+        try:
+            return self._arena.carve(self._sizes)
+        except BaseException:
+            self._pool._give_back(self._arena)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self._pool._give_back(self._arena)

@@ -37,6 +37,7 @@ class StoreCounters:
     bytes_put: int = 0
     bytes_got: int = 0
     write_behind_queued: int = 0  # chunks handed to the write-behind queue
+    promotions_dropped: int = 0  # promotions the background queue gave up (full, closing, failed)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

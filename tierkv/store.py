@@ -1,6 +1,6 @@
 """``TieredStore``: the one place that knows the order of tiers.
 
-The chain is a list of *levels* (``tierkv.level.Level``), fastest first.  Each
+The chain is a list of *levels* (``tierkv.Level``), fastest first.  Each
 level wraps one ``Tier`` (the medium) with the policies that steer it (eviction,
 admission) and, for *managed* media, the index of what the level holds.
 
@@ -59,7 +59,6 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -69,24 +68,23 @@ import torch
 
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
-from tierkv.copying import Copying
-from tierkv.durability import DropLedger, DropReason, FlushResult, fault_counts, lost_count
-from tierkv.errors import ConfigError, PolicyError, StoreClosedError
-from tierkv.hooks import call_policy
-from tierkv.hostmem import StagingArena
-from tierkv.keys import check_key, check_keys
-from tierkv.level import Level
-from tierkv.observe import Observable
+from tierkv.durability import DropReason, FlushResult, fault_counts, lost_count
+from tierkv.engine.chain import Chain
+from tierkv.engine.copier import Copier
+from tierkv.engine.level import Level
+from tierkv.engine.observers import Observers, attach_from_config
+from tierkv.engine.placer import Placer
+from tierkv.engine.reader import Reader
+from tierkv.engine.recovery import recover
+from tierkv.engine.tierio import TierIO
+from tierkv.engine.writer import Writer
+from tierkv.errors import ConfigError, PolicyError
+from tierkv.hostmem import StagingPool
+from tierkv.keys import check_keys
 from tierkv.options import check_int
 from tierkv.outcome import PutOutcome
-from tierkv.placement import Placement
-from tierkv.policies import AdmissionPolicy, PromotionPolicy, build_promotion
-from tierkv.readpath import ReadPath
-from tierkv.recovery import plan_recovery
-from tierkv.stats import StoreCounters
+from tierkv.policies import PromotionPolicy, build_promotion
 from tierkv.tiers.base import Tier
-from tierkv.writebehind import WriteBehind
-from tierkv.writepath import WritePath
 
 if TYPE_CHECKING:
     import os
@@ -96,15 +94,16 @@ log = logging.getLogger("tierkv")
 StoreConfig = Union[dict, str, "os.PathLike[str]"]  # (a name for type checkers only)
 
 
-class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
+class TieredStore:
     """A chain of tiers, fastest first, behind one batch-first API.
 
     ``put`` writes into the highest level whose admission policy accepts the
     chunk (and into lower ``write_through`` levels at once, and ``write_behind``
     levels in the background); a full level's eviction policy names victims,
     which are demoted down the chain.  ``get`` reads from the fastest level
-    holding the key and promotes per the promotion policy.  See the module
-    docstring for the invariants.
+    holding the key; the hits served below the top are promoted, as the
+    promotion policy says, on the background queue.  A thin facade: the work is
+    done by the collaborators it holds (see the module docstring).
     """
 
     def __init__(
@@ -118,55 +117,26 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
             raise ConfigError("a store needs a non-empty list of tiers (Tier or Level objects), fastest first")
         io_workers = check_int(io_workers, "io_workers", min_value=1, max_value=256)
         write_behind_queue = check_int(write_behind_queue, "write_behind_queue", min_value=0)
-        self.levels: list[Level] = [t if isinstance(t, Level) else Level(t) for t in tiers]
-        names = [lvl.name for lvl in self.levels]
-        dup = {n for n in names if names.count(n) > 1}
-        if dup:
-            raise ConfigError(f"tier names must be unique; repeated: {sorted(dup)}")
-        tiers_seen = [id(lvl.tier) for lvl in self.levels]
-        if len(set(tiers_seen)) != len(tiers_seen):
-            raise ConfigError("the same Tier object appears twice in the chain")
-        owner: dict[int, str] = {}
-        for lvl in self.levels:  # a policy keeps one tier's metadata: two tiers would each evict the other's keys
-            if lvl.eviction is None:
-                continue
-            other = owner.setdefault(id(lvl.eviction), lvl.name)
-            if other != lvl.name:
-                raise ConfigError(f"tiers {other!r} and {lvl.name!r} share one eviction policy object "
-                                  f"({type(lvl.eviction).__name__}); give each tier its own instance")
-        for i, lvl in enumerate(self.levels):
-            lvl.bind(1 << i)
+        self._chain = chain = Chain([t if isinstance(t, Level) else Level(t) for t in tiers])
+        #: the levels, fastest first (each: a tier, its policies, its index)
+        self.levels: list[Level] = chain.levels
         self.promotion = build_promotion(promotion)
-        self._lock = threading.RLock()
-        self._idle = threading.Condition(self._lock)
-        self._settled = threading.Condition(self._lock)  # a put waiting for another call's write (WritePath)
-        self._settle_waiters = 0
-        self._in_flight = 0
-        self._closed = False
-        self._counters = StoreCounters()
-        # only admission policies that observe demand are told about accesses
-        self._admissions = [a for a in {id(lvl.admission): lvl.admission for lvl in self.levels}.values()
-                            if type(a).on_access is not AdmissionPolicy.on_access]
-        self._managed_levels = [i for i, lvl in enumerate(self.levels) if lvl.managed]
-        self._shared_levels = [i for i, lvl in enumerate(self.levels) if not lvl.managed]
-        self._any_write_through = any(lvl.write_through for lvl in self.levels)
-        self._behind_levels = [i for i, lvl in enumerate(self.levels) if lvl.write_behind]
-        #: acknowledged chunks whose write-behind copy was given up (``flush`` reports them)
-        self._drops = DropLedger()
-        self._faults_seen: dict[int, dict[str, int]] = {}  # level -> its medium's fault counters (``_drop_reason``)
+        self._stager = StagingPool()
+        self._io = TierIO(chain)
+        self._placer = Placer(chain, self._io, self._stager)
+        self._copier = Copier(chain, self._io, self._placer, self._stager, self.promotion,
+                              max_queued=write_behind_queue)
+        self._writer = Writer(chain, self._io, self._placer, self._copier)
+        self._reader = Reader(chain, self._io, self._copier)
+        self._observers = Observers()
         self._lost_seen: dict[int, int] = {}  # persistent level -> its medium's lost objects so far (``_count_lost``)
-        self._behind = WriteBehind(self._copy_behind, max_queued=write_behind_queue,
-                                   on_drop=self._behind_dropped) if self._behind_levels else None
-        self._arena = StagingArena()  # (write-behind batches are staged here: see ``Copying._copy_batch``)
-        self._arena_lock = threading.Lock()
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
-        self._observers: list[Any] = []  # see Observable (tierkv.observe)
-        self._recover()
+        recover(self.levels)
         for k, lvl in enumerate(self.levels):  # (after recovery: what opening counted is no write's fault)
             if lvl.tier.persistent:
                 try:
                     extra = lvl.tier.extra_stats()
-                    self._faults_seen[k] = fault_counts(extra)
+                    chain.faults_seen[k] = fault_counts(extra)
                     self._lost_seen[k] = lost_count(extra)
                 except Exception:  # noqa: BLE001 - a medium's stats never cost the construction
                     pass
@@ -184,69 +154,25 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
             for lvl in levels:
                 lvl.tier.close()
             raise
-        store._attach_from_config(cfg)
+        attach_from_config(store, cfg)
         return store
 
-    def _recover(self) -> None:
-        """Index what persistent media kept from an earlier process: the newest that fit.
-
-        Bulk from end to end (nothing here runs per object in Python): the tier hands its objects over as
-        columns (``recover_columns``), ``plan_recovery`` picks the newest version of each key and the
-        newest keys whose footprints fit, and ``Level.adopt`` loads them, READY, into the index and the
-        eviction policy.  Keys that do not fit are deleted from the medium.
-        """
-        for lvl in self.levels:
-            if not (lvl.managed and lvl.tier.persistent):
-                continue
-            keys, sizes = lvl.tier.recover_columns()  # oldest first
-            if not len(keys):
-                continue
-            room = lvl.capacity - lvl.used
-            keep, sizes_kept, trimmed = plan_recovery(keys, sizes, lvl.footprint, room)
-            if trimmed:
-                lvl.tier.delete(trimmed)  # the configured capacity shrank: the oldest go
-            if not lvl.adopt(keep, sizes_kept):  # some key listed twice: its newest entry counts
-                keep, sizes_kept, trimmed = plan_recovery(keys, sizes, lvl.footprint, room, distinct=True)
-                if trimmed:
-                    lvl.tier.delete(trimmed)
-                lvl.adopt(keep, sizes_kept)
-            log.info("tierkv: tier %s recovered %d chunks (%d bytes); dropped %d", lvl.name, len(keep), lvl.used,
-                     len(keys) - len(keep))
-
     # ------------------------------------------------------------------ lifecycle
-    def _enter(self) -> None:
-        with self._lock:
-            if self._closed:
-                raise StoreClosedError("the store is closed")
-            self._in_flight += 1
-
-    def _leave(self) -> None:
-        with self._lock:
-            if self._settle_waiters:
-                self._settled.notify_all()
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.notify_all()
-
     def close(self) -> None:
         """Wait for calls in flight, drain the write-behind queue, make persistent tiers durable, release
         every tier.  Idempotent."""
-        with self._lock:
-            if self._closed:
+        chain = self._chain
+        with chain.lock:
+            if chain.closed:
                 return
-            self._closed = True
-            self._idle.wait_for(lambda: self._in_flight == 0, timeout=60)
+            chain.closed = True
+            chain.idle.wait_for(lambda: chain.in_flight == 0, timeout=60)
         try:
-            if self._behind is not None:
-                self._behind.close(timeout=120)
+            self._copier.close(timeout=120)
         finally:
-            if self._arena_lock.acquire(timeout=1):  # (a copy still running after the timeout keeps its views)
-                try:
-                    self._arena.release()
-                finally:
-                    self._arena_lock.release()
+            self._stager.release()  # (an arena lent to a copy still running is let go when given back)
             self._executor.shutdown(wait=True)
-            self._close_observers()
+            self._observers.close()
             for lvl in self.levels:
                 try:
                     lvl.tier.flush()
@@ -257,7 +183,7 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        return self._chain.closed
 
     def __enter__(self) -> TieredStore:
         return self
@@ -277,9 +203,10 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         own flush failed (``tier_errors``).  The same events are counted in ``stats()``
         (``write_behind_dropped``, ``write_behind_dropped_by_reason``) and logged.
         """
-        self._enter()
+        chain = self._chain
+        chain.enter()
         try:
-            drained = self._behind.drain(timeout) if self._behind is not None else True
+            drained = self._copier.drain(timeout)
             errors: dict[str, str] = {}
             for lvl in self.levels:
                 try:
@@ -288,15 +215,15 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
                     errors[lvl.name] = str(e)[:300] or type(e).__name__
                     log.warning("tierkv: tier %s flush failed: %s", lvl.name, errors[lvl.name])
             self._count_lost()
-            with self._lock:
-                n, reasons, keys = self._drops.take()
-            pending = self._behind.pending() if not drained and self._behind is not None else 0
+            with chain.lock:
+                n, reasons, keys = chain.drops.take()
+            pending = self._copier.pending() if not drained else 0
             result = FlushResult(n, reasons, keys, pending, errors)
             if not result:
                 log.warning("tierkv: %s", result)
             return result
         finally:
-            self._leave()
+            chain.leave()
 
     def _count_lost(self) -> None:
         """Acknowledged chunks a persistent medium lost on its own since the last look (its ``objects_lost``):
@@ -307,13 +234,14 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
             except Exception:  # noqa: BLE001 - a medium's stats never cost a flush
                 continue
             if now > seen:
-                with self._lock:
+                with self._chain.lock:
                     self._lost_seen[k] = now
-                    self._drops.record_count(now - seen, DropReason.LOST)
+                    self._chain.drops.record_count(now - seen, DropReason.LOST)
 
     def drain_write_behind(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every background copy queued so far is done (without fsync); False on timeout."""
-        return self._behind.drain(timeout) if self._behind is not None else True
+        """Wait until every background copy queued so far (write-behind and promotion) is done (without
+        fsync); False on timeout."""
+        return self._copier.drain(timeout)
 
     # ------------------------------------------------------------------ put
     def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[bool]:
@@ -330,14 +258,14 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         """``put``, answering a ``PutOutcome`` per key: stored, present, rejected, no room or error."""
         keys, values = self._pairs(keys, values, "values")
         prepared, ptrs = to_parts_ptrs(values, "values")
-        self._enter()
+        self._chain.enter()
         t0 = time.perf_counter()
         try:
-            res = self._put(keys, prepared, ptrs)
+            res = self._writer.put(keys, prepared, ptrs)
         finally:
-            self._leave()
-        if self._observers:
-            self._observe("put", keys, res, t0, prepared)
+            self._chain.leave()
+        if self._observers.attached:
+            self._observers.observe("put", keys, res, t0, prepared)
         return res
 
     # ------------------------------------------------------------------ get
@@ -349,17 +277,17 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         """
         keys, outs = self._pairs(keys, outs, "outs", each=False)
         prepared, ptrs = to_parts_ptrs(outs, "outs")
-        self._enter()
+        self._chain.enter()
         t0 = time.perf_counter()
         try:
-            res = self._get(keys, prepared, ptrs)
+            res = self._reader.get(keys, prepared, ptrs)
         except TypeError:
             check_keys(keys)  # an unhashable key: raise the error that names it
             raise
         finally:
-            self._leave()
-        if self._observers:
-            self._observe("get", keys, res, t0, prepared)
+            self._chain.leave()
+        if self._observers.attached:
+            self._observers.observe("get", keys, res, t0, prepared)
         return res
 
     # ------------------------------------------------------------------ lookup, locate, remove
@@ -371,64 +299,10 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         """
         keys = check_keys(keys, each=False)
         t0 = time.perf_counter()
-        n = self._lookup(keys)
-        if self._observers:
-            self._observe("lookup", keys, n, t0, None)
+        n = self._reader.lookup(keys)
+        if self._observers.attached:
+            self._observers.observe("lookup", keys, n, t0, None)
         return n
-
-    def _leading_ready(self, keys: list[str]) -> int:
-        """How many leading keys are READY in some managed level.  Caller holds the lock."""
-        levels = self._managed_levels
-        if not levels:
-            return 0
-        # every key READY in the first managed level (a positive int): probed and compared in C.  A miss
-        # (None), a doomed chunk (an Entry) or a reservation (a negative int) makes ``min`` raise or
-        # answer <= 0; then the keys are looked at one by one from there, in the other levels too
-        vals: list[Any] = list(map(self.levels[levels[0]].index.get, keys))
-        try:
-            if vals and min(vals) > 0:
-                return len(vals)
-        except TypeError:
-            pass
-        others = [self.levels[j].index for j in levels[1:]]
-        n = 0
-        for k, e in zip(keys, vals):
-            if type(e) is not int or e < 0:
-                for index in others:
-                    e = index.get(k)
-                    if type(e) is int and e > 0:
-                        break
-                else:
-                    break
-            n += 1
-        return n
-
-    def _lookup(self, keys: list[str]) -> int:
-        with self._lock:  # (one lock hold in the common case: no call in flight to account for)
-            if self._closed:
-                raise StoreClosedError("the store is closed")
-            self._counters.lookup_calls += 1
-            try:
-                n = self._leading_ready(keys)
-            except TypeError:
-                check_keys(keys)  # an unhashable key: raise the error that names it
-                raise
-            if n < len(keys):  # the keys found were stored, so they are valid; the rest are checked here
-                check_keys(keys[n:])
-            if n == len(keys) or not self._shared_levels:
-                return n
-            ask = [i for i in range(n, len(keys)) if not self._mask(keys[i])]
-            self._in_flight += 1  # (the shared levels are asked outside the lock: ``close`` waits)
-        try:
-            found = self._first_shared("contains", keys, ask)
-            with self._lock:
-                for i in range(n, len(keys)):
-                    if not self._mask(keys[i]) and i not in found:
-                        break
-                    n += 1
-            return n
-        finally:
-            self._leave()
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Presence of each key in some tier (not only the leading ones).  No side effects."""
@@ -437,49 +311,34 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
     def locate(self, keys: Sequence[str]) -> list[Optional[str]]:
         """Name of the fastest tier holding each key (None where none does).  No side effects."""
         keys = check_keys(keys, each=False)
-        self._enter()
+        self._chain.enter()
         try:
-            out: list[Optional[str]] = [None] * len(keys)
-            with self._lock:
-                try:
-                    for i, k in enumerate(keys):
-                        mask = self._mask(k)
-                        if mask:
-                            out[i] = self.levels[(mask & -mask).bit_length() - 1].name
-                except TypeError:
-                    check_keys(keys)  # an unhashable key: raise the error that names it
-                    raise
-            missing = [i for i, o in enumerate(out) if o is None]
-            for i in missing:
-                check_key(keys[i])
-            if missing and self._shared_levels:
-                for i, j in self._first_shared("contains", keys, missing).items():
-                    out[i] = self.levels[j].name
-            return out
+            return self._reader.locate(keys)
         finally:
-            self._leave()
+            self._chain.leave()
 
     def remove(self, keys: Sequence[str]) -> None:
         """Forget the chunks in every tier (absent keys are ignored)."""
         keys = check_keys(keys)
-        self._enter()
+        chain = self._chain
+        chain.enter()
         try:
-            with self._lock:
-                for key in keys:
-                    for j in self._managed_levels:
-                        lvl = self.levels[j]
+            with chain.lock:
+                for j in chain.managed:
+                    lvl = self.levels[j]
+                    for key in keys:
                         if lvl.holds(key):
                             lvl.drop(key)
-                    call_policy(self.promotion, "on_remove", "*", key)
-            for j in self._shared_levels:
+                self._copier.promotion.removed(keys)
+            for j in chain.shared:
                 if self.levels[j].tier.available:
-                    self._tier_ask(self.levels[j], "delete", keys)
+                    self._io.delete(self.levels[j], keys)
         finally:
-            self._leave()
+            chain.leave()
 
     # ------------------------------------------------------------------ async twins
     async def _run(self, fn, *args):
-        if self._closed:
+        if self._chain.closed:
             raise StoreClosedError("the store is closed")
         try:
             fut = self._executor.submit(functools.partial(fn, *args))
@@ -503,11 +362,24 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
         """``remove`` on the store's I/O threads, awaitable."""
         return await self._run(self.remove, keys)
 
+    # ------------------------------------------------------------------ observers
+    def add_observer(self, observer: Any) -> None:
+        """Call ``observer`` after every batch (``tierkv.engine.observers``)."""
+        self._observers.add(observer)
+
+    def observers(self) -> tuple[Any, ...]:
+        """The observers attached, in order."""
+        return tuple(self._observers.attached)
+
+    def remove_observer(self, observer: Any) -> None:
+        self._observers.remove(observer)
+
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Counters per tier (under ``"tiers"`` and at the top level, by name) and store totals (``"total"``)."""
         tiers: dict[str, dict[str, Any]] = {}
-        with self._lock:
+        chain = self._chain
+        with chain.lock:
             for lvl in self.levels:
                 d: dict[str, Any] = {
                     "medium": lvl.tier.medium,
@@ -522,6 +394,8 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
                 }
                 if lvl.eviction is not None:
                     d["eviction"] = getattr(lvl.eviction, "name", type(lvl.eviction).__name__)
+                for answer, n in lvl.admissions.as_dict().items():  # (each answer the store acted on)
+                    d["admission_" + answer] = n
                 try:
                     extra = lvl.tier.extra_stats()
                 except Exception as e:  # noqa: BLE001 - a medium's stats never break stats()
@@ -531,15 +405,15 @@ class TieredStore(WritePath, Placement, ReadPath, Copying, Observable):
                 mine = extra.get("too_large")  # (refused by the store as larger than the tier, or by the medium)
                 d["too_large"] = lvl.too_large + (mine if isinstance(mine, int) else 0)
                 tiers[lvl.name] = d
-            total: dict[str, Any] = self._counters.as_dict()
+            total: dict[str, Any] = chain.counters.as_dict()
             for field in ("capacity_bytes", "used_bytes", "evictions", "promotions", "demotions", "errors",
                           "rejected", "bytes_read", "bytes_written", "persisted"):
                 total[field] = sum(t[field] for t in tiers.values())
-            total["in_flight"] = self._in_flight
-            total["write_behind_pending"] = self._behind.pending() if self._behind is not None else 0
-            total["write_behind_dropped"] = self._drops.total
-            total["write_behind_dropped_by_reason"] = self._drops.by_reason()
-        self._observer_stats(tiers)
+            total["in_flight"] = chain.in_flight
+            total["write_behind_pending"] = self._copier.pending()
+            total["write_behind_dropped"] = chain.drops.total
+            total["write_behind_dropped_by_reason"] = chain.drops.by_reason()
+        self._observers.merge_stats(tiers)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         for name, d in tiers.items():
             out.setdefault(name, d)

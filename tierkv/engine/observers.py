@@ -1,6 +1,6 @@
 """Store observers: the hook ``TieredStore`` calls once per batch, and those a config turns on.
 
-``Observable`` (a base of ``TieredStore``) keeps the observers: after each
+``Observers`` (held by ``TieredStore``) keeps the observers: after each
 ``put`` / ``get`` / ``lookup`` batch the store calls
 ``observer.observe(op, keys, result, seconds, sizes)`` outside its lock (``sizes``:
 bytes per key, None for lookups); an observer's ``tier_stats()`` (``{tier: {...}}``)
@@ -30,55 +30,53 @@ from tierkv.plugins import plugin
 log = logging.getLogger("tierkv")
 
 
-class Observable:
-    """The observer hook of ``TieredStore`` (which sets ``self._observers = []``)."""
+class Observers:
+    """The observers of one store, in order (see the module docstring)."""
 
-    _observers: list[Any]
+    def __init__(self) -> None:
+        self.attached: list[Any] = []  # copy on write: batches in flight keep their list
+        self._faults: set[tuple[int, str]] = set()
 
-    def add_observer(self, observer: Any) -> None:
-        """Call ``observer`` after every batch (see the module docstring)."""
-        self._observers = [*self._observers, observer]  # copy on write: batches in flight keep their list
+    def add(self, observer: Any) -> None:
+        self.attached = [*self.attached, observer]
 
-    def observers(self) -> tuple[Any, ...]:
-        """The observers attached, in order."""
-        return tuple(self._observers)
+    def remove(self, observer: Any) -> None:
+        self.attached = [o for o in self.attached if o is not observer]
 
-    def remove_observer(self, observer: Any) -> None:
-        self._observers = [o for o in self._observers if o is not observer]
-
-    def _observe(self, op: str, keys: list[str], result: Any, t0: float, prepared: Any) -> None:
+    def observe(self, op: str, keys: list[str], result: Any, t0: float, prepared: Any) -> None:
+        """Tell every observer of a batch that took since ``t0`` (``time.perf_counter``)."""
         dt = time.perf_counter() - t0
         sizes = None if prepared is None else [n for _, n in prepared]
-        for obs in self._observers:
+        for obs in self.attached:
             try:
                 obs.observe(op, keys, result, dt, sizes)
             except Exception as e:  # an observer's fault never reaches the caller  # noqa: BLE001 - a plug-in or medium fault is contained here by design
-                self._observer_failed(obs, "observe", e)
+                self._failed(obs, "observe", e)
 
-    def _observer_stats(self, tiers: dict[str, dict[str, Any]]) -> None:
-        for obs in self._observers:
+    def merge_stats(self, tiers: dict[str, dict[str, Any]]) -> None:
+        """Merge each observer's ``tier_stats()`` into ``tiers``."""
+        for obs in self.attached:
             try:
                 extra = obs.tier_stats() if hasattr(obs, "tier_stats") else {}
                 for name, d in extra.items():
                     tiers.get(name, {}).update(d)
             except Exception as e:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
-                self._observer_failed(obs, "tier_stats", e)
+                self._failed(obs, "tier_stats", e)
 
-    def _close_observers(self) -> None:
-        for obs in self._observers:
+    def close(self) -> None:
+        for obs in self.attached:
+            close = getattr(obs, "close", None)
+            if close is None:
+                continue
             try:
-                getattr(obs, "close", lambda: None)()
+                close()
             except Exception as e:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
-                self._observer_failed(obs, "close", e)
+                self._failed(obs, "close", e)
 
-    def _observer_failed(self, obs: Any, what: str, e: Exception) -> None:
-        faults = self.__dict__.setdefault("_observer_faults", set())
-        first = (id(obs), what) not in faults
-        faults.add((id(obs), what))
+    def _failed(self, obs: Any, what: str, e: Exception) -> None:
+        first = (id(obs), what) not in self._faults
+        self._faults.add((id(obs), what))
         (log.warning if first else log.debug)("tierkv: observer %s %s failed: %s", type(obs).__name__, what, e)
-
-    def _attach_from_config(self, cfg: dict[str, Any]) -> None:
-        attach_from_config(self, cfg)
 
 
 def attach_from_config(store: Any, cfg: dict[str, Any]) -> None:

@@ -1,14 +1,46 @@
 """What a level indexes of the objects a persistent medium kept from an earlier process.
 
-Pure arithmetic over the columns a tier hands over (``Tier.recover_columns``): no store, no
-medium, no per-object Python loop; ``TieredStore._recover`` applies the plan.
+``plan_recovery`` is pure arithmetic over the columns a tier hands over (``Tier.recover_columns``):
+no store, no medium, no per-object Python loop; ``recover`` applies the plan to a store's levels.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
+
+from tierkv.engine.level import Level
+
+log = logging.getLogger("tierkv")
+
+
+def recover(levels: list[Level]) -> None:
+    """Index what persistent media kept from an earlier process: the newest that fit.
+
+    Bulk from end to end (nothing here runs per object in Python): the tier hands its objects over as
+    columns (``recover_columns``), ``plan_recovery`` picks the newest version of each key and the
+    newest keys whose footprints fit, and ``Level.adopt`` loads them, READY, into the index and the
+    eviction policy.  Keys that do not fit are deleted from the medium.
+    """
+    for lvl in levels:
+        if not (lvl.managed and lvl.tier.persistent):
+            continue
+        keys, sizes = lvl.tier.recover_columns()  # oldest first
+        if not len(keys):
+            continue
+        room = lvl.capacity - lvl.used
+        keep, sizes_kept, trimmed = plan_recovery(keys, sizes, lvl.footprint, room)
+        if trimmed:
+            lvl.tier.delete(trimmed)  # the configured capacity shrank: the oldest go
+        if not lvl.adopt(keep, sizes_kept):  # some key listed twice: its newest entry counts
+            keep, sizes_kept, trimmed = plan_recovery(keys, sizes, lvl.footprint, room, distinct=True)
+            if trimmed:
+                lvl.tier.delete(trimmed)
+            lvl.adopt(keep, sizes_kept)
+        log.info("tierkv: tier %s recovered %d chunks (%d bytes); dropped %d", lvl.name, len(keep), lvl.used,
+                 len(keys) - len(keep))
 
 
 def plan_recovery(keys: list[str], sizes: Any, footprint: Any, room: int,

@@ -1,14 +1,14 @@
-"""The write-behind queue: chunks stored in fast tiers are copied into persistent ones in the background.
+"""The background queue: the copies a store makes on its own (write-behind, promotion), off the caller's thread.
 
-``submit`` never blocks the caller: when ``max_queued`` keys already wait, the
+``submit`` never blocks the caller: when ``max_queued`` jobs already wait, the
 new ones are dropped, counted and handed to ``on_drop`` with the reason (the device
-cannot keep up; the chunk is still stored above and may reach the persistent tier
-later by demotion).  A batch whose copy raises, and keys still queued when ``close``
+cannot keep up; a chunk is still stored above and may reach the persistent tier
+later by demotion).  A batch whose copy raises, and jobs still queued when ``close``
 gives up waiting, go to ``on_drop`` too: ``flush`` reports every one of them.  One thread
-drains the queue in batches through the store's ``copy`` callback; ``drain``
+drains the queue in batches through the ``run`` callback (the ``Copier``'s); ``drain``
 waits until everything submitted so far has been handled (``flush`` and
-``close`` use it).  The queue holds keys only, never the caller's buffers: the
-background copy reads the chunk back from the tier that holds it.
+``close`` use it).  A job names a chunk (a key, a key and a level), never a caller's
+buffer: the background copy reads the chunk back from the tier that holds it.
 """
 
 from __future__ import annotations
@@ -18,23 +18,23 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Optional
+from typing import Any, Optional
 
 from tierkv.durability import DropReason
 
 log = logging.getLogger("tierkv")
 
 
-class WriteBehind:
-    """A bounded queue of keys and the one thread that copies them down."""
+class BackgroundQueue:
+    """A bounded queue of jobs and the one thread that runs them."""
 
-    def __init__(self, copy: Callable[[list[str]], None], max_queued: int = 65536, batch: int = 256,
-                 on_drop: Optional[Callable[[list[str], DropReason], None]] = None) -> None:
-        self._copy = copy
+    def __init__(self, run: Callable[[list[Any]], None], max_queued: int = 65536, batch: int = 256,
+                 on_drop: Optional[Callable[[list[Any], DropReason], None]] = None) -> None:
+        self._copy = run
         self._on_drop = on_drop
         self.max_queued = max_queued
         self._batch = batch
-        self._queue: deque[str] = deque()
+        self._queue: deque[Any] = deque()
         self._cv = threading.Condition()
         self._busy = False
         self._stop = False
@@ -43,8 +43,8 @@ class WriteBehind:
         self.dropped = 0
         self.failed_batches = 0
 
-    def submit(self, keys: Sequence[str]) -> int:
-        """Queue ``keys``; returns how many were dropped because the queue is full (or closed)."""
+    def submit(self, keys: Sequence[Any]) -> int:
+        """Queue jobs; returns how many were dropped because the queue is full (or closed)."""
         if not keys:
             return 0
         with self._cv:
@@ -59,14 +59,14 @@ class WriteBehind:
                 lost, why = list(keys[len(take):]), DropReason.QUEUE_FULL
                 self.dropped += len(lost)
                 if self._thread is None:
-                    self._thread = threading.Thread(target=self._run, name="tierkv-write-behind", daemon=True)
+                    self._thread = threading.Thread(target=self._run, name="tierkv-copier", daemon=True)
                     self._thread.start()
                 self._cv.notify_all()
         if lost:
             self._dropped(lost, why)
         return len(lost)
 
-    def _dropped(self, keys: list[str], why: DropReason) -> None:
+    def _dropped(self, keys: list[Any], why: DropReason) -> None:
         if self._on_drop is not None:
             try:
                 self._on_drop(keys, why)
@@ -78,7 +78,7 @@ class WriteBehind:
             return len(self._queue) + (1 if self._busy else 0)
 
     def drain(self, timeout: Optional[float] = None) -> bool:
-        """Wait until every key submitted so far has been copied (or failed); False on timeout."""
+        """Wait until every job submitted so far has run (or failed); False on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cv:
             while self._queue or self._busy:
@@ -89,7 +89,7 @@ class WriteBehind:
         return True
 
     def close(self, timeout: Optional[float] = None) -> bool:
-        """Drain, then stop the thread.  Keys submitted afterwards are dropped."""
+        """Drain, then stop the thread.  Jobs submitted afterwards are dropped."""
         done = self.drain(timeout)
         with self._cv:
             self._stop = True
@@ -117,7 +117,7 @@ class WriteBehind:
                 self._copy(batch)
             except Exception as e:  # a copy that fails costs the copy, never the thread  # noqa: BLE001 - a plug-in or medium fault is contained here by design
                 self.failed_batches += 1
-                log.warning("tierkv: write-behind copy of %d chunks failed: %s", len(batch), e)
+                log.warning("tierkv: background copy of %d chunks failed: %s", len(batch), e)
                 self._dropped(batch, DropReason.COPY_FAILED)
             finally:
                 with self._cv:

@@ -2,7 +2,11 @@
 
 A level owns the bookkeeping of a *managed* tier: the index of entries
 (RESERVED, READY, or doomed-but-pinned), the bytes they account for, and the
-pins of readers.  The store decides *what* happens (placement, eviction,
+pins of readers.  The index and its packed-int encoding are private to this
+module: the store's reader, placer and copier ask typed, batched questions
+(``holds``, ``ready_sizes``, ``probe_sized``, ``footprints``...), and an eviction
+policy that follows the level's order sees it through ``LevelOrder``
+(``policies/eviction.py``), where a token is opaque but for "READY is a positive int".  The store decides *what* happens (placement, eviction,
 demotion); the level makes each step keep its invariants:
 
 * ``used`` is always the sum of ``footprint`` over the entries in ``index``
@@ -19,9 +23,17 @@ demotion); the level makes each step keep its invariants:
 * a pinned entry is never freed: ``drop`` makes it unreadable at once, and the
   last ``unpin`` frees its space and deletes its bytes.
 
+Giving chunks up: ``victims`` asks the policy and refuses an answer that names
+a key the level does not hold READY, a pinned key, or one key twice
+(``PolicyError``); a policy that frees too little is asked once more for the rest.
+``evict_many`` drops each victim and releases the one pin the eviction holds on
+it; a key another reader still holds stays readable to that reader (doomed) until
+its last ``unpin``.  Every pin the call was given is released, raising or not.
+
 Every method expects the caller to hold the store's lock.  A policy hook that
 raises is reported as ``PolicyError`` *after* the level's own state is
-consistent again, so the caller only has to release what it holds.
+consistent again, so the caller only has to release what it holds.  Policies
+are called through ``tierkv.hooks`` (``CheckedEviction``, ``CheckedAdmission``).
 """
 
 from __future__ import annotations
@@ -35,20 +47,10 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from tierkv.errors import ConfigError, PolicyError
-from tierkv.hooks import batch_hook, call_policy
-from tierkv.level_eviction import Eviction
+from tierkv.hooks import CheckedAdmission, CheckedEviction
+from tierkv.outcome import AdmissionCounts
 from tierkv.persist import resolve_persist
-from tierkv.policies import (
-    AdmissionPolicy,
-    ARCPolicy,
-    EvictionPolicy,
-    FIFOPolicy,
-    LFUPolicy,
-    LRUPolicy,
-    S3FIFOPolicy,
-    build_admission,
-    build_eviction,
-)
+from tierkv.policies import AdmissionPolicy, EvictionPolicy, build_admission, build_eviction
 from tierkv.stats import TierCounters
 from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Tier
 
@@ -85,8 +87,7 @@ _CANON_LIMIT = 4096
 Slot = Union[int, Entry]
 _INT = {int}
 _ONE = {1}
-#: built-in policies (these classes exactly) that order the level's index instead of a dict of their own
-_SHARING = (LRUPolicy, FIFOPolicy, S3FIFOPolicy, LFUPolicy, ARCPolicy)
+_STR = {str}
 
 
 #: id(policy) -> the level it serves (weakly): one eviction policy object keeps one tier's metadata
@@ -113,7 +114,19 @@ def size_value(nbytes: int) -> int:
     return nbytes << 1 | 1 if nbytes < NB_FIELD else nbytes << CODE_SHIFT | NB_FIELD << 1 | 1
 
 
-class Level(Eviction):
+class _Order:
+    """A level's ``LevelOrder`` (``policies/eviction.py``): its entries, and what a policy may ask of them."""
+
+    __slots__ = ("entries", "footprint", "ready_bytes", "ready_count")
+
+    def __init__(self, level: Level) -> None:
+        self.entries = level._index
+        self.footprint = level._value_footprint
+        self.ready_count = level.entries
+        self.ready_bytes = lambda: level.ready_bytes
+
+
+class Level:
     """One tier in the chain: the medium, its eviction and admission policies, and its index."""
 
     def __init__(
@@ -134,14 +147,16 @@ class Level(Eviction):
         self.eviction: Optional[EvictionPolicy] = build_eviction(eviction) if self.managed else None
         if self.eviction is not None:
             _bind_policy(self.eviction, self)
-        if self.eviction is not None:
             self.eviction.capacity_bytes = tier.capacity_bytes
-        self._insert_many = batch_hook(self.eviction, "on_insert", "on_insert_many")
-        self._access_many = batch_hook(self.eviction, "on_access", "on_access_many")
-        self._remove_many = batch_hook(self.eviction, "on_remove", "on_remove_many")
+        #: the eviction policy as the level calls it (None: an unmanaged level)
+        self._policy = CheckedEviction(self.eviction, self.name) if self.eviction is not None else None
         self.admission: AdmissionPolicy = build_admission(admission)
-        #: the default admission: the store skips asking it
-        self.admits_all = self.admission.admits_everything
+        #: the admission policy as the store asks it (``admit``; ``admits_all`` for the default)
+        self.admit = CheckedAdmission(self.admission, self.name)
+        #: the admission admits everything: the store skips asking it
+        self.admits_all = self.admit.admits_all
+        #: what the admission answered, each answer the store acted on (``Chain.admits``)
+        self.admissions = AdmissionCounts()
         self.persist = resolve_persist(tier, persist, write_through)
         if self.persist == "write_behind" and not self.managed:
             raise ConfigError(f"tier {tier.name!r} ({tier.medium}) is a shared pool: 'persist' may be "
@@ -149,7 +164,7 @@ class Level(Eviction):
         #: the tier leaves each object's location to this level (its code is the index int)
         self.located = tier.located and self.managed
         #: key -> int (> 0 READY, < 0 RESERVED) or, for a doomed chunk still read, an ``Entry``
-        self.index: dict[str, Slot] = {}
+        self._index: dict[str, Slot] = {}
         #: key -> number of readers holding it (the keys eviction must not name)
         self.pinned: dict[str, int] = {}
         self.used = 0
@@ -167,11 +182,11 @@ class Level(Eviction):
         self._fp_only: dict[int, int] = {}  # nbytes -> footprint (the same sizes as ``_fps``)
         if self.located:
             tier.attach(self.ready_codes)
-        #: the eviction policy is a built-in that orders this index (it keeps no dict of its own)
-        self._orders_index = type(self.eviction) in _SHARING and not len(self.eviction)  # type: ignore[arg-type]
-        if self._orders_index:
-            self.eviction.share_index(self.index, self.value_footprint,  # type: ignore[union-attr]
-                                      lambda: self.ready_count, lambda: self.ready_bytes)
+        #: the eviction policy follows this level's order (it keeps no order of its own)
+        self._follows = bool(self.eviction is not None and self.eviction.follows_level_order
+                             and not len(self.eviction))
+        if self._follows:
+            self.eviction.follow_order(_Order(self))  # type: ignore[union-attr]
 
     @property
     def write_through(self) -> bool:
@@ -219,7 +234,7 @@ class Level(Eviction):
         fp = self._fp_only.get(nbytes)
         return fp if fp is not None else self._size(nbytes)[0]
 
-    def value_nbytes(self, v: int) -> int:
+    def _value_nbytes(self, v: int) -> int:
         """nbytes of an index int (READY, or RESERVED: negative)."""
         if v < 0:
             v = -v
@@ -228,24 +243,24 @@ class Level(Eviction):
             return f
         return self.tier.code_nbytes(v) if self.located else v >> CODE_SHIFT
 
-    def value_footprint(self, v: int) -> int:
+    def _value_footprint(self, v: int) -> int:
         """The footprint of an index int that is READY (its size looked up once per size)."""
         f = v >> 1 & NB_FIELD
         fp = self._fp_only.get(f) if f != NB_FIELD else None  # (at the marker the size is elsewhere)
-        return fp if fp is not None else self.unpack(v)[1]
+        return fp if fp is not None else self._unpack(v)[1]
 
-    def unpack(self, v: int) -> tuple[int, int]:
+    def _unpack(self, v: int) -> tuple[int, int]:
         """(nbytes, footprint) of an index int (READY or RESERVED)."""
-        nb = self.value_nbytes(v)
+        nb = self._value_nbytes(v)
         return nb, self._size(nb)[0]
 
     def ready_codes(self, keys: list[str]) -> list[Optional[int]]:
         """A located tier's code of each READY key (None for any other); what ``tier.read`` by key uses."""
-        return [v if type(v) is int and v > 0 else None for v in map(self.index.get, keys)]
+        return [v if type(v) is int and v > 0 else None for v in map(self._index.get, keys)]
 
     def codes(self, keys: list[str]) -> list[int]:
         """The located tier's code of each key, which the caller holds (pinned, or reserved by it)."""
-        vals: list[Any] = list(map(self.index.__getitem__, keys))
+        vals: list[Any] = list(map(self._index.__getitem__, keys))
         if vals and set(map(type, vals)) == _INT:  # the common cases in C loops: all READY, or all RESERVED
             if min(vals) > 0:
                 return vals
@@ -253,29 +268,29 @@ class Level(Eviction):
                 return list(map(_neg, vals))
         out = []
         for key in keys:
-            v = self.index[key]
+            v = self._index[key]
             out.append((v if v > 0 else -v) if type(v) is int else v.code)  # type: ignore[union-attr,operator]
         return out
 
     def holds(self, key: str) -> bool:
         """Whether ``key`` is READY here."""
-        v = self.index.get(key)
+        v = self._index.get(key)
         return type(v) is int and v > 0
 
     def ready_nbytes(self, key: str) -> int:
         """nbytes of ``key`` if it is READY here, else -1."""
-        v = self.index.get(key)
+        v = self._index.get(key)
         if type(v) is int and v > 0:
-            return self.value_nbytes(v)
+            return self._value_nbytes(v)
         return -1
 
     def entry(self, key: str) -> Optional[Entry]:
         """A view of ``key``'s state (nbytes, footprint, ready, pins, doomed); None if absent."""
-        v = self.index.get(key)
+        v = self._index.get(key)
         if v is None:
             return None
         if type(v) is int:
-            nb, fp = self.unpack(v)
+            nb, fp = self._unpack(v)
             e = Entry(nb, fp, ready=v > 0)
         else:
             e = Entry(v.nbytes, v.footprint)  # type: ignore[union-attr]
@@ -284,13 +299,90 @@ class Level(Eviction):
         return e
 
     def items(self) -> list[tuple[str, Entry]]:
-        """(key, ``entry(key)``) for every key in the index."""
-        return [(k, self.entry(k)) for k in list(self.index)]  # type: ignore[misc]
+        """(key, ``entry(key)``) for every key in the index, in the level's order."""
+        return [(k, self.entry(k)) for k in list(self._index)]  # type: ignore[misc]
+
+    def keys(self) -> list[str]:
+        """Every key in the index (RESERVED, READY or doomed), in the level's order."""
+        return list(self._index)
+
+    def ready_keys(self) -> list[str]:
+        """The READY keys, in the level's order."""
+        return [k for k, v in self._index.items() if type(v) is int and v > 0]
+
+    # -- typed questions, batched (C-level loops in the common case) ----------------
+    def knows(self, key: str) -> bool:
+        """Whether ``key`` is in the index in any state (READY, RESERVED, or doomed and still read)."""
+        return key in self._index
+
+    def knows_none(self, keys: Any) -> bool:
+        """Whether none of ``keys`` is in the index, in any state."""
+        return self._index.keys().isdisjoint(keys)
+
+    def busy(self, key: str) -> bool:
+        """Whether ``key`` is READY or RESERVED (being written) here; a doomed one is neither."""
+        return type(self._index.get(key)) is int
+
+    def reserved(self, key: str) -> bool:
+        """Whether ``key`` is RESERVED (being written) here."""
+        v = self._index.get(key)
+        return type(v) is int and v < 0
+
+    def not_dropped(self, key: str) -> bool:
+        """Whether a key the caller holds pinned is still READY (not dropped, doomed, meanwhile)."""
+        return type(self._index.get(key)) is int
+
+    def none_dropped(self, keys: list[str]) -> bool:
+        """``not_dropped`` of every key."""
+        return set(map(type, map(self._index.get, keys))) == _INT
+
+    def all_ready(self, keys: list[str]) -> bool:
+        """Whether every key (at least one) is READY here."""
+        vals: list[Any] = list(map(self._index.get, keys))
+        try:
+            return bool(vals) and min(vals) > 0
+        except TypeError:  # (a miss, or a doomed chunk)
+            return False
+
+    def leading_ready(self, keys: list[str]) -> int:
+        """How many leading keys are READY here."""
+        if self.all_ready(keys):
+            return len(keys)
+        n = 0
+        for v in map(self._index.get, keys):
+            if type(v) is not int or v < 0:
+                break
+            n += 1
+        return n
+
+    def ready_sizes(self, keys: list[str]) -> list[int]:
+        """nbytes of each key READY here, -1 for any other."""
+        vals: list[Any] = list(map(self._index.get, keys))
+        if vals and set(map(type, vals)) == _INT and min(vals) > 0:
+            fields = [v >> 1 & _NB_MASK for v in vals]
+            if _NB_MASK not in fields:  # (at the marker: a large chunk, sized elsewhere)
+                return fields
+        return [self._value_nbytes(v) if type(v) is int and v > 0 else -1 for v in vals]
+
+    def probe_sized(self, keys: list[str], sizes: list[int]) -> Optional[list[int]]:
+        """When every key (at least one) is READY here with exactly its size in ``sizes``, their codes (what
+        ``read_at`` of a located tier takes; meaningless for any other); else None (ask ``ready_sizes``)."""
+        vals: list[Any] = list(map(self._index.get, keys))
+        if (vals and set(map(type, vals)) == _INT and min(vals) > 0
+                and (fields := [v >> 1 & _NB_MASK for v in vals]) == sizes
+                and _NB_MASK not in fields):  # (a field at the marker: a large chunk, sized elsewhere)
+            return vals
+        return None
+
+    def footprints(self, sizes: list[int]) -> int:
+        """The sum of the footprints of chunks of these sizes (each size looked up once)."""
+        fps: list[Any] = list(map(self._fp_only.get, sizes))
+        return sum(fps) if None not in fps else sum([self.footprint(nb) for nb in sizes])
 
     def nbytes_of(self, key: str) -> int:
         """nbytes of ``key``, in any state (it must be in the index)."""
-        v = self.index[key]
-        return self.value_nbytes(v) if type(v) is int else v.nbytes  # type: ignore[union-attr,arg-type]
+        v = self._index[key]
+        return self._value_nbytes(v) if type(v) is int else v.nbytes  # type: ignore[union-attr,arg-type]
 
     # -- two-phase writes ------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> bool:
@@ -304,7 +396,7 @@ class Level(Eviction):
         For a located tier the space is taken here too (one ``allocate`` for the batch); a
         tier that fails to allocate costs those keys their reservation, nothing more.
         """
-        index, cap, size = self.index, self.capacity, self._size
+        index, cap, size = self._index, self.capacity, self._size
         fps = self._fps
         used = self.used
         if type(keys) is list and len(keys) > 1 and index.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
@@ -364,7 +456,7 @@ class Level(Eviction):
 
     def _locate(self, keys: list[str], sizes: list[int], fresh: list[int], out: list[int]) -> None:
         """Give the reservations at ``fresh`` their located tier's codes (undo any the tier cannot place)."""
-        index = self.index
+        index = self._index
         try:
             codes = self.tier.allocate([sizes[i] for i in fresh])
             if len(codes) != len(fresh):
@@ -390,7 +482,7 @@ class Level(Eviction):
         If the policy raises, none of the batch stays: an entry the policy does not
         know could never be evicted.
         """
-        index, shared = self.index, self._shared
+        index, shared = self._index, self._shared
         held: list[Any] = list(map(index.get, keys))
         if not held or set(map(type, held)) != _INT or max(held) >= 0:
             for key, v in zip(keys, held):
@@ -400,7 +492,7 @@ class Level(Eviction):
         fps = self._fps
         nbs = [v >> 1 & _NB_MASK for v in ready]
         if _NB_MASK in nbs:
-            nbs = [self.value_nbytes(v) for v in ready]
+            nbs = [self._value_nbytes(v) for v in ready]
         got = list(map(fps.get, nbs))
         if None in got:
             got = [self._size(nb) for nb in nbs]
@@ -410,20 +502,15 @@ class Level(Eviction):
         sizes = [c[0] for c in got]  # type: ignore[index]
         self.ready_count += len(keys)
         self.ready_bytes += sum(sizes)
+        if self._policy is None:
+            return
         try:
-            if self._insert_many:
-                call_policy(self.eviction, "on_insert_many", self.name, keys, sizes)
-            else:
-                for key, fp in zip(keys, sizes):
-                    call_policy(self.eviction, "on_insert", self.name, key, fp)
+            self._policy.inserted(keys, sizes)
         except BaseException:
             for key in keys:  # none of them may stay unknown to the policy
                 if self.holds(key):
                     self._discard(key)
-                try:
-                    self.eviction.on_remove(key)  # type: ignore[union-attr]
-                except Exception:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
-                    pass
+            self._policy.forget_quietly(keys)
             raise
 
     def adopt(self, keys: list[str], sizes: np.ndarray) -> bool:
@@ -439,7 +526,7 @@ class Level(Eviction):
         n = len(keys)
         if not n:
             return True
-        index = self.index
+        index = self._index
         if self.located or index:  # (no persistent medium is located today; the index is empty at open)
             if len(set(keys)) != n:
                 return False
@@ -472,44 +559,33 @@ class Level(Eviction):
         self.used += total
         self.ready_count += n
         self.ready_bytes += total
-        policy = self.eviction
+        policy = self._policy
         if policy is None:
             return True
-        # (a built-in ordering this index learns nothing from the sizes: no list of them is made for it)
-        sizes_seq: Any = fps if self._orders_index else fps.tolist()
+        # (a policy following this level's order learns nothing from the sizes: no list of them is made for it)
+        sizes_seq: Any = fps if self._follows else fps.tolist()
         try:
-            if hasattr(policy, "on_adopt"):
-                call_policy(policy, "on_adopt", self.name, keys, sizes_seq)
-            else:  # (a policy that is no ``EvictionPolicy`` subclass)
-                call_policy(policy, "on_insert_many", self.name, keys, sizes_seq)
+            policy.adopted(keys, sizes_seq)
         except BaseException:
             index.clear()  # (it held these alone) none of them may stay unknown to the policy
             self.used -= total
             self.ready_count -= n
             self.ready_bytes -= total
-            try:
-                policy.on_remove_many(keys)
-            except Exception:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
-                pass
+            policy.forget_quietly(keys)
             raise
         return True
 
     def accessed(self, keys: list[str]) -> None:
         """Tell the eviction policy these READY keys were read (one call when it has ``on_access_many``)."""
-        if not keys:
-            return
-        if self._access_many:
-            call_policy(self.eviction, "on_access_many", self.name, keys)
-        else:
-            for key in keys:
-                call_policy(self.eviction, "on_access", self.name, key)
+        if keys and self._policy is not None:
+            self._policy.accessed(keys)
 
     def abort(self, key: str) -> None:
         """Release a reservation whose write failed (or never ran)."""
-        v = self.index.get(key)
+        v = self._index.get(key)
         if type(v) is int and v < 0:  # type: ignore[operator]
-            fp = self.unpack(v)[1]
-            del self.index[key]
+            fp = self._unpack(v)[1]
+            del self._index[key]
             self.used -= fp
             if self.located:
                 self._give_back([-v])
@@ -517,7 +593,7 @@ class Level(Eviction):
     def withdraw(self, key: str) -> None:
         """Release a reservation whose bytes were written but must not stay (the chunk was removed while
         its copy was in flight): the reservation goes, and so do the bytes on the medium."""
-        v = self.index.get(key)
+        v = self._index.get(key)
         if type(v) is not int or v > 0:  # type: ignore[operator]
             return
         self.abort(key)
@@ -542,16 +618,16 @@ class Level(Eviction):
 
         Returns its nbytes.
         """
-        v = self.index[key]
+        v = self._index[key]
         if type(v) is not int or v < 0:  # type: ignore[operator]
             raise KeyError(f"tier {self.name!r}: {key[:80]!r} is not READY")
         pinned = self.pinned
         pinned[key] = pinned.get(key, 0) + 1
-        return self.value_nbytes(v)  # type: ignore[arg-type]
+        return self._value_nbytes(v)  # type: ignore[arg-type]
 
     def pin_many(self, keys: list[str]) -> None:
         """``pin`` for each key (every one READY: the caller just checked, under the lock)."""
-        pinned, index = self.pinned, self.index
+        pinned, index = self.pinned, self._index
         vals = list(map(index.get, keys))
         if set(map(type, vals)) != _INT or min(vals) < 0:  # type: ignore[type-var,operator]  # all or none
             for key, v in zip(keys, vals):
@@ -568,12 +644,12 @@ class Level(Eviction):
         """``unpin`` for each key."""
         pinned = self.pinned
         if (len(pinned) == len(keys) and set(map(pinned.get, keys)) == _ONE
-                and set(map(type, map(self.index.get, keys))) == _INT):
+                and set(map(type, map(self._index.get, keys))) == _INT):
             pinned.clear()  # exactly these keys, each pinned once, none doomed: nothing to free
             return
         for key in keys:
             n = pinned[key]
-            if n == 1 and type(self.index.get(key)) is int:  # the common case: the last reader, not doomed
+            if n == 1 and type(self._index.get(key)) is int:  # the common case: the last reader, not doomed
                 del pinned[key]
             else:
                 self.unpin(key)
@@ -586,7 +662,7 @@ class Level(Eviction):
             pinned[key] = n
             return
         del pinned[key]
-        v = self.index.get(key)
+        v = self._index.get(key)
         if type(v) is Entry:  # dropped while read
             self._free_slot(key, v.footprint, v.code)
 
@@ -594,30 +670,30 @@ class Level(Eviction):
     def drop(self, key: str, _e: Any = None) -> None:
         """Make ``key`` unreadable now (a READY chunk leaves its policy); its space is freed when no reader
         holds it.  A doomed chunk is left as it is."""
-        v = self.index.get(key)
+        v = self._index.get(key)
         if type(v) is not int:
             return  # absent, or already doomed
         was_ready = v > 0  # type: ignore[operator]
         self._discard(key)
-        if was_ready:
-            call_policy(self.eviction, "on_remove", self.name, key)
+        if was_ready and self._policy is not None:
+            self._policy.removed([key])
 
     def _discard(self, key: str) -> None:
         """Unmark ``key`` (an int in the index) and free it now, or doom it while a reader holds it."""
-        v: int = self.index[key]  # type: ignore[assignment]
-        nb, fp = self.unpack(v)
+        v: int = self._index[key]  # type: ignore[assignment]
+        nb, fp = self._unpack(v)
         if v > 0:
             self.ready_count -= 1
             self.ready_bytes -= fp
         code = (v if v > 0 else -v) if self.located else 0
         if key in self.pinned:
-            e = self.index[key] = Entry(nb, fp, code=code)
+            e = self._index[key] = Entry(nb, fp, code=code)
             e.doomed = True
         else:
             self._free_slot(key, fp, code)
 
     def _free_slot(self, key: str, footprint: int, code: int = 0) -> None:
-        del self.index[key]
+        del self._index[key]
         self.used -= footprint
         if self.located:
             self._give_back([code])
@@ -628,4 +704,126 @@ class Level(Eviction):
             log.warning("tierkv: tier %s delete failed: %s", self.name, exc)
             self.counters.errors += 1  # (the bytes stay on the medium: counted, not only logged)
 
+
     # -- eviction ------------------------------------------------------------------
+    def evict_many(self, keys: list[str]) -> None:
+        """``drop`` each key, then release the one pin the caller (an eviction) holds on it: a key no other
+        reader holds is freed now, in one ``free_at`` / ``delete`` call for the batch."""
+        index, pinned = self._index, self.pinned
+        codes: list[int] = []
+        gone: list[str] = []  # READY keys that left: the policy is told once, after the index is consistent
+        done = 0
+        vals: list[Any] = list(map(index.get, keys))
+        if (vals and set(map(type, vals)) == _INT and min(vals) > 0 and set(map(pinned.get, keys)) == _ONE
+                and len(set(keys)) == len(keys)):
+            # the common case: distinct READY keys, each held by this eviction alone: all leave at once
+            fields = [v >> 1 & _NB_MASK for v in vals]
+            # (a field at the marker is a large chunk's: its size lives elsewhere)
+            fps: list[Any] = list(map(self._fp_only.get, fields)) if _NB_MASK not in fields else [None]
+            if None in fps:
+                fps = [self._value_footprint(v) for v in vals]
+            for key in keys:
+                del pinned[key]
+                del index[key]
+            freed = sum(fps)
+            self.ready_count -= len(keys)
+            self.ready_bytes -= freed
+            self.used -= freed
+            codes, gone, done = vals, list(keys), len(keys)
+            keys = []  # (nothing left for the loop below)
+        try:
+            for key in keys:
+                done += 1
+                v = index.get(key)
+                if type(v) is not int or v < 0 or pinned.get(key) != 1:  # doomed, or read by others too
+                    if type(v) is int and v > 0:
+                        gone.append(key)
+                        self._discard(key)
+                    self.unpin(key)
+                    continue
+                del pinned[key]
+                del index[key]
+                self.ready_count -= 1
+                fp = self._value_footprint(v)
+                self.ready_bytes -= fp
+                self.used -= fp
+                codes.append(v)
+                gone.append(key)
+        finally:
+            for key in keys[done:]:  # a fault part way: the caller's pins on the rest are still released
+                if key in pinned:
+                    self.unpin(key)
+            if codes:
+                if self.located:
+                    self._give_back(codes)
+                else:
+                    dead = [k for k in gone if k not in index]
+                    try:
+                        self.tier.delete(dead)
+                    except Exception as exc:  # noqa: BLE001 - a plug-in or medium fault is contained here by design
+                        log.warning("tierkv: tier %s delete failed: %s", self.name, exc)
+                        self.counters.errors += 1  # (the bytes stay on the medium: counted, not only logged)
+            if gone and self._policy is not None:
+                self._policy.removed(gone)
+
+    def _fast_victims(self, victims: list) -> Optional[int]:
+        """The footprint bytes of ``victims`` when they pass every check at once (distinct READY keys of
+        this level, none pinned, sizes remembered); None to check them one by one."""
+        if not victims or set(map(type, victims)) != _STR or len(set(victims)) != len(victims):
+            return None
+        vals: list[Any] = list(map(self._index.get, victims))
+        if set(map(type, vals)) != _INT or min(vals) < 0 or not self.pinned.keys().isdisjoint(victims):
+            return None
+        fields = [v >> 1 & _NB_MASK for v in vals]
+        if _NB_MASK in fields:  # a large chunk's size lives elsewhere: the per-key path
+            return None
+        fps: list[Any] = list(map(self._fp_only.get, fields))
+        return None if None in fps else sum(fps)
+
+    def victims(self, need: int) -> Optional[list[str]]:
+        """Ask the policy for victims freeing ``need`` footprint bytes, then check its answer."""
+        policy = self._policy
+        if policy is None:
+            return None
+        pname = policy.pname
+        pinned = self.pinned
+        # the pins as a read-only view: a policy cannot unpin a chunk being read by changing its argument
+        victims = policy.victims(need, pinned.keys())
+        if victims is None:
+            return None
+        freed, seen = 0, set()
+        index = self._index
+        fast = self._fast_victims(victims)
+        if fast is not None:
+            freed, seen = fast, set(victims)
+            victims_to_check: list = []
+        else:
+            victims_to_check = victims
+        for v in victims_to_check:
+            e = index.get(v) if isinstance(v, str) else None
+            if type(e) is not int or e < 0:  # type: ignore[operator]
+                raise PolicyError(f"eviction policy {pname} of tier {self.name!r} named {str(v)[:80]!r}, "
+                                  "which the tier does not hold (did on_remove forget it?)")
+            if v in pinned:
+                raise PolicyError(f"eviction policy {pname} named the protected key {v[:80]!r}")
+            if v in seen:
+                raise PolicyError(f"eviction policy {pname} named {v[:80]!r} twice")
+            seen.add(v)
+            freed += self._value_footprint(e)
+        if freed < need:
+            # a policy that counts other sizes than the footprints it was given: ask for the rest
+            more = policy.victims(need - freed, frozenset(pinned.keys() | seen))
+            if more is None:
+                return None
+            for v in more:
+                e = index.get(v) if isinstance(v, str) else None
+                if v in seen or type(e) is not int or e < 0 or v in pinned:  # type: ignore[operator]
+                    continue
+                victims.append(v)
+                seen.add(v)
+                freed += self._unpack(e)[1]  # type: ignore[arg-type]
+                if freed >= need:
+                    break
+            if freed < need:
+                return None
+        return victims

@@ -1,0 +1,231 @@
+"""``Chain``: the levels of a store, fastest first, and the state every part of the engine shares.
+
+The chain holds what the store's collaborators (``Writer``, ``Placer``, ``Reader``,
+``Copier``) read and change together: the levels, the one lock guarding all metadata,
+the counters, the calls in flight, and the ledger of chunks a persistent level was
+meant to receive but did not (``tierkv.durability``).  It answers the questions that
+span levels (where a key is READY, whether a write-behind level still wants it) and
+is the one place admission is asked (``admits``: every ``REJECT`` counted as ``rejected``, every
+``THROTTLED`` as ``throttled``).
+
+Every method whose docstring says "lock held" expects the caller to hold ``lock``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+from tierkv.durability import DropLedger, DropReason, fault_counts, reason_of_failed_write
+from tierkv.engine.level import Level
+from tierkv.errors import ConfigError, StoreClosedError
+from tierkv.outcome import Admission
+from tierkv.stats import StoreCounters
+
+# why a chunk was not placed (bit flags gathered while scanning the chain)
+NO_ROOM, UNAVAILABLE, FAILED, TOO_LARGE = 1, 2, 4, 8
+
+#: a call's reservations not yet finished: (level position, key)
+Held = dict[tuple[int, str], None]
+
+
+class Chain:
+    """The levels, fastest first, and their shared state (see the module docstring)."""
+
+    def __init__(self, levels: Sequence[Level]) -> None:
+        self.levels: list[Level] = list(levels)
+        names = [lvl.name for lvl in self.levels]
+        dup = {n for n in names if names.count(n) > 1}
+        if dup:
+            raise ConfigError(f"tier names must be unique; repeated: {sorted(dup)}")
+        tiers_seen = [id(lvl.tier) for lvl in self.levels]
+        if len(set(tiers_seen)) != len(tiers_seen):
+            raise ConfigError("the same Tier object appears twice in the chain")
+        owner: dict[int, str] = {}
+        for lvl in self.levels:  # a policy keeps one tier's metadata: two tiers would each evict the other's keys
+            if lvl.eviction is None:
+                continue
+            other = owner.setdefault(id(lvl.eviction), lvl.name)
+            if other != lvl.name:
+                raise ConfigError(f"tiers {other!r} and {lvl.name!r} share one eviction policy object "
+                                  f"({type(lvl.eviction).__name__}); give each tier its own instance")
+        for i, lvl in enumerate(self.levels):
+            lvl.bind(1 << i)
+        self.lock = threading.RLock()
+        self.idle = threading.Condition(self.lock)  # no call in flight (``close`` waits for it)
+        self.settled = threading.Condition(self.lock)  # a put waiting for another call's write (``Writer``)
+        self.settle_waiters = 0
+        self.in_flight = 0
+        self.closed = False
+        self.counters = StoreCounters()
+        #: positions of the managed levels (an index of their own) and of the shared pools
+        self.managed = [i for i, lvl in enumerate(self.levels) if lvl.managed]
+        self.shared = [i for i, lvl in enumerate(self.levels) if not lvl.managed]
+        self.behind = [i for i, lvl in enumerate(self.levels) if lvl.write_behind]
+        self.any_write_through = any(lvl.write_through for lvl in self.levels)
+        # only admission policies that observe demand are told about accesses (each once)
+        self.observing = [a for a in {id(lvl.admission): lvl.admit for lvl in self.levels}.values() if a.observes]
+        #: acknowledged chunks whose copy into a persistent level was given up (``flush`` reports them)
+        self.drops = DropLedger()
+        self.faults_seen: dict[int, dict[str, int]] = {}  # level -> its medium's fault counters (``drop_reason``)
+
+    # ------------------------------------------------------------------ calls in flight
+    def enter(self) -> None:
+        """A call begins (``StoreClosedError`` once the store is closed)."""
+        with self.lock:
+            if self.closed:
+                raise StoreClosedError("the store is closed")
+            self.in_flight += 1
+
+    def leave(self) -> None:
+        """A call ends: wake ``close`` when none is left, and puts waiting for another call's write."""
+        with self.lock:
+            if self.settle_waiters:
+                self.settled.notify_all()
+            self.in_flight -= 1
+            if self.in_flight == 0:
+                self.idle.notify_all()
+
+    # ------------------------------------------------------------------ where keys are
+    def mask(self, key: str) -> int:
+        """Bitmask of the managed levels holding ``key`` READY (``level.bit``).  Lock held."""
+        m = 0
+        levels = self.levels
+        for j in self.managed:
+            lvl = levels[j]
+            if lvl.holds(key):
+                m |= lvl.bit
+        return m
+
+    def busy(self, key: str) -> bool:
+        """READY or reserved (being written) in some managed level.  Lock held."""
+        levels = self.levels
+        return any(levels[j].busy(key) for j in self.managed)
+
+    def writing_elsewhere(self, key: str) -> bool:
+        """Whether ``key`` is reserved (being written) in some managed level and READY in none.  Lock held."""
+        writing = False
+        for j in self.managed:
+            lvl = self.levels[j]
+            if lvl.holds(key):
+                return False
+            writing = writing or lvl.reserved(key)
+        return writing
+
+    # ------------------------------------------------------------------ admission
+    def admits(self, lvl: Level, key: str, nbytes: int) -> bool:
+        """The one place a level's admission policy is asked, and its answer counted (``Level.admissions``; a
+        ``REJECT`` in the level's ``rejected`` too); a ``REJECT`` or ``THROTTLED`` chunk goes on.  Lock held."""
+        if lvl.admits_all:
+            return True
+        answer = lvl.admissions.record(lvl.admit.decide(key, nbytes))
+        if answer is Admission.ADMIT:
+            return True
+        if answer is Admission.REJECT:
+            lvl.counters.rejected += 1
+        return False
+
+    def accessed(self, keys: list[str]) -> None:
+        """Tell the admission policies that observe demand of a batch asked for.  Lock held."""
+        for adm in self.observing:
+            adm.accessed(keys)
+
+    # ------------------------------------------------------------------ reservations
+    def release(self, held: Held) -> None:
+        """Abort the reservations a call still holds (a path out through an exception)."""
+        if held:
+            with self.lock:
+                for j, key in held:
+                    self.levels[j].abort(key)
+            held.clear()
+
+    def finish_write(self, lvl: Level, key: str, nbytes: int, ok: bool, count_error: bool = True,
+                     source: Level | None = None) -> bool:
+        """Commit (ok) or abort a write into ``lvl``.  Lock held.  Returns whether it stays.
+
+        ``source``: the level a copy the store makes on its own (write-behind, demotion,
+        promotion) read the chunk from.  If the chunk is no longer READY there, a ``remove``
+        ran while the copy was in flight: the copy is withdrawn, bytes and all, so what
+        ``remove`` removed stays removed.
+        """
+        if ok and source is not None and source.managed and lvl.managed and not source.holds(key):
+            lvl.withdraw(key)
+            return False
+        if lvl.managed:
+            if ok:
+                lvl.commit(key)
+            else:
+                lvl.abort(key)
+        if ok:
+            lvl.counters.puts += 1
+            lvl.counters.bytes_written += nbytes
+        elif count_error:
+            lvl.counters.errors += 1
+        return ok
+
+    # ------------------------------------------------------------------ undurable chunks
+    def drop_reason(self, k: int) -> DropReason:
+        """Why level ``k`` failed a write just now, from its medium's fault counters.  Lock held."""
+        try:
+            now = fault_counts(self.levels[k].tier.extra_stats())
+        except Exception:  # noqa: BLE001 - a medium's stats never cost the bookkeeping
+            now = {}
+        seen = self.faults_seen.get(k)
+        self.faults_seen[k] = now
+        return reason_of_failed_write(seen if seen is not None else fault_counts(None), now)
+
+    def wanted_below(self, j: int, mask: int, key: str, nbytes: int, down: list[str]) -> bool:
+        """Whether an available write-behind level below ``j`` lacks ``key`` and admits it.  Lock held.
+
+        ``key`` is appended to ``down`` (once) when such a level would admit it but is unavailable.
+        """
+        wanted = False
+        for k in self.behind:
+            lvl = self.levels[k]
+            if k > j and not mask & lvl.bit and self.admits(lvl, key, nbytes):
+                if lvl.tier.available:
+                    wanted = True
+                elif not down or down[-1] != key:
+                    down.append(key)
+        return wanted
+
+    def still_wanted(self, key: str) -> bool:
+        """Whether ``key`` is READY above some write-behind level that lacks and admits it.  Lock held."""
+        mask = self.mask(key)
+        if not mask:
+            return False  # removed (or gone) meanwhile: nothing to make durable
+        j = (mask & -mask).bit_length() - 1
+        nbytes = self.levels[j].ready_nbytes(key)
+        down: list[str] = []
+        return nbytes >= 0 and (self.wanted_below(j, mask, key, nbytes, down) or bool(down))
+
+    def note_evicted(self, j: int, keys: list[str]) -> None:
+        """Victims of level ``j`` about to leave it without a demotion: note as undurable those a write-behind
+        level below lacks and admits, and no level above holds.  Lock held."""
+        lvl = self.levels[j]
+        lost = []
+        for key in keys:
+            nbytes = lvl.ready_nbytes(key)
+            if nbytes < 0:
+                continue  # removed meanwhile
+            mask = self.mask(key)
+            if mask & (lvl.bit - 1):
+                continue  # still held above
+            down: list[str] = []
+            if self.wanted_below(j, mask, key, nbytes, down) or down:
+                lost.append(key)
+        if lost:
+            self.drops.record(lost, DropReason.EVICTED)
+
+    def refused_below(self, lvl: Level, key: str, nbytes: int, flags: int) -> None:
+        """Note why persistent level ``lvl`` took no copy of ``key`` (the placement's ``flags``)."""
+        with self.lock:
+            if lvl.knows(key):
+                return  # another writer holds it there (a demotion in flight): not lost
+            if lvl.footprint(nbytes) > lvl.capacity:
+                why = DropReason.TOO_LARGE
+            elif flags & UNAVAILABLE:
+                why = DropReason.UNAVAILABLE
+            else:
+                why = DropReason.NO_ROOM
+            self.drops.record([key], why)
