@@ -208,8 +208,7 @@ def test_to_parts_ptrs_gives_addresses_only_for_a_batch_of_flat_host_bytes():
 def test_store_reads_and_writes_by_address_exactly_the_bytes_of_each_chunk(large):
     """Batches of flat host tensors go by address, others by parts, side-table chunks (16 MiB and up) by
     their location: every chunk comes back exact, and nothing beside a buffer is written."""
-    from tierkv import TieredStore
-    from tierkv import Level
+    from tierkv import Level, TieredStore
     from tierkv.tiers.dram import DRAMTier
 
     big = (16 << 20) + 3 if large else 700
@@ -288,9 +287,8 @@ def test_host_views_are_taken_on_trust_and_checked_where_they_are_made():
 def test_the_store_hands_host_views_to_to_parts_ptrs_as_they_are(monkeypatch):
     """put and get pass a ``HostViews`` batch on unconverted (a plain list would lose its addresses)."""
     import tierkv.store as store_mod
-    from tierkv import TieredStore
+    from tierkv import Level, TieredStore
     from tierkv.buffers import HostViews
-    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     seen = []
@@ -320,9 +318,8 @@ def test_the_store_hands_host_views_to_to_parts_ptrs_as_they_are(monkeypatch):
 def test_a_host_views_list_changed_by_hand_is_checked_view_by_view():
     """A list whose ends no longer match their addresses (changed other than through its methods), or
     one made without ``over``, goes through the checks of any other batch: exact bytes either way."""
-    from tierkv import TieredStore
+    from tierkv import Level, TieredStore
     from tierkv.buffers import HostViews, to_parts_ptrs
-    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     flat = torch.randint(0, 256, (4096,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
@@ -368,9 +365,8 @@ def host_view_ops(draw):
 def test_host_views_addresses_always_name_their_views(case):
     """Any list built through ``add`` / ``add_rows``: ``to_parts_ptrs`` gives what the per-view checks
     give (each view's own address and size), and a store takes and returns its bytes exactly."""
-    from tierkv import TieredStore
+    from tierkv import Level, TieredStore
     from tierkv.buffers import HostViews, to_parts_ptrs
-    from tierkv import Level
     from tierkv.tiers.dram import DRAMTier
 
     size, ops = case

@@ -21,9 +21,8 @@ import pytest
 from fake_media import FakeTier
 from test_persistence import CHUNK, chain, chunk, keys_for, ssd_only
 
-from tierkv import TieredStore
+from tierkv import Level, TieredStore
 from tierkv.durability import DropReason, FlushResult
-from tierkv import Level
 from tierkv.tiers.dram import DRAMTier
 
 

@@ -17,8 +17,7 @@ import pytest
 import torch
 from fake_media import FakeTier
 
-from tierkv import TieredStore
-from tierkv import Level
+from tierkv import Level, TieredStore
 from tierkv.tiers.dram import DRAMTier
 
 CHUNK = 16 << 10
@@ -204,5 +203,5 @@ def test_a_chunk_in_a_write_behind_copy_is_never_in_no_tier(fail):
     assert store.drain_write_behind(timeout=30)  # the later puts' own copies hold their pins until done
     for lvl in store.levels:
         assert not lvl.pinned, "a pin outlived the copy"
-        assert not [k for k, v in lvl.index.items() if type(v) is int and v < 0], "a reservation leaked"
+        assert not [k for k, v in lvl._index.items() if type(v) is int and v < 0], "a reservation leaked"
     store.close()

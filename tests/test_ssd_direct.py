@@ -292,14 +292,14 @@ def test_write_behind_writes_from_the_dram_slab_and_a_restart_finds_every_chunk(
         dram = st.levels[0]
         assert dram.tier._huge is not None  # (the slab's interior, registered)
         assert st.put(keys, vals) == [True] * 40
-        with st._lock:
+        with st._chain.lock:
             views = dram.tier.views_at(dram.codes(keys))
         assert all(torch.equal(torch.cat(v), x) for v, x in zip(views, vals))  # the chunks' own bytes
         expect = sum(len(v) == 1 and hostmem.contiguous(v[0].data_ptr(), v[0].numel()) for v in views)
         assert expect >= 30  # (all but those in the slab's first and last partial 2 MiB)
         assert st.flush()
         assert st.levels[1].tier.extra_stats()["direct_writes"] == expect
-        assert st._arena.nbytes == 0  # (nothing was staged)
+        assert st._stager.nbytes == 0  # (nothing was staged)
     finally:
         st.close()
     assert not hostmem.contiguous(views[0][0].data_ptr(), 1)  # (closed: no longer registered)
@@ -325,13 +325,13 @@ def test_write_behind_from_a_tier_without_views_stages_in_the_arena_and_writes_f
     try:
         assert st.put(keys, vals) == [True] * 12
         assert st.flush()
-        assert ssd.extra_stats()["direct_writes"] == 12 and st._arena.nbytes >= 12 * 300 * KiB
+        assert ssd.extra_stats()["direct_writes"] == 12 and st._stager.nbytes >= 12 * 300 * KiB
         outs = [torch.zeros_like(v) for v in vals]
         assert ssd.read(keys, [[o] for o in outs]) == [True] * 12
         assert all(torch.equal(o, v) for o, v in zip(outs, vals))
     finally:
         st.close()
-    assert st._arena.nbytes == 0  # (released at close)
+    assert st._stager.nbytes == 0  # (released at close)
 
 
 def test_a_source_whose_views_fail_is_copied_instead(tmp_path, monkeypatch):

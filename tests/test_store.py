@@ -157,8 +157,10 @@ def test_promotion_on_hit(tmp_path):
         out = torch.empty(CHUNK, dtype=torch.uint8)
         assert store.locate([keys[0]]) == ["ssd"]
         store.get([keys[0]], [out])
+        assert store.drain_write_behind(timeout=30)  # (promotion runs on the background queue)
         assert store.locate([keys[0]]) == ["ssd"]  # one hit: not yet
         store.get([keys[0]], [out])
+        assert store.drain_write_behind(timeout=30)
         assert store.locate([keys[0]]) == ["hbm"]  # second hit: promoted to the top
         assert store.stats()["ssd"]["promotions"] == 1
         assert torch.equal(out, chunk(0))

@@ -17,8 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from tierkv import ConfigError, PolicyError, PutOutcome, StoreClosedError, TieredStore
-from tierkv import Level
+from tierkv import ConfigError, Level, PolicyError, PutOutcome, StoreClosedError, TieredStore
 from tierkv.policies import AdmissionPolicy, LRUPolicy
 from tierkv.tiers.dram import DRAMTier
 from tierkv.tiers.slab import ALIGN
@@ -37,7 +36,7 @@ def dram(name: str, slots: int) -> DRAMTier:
 def assert_clean(store: TieredStore) -> None:
     """What every call must leave behind: exact accounting, no pin, no reservation."""
     store.drain_write_behind()
-    with store._lock:
+    with store._chain.lock:
         for lvl in store.levels:
             if not lvl.managed:
                 continue
@@ -49,7 +48,7 @@ def assert_clean(store: TieredStore) -> None:
             assert lvl.ready_count == len(ready), f"{lvl.name}: ready count drifted"
             assert lvl.ready_bytes == sum(e.footprint for e in ready), f"{lvl.name}: ready bytes drifted"
             assert lvl.used <= lvl.capacity
-            assert len(lvl.eviction) == len(lvl.index), f"{lvl.name}: policy and index disagree"
+            assert len(lvl.eviction) == len(lvl._index), f"{lvl.name}: policy and index disagree"
 
 
 # -- 1. promotion copies only bytes verified for that key ---------------------------------------
@@ -82,6 +81,7 @@ def test_distinct_buffers_are_still_promoted():
     assert store.locate(["a"]) == ["low"]
     out = torch.empty(C, dtype=torch.uint8)
     assert store.get(["a"], [out]) == [True]
+    assert store.drain_write_behind(timeout=30)  # (promotion runs on the background queue)
     assert store.locate(["a"]) == ["top"]
     store.close()
 

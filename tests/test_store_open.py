@@ -14,12 +14,11 @@ import pytest
 import torch
 from fake_media import FakeTier
 
-from tierkv import TieredStore
-from tierkv.errors import PolicyError
-from tierkv import Level
+from tierkv import Level, TieredStore
 from tierkv.engine.level import size_value
-from tierkv.policies import EvictionPolicy
 from tierkv.engine.recovery import plan_recovery
+from tierkv.errors import PolicyError
+from tierkv.policies import EvictionPolicy
 from tierkv.tiers.ssd import SSDTier
 
 BUILT_INS = ["lru", "fifo", "lfu", "s3fifo", "arc"]
@@ -71,9 +70,9 @@ def random_listing(rng: random.Random, n: int, repeat_share: float, sizes: list[
 
 
 def check_level(lvl: Level, want: list[tuple[str, int]]) -> None:
-    assert list(lvl.index) == [k for k, _ in want], "keys or their order differ from the reference"
-    assert [lvl.ready_nbytes(k) for k in lvl.index] == [nb for _, nb in want]
-    assert all(v == size_value(nb) for v, (_, nb) in zip(lvl.index.values(), want))
+    assert list(lvl._index) == [k for k, _ in want], "keys or their order differ from the reference"
+    assert [lvl.ready_nbytes(k) for k in lvl._index] == [nb for _, nb in want]
+    assert all(v == size_value(nb) for v, (_, nb) in zip(lvl._index.values(), want))
     fps = sum(lvl.footprint(nb) for _, nb in want)
     assert (lvl.used, lvl.ready_bytes, lvl.ready_count) == (fps, fps, len(want))
     assert not lvl.pinned

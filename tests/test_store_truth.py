@@ -304,8 +304,8 @@ class Unpinning(EvictionPolicy):
 def test_a_policy_changing_its_protected_argument_cannot_evict_a_chunk_being_read():
     import threading
 
-    from tierkv.errors import PolicyError
     from tierkv import Level
+    from tierkv.errors import PolicyError
     from tierkv.tiers.dram import DRAMTier
 
     class Gated(DRAMTier):
@@ -340,8 +340,8 @@ def test_a_policy_changing_its_protected_argument_cannot_evict_a_chunk_being_rea
 
 
 def test_a_victims_generator_that_raises_is_a_policy_error():
-    from tierkv.errors import PolicyError
     from tierkv import Level
+    from tierkv.errors import PolicyError
     from tierkv.tiers.dram import DRAMTier
 
     class Exploding(Unpinning):
@@ -361,8 +361,8 @@ def test_a_victims_generator_that_raises_is_a_policy_error():
 
 
 def test_one_policy_object_for_two_tiers_is_refused():
-    from tierkv.errors import ConfigError
     from tierkv import Level
+    from tierkv.errors import ConfigError
     from tierkv.policies.eviction import LRUPolicy
     from tierkv.tiers.dram import DRAMTier
 
@@ -382,8 +382,8 @@ def test_one_policy_object_for_two_tiers_is_refused():
 
 
 def test_a_chain_naming_one_policy_object_twice_is_refused():
-    from tierkv.errors import ConfigError
     from tierkv import Level
+    from tierkv.errors import ConfigError
     from tierkv.policies.eviction import LRUPolicy
     from tierkv.tiers.dram import DRAMTier
 
@@ -501,13 +501,13 @@ def test_serve_on_a_busy_port_leaves_nothing_attached():
         busy.listen(1)
         with pytest.raises(OSError):
             metrics.serve(store, busy.getsockname()[1])
-        assert store._observers == []
+        assert store.observers() == ()
         ok = metrics.serve(store, 0)  # a free port still works: nothing was left registered
         try:
-            assert len(store._observers) == 1
+            assert len(store.observers()) == 1
         finally:
             ok.stop()
-        assert store._observers == []
+        assert store.observers() == ()
 
 
 # -- the rest of the family: answers that said more than was done ------------------------------

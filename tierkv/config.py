@@ -34,8 +34,8 @@ import json
 import os
 from typing import Any
 
-from tierkv.errors import ConfigError
 from tierkv.engine.level import Level
+from tierkv.errors import ConfigError
 from tierkv.options import check_int, check_str
 from tierkv.persist import pop_persist
 from tierkv.tiers import medium_class

@@ -202,6 +202,12 @@ class StagingPool:
         arena.release()
 
     @property
+    def nbytes(self) -> int:
+        """Bytes mapped by the idle arenas kept for the next batches."""
+        with self._lock:
+            return sum(a.nbytes for a in self._free)
+
+    @property
     def lent(self) -> int:
         """Arenas lent now (batches being staged)."""
         return self._lent

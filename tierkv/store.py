@@ -4,14 +4,23 @@ The chain is a list of *levels* (``tierkv.Level``), fastest first.  Each
 level wraps one ``Tier`` (the medium) with the policies that steer it (eviction,
 admission) and, for *managed* media, the index of what the level holds.
 
+``TieredStore`` is a thin facade over the store engine (``tierkv/engine/``), whose
+parts it builds and holds, each from a ``Chain`` (the levels, the lock, the counters):
+``Writer`` (``put``, in named phases), ``Reader`` (``get``, ``lookup``, ``locate``),
+``Placer`` (placement, eviction, demotion), ``Copier`` (write-behind and promotion on
+one background queue), ``TierIO`` (the one choke point for tier I/O) and a
+``StagingPool`` (the one staging mechanism for copies between tiers).  Policies are
+called through ``tierkv.hooks`` (checked wrappers).  docs/architecture.md draws who
+calls whom.
+
 Life of a chunk in a managed level::
 
     absent --reserve--> RESERVED --write ok--> READY --evict/remove--> absent
                            |                     |
                            +--write failed--> absent   (pinned while read: freed at last unpin)
 
-Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.py``
-and ``tests/test_concurrency.py``):
+Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.py``,
+``tests/test_concurrency.py`` and ``tests/test_store_engine.py``):
 
 1. **Capacity.**  For every managed level, ``used`` — the sum of
    ``tier.footprint(nbytes)`` over its RESERVED and READY entries and of doomed
@@ -19,8 +28,8 @@ and ``tests/test_concurrency.py``):
    reserved before any byte is written and released only after the bytes are no
    longer read.  Footprint is the one unit of size: eviction policies are told
    footprints and asked for footprints.
-2. **Pinning.**  A chunk being read (a ``get``, the source of a demotion or of a
-   background copy), or found present by a ``put`` (for the rest of that call), is
+2. **Pinning.**  A chunk being read (a ``get``, the source of a demotion, of a
+   promotion or of a write-behind copy), or found present by a ``put`` (for the rest of that call), is
    pinned and is never named as an eviction victim (a policy sees the pins as a
    read-only view, and its answer is checked against them); a chunk
    being written is RESERVED, unknown to the eviction policy, and so never
@@ -33,8 +42,8 @@ and ``tests/test_concurrency.py``):
 4. **Exact bytes or a miss.**  ``get`` reports True only for bytes the medium
    verified as the ones written; a failed or corrupt read drops that copy,
    counts an error and falls through to the next level holding the key.  A
-   promotion copies up only bytes that were read for that key alone (buffers a
-   caller passed twice, or that overlap, are never promoted).
+   promotion copies up bytes read again, for that key alone, from the level that
+   served it (never a caller's buffer).
 5. **Demotion never loses a chunk a lower level could accept.**  A victim is
    copied to the next level that admits it (or is already there: levels are
    inclusive) before it leaves; only when no lower level takes it is it dropped.
@@ -49,6 +58,11 @@ and ``tests/test_concurrency.py``):
 7. **Thread safety.**  One lock guards all metadata; bytes move outside it, with
    pins and reservations making that safe.  Policies are only called under the
    lock, so they need none of their own.
+8. **A read never writes on the caller's thread.**  ``get`` answers from what it
+   read; the hits it served below the top managed level are promoted by the
+   ``Copier``'s background thread (which may evict and demote to make room), or
+   dropped and counted (``promotions_dropped``) when its queue is full.
+   ``drain_write_behind()`` and ``flush()`` wait for them.
 
 Normal outcomes (miss, no room, backend down) are values and counters; misuse
 raises an error that names the problem.
@@ -78,7 +92,7 @@ from tierkv.engine.reader import Reader
 from tierkv.engine.recovery import recover
 from tierkv.engine.tierio import TierIO
 from tierkv.engine.writer import Writer
-from tierkv.errors import ConfigError, PolicyError
+from tierkv.errors import ConfigError, PolicyError, StoreClosedError
 from tierkv.hostmem import StagingPool
 from tierkv.keys import check_keys
 from tierkv.options import check_int

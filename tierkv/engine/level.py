@@ -6,8 +6,9 @@ pins of readers.  The index and its packed-int encoding are private to this
 module: the store's reader, placer and copier ask typed, batched questions
 (``holds``, ``ready_sizes``, ``probe_sized``, ``footprints``...), and an eviction
 policy that follows the level's order sees it through ``LevelOrder``
-(``policies/eviction.py``), where a token is opaque but for "READY is a positive int".  The store decides *what* happens (placement, eviction,
-demotion); the level makes each step keep its invariants:
+(``policies/eviction.py``), where a token is opaque but for "READY is a positive
+int".  The store decides *what* happens (placement, eviction, demotion); the
+level makes each step keep its invariants:
 
 * ``used`` is always the sum of ``footprint`` over the entries in ``index``
   and never exceeds ``capacity`` (``reserve`` refuses what does not fit);

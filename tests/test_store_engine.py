@@ -1,0 +1,224 @@
+"""The store engine as composed parts: each built alone, promotion off the caller's thread, one staging
+mechanism, admission asked in one place, policies behind checked wrappers, the level order as an opt-in."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from tierkv import Level, PolicyError, TieredStore
+from tierkv.engine.chain import Chain
+from tierkv.engine.copier import Copier
+from tierkv.engine.placer import Placer
+from tierkv.engine.reader import Reader
+from tierkv.engine.tierio import TierIO
+from tierkv.engine.writer import Writer
+from tierkv.hooks import CheckedAdmission, CheckedEviction
+from tierkv.hostmem import StagingPool
+from tierkv.outcome import PutOutcome
+from tierkv.policies import AdmissionPolicy, EvictionPolicy, LRUPolicy, build_promotion
+from tierkv.tiers.dram import DRAMTier
+from tierkv.tiers.slab import ALIGN
+
+C = 4 * ALIGN
+
+
+def val(i: int) -> torch.Tensor:
+    return torch.full((C,), i, dtype=torch.uint8)
+
+
+def dram(name: str, chunks: int) -> DRAMTier:
+    return DRAMTier(name, chunks * C, prefault=False)
+
+
+def test_each_part_is_built_alone_and_a_put_and_get_run_through_them():
+    # the parts a TieredStore holds, built by hand from one chain: no store, no mixin
+    chain = Chain([Level(dram("top", 2)), Level(dram("low", 8))])
+    io, stager = TierIO(chain), StagingPool()
+    placer = Placer(chain, io, stager)
+    copier = Copier(chain, io, placer, stager, build_promotion("never"))
+    writer, reader = Writer(chain, io, placer, copier), Reader(chain, io, copier)
+    vals = [val(i) for i in range(4)]
+    # put [k0, k1] then [k2, k3] into a 2-chunk top level -> k0, k1 are demoted to "low"
+    for at in (0, 2):
+        got = writer.put([f"k{i}" for i in range(at, at + 2)], [([v], C) for v in vals[at:at + 2]])
+        assert got == [PutOutcome.STORED] * 2
+    assert reader.locate(["k0", "k3"]) == ["low", "top"]
+    assert reader.lookup(["k0", "k1", "k2", "k3", "nope"]) == 4
+    outs = [torch.zeros(C, dtype=torch.uint8) for _ in range(4)]
+    assert reader.get([f"k{i}" for i in range(4)], [([o], C) for o in outs]) == [True] * 4
+    assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+    assert chain.levels[0].counters.demotions == 2
+    copier.close()
+    stager.release()
+    for lvl in chain.levels:
+        lvl.tier.close()
+
+
+def _record_writes(store: TieredStore) -> list[tuple[str, str]]:
+    """(tier, thread name) of every write the store's one choke point for tier I/O makes from now on."""
+    seen: list[tuple[str, str]] = []
+    write = store._io.write
+
+    def recording(lvl, keys, parts, ptrs=None):
+        seen.append((lvl.name, threading.current_thread().name))
+        return write(lvl, keys, parts, ptrs)
+
+    store._io.write = recording  # type: ignore[method-assign]
+    return seen
+
+
+def test_a_get_never_writes_on_the_callers_thread_promotion_runs_on_the_copier():
+    # top full, so a promotion into it must make room by demoting into mid: the whole cascade is background
+    store = TieredStore([Level(dram("top", 2)), Level(dram("mid", 2)), Level(dram("low", 8))],
+                        promotion="on-hit")
+    for i in range(6):
+        store.put([f"k{i}"], [val(i)])
+    assert store.locate(["k0"]) == ["low"]
+    writes = _record_writes(store)
+    out = torch.empty(C, dtype=torch.uint8)
+    assert store.get(["k0"], [out]) == [True] and torch.equal(out, val(0))
+    caller = threading.current_thread().name
+    assert all(thread != caller for _, thread in writes), writes
+    assert store.drain_write_behind(timeout=30)
+    assert store.locate(["k0"]) == ["top"]  # promoted, on the copier's thread
+    assert {thread for _, thread in writes} == {"tierkv-copier"}
+    assert {"top", "mid"} <= {tier for tier, _ in writes}  # the copy up, and the demotion it made room by
+    assert store.stats()["low"]["promotions"] == 1
+    store.close()
+
+
+def test_a_full_queue_drops_a_promotion_and_counts_it():
+    store = TieredStore([Level(dram("top", 2)), Level(dram("low", 8))], promotion="on-hit", write_behind_queue=0)
+    for i in range(4):
+        store.put([f"k{i}"], [val(i)])
+    out = torch.empty(C, dtype=torch.uint8)
+    assert store.get(["k0"], [out]) == [True]
+    assert store.drain_write_behind(timeout=30)
+    assert store.locate(["k0"]) == ["low"]
+    assert store.stats()["total"]["promotions_dropped"] == 1
+    store.close()
+
+
+def test_demotion_stages_through_the_staging_pool():
+    store = TieredStore([Level(dram("top", 2)), Level(dram("low", 8))], promotion="never")
+    carved: list[list[int]] = []
+    carve = store._stager.carve
+
+    def counting(sizes):
+        carved.append(list(sizes))
+        return carve(sizes)
+
+    store._stager.carve = counting  # type: ignore[method-assign]
+    for i in range(4):
+        store.put([f"k{i}"], [val(i)])  # k0, k1 demoted
+    assert carved and sum(len(s) for s in carved) == 2
+    assert store._stager.lent == 0  # every arena given back
+    out = torch.empty(C, dtype=torch.uint8)
+    assert store.get(["k0"], [out]) == [True] and torch.equal(out, val(0))
+    store.close()
+    assert store._stager.nbytes == 0
+
+
+class _SaysNo(AdmissionPolicy):
+    def __init__(self) -> None:
+        self.asked = 0
+
+    def admit(self, key, nbytes, tier):
+        self.asked += 1
+        return False
+
+
+def test_admission_is_asked_once_per_placement_and_every_no_is_counted():
+    no = _SaysNo()
+    store = TieredStore([Level(dram("top", 8)), Level(dram("low", 8), admission=no, persist="write_behind")],
+                        promotion="never")
+    store.put(["a", "b", "c"], [val(1), val(2), val(3)])
+    assert store.drain_write_behind(timeout=30)
+    # each chunk was asked about once for the write-behind copy, and refused: counted once each
+    assert no.asked == 3
+    assert store.stats()["low"]["rejected"] == 3
+    assert store.locate(["a", "b", "c"]) == ["top"] * 3
+    store.close()
+
+
+class _Exploding(AdmissionPolicy):
+    def admit(self, key, nbytes, tier):
+        raise RuntimeError("boom")
+
+
+def test_the_checked_wrappers_name_policy_hook_and_tier():
+    adm = CheckedAdmission(_Exploding(), "dram")
+    with pytest.raises(PolicyError, match=r"_Exploding\.admit raised for tier 'dram': RuntimeError: boom"):
+        adm.admit("k", 10)
+
+    class NotAList(LRUPolicy):
+        def victims(self, nbytes, protected):
+            return 42
+
+    ev = CheckedEviction(NotAList(), "hbm")
+    with pytest.raises(PolicyError, match="NotAList of tier 'hbm' returned int"):
+        ev.victims(10, ())
+
+
+class _OrderedFIFO(EvictionPolicy):
+    """A user policy that follows its level's order (the documented opt-in), evicting in that order."""
+
+    follows_level_order = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.order = None
+        self.own: dict = {}
+
+    def follow_order(self, order) -> None:
+        self.order = order
+
+    def on_insert(self, key, nbytes):
+        if self.order is None:
+            self.own[key] = nbytes
+
+    def on_access(self, key):
+        pass
+
+    def on_remove(self, key):
+        self.own.pop(key, None)
+
+    def victims(self, nbytes, protected):
+        out, freed = [], 0
+        items = (((k, t) for k, t in self.order.entries.items() if type(t) is int and t > 0)
+                 if self.order is not None else self.own.items())
+        for key, t in items:
+            if key in protected:
+                continue
+            out.append(key)
+            freed += self.order.footprint(t) if self.order is not None else t
+            if freed >= nbytes:
+                return out
+        return None
+
+    def __len__(self):
+        return self.order.ready_count() if self.order is not None else len(self.own)
+
+
+class _OwnOrderedFIFO(_OrderedFIFO):
+    pass  # (the opt-in is not inherited: this one keeps its own dict)
+
+
+def test_a_user_policy_opts_into_the_level_order_and_evicts_as_one_with_its_own_dict():
+    a_pol, b_pol = _OrderedFIFO(), _OwnOrderedFIFO()
+    a = TieredStore([Level(dram("d", 4), eviction=a_pol)], promotion="never")
+    b = TieredStore([Level(dram("d", 4), eviction=b_pol)], promotion="never")
+    assert a_pol.order is not None and b_pol.order is None
+    out = torch.empty(C, dtype=torch.uint8)
+    for step in range(12):
+        keys = [f"k{step}", f"k{(step * 7) % 10}"]
+        for s in (a, b):
+            s.put(keys, [val(step), val(step)])
+            s.get([keys[0]], [out])
+        assert a.levels[0].ready_keys() == b.levels[0].ready_keys()
+        assert len(a_pol) == len(b_pol) == a.levels[0].entries()
+    a.close()
+    b.close()
