@@ -7,6 +7,8 @@ import threading
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tierkv import Level, PolicyError, TieredStore
 from tierkv.engine.chain import Chain
@@ -222,3 +224,69 @@ def test_a_user_policy_opts_into_the_level_order_and_evicts_as_one_with_its_own_
         assert len(a_pol) == len(b_pol) == a.levels[0].entries()
     a.close()
     b.close()
+
+
+# -- each fast path beside its general loop: the same trace through a store whose fast paths are switched
+# off (the level's batched probes answer "ask one by one", the batch reservation on top is never tried, the
+# victims are checked key by key) must give the same answers, counters and level order.
+def _general_only(store: TieredStore) -> TieredStore:
+    for lvl in store.levels:
+        lvl.probe_sized = lambda keys, sizes: None  # type: ignore[method-assign]
+        lvl.all_ready = lambda keys: False  # type: ignore[method-assign]
+        lvl._fast_victims = lambda victims: None  # type: ignore[method-assign]
+    store._writer._all_on_top_possible = lambda: False  # type: ignore[method-assign]
+    return store
+
+
+_trace_op = st.one_of(
+    st.tuples(st.just("put"), st.lists(st.tuples(st.integers(0, 24), st.sampled_from([1, 2])), min_size=1,
+                                       max_size=10)),
+    st.tuples(st.just("get"), st.lists(st.integers(0, 24), min_size=1, max_size=10)),
+    st.tuples(st.just("lookup"), st.lists(st.integers(0, 24), min_size=1, max_size=10)),
+    st.tuples(st.just("remove"), st.lists(st.integers(0, 24), min_size=1, max_size=3)),
+)
+
+
+@pytest.mark.parametrize("chain", [1, 2], ids=["one-level", "two-levels"])
+@pytest.mark.parametrize("policy", ["lru", "fifo", "lfu", "s3fifo", "arc"])
+@settings(max_examples=30, deadline=None)
+@given(trace=st.lists(_trace_op, max_size=30))
+def test_fast_paths_answer_as_their_general_loops(policy, chain, trace):
+    def build():
+        levels = [Level(dram("top", 6), eviction=policy)]
+        if chain == 2:
+            levels.append(Level(dram("low", 10), eviction=policy))
+        return TieredStore(levels, promotion="never")
+
+    fast, slow = build(), _general_only(build())
+    sizes: dict[int, int] = {}
+    try:
+        for kind, arg in trace:
+            if kind == "put":
+                keys = [f"k{i}" for i, _ in arg]
+                for i, m in arg:
+                    sizes.setdefault(i, m)
+                vals = [torch.full((sizes[i] * C,), i, dtype=torch.uint8) for i, _ in arg]
+                assert fast.put_detailed(keys, vals) == slow.put_detailed(keys, vals)
+            elif kind == "get":
+                keys = [f"k{i}" for i in arg]
+                outs_f = [torch.zeros(sizes.get(i, 1) * C, dtype=torch.uint8) for i in arg]
+                outs_s = [torch.zeros(sizes.get(i, 1) * C, dtype=torch.uint8) for i in arg]
+                got = fast.get(keys, outs_f)
+                assert got == slow.get(keys, outs_s)
+                assert all(torch.equal(a, b) for a, b, ok in zip(outs_f, outs_s, got) if ok)
+            elif kind == "lookup":
+                keys = [f"k{i}" for i in arg]
+                assert fast.lookup(keys) == slow.lookup(keys)
+            else:
+                fast.remove([f"k{i}" for i in arg])
+                slow.remove([f"k{i}" for i in arg])
+            for a, b in zip(fast.levels, slow.levels):
+                assert a.ready_keys() == b.ready_keys() and a.used == b.used
+        sf, ss = fast.stats(), slow.stats()
+        for name in ("top", "low")[:chain]:
+            for field in ("hits", "misses", "evictions", "demotions", "rejected", "entries", "used_bytes"):
+                assert sf[name][field] == ss[name][field], (name, field)
+    finally:
+        fast.close()
+        slow.close()
