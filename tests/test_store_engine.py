@@ -154,7 +154,7 @@ class _Exploding(AdmissionPolicy):
 def test_the_checked_wrappers_name_policy_hook_and_tier():
     adm = CheckedAdmission(_Exploding(), "dram")
     with pytest.raises(PolicyError, match=r"_Exploding\.admit raised for tier 'dram': RuntimeError: boom"):
-        adm.admit("k", 10)
+        adm.decide("k", 10)
 
     class NotAList(LRUPolicy):
         def victims(self, nbytes, protected):

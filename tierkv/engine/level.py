@@ -50,7 +50,7 @@ import numpy as np
 from tierkv.errors import ConfigError, PolicyError
 from tierkv.hooks import CheckedAdmission, CheckedEviction
 from tierkv.outcome import AdmissionCounts
-from tierkv.persist import resolve_persist
+from tierkv.persist import PersistMode, resolve_persist
 from tierkv.policies import AdmissionPolicy, EvictionPolicy, build_admission, build_eviction
 from tierkv.stats import TierCounters
 from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Tier
@@ -159,7 +159,7 @@ class Level:
         #: what the admission answered, each answer the store acted on (``Chain.admits``)
         self.admissions = AdmissionCounts()
         self.persist = resolve_persist(tier, persist, write_through)
-        if self.persist == "write_behind" and not self.managed:
+        if self.persist is PersistMode.WRITE_BEHIND and not self.managed:
             raise ConfigError(f"tier {tier.name!r} ({tier.medium}) is a shared pool: 'persist' may be "
                               "'write_through' or 'on_evict', not 'write_behind'")
         #: the tier leaves each object's location to this level (its code is the index int)
@@ -191,11 +191,11 @@ class Level:
 
     @property
     def write_through(self) -> bool:
-        return self.persist == "write_through"
+        return self.persist is PersistMode.WRITE_THROUGH
 
     @property
     def write_behind(self) -> bool:
-        return self.persist == "write_behind"
+        return self.persist is PersistMode.WRITE_BEHIND
 
     @property
     def capacity(self) -> int:
