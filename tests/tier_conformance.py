@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
 from tierkv.errors import StoreClosedError
-from tierkv.tiers.base import NB_FIELD, Tier
+from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Tier
 
 
 def fail_nth(real, n: int, calls: list, sticky: bool = False):
@@ -439,6 +439,33 @@ class LocatedTierConformance:
         assert tier.used_bytes == 0  # and nothing was taken
         assert tier.allocate([tier.capacity_bytes]) != [None]
 
+    def test_codes_it_never_gave_out_are_refused(self, make_tier):
+        """A code no ``allocate`` answered (not positive, not odd, naming no place of this tier) is a ValueError
+        on every located call, and nothing moves: never a copy outside the tier's memory."""
+        tier = make_tier(2 * NB_FIELD)
+        vals = [blob(1, 16), blob(2, NB_FIELD + 8)]
+        live = tier.allocate([v.numel() for v in vals])
+        tier.write_at(live, [[v] for v in vals])
+        nowhere = (1 << 40) << CODE_SHIFT
+        for bad in (0, -1, -(16 << 1 | 1), 16 << 1, nowhere | 16 << 1 | 1, nowhere | NB_FIELD << 1 | 1):
+            buf = torch.zeros(16, dtype=torch.uint8)
+            with pytest.raises(ValueError, match="code"):
+                tier.write_at([bad], [[buf]])
+            with pytest.raises(ValueError, match="code"):
+                tier.read_at([bad], [[buf]])
+            with pytest.raises(ValueError, match="code"):
+                tier.views_at([live[0], bad])
+            with pytest.raises(ValueError, match="code"):
+                tier.code_nbytes(bad)
+            with pytest.raises(ValueError, match="code"):
+                tier.free_at([live[1], bad])  # checked before anything is freed
+        outs = [torch.zeros(v.numel(), dtype=torch.uint8) for v in vals]
+        assert tier.read_at(live, [[o] for o in outs]) == [True, True]
+        assert all(torch.equal(v, o) for v, o in zip(vals, outs))
+        tier.free_at(live)
+        with pytest.raises(ValueError, match="code"):
+            tier.free_at(live[1:])  # a large object's code is gone once freed: a second free is refused
+
     def test_mismatched_batches_are_refused(self, tier):
         codes = tier.allocate([16, 16])
         with pytest.raises(ValueError, match="2 codes"):
@@ -449,6 +476,7 @@ class LocatedTierConformance:
     def test_a_closed_tier_refuses_located_calls(self, tier):
         (code,) = tier.allocate([64])
         tier.close()
+        tier.free_at([code])  # the space went with the tier: giving it back is a no-op
         with pytest.raises(StoreClosedError):
             tier.allocate([64])
         with pytest.raises(StoreClosedError):

@@ -16,6 +16,11 @@ own key -> code dict.  Host copies are ``memmove`` calls on raw addresses
 (``memmove_many``: two threads for a large batch); a device slab, or a caller's
 device buffer, goes through ``copy_many`` on views cut for that call.
 
+Every located call checks its codes (positive, odd, naming a place inside the slab or a live entry of
+``_odd``; ``ValueError`` otherwise), so no bad code copies outside the slab; the one exception is the
+vouched path (``write_at`` / ``read_at`` with ``ptrs``), whose caller vouches for its codes as for its
+buffers.  A freed slot-class code cannot be told from a live one (nothing is kept per object).
+
 An object is readable only once all its bytes are in place (written outside the
 lock, committed under it, by the level or by ``_write``).  The slab tensor is
 held by a local reference for the whole of a copy, so ``close`` cannot free
@@ -153,15 +158,26 @@ class SlabTier(Tier):
         return h << CODE_SHIFT | _ODD
 
     def _where(self, code: int) -> tuple[int, Location]:
-        """(nbytes, allocator location) of a code."""
+        """(nbytes, allocator location) of a code; ValueError for one this slab cannot have given out."""
+        if type(code) is not int or code <= 0 or not code & 1:
+            raise self._not_a_code(code)
         f = code >> 1 & NB_FIELD
         if f != NB_FIELD:
-            return f, (code >> CODE_SHIFT) << _ALIGN_BITS
-        return self._odd[code >> CODE_SHIFT]
+            off = (code >> CODE_SHIFT) << _ALIGN_BITS
+            if off + f > self.capacity_bytes:
+                raise self._not_a_code(code)
+            return f, off
+        got = self._odd.get(code >> CODE_SHIFT)
+        if got is None:
+            raise self._not_a_code(code)
+        return got
+
+    def _not_a_code(self, code: object) -> ValueError:
+        return ValueError(f"tier {self.name!r}: {code!r} is not a live code of this tier (codes come from allocate, "
+                          "and a freed one is gone)")
 
     def code_nbytes(self, code: int) -> int:
-        f = code >> 1 & NB_FIELD
-        return f if f != NB_FIELD else self._odd[code >> CODE_SHIFT][0]
+        return self._where(code)[0]
 
     # -- located API (tiers/base.py) ------------------------------------------------
     def attach(self, resolve: Callable[[list[str]], list[Optional[int]]]) -> None:
@@ -230,9 +246,12 @@ class SlabTier(Tier):
     def free_at(self, codes: Sequence[int]) -> None:
         alloc, odd = self._alloc, self._odd
         with self._lock:
+            if self._closed:  # its space went with the slab
+                return
             stacks, slot_max = alloc._stacks, alloc.slot_max
             nbs = [code >> 1 & NB_FIELD for code in codes]
-            if nbs and max(nbs) < NB_FIELD and min(nbs) > 0:
+            if nbs and max(nbs) < NB_FIELD and min(nbs) > 0 and min(codes) > 0 \
+                    and (max(codes) >> CODE_SHIFT) << _ALIGN_BITS < self.capacity_bytes:
                 # the common case: slot-class objects back onto their stacks, inline
                 fs = [(nb + ALIGN - 1) & _ALIGN_MASK for nb in nbs]
                 if max(fs) <= slot_max:
@@ -245,13 +264,10 @@ class SlabTier(Tier):
                     self._used -= sum(nbs)
                     self._count -= len(nbs)
                     return
-            for code in codes:
-                f = code >> 1 & NB_FIELD
-                if f != NB_FIELD:
-                    loc: Location = (code >> CODE_SHIFT) << _ALIGN_BITS
-                    nbytes = f
-                else:
-                    nbytes, loc = odd.pop(code >> CODE_SHIFT)
+            where = [self._where(code) for code in codes]  # (all checked before any is freed)
+            for code, (nbytes, loc) in zip(codes, where):
+                if code >> 1 & NB_FIELD == NB_FIELD:
+                    del odd[code >> CODE_SHIFT]
                 alloc.free((nbytes + ALIGN - 1) & _ALIGN_MASK, loc)
                 self._used -= nbytes
                 self._count -= 1
@@ -272,7 +288,7 @@ class SlabTier(Tier):
 
     def _move_ptrs(self, codes: Sequence[int], bufs: Sequence[Parts], ptrs: Sequence[int],
                    into_slab: bool) -> list[bool]:
-        """``_move`` for buffers the caller vouched for (``write_at``): host addresses, exact sizes."""
+        """``_move`` for buffers the caller vouched for (``write_at``): host addresses, exact sizes, live codes."""
         n = len(codes)
         if len(bufs) != n or len(ptrs) != n:
             raise ValueError(f"tier {self.name!r}: {n} codes but {len(bufs)} buffer lists and {len(ptrs)} addresses")
@@ -325,42 +341,37 @@ class SlabTier(Tier):
         other: list[tuple[int, int, Location]] = []  # the rest, copied by ``_copy``
         total = 0
         append = moves.append
+        cap = self.capacity_bytes
         for i, code in enumerate(codes):
             parts = bufs[i]
             if host and len(parts) == 1:  # the common case first: one host part, a contiguous object
                 p = parts[0]
                 nbytes = p.numel()
                 if nbytes < NB_FIELD and (code >> 1 & NB_FIELD) == nbytes and p.is_cpu and p.is_contiguous():
+                    off = (code >> CODE_SHIFT) << _ALIGN_BITS
+                    if code <= 0 or not code & 1 or off + nbytes > cap:  # never a copy outside the slab
+                        raise self._not_a_code(code)
                     if nbytes:
-                        a = base + ((code >> CODE_SHIFT) << _ALIGN_BITS)
+                        a = base + off
                         append((a, p.data_ptr(), nbytes) if into_slab else (p.data_ptr(), a, nbytes))
                         total += nbytes
                     continue
             one = len(parts) == 1
             nbytes = parts[0].numel() if one else sum(p.numel() for p in parts)
-            f = code >> 1 & NB_FIELD
-            if f != NB_FIELD:
-                if nbytes != f:
-                    if into_slab:
-                        raise ValueError(f"tier {self.name!r}: {nbytes} bytes given for an object of {f}")
-                    out[i] = False
-                    continue
-                a = base + ((code >> CODE_SHIFT) << _ALIGN_BITS)
-                if one and host:
-                    p = parts[0]
-                    if p.is_cpu and p.is_contiguous():
-                        if nbytes:
-                            moves.append((a, p.data_ptr(), nbytes) if into_slab else (p.data_ptr(), a, nbytes))
-                            total += nbytes
-                        continue
-                other.append((i, nbytes, a - base))
-                continue
-            want, loc = self._odd[code >> CODE_SHIFT]
+            want, loc = self._where(code)
             if nbytes != want:
                 if into_slab:
                     raise ValueError(f"tier {self.name!r}: {nbytes} bytes given for an object of {want}")
                 out[i] = False
                 continue
+            if one and host and type(loc) is int:
+                p = parts[0]
+                if p.is_cpu and p.is_contiguous():
+                    if nbytes:
+                        a = base + loc  # type: ignore[operator]
+                        append((a, p.data_ptr(), nbytes) if into_slab else (p.data_ptr(), a, nbytes))
+                        total += nbytes
+                    continue
             other.append((i, nbytes, loc))
         _run_moves(moves, total)
         if other:
