@@ -164,7 +164,7 @@ def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Opt
     res = SimResult()
     bufs: dict[int, torch.Tensor] = {}  # one never-touched buffer per block size: null media keep no bytes
     t0, c0 = time.perf_counter(), time.process_time()
-    lookup, get, put = store.lookup, store.get, store.put
+    lookup, get, put, drain = store.lookup, store.get, store.put, store.drain_write_behind
     dedup0 = store.stats()["total"]["chunks_deduped"]
     for r in requests:
         nb = len(r.hash_ids)
@@ -188,6 +188,7 @@ def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Opt
                 if not ok:
                     break
                 lead += 1
+            drain()  # (promotions run on the store's background queue: landed before the next request)
         res.leading_hits += lead
         res.hit_tokens += min(lead * r.block_tokens, r.input_length)
         if lead < nb:
