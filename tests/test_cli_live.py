@@ -201,6 +201,27 @@ def test_bad_master_addresses_are_refused():
         live.read_store("127.0.0.1:5", timeout=float("nan"))
 
 
+def test_json_of_an_unreachable_target_is_one_document_and_one_line(capsys):
+    from tierkv.tools.cli import main
+
+    port = _closed_port()
+    assert main(["describe", f"127.0.0.1:{port}", "--json"]) == 1
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc["reachable"] is False and doc["healthy"] is False and doc["url"] == f"http://127.0.0.1:{port}/metrics"
+    assert err.splitlines() == [f"tierkv describe: unhealthy: {doc['problems'][0]}"]
+    assert main(["ping", f"127.0.0.1:{port}", "--json"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out)["answered"] is False and len(err.splitlines()) == 1
+    for argv, words in [(["describe", "127.0.0.1:1", "--master", "127.0.0.1:2"], "not both"),
+                        (["describe", "127.0.0.1:1", "--metrics-port", "3"], "goes with --master"),
+                        (["ping"], "give a store's metrics endpoint"),
+                        (["ping", "127.0.0.1:1", "--timeout", "0"], "--timeout must be a positive number")]:
+        assert main(argv) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.splitlines()) == 1 and words in err, err
+
+
 # -- the installed command -----------------------------------------------------------------------------------
 def test_the_command_describes_a_live_store_and_says_when_nothing_answers(served):
     store, exporter = served

@@ -350,6 +350,8 @@ def describe_store(snap: dict[str, Any], url: str = "", extras: Optional[dict[st
             "dropped_by_reason": {r: _n(n) for r, n in dropped.items() if n},
         },
     }
+    shown = {*doc["total"], "write_behind_pending", "write_behind_queued", "persisted", "write_behind_dropped"}
+    doc["total"]["figures"] = {k: _n(x) for k, x in total.items() if k not in shown}  # every other store figure
     extras = extras or {}
     if extras.get("sources"):
         doc["sources"] = extras["sources"]
