@@ -13,6 +13,7 @@ dict; ``tests/test_located_conformance.py`` runs it against every located medium
 from __future__ import annotations
 
 import itertools
+import threading
 from typing import Any
 
 import pytest
@@ -465,6 +466,42 @@ class LocatedTierConformance:
         tier.free_at(live)
         with pytest.raises(ValueError, match="code"):
             tier.free_at(live[1:])  # a large object's code is gone once freed: a second free is refused
+
+    def test_threads_allocating_writing_and_freeing_at_once(self, tier):
+        """The level's callers run on several threads (requests, write-behind, promotion): each thread's
+        objects keep their bytes, and once all are freed every byte of the capacity is free again."""
+        errors: list[BaseException] = []
+
+        def churn(seed: int) -> None:
+            try:
+                g = torch.Generator().manual_seed(seed)
+                held: list[tuple[int, torch.Tensor]] = []
+                for r in range(60):
+                    sizes = [int(x) for x in torch.randint(0, 9000, (4,), generator=g)]
+                    codes = tier.allocate(sizes)
+                    got = [(c, torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+                           for c, n in zip(codes, sizes) if c is not None]
+                    tier.write_at([c for c, _ in got], [[v] for _, v in got])
+                    held += got
+                    outs = [torch.empty_like(v) for _, v in held]
+                    assert tier.read_at([c for c, _ in held], [[o] for o in outs]) == [True] * len(held)
+                    for (c, v), o in zip(held, outs):
+                        assert torch.equal(v, o), f"thread {seed}: code {c} lost its bytes"
+                    if r % 3 == 2:  # give back half of what this thread holds
+                        tier.free_at([c for c, _ in held[::2]])
+                        held = held[1::2]
+                tier.free_at([c for c, _ in held])
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=churn, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors[0]
+        assert tier.used_bytes == 0
+        assert tier.allocate([tier.capacity_bytes]) != [None], "space was lost to the threads' churn"
 
     def test_mismatched_batches_are_refused(self, tier):
         codes = tier.allocate([16, 16])
