@@ -580,13 +580,13 @@ def test_progress_shows_life_during_one_long_step(capsys):
 def test_bench_ssd_gets_read_the_device_not_the_region_image(tmp_path):
     # a batch far below a region: before the store is reopened the gets were copies of the in-memory image
     code = ("import atexit, sys\n"
-            "from tierkv.tiers.ssd.readpath import ReadPath\n"
+            "from tierkv.tiers.ssd.reader import RecordReader\n"
             "n = [0]\n"
-            "orig = ReadPath._image_read\n"
+            "orig = RecordReader._image_read\n"
             "def counted(self, *a):\n"
             "    n[0] += 1\n"
             "    return orig(self, *a)\n"
-            "ReadPath._image_read = counted\n"
+            "RecordReader._image_read = counted\n"
             "atexit.register(lambda: print('image reads:', n[0], file=sys.stderr))\n"
             "from tierkv.tools.cli import main\n"
             "sys.exit(main(sys.argv[1:]))\n")

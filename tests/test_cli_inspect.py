@@ -233,7 +233,7 @@ def test_a_live_writer_is_never_reported_as_corruption(tmp_path):
 def test_verify_reads_a_consistent_view_a_tier_cannot_open_meanwhile(tmp_path, monkeypatch):
     from tierkv.errors import ConfigError
     from tierkv.tiers.ssd import SSDTier
-    from tierkv.tiers.ssd import inspect as ssd_inspect
+    from tierkv.tiers.ssd import survey as ssd_inspect
 
     d = tmp_path / "ssd"
     _fill(d, 3, 5000)

@@ -609,16 +609,16 @@ def test_a_reopen_takes_the_checkpointed_index_when_every_object_is_current(tmp_
     real = DigestIndex.bulk_load
     monkeypatch.setattr(DigestIndex, "bulk_load", lambda self, *a: (built.append(len(a[0])), real(self, *a))[1])
     t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
-    assert built == [] and len(t._index) == 300 and t.extra_stats()["recovered_from"] == "checkpoint"
+    assert built == [] and len(t._state.index) == 300 and t.extra_stats()["recovered_from"] == "checkpoint"
     assert sorted(k for k, _ in t.recover()) == sorted(keys)
     ok, outs = read_all(t, keys, [1000 + i for i in range(300)])
     assert all(ok) and all(torch.equal(o, blob(i, 1000 + i)) for i, o in enumerate(outs))
     assert t.contains([key(1000)]) == [False]
     t.delete(keys[:10])  # named in the dead log; the checkpoint is rewritten only by a flush or close
-    t._dead.write(True)
-    t._lock_file.release()  # (as a killed process would leave it)
+    t._state.dead.write(True)
+    t._state.lock_file.release()  # (as a killed process would leave it)
     t2 = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
-    assert built == [290] and len(t2._index) == 290
+    assert built == [290] and len(t2._state.index) == 290
     assert sorted(k for k, _ in t2.recover()) == sorted(keys[10:])
     assert t2.contains(keys[:12]) == [False] * 10 + [True] * 2
     t2.close()
@@ -793,7 +793,7 @@ def test_direct_reads_take_neighbours_up_to_two_mib_in_one_read(tmp_path, monkey
     device serves one long read faster than several short ones), and every one comes back exact."""
     if not direct_ok(tmp_path / "probe"):
         pytest.skip("no O_DIRECT on this file system")
-    from tierkv.tiers.ssd import readpath as rp
+    from tierkv.tiers.ssd import reader as rp
 
     t = SSDTier("ssd", 64 * MiB, str(tmp_path / "s"), region_size="16MiB", direct_io=True)
     try:

@@ -536,7 +536,7 @@ def test_a_checkpoint_never_names_a_region_whose_new_header_is_not_in_its_file(t
     seen = []
 
     def check(dirpath, bufs, fsync):
-        r = t._active
+        r = t._state.active
         if r is not None:
             h, _ = R.read_header(r.fd, t.direct_io)
             seen.append((r.seq, h.seq if h is not None else None))
@@ -555,15 +555,16 @@ def test_a_crash_before_a_reused_regions_first_write_out_loses_nothing_flushed(t
     and none of the objects deleted before it."""
     import shutil
 
-    from tierkv.tiers.ssd.regionchange import RegionChange
+    from tierkv.tiers.ssd.regionchange import RegionChanger
 
     d = tmp_path / "s"
     t = SSDTier("ssd", 8 * MiB, str(d), region_size="1MiB")
-    real = RegionChange._begin
+    real = RegionChanger.begin
     snaps = []
 
     def begin(self, idx):
-        reused = idx in self._regions and self._regions[idx].fd >= 0
+        regions = self._state.regions
+        reused = idx in regions and regions[idx].fd >= 0
         r = real(self, idx)
         if reused and r.written == 0 and len(snaps) < 4:
             snap = tmp_path / f"snap{len(snaps)}"
@@ -571,7 +572,7 @@ def test_a_crash_before_a_reused_regions_first_write_out_loses_nothing_flushed(t
             snaps.append((snap, len(states)))
         return r
 
-    monkeypatch.setattr(RegionChange, "_begin", begin)
+    monkeypatch.setattr(RegionChanger, "begin", begin)
     states: list = []
     states += _churn(t, 400)
     t.close()

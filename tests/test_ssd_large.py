@@ -289,7 +289,7 @@ def test_a_smaller_capacity_on_reopen_keeps_whole_large_objects(tmp_path):
 CHILD = textwrap.dedent("""
     import os, sys, torch
     from tierkv.tiers.ssd import SSDTier
-    from tierkv.tiers.ssd.writepath import WritePath
+    from tierkv.tiers.ssd.writer import SegmentWriter
     path, where, opts = sys.argv[1], sys.argv[2], eval(sys.argv[3])
     def val(seed, n):
         g = torch.Generator().manual_seed(seed)
@@ -301,7 +301,7 @@ CHILD = textwrap.dedent("""
     t.flush()
     t.write(["s2"], [[val(4, 7000)]])
     commits = [0]
-    real_commit, real_put_one = WritePath._commit, WritePath._put_one
+    real_commit, real_put_one = SegmentWriter.commit, SegmentWriter._put_one
     def stop(msg):
         print(msg, flush=True)
         sys.stdin.readline()  # (killed here)
@@ -309,14 +309,16 @@ CHILD = textwrap.dedent("""
         real_commit(self, seg, out)
         commits[0] += 1
         if commits[0] == 3 and where == "pieces":
-            self._write_out(self._active, -(-self._active.pos // 4096) * 4096, self._active.pos)
+            r = self._state.active
+            self._io.write_out(r, -(-r.pos // 4096) * 4096, r.pos)
             stop("mid-pieces")
     def put_one(self, key, parts, large_total=0):
         if large_total and where == "manifest":
-            self._write_out(self._active, -(-self._active.pos // 4096) * 4096, self._active.pos)
+            r = self._state.active
+            self._io.write_out(r, -(-r.pos // 4096) * 4096, r.pos)
             stop("before-manifest")
         return real_put_one(self, key, parts, large_total)
-    WritePath._commit, WritePath._put_one = commit, put_one
+    SegmentWriter.commit, SegmentWriter._put_one = commit, put_one
     t.write([sys.argv[4]], [[val(5, 3 << 20)]])
     print("done", flush=True)
     sys.stdin.readline()

@@ -13,6 +13,7 @@ from tier_conformance import blob, key
 
 from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd.format import key_digest
+from tierkv.tiers.ssd.reclaim import Reclaimer
 
 MiB = 1 << 20
 CHUNK = 16 << 10
@@ -101,7 +102,7 @@ def test_a_copy_taken_right_after_a_reclamation_reopens_accepting_writes(tmp_pat
         found = [k for k, _ in u.recover()]
         assert all(read_exact(u, found, _fill))
         _accepts_writes(u, "new")
-        assert u.extra_stats()["regions_free"] + (u._active is not None) >= 1
+        assert u.extra_stats()["regions_free"] + (u._state.active is not None) >= 1
         u.close()
         assert disk_bytes(os.path.join(path, "regions")) <= region_bound(u)
 
@@ -119,16 +120,16 @@ def test_a_crash_in_the_middle_of_a_reclamation_reopens_accepting_writes_and_los
     t.write([f"k{i}" for i in live], [[val(i)] for i in live])
     t.flush()
     crash: list[tuple[str, set]] = []
-    real_move = SSDTier._settle_move
+    real_move = Reclaimer.settle_move
 
     def move_then_crash(self, dest):
         half = dest.pos // 2 // 4096 * 4096  # the kill lands halfway through the copies' write-out
-        self._write_out(dest, half, half)
+        self._io.write_out(dest, half, half)
         if not crash:
             crash.append((copy_dir(live_dir, str(tmp_path / "crash")), {f"k{i}" for i in live}))
         real_move(self, dest)
 
-    monkeypatch.setattr(SSDTier, "_settle_move", move_then_crash)
+    monkeypatch.setattr(Reclaimer, "settle_move", move_then_crash)
     _churn_until_reclaimed(t, rng, live, 200, 1, lambda: None)
     t.close()
     ((path, flushed),) = crash
@@ -160,8 +161,8 @@ def test_a_damaged_newest_region_never_costs_the_objects_written_after_it(tmp_pa
     t = SSDTier("ssd", 16 * MiB, live_dir, region_size="1MiB")
     for i in range(80):  # several regions; the newest holds some objects, and removals name them
         t.write([f"k{i}"], [[val(i)]])
-    newest = t._active
-    in_newest = [f"k{i}" for i in range(80) if t._index.get(key_digest(f"k{i}".encode()))[0] == newest.index]
+    newest = t._state.active
+    in_newest = [f"k{i}" for i in range(80) if t._state.index.get(key_digest(f"k{i}".encode()))[0] == newest.index]
     assert len(in_newest) >= 10
     t.delete(in_newest[:len(in_newest) // 2])
     t.flush()
@@ -193,7 +194,7 @@ def test_an_object_in_a_region_whose_summary_was_cut_survives_the_next_checkpoin
     d = str(tmp_path / "s")
     t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
     t.write([key(i) for i in range(80)], [[blob(i, 40000)] for i in range(80)])
-    first = t._regions[0].path
+    first = t._state.regions[0].path
     t.close()
     size = os.path.getsize(first)
     with open(first, "r+b") as f:  # the summary's tail and footer cut (zeroed)
@@ -267,16 +268,16 @@ def test_a_store_over_a_crashed_ssd_tier_stores_what_it_says_it_stores(tmp_path,
                            "persist": "write_through"}]}
 
     crash: list = []
-    real_move = SSDTier._settle_move
+    real_move = Reclaimer.settle_move
 
     def move_then_crash(self, dest):
         half = dest.pos // 2 // 4096 * 4096
-        self._write_out(dest, half, half)
+        self._io.write_out(dest, half, half)
         if not crash:
             crash.append(copy_dir(live_dir, str(tmp_path / "crash")))
         real_move(self, dest)
 
-    monkeypatch.setattr(SSDTier, "_settle_move", move_then_crash)
+    monkeypatch.setattr(Reclaimer, "settle_move", move_then_crash)
     keys = [f"{i:064x}" for i in range(2000)]
     rng = random.Random(4)
     with TieredStore.from_config(cfg(live_dir)) as store:
@@ -292,7 +293,7 @@ def test_a_store_over_a_crashed_ssd_tier_stores_what_it_says_it_stores(tmp_path,
             for k in gone:
                 live.remove(k)
             store.remove(gone)
-    monkeypatch.setattr(SSDTier, "_settle_move", real_move)
+    monkeypatch.setattr(Reclaimer, "settle_move", real_move)
     new = [f"{i:064x}" for i in range(10000, 10040)]
     with TieredStore.from_config(cfg(crash[0])) as store:
         assert store.put(new, [val(i) for i in range(40)]) == [True] * 40
@@ -313,8 +314,8 @@ def test_a_region_cut_to_its_header_costs_its_objects_and_nothing_else(tmp_path,
     t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
     names = [f"k{i}" for i in range(150)]  # several regions
     assert t.write(names, [[val(i)] for i in range(150)]) == [True] * 150
-    newest = t._active
-    in_newest = {k for k in names if t._index.get(key_digest(k.encode()))[0] == newest.index}
+    newest = t._state.active
+    in_newest = {k for k in names if t._state.index.get(key_digest(k.encode()))[0] == newest.index}
     assert 0 < len(in_newest) < len(names)
     t.close()
     victim = os.path.join(d, "regions", os.path.basename(newest.path))

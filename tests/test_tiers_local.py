@@ -269,13 +269,13 @@ def test_ssd_batch_runs_on_the_caller_and_the_pool_and_stays_exact(tmp_path, mon
     t = SSDTier("ssd", 1 << 28, str(tmp_path / "ssd"), io_threads=2)  # reads from the files now
     t.recover()
     seen: list[tuple[int, int]] = []  # (thread, objects) of each run read
-    inner = t._read_run
+    inner = t._reader._read_run
 
     def spy(run, keys, dsts, out):
         seen.append((threading.get_ident(), len(run[1])))
         return inner(run, keys, dsts, out)
 
-    monkeypatch.setattr(t, "_read_run", spy)
+    monkeypatch.setattr(t._reader, "_read_run", spy)
     outs = [torch.zeros(256 << 10, dtype=torch.uint8) for _ in keys]
     assert t.read(keys, [[o] for o in outs]) == [True] * 16
     assert all(torch.equal(o, v) for o, v in zip(outs, vals))

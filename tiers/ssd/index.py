@@ -285,17 +285,21 @@ class DigestIndex:
             won = owner[cpos] == cand
             first = np.flatnonzero(won)
             slots, win = cpos[won], cand[won]
-            self.used += int(np.count_nonzero(self.digest[slots] == EMPTY))
-            self.digest[slots] = digest[win]
-            self.region[slots] = region[win]
-            self.offset[slots] = offset[win]
-            self.rec_len[slots] = rec_len[win]
-            self.raw_len[slots] = raw_len[win]
-            self.count += len(win)
+            self._fill(slots, win, digest, region, offset, rec_len, raw_len)
             placed = np.zeros(len(todo), dtype=bool)
             placed[np.flatnonzero(free)[first]] = True
             todo, pos = todo[~placed], pos[~placed]
             pos = np.where(self.digest[pos] > TOMB, (pos + 1) & self.mask, pos)
+
+    def _fill(self, slots, win, digest, region, offset, rec_len, raw_len) -> None:
+        """Entries ``win`` of the columns into the free ``slots`` (one each)."""
+        self.used += int(np.count_nonzero(self.digest[slots] == EMPTY))
+        self.digest[slots] = digest[win]
+        self.region[slots] = region[win]
+        self.offset[slots] = offset[win]
+        self.rec_len[slots] = rec_len[win]
+        self.raw_len[slots] = raw_len[win]
+        self.count += len(win)
 
     def _place(self, digest, region, offset, rec_len, raw_len) -> None:
         """``_bulk`` for a few entries: each takes the first free slot of its window (the first of
@@ -310,13 +314,7 @@ class DigestIndex:
             cand = at[rows, free.argmax(axis=1)[rows]]
             slots, first = np.unique(cand, return_index=True)
             win = todo[rows[first]]
-            self.used += int(np.count_nonzero(self.digest[slots] == EMPTY))
-            self.digest[slots] = digest[win]
-            self.region[slots] = region[win]
-            self.offset[slots] = offset[win]
-            self.rec_len[slots] = rec_len[win]
-            self.raw_len[slots] = raw_len[win]
-            self.count += len(win)
+            self._fill(slots, win, digest, region, offset, rec_len, raw_len)
             left = np.ones(len(todo), dtype=bool)
             left[rows[first]] = False
             start = np.where(some, start, start + len(_WINDOW))[left]

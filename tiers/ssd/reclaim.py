@@ -1,10 +1,12 @@
-"""Whole-region reclamation for ``SSDTier``: the emptiest sealed region's live objects move on.
+"""``Reclaimer``: whole-region reclamation of the SSD engine — the emptiest sealed region's live objects move on.
 
-Called by the writer (holding ``_wlock``) when only the spare region is free: the
+Called by ``RegionChanger`` (holding ``wlock``) when only the spare region is free: the
 spare becomes the active region, the victim's live records are copied into it (their
 header re-stamped with the new region's seq), the victim's copies are named in the
-dead log, and the victim becomes the new spare.  The provisioning of ``SSDTier``
-guarantees the victim's live bytes fit with room to spare (see its module docstring).
+dead log, and the victim becomes the new spare (``reclaim``).  The provisioning of ``SSDTier``
+guarantees the victim's live bytes fit with room to spare (see its module docstring).  On a
+full file system with no free file, the victim is compacted within its own file instead
+(``compact_in_place``).  Uses the shared state and ``RegionIO``; calls no other component.
 """
 
 from __future__ import annotations
@@ -12,85 +14,73 @@ from __future__ import annotations
 import logging
 import mmap
 import os
-import threading
-from typing import TYPE_CHECKING, Optional, cast
+from typing import Optional, cast
 
 import numpy as np
 
 from . import format as F
 from . import region as R
-from .deadlog import DeadLog
 from .format import WRITE_UNIT
-from .index import DigestIndex
+from .regionio import RegionIO
+from .state import EngineState
 
 log = logging.getLogger(__name__)
 
 
-class Reclaim:
-    # state of ``SSDTier`` (set in its ``__init__`` and ``Tier.__init__``)
-    direct_io: bool
-    region_size: int
-    _lock: threading.Lock
-    _regions: dict[int, R.Region]
-    _index: DigestIndex
-    _dead: DeadLog
-    _live_total: int
-    _changed: bool
-    _counters: dict[str, int]
-    _active: Optional[R.Region]
-    path: str
-    _dirty_fds: set[int]
-    fsync: str
+class Reclaimer:
+    """Chooses a victim region and moves its live objects: into the spare (``reclaim``) or within its own
+    file (``compact_in_place``)."""
 
-    if TYPE_CHECKING:  # defined by ``SSDTier`` and ``Persistence``
-        def _count(self, what: str, n: int = 1) -> None: ...
-        def _io_error(self, e: OSError, what: str) -> None: ...
-        def _unlive(self, idx: int, rec_len: int) -> None: ...
-        def _write_out(self, r: R.Region, end: int, data_end: int) -> bool: ...
-        def regions_needed(self) -> int: ...
-        def _seal(self, r: R.Region) -> None: ...
-        def _free_regions(self, allow_new: bool = True) -> tuple[list[int], bool]: ...
-        def _compact_in_place(self) -> Optional[R.Region]: ...
-        def _begin(self, idx: int) -> R.Region: ...
-        def _close_region_fd(self, r: R.Region) -> None: ...
+    def __init__(self, state: EngineState, io: RegionIO) -> None:
+        self._state = state
+        self._io = io
 
-    def _pick_victim(self) -> Optional[R.Region]:
-        sealed = [r for r in self._regions.values() if r.state == R.SEALED and not r.foreign]
-        return min(sealed, key=lambda r: (r.live_bytes, r.seq)) if sealed else None
-
-    def _reclaim(self, victim: R.Region, dest: R.Region) -> None:
-        """Re-append the victim's live objects into ``dest``, then free the victim."""
-        self._count("gc_runs")
-        with self._lock:
-            slots = self._index.in_region(victim.index)
-            offs = self._index.offset[slots].astype(np.int64)
+    def _live_records(self, victim: R.Region) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(index slots, offsets, record lengths) of the victim's live objects, in file order."""
+        st = self._state
+        ix = st.index
+        with st.lock:
+            slots = ix.in_region(victim.index)
+            offs = ix.offset[slots].astype(np.int64)
             order = np.argsort(offs)
             slots, offs = slots[order], offs[order]
-            lens = self._index.rec_len[slots].astype(np.int64)
+            lens = ix.rec_len[slots].astype(np.int64)
+        return slots, offs, lens
+
+    def pick_victim(self) -> Optional[R.Region]:
+        sealed = [r for r in self._state.regions.values() if r.state == R.SEALED and not r.foreign]
+        return min(sealed, key=lambda r: (r.live_bytes, r.seq)) if sealed else None
+
+    def reclaim(self, victim: R.Region, dest: R.Region) -> None:
+        """Re-append the victim's live objects into ``dest``, then free the victim."""
+        st = self._state
+        st.count("gc_runs")
+        ix = st.index
+        slots, offs, lens = self._live_records(victim)
         whole = None
         if len(slots) > 16:
             try:
-                whole = R.read_span(victim.fd, 0, self.region_size, self.direct_io)
+                whole = R.read_span(victim.fd, 0, st.region_size, st.direct_io)
             except OSError as e:
-                self._io_error(e, f"reading {victim.path}")
+                st.io_error(e, f"reading {victim.path}")
         data: memoryview | bytes
         for slot, off, ln in zip(slots.tolist(), offs.tolist(), lens.tolist()):
             try:
                 data = whole[off:off + ln] if whole is not None else R.read_span(victim.fd, off, ln,
-                                                                                 self.direct_io)
+                                                                                 st.direct_io)
             except OSError as e:
-                self._io_error(e, f"reading {victim.path}")
+                st.io_error(e, f"reading {victim.path}")
                 data = b""
             h = F.parse_record(data, victim.seq)
             klen = len(h.key) if h is not None else 0
-            if h is None or not dest.fits(ln, klen, self.region_size):
-                self._count("corrupt" if h is None else "gc_dropped")
-                with self._lock:
-                    self._index.digest[slot] = F.TOMB
-                    self._index.count -= 1
-                    self._unlive(victim.index, ln)
-                    self._dead.add(victim.index, off, victim.seq)
-                    self._changed = True
+            if h is None or not dest.fits(ln, klen, st.region_size):
+                st.count("corrupt" if h is None else "gc_dropped")
+                with st.lock:
+                    ix.digest[slot] = F.TOMB
+                    ix.count -= 1
+                    st.unlive(victim.index, ln)
+                    st.dead.add(victim.index, off, victim.seq)
+                    st.changed = True
                 continue
             pos = dest.pos
             buf = cast(mmap.mmap, dest.buf)  # (the active image)
@@ -98,132 +88,116 @@ class Reclaim:
             F.reseq_record(buf, pos, dest.seq)
             end = F.align_up(pos + ln, F.ALIGN)
             d = F.key_digest(h.key)
-            with self._lock:
-                if self._index.digest.item(slot) <= F.TOMB or self._index.region.item(slot) != victim.index:
+            with st.lock:
+                if ix.digest.item(slot) <= F.TOMB or ix.region.item(slot) != victim.index:
                     continue  # dropped meanwhile by a reader that found it corrupt
-                self._index.move(slot, dest.index, pos)
-                self._unlive(victim.index, ln)
-                self._dead.add(victim.index, off, victim.seq)  # until the victim is reused
-                m = F.measure(ln)
-                dest.live_bytes += m
-                dest.live_count += 1
-                self._live_total += m
+                ix.move(slot, dest.index, pos)
+                st.unlive(victim.index, ln)
+                st.dead.add(victim.index, off, victim.seq)  # until the victim is reused
+                st.enliven(dest, ln)
                 dest.pos = end
-                self._changed = True
+                st.changed = True
             dest.add_entry(d, pos, ln, h.raw_len, h.key, h.flags)
-            self._count("gc_relocated")
+            st.count("gc_relocated")
             if end - dest.written >= WRITE_UNIT:
-                self._write_out(dest, F.align_down(end), end)
-        with self._lock:
+                self._io.write_out(dest, F.align_down(end), end)
+        with st.lock:
             victim.state = R.FREE
             victim.live_bytes = victim.live_count = 0
-        self._settle_move(dest)
+        self.settle_move(dest)
 
-    def _settle_move(self, dest: R.Region) -> None:
+    def settle_move(self, dest: R.Region) -> None:
         """Make a finished reclamation what a crash leaves: the new copies in the file (and, with ``fsync``
         other than ``"never"``, on the disk), then the victim's old copies named in the dead log.  Until the
         log names them a reopen finds both copies (the newer wins); after it, the victim is free."""
+        st = self._state
         end = F.align_up(dest.pos)
-        if not self._write_out(dest, end, dest.pos):
+        if not self._io.write_out(dest, end, dest.pos):
             return  # (counted; the dead log waits for the next flush, which writes the copies first)
         try:
-            if self.fsync != "never":
+            if st.fsync != "never":
                 os.fdatasync(dest.fd)
-                self._dirty_fds.discard(dest.fd)
-            self._dead.write(False)
+                st.dirty_fds.discard(dest.fd)
+            st.dead.write(False)
         except OSError as e:
-            self._io_error(e, "writing the dead log after a reclamation")
+            st.io_error(e, "writing the dead log after a reclamation")
 
+    def worth_reclaiming(self, victim: R.Region) -> bool:
+        """Whether moving the victim's live objects leaves room for the largest object (always, when the
+        provisioning holds; on a full file system, only once enough was removed)."""
+        st = self._state
+        return victim.live_bytes <= st.usable - st.max_slot
 
-    # -- at open ----------------------------------------------------------------------------
-    def _room_left(self, dest: R.Region) -> int:
-        """Live bytes (``format.measure``) that surely fit in the active region ``dest``."""
-        keys = cast(bytearray, dest.keys)
-        return self.region_size - F.FOOTER - F.BLOCK - dest.count * F.ENTRY - len(keys) - dest.pos
+    def compact_in_place(self) -> Optional[R.Region]:
+        """The file system takes no more region files and none is free: the emptiest sealed region's live
+        records are read into memory and it begins again, in its own file, under a new seq, holding them at
+        its start (written out and synced at once).  None if no region would leave room.
 
-    def _holding(self) -> list[R.Region]:
-        """Our regions other than the active one that hold live objects."""
-        return [r for r in self._regions.values() if not r.foreign and r.live_count > 0 and r is not self._active]
-
-    def _settle(self) -> int:
-        """At open: leave at most ``regions_needed() - 1`` regions holding objects, so a region is always
-        there to write into (a crash in the middle of a reclamation, or a smaller ``capacity``, can leave
-        objects in every region).  The emptiest regions are reclaimed into a free one (or the active one);
-        with no free file, the emptiest is first compacted within its own file (once); a region that still
-        cannot be (no room anywhere) is dropped, the emptiest first, and its objects counted (``trimmed``).
-        Returns the objects dropped."""
-        need = self.regions_needed()
-        dropped = 0
-        in_place = False
-        for _ in range(2 * len(self._regions) + 4):
-            held = self._holding()
-            if len(held) + (self._active is not None) <= need - 1:
-                return dropped
-            victim = min(held, key=lambda r: (r.live_bytes, r.seq))
-            dest = self._active
-            try:
-                if dest is not None and victim.live_bytes > self._room_left(dest):
-                    self._seal(dest)
-                    dest = None
-                if dest is None:
-                    free, _ = self._free_regions()
-                    if free:
-                        dest = self._begin(free[0])
-                    elif not in_place:  # (no file to move into: the emptiest is compacted within its own)
-                        in_place = True
-                        if self._compact_in_place() is not None:
-                            continue
-            except OSError as e:
-                self._io_error(e, "making room at open")
-                dest = self._active
-            if dest is not None and victim.live_bytes <= self._room_left(dest):
-                self._reclaim(victim, dest)
-            else:
-                dropped += self._drop_region(victim)
-        while True:
-            held = self._holding()
-            if len(held) + (self._active is not None) <= need - 1 or not held:
-                return dropped
-            dropped += self._drop_region(min(held, key=lambda r: r.seq))
-
-    def _drop_region(self, r: R.Region) -> int:
-        """Drop every object of region ``r`` (named in the dead log, counted ``trimmed``)."""
-        with self._lock:
-            slots = self._index.in_region(r.index)
-            offs = self._index.offset[slots].tolist()
-            for off, ln in zip(offs, self._index.rec_len[slots].tolist()):
-                self._unlive(r.index, ln)
-                self._dead.add(r.index, off, r.seq)
-            self._index.digest[slots] = F.TOMB
-            self._index.count -= len(slots)
-            self._counters["trimmed"] += len(slots)
-            r.state = R.FREE
-            r.live_bytes = r.live_count = 0
-            self._changed = True
-        log.warning("ssd %s: no free region at open: dropped the %d objects of %s", self.path, len(slots), r.path)
-        return len(slots)
-
-    def _remove_surplus(self) -> None:
-        """At open: delete region files beyond ``regions_needed()`` that hold no live object (highest index
-        first), so the disk holds what the capacity provisions (after a reopen with a smaller one)."""
-        need = self.regions_needed()
-        mine = sorted(i for i, r in self._regions.items() if not r.foreign)
-        for i in reversed(mine):
-            if len(mine) <= need:
-                break
-            r = self._regions[i]
-            if r is self._active or r.live_count > 0:
+        The one moment a crash can cost flushed objects: while this region's new start is being written,
+        its moved objects are in memory only (the old copies are being overwritten).  A reopen then finds
+        what reached the file (every record is checked against the region's new seq: a miss, never a wrong
+        byte).  Counted: ``gc_in_place``."""
+        st = self._state
+        ix = st.index
+        victim = self.pick_victim()
+        if victim is None or victim.fd < 0 or not self.worth_reclaiming(victim):
+            return None
+        self._io.wait_seals(drop=victim)  # (a summary of its old use still due would land over its new one)
+        slots, offs, lens = self._live_records(victim)
+        whole = R.read_span(victim.fd, 0, st.region_size, st.direct_io)  # (OSError: the caller counts it)
+        image = self._io.take_image()
+        old_seq, new_seq = victim.seq, st.next_seq
+        mv = memoryview(image)
+        pos = F.BLOCK
+        moved = []  # (slot, old offset, new offset, rec_len, raw_len, key, flags)
+        for slot, off, ln in zip(slots.tolist(), offs.tolist(), lens.tolist()):
+            h = F.parse_record(whole[off:off + ln], old_seq)
+            if h is None:
+                moved.append((slot, off, -1, ln, 0, b"", 0))  # (bad bytes: dropped below, counted)
                 continue
-            self._close_region_fd(r)
+            mv[pos:pos + ln] = whole[off:off + ln]
+            F.reseq_record(image, pos, new_seq)
+            moved.append((slot, off, pos, ln, h.raw_len, h.key, h.flags))
+            pos = F.align_up(pos + ln, F.ALIGN)
+        del whole
+        st.count("gc_runs")
+        st.count("gc_in_place")
+        st.count("gc_disk_full")
+        with st.lock:  # (readers find each object where it was until the region changes here, at once)
+            st.image_addr = self._io.address_of(image)
+            victim.start(new_seq, st.region_size, image)
+            st.dead.mark(new_seq)
+            st.next_seq += 1
+            relocated = 0
+            for slot, off, new, ln, raw_len, key, flags in moved:
+                live = (ix.digest.item(slot) > F.TOMB and ix.region.item(slot) == victim.index
+                        and ix.offset.item(slot) == off)
+                m = F.measure(ln)
+                if live:
+                    st.live_total -= m
+                    st.dead.add(victim.index, off, old_seq)
+                if new < 0 or not live:
+                    if live:  # (its bytes were bad)
+                        ix.digest[slot] = F.TOMB
+                        ix.count -= 1
+                        st.counters["corrupt"] += 1
+                    elif new >= 0:  # (dropped by a reader meanwhile: its new copy is no object either)
+                        victim.add_entry(F.key_digest(key), new, ln, raw_len, key, flags)
+                        st.dead.add(victim.index, new, new_seq)
+                    continue
+                ix.move(slot, victim.index, new)
+                victim.add_entry(F.key_digest(key), new, ln, raw_len, key, flags)
+                st.enliven(victim, ln)
+                relocated += 1
+            st.counters["gc_relocated"] += relocated
+            victim.pos = pos
+            st.active = victim
+            st.changed = True
+        if self._io.write_out(victim, F.align_up(pos), pos) and st.fsync != "never":
             try:
-                os.unlink(r.path)
-            except FileNotFoundError:
-                pass
+                os.fdatasync(victim.fd)
             except OSError as e:
-                self._io_error(e, f"removing {r.path}")
-                continue
-            with self._lock:
-                del self._regions[i]
-            mine.remove(i)
-            self._counters["regions_removed"] += 1
-            self._changed = True
+                st.io_error(e, f"fsync of {victim.path}")
+        log.warning("%s: the file system is full: region %s compacted in place (%d objects moved); "
+                    "writes go on in the room that leaves", st.what, victim.path, relocated)
+        return victim

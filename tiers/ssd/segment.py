@@ -1,32 +1,24 @@
 """A batch's records on their way to a region file: ``Segment``, the write path's unit of commit.
 
-``WritePath._append_batch`` (``writepath.py``) appends a batch's records to the active image and
-hands the segment's bytes to the writer threads piece by piece (with O_DIRECT they pump what is
-ready: ``Segment.offer``); ``WritePath._commit`` writes the rest, waits for the pieces, and only then
-indexes the segment's records.
+``SegmentWriter.append`` (``writer.py``) appends a batch's records to the active image and hands
+the segment's bytes to the writer threads piece by piece (with O_DIRECT they pump what is ready:
+``Segment.offer``); ``SegmentWriter.commit`` writes the rest, waits for the pieces, and only then
+indexes the segment's records.  This module knows no component: ``wait`` reports to the engine's
+shared state (``state.py``).
 """
 
 from __future__ import annotations
 
 import _thread
+import mmap
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Optional, Protocol, cast
+from typing import Optional, cast
 
+from . import format as F
 from . import region as R
 from .hostbuf import ctype_of
-
-if TYPE_CHECKING:
-    import mmap
-
-
-class Writer(Protocol):
-    """What ``Segment.wait`` needs of the tier that writes it: where an I/O error goes, which files need a sync."""
-
-    _dirty_fds: set[int]
-
-    def _io_error(self, e: OSError, what: str) -> None: ...
-
+from .state import EngineState
 
 #: writes of one segment in flight at most, and the backlog that starts the second (two in flight keep a
 #: device busier than one when the caller is ahead of it)
@@ -34,6 +26,7 @@ PUMPS = 2
 SECOND_PUMP = 2 << 20
 #: how long a hand-off waits for the writer thread to take its piece (it normally takes microseconds)
 _HANDOFF_WAIT = 0.002
+_ENTRY = F.ENTRY_STRUCT.pack
 
 
 def _handoff(pool: ThreadPoolExecutor, wait: bool, fn, *args):
@@ -114,6 +107,19 @@ class Segment:
         self.gather = False
         self.iov: list = []
 
+    def add(self, i: int, d: int, pos: int, rec_len: int, raw_len: int, kb: bytes, flags: int, end: int) -> None:
+        """A record appended at ``pos`` (the batch's ``i``-th object, digest ``d``); the segment ends at ``end``."""
+        self.idx.append(i)
+        self.digests.append(d)
+        self.offsets.append(pos)
+        self.rec_lens.append(rec_len)
+        self.raw_lens.append(raw_len)
+        self.entries.append(_ENTRY(d, pos, rec_len, raw_len, len(kb), flags, 0))
+        self.keys.append(kb)
+        self.key_bytes += len(kb)
+        self.n += 1
+        self.end = end
+
     def begin(self, r: R.Region, pos: int, gather: bool) -> None:
         self.region, self.start, self.gather = r, pos, gather
         self.submitted = self.ready = r.written
@@ -144,7 +150,7 @@ class Segment:
 
     def _pump(self, r: R.Region) -> None:
         """On the writer thread: write what is ready, again and again, until nothing is."""
-        mv = memoryview(cast("mmap.mmap", r.buf))
+        mv = memoryview(cast(mmap.mmap, r.buf))
         try:
             while True:
                 with self.lock:
@@ -220,16 +226,16 @@ class Segment:
             out.append((run_at, cur))
         return out
 
-    def wait(self, tier: Writer) -> bool:
-        """Wait for the submitted writes; False (counted) if any failed."""
+    def wait(self, state: EngineState) -> bool:
+        """Wait for the submitted writes; False (counted in ``state``) if any failed."""
         ok = True
         for f in self.futures:
             try:
                 f.result()
             except OSError as e:
-                tier._io_error(e, f"writing {cast(R.Region, self.region).path}")
+                state.io_error(e, f"writing {cast(R.Region, self.region).path}")
                 ok = False
         if self.futures and ok:
-            tier._dirty_fds.add(cast(R.Region, self.region).fd)
+            state.dirty_fds.add(cast(R.Region, self.region).fd)
         self.futures = []
         return ok

@@ -43,25 +43,38 @@ Invariants:
     * Disk full or any I/O error refuses the write (counted: ``enospc``, ``io_errors``);
       nothing raises into the caller.  A full file system is lived with: the tier keeps the last
       file it can create to reclaim into, else compacts a region within its own file
-      (``regionchange.py``), so writes get in again once objects are removed.
-Thread safety: ``_wlock`` serialises appends, reclamation and checkpoints; ``_lock``
-guards the index and region states, held only briefly, so reads run beside a writer.
+      (``Reclaimer.compact_in_place``), so writes get in again once objects are removed.
 
-The write path is in ``writepath.py`` (a batch on its way to the file: ``segment.py``), region
-changes in ``regionchange.py``, the read path in ``readpath.py``, reclamation in ``reclaim.py``,
-flush / checkpoint / close in ``persist.py``; this module opens a directory.
+Structure.  ``SSDTier`` is a facade: it checks the options, opens the directory, and delegates each
+``Tier`` call to the component that owns it.  The components share one ``EngineState``
+(``state.py``: regions, index, dead log, counters, the two locks) and call one another by name;
+the graph has no cycle (each is built from those below it):
+
+    SSDTier ─ write ──▶ SegmentWriter (writer.py; a batch on its way: Segment, segment.py)
+       │                  ├─▶ RegionChanger.room (regionchange.py: seal, begin, resume/settle at open)
+       │                  │     ├─▶ Reclaimer (reclaim.py: reclaim into the spare, compact in place)
+       │                  │     └─▶ Checkpointer (checkpointer.py)
+       │                  └─▶ Checkpointer (fsync "always"; files removed behind the tier)
+       ├─ read ───▶ RecordReader (reader.py)
+       ├─ flush, checkpoint ─▶ Checkpointer (flush, checkpoints, files removed behind the tier)
+       └─ open, recover, delete, close: here
+    every component ─▶ RegionIO (regionio.py: write-outs, summaries behind a seal, images, fds)
+                     ─▶ EngineState (state.py: counters, ``io_error``, ``retire``, ``drop_pieces``)
+
+Thread safety: ``EngineState.wlock`` serialises appends, region changes, reclamation and
+checkpoints (the writer, the changer, the reclaimer and the checkpointer run under it);
+``EngineState.lock`` guards the index, region states and counters, held only briefly, so the
+reader runs beside a writer (it takes ``wlock`` only to drop a large object that did not read
+whole).  Only ``SegmentWriter.commit`` and the single-record paths add objects to the index, and
+only after their bytes are in the file.
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import stat
-import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 import numpy as np
@@ -80,35 +93,27 @@ from tierkv.options import (
 )
 from tierkv.units import parse_size
 
-from ..base import Locality, Tier
+from ..base import Locality, Parts, Tier
 from . import checkpoint as C
 from . import deadlog, recovery
 from . import format as F
 from . import large as L
 from . import region as R
+from .checkpointer import Checkpointer
 from .deadlog import DeadLog
-from .index import DigestIndex
 from .lock import LOCK_NAME, DirLock
-from .persist import Persistence
-from .readpath import ReadPath
-from .reclaim import Reclaim
-from .regionchange import RegionChange
-from .writepath import PIPE_UNIT, WritePath  # noqa: F401  (PIPE_UNIT: tests)
+from .reader import RecordReader
+from .reclaim import Reclaimer
+from .regionchange import RegionChanger
+from .regionio import RegionIO
+from .state import NO_SPACE_LOG_EVERY, REGIONS_DIR, SPACE_SLACK, EngineState  # noqa: F401  (tests, tools)
+from .writer import PIPE_UNIT, SegmentWriter  # noqa: F401  (PIPE_UNIT: tests)
 
 log = logging.getLogger(__name__)
 
 DEFAULT_REGION = 64 << 20
 MIN_REGION = 1 << 20
 MAX_REGION = 2 << 30
-REGIONS_DIR = "regions"
-_COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
-             "gc_relocated", "gc_dropped", "gc_disk_full", "gc_in_place", "checkpoints", "checkpoint_errors",
-             "torn_regions", "skipped_files", "partial_files_removed", "dir_removed", "objects_lost", "lock_lost",
-             "trimmed", "direct_writes", "summaries_rebuilt", "regions_removed")
-#: a lack of room is logged at most once in this many seconds (every one is counted: ``enospc``)
-NO_SPACE_LOG_EVERY = 10.0
-#: room a full file system keeps beyond a checkpoint's and the dead log's (see ``_space_reserve``)
-SPACE_SLACK = 256 << 10
 
 
 def check_old_layout(path: str) -> None:
@@ -130,8 +135,9 @@ def footprint_of(nbytes):
     return L.record_footprint(nbytes)
 
 
-class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
-    """Chunks in a log of large region files under ``path`` (see the module docstring)."""
+class SSDTier(Tier):
+    """Chunks in a log of large region files under ``path`` (see the module docstring): the facade over
+    the engine's components, each call delegated to the one that owns it."""
 
     medium = "ssd"
     locality = Locality.DISK
@@ -163,49 +169,32 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
                               f"got {rs}")
         self.path = os.path.abspath(os.path.expanduser(path))
         self._what = what
-        self._counters = dict.fromkeys(_COUNTERS, 0)
-        self._no_space_logged = -NO_SPACE_LOG_EVERY  # (monotonic time of the last line about it)
-        self._no_space_unlogged = 0
-        self._wlock = threading.Lock()
-        self._lock_file: Optional[DirLock] = None
-        self._regions: dict[int, R.Region] = {}
-        self._active: Optional[R.Region] = None
-        self._index = DigestIndex()
-        self._live_total = 0
-        self._changed = False
-        self._covered = 0  # checkpoint covers regions of seq below this
-        self._sealed_since_ckpt = 0
-        self._ckpt_unsynced = False  # the checkpoint file was written without fsync (see ``_checkpoint``)
-        self._next_seq = 1
-        self._dirty_fds: set[int] = set()
         self._recovered: Optional[recovery.Candidates] = None  # what the open found, until recover()
-        self._spare_image: Optional[mmap.mmap] = None  # the last sealed region's image, reused by the next
-        self._image_addrs: dict[int, tuple] = {}  # id(image) -> (address, keeper)
-        self._image_addr = 0
-        self._writer: Optional[ThreadPoolExecutor] = None  # write-outs overlapping a batch's copies
-        self._seals: list = []  # summaries being written behind a seal (``RegionChange._seal``)
-        self._dir_id = (0, 0, 0)  # (set by ``_open``: see ``Persistence._check_removed``)
-        self._rebuilding = False
-        self._has_large = False  # a large object was stored or found (``large.py``): writes look for them
-        self._too_large_quiet = 0.0
+        # the engine: its shared state, and its components, each holding the state and those it calls
+        st = self._state = EngineState(name, what, self.path, capacity_bytes, rs, self.compression,
+                                       self.checksum, self.fsync)
+        self._io = RegionIO(st)
+        self._checkpointer = Checkpointer(st, self._io)
+        self._reclaimer = Reclaimer(st, self._io)
+        self._changer = RegionChanger(st, self._io, self._reclaimer, self._checkpointer)
+        self._writer = SegmentWriter(st, self._io, self._changer, self._checkpointer)
         self._prepare_dir()
         check_old_layout(self.path)
         self._check_layout()
-        self._lock_file = DirLock(self.path, what)
+        st.lock_file = lock_file = DirLock(self.path, what)
         try:
-            self.direct_io = self._probe_direct(direct_io)
-            self.region_size = rs
+            self.direct_io = st.direct_io = self._probe_direct(direct_io)
             try:
                 self._open()
             except OSError as e:  # (a read-only volume, a file where a directory belongs, ...)
                 raise ConfigError(f"{what}: cannot open {e.filename or self.path}: {e.strerror or e}") from e
         except BaseException:
-            self._close_fds()
-            self._lock_file.release()
+            self._io.close_fds()
+            lock_file.release()
             raise
-        self._lock_file.watch()
-        self._threads = io_threads or min(4, max(2, os.cpu_count() or 2))
-        self._pool = ThreadPoolExecutor(max_workers=self._threads, thread_name_prefix=f"tierkv-{name}")
+        self.region_size = st.region_size  # (the directory's, once open)
+        lock_file.watch()
+        self._reader = RecordReader(st, io_threads or min(4, max(2, os.cpu_count() or 2)))
 
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "SSDTier":
@@ -228,18 +217,23 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
     # -- geometry ----------------------------------------------------------------------
     @property
     def usable(self) -> int:
-        return self.region_size - 2 * F.BLOCK - F.FOOTER
+        return self._state.usable
 
     @property
     def max_slot(self) -> int:
-        return self.usable // 8
+        return self._state.max_slot
 
     def regions_needed(self) -> int:
-        per = self.usable - self.max_slot
-        return -(-self.capacity_bytes // per) + 2
+        return self._state.regions_needed()
+
+    @property
+    def regions_dir(self) -> str:
+        return self._state.regions_dir
 
     def _geometry(self) -> L.Geometry:
-        """The size rule of this directory's region size (``large.py``)."""
+        """The size rule of this directory's region size (``large.py``).  Read from the attributes alone:
+        the simulator's footprint probe (``tierkv.tools.sim.replay.footprint_rule``) is a bare instance holding
+        the options as configured."""
         g = self.__dict__.get("_geom")
         rs = self.__dict__.get("region_size", DEFAULT_REGION)
         if g is None or g.region_size != rs:
@@ -287,13 +281,6 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
                 raise ConfigError(f"{self._what}: {p} is not a regular file (the tier keeps its {name} file "
                                   "there); move it away or give the tier another directory")
 
-    @property
-    def regions_dir(self) -> str:
-        return os.path.join(self.path, REGIONS_DIR)
-
-    def _ensure_dirs(self) -> None:
-        os.makedirs(self.regions_dir, mode=0o700, exist_ok=True)
-
     def _probe_direct(self, want: Optional[bool]) -> bool:
         if want is False:
             return False
@@ -318,97 +305,98 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
 
     # -- open and recover ---------------------------------------------------------------
     def _open(self) -> None:
-        self._ensure_dirs()
-        self._dir_id = self._dir_ids()
+        st = self._state
+        st.ensure_dirs()
+        self._checkpointer.note_dir()
         headers = {}
-        for name in sorted(os.listdir(self.regions_dir)):
+        for name in sorted(os.listdir(st.regions_dir)):
             idx = R.parse_region_name(name)
             if idx is None:
                 continue
-            r = R.Region(idx, os.path.join(self.regions_dir, name))
+            r = R.Region(idx, os.path.join(st.regions_dir, name))
             try:
-                r.fd = R.open_fd(r.path, self.direct_io)
+                r.fd = R.open_fd(r.path, st.direct_io)
                 r.ino = os.fstat(r.fd).st_ino
             except OSError as e:
-                log.warning("%s: cannot open %s: %s; skipped", self._what, r.path, e)
+                log.warning("%s: cannot open %s: %s; skipped", st.what, r.path, e)
                 r.foreign = True
-                self._counters["skipped_files"] += 1
-                self._regions[idx] = r
+                st.counters["skipped_files"] += 1
+                st.regions[idx] = r
                 continue
-            h, ours = R.read_header(r.fd, self.direct_io)
-            if h is None and not ours and R.never_begun(r.fd, self.direct_io):
+            h, ours = R.read_header(r.fd, st.direct_io)
+            if h is None and not ours and R.never_begun(r.fd, st.direct_io):
                 # a region file whose creation failed (a full disk) or was cut short: no header, nothing in it
                 os.close(r.fd)
                 try:
                     os.unlink(r.path)
-                    self._counters["partial_files_removed"] += 1
-                    log.info("%s: removed %s, a region file never begun (no header, no data)", self._what, r.path)
+                    st.counters["partial_files_removed"] += 1
+                    log.info("%s: removed %s, a region file never begun (no header, no data)", st.what, r.path)
                 except OSError as e:
-                    log.warning("%s: cannot remove %s, a region file never begun: %s", self._what, r.path, e)
+                    log.warning("%s: cannot remove %s, a region file never begun: %s", st.what, r.path, e)
                 continue
             if h is None and not ours:
                 r.foreign = True  # not a region of ours: never reused, never deleted
-                self._counters["skipped_files"] += 1
+                st.counters["skipped_files"] += 1
             elif h is not None and h.index != idx:
                 r.foreign = True
-                self._counters["skipped_files"] += 1
+                st.counters["skipped_files"] += 1
             headers[idx] = h
-            self._regions[idx] = r
+            st.regions[idx] = r
         sizes = [h.region_size for h in headers.values() if h is not None]
         if sizes:
             stored = max(set(sizes), key=sizes.count)
-            if stored != self.region_size:
+            if stored != st.region_size:
                 log.info("%s: %s keeps regions of %d bytes; region_size %d applies to a new directory only",
-                         self._what, self.path, stored, self.region_size)
-            self.region_size = stored
+                         st.what, st.path, stored, st.region_size)
+            st.region_size = stored
         valid = {}
         for idx, h in headers.items():
-            r = self._regions[idx]
+            r = st.regions[idx]
             if h is None or r.foreign:
                 continue
-            if h.region_size != self.region_size:
+            if h.region_size != st.region_size:
                 r.foreign = True
-                self._counters["skipped_files"] += 1
+                st.counters["skipped_files"] += 1
                 continue
             r.seq = h.seq
             r.state = R.SEALED
             valid[idx] = r
-        ckpt = C.read(self.path)
-        if ckpt is not None and ckpt.region_size != self.region_size:
+        ckpt = C.read(st.path)
+        if ckpt is not None and ckpt.region_size != st.region_size:
             ckpt = None
-        self._dead = DeadLog(self.path)
-        self._dead.reserve()  # (removals are recorded even once the file system is full)
-        dead = deadlog.read(self.path)
-        loaded = recovery.load(self.path, valid, self.region_size, self.direct_io, ckpt, dead)
-        self._counters["torn_regions"] = loaded.torn
+        st.dead = DeadLog(st.path)
+        st.dead.reserve()  # (removals are recorded even once the file system is full)
+        dead = deadlog.read(st.path)
+        loaded = recovery.load(st.path, valid, st.region_size, st.direct_io, ckpt, dead)
+        st.counters["torn_regions"] = loaded.torn
         self.recovered_from = loaded.source if valid else "empty"
         # above every seq ever handed out: the regions' headers, the checkpoint's, the dead log's marks (a
         # region file lost or damaged since took its seq with it, and the dead log may name its records)
         seqs = [h.seq for h in headers.values() if h is not None]
         if ckpt is not None:
             seqs += [ckpt.covered_seq, int(ckpt.region_seqs.max()) if len(ckpt.region_seqs) else 0]
-        self._next_seq = max([*seqs, deadlog.high_water(dead)], default=0) + 1
+        st.next_seq = max([*seqs, deadlog.high_water(dead)], default=0) + 1
         c = loaded.cands
-        geom = self._geometry()
+        geom = st.geometry()
         # pieces no manifest claims (a process killed before the manifest was written) go (``large.py``)
         keep = ~L.orphans(c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom)
         pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
         # a smaller capacity keeps the newest that fit (a large object's footprint is its manifest's)
         fps = np.where(pieces, 0, geom.footprint(c.raw_len))
-        if int(fps[keep].sum()) > self.capacity_bytes:
-            keep &= (np.cumsum(np.where(keep, fps, 0)[::-1])[::-1] <= self.capacity_bytes) | pieces
+        if int(fps[keep].sum()) > st.capacity_bytes:
+            keep &= (np.cumsum(np.where(keep, fps, 0)[::-1])[::-1] <= st.capacity_bytes) | pieces
             keep &= ~L.orphans(c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom, alive=keep)
         if keep.all():  # (nothing to select)
             dropped = recovery.take(c, np.zeros(0, dtype=np.int64))
         else:
             dropped = recovery.take(c, np.flatnonzero(~keep))
             c = recovery.take(c, np.flatnonzero(keep))
-        self._has_large = bool(len(c.raw_len)) and bool((c.raw_len > geom.single).any())
+        st.has_large = bool(len(c.raw_len)) and bool((c.raw_len > geom.single).any())
         if (ckpt is not None and ckpt.table is not None and not loaded.read_regions and not len(dropped.digest)
                 and len(c.digest) == len(ckpt.cols["digest"]) == ckpt.table[0]):
-            self._index.load_table(ckpt.table)  # every object the checkpoint lists is current: its index as is
+            st.index.load_table(ckpt.table)  # every object the checkpoint lists is current: its index as is
         else:
-            self._index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
+            st.index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
         for idx, r in valid.items():  # noqa: B007 - the name documents the loop
             r.state = R.FREE
         if len(c.digest):
@@ -417,69 +405,55 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
             live = np.bincount(c.region, weights=meas, minlength=nreg)
             cnt = np.bincount(c.region, minlength=nreg)
             for idx in np.flatnonzero(cnt).tolist():
-                r = self._regions[idx]
+                r = st.regions[idx]
                 r.state, r.live_bytes, r.live_count = R.SEALED, int(live[idx]), int(cnt[idx])
-            self._live_total = int(meas.sum())
-        self._covered = ckpt.covered_seq if ckpt is not None else 0
+            st.live_total = int(meas.sum())
+        st.covered = ckpt.covered_seq if ckpt is not None else 0
         if len(dropped.digest):
-            self._counters["trimmed"] = len(dropped.digest)
+            st.counters["trimmed"] = len(dropped.digest)
             for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
-                self._dead.add(rg, off, sq)
+                st.dead.add(rg, off, sq)
         resume = self._to_resume(valid, loaded.scanned, dead)
         for idx, sc in loaded.scanned.items():  # seal what an earlier process left unsealed
             if idx != resume:
-                self._seal_scanned(valid[idx], sc)
+                self._io.seal_scanned(valid[idx], sc)
         moved = 0
-        with self._wlock:
+        with st.wlock:
             if resume is not None:
                 sc = loaded.scanned[resume]
                 try:
-                    self._resume(valid[resume], sc.end, sc.entries.tobytes(), sc.keys)
+                    self._changer.resume(valid[resume], sc.end, sc.entries.tobytes(), sc.keys)
                 except OSError as e:
-                    self._io_error(e, f"reopening {valid[resume].path}")
-                    self._seal_scanned(valid[resume], sc)
-            gc_before = self._counters["gc_runs"]
-            lost = self._settle()  # never every region holding objects
-            moved = self._counters["gc_runs"] - gc_before
-            self._remove_surplus()  # never more region files than the capacity provisions
+                    st.io_error(e, f"reopening {valid[resume].path}")
+                    self._io.seal_scanned(valid[resume], sc)
+            gc_before = st.counters["gc_runs"]
+            lost = self._changer.settle()  # never every region holding objects
+            moved = st.counters["gc_runs"] - gc_before
+            self._changer.remove_surplus()  # never more region files than the capacity provisions
         if lost:
-            c = recovery.take(c, np.flatnonzero(self._index.find_many(c.digest) >= 0))
+            c = recovery.take(c, np.flatnonzero(st.index.find_many(c.digest) >= 0))
         self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
-        if (any(valid[i].seq >= self._covered for i in loaded.read_regions) or len(dropped.digest) or lost
-                or moved or resume is not None or self._counters["regions_removed"]):
-            with self._wlock:  # the keys are at hand unless objects moved: then the summaries say where
-                self._flush_locked(checkpoint=False)
-                self._checkpoint(None if moved or resume is not None else c)
+        if (any(valid[i].seq >= st.covered for i in loaded.read_regions) or len(dropped.digest) or lost
+                or moved or resume is not None or st.counters["regions_removed"]):
+            with st.wlock:  # the keys are at hand unless objects moved: then the summaries say where
+                self._checkpointer.flush_locked(checkpoint=False)
+                self._checkpointer.write(None if moved or resume is not None else c)
 
     def _to_resume(self, valid: dict, scanned: dict, dead: np.ndarray) -> Optional[int]:
         """The region to fill on at open, if one must be: when every region holds live objects (no free
         one, none left to create), the newest if it is unsealed, has room and no dead-log entry names an
         offset at or after its last good record (those offsets will hold new records)."""
-        need = self.regions_needed()
-        mine = [r for r in self._regions.values() if not r.foreign]
+        st = self._state
+        need = st.regions_needed()
+        mine = [r for r in st.regions.values() if not r.foreign]
         free = sum(1 for r in mine if r.live_count == 0) + max(0, need - len(mine))
         if free or not valid:
             return None
         newest = max(valid.values(), key=lambda r: r.seq)
         sc = scanned.get(newest.index)
-        if sc is None or sc.end + (64 << 10) > F.summary_start(self.region_size, len(sc.entries), len(sc.keys)):
+        if sc is None or sc.end + (64 << 10) > F.summary_start(st.region_size, len(sc.entries), len(sc.keys)):
             return None
         return None if deadlog.names_from(dead, newest.index, newest.seq, sc.end) else newest.index
-
-    def _seal_scanned(self, r: R.Region, sc: recovery.Scanned) -> None:
-        count = len(sc.entries)
-        if count == 0:
-            return
-        if F.summary_start(self.region_size, count, len(sc.keys)) < F.align_up(sc.end, F.ALIGN):
-            return  # no room for a summary: it stays unsealed and is scanned again next time
-        img = F.aligned_buffer(self.region_size)
-        start = F.pack_summary(img, self.region_size, r.seq, sc.entries.tobytes(), sc.keys, count)
-        try:
-            R.pwrite_all(r.fd, memoryview(img)[start:self.region_size], start)
-            self._dirty_fds.add(r.fd)
-            r.sum_start = start
-        except OSError as e:
-            self._io_error(e, f"sealing {r.path}")
 
     def recover(self) -> list[tuple[str, int]]:
         """(key, nbytes) of the objects found on open, oldest first (within ``capacity_bytes``)."""
@@ -496,68 +470,102 @@ class SSDTier(WritePath, RegionChange, ReadPath, Reclaim, Persistence, Tier):
         if self._recovered is not None:
             c, self._recovered = self._recovered, None  # the tier keeps no keys once the store has them
         else:
-            with self._wlock:
-                c = self._gather()
+            with self._state.wlock:
+                c = self._checkpointer.gather()
             c = recovery.take(c, np.lexsort((c.offset, c.seq)))
         pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
         return recovery.take(c, np.flatnonzero(~pieces)) if pieces.any() else c
 
-    # -- bookkeeping --------------------------------------------------------------------------
-    def _unlive(self, idx: int, rec_len: int) -> None:
-        """An object left region ``idx``.  Caller holds ``_lock``."""
-        o = self._regions[idx]
-        m = F.measure(rec_len)
-        o.live_bytes -= m
-        o.live_count -= 1
-        self._live_total -= m
+    # -- the medium: each call is one component's ---------------------------------------------
+    def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
+        return self._writer.write(keys, srcs)
 
-    def _io_error(self, e: OSError, what: str) -> None:
-        if R.no_space(e):
-            self._no_space(f"{what} failed: {e}")
+    def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
+        return self._reader.read(keys, dsts)
+
+    def flush(self) -> None:
+        if self._closed:
             return
-        self._count("io_errors")
-        log.warning("%s: %s failed: %s", self._what, what, e)
+        self._checkpointer.flush()
 
-    def _no_space(self, what: str) -> None:
-        """Count a lack of room (``enospc``: a refused write, or the file system's ENOSPC, EDQUOT or EFBIG)
-        and log it, at most once every ``NO_SPACE_LOG_EVERY`` seconds (with how many since the last line)."""
-        now = time.monotonic()
-        with self._lock:
-            self._counters["enospc"] += 1
-            self._no_space_unlogged += 1
-            if now - self._no_space_logged < NO_SPACE_LOG_EVERY:
-                return
-            n, self._no_space_unlogged, self._no_space_logged = self._no_space_unlogged, 0, now
-        log.warning("%s: no space: %s (%d such events since the last line, %d in all)", self._what, what, n,
-                    self._counters["enospc"])
+    def checkpoint(self) -> None:
+        """``flush()``, then a durable checkpoint of the index if it changed since the last one: the next open
+        reads the checkpoint (and the regions written after it) instead of the summaries.  Close takes one;
+        call this before a planned kill, or at quiet times.  Costs O(objects).  Never raises."""
+        if self._closed:
+            return
+        self._checkpointer.checkpoint()
 
-    def _space_reserve(self) -> int:
-        """Bytes of the file system kept for a checkpoint (a new one is written beside the old) and the dead
-        log when deciding how many region files it can take."""
-        sizes = 0
-        for name in (C.NAME, deadlog.NAME):
-            try:
-                sizes += os.path.getsize(os.path.join(self.path, name))
-            except OSError:
-                pass
-        want = len(self._index) * (F.ENTRY + 64) + self._index.nbytes  # (a checkpoint of what is indexed now)
-        return 2 * max(sizes, want) + SPACE_SLACK
+    @property
+    def used_bytes(self) -> int:
+        return self._state.live_total
+
+    @property
+    def index_bytes(self) -> int:
+        return self._state.index.nbytes
+
+    def extra_stats(self) -> dict[str, Any]:
+        st = self._state
+        with st.lock:
+            regions = [r for r in st.regions.values() if not r.foreign]
+            large, pieces = self._large_count()
+            return {"path": st.path, "objects": len(st.index) - pieces, "large_objects": large,
+                    "compression": st.compression or "none",
+                    "checksum": st.checksum, "direct_io": st.direct_io, "region_size": st.region_size,
+                    "regions": len(regions), "regions_free": sum(r.state == R.FREE for r in regions),
+                    "index_bytes": st.index.nbytes, "recovered_from": self.recovered_from,
+                    **st.counters}
+
+    def _large_count(self) -> tuple[int, int]:
+        """(large objects, their pieces) in the index (``large.py``).  Caller holds the state's ``lock``."""
+        st = self._state
+        if not st.has_large:
+            return 0, 0
+        geom = st.geometry()
+        ix = st.index
+        big = ix.raw_len[(ix.raw_len > geom.single) & (ix.digest > F.TOMB)].astype(np.int64)
+        return len(big), int((-(-big // geom.piece)).sum())
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        st = self._state
+        try:
+            with st.wlock:
+                if st.active is not None and not self._checkpointer.lock_lost():  # sealed: the next open
+                    try:  # reads its summary, not its records
+                        self._checkpointer.check_removed()
+                        self._changer.seal(st.active)
+                    except OSError as e:
+                        st.io_error(e, "sealing at close")
+                self._checkpointer.flush_locked(checkpoint=True)
+        finally:
+            self._reader.shutdown()
+            self._io.shutdown()
+            super().close()
+            with st.wlock:
+                self._io.close_fds()
+                st.active = None
+                if st.lock_file is not None:
+                    st.lock_file.release()
 
     # -- deletes ----------------------------------------------------------------------------
     def _delete(self, keys: Sequence[str]) -> None:
-        geom = self._geometry()
-        with self._wlock, self._lock:  # (_wlock: reclamation may be moving these very objects)
+        st = self._state
+        geom = st.geometry()
+        with st.wlock, st.lock:  # (_wlock: reclamation may be moving these very objects)
             for key in keys:
                 d = F.key_digest(key.encode())
-                e = self._index.get(d) if self._has_large else None
-                old = self._index.remove(d)
+                e = st.index.get(d) if st.has_large else None
+                old = st.index.remove(d)
                 if old is not None:
-                    self._unlive(old[0], old[2])
-                    self._dead.add(old[0], old[1], self._regions[old[0]].seq)
-                    self._changed = True
+                    st.unlive(old[0], old[2])
+                    st.dead.add(old[0], old[1], st.regions[old[0]].seq)
+                    st.changed = True
                     if e is not None and e[3] > geom.single:  # a large object: its pieces go with it
-                        self._drop_pieces(d, 0, geom.layout(e[3])[0])
+                        st.drop_pieces(d, 0, geom.layout(e[3])[0])
 
     def _contains(self, keys: Sequence[str]) -> list[bool]:
-        with self._lock:
-            return [self._index.find(F.key_digest(k.encode())) >= 0 for k in keys]
+        st = self._state
+        with st.lock:
+            return [st.index.find(F.key_digest(k.encode())) >= 0 for k in keys]

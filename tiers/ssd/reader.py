@@ -1,4 +1,4 @@
-"""The read path of ``SSDTier``: locate under the lock, then read and verify outside it.
+"""``RecordReader``: the SSD engine's read path — locate under the lock, then read and verify outside it.
 
 A record in the active region is copied from its in-memory image (buffered, only one not yet
 written to the file: the image holds the headers of the others; with O_DIRECT, any but one whose
@@ -7,7 +7,8 @@ pread (straight into the caller's parts when buffered and uncompressed, else one
 block-aligned read into a private buffer).  Every read checks header, seq, full key
 and payload sum.  A check that fails is looked at again once under the lock: if the
 object moved meanwhile (its region was reclaimed) the new copy is read; otherwise it
-is corrupt, counted and dropped.
+is corrupt, counted and dropped.  Uses the shared state only (``state.py``): it calls no other
+component, and takes ``wlock`` only to drop a large object that did not read whole.
 """
 
 from __future__ import annotations
@@ -16,10 +17,9 @@ import ctypes
 import operator
 import os
 import struct
-import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -31,9 +31,8 @@ from ..base import Parts
 from . import format as F
 from . import large as L
 from . import region as R
-from .deadlog import DeadLog
 from .hostbuf import cbuffer, ctype_of, scatter
-from .index import DigestIndex
+from .state import EngineState
 
 _OK, _BAD, _OTHER, _SIZE = 1, 2, 3, 4  # exact; corrupt or moved; another key's record; size mismatch
 _ZERO_CHECK = bytes(8)  # a header's check field, as its check was computed
@@ -63,52 +62,41 @@ def _loc(t: tuple, kbs: list, digs: list) -> tuple:
     return kbs[i], digs[i], t[5], t[1], t[3], t[4], t[6], None
 
 
-class ReadPath:
-    # state of ``SSDTier`` (set in its ``__init__`` and ``Tier.__init__``)
-    direct_io: bool
-    _lock: threading.Lock
-    _counters: dict[str, int]
-    _regions: dict[int, R.Region]
-    _active: Optional[R.Region]
-    _index: DigestIndex
-    _dead: DeadLog
-    _changed: bool
-    _threads: int
-    _pool: ThreadPoolExecutor
-    _image_addr: int
+class RecordReader:
+    """Reads records (see the module docstring); ``threads`` readers share a batch of long runs."""
 
-    _wlock: threading.Lock
+    def __init__(self, state: EngineState, threads: int) -> None:
+        self._state = state
+        self._threads = threads
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"tierkv-{state.name}")
 
-    if TYPE_CHECKING:  # defined by ``SSDTier``, ``WritePath`` and ``Persistence``
-        def _count(self, what: str, n: int = 1) -> None: ...
-        def _io_error(self, e: OSError, what: str) -> None: ...
-        def _unlive(self, idx: int, rec_len: int) -> None: ...
-        def _geometry(self) -> L.Geometry: ...
-        def _drop_pieces(self, d: int, lo: int, hi: int) -> None: ...
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=True)
 
-    def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
+    def read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
+        st = self._state
         n = len(keys)
         out = [False] * n
         kbs = list(map(str.encode, keys))
         digs = list(map(F.key_digest, kbs))
         todo: list = []  # (region, offset, i, rec_len, raw_len, Region, seq) of each record to read
         large: list = []  # (i, raw_len) of the large objects (``large.py``)
-        single = self._geometry().single
-        with self._lock:
+        single = st.geometry().single
+        with st.lock:
             if n >= _MANY:
-                _, reg, off, rec, raw = self._index.get_many(np.array(digs, dtype=np.uint64))
+                _, reg, off, rec, raw = st.index.get_many(np.array(digs, dtype=np.uint64))
                 # (an absent digest has all four 0: no record has length 0)
                 hit = np.flatnonzero(rec)
                 found: list = list(zip(hit.tolist(), reg[hit].tolist(), off[hit].tolist(), rec[hit].tolist(),
                                        raw[hit].tolist()))
             else:  # (a few keys: one loop of probes costs less than the numpy calls)
-                found = self._index.lookup(digs)
-            active = self._active
-            regions = self._regions
+                found = st.index.lookup(digs)
+            active = st.active
+            regions = st.regions
             # (buffered, the active region's records already written are read from the file: the image
             # holds their headers only, see ``segment.Segment``; with O_DIRECT, so are the records whose
             # payload went to the file from the caller's memory, ``Region.direct``)
-            in_image = active is not None and self.direct_io
+            in_image = active is not None and st.direct_io
             written = active.written if active is not None else 0
             direct = active.direct if active is not None else ()
             for i, ri, o, rl, wl in found:
@@ -144,13 +132,14 @@ class ReadPath:
         Small records a short gap apart are read with one pread; a large record (buffered reads go
         straight into the caller's parts) is a run of its own.  A record of another size than the
         caller's parts is a miss without a read."""
+        st = self._state
         todo.sort(key=_PLACE)
         runs: list = []
         cur: list = []
         start = end = -1
         cur_r = -1
-        alone = _RUN_OBJECT if not self.direct_io else 1 << 62  # (O_DIRECT: every run through the scratch)
-        limit = (_RUN_MAX_DIRECT if self.direct_io else _RUN_MAX) + _RUN_GAP
+        alone = _RUN_OBJECT if not st.direct_io else 1 << 62  # (O_DIRECT: every run through the scratch)
+        limit = (_RUN_MAX_DIRECT if st.direct_io else _RUN_MAX) + _RUN_GAP
         for t in todo:
             ri, o, i, rl, wl = t[:5]
             parts = dsts[i]
@@ -174,7 +163,7 @@ class ReadPath:
     def _read_run(self, run: tuple, keys: Sequence[str], dsts: Sequence[Parts], out: list[bool]) -> None:
         """Read and check one run: ((key bytes, digests) of the batch, [todo entry], span bytes)."""
         (kbs, digs), items, span = run
-        if self.direct_io:
+        if self._state.direct_io:
             self._read_run_direct(items, span, keys, kbs, digs, dsts, out)
         elif len(items) == 1:
             t = items[0]
@@ -312,7 +301,7 @@ class ReadPath:
             out[i] = True
             return True
         if res == _OTHER:
-            self._count("collisions")
+            self._state.count("collisions")
             return True
         return res == _SIZE
 
@@ -339,30 +328,33 @@ class ReadPath:
 
     def _image_read(self, key: str, loc, parts: Parts) -> bool:
         """A read from the active image.  Caller holds ``_lock``."""
+        st = self._state
         if loc[5] != sum(p.numel() for p in parts):
             return False
         kb, d, r, off, rec_len = loc[:5]
-        res = self._from_view(memoryview(loc[7])[off:off + rec_len], kb, loc[6], parts, self._image_addr + off)
+        res = self._from_view(memoryview(loc[7])[off:off + rec_len], kb, loc[6], parts, st.image_addr + off)
         if res == _OTHER:
-            self._counters["collisions"] += 1
+            st.counters["collisions"] += 1
         elif res == _BAD:  # an image is never torn: memory went bad, or a bug; never serve it
-            self._index.remove(d)
-            self._unlive(r.index, rec_len)
-            self._dead.add(r.index, off, loc[6])
-            self._counters["corrupt"] += 1
+            st.index.remove(d)
+            st.unlive(r.index, rec_len)
+            st.dead.add(r.index, off, loc[6])
+            st.counters["corrupt"] += 1
         return res == _OK
 
     def _locate(self, kb: bytes):
         """(key bytes, digest, region, offset, rec_len, raw_len, seq, image or None).  Caller holds ``_lock``."""
+        st = self._state
         d = F.key_digest(kb)
-        e = self._index.get(d)
+        e = st.index.get(d)
         if e is None:
             return None
-        r = self._regions[e[0]]
-        image = r is self._active and (self.direct_io or e[1] + e[2] > r.written) and e[1] not in r.direct  # (see ``_read``)
+        r = st.regions[e[0]]
+        image = r is st.active and (st.direct_io or e[1] + e[2] > r.written) and e[1] not in r.direct  # (see ``_read``)
         return kb, d, r, e[1], e[2], e[3], r.seq, (r.buf if image else None)
 
     def _read_one(self, key: str, loc, parts: Parts) -> bool:
+        st = self._state
         if loc is None:
             return False
         want = sum(p.numel() for p in parts)
@@ -372,40 +364,41 @@ class ReadPath:
             try:
                 res = self._fetch(loc, parts)
             except OSError as e:
-                self._io_error(e, f"reading {key[:16]}")
+                st.io_error(e, f"reading {key[:16]}")
                 return False
             if res == _OK:
                 return True
             if res == _OTHER:
-                self._count("collisions")
+                st.count("collisions")
                 return False
             if res == _SIZE:
                 return False
-            with self._lock:
+            with st.lock:
                 now = self._locate(loc[0])
                 if now is not None and now[7] is not None:  # moved into the active region
                     return self._image_read(key, now, parts)
                 if now is not None and now[2:4] == loc[2:4] and now[6] == loc[6]:
                     # still where it was: the bytes there are bad
-                    self._index.remove(loc[1])
-                    self._unlive(loc[2].index, loc[4])
-                    self._dead.add(loc[2].index, loc[3], loc[6])
-                    self._changed = True
+                    st.index.remove(loc[1])
+                    st.unlive(loc[2].index, loc[4])
+                    st.dead.add(loc[2].index, loc[3], loc[6])
+                    st.changed = True
                     now = None
-                    self._counters["corrupt"] += 1
+                    st.counters["corrupt"] += 1
             if now is None or attempt:
                 return False
             loc = now
         return False
 
     def _fetch(self, loc, parts: Parts) -> int:
+        st = self._state
         kb, _, r, off, rec_len, raw_len, seq, image = loc
         if image is not None:  # moved into the active region since: read the file copy it came from
             return _BAD
         fd = r.fd
-        if not self.direct_io and rec_len == F.record_len(len(kb), raw_len) and raw_len:
+        if not st.direct_io and rec_len == F.record_len(len(kb), raw_len) and raw_len:
             return self._direct_into(fd, off, rec_len, kb, seq, raw_len, parts)
-        return self._from_view(R.read_span(fd, off, rec_len, self.direct_io, scratch=True), kb, seq, parts)
+        return self._from_view(R.read_span(fd, off, rec_len, st.direct_io, scratch=True), kb, seq, parts)
 
     def _from_view(self, view, kb: bytes, seq: int, parts: Parts, addr: int = 0) -> int:
         """Check the record at the start of ``view`` (header, seq, key, payload sum) and copy its payload
@@ -466,7 +459,8 @@ class ReadPath:
         """Each large object's manifest, then all their pieces in one batch, each straight into its part of
         the caller's buffer (its nonce into a scratch beside it).  Served when every piece is there and
         carries the manifest's nonce; a manifest whose pieces are gone or of another put is dropped."""
-        geom = self._geometry()
+        st = self._state
+        geom = st.geometry()
         reqs: list = []  # (i, table, nonces, manifest's place, first piece's position in the batch)
         pkeys: list[str] = []
         pdsts: list[Parts] = []
@@ -479,7 +473,7 @@ class ReadPath:
                 continue
             table, place = got
             if table is None:  # one record after all (lz4 made it fit, before large objects existed)
-                with self._lock:
+                with st.lock:
                     loc = self._locate(kbs[i])
                 out[i] = self._read_one(keys[i], loc, parts)
                 continue
@@ -492,7 +486,7 @@ class ReadPath:
                               *L.slices(parts, lo, min(table.total, lo + table.piece))])
         if not pkeys:
             return
-        res = self._read(pkeys, pdsts)
+        res = self.read(pkeys, pdsts)
         for i, table, nonces, place, at in reqs:
             got = res[at:at + table.count]
             mine = table.nonce.to_bytes(L.NONCE, "little")
@@ -506,8 +500,9 @@ class ReadPath:
     def _manifest(self, kb: bytes, d: int, geom: L.Geometry):
         """(table, (region, offset, seq)) of the large object of key ``kb``; (None, place) for a record that
         is no manifest; None for a miss (a bad manifest is dropped with its pieces)."""
+        st = self._state
         for attempt in (0, 1):
-            with self._lock:
+            with st.lock:
                 loc = self._locate(kb)
                 if loc is None:
                     return None
@@ -517,13 +512,13 @@ class ReadPath:
             place = (r.index, off, seq)
             if view is None:
                 try:
-                    view = R.read_span(r.fd, off, rec_len, self.direct_io)
+                    view = R.read_span(r.fd, off, rec_len, st.direct_io)
                 except OSError as e:
-                    self._io_error(e, f"reading the manifest of {kb[:16]!r}")
+                    st.io_error(e, f"reading the manifest of {kb[:16]!r}")
                     return None
             h = F.parse_record(view, seq)
             if h is not None and h.key != kb:
-                self._count("collisions")
+                st.count("collisions")
                 return None
             if h is not None:
                 if not h.flags & F.FLAG_LARGE:
@@ -540,20 +535,21 @@ class ReadPath:
         ``broken`` (a bad manifest, a piece of another put) or a piece is gone, the manifest and its pieces
         are dropped (counted ``corrupt``); otherwise (a fault of the moment, or written again meanwhile)
         it was a miss and nothing changes."""
-        with self._wlock, self._lock:  # (_wlock: no write of it is half done while this looks)
-            e = self._index.get(d)
-            if e is None or (e[0], e[1]) != place[:2] or self._regions[e[0]].seq != place[2]:
+        st = self._state
+        with st.wlock, st.lock:  # (_wlock: no write of it is half done while this looks)
+            e = st.index.get(d)
+            if e is None or (e[0], e[1]) != place[:2] or st.regions[e[0]].seq != place[2]:
                 return
             count = geom.layout(e[3])[0]
-            if not broken and all(self._index.find(F.key_digest(k.encode())) >= 0
+            if not broken and all(st.index.find(F.key_digest(k.encode())) >= 0
                                   for k in L.piece_keys(d, 0, count)):
                 return
-            self._index.remove(d)
-            self._unlive(e[0], e[2])
-            self._dead.add(e[0], e[1], place[2])
-            self._drop_pieces(d, 0, count)
-            self._changed = True
-            self._counters["corrupt"] += 1
+            st.index.remove(d)
+            st.unlive(e[0], e[2])
+            st.dead.add(e[0], e[1], place[2])
+            st.drop_pieces(d, 0, count)
+            st.changed = True
+            st.counters["corrupt"] += 1
 
     def _direct_into(self, fd: int, off: int, rec_len: int, kb: bytes, seq: int, raw_len: int, parts: Parts) -> int:
         """One preadv: header and key into a small buffer, the payload into the caller's parts."""
@@ -582,7 +578,7 @@ class ReadPath:
             data = bytearray(raw_len)
             if os.preadv(fd, [data], off + len(head)) != raw_len or F.payload_sum([data], h.flags) != h.psum:
                 return _BAD
-            self._count("rereads")
+            self._state.count("rereads")
             scatter(memoryview(data), parts)
             return _OK
         for p, hp in host:

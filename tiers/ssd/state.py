@@ -1,0 +1,176 @@
+"""``EngineState``: what the SSD engine's components share — regions, index, dead log, counters, locks.
+
+Every component of ``SSDTier`` (``tier.py``) holds the one ``EngineState`` of its tier and reads and
+changes it directly; the bookkeeping every component does alike (counting, an I/O error, an object
+leaving a region, a large object's pieces dropped) is here, once.
+
+Locks: ``wlock`` serialises appends, region changes, reclamation and checkpoints (a component that
+writes to the files holds it); ``lock`` guards the index, the regions' states and counters and
+``active``, held only briefly, so reads run beside a writer.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Optional
+
+from . import checkpoint as C
+from . import deadlog
+from . import format as F
+from . import large as L
+from . import region as R
+from .deadlog import DeadLog
+from .index import DigestIndex
+from .lock import DirLock
+
+log = logging.getLogger(__name__)
+
+REGIONS_DIR = "regions"
+#: the counters of ``extra_stats`` (each an event the tier refused, dropped, repaired or did)
+COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
+            "gc_relocated", "gc_dropped", "gc_disk_full", "gc_in_place", "checkpoints", "checkpoint_errors",
+            "torn_regions", "skipped_files", "partial_files_removed", "dir_removed", "objects_lost", "lock_lost",
+            "trimmed", "direct_writes", "summaries_rebuilt", "regions_removed")
+#: a lack of room is logged at most once in this many seconds (every one is counted: ``enospc``)
+NO_SPACE_LOG_EVERY = 10.0
+#: room a full file system keeps beyond a checkpoint's and the dead log's (see ``space_reserve``)
+SPACE_SLACK = 256 << 10
+
+
+class EngineState:
+    """The shared state of one SSD tier's engine (see the module docstring); configuration as validated
+    by ``SSDTier``.  ``region_size`` is the directory's (its stored regions') once the tier is open."""
+
+    dead: DeadLog  # (made by the open, once the directory is there)
+
+    def __init__(self, name: str, what: str, path: str, capacity_bytes: int, region_size: int,
+                 compression: Optional[str], checksum: str, fsync: str) -> None:
+        self.name = name
+        self.what = what
+        self.path = path
+        self.capacity_bytes = capacity_bytes
+        self.region_size = region_size
+        self.compression = compression
+        self.checksum = checksum
+        self.fsync = fsync
+        self.direct_io = False  # (probed by ``SSDTier`` before the open)
+        self.lock = threading.Lock()
+        self.wlock = threading.Lock()
+        self.lock_file: Optional[DirLock] = None
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.regions: dict[int, R.Region] = {}
+        self.active: Optional[R.Region] = None
+        self.index = DigestIndex()
+        self.live_total = 0  # ``F.measure`` of every live object
+        self.changed = False  # the index changed since the last checkpoint
+        self.covered = 0  # the checkpoint covers regions of seq below this
+        self.sealed_since_ckpt = 0
+        self.ckpt_unsynced = False  # the checkpoint file was written without fsync (``Checkpointer.write``)
+        self.next_seq = 1
+        self.dirty_fds: set[int] = set()  # region files written since the last fsync
+        self.image_addr = 0  # the address of the active region's image
+        self.has_large = False  # a large object was stored or found (``large.py``): writes look for them
+        self._geom: Optional[L.Geometry] = None
+        self._no_space_logged = -NO_SPACE_LOG_EVERY  # (monotonic time of the last line about it)
+        self._no_space_unlogged = 0
+
+    # -- geometry ------------------------------------------------------------------------------
+    @property
+    def usable(self) -> int:
+        """Bytes of a region that records and the summary may take (header block and footer excluded)."""
+        return self.region_size - 2 * F.BLOCK - F.FOOTER
+
+    @property
+    def max_slot(self) -> int:
+        """The most one record takes (``F.measure``): an eighth of a region."""
+        return self.usable // 8
+
+    def regions_needed(self) -> int:
+        """Region files the capacity provisions: ``ceil(capacity / (usable - max_slot)) + 2``."""
+        per = self.usable - self.max_slot
+        return -(-self.capacity_bytes // per) + 2
+
+    def geometry(self) -> L.Geometry:
+        """The size rule of this directory's region size (``large.py``)."""
+        g = self._geom
+        if g is None or g.region_size != self.region_size:
+            g = self._geom = L.Geometry.of(self.region_size)
+        return g
+
+    @property
+    def regions_dir(self) -> str:
+        return os.path.join(self.path, REGIONS_DIR)
+
+    def ensure_dirs(self) -> None:
+        os.makedirs(self.regions_dir, mode=0o700, exist_ok=True)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def count(self, what: str, n: int = 1) -> None:
+        with self.lock:
+            self.counters[what] += n
+
+    def io_error(self, e: OSError, what: str) -> None:
+        """An I/O error: counted (``io_errors``; a lack of room: ``enospc``) and logged, never raised."""
+        if R.no_space(e):
+            self.no_space(f"{what} failed: {e}")
+            return
+        self.count("io_errors")
+        log.warning("%s: %s failed: %s", self.what, what, e)
+
+    def no_space(self, what: str) -> None:
+        """Count a lack of room (``enospc``: a refused write, or the file system's ENOSPC, EDQUOT or EFBIG)
+        and log it, at most once every ``NO_SPACE_LOG_EVERY`` seconds (with how many since the last line)."""
+        now = time.monotonic()
+        with self.lock:
+            self.counters["enospc"] += 1
+            self._no_space_unlogged += 1
+            if now - self._no_space_logged < NO_SPACE_LOG_EVERY:
+                return
+            n, self._no_space_unlogged, self._no_space_logged = self._no_space_unlogged, 0, now
+        log.warning("%s: no space: %s (%d such events since the last line, %d in all)", self.what, what, n,
+                    self.counters["enospc"])
+
+    def enliven(self, r: R.Region, rec_len: int) -> None:
+        """An object of ``rec_len`` bytes entered region ``r``.  Caller holds ``lock``."""
+        m = F.measure(rec_len)
+        r.live_bytes += m
+        r.live_count += 1
+        self.live_total += m
+
+    def unlive(self, idx: int, rec_len: int) -> None:
+        """An object left region ``idx``.  Caller holds ``lock``."""
+        o = self.regions[idx]
+        m = F.measure(rec_len)
+        o.live_bytes -= m
+        o.live_count -= 1
+        self.live_total -= m
+
+    def retire(self, old: tuple) -> None:
+        """A record that stopped being an object (``old``: the index's (region, offset, rec_len, ...)): its
+        bytes leave the region's live count and the dead log names it, so a reopen never finds it again.
+        Caller holds ``lock``."""
+        self.unlive(old[0], old[2])
+        self.dead.add(old[0], old[1], self.regions[old[0]].seq)
+        self.changed = True
+
+    def drop_pieces(self, d: int, lo: int, hi: int) -> None:
+        """Remove pieces ``lo`` to ``hi - 1`` of the large object of digest ``d``.  Caller holds ``lock``."""
+        for k in L.piece_keys(d, lo, hi):
+            old = self.index.remove(F.key_digest(k.encode()))
+            if old is not None:
+                self.retire(old)
+
+    def space_reserve(self) -> int:
+        """Bytes of the file system kept for a checkpoint (a new one is written beside the old) and the dead
+        log when deciding how many region files it can take."""
+        sizes = 0
+        for name in (C.NAME, deadlog.NAME):
+            try:
+                sizes += os.path.getsize(os.path.join(self.path, name))
+            except OSError:
+                pass
+        want = len(self.index) * (F.ENTRY + 64) + self.index.nbytes  # (a checkpoint of what is indexed now)
+        return 2 * max(sizes, want) + SPACE_SLACK
