@@ -429,6 +429,8 @@ class LocatedTierConformance:
         tier.write_at(codes[:1], [[new]])
         assert torch.equal(torch.cat(views[0]), new)  # the same bytes, not a copy
         assert torch.equal(torch.cat(views[1]), vals[1])  # and only that object's
+        tier.close()  # a view still held keeps its memory alive: reading it is never a use after free
+        assert torch.equal(torch.cat(views[1]), vals[1])
 
     def test_bad_sizes_are_refused_by_name(self, tier):
         for bad in ([-1], [1, -8]):
@@ -502,6 +504,29 @@ class LocatedTierConformance:
         assert not errors, errors[0]
         assert tier.used_bytes == 0
         assert tier.allocate([tier.capacity_bytes]) != [None], "space was lost to the threads' churn"
+
+    def test_attached_the_level_holds_the_index(self, make_tier):
+        """Once a level attaches it, ``read`` / ``contains`` by key go through the level's index, and ``write`` /
+        ``delete`` by key are refused (the level alone places objects); a tier holding objects of its own
+        cannot be attached."""
+        used = make_tier(1 << 20)
+        used.write([key(1)], [[blob(1, 100)]])
+        with pytest.raises(RuntimeError, match="attach it empty"):
+            used.attach(lambda keys: [None] * len(keys))
+        tier = make_tier(1 << 20)
+        v = blob(2, 5000)
+        (code,) = tier.allocate([v.numel()])
+        tier.write_at([code], [[v]])
+        index = {key(2): code}
+        tier.attach(lambda keys: [index.get(k) for k in keys])
+        assert tier.contains([key(2), key(3)]) == [True, False]
+        out = torch.zeros(5000, dtype=torch.uint8)
+        assert tier.read([key(3), key(2)], [[torch.zeros(1, dtype=torch.uint8)], [out]]) == [False, True]
+        assert torch.equal(out, v)
+        with pytest.raises(RuntimeError, match="by key"):
+            tier.write([key(4)], [[blob(4, 10)]])
+        with pytest.raises(RuntimeError, match="by key"):
+            tier.delete([key(2)])
 
     def test_mismatched_batches_are_refused(self, tier):
         codes = tier.allocate([16, 16])
