@@ -278,6 +278,31 @@ def test_describe_and_ping_a_pool_through_its_master(mooncake_master):
     assert doc["problems"][0].startswith(f"cannot reach the master's RPC port {m.master}")
 
 
+@pytest.mark.mooncake
+def test_a_pool_tier_whose_master_died_makes_the_store_unhealthy(mooncake_master):
+    m = mooncake_master
+    store = TieredStore.from_config({"tiers": [m.tier_config(segment="64MiB")]})
+    exporter = metrics.serve(store, 0)
+    try:
+        assert store.put(["k"], [torch.zeros(4096, dtype=torch.uint8)]) == [True]
+        assert live.read_store(exporter.url)["healthy"]
+        m.kill()
+        assert store.get(["k"], [torch.empty(4096, dtype=torch.uint8)]) == [False]  # the tier finds its master gone
+        doc = live.read_store(exporter.status_url)
+        assert not doc["healthy"] and doc["tiers"][0]["available"] is False
+        assert doc["problems"] == [f"tier dram_pool is unavailable ({doc['tiers'][0]['last_error']})"]
+        assert "master not reachable" in doc["tiers"][0]["last_error"]
+        r = tierkv("describe", exporter.url)
+        assert r.returncode == 1
+        assert [line.split()[:2] for line in r.stdout.splitlines() if line.startswith("dram_pool")] == \
+               [["dram_pool", "NO"]]
+        assert "health: UNHEALTHY" in r.stdout
+        assert r.stderr.splitlines() == ["tierkv describe: unhealthy: tier dram_pool is unavailable"]
+    finally:
+        exporter.stop()
+        store.close()
+
+
 # -- a store under vLLM, through vLLM's own /metrics ------------------------------------------------------------
 @pytest.mark.vllm
 @pytest.mark.slow
