@@ -197,6 +197,18 @@ class LocatedModel(RuleBasedStateMachine):
     def allocate(self, sizes):
         self._take(sizes, self.tier.allocate(sizes))
 
+    @rule(n=st.sampled_from([0, 8, 256, 1000, 1024]), k=st.integers(9, 24))
+    def allocate_a_batch_of_one_size(self, n, k):
+        """Many objects of one size at once, as a model's chunks come; given back and taken again at once
+        (the freed slots wait for the second batch: the batch fast path)."""
+        codes = self.tier.allocate([n] * k)
+        self._take([n] * k, codes)
+        if n and None not in codes:
+            self.tier.free_at(codes)
+            for c in codes:
+                del self.live[c]
+            self._take([n] * k, self.tier.allocate([n] * k))
+
     @rule(data=st.data())
     def fill_to_the_last_byte(self, data):
         """Sizes whose footprints add up to exactly the room left are all placed; then nothing more fits."""
