@@ -44,6 +44,25 @@ class TestHBMOnCPU(LocatedTierConformance):
         return HBMTier("hbm", cap, device="cpu")
 
 
+class DevicePathSlab(HBMTier):
+    """``hbm``'s device code path (no raw-address copies: views cut per call and ``copy_many``; no host views),
+    run on host memory: the logic a CUDA or NPU slab runs, checked where no such device is."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._host = False
+
+
+class TestHBMDevicePathOnCPU(LocatedTierConformance):
+    @pytest.fixture
+    def make_tier(self, factory):
+        return lambda cap: factory(DevicePathSlab("hbm", cap, device="cpu"))
+
+    @staticmethod
+    def model_tier(cap):
+        return DevicePathSlab("hbm", cap, device="cpu")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 class TestHBMOnCUDA(LocatedTierConformance):
     """Device memory: copies through ``copy_many``, no host views."""

@@ -468,8 +468,9 @@ class LocatedTierConformance:
                 tier.write_at([bad], [[buf]])
             with pytest.raises(ValueError, match="code"):
                 tier.read_at([bad], [[buf]])
-            with pytest.raises(ValueError, match="code"):
-                tier.views_at([live[0], bad])
+            if tier.views_at([]) is not None:  # (a tier without host views answers None, whatever the codes)
+                with pytest.raises(ValueError, match="code"):
+                    tier.views_at([live[0], bad])
             with pytest.raises(ValueError, match="code"):
                 tier.code_nbytes(bad)
             with pytest.raises(ValueError, match="code"):
