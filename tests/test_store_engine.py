@@ -19,7 +19,7 @@ from tierkv.engine.tierio import TierIO
 from tierkv.engine.writer import Writer
 from tierkv.hooks import CheckedAdmission, CheckedEviction
 from tierkv.hostmem import StagingPool
-from tierkv.outcome import PutOutcome
+from tierkv.outcome import Admission, PutOutcome
 from tierkv.policies import AdmissionPolicy, EvictionPolicy, LRUPolicy, build_promotion
 from tierkv.tiers.dram import DRAMTier
 from tierkv.tiers.slab import ALIGN
@@ -141,8 +141,24 @@ def test_admission_is_asked_once_per_placement_and_every_no_is_counted():
     assert store.drain_write_behind(timeout=30)
     # each chunk was asked about once for the write-behind copy, and refused: counted once each
     assert no.asked == 3
-    assert store.stats()["low"]["rejected"] == 3
+    low = store.stats()["low"]
+    assert low["rejected"] == low["admission_rejected"] == 3 and low["admission_admitted"] == 0
     assert store.locate(["a", "b", "c"]) == ["top"] * 3
+    store.close()
+
+
+class _Busy(AdmissionPolicy):
+    def admit(self, key, nbytes, tier):
+        return Admission.THROTTLED if key == "b" else Admission.ADMIT
+
+
+def test_a_throttled_chunk_goes_on_and_is_counted_apart_from_a_rejection():
+    store = TieredStore([Level(dram("top", 8), admission=_Busy()), Level(dram("low", 8))], promotion="never")
+    assert store.put(["a", "b"], [val(1), val(2)]) == [True, True]
+    assert store.locate(["a", "b"]) == ["top", "low"]
+    top = store.stats()["top"]
+    assert (top["admission_admitted"], top["admission_throttled"], top["admission_rejected"]) == (1, 1, 0)
+    assert top["rejected"] == 0
     store.close()
 
 
