@@ -580,7 +580,7 @@ def test_progress_shows_life_during_one_long_step(capsys):
 def test_bench_ssd_gets_read_the_device_not_the_region_image(tmp_path):
     # a batch far below a region: before the store is reopened the gets were copies of the in-memory image
     code = ("import atexit, sys\n"
-            "from tierkv.tiers.ssd.reader import RecordReader\n"
+            "from tierkv.tiers.ssd.recordreader import RecordReader\n"
             "n = [0]\n"
             "orig = RecordReader._image_read\n"
             "def counted(self, *a):\n"

@@ -371,7 +371,7 @@ def test_large_payloads_from_ordinary_memory_are_copied_in_steps_and_read_back_e
     ``snapshot``: each piece's bytes are taken the moment it is handed to the writer (as a device that
     reads at once would), and the bytes offered to the writer's pump are written on the spot, so a piece
     handed over or offered before its bytes are final fails the test."""
-    from tierkv.tiers.ssd import segment, writer
+    from tierkv.tiers.ssd import segment, segmentwriter
 
     if snapshot:
         real = segment._handoff
@@ -402,7 +402,7 @@ def test_large_payloads_from_ordinary_memory_are_copied_in_steps_and_read_back_e
 
         monkeypatch.setattr(segment.Segment, "offer", offer_at_once)
 
-    assert min(STREAMED) >= writer._STREAM_MIN and max(STREAMED) > 4 * writer._STREAM_STEP
+    assert min(STREAMED) >= segmentwriter._STREAM_MIN and max(STREAMED) > 4 * segmentwriter._STREAM_STEP
     vals = [blob(i, STREAMED[i % len(STREAMED)]) for i in range(54)]
     keys = [key(i, "s") for i in range(len(vals))]
     sizes = [v.numel() for v in vals]

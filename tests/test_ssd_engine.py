@@ -793,7 +793,7 @@ def test_direct_reads_take_neighbours_up_to_two_mib_in_one_read(tmp_path, monkey
     device serves one long read faster than several short ones), and every one comes back exact."""
     if not direct_ok(tmp_path / "probe"):
         pytest.skip("no O_DIRECT on this file system")
-    from tierkv.tiers.ssd import reader as rp
+    from tierkv.tiers.ssd import recordreader as rp
 
     t = SSDTier("ssd", 64 * MiB, str(tmp_path / "s"), region_size="16MiB", direct_io=True)
     try:

@@ -289,7 +289,7 @@ def test_a_smaller_capacity_on_reopen_keeps_whole_large_objects(tmp_path):
 CHILD = textwrap.dedent("""
     import os, sys, torch
     from tierkv.tiers.ssd import SSDTier
-    from tierkv.tiers.ssd.writer import SegmentWriter
+    from tierkv.tiers.ssd.segmentwriter import SegmentWriter
     path, where, opts = sys.argv[1], sys.argv[2], eval(sys.argv[3])
     def val(seed, n):
         g = torch.Generator().manual_seed(seed)

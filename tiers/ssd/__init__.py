@@ -5,10 +5,10 @@ a directory for ``tierkv inspect`` without touching it.  Layouts: ``format.py`` 
 headers, summaries), ``checkpoint.py``, ``deadlog.py``, ``large.py`` (pieces and manifests).
 
 The engine (its structure and invariants: ``tier.py``'s docstring): ``SSDTier`` (``tier.py``) is a
-facade over components sharing one ``EngineState`` (``state.py``): ``SegmentWriter`` (``writer.py``,
-with ``segment.py``), ``RecordReader`` (``reader.py``), ``RegionChanger`` (``regionchange.py``),
+facade over components sharing one ``EngineState`` (``state.py``): ``SegmentWriter`` (``segmentwriter.py``,
+with ``segment.py``), ``RecordReader`` (``recordreader.py``), ``RegionChanger`` (``regionchange.py``),
 ``Reclaimer`` (``reclaim.py``), ``Checkpointer`` (``checkpointer.py``) and ``RegionIO``
-(``regionio.py``); ``recovery.py`` reads a directory at open, ``index.py`` is the compact index,
+(``regionio.py``); ``reopen.py`` reads a directory at open, ``index.py`` is the compact index,
 ``lock.py`` one writer per directory.
 
 A directory in the former one-file-per-object layout is refused with a ``ConfigError``.

@@ -25,8 +25,8 @@ import numpy as np
 
 from . import checkpoint as C
 from . import format as F
-from . import recovery
 from . import region as R
+from . import reopen
 from .regionio import RegionIO
 from .state import EngineState
 
@@ -271,7 +271,7 @@ class Checkpointer:
         if r.state == R.ACTIVE:
             r.tail = (0, 0)  # (the new file holds ``written`` bytes, not the partial block after them)
 
-    def gather(self, tables: Optional[list] = None) -> recovery.Candidates:
+    def gather(self, tables: Optional[list] = None) -> reopen.Candidates:
         """Every live object with its key, read from the summaries.  Caller holds ``_wlock``.
         ``tables``: a list that gets the index's slots as they were when its objects were listed."""
         st = self._state
@@ -324,12 +324,12 @@ class Checkpointer:
             base += len(keys)
         seqs = np.array([st.regions[i].seq for i in cols["region"].tolist()], dtype=np.uint64) if n else \
             np.zeros(0, dtype=np.uint64)
-        c = recovery.Candidates(cols["digest"], cols["region"], seqs, cols["offset"], cols["rec_len"],
+        c = reopen.Candidates(cols["digest"], cols["region"], seqs, cols["offset"], cols["rec_len"],
                                 cols["raw_len"], np.zeros(n, dtype=np.uint8), key_start, key_len, b"".join(blobs))
         if not have.all():  # objects no summary or record names any more: dropped, and counted
             self._drop_lost(cols["digest"][~have], cols["region"][~have], cols["offset"][~have],
                             cols["rec_len"][~have])
-        return recovery.take(c, np.flatnonzero(have))
+        return reopen.take(c, np.flatnonzero(have))
 
     def _rescan(self, r: R.Region):
         """(entries, keys, key offsets) of a sealed region whose summary cannot be read, from its records
@@ -345,7 +345,7 @@ class Checkpointer:
         st.count("summaries_rebuilt")
         log.warning("%s: the summary of %s could not be read; rebuilt from its %d records", st.what, r.path,
                     len(entries))
-        self._io.seal_scanned(r, recovery.Scanned(entries, keys, end))
+        self._io.seal_scanned(r, reopen.Scanned(entries, keys, end))
         return entries, keys, offs
 
     def _drop_lost(self, digest, region, offset, rec_len) -> None:
@@ -363,7 +363,7 @@ class Checkpointer:
                 st.changed = True
         log.warning("%s: %d objects whose records could not be found were dropped", st.what, len(digest))
 
-    def write(self, cands: Optional[recovery.Candidates] = None, durable: bool = True) -> None:
+    def write(self, cands: Optional[reopen.Candidates] = None, durable: bool = True) -> None:
         """Write the index (with keys; ``cands`` when the caller has them) atomically.
 
         ``durable``: first fsync the regions it points at, and the checkpoint itself (with
@@ -395,7 +395,7 @@ class Checkpointer:
             # the slots go with the checkpoint when the index held exactly the objects it lists (a key
             # whose summary could not be read is left out of both, by leaving the slots out)
             table = tables[0] if tables and tables[0][0] == len(c.digest) else None
-            c = recovery.take(c, np.lexsort((c.offset, c.seq)))  # oldest first: a reopen need not sort
+            c = reopen.take(c, np.lexsort((c.offset, c.seq)))  # oldest first: a reopen need not sort
             covered = st.active.seq if st.active is not None else st.next_seq
             nreg = max(st.regions) + 1 if st.regions else 0
             seqs = np.zeros(nreg, dtype=np.uint64)
@@ -428,7 +428,7 @@ class Checkpointer:
         st.sealed_since_ckpt = 0
 
 
-def _gather_keys(c: recovery.Candidates) -> "bytes | memoryview":
+def _gather_keys(c: reopen.Candidates) -> "bytes | memoryview":
     """The candidates' keys back to back, in their order."""
     n = len(c.key_start)
     if not n:
@@ -441,7 +441,7 @@ def _gather_keys(c: recovery.Candidates) -> "bytes | memoryview":
 
     keys = c.keys
     gc_was = gc.isenabled()
-    gc.disable()  # (a million short-lived slices: see recovery.key_list)
+    gc.disable()  # (a million short-lived slices: see reopen.key_list)
     try:
         return b"".join([keys[a:a + m] for a, m in zip(starts.tolist(), lens.tolist())])
     finally:

@@ -21,7 +21,7 @@ Record (header 64 bytes, then the key, ``pad`` bytes, then the stored payload)::
 A record's payload starts ``pad`` bytes after its key.  With O_DIRECT, a large payload held in
 huge-page memory (``tierkv.hostmem.contiguous``) is written to the file from where it is: ``pad``
 gives its file offset the phase of its address modulo 4 KiB, so the whole blocks between go to
-the device without a copy (``writer.py``).  Records without a pad hold 0 there.
+the device without a copy (``segmentwriter.py``).  Records without a pad hold 0 there.
 
 Summary: ``count`` entries of 24 bytes (digest u64, offset u32, record length u32,
 raw_len u32, key_len u16, flags u8, pad u8), then the keys back to back, padding,

@@ -193,7 +193,7 @@ class RegionChanger:
         The summary is copied out of the image first (the image is the next region's); the region's own file
         is written again only once its summary is out (``begin`` waits for it), so a summary never lands
         over a newer use of the file.  One that fails to reach the file is tried again (``RegionIO.wait_seals``); a
-        region without one costs the next open a scan of its records (``recovery``)."""
+        region without one costs the next open a scan of its records (``reopen``)."""
         st = self._state
         buf = cast(mmap.mmap, r.buf)  # (set while ACTIVE, as are entries and keys)
         self._io.wait_seals()  # (they are few: the last seal's, or one that failed)

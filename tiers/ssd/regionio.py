@@ -15,8 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, cast
 
 from . import format as F
-from . import recovery, segment
 from . import region as R
+from . import reopen, segment
 from .hostbuf import image_address
 from .segment import Segment
 from .state import EngineState
@@ -136,7 +136,7 @@ class RegionIO:
         self._seals = kept
         return not kept
 
-    def seal_scanned(self, r: R.Region, sc: recovery.Scanned) -> None:
+    def seal_scanned(self, r: R.Region, sc: reopen.Scanned) -> None:
         """Write the summary of a region whose records a scan found (``sc``), left unsealed by an earlier
         process or with a summary that could not be read; no room for one: it is scanned again next time."""
         st = self._state

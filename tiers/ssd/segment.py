@@ -1,6 +1,6 @@
 """A batch's records on their way to a region file: ``Segment``, the write path's unit of commit.
 
-``SegmentWriter.append`` (``writer.py``) appends a batch's records to the active image and hands
+``SegmentWriter.append`` (``segmentwriter.py``) appends a batch's records to the active image and hands
 the segment's bytes to the writer threads piece by piece (with O_DIRECT they pump what is ready:
 ``Segment.offer``); ``SegmentWriter.commit`` writes the rest, waits for the pieces, and only then
 indexes the segment's records.  This module knows no component: ``wait`` reports to the engine's

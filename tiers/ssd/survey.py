@@ -38,7 +38,7 @@ import numpy as np
 from tierkv.errors import ConfigError
 
 from . import checkpoint as C
-from . import deadlog, recovery
+from . import deadlog, reopen
 from . import format as F
 from . import large as L
 from . import region as R
@@ -230,7 +230,7 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
                 if idx not in present:
                     bad_files.append({"file": os.path.join(REGIONS_DIR, R.region_name(idx)), "index": idx,
                                       "reason": "missing", "objects_lost": int(lost_in[idx])})
-        loaded = recovery.load(path, regions, region_size, False, ckpt, dead) if regions else None
+        loaded = reopen.load(path, regions, region_size, False, ckpt, dead) if regions else None
         c = loaded.cands if loaded is not None else None
         corrupt: list[dict] = []
         checked = ["region headers", "checkpoint", "dead log"]
@@ -241,7 +241,7 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
             checked.append(f"every record of {len(loaded.scanned)} unsealed region(s)")
         unverified = 0
         if verify and c is not None:
-            keys = recovery.key_list(c)
+            keys = reopen.key_list(c)
             for i, k in enumerate(keys):
                 if progress is not None and not i % 4096:
                     progress(i, len(keys))

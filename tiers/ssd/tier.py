@@ -50,12 +50,12 @@ Structure.  ``SSDTier`` is a facade: it checks the options, opens the directory,
 (``state.py``: regions, index, dead log, counters, the two locks) and call one another by name;
 the graph has no cycle (each is built from those below it):
 
-    SSDTier ─ write ──▶ SegmentWriter (writer.py; a batch on its way: Segment, segment.py)
+    SSDTier ─ write ──▶ SegmentWriter (segmentwriter.py; a batch on its way: Segment, segment.py)
        │                  ├─▶ RegionChanger.room (regionchange.py: seal, begin, resume/settle at open)
        │                  │     ├─▶ Reclaimer (reclaim.py: reclaim into the spare, compact in place)
        │                  │     └─▶ Checkpointer (checkpointer.py)
        │                  └─▶ Checkpointer (fsync "always"; files removed behind the tier)
-       ├─ read ───▶ RecordReader (reader.py)
+       ├─ read ───▶ RecordReader (recordreader.py)
        ├─ flush, checkpoint ─▶ Checkpointer (flush, checkpoints, files removed behind the tier)
        └─ open, recover, delete, close: here
     every component ─▶ RegionIO (regionio.py: write-outs, summaries behind a seal, images, fds)
@@ -95,19 +95,19 @@ from tierkv.units import parse_size
 
 from ..base import Locality, Parts, Tier
 from . import checkpoint as C
-from . import deadlog, recovery
+from . import deadlog, reopen
 from . import format as F
 from . import large as L
 from . import region as R
 from .checkpointer import Checkpointer
 from .deadlog import DeadLog
 from .lock import LOCK_NAME, DirLock
-from .reader import RecordReader
 from .reclaim import Reclaimer
+from .recordreader import RecordReader
 from .regionchange import RegionChanger
 from .regionio import RegionIO
+from .segmentwriter import PIPE_UNIT, SegmentWriter  # noqa: F401  (PIPE_UNIT: tests)
 from .state import NO_SPACE_LOG_EVERY, REGIONS_DIR, SPACE_SLACK, EngineState  # noqa: F401  (tests, tools)
-from .writer import PIPE_UNIT, SegmentWriter  # noqa: F401  (PIPE_UNIT: tests)
 
 log = logging.getLogger(__name__)
 
@@ -169,7 +169,7 @@ class SSDTier(Tier):
                               f"got {rs}")
         self.path = os.path.abspath(os.path.expanduser(path))
         self._what = what
-        self._recovered: Optional[recovery.Candidates] = None  # what the open found, until recover()
+        self._recovered: Optional[reopen.Candidates] = None  # what the open found, until recover()
         # the engine: its shared state, and its components, each holding the state and those it calls
         st = self._state = EngineState(name, what, self.path, capacity_bytes, rs, self.compression,
                                        self.checksum, self.fsync)
@@ -367,7 +367,7 @@ class SSDTier(Tier):
         st.dead = DeadLog(st.path)
         st.dead.reserve()  # (removals are recorded even once the file system is full)
         dead = deadlog.read(st.path)
-        loaded = recovery.load(st.path, valid, st.region_size, st.direct_io, ckpt, dead)
+        loaded = reopen.load(st.path, valid, st.region_size, st.direct_io, ckpt, dead)
         st.counters["torn_regions"] = loaded.torn
         self.recovered_from = loaded.source if valid else "empty"
         # above every seq ever handed out: the regions' headers, the checkpoint's, the dead log's marks (a
@@ -387,10 +387,10 @@ class SSDTier(Tier):
             keep &= (np.cumsum(np.where(keep, fps, 0)[::-1])[::-1] <= st.capacity_bytes) | pieces
             keep &= ~L.orphans(c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom, alive=keep)
         if keep.all():  # (nothing to select)
-            dropped = recovery.take(c, np.zeros(0, dtype=np.int64))
+            dropped = reopen.take(c, np.zeros(0, dtype=np.int64))
         else:
-            dropped = recovery.take(c, np.flatnonzero(~keep))
-            c = recovery.take(c, np.flatnonzero(keep))
+            dropped = reopen.take(c, np.flatnonzero(~keep))
+            c = reopen.take(c, np.flatnonzero(keep))
         st.has_large = bool(len(c.raw_len)) and bool((c.raw_len > geom.single).any())
         if (ckpt is not None and ckpt.table is not None and not loaded.read_regions and not len(dropped.digest)
                 and len(c.digest) == len(ckpt.cols["digest"]) == ckpt.table[0]):
@@ -431,7 +431,7 @@ class SSDTier(Tier):
             moved = st.counters["gc_runs"] - gc_before
             self._changer.remove_surplus()  # never more region files than the capacity provisions
         if lost:
-            c = recovery.take(c, np.flatnonzero(st.index.find_many(c.digest) >= 0))
+            c = reopen.take(c, np.flatnonzero(st.index.find_many(c.digest) >= 0))
         self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
         if (any(valid[i].seq >= st.covered for i in loaded.read_regions) or len(dropped.digest) or lost
                 or moved or resume is not None or st.counters["regions_removed"]):
@@ -457,14 +457,14 @@ class SSDTier(Tier):
 
     def recover(self) -> list[tuple[str, int]]:
         """(key, nbytes) of the objects found on open, oldest first (within ``capacity_bytes``)."""
-        return recovery.listing(self._objects_found())
+        return reopen.listing(self._objects_found())
 
     def recover_columns(self) -> tuple[list[str], np.ndarray]:
         """``recover`` as (keys, nbytes as an int64 array), oldest first, made without a pair per object."""
         c = self._objects_found()
-        return recovery.key_list(c), c.raw_len.astype(np.int64, copy=False)
+        return reopen.key_list(c), c.raw_len.astype(np.int64, copy=False)
 
-    def _objects_found(self) -> recovery.Candidates:
+    def _objects_found(self) -> reopen.Candidates:
         """The objects ``recover`` lists, oldest first: a large object once, as its manifest (its pieces are
         no objects of their own, ``large.py``)."""
         if self._recovered is not None:
@@ -472,9 +472,9 @@ class SSDTier(Tier):
         else:
             with self._state.wlock:
                 c = self._checkpointer.gather()
-            c = recovery.take(c, np.lexsort((c.offset, c.seq)))
+            c = reopen.take(c, np.lexsort((c.offset, c.seq)))
         pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
-        return recovery.take(c, np.flatnonzero(~pieces)) if pieces.any() else c
+        return reopen.take(c, np.flatnonzero(~pieces)) if pieces.any() else c
 
     # -- the medium: each call is one component's ---------------------------------------------
     def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:

@@ -64,7 +64,7 @@ _HEAD, _CHECK_AT, _ALIGN, _BLOCK = F.REC_HDR, F.RECORD_CHECK_AT, F.ALIGN, F.BLOC
 _ENTRY, _MAX_KEY, _FOOTER = F.ENTRY, F.MAX_KEY, F.FOOTER
 
 
-class _Batch:
+class _Appending:
     """What ``SegmentWriter.append`` keeps while it appends one batch: the batch's constants, its segment,
     its results, and where it writes (``aim``: the active region, its image, a view and the address of it)."""
 
@@ -172,7 +172,7 @@ class SegmentWriter:
         plain = not st.compression
         direct_min = F.DIRECT_MIN if st.direct_io else 1 << 62  # (see ``Segment``)
         key_digest = F.key_digest
-        b = _Batch(st, out)
+        b = _Appending(st, out)
         seg = b.seg
         last = len(keys) - 1
         for i, key in enumerate(keys):
@@ -235,7 +235,7 @@ class SegmentWriter:
         self.commit(seg, out)
         return out, one_by_one, large
 
-    def _place(self, b: _Batch, rec_len: int, klen: int) -> int:
+    def _place(self, b: _Appending, rec_len: int, klen: int) -> int:
         """Where a record of ``rec_len`` bytes (key ``klen``) goes: after the segment's records in the active
         region, or, when that region cannot hold it with its summary entry and key, at the start of the
         next one (the segment is committed first: ``RegionChanger.room``).  -1 if no region has room
@@ -261,7 +261,7 @@ class SegmentWriter:
                 seg.iov.append(b.mv[r.written:pos])
         return pos
 
-    def _copy_direct(self, b: _Batch, pos: int, kb: bytes, src_addr: int, raw_len: int) -> int:
+    def _copy_direct(self, b: _Appending, pos: int, kb: bytes, src_addr: int, raw_len: int) -> int:
         """O_DIRECT, a payload in huge pages: its whole blocks go to the file from the caller's memory (a
         hole of the segment, ``Segment``), only the partial blocks at its two ends into the image.  Returns
         the record's length, its pad included."""
@@ -288,7 +288,7 @@ class SegmentWriter:
         seg.direct.append(pos)
         return _HEAD + klen + pad + raw_len
 
-    def _copy_gathered(self, b: _Batch, pos: int, kb: bytes, parts: Parts, raw_len: int) -> None:
+    def _copy_gathered(self, b: _Appending, pos: int, kb: bytes, parts: Parts, raw_len: int) -> None:
         """Buffered, a payload of ``_GATHER_MIN`` bytes or more: only summed; the segment's pieces take the
         record's header and key from the image, the payload from the caller's parts, then zeros."""
         klen = len(kb)
@@ -310,7 +310,7 @@ class SegmentWriter:
         if end > at + raw_len:
             iov.append(_ZEROS[:end - at - raw_len])
 
-    def _copy_streamed(self, b: _Batch, pos: int, kb: bytes, src_addr: int, raw_len: int) -> None:
+    def _copy_streamed(self, b: _Appending, pos: int, kb: bytes, src_addr: int, raw_len: int) -> None:
         """O_DIRECT, a payload of ``_STREAM_MIN`` bytes or more from ordinary memory: summed first, then
         copied in steps that the writer threads take as they are done (they never wait a whole copy)."""
         klen = len(kb)
@@ -328,7 +328,7 @@ class SegmentWriter:
             if done < raw_len:
                 b.seg.offer(self._io.writer_pool(), b.r, (at + done) & -_BLOCK, b.pipe_min)
 
-    def _copy_into_image(self, b: _Batch, pos: int, kb: bytes, parts: Parts, raw_len: int) -> None:
+    def _copy_into_image(self, b: _Appending, pos: int, kb: bytes, parts: Parts, raw_len: int) -> None:
         """Any other payload: copied into the image (one memmove a part), summed there."""
         klen = len(kb)
         at = pos + _HEAD + klen
