@@ -405,6 +405,8 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
             llm.collective_rpc(_rank_records, args=(60.0,))
         else:
             _rank_records(drain_timeout=60.0)
+    elif op == "kv_groups":
+        res.update(_kv_groups(llm))
     elif op == "corrupt":
         res["corrupted"] = _corrupt_files(step["path"], step.get("limit"))
     elif op == "fault_gets":
@@ -442,6 +444,27 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     else:
         raise ValueError(f"unknown op {op!r}")
     return res
+
+
+def _kv_groups(llm) -> dict[str, Any]:
+    """The engine's KV cache groups (in-process engine only): each group's spec kind, layers and sizes."""
+    core = llm.llm_engine.engine_core.engine_core
+    cfg = core.scheduler.kv_cache_config
+    groups = []
+    for g in cfg.kv_cache_groups:
+        spec = g.kv_cache_spec
+        groups.append({
+            "kind": type(spec).__name__,
+            "layers": list(g.layer_names),
+            "block_size": spec.block_size,
+            "sliding_window": getattr(spec, "sliding_window", None),
+            "page_size_bytes": spec.page_size_bytes,
+        })
+    cache = llm.llm_engine.vllm_config.cache_config
+    pool = core.scheduler.kv_cache_manager.block_pool
+    return {"groups": groups, "num_blocks": cfg.num_blocks, "block_size": cache.block_size,
+            "hash_block_size": getattr(pool, "hash_block_size", None),
+            "mamba_cache_mode": cache.mamba_cache_mode}
 
 
 #: seconds the engine's thread has spent inside a connector's load hooks (start_load_kv and
@@ -489,7 +512,7 @@ def _main(spec_path: str) -> None:
         "enforce_eager": True,
         "block_size": spec.get("block_size", 32),
         "kv_cache_memory_bytes": spec.get("kv_cache_memory_bytes", 64 << 20),
-        "dtype": "float32",
+        "dtype": spec.get("dtype", "float32"),
         "seed": 0,
         "enable_prefix_caching": spec.get("enable_prefix_caching", True),
         "max_model_len": spec.get("max_model_len", 2048),

@@ -1,0 +1,206 @@
+"""The hit arithmetic of KV cache groups (adapters/vllm/groups.py) against a brute-force reference.
+
+The reference walks tokens, not blocks: a hit of ``H`` tokens needs, per group kind, the tokens whose K/V (or
+state) the first token after the hit reads (full / MLA: ``[0, H)``; sliding window ``w``: ``[H - w + 1, H)``;
+recurrent state: the state written after token ``H - 1``), and each such token needs the block holding it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+
+from tierkv.adapters.vllm.groups import (
+    GroupGeometry,
+    GroupKind,
+    UnsupportedGroup,
+    geometry_of_spec,
+    hit_alignment,
+    longest_hit,
+    save_mask,
+    servable,
+)
+
+FULL, MLA, SW, STATE = GroupKind.FULL, GroupKind.MLA, GroupKind.SLIDING_WINDOW, GroupKind.STATE
+
+
+def _needed_blocks_ref(g: GroupGeometry, hit: int) -> set[int]:
+    if hit == 0:
+        return set()
+    if g.kind is STATE:
+        return {(hit - 1) // g.block_size}  # the state after token hit-1 sits in the block ending at hit
+    first = max(0, hit - g.sliding_window + 1) if g.kind is SW else 0
+    return {t // g.block_size for t in range(first, hit)}
+
+
+def _servable_ref(g: GroupGeometry, present: list[bool], hit: int) -> bool:
+    return all(b < len(present) and present[b] for b in _needed_blocks_ref(g, hit))
+
+
+def _longest_ref(groups, present, hash_bs, max_tokens) -> int:
+    best = 0
+    for hit in range(1, max_tokens + 1):
+        if hit % hash_bs or any(hit % g.block_size for g in groups):
+            continue
+        if all(_servable_ref(g, p, hit) for g, p in zip(groups, present)):
+            best = hit
+    return best
+
+
+def _geom(kind: GroupKind, bs: int, w: int = 0) -> GroupGeometry:
+    return GroupGeometry(kind, bs, sliding_window=w if kind is SW else 0)
+
+
+@pytest.mark.parametrize("kind", [FULL, MLA, SW, STATE])
+@pytest.mark.parametrize("bs", [1, 2, 3, 4])
+def test_blocks_needed_and_servable_match_the_token_reference_for_every_mask(kind, bs):
+    windows = [1, 2, 3, 5, 8, 13] if kind is SW else [0]
+    for w in windows:
+        g = _geom(kind, bs, w)
+        for nblocks in range(0, 6):
+            for hit_blocks in range(0, nblocks + 2):
+                hit = hit_blocks * bs
+                lo, hi = g.blocks_needed(hit)
+                assert set(range(lo, hi)) == _needed_blocks_ref(g, hit), (g, hit)
+            hits = np.arange(1, nblocks + 2) * bs
+            for bits in itertools.product([False, True], repeat=nblocks):
+                got = servable(g, list(bits), hits)
+                want = [_servable_ref(g, list(bits), int(h)) for h in hits]
+                assert got.tolist() == want, (g, bits)
+
+
+def test_longest_hit_matches_brute_force_on_random_hybrid_layouts():
+    rng = random.Random(34)
+    for _ in range(3000):
+        groups = []
+        for _ in range(rng.randint(1, 4)):
+            kind = rng.choice([FULL, MLA, SW, STATE])
+            groups.append(_geom(kind, rng.choice([1, 2, 3, 4, 6]), rng.randint(1, 20)))
+        hash_bs = rng.choice([1, 2, 3, 4])
+        max_tokens = rng.randint(0, 40)
+        density = rng.random()
+        present = [[rng.random() < density for _ in range(rng.randint(0, 45 // g.block_size + 1))] for g in groups]
+        got = longest_hit(groups, present, hash_bs, max_tokens)
+        assert got == _longest_ref(groups, present, hash_bs, max_tokens), (groups, present, hash_bs, max_tokens)
+        assert got % hit_alignment(groups, hash_bs) == 0
+
+
+def test_a_hit_is_aligned_to_every_block_size_and_the_hash_block_size():
+    groups = [_geom(FULL, 4), _geom(SW, 6, 10), _geom(STATE, 16)]
+    assert hit_alignment(groups, 2) == 48
+    assert hit_alignment(groups, 32) == 96
+    everything = [[True] * 100 for _ in groups]
+    assert longest_hit(groups, everything, 2, 200) == 192
+    assert longest_hit(groups, everything, 2, 47) == 0  # shorter than one aligned unit: no hit
+
+
+def test_every_group_must_serve_the_hit():
+    full, sw, state = _geom(FULL, 4), _geom(SW, 4, 9), _geom(STATE, 4)
+    n = 12  # blocks
+    allp = [True] * n
+    assert longest_hit([full, sw, state], [allp, allp, allp], 4, 48) == 48
+    # the state group only has the states at tokens 16 and 32: the hit falls back to 32
+    states = [False] * n
+    states[3] = states[7] = True
+    assert longest_hit([full, sw, state], [allp, allp, states], 4, 48) == 32
+    # the sliding window lost block 5 (tokens 20..23): a hit at 32 reads tokens 24..31 only, still fine;
+    # a hit at 24 would read tokens 16..23 (block 5): not needed here since 32 is longer
+    sw_p = list(allp)
+    sw_p[5] = False
+    assert longest_hit([full, sw, state], [allp, sw_p, states], 4, 48) == 32
+    # lose block 6 (tokens 24..27): the window of the hit at 32 is gone, and 16 is the longest left
+    sw_p[6] = False
+    assert longest_hit([full, sw, state], [allp, sw_p, states], 4, 48) == 16
+    # full attention needs everything before the hit
+    full_p = list(allp)
+    full_p[0] = False
+    assert longest_hit([full, sw, state], [full_p, allp, allp], 4, 48) == 0
+
+
+def test_save_mask_keeps_what_some_aligned_hit_reads():
+    rng = random.Random(5)
+    for _ in range(500):
+        kind = rng.choice([FULL, MLA, SW, STATE])
+        g = _geom(kind, rng.choice([1, 2, 4]), rng.randint(1, 12))
+        align = g.block_size * rng.choice([1, 2, 3])
+        num_tokens = rng.randint(0, 60)
+        want = np.zeros(num_tokens // g.block_size, dtype=bool)
+        for hit in range(align, num_tokens + 1, align):
+            for b in _needed_blocks_ref(g, hit):
+                want[b] = True
+        assert save_mask(g, num_tokens, align).tolist() == want.tolist(), (g, align, num_tokens)
+
+
+def test_live_blocks_of_a_sliding_window_follow_vllms_skipped_tokens():
+    g = _geom(SW, 4, 10)
+    for computed in range(0, 40):
+        skipped = max(0, computed - 10 + 1)  # vLLM: tokens before the window of the next token
+        lo, hi = g.live_blocks(computed)
+        assert hi == computed // 4
+        assert lo == min(hi, skipped // 4)
+    assert _geom(FULL, 4).live_blocks(17) == (0, 4)
+
+
+def test_namespaces_of_different_groups_never_alias():
+    geoms = [
+        GroupGeometry(FULL, 32, shape=(1, 64), dtype="float32"),
+        GroupGeometry(MLA, 32, shape=(1, 64), dtype="float32"),
+        GroupGeometry(SW, 32, sliding_window=64, shape=(1, 64), dtype="float32"),
+        GroupGeometry(SW, 32, sliding_window=128, shape=(1, 64), dtype="float32"),
+        GroupGeometry(FULL, 16, shape=(1, 64), dtype="float32"),
+        GroupGeometry(FULL, 32, shape=(2, 64), dtype="float32"),
+        GroupGeometry(FULL, 32, shape=(1, 64), dtype="bfloat16"),
+        GroupGeometry(STATE, 32, shape=(2, 4, 5), dtype="bfloat16"),
+        GroupGeometry(STATE, 32, shape=(2, 5, 4), dtype="bfloat16"),
+    ]
+    names = [g.namespace() for g in geoms]
+    assert len(set(names)) == len(names)
+    assert all("/" not in n for n in names)
+
+
+def test_bad_geometry_is_a_clear_error():
+    with pytest.raises(ValueError, match="block_size"):
+        GroupGeometry(FULL, 0)
+    with pytest.raises(ValueError, match="sliding_window"):
+        GroupGeometry(SW, 16)
+    with pytest.raises(ValueError, match="sliding-window groups only"):
+        GroupGeometry(FULL, 16, sliding_window=8)
+    with pytest.raises(ValueError, match="whole number"):
+        GroupGeometry(FULL, 16).blocks_needed(17)
+    with pytest.raises(ValueError, match="presence masks"):
+        longest_hit([GroupGeometry(FULL, 16)], [], 16, 64)
+    assert longest_hit([], [], 16, 64) == 0
+    assert math.lcm(16, 16) == hit_alignment([GroupGeometry(FULL, 16)], 16)
+
+
+@pytest.mark.vllm
+def test_geometry_of_vllms_own_specs():
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        MLAAttentionSpec,
+        SlidingWindowSpec,
+    )
+
+    full = geometry_of_spec(FullAttentionSpec(block_size=32, num_kv_heads=2, head_size=64, dtype=torch.float32))
+    assert (full.kind, full.block_size, full.shape, full.dtype) == (FULL, 32, (2, 64), "float32")
+    mla = geometry_of_spec(MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=96, dtype=torch.bfloat16))
+    assert mla.kind is MLA
+    sw = geometry_of_spec(SlidingWindowSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.float32,
+                                            sliding_window=64))
+    assert (sw.kind, sw.sliding_window) == (SW, 64)
+    mamba = MambaSpec(block_size=160, shapes=((3, 192), (2, 64, 64)), dtypes=(torch.bfloat16, torch.bfloat16),
+                      mamba_cache_mode="align")
+    st = geometry_of_spec(mamba)
+    assert (st.kind, st.block_size, st.dtype) == (STATE, 160, "bfloat16+bfloat16")
+    with pytest.raises(UnsupportedGroup, match="align"):
+        geometry_of_spec(MambaSpec(block_size=160, shapes=((3, 192),), dtypes=(torch.bfloat16,)))
+    with pytest.raises(UnsupportedGroup, match="ChunkedLocalAttentionSpec"):
+        geometry_of_spec(ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=1, head_size=64,
+                                                   dtype=torch.float32, attention_chunk_size=64))

