@@ -14,7 +14,7 @@ import torch
 
 from tierkv import ConfigError, TieredStore
 from tierkv.adapters.vllm.load_mode import LoadMode
-from tierkv.level import Level
+from tierkv.engine.level import Level
 from tierkv.options import check_enum
 from tierkv.persist import PERSIST_MODES, PersistMode
 from tierkv.policies import Admission, AllOf, FrequencyAdmission, RateLimitAdmission
