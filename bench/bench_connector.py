@@ -1,6 +1,6 @@
 """The vLLM connector's own per-object work, beside the store calls it makes.
 
-    .venv/bin/python bench/bench_connector.py [--layers 32] [--blocks 512] [--rounds 11] [--json out.json]
+    .venv/bin/python bench/bench_connector.py [--layers 32] [--blocks 512] [--local 0] [--rounds 11] [--json out.json]
 
 The connector stores one object per (chunk, layer).  Around each store call it does
 work of its own: keys from block hashes, block views of the paged KV tensor, save
@@ -15,9 +15,11 @@ worker side (``TierKVWorker``) the way vLLM's worker does, without an engine:
   of every layer, ``wait_for_save``); against ``store.get`` of the same keys into
   the same blocks, in the calls the connector makes (one get of every layer:
   whole-step loads, the default on CPU);
-* **lookup**: the scheduler's question (``answer("lookup", ...)``: how many leading
-  blocks every layer holds); against ``store.lookup`` of the last layer's keys plus
-  ``store.contains`` of the others'.
+* **lookup**: the scheduler's question, as a worker answers it (``worker.probe`` of a
+  ``ProbeRequest`` with ``--local`` blocks already in vLLM: how far every layer holds
+  the prefix from there, whether it holds those, and which tier holds each block hit);
+  against ``store.lookup`` of the last layer's keys plus ``store.contains`` of the
+  others', the keys made beforehand.
 
 Each round uses fresh block hashes (nothing is already stored); within a round
 the connector's and the baseline's run of each operation follow one another, the
@@ -50,6 +52,7 @@ import torch
 from tierkv import TieredStore
 from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, kv_shard
 from tierkv.adapters.vllm.metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
+from tierkv.adapters.vllm.service import ProbeRequest
 from tierkv.adapters.vllm.worker import TierKVWorker
 
 BLOCK = 16  # tokens per block, and per chunk: one object per block and layer
@@ -69,8 +72,8 @@ def hashes(round_: int, n: int) -> list[bytes]:
 
 
 class Rig:
-    def __init__(self, layers: int, blocks: int, head: int) -> None:
-        self.L, self.n = layers, blocks
+    def __init__(self, layers: int, blocks: int, head: int, local: int = 0) -> None:
+        self.L, self.n, self.local = layers, blocks, local
         self.names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
         # CPU paged layout [num_blocks, kv_heads, block_size, 2*head]
         self.caches = {nm: torch.randn(blocks, 2, BLOCK, 2 * head) for nm in self.names}
@@ -115,15 +118,15 @@ class Rig:
 
     def conn_lookup(self, hs: list[bytes]) -> tuple[float, float]:
         t0 = clock()
-        got = self.w.answer("lookup", hs, 0, 0, self.n, None)
+        got = self.w.probe(ProbeRequest(hs, self.local, None))
         t = since(t0)
-        if got != self.n:
-            raise AssertionError(f"lookup found {got} of {self.n} blocks")
+        if (got.reach, got.held) != (self.n - self.local, self.local):
+            raise AssertionError(f"the probe found {got.held} + {got.reach} of {self.n} blocks")
         return t
 
     # -- the baseline: the store calls alone ---------------------------------------
     def keys(self, hs: list[bytes]) -> list[list[str]]:
-        return [self.w.layer_keys(layer, hs, None) for layer in range(self.L)]
+        return [self.w.keys.keys(layer, hs, None) for layer in range(self.L)]
 
     def views(self) -> list[list[torch.Tensor]]:
         # the cheapest buffers the store takes: one flat uint8 view of each block, made beforehand
@@ -135,7 +138,7 @@ class Rig:
         return out
 
     def base_save(self, keys, views) -> tuple[float, float]:
-        put = self.store.put_detailed  # the call the connector makes (put would turn each answer into a bool)
+        put = self.store.put_detailed  # the call the connector makes
         t0 = clock()
         res = [put(ks, vs) for ks, vs in zip(keys, views)]
         t = since(t0)
@@ -168,7 +171,7 @@ class Rig:
 
 
 def run(args) -> dict:
-    rig = Rig(args.layers, args.blocks, args.head)
+    rig = Rig(args.layers, args.blocks, args.head, args.local)
     objs = args.layers * args.blocks
     res: dict[str, list[tuple[float, float]]] = {
         k: [] for k in ("conn_save", "base_save", "conn_load", "base_load", "conn_lookup", "base_lookup")}
@@ -199,7 +202,8 @@ def run(args) -> dict:
             for k, v in t.items():
                 res[k].append(v)
     rig.w.shutdown()
-    out: dict = {"layers": args.layers, "blocks": args.blocks, "objects": objs, "object_bytes": rig.object_bytes,
+    out: dict = {"layers": args.layers, "blocks": args.blocks, "local": args.local, "objects": objs,
+                 "object_bytes": rig.object_bytes,
                  "rounds": args.rounds, "loadavg_1min": os.getloadavg()[0]}
     for op in ("save", "load", "lookup"):
         d: dict = {}
@@ -220,12 +224,15 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--blocks", type=int, default=512, help="chunks of the request (one block each)")
     ap.add_argument("--head", type=int, default=8, help="head size (a block of one layer is 2*16*2*head floats)")
+    ap.add_argument("--local", type=int, default=0, help="blocks the lookup's request already has in vLLM")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     for name in ("layers", "blocks", "head", "rounds"):
         if getattr(args, name) <= 0:
             ap.error(f"--{name} must be positive")
+    if not 0 <= args.local <= args.blocks:
+        ap.error(f"--local must be between 0 and --blocks ({args.blocks})")
     out = run(args)
     print(f"{out['objects']:,} objects ({args.layers} layers x {args.blocks} chunks) of {out['object_bytes']} B, "
           f"median of {args.rounds} rounds")

@@ -13,17 +13,16 @@ from tierkv import TieredStore, keys_from_block_hashes
 from tierkv.adapters.vllm.config import (
     DEFAULT_STORE_CONFIG,
     ConnectorOptions,
-    acquire_store,
     base_namespace,
     block_hash_bytes,
     kv_shard,
     layer_namespace,
     parse_options,
-    release_store,
     shard_from_replicas,
     store_config_from_extra,
 )
 from tierkv.adapters.vllm.paged import Cuts, PagedLayer, find_block_dim
+from tierkv.adapters.vllm.registry import StoreRegistry
 from tierkv.errors import ConfigError
 
 
@@ -213,20 +212,67 @@ def test_bad_connector_options_are_named(extra, name):
 
 
 def test_one_store_per_process_and_config():
+    reg = StoreRegistry()
     cfg = {"tiers": [{"medium": "dram", "capacity": "1MiB"}]}
-    a = acquire_store(cfg)
-    b = acquire_store(json.loads(json.dumps(cfg)))
-    c = acquire_store({"tiers": [{"medium": "dram", "capacity": "2MiB"}]})
+    a = reg.acquire(cfg)
+    b = reg.acquire(json.loads(json.dumps(cfg)))
+    c = reg.acquire({"tiers": [{"medium": "dram", "capacity": "2MiB"}]})
     try:
-        assert a is b and a is not c
+        assert a.store is b.store and a.store is not c.store
+        assert reg.open_stores() == 2
         x = torch.arange(16, dtype=torch.float32)
-        assert a.put(["k1"], [x]) == [True]
-        release_store(a)
-        assert b.lookup(["k1"]) == 1  # still open: one reference left
+        assert a.store.put(["k1"], [x]) == [True]
+        a.release()
+        a.release()  # idempotent: b's lease still holds the store
+        assert a.released and not b.released
+        assert b.store.lookup(["k1"]) == 1  # still open: one lease left
     finally:
-        release_store(b)
-        release_store(c)
-    assert a.closed
+        b.release()
+        c.release()
+    assert a.store.closed and c.store.closed and reg.open_stores() == 0
+
+
+def test_a_lease_dropped_without_release_still_closes_its_store():
+    """Released on every path: a lease collected unreleased gives its store back (as the interpreter's
+    exit does with the leases still alive), and a store that fails to build leaves nothing behind."""
+    import gc
+
+    reg = StoreRegistry()
+    lease = reg.acquire({"tiers": [{"medium": "dram", "capacity": "1MiB"}]})
+    store = lease.store
+    del lease
+    gc.collect()
+    assert store.closed and reg.open_stores() == 0
+    with pytest.raises(ConfigError):
+        reg.acquire({"tiers": [{"medium": "dram", "capacity": "1MiB", "no_such_key": 1}]})
+    assert reg.open_stores() == 0
+
+
+@pytest.mark.vllm
+def test_a_worker_gives_back_the_store_it_was_handed_even_when_wrapped():
+    """The worker releases the store it was built with, once, at shutdown, even after a caller wrapped
+    ``worker.store`` (as the tests' fault injection does): the registry's lease ends and the store closes."""
+    from tierkv.adapters.vllm.config import EngineInfo
+    from tierkv.adapters.vllm.worker import TierKVWorker
+
+    reg = StoreRegistry()
+    info = EngineInfo(block_size=16, layers=("l0",), num_blocks=4, shard=kv_shard(0, 1, 1), namespaces={0: "ns"})
+    lease = reg.acquire({"tiers": [{"medium": "dram", "capacity": "1MiB"}]})
+    released = []
+    w = TierKVWorker(ConnectorOptions(), info, lease.store, release=lambda s: (released.append(s), lease.release()),
+                     serve=False)
+
+    class Wrapped:
+        def __init__(self, store):
+            self._store = store
+
+        def __getattr__(self, name):
+            return getattr(self._store, name)
+
+    w.store = Wrapped(w.store)
+    w.shutdown()
+    w.shutdown()  # idempotent
+    assert released == [lease.store] and lease.released and lease.store.closed and reg.open_stores() == 0
 
 
 @pytest.mark.vllm
@@ -345,28 +391,20 @@ def test_cut_past_the_cache_end_is_a_short_buffer_not_an_error():
 
 
 @pytest.mark.vllm
-def test_a_refused_save_is_not_counted_as_an_error():
-    from tierkv.adapters.vllm.stats import FAILED, REFUSED, SAVED, put_outcome
-    from tierkv.store import PutOutcome
-
-    assert put_outcome(PutOutcome.STORED) == SAVED and put_outcome(PutOutcome.PRESENT) == SAVED
-    assert put_outcome(PutOutcome.REJECTED) == REFUSED and put_outcome(PutOutcome.NO_ROOM) == REFUSED
-    assert put_outcome(PutOutcome.ERROR) == FAILED
-    assert put_outcome(True) == SAVED and put_outcome(False) == FAILED
-
-
-@pytest.mark.vllm
 def test_save_tally_counts_each_answer_of_a_put():
     from tierkv.adapters.vllm.stats import SaveTally
-    from tierkv.store import PutOutcome as P
+    from tierkv.outcome import PutOutcome as P
 
     chunks = [(0, 3), (4, 7), (8, 9), (10, 10)]
     t = SaveTally.of([P.STORED, P.PRESENT, P.STORED, P.PRESENT], chunks, 100)
     assert (t.blocks, t.nbytes, t.refused, t.errors) == (11, 1100, 0, 0)
     t = SaveTally.of([P.STORED, P.NO_ROOM, P.ERROR, P.REJECTED], chunks, 100)
     assert (t.blocks, t.nbytes, t.refused, t.errors) == (4, 400, 2, 1)
-    t = SaveTally.of([True, True, True, True], chunks, 10)  # a store without put_detailed
-    assert (t.blocks, t.nbytes, t.refused, t.errors) == (11, 110, 0, 0)
-    t = SaveTally.of([True, False, True, True], chunks, 10)
-    assert (t.blocks, t.nbytes, t.refused, t.errors) == (7, 70, 0, 1)
+    # a refused save is not an error; only PutOutcome answers are taken
+    t = SaveTally.of([P.REJECTED, P.NO_ROOM, P.STORED, P.PRESENT], chunks, 10)
+    assert (t.blocks, t.nbytes, t.refused, t.errors) == (3, 30, 2, 0)
     assert SaveTally.of([], [], 10).blocks == 0
+    with pytest.raises(TypeError, match="not a PutOutcome"):
+        SaveTally.of([True, False, True, True], chunks, 10)
+    with pytest.raises(ValueError, match="4 chunks"):
+        SaveTally.of([P.STORED], chunks, 10)

@@ -26,6 +26,7 @@ from tierkv.adapters.vllm.async_loading import AsyncLoads
 from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, kv_shard
 from tierkv.adapters.vllm.metadata import LoadSpec, TierKVConnectorMetadata
 from tierkv.adapters.vllm.scheduler import TierKVScheduler
+from tierkv.adapters.vllm.service import ProbeAnswer, ProbeRequest, TierPlace
 from tierkv.adapters.vllm.worker import TierKVWorker
 
 BS = 16
@@ -205,7 +206,7 @@ def rig():
 def _store_blocks(rig, spec: LoadSpec, values: list[int]) -> None:
     """Put block ``start+i`` of ``spec`` (one object per block) with the bytes of ref block ``values[i]``."""
     for li, name in enumerate(LAYERS):
-        keys = rig.w.layer_keys(li, spec.block_hashes, None)
+        keys = rig.w.keys.keys_of(li, spec.block_hashes, None)
         rig.store.put(keys, [[rig.ref[name][v].contiguous()] for v in values])
 
 
@@ -303,7 +304,7 @@ def test_request_finished_before_its_load_starts_is_never_written(rig):
             break
         time.sleep(0.005)
     assert done >= {"e", "f"}
-    keys_f = {k for li in range(len(LAYERS)) for k in rig.w.layer_keys(li, second.block_hashes, None)}
+    keys_f = {k for li in range(len(LAYERS)) for k in rig.w.keys.keys_of(li, second.block_hashes, None)}
     assert not keys_f & set(rig.gated.got_keys)  # f was never read
     assert torch.count_nonzero(rig.caches["l0"][4:6]) == 0  # nor written
 
@@ -329,11 +330,12 @@ def test_shutdown_waits_for_the_running_load_and_fails_the_queued(rig):
 
 # ---- the scheduler side ---------------------------------------------------------------------
 def _scheduler(load_async, reach: int, where=("dram", "host"), **opts):
-    def ask(rank, op, hashes, base, lo, hi, salt):
-        assert op == "probe"
+    def ask(rank, request):
+        assert isinstance(request, ProbeRequest)
+        lo, hi = request.local, len(request.hashes)
         n = max(0, min(hi, reach) - lo)
-        tiers = where(hashes[base:]) if callable(where) else [where] * n
-        return n, min(lo, reach), tiers[:n]
+        tiers = where(request.hashes) if callable(where) else [where] * n
+        return ProbeAnswer(n, min(lo, reach), [None if t is None else TierPlace(*t) for t in tiers[:n]])
 
     info = EngineInfo(block_size=BS, layers=LAYERS, num_blocks=NB, shard=kv_shard(0, 1, 2), namespaces={0: "ns"})
     return TierKVScheduler(ConnectorOptions(chunk_tokens=BS, load_async=load_async, **opts), info, ask=ask)

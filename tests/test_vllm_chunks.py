@@ -166,30 +166,50 @@ def _worker(store, layers: int, G: int):
 
 
 class _CountingStore:
-    """A TieredStore that counts the calls a lookup makes (each would be a round trip to a shared tier)."""
+    """A TieredStore that records the presence queries a question makes (each would be a round trip to
+    a shared tier) and every key they ask about."""
 
     def __init__(self, store):
-        self._store, self.calls = store, 0
+        self._store, self.calls, self.asked = store, 0, []
 
     def __getattr__(self, name):
         fn = getattr(self._store, name)
         if name in ("lookup", "contains", "locate"):
-            def counted(*a, **k):
+            def counted(keys, *a, **k):
                 self.calls += 1
-                return fn(*a, **k)
+                self.asked.extend(keys)
+                return fn(keys, *a, **k)
             return counted
         return fn
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """Every (namespace root, block hash) the connector turns into a key, in order."""
+    from tierkv.adapters.vllm import layer_keys
+
+    seen: list[tuple[bytes, bytes]] = []
+    real = layer_keys.keys_from_root
+
+    def counting(root, hashes):
+        seen.extend((root, bytes(h)) for h in hashes)
+        return real(root, hashes)
+
+    monkeypatch.setattr(layer_keys, "keys_from_root", counting)
+    return seen
 
 
 @pytest.mark.vllm
 @settings(max_examples=40, deadline=None)
 @given(layers=st.integers(1, 5), G=st.sampled_from([1, 2, 4]), nblocks=st.integers(1, 14), data=st.data())
-def test_connector_resolve_needs_every_layer_and_at_most_two_store_calls_per_question(layers, G, nblocks, data):
-    """Against a brute-force model: a chunk counts only when every layer holds it; the tier of each
-    named chunk comes back from the same calls; each question costs the store two calls at most."""
+def test_probe_needs_every_layer_and_asks_each_key_once(layers, G, nblocks, data):
+    """Against a brute-force model: a chunk counts only when every layer holds it (the probe), or the
+    last layer (the chunks a load reads); the tier of each reached block comes back with it; one pass
+    hashes each key once and asks the store about each key once."""
     import torch
 
     from tierkv import TieredStore
+    from tierkv.adapters.vllm.service import ProbeRequest, TierPlace
 
     store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "64MiB"}]})
     counting = _CountingStore(store)
@@ -203,50 +223,96 @@ def test_connector_resolve_needs_every_layer_and_at_most_two_store_calls_per_que
     one = torch.zeros(1, dtype=torch.uint8)
     for (first, last), held in stored.items():
         for layer in held:
-            k = c.layer_keys(layer, [hashes[last]], None)
-            store.put(k, [one])
+            store.put(c.keys.keys(layer, [hashes[last]], None), [one])
     complete = {ch for ch, held in stored.items() if len(held) == layers}
     last_layer = {ch for ch, held in stored.items() if layers - 1 in held}
-    for all_layers, ok in ((True, complete), (False, last_layer)):
-        counting.calls = 0
-        where: dict = {}
-        got = c.resolve(hashes, 0, 0, nblocks, None, all_layers=all_layers, where=where)
-        # the same chunks as the reference resolver over what is stored that way
-        fp, tp, calls = _resolver(ok, G)
-        assert got == resolve(0, nblocks, nblocks, G, fp, tp)
-        assert counting.calls <= 2 * len(calls)
-        for first, last in got:
-            (k,) = c.layer_keys(layers - 1, [hashes[last]], None)
-            assert where[k] == "dram"
-    # the scheduler's "locate": each covered block names its tier and the tier's declared locality
-    located = c.answer("locate", hashes, 0, 0, nblocks, None)
-    last_chunks = c.resolve(hashes, 0, 0, nblocks, None, all_layers=False)
-    assert located == [("dram", "host") if any(f <= b <= e for f, e in last_chunks) else None for b in range(nblocks)]
-    # "probe": the scheduler's whole question in one round trip, the same answers as its three parts
     local = data.draw(st.integers(0, nblocks), label="blocks vLLM holds")
-    reach, held, where = c.answer("probe", hashes, 0, local, nblocks, None)
-    assert reach == c.answer("lookup", hashes, 0, local, nblocks, None)
-    assert held == (c.answer("lookup", hashes, 0, 0, local, None) if local else 0)
-    assert where == (c.answer("locate", hashes, 0, local, local + reach, None) if reach else [])
-    with pytest.raises(ValueError):
-        c.answer("probe", hashes[1:], 1, local, nblocks, None)  # (hashes must start at block 0)
+
+    counting.calls, counting.asked = 0, []
+    got = c.probe(ProbeRequest(hashes, local, None))
+    assert len(counting.asked) == len(set(counting.asked))  # each key asked about once
+    fp, tp, _ = _resolver(complete, G)
+    assert got.reach == covered(resolve(local, nblocks, nblocks, G, fp, tp), local, nblocks)
+    assert got.held == (covered(resolve(0, local, nblocks, G, fp, tp), 0, local) if local else 0)
+    assert got.reach == _best_cover(complete, local, nblocks, nblocks, G)
+    assert got.where == [TierPlace("dram", "host")] * got.reach
+    if complete == last_layer:  # no layer lacks what the last layer holds: two stages at most
+        assert counting.calls <= 2
+
+    # the chunks a load reads: by the last layer, each with its key there and its tier
+    counting.calls, counting.asked = 0, []
+    chunks = c.prober.chunks(hashes, 0, 0, nblocks, None)
+    fp, tp, _ = _resolver(last_layer, G)
+    assert [(ch.first, ch.last) for ch in chunks] == resolve(0, nblocks, nblocks, G, fp, tp)
+    for ch in chunks:
+        assert ch.key == c.keys.keys(layers - 1, [hashes[ch.last]], None)[0] and ch.tier == "dram"
+    assert len(counting.asked) == len(set(counting.asked)) and counting.calls <= 2
+    with pytest.raises(ValueError, match="local"):
+        ProbeRequest(hashes, -1, None)
     c.shutdown()
     assert c.closed and store.closed is False  # release=no-op here: the test owns the store
     store.close()
+
+
+def _stored_prompt(c, store, hashes, G, layers, tail=True):
+    """Save a prompt as the connector does: its full chunks and (``tail``) the tail after them, every layer."""
+    import torch
+
+    one = torch.zeros(1, dtype=torch.uint8)
+    n = len(hashes)
+    ends = list(range(G - 1, n, G)) + ([n - 1] if tail and n % G else [])
+    for layer in range(layers):
+        store.put(c.keys.keys(layer, [hashes[e] for e in ends], None), [one] * len(ends))
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("layers,G", [(1, 1), (4, 1), (4, 4), (32, 16)])
+def test_a_probe_is_one_pass_one_presence_query_per_level(layers, G, hashed):
+    """One probe: one batched presence query for the last layer (written last: a miss stops there) and,
+    as needed, one for the other layers of what the last layer holds; every key hashed once, each asked
+    about once, whatever the question (reach and held at once)."""
+    from tierkv import TieredStore
+    from tierkv.adapters.vllm.service import ProbeRequest
+
+    store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "64MiB"}]})
+    counting = _CountingStore(store)
+    c = _worker(counting, layers, G)
+    nblocks = 10 * G + max(1, G // 2)  # ten full chunks and a tail
+    hashes = [bytes([i % 256, i // 256]) * 8 for i in range(nblocks)]
+    try:
+        # a miss: one query, of the last layer only
+        hashed.clear()
+        got = c.probe(ProbeRequest(hashes, 3, None))
+        assert (got.reach, got.held, counting.calls) == (0, 0, 1)
+        assert len(hashed) == len(set(hashed)) == len(counting.asked)
+        _stored_prompt(c, store, hashes, G, layers)
+        for local in (0, 3, 5 * G):
+            counting.calls, counting.asked = 0, []
+            hashed.clear()
+            got = c.probe(ProbeRequest(hashes, local, None))
+            assert got.reach == nblocks - local and got.held == local
+            assert counting.calls == (1 if layers == 1 else 2)
+            assert len(hashed) == len(set(hashed))  # each key hashed once ...
+            assert len(counting.asked) == len(set(counting.asked)) == len(hashed)  # ... and asked about once
+    finally:
+        c.shutdown()
+        store.close()
 
 
 def _scheduler(bs: int, token_mode: bool, reach_of: int):
     """A scheduler side whose workers report blocks ``0..reach_of-1`` stored, in a "dram" tier (no engine)."""
     from tierkv.adapters.vllm.config import ConnectorOptions
     from tierkv.adapters.vllm.scheduler import TierKVScheduler
+    from tierkv.adapters.vllm.service import ProbeAnswer, ProbeRequest, TierPlace
 
-    def ask(rank, op, hashes, base, lo, hi, salt):
-        asked.append(op)
-        assert op == "probe" and base == 0 and len(hashes) == hi
+    def ask(rank, request):
+        assert isinstance(request, ProbeRequest)
+        asked.append(request)
+        lo, hi = request.local, len(request.hashes)
         reach = max(0, min(hi, reach_of) - lo)
-        return reach, min(lo, reach_of), [("dram", "host")] * reach
+        return ProbeAnswer(reach, min(lo, reach_of), [TierPlace("dram", "host")] * reach)
 
-    asked: list[str] = []
+    asked: list = []
     opts = ConnectorOptions(chunk_tokens=bs, full_hit_recompute="token" if token_mode else "block")
     c = TierKVScheduler(opts, _info(1, 1, bs), ask=ask)
     c.asked = asked  # type: ignore[attr-defined]
@@ -280,7 +346,7 @@ def test_hit_arithmetic_leaves_a_token_and_loads_whole_blocks(bs, n, token_mode,
         assert ext == min(blocks_hit, (n - 1) // bs - local) * bs
     blocks = SimpleNamespace(get_block_ids=lambda: (list(range(100, 100 + full + 1)),))
     c.update_state_after_alloc(req, blocks, ext)
-    assert c.asked == (["probe"] if full else [])  # one round trip a request (none with no full block)
+    assert len(c.asked) == (1 if full else 0)  # one round trip a request (none with no full block)
     st_ = c.requests["r"]
     nload = -(-ext // bs)
     if ext:
@@ -289,7 +355,7 @@ def test_hit_arithmetic_leaves_a_token_and_loads_whole_blocks(bs, n, token_mode,
         assert st_.pending_load is None
     # blocks complete once the hit is in; the partly loaded last block is not one of them
     assert st_.expect_done == (local * bs + ext) // bs
-    assert c.totals["hit_tokens"] == ext == sum(c.totals["hit_tokens_by_tier"].values())
+    assert c.totals.hit_tokens == ext == sum(c.totals.hit_tokens_by_tier.values())
     assert sum(st_.hit_sources.values()) == ext
     # the hit's source comes from the tier's declared locality ("host" here)
     assert set(st_.hit_sources) <= {CacheHitSource.HOST}

@@ -41,9 +41,9 @@ _WORKER = """
         '''The real store, each put held until ``gate`` opens: saves are still queued when the signal comes.'''
         def __init__(self, store): self._store = store
         def __getattr__(self, name): return getattr(self._store, name)
-        def put(self, keys, values):
+        def put_detailed(self, keys, values):
             assert gate.wait(60), "the gate never opened"
-            return self._store.put(keys, values)
+            return self._store.put_detailed(keys, values)
 
     store = TieredStore.from_config({"tiers": [{"medium": "ssd", "path": sys.argv[1], "capacity": "64MiB"}]})
     layers = ("l0", "l1")
@@ -114,7 +114,7 @@ def test_watcher_reports_a_worker_that_died_before_its_shutdown(tmp_path, ending
     import os
     from tierkv.adapters.vllm import lifecycle
     w = lifecycle.Watcher.get()
-    report = w.watch("w1", {str(sock)!r})
+    report = w.watch("w1", ["\\0tierkv-abstract.sock", {str(sock)!r}])
     report("totals", {{"saved_blocks": 5}})
     report("totals", {{"saved_blocks": 9}})
     if {ending!r} != "killed":
@@ -140,7 +140,7 @@ def test_a_report_from_a_signal_handler_gets_through_while_the_thread_was_inside
     import os, signal
     from tierkv.adapters.vllm import lifecycle
     w = lifecycle.Watcher.get()
-    report = w.watch("w1", None)
+    report = w.watch("w1", [])
     report("totals", {"saved_blocks": 7})
     signal.signal(signal.SIGUSR1, lambda s, f: report("logged"))
     import contextlib
@@ -163,14 +163,14 @@ def test_watcher_lines_stay_whole_between_threads(tmp_path):
     import os, threading
     from tierkv.adapters.vllm import lifecycle
     w = lifecycle.Watcher.get()
-    report = w.watch("w1", None)
+    report = w.watch("w1", [])
     def hammer(i):
         for j in range(300):
             report("totals", {"thread": i, "n": j, "pad": "x" * 200})
     ts = [threading.Thread(target=hammer, args=(i,)) for i in range(4)]
     [t.start() for t in ts]; [t.join() for t in ts]
     report("totals", {"saved_blocks": 42})
-    w.watch("w2", None)("totals", {"pad": "y" * 8192})
+    w.watch("w2", [])("totals", {"pad": "y" * 8192})
     os._exit(0)
     """, timeout=60)
     lines = {x.split("(worker ")[1].split(",")[0]: x for x in out.stdout.splitlines() if "TierKVConnector totals" in x}
@@ -207,17 +207,27 @@ def test_stale_file_sockets_are_swept_and_live_ones_kept(tmp_path):
 
 @pytest.mark.skipif(not lookup.ABSTRACT, reason="abstract Unix sockets are Linux-only")
 def test_lookup_socket_leaves_no_file_and_answers_other_processes(tmp_path):
+    """A channel answers its one request type from another process, names any other type in its error,
+    and leaves no file; each channel of a worker has an address of its own."""
+    from tierkv.adapters.vllm.service import Channel, ProbeAnswer
+
     path, key = lookup.endpoint("engine-under-test", 0, 0)
-    assert path.startswith("\0") and "tierkv-" in path
-    srv = lookup.LookupServer(path, key, lambda op, *args: [op, *args])
+    life, _ = lookup.endpoint("engine-under-test", 0, 0, Channel.LIFECYCLE)
+    assert path.startswith("\0") and "tierkv-" in path and life != path and life.startswith("\0")
+    srv = lookup.ChannelServer(path, key, Channel.LOOKUP, lambda req: ProbeAnswer(len(req.hashes), req.local))
     try:
         out = _run(f"""
         from multiprocessing.connection import Client
+        from tierkv.adapters.vllm.service import ProbeRequest, ShutdownRequest
         c = Client({path!r}, family="AF_UNIX", authkey={key!r})
-        c.send(("lookup", (1, 2)))
+        c.send(ProbeRequest([b"a", b"b"], 1))
+        print(c.recv())
+        c.send(ShutdownRequest())
         print(c.recv())
         """, timeout=60)
-        assert out.stdout.strip() == "('ok', ['lookup', 1, 2])", out.stderr
+        lines = out.stdout.strip().splitlines()
+        assert lines[0] == "('ok', ProbeAnswer(reach=2, held=1, where=[]))", out.stderr
+        assert lines[1].startswith("('error',") and "takes a ProbeRequest, got ShutdownRequest" in lines[1]
         assert not any(n.startswith("tierkv-") and "engine" in n for n in os.listdir(tmp_path))
         assert "@" + path[1:] in _unix_sockets()
     finally:

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -440,7 +441,7 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
             res["workers"] = [r for rank in llm.collective_rpc(_rank_records) for r in rank]
         else:
             res["workers"] = _rank_records()
-        res["scheduler"] = _jsonable([dict(s.scheduler.totals) for s in scheds])
+        res["scheduler"] = _jsonable([dataclasses.asdict(s.scheduler.totals) for s in scheds])
     else:
         raise ValueError(f"unknown op {op!r}")
     return res

@@ -28,6 +28,10 @@ _LAZY = {
     "ConnectorOptions": "config",
     "EngineInfo": "config",
     "parse_options": "config",
+    "ProbeRequest": "service",
+    "ProbeAnswer": "service",
+    "TierPlace": "service",
+    "STORES": "registry",
 }
 
 __all__ = sorted(_LAZY)

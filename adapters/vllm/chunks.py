@@ -69,18 +69,30 @@ def resolve(
     g = g0 + n
     if g * G >= hi:
         return out
-    top = min(known - 1, (g + 1) * G - 2)
-    bottom = max(lo, g * G)
-    if top < bottom:
+    cands = tail_candidates(g, lo, hi, known, G)
+    if not cands:
         return out
-    reach = hi - 1
-    cands = [j for j in range(bottom, top + 1) if j >= reach] + list(range(min(top, reach - 1), bottom - 1, -1))
     j = tail_present(cands)
     if j is not None:
         if j not in cands:
             raise ValueError(f"tail_present returned {j}, not one of the candidates")
         out.append((g * G, j))
     return out
+
+
+def tail_candidates(g: int, lo: int, hi: int, known: int, G: int) -> list[int]:
+    """The last blocks of the tails of chunk ``g`` that may serve ``lo .. hi-1``, by preference.
+
+    A tail of chunk ``g`` ends short of the chunk's end and at a named block; the
+    shortest reaching ``hi-1`` comes first, then the longer ones, then those falling
+    short, longest first.
+    """
+    top = min(known - 1, (g + 1) * G - 2)
+    bottom = max(lo, g * G)
+    if top < bottom:
+        return []
+    reach = hi - 1
+    return [j for j in range(bottom, top + 1) if j >= reach] + list(range(min(top, reach - 1), bottom - 1, -1))
 
 
 def covered(chunks: Sequence[Chunk], lo: int, hi: int) -> int:

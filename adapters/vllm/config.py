@@ -8,10 +8,8 @@ never true) and an option it does not know is an error that names it.
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,64 +162,6 @@ class EngineInfo:
     @property
     def layer_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.layers)}
-
-
-# -- one store per process and config ------------------------------------------------
-# The scheduler-side and worker-side connectors of one engine often share a
-# process; they must then see the same (private) tiers, so they share one store.
-_stores_lock = threading.Lock()
-_stores: dict[str, list[Any]] = {}  # config identity -> [store, refcount]
-
-
-def _config_identity(config: dict[str, Any] | str) -> str:
-    if isinstance(config, str):
-        return "file:" + os.path.realpath(config)
-    return "dict:" + json.dumps(config, sort_keys=True, default=str)
-
-
-def acquire_store(config: dict[str, Any] | str) -> Any:
-    """The process's store for ``config`` (built on first use, shared after)."""
-    from tierkv import TieredStore
-
-    ident = _config_identity(config)
-    with _stores_lock:
-        entry = _stores.get(ident)
-        if entry is None:
-            entry = [TieredStore.from_config(config), 0]
-            _stores[ident] = entry
-        entry[1] += 1
-        return entry[0]
-
-
-def release_store(store: Any) -> None:
-    """Drop one reference; the last one flushes and closes the store."""
-    with _stores_lock:
-        for ident, entry in list(_stores.items()):
-            if entry[0] is store:
-                entry[1] -= 1
-                if entry[1] > 0:
-                    return
-                del _stores[ident]
-                break
-        else:
-            return
-    try:
-        store.flush()
-    finally:
-        store.close()
-
-
-@atexit.register
-def _close_all_stores() -> None:
-    with _stores_lock:
-        entries = list(_stores.values())
-        _stores.clear()
-    for store, _ in entries:
-        try:
-            store.flush()
-            store.close()
-        except Exception:  # noqa: BLE001 - interpreter shutdown: best effort
-            pass
 
 
 # -- KV-head shards -------------------------------------------------------------------

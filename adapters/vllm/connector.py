@@ -7,7 +7,8 @@ key namespaces here) and hands each hook to the object of its role, as vLLM's ow
 * scheduler role -> :class:`~.scheduler.TierKVScheduler` (lookups, allocation,
   step plans, finished requests);
 * worker role -> :class:`~.worker.TierKVWorker` (KV cache, store, loads, saves,
-  the lookups it answers).
+  the probes it answers), over a store leased from the process's registry
+  (registry.py).
 
 Metadata (scheduler -> workers) is in metadata.py, counters in stats.py, and
 what happens when the engine goes down in lifecycle.py.  A model with several KV
@@ -33,14 +34,13 @@ from . import lifecycle
 from .config import (
     ConnectorOptions,
     EngineInfo,
-    acquire_store,
     base_namespace,
     kv_shard,
     parse_options,
-    release_store,
     shard_from_replicas,
 )
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
+from .registry import STORES
 from .scheduler import TierKVScheduler
 from .stats import TierKVConnectorStats
 from .trace_hook import RequestTracer
@@ -206,11 +206,12 @@ class TierKVConnector(KVConnectorBase_V1):
             if getattr(vllm_config, "shutdown_timeout", 0) == 0:
                 lifecycle.on_engine_signal(self.scheduler.ask_workers_to_shut_down)
         else:
-            store = acquire_store(options.store_config)
+            # the process's store for this config, leased: the worker's shutdown gives it back
+            lease = STORES.acquire(options.store_config)
             try:
-                self.worker = TierKVWorker(options, info, store, release=release_store)
+                self.worker = TierKVWorker(options, info, lease.store, release=lambda _store: lease.release())
             except BaseException:
-                release_store(store)
+                lease.release()
                 raise
             self._watch(self.worker)
             lifecycle.on_engine_signal(self.worker.shutdown)
@@ -224,7 +225,7 @@ class TierKVConnector(KVConnectorBase_V1):
     def _watch(worker: TierKVWorker) -> None:
         watcher = lifecycle.Watcher.get()
         if watcher is not None:
-            worker.report = watcher.watch(f"tp{worker.tp_rank}-{id(worker):x}", worker.lookup_path)
+            worker.report = watcher.watch(f"tp{worker.tp_rank}-{id(worker):x}", worker.socket_paths)
             worker.report("totals", worker.totals.reduce())
 
     # ---- scheduler side -----------------------------------------------------------

@@ -21,7 +21,7 @@ a path that does run:
   process (reaper.py) that vLLM's kill does not reach: the worker sends it its
   totals as they change; if the worker dies before its connector shut down, the
   watcher prints the totals line and removes any file socket left behind.
-  Lookup sockets live in the abstract namespace on Linux (nothing to leave), and
+  Channel sockets live in the abstract namespace on Linux (nothing to leave), and
   a worker start removes file sockets of dead predecessors (lookup.py).
 """
 
@@ -150,7 +150,8 @@ class Watcher:
         except OSError:
             pass  # the watcher is gone: nothing more to tell it
 
-    def watch(self, ident: str, socket_path: str | None) -> Callable[[str, dict | None], None]:
-        """Register a worker; returns its ``report(kind, payload)`` (kinds: totals, logged, clean)."""
-        self.send("start", ident, {"socket": socket_path})
+    def watch(self, ident: str, socket_paths: list[str]) -> Callable[[str, dict | None], None]:
+        """Register a worker and its channels' sockets; returns its ``report(kind, payload)`` (kinds: totals,
+        logged, clean)."""
+        self.send("start", ident, {"sockets": list(socket_paths)})
         return lambda kind, payload=None: self.send(kind, ident, payload)  # type: ignore[misc]  # (a lambda's default)

@@ -26,19 +26,26 @@ from tierkv.buffers import HostViews
 
 from .metadata import LoadSpec
 from .paged import Cuts, PagedLayer
+from .probe import StoredChunk
 
 logger = logging.getLogger("vllm.tierkv.loading")
 
 
 @dataclass
 class LoadObj:
-    """One stored chunk to read: ``targets[i]`` receives block ``first+i`` (None: read and dropped)."""
+    """One stored chunk to read: ``targets[i]`` receives block ``first+i`` (None: read and dropped).
+
+    ``last_key`` is its key in the last layer (from the lookup that found it) and
+    ``tier`` the tier that lookup found it in.
+    """
 
     req_id: str
     salt: str | None
     key_hash: bytes
     first: int
     targets: list[int | None]
+    last_key: str
+    tier: str | None
 
     @functools.cached_property
     def num_targets(self) -> int:
@@ -68,6 +75,10 @@ class _Batch:
         self.req_blocks: dict[str, int] = {}
         for o in objs:
             self.req_blocks[o.req_id] = self.req_blocks.get(o.req_id, 0) + o.num_targets
+
+    def last_keys(self) -> list[str]:
+        """The chunks' keys in the last layer, as the lookup that found them made them (hashed once)."""
+        return [o.last_key for o in self.objs]
 
     def keys(self, layer_keys: Callable[[int, list[bytes], str | None], list[str]], layer: int) -> list[str]:
         if len(self.by_salt) == 1:
@@ -118,21 +129,22 @@ class LoadJob:
 class Loader:
     """Runs load jobs for one worker.
 
-    ``resolve(hashes, base, lo, hi, salt, where)`` names the stored chunks (the
-    worker's, last layer only); ``layer_keys(layer, hashes, salt)`` the keys of
-    chunks named by their hashes (bytes); ``store()`` the store to read (looked up
-    on each job, so a test may wrap it).
+    ``stored(hashes, base, lo, hi, salt)`` names the stored chunks (the worker's
+    prober, last layer only: ``StoredChunk`` s with their last-layer keys and
+    tiers); ``layer_keys(layer, hashes, salt)`` the keys of chunks named by their
+    hashes (bytes); ``store()`` the store to read (looked up on each job, so a test
+    may wrap it).
     """
 
     def __init__(self, *, layers: list[str], paged: dict[str, PagedLayer], block_size: int,
-                 store: Callable[[], Any], resolve: Callable[..., list],
+                 store: Callable[[], Any], stored: Callable[[list[bytes], int, int, int, str | None], list[StoredChunk]],
                  layer_keys: Callable[[int, list[bytes], str | None], list[str]],
                  tp_rank: int = 0, tp_size: int = 1) -> None:
         self._layers = layers
         self._paged = paged
         self._bs = block_size
         self._store = store
-        self._resolve = resolve
+        self._stored = stored
         self._layer_keys = layer_keys
         self._tp_rank, self._tp_size = tp_rank, tp_size
         self._discard: dict = {}  # buffers for bytes read and dropped (one job at a time uses them)
@@ -155,11 +167,8 @@ class Loader:
             self._pool = None
 
     # ---- planning -------------------------------------------------------------------
-    def plan(self, job: LoadJob, specs: list[LoadSpec], where: dict[str, str | None] | None = None) -> list[LoadObj]:
-        """The stored chunks that fill the specs' blocks; blocks none covers fail at once.
-
-        ``where`` is filled with the tier of each last-layer key looked at.
-        """
+    def plan(self, job: LoadJob, specs: list[LoadSpec]) -> list[LoadObj]:
+        """The stored chunks that fill the specs' blocks; blocks none covers fail at once."""
         objs: list[LoadObj] = []
         for spec in specs:
             lo, hi = spec.start, spec.start + len(spec.block_ids)
@@ -167,15 +176,15 @@ class Loader:
                 (hi - lo) * self._bs
             job.nblocks += hi - lo
             try:
-                chunks = self._resolve(spec.block_hashes, spec.hash_base, lo, hi, spec.cache_salt, where)
+                chunks = self._stored(spec.block_hashes, spec.hash_base, lo, hi, spec.cache_salt)
             except Exception as e:  # noqa: BLE001 - a broken backend is a miss
                 logger.warning("TierKVConnector: lookup failed for %s: %s", spec.req_id, e)
                 chunks = []
             reach = lo
-            for first, last in chunks:
+            for first, last, key, tier in chunks:
                 targets = [spec.block_ids[b - lo] if lo <= b < hi else None for b in range(first, last + 1)]
                 objs.append(LoadObj(spec.req_id, spec.cache_salt, spec.block_hashes[last - spec.hash_base],
-                                    first, targets))
+                                    first, targets, key, tier))
                 reach = last + 1
             lost = spec.block_ids[max(0, reach - lo):]
             if lost:  # evicted since the scheduler looked: recomputed
@@ -199,16 +208,15 @@ class Loader:
                 job.ntokens = job.nblocks * self._bs
 
     def _run_inner(self, job: LoadJob, specs: list[LoadSpec]) -> None:
-        found: dict[str, str | None] = {}
-        objs = self.plan(job, specs, found)
+        objs = self.plan(job, specs)
         batch = _Batch(objs) if objs else None
         last_keys: list[str] = []
         if batch is not None:
             # which tier serves each chunk (for stats; the load itself does not depend on it),
-            # as the plan's own store calls found it; these keys are the last layer's load keys too
-            last_keys = batch.keys(self._layer_keys, job.num_layers - 1)
-            for o, k in zip(objs, last_keys):
-                job.count_hits(o.req_id, found.get(k) or "miss", o.num_targets * self._bs)
+            # as the plan's lookup found it; the lookup's keys are the last layer's load keys too
+            last_keys = batch.last_keys()
+            for o in objs:
+                job.count_hits(o.req_id, o.tier or "miss", o.num_targets * self._bs)
         if not self.layerwise:
             t = time.perf_counter()
             try:

@@ -1,22 +1,17 @@
-"""Scheduler -> worker lookups.
+"""The channels between the scheduler and its workers: Unix sockets carrying typed requests.
 
 vLLM's scheduler decides how many tokens to load, but the store that holds
 them lives with the workers, often in other processes (vLLM starts workers as
-separate processes even for one rank).  Each worker therefore answers lookups
-for its own store on a local socket; the scheduler asks the workers of every
+separate processes even for one rank).  Each worker therefore serves its own
+store's answers on local sockets; the scheduler asks the workers of every
 KV-head shard and takes the smallest answer.  When scheduler and worker share a
-process, the call is direct.
+process, the call is direct (no socket, the same checks).
 
-Requests are ``(op, args)`` tuples over ``multiprocessing.connection`` (Unix
-socket, authenticated with a key derived from the engine id):
-
-``("lookup", (hashes, base, lo, hi, salt))`` -> blocks ``lo..hi-1`` stored for every
-layer, counted from ``lo`` (``hashes[i]`` is block ``base+i``'s hash)
-``("locate", (hashes, base, lo, hi, salt))`` -> ``[(tier name, locality) | None]`` per block
-``("probe", (hashes, 0, lo, hi, salt))`` -> ``(reach, held, where)``: a request's whole lookup in one
-round trip (hashes from block 0): ``lookup`` of ``lo..hi-1``, ``lookup`` of ``0..lo-1``, and ``locate``
-of the ``reach`` blocks found from ``lo``
-``("shutdown", ())`` -> None: the worker drains and closes (the engine is going down)
+A worker has one socket per :class:`~.service.Channel`, each carrying one request
+type of service.py over ``multiprocessing.connection`` (authenticated with a key
+derived from the engine id): ``lookup`` (``ProbeRequest`` -> ``ProbeAnswer``) and
+``lifecycle`` (``ShutdownRequest``).  A reply is ``("ok", answer)`` or
+``("error", message)``; a request of another type is an error that names it.
 
 Sockets leave nothing behind: on Linux they live in the abstract namespace
 (the kernel drops the name when its owner dies, however it dies); elsewhere they
@@ -26,7 +21,6 @@ listens on it) is removed when a worker starts (:func:`sweep_stale_sockets`).
 
 from __future__ import annotations
 
-import atexit
 import glob
 import hashlib
 import logging
@@ -40,15 +34,18 @@ from collections.abc import Callable
 from multiprocessing.connection import Client, Listener
 from typing import TYPE_CHECKING, Any, Optional, cast
 
+from .service import REQUEST_TYPE, Channel
+
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
 
 log = logging.getLogger("tierkv.adapters.vllm")
 
-Handler = Callable[..., Any]  # handler(op, *args)
+#: a channel's handler: its request in, the answer out
+Handler = Callable[[Any], Any]
 
-# in-process workers: address -> handler (a scheduler in the same process calls it directly)
-_local: dict[str, Handler] = {}
+# in-process workers: address -> (channel, handler) (a scheduler in the same process calls it directly)
+_local: dict[str, tuple[Channel, Handler]] = {}
 _local_lock = threading.Lock()
 
 
@@ -58,14 +55,17 @@ ABSTRACT = sys.platform.startswith("linux")
 SOCKET_GLOB = "tierkv-*.sock"
 
 
-def endpoint(engine_id: str, dp_rank: int, tp_rank: int, abstract: bool | None = None) -> tuple[str, bytes]:
-    """Socket address and auth key of one worker's lookup service.
+def endpoint(engine_id: str, dp_rank: int, tp_rank: int, channel: Channel = Channel.LOOKUP,
+             abstract: bool | None = None) -> tuple[str, bytes]:
+    """Socket address and auth key of one worker's ``channel``.
 
-    The address is ``tierkv-<hash>-<tp_rank>.sock``: in the abstract namespace
-    (a leading NUL) on Linux, else a file in the temp directory.
+    The address is ``tierkv-<hash>-<tp_rank>.sock`` (lookups) or
+    ``tierkv-<hash>-<tp_rank>-lifecycle.sock``: in the abstract namespace (a leading
+    NUL) on Linux, else a file in the temp directory.
     """
     digest = hashlib.sha256(f"tierkv-lookup\x00{engine_id}\x00{dp_rank}".encode()).hexdigest()
-    name = f"tierkv-{digest[:20]}-{tp_rank}.sock"
+    suffix = "" if channel is Channel.LOOKUP else f"-{channel.value}"
+    name = f"tierkv-{digest[:20]}-{tp_rank}{suffix}.sock"
     use_abstract = ABSTRACT if abstract is None else abstract
     path = "\x00" + name if use_abstract else os.path.join(tempfile.gettempdir(), name)
     return path, hashlib.sha256(b"tierkv-auth\x00" + engine_id.encode()).digest()
@@ -118,15 +118,24 @@ def sweep_stale_sockets(directory: str | None = None) -> list[str]:
     return removed
 
 
-class LookupServer:
-    """Serves one worker's lookups on a Unix socket (and in-process)."""
+def answer(channel: Channel, handler: Handler, request: Any) -> Any:
+    """``handler``'s answer to ``request``, which must be the one request type ``channel`` carries."""
+    want = REQUEST_TYPE[channel]
+    if not isinstance(request, want):
+        raise TypeError(f"the {channel.value} channel takes a {want.__name__}, got {type(request).__name__}")
+    return handler(request)
 
-    def __init__(self, path: str, authkey: bytes, handler: Handler) -> None:
+
+class ChannelServer:
+    """Serves one of a worker's channels on a Unix socket (and in-process)."""
+
+    def __init__(self, path: str, authkey: bytes, channel: Channel, handler: Handler) -> None:
         self.path = path
+        self.channel = channel
         self._handler = handler
         self._closed = False
         with _local_lock:
-            _local[path] = handler
+            _local[path] = (channel, handler)
         self._is_file = not path.startswith("\x00")
         try:
             if self._is_file and os.path.exists(path) and _is_stale(path, _bound_unix_paths()):
@@ -136,9 +145,8 @@ class LookupServer:
             log.warning("tierkv: lookup socket %s unavailable: %s", path, e)
             self._listener = None
             return
-        self._thread = threading.Thread(target=self._accept, name="tierkv-lookup", daemon=True)
+        self._thread = threading.Thread(target=self._accept, name=f"tierkv-{channel.value}", daemon=True)
         self._thread.start()
-        atexit.register(self.close)  # workers are often stopped without a connector shutdown
 
     def _accept(self) -> None:
         while not self._closed:
@@ -148,13 +156,14 @@ class LookupServer:
                 if self._closed:
                     return
                 continue
-            threading.Thread(target=self._serve, args=(conn,), name="tierkv-lookup-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn,), name=f"tierkv-{self.channel.value}-conn",
+                             daemon=True).start()
 
     def _serve(self, conn) -> None:
         with conn:
             while not self._closed:
                 try:
-                    op, args = conn.recv()
+                    request = conn.recv()
                 except (EOFError, OSError):
                     return
                 except Exception as e:  # noqa: BLE001 - a malformed message from an authenticated peer
@@ -165,7 +174,7 @@ class LookupServer:
                         return
                     continue
                 try:
-                    reply = ("ok", self._handler(op, *args))
+                    reply = ("ok", answer(self.channel, self._handler, request))
                 except Exception as e:  # noqa: BLE001 - reported to the caller, never fatal here
                     reply = ("error", repr(e))
                 try:
@@ -200,8 +209,8 @@ class LookupServer:
                     pass
 
 
-class LookupClient:
-    """The scheduler's handle on one worker's lookup service."""
+class ChannelClient:
+    """The scheduler's handle on one of a worker's channels."""
 
     def __init__(self, path: str, authkey: bytes, connect_timeout: float = 5.0) -> None:
         self.path = path
@@ -210,20 +219,21 @@ class LookupClient:
         self._conn: Optional[Connection] = None
         self._lock = threading.Lock()
 
-    def _handler(self) -> Handler | None:
+    def _in_process(self) -> tuple[Channel, Handler] | None:
         with _local_lock:
             return _local.get(self.path)
 
-    def call(self, op: str, *args: Any) -> Any:
-        h = self._handler()
-        if h is not None:
-            return h(op, *args)
+    def call(self, request: Any) -> Any:
+        """The worker's answer to ``request``; a ``RuntimeError`` carries the worker's error."""
+        local = self._in_process()
+        if local is not None:
+            return answer(*local, request)
         with self._lock:
             for attempt in range(2):
                 if self._conn is None:
                     self._conn = self._connect()
                 try:
-                    self._conn.send((op, args))
+                    self._conn.send(request)
                     status, value = self._conn.recv()
                     break
                 except (EOFError, OSError):
@@ -231,19 +241,19 @@ class LookupClient:
                     if attempt:
                         raise
             if status != "ok":
-                raise RuntimeError(f"worker lookup failed: {value}")
+                raise RuntimeError(f"worker {type(request).__name__} failed: {value}")
             return value
 
-    def post(self, op: str, *args: Any) -> None:
-        """Send ``op`` without waiting for the answer (used while the engine goes down)."""
-        h = self._handler()
-        if h is not None:
-            h(op, *args)
+    def post(self, request: Any) -> None:
+        """Send ``request`` without waiting for the answer (used while the engine goes down)."""
+        local = self._in_process()
+        if local is not None:
+            answer(*local, request)
             return
         with self._lock:
             if self._conn is None:
                 self._conn = self._connect()
-            self._conn.send((op, args))
+            self._conn.send(request)
 
     def _connect(self):
         deadline = time.monotonic() + self._timeout

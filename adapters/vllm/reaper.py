@@ -5,7 +5,7 @@ the parent exits at once (the worker reaps it) and the child, now an orphan in
 a session of its own, is beyond vLLM's kill of the engine's process tree and
 its process group.  It reads JSON lines ``[kind, worker id, payload]``:
 
-* ``start`` (payload ``{"socket": path | None}``): a worker began;
+* ``start`` (payload ``{"sockets": [path, ...]}``): a worker began, serving on these sockets;
 * ``totals`` (payload: the worker's reduced totals): its latest counters;
 * ``logged``: the worker printed its totals line itself (its shutdown began);
 * ``clean``: that worker shut down its connector itself.
@@ -34,7 +34,7 @@ def _main(worker_pid: str) -> None:
         except ValueError:
             continue
         if kind == "start":
-            workers[ident] = {"socket": (payload or {}).get("socket"), "totals": None, "logged": False}
+            workers[ident] = {"sockets": (payload or {}).get("sockets") or [], "totals": None, "logged": False}
         elif kind == "totals" and ident in workers:
             workers[ident]["totals"] = payload
         elif kind == "logged" and ident in workers:
@@ -42,12 +42,12 @@ def _main(worker_pid: str) -> None:
         elif kind == "clean":
             workers.pop(ident, None)
     for ident, w in workers.items():
-        path = w["socket"]
-        if path and not path.startswith("\0"):
-            try:
-                os.unlink(path)
-            except OSError:
-                pass
+        for path in w["sockets"]:
+            if path and not path.startswith("\0"):
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
         if w["logged"]:
             continue
         totals = w["totals"] or {}

@@ -1,17 +1,40 @@
-"""What the worker's save thread is handed: a step's save plan per request, and one put per layer.
+"""The worker's save path: each step's save plans, the save thread, and which requests' saves are done.
 
 A ``SavePlan`` is made once per request and step (the chunks this rank saves, their
 block hashes as bytes, and where their blocks lie in the paged cache); every layer
 of the step reuses it, so the per-layer work is one ``SaveItem``: the plan, the
 layer, and the chunks' bytes when the engine thread had to stage them.
+
+:class:`Saver` runs the puts on one background thread (``tierkv-save``), one
+``put_detailed`` per item, and counts each answer (``SaveTally``).  While a step
+also loads, its saves are *held* until the load's verdict: a failed load taints
+the blocks computed from it, so the saves from the first failed block on are
+dropped (:meth:`Saver.release_held`).  A request is reported finished once no save
+of it is pending; a preempted request's pending saves are waited for before vLLM
+frees its blocks.
 """
 
 from __future__ import annotations
 
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from tierkv.outcome import PutOutcome
+
+from .accounting import WorkerCounters
 from .chunks import Chunk
-from .config import block_hash_bytes
-from .metadata import SaveSpec
-from .paged import Cuts
+from .config import ShardInfo, block_hash_bytes
+from .layer_keys import LayerKeys
+from .metadata import SaveSpec, TierKVConnectorMetadata
+from .paged import Cuts, PagedLayer
+from .stats import SaveTally
+
+logger = logging.getLogger("vllm.tierkv.saving")
 
 
 class SavePlan:
@@ -46,3 +69,173 @@ class SaveItem:
     def chunks(self) -> list[Chunk]:
         chunks = self.plan.chunks
         return chunks if self.keep is None else [chunks[j] for j in self.keep]
+
+
+class Saver:
+    """Puts a worker's step saves on its save thread and tracks them per request.
+
+    ``store()`` is the store to put into (looked up per put, so a caller may wrap
+    it); ``paged`` the worker's layers (filled by ``register_kv_caches``).
+    ``split_writes``: replicas of this KV-head shard share the tiers, so each saves
+    its share of the chunks only.
+    """
+
+    def __init__(self, *, keys: LayerKeys, layers: list[str], paged: dict[str, PagedLayer], chunk_blocks: int,
+                 shard: ShardInfo, split_writes: bool, store: Callable[[], Any], counters: WorkerCounters) -> None:
+        self._keys = keys
+        self._layers = layers
+        self._paged = paged
+        self._G = chunk_blocks
+        self._shard = shard
+        self._split_writes = split_writes
+        self._store = store
+        self._counters = counters
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-save")
+        self._cond = threading.Condition()
+        self._pending: collections.Counter = collections.Counter()
+        self._held: list[SaveItem] = []
+        self._plans: tuple[TierKVConnectorMetadata, list[SavePlan | None]] | None = None
+        #: requests a save was planned for that are not reported finished yet
+        self._planned: set[str] = set()
+        self._finished_waiting: set[str] = set()
+
+    # ---- the engine's thread ------------------------------------------------------
+    def note_planned(self, req_ids: set[str]) -> None:
+        """The scheduler holds these requests' blocks until each worker reports them (``finished``)."""
+        with self._cond:
+            self._planned.update(req_ids)
+
+    def forget_planned(self, req_ids: set[str]) -> None:
+        """The scheduler no longer waits for these requests' saves (their earlier life, before a preemption)."""
+        with self._cond:
+            self._planned.difference_update(req_ids)
+
+    def save_layer(self, meta: TierKVConnectorMetadata, layer: int, paged: PagedLayer, hold: bool) -> None:
+        """Queue the step's puts of one layer; ``hold``: the step loads, keep them until its verdict."""
+        # views of a CPU cache are cut, with the keys, on the save thread: nothing of the
+        # per-chunk work stays on the engine's thread.  A staged layout (device memory, strided
+        # views) is copied out here, in the engine's stream order, before the layer is reused.
+        direct = paged.is_flat()
+        for plan in self._plans_of(meta):
+            if plan is None:
+                continue
+            item = SaveItem(plan, layer, None if direct else paged.read_cut(plan.cuts))
+            with self._cond:
+                self._pending[plan.spec.req_id] += 1
+            if hold:
+                self._held.append(item)
+            else:
+                self._submit(item)
+
+    def clear_plans(self) -> None:
+        self._plans = None
+
+    @property
+    def holding(self) -> bool:
+        return bool(self._held)
+
+    def release_held(self, failed_blocks: set[int]) -> None:
+        """Submit the held saves, dropping from each request's first block in ``failed_blocks`` on."""
+        held, self._held = self._held, []
+        for item in held:
+            spec = item.plan.spec
+            cut = next((p for p, bid in enumerate(spec.table) if bid in failed_blocks), None) if failed_blocks else None
+            if cut is not None:
+                keep = [j for j, (_, last) in enumerate(item.plan.chunks) if last < cut]
+                if not keep:
+                    self._done(spec.req_id)
+                    continue
+                values = None if item.values is None else [item.values[j] for j in keep]
+                item = SaveItem(item.plan, item.layer, values, keep)
+            self._submit(item)
+
+    def _plans_of(self, meta: TierKVConnectorMetadata) -> list[SavePlan | None]:
+        """The step's save specs as this rank saves them (None: nothing of it here), made at its first layer."""
+        if self._plans is not None and self._plans[0] is meta:
+            return self._plans[1]
+        shard = self._shard
+        plans: list[SavePlan | None] = []
+        for spec in meta.saves:
+            if self._split_writes:
+                pos = [j for j, (first, _) in enumerate(spec.chunks)
+                       if (first // self._G) % shard.replicas == shard.replica]
+            else:
+                pos = list(range(len(spec.chunks)))
+            plans.append(SavePlan(spec, pos) if pos else None)
+        self._plans = (meta, plans)
+        return plans
+
+    # ---- the save thread ----------------------------------------------------------
+    def _submit(self, item: SaveItem) -> None:
+        try:
+            self._pool.submit(self._run, item)
+        except RuntimeError:  # shut down meanwhile: the save is abandoned
+            self._done(item.req_id)
+
+    def _done(self, rid: str) -> None:
+        with self._cond:
+            self._pending[rid] -= 1
+            if self._pending[rid] <= 0:
+                del self._pending[rid]
+            self._cond.notify_all()
+
+    def _run(self, item: SaveItem) -> None:
+        plan, layer, keep = item.plan, item.layer, item.keep
+        spec = plan.spec
+        chunks = item.chunks()
+        t0 = time.perf_counter()
+        tally = SaveTally()
+        try:
+            try:
+                keys = self._keys.keys(layer, plan.hashes if keep is None else [plan.hashes[j] for j in keep],
+                                       spec.cache_salt)
+                values = item.values
+                if values is None:
+                    cuts = plan.cuts if keep is None else Cuts([plan.cuts.objects[j] for j in keep])
+                    values = self._paged[self._layers[layer]].read_cut(cuts)
+                outcomes: list[PutOutcome] = self._store().put_detailed(keys, values)
+            except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
+                logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
+                outcomes = [PutOutcome.ERROR] * len(chunks)
+            tally = SaveTally.of(outcomes, chunks, self._paged[self._layers[layer]].block_nbytes)
+        finally:
+            tally.seconds = time.perf_counter() - t0
+            self._counters.add_save(spec.req_id, tally)
+            self._done(spec.req_id)
+
+    # ---- requests and shutdown ----------------------------------------------------
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Of the requests vLLM finished (now or earlier), those whose saves are all in the store."""
+        with self._cond:
+            self._finished_waiting |= finished_req_ids & self._planned
+            done = {r for r in self._finished_waiting if not self._pending.get(r)}
+            self._finished_waiting -= done
+            self._planned -= done
+            return done
+
+    def waiting(self) -> set[str]:
+        """Finished requests whose saves are still pending."""
+        with self._cond:
+            return set(self._finished_waiting)
+
+    def wait_for(self, req_ids: set[str]) -> None:
+        """Block until no save of ``req_ids`` is pending (their blocks are about to be freed)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not any(self._pending.get(r) for r in req_ids))
+
+    def pending(self) -> int:
+        with self._cond:
+            return sum(self._pending.values())
+
+    def wait_all(self, timeout: float | None = None) -> bool:
+        """Block until every queued save is in the store; False on timeout."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._pending, timeout=timeout)
+
+    def close(self, timeout: float | None) -> None:
+        """Wait up to ``timeout`` for the queued saves, abandon the rest, stop the save thread."""
+        if not self.wait_all(timeout):
+            logger.warning("TierKVConnector: %d save(s) still queued after %.1f s: abandoned", self.pending(),
+                           timeout)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        self._pool.shutdown(wait=True)

@@ -19,10 +19,14 @@ long: a request arriving alone starts at once instead of waiting a step for its
 load, while the batch waits for one memory-speed load a step at most; every other
 hit of the step (and any hit from disk or a remote tier) loads between steps.
 
-The store lives with the workers; questions go to them through ``ask`` (the
-lookup channel of lookup.py by default), one rank per KV-head shard, and the
-smallest answer wins.  An unreachable worker is a miss for a while, never a crash.
-The scheduler owns no store and no engine memory.
+The store lives with the workers; a request's question goes to them as a
+``ProbeRequest`` (service.py) through ``ask`` (the lookup channel of lookup.py by
+default), one rank per KV-head shard, and the smallest answer wins.  An
+unreachable worker is a miss for a while, never a crash.  What the scheduler keeps
+per request is two dataclasses: the last lookup's verdict (:class:`Lookup`, from
+``get_num_new_matched_tokens`` to ``update_state_after_alloc``) and the request's
+state between steps (:class:`RequestState`).  The scheduler owns no store and no
+engine memory.
 """
 
 from __future__ import annotations
@@ -35,8 +39,9 @@ from typing import Any
 
 from .chunks import plan_saves
 from .config import ConnectorOptions, EngineInfo
-from .lookup import LookupClient, endpoint
+from .lookup import ChannelClient, endpoint
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
+from .service import Channel, ProbeAnswer, ProbeRequest, ShutdownRequest, TierPlace
 
 try:  # vLLM >= 0.32
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -51,8 +56,8 @@ LOOKUP_BACKOFF_S = 10.0
 #: tiers a hit may be loaded from inside the step with ``load_async: "auto"`` (memory speed)
 INLINE_LOCALITIES = frozenset({"device", "host"})
 
-#: ask(tp_rank, op, hashes, base, lo, hi, salt) -> the worker's answer (see lookup.py)
-Ask = Callable[..., Any]
+#: ask(tp_rank, request) -> that rank's worker's answer (see service.py)
+Ask = Callable[[int, ProbeRequest], ProbeAnswer]
 
 
 def hit_source(locality: str | None):
@@ -65,6 +70,21 @@ def hit_source(locality: str | None):
         "remote": CacheHitSource.P2P,
         "disk": CacheHitSource.DISK,
     }.get(locality or "", CacheHitSource.EXTERNAL_UNSPECIFIED)
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A request's last lookup, kept from ``get_num_new_matched_tokens`` to ``update_state_after_alloc``."""
+
+    #: blocks vLLM holds, and the blocks past them the hit loads
+    local: int
+    hits: int
+    #: blocks known stored from block 0 (no save needed below it)
+    stored: int
+    #: the hit loads between steps
+    is_async: bool
+    #: where each block of the reach from ``local`` is (None: unknown)
+    where: list[TierPlace | None]
 
 
 @dataclass
@@ -84,6 +104,15 @@ class RequestState:
     hit_sources: dict[Any, int] = field(default_factory=dict)
 
 
+@dataclass
+class SchedulerTotals:
+    """Lookups made, tokens hit, and hit tokens by tier name (since the scheduler started)."""
+
+    lookups: int = 0
+    hit_tokens: int = 0
+    hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+
+
 class TierKVScheduler:
     """Scheduler-side logic of ``TierKVConnector`` (one per engine)."""
 
@@ -92,12 +121,12 @@ class TierKVScheduler:
         self.info = info
         self._bs = info.block_size
         self._G = max(1, options.chunk_tokens // info.block_size)
-        self._clients: dict[int, LookupClient] = {}
+        self._clients: dict[int, ChannelClient] = {}
         self._ask = ask or self._ask_worker
         self._lookup_down_until = 0.0
         self.requests: dict[str, RequestState] = {}
-        #: request id -> (local, hits, stored, max_blocks, is_async, tier of each reached block) of its last lookup
-        self._lookups: dict[str, tuple[int, int, int, int, bool, list]] = {}
+        #: request id -> its last lookup
+        self._lookups: dict[str, Lookup] = {}
         #: loads between steps not yet reported done: request id -> the blocks they fill
         self._async_in_flight: dict[str, set[int]] = {}
         #: requests an async load failed for: their next lookup is a miss
@@ -105,16 +134,18 @@ class TierKVScheduler:
         self._planned_saves: set[str] = set()
         #: hits this step (since the last build_connector_meta) loads in the step under load_async "auto"
         self._inline_this_step = 0
-        #: lookups made, tokens hit, and hit tokens by tier name
-        self.totals: dict[str, Any] = {"lookups": 0, "hit_tokens": 0, "hit_tokens_by_tier": {}}
+        self.totals = SchedulerTotals()
 
     # ---- asking the workers -------------------------------------------------------
-    def _ask_worker(self, tp_rank: int, op: str, *args: Any) -> Any:
+    def _ask_worker(self, tp_rank: int, request: ProbeRequest) -> ProbeAnswer:
         c = self._clients.get(tp_rank)
         if c is None:
-            path, key = endpoint(self.info.engine_id, self.info.dp_rank, tp_rank)
-            c = self._clients[tp_rank] = LookupClient(path, key)
-        return c.call(op, *args)
+            path, key = endpoint(self.info.engine_id, self.info.dp_rank, tp_rank, Channel.LOOKUP)
+            c = self._clients[tp_rank] = ChannelClient(path, key)
+        answer = c.call(request)
+        if not isinstance(answer, ProbeAnswer):
+            raise TypeError(f"worker {tp_rank} answered a probe with a {type(answer).__name__}")
+        return answer
 
     def _shard_ranks(self) -> list[int]:
         """One tensor-parallel rank per KV-head shard (the first replica)."""
@@ -128,19 +159,18 @@ class TierKVScheduler:
         top = min(len(request.block_hashes), -(-hi // G) * G)
         return [bytes(h) for h in request.block_hashes[base:top]], base
 
-    def probe(self, request: Any, local: int) -> tuple[int, int, list]:
-        """A request's whole lookup in one round trip per KV-head shard (the worker's ``probe``): the blocks
-        stored from ``local`` on, counted from there (``reach``); those of ``0..local-1`` stored, counted from
-        0 (``held``); and the (tier, locality) of each reached block, from the first shard."""
-        hashes, base = self.hash_window(request, 0, len(request.block_hashes))
-        hi = len(request.block_hashes)
-        reach, held, where = max(0, hi - local), local, []
+    def probe(self, request: Any, local: int) -> ProbeAnswer:
+        """A request's whole lookup in one round trip per KV-head shard (``ProbeRequest``): the smallest
+        ``reach`` and ``held`` of the shards, and where each reached block is, from the first shard."""
+        hashes = [bytes(h) for h in request.block_hashes]
+        ask = ProbeRequest(hashes, local, request.cache_salt)
+        reach, held, where = max(0, len(hashes) - local), local, []
         for i, rank in enumerate(self._shard_ranks()):
-            r, h, w = self._ask(rank, "probe", hashes, base, local, hi, request.cache_salt)
-            reach, held = min(reach, int(r)), min(held, int(h))
+            got = self._ask(rank, ask)
+            reach, held = min(reach, got.reach), min(held, got.held)
             if i == 0:
-                where = list(w)
-        return reach, held, where
+                where = got.where
+        return ProbeAnswer(reach, held, where[:reach])
 
     # ---- vLLM's scheduler hooks -----------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -157,13 +187,14 @@ class TierKVScheduler:
         max_blocks = min(len(hashes), (request.num_tokens - (0 if token_mode else 1)) // bs)
         local = num_computed_tokens // bs
         hits, held, reach = 0, 0, 0
-        where: list = []
+        where: list[TierPlace | None] = []
         if time.monotonic() >= self._lookup_down_until and (local or len(hashes) > local):
             try:
                 # one round trip: how far the full blocks are stored from ``local`` on (what is stored past
                 # max_blocks needs no save), whether the store already holds what vLLM has locally (decides
                 # what to save), and which tier holds each block of the hit (statistics)
-                reach, held, where = self.probe(request, local)
+                got = self.probe(request, local)
+                reach, held, where = got.reach, got.held, got.where
                 hits = max(0, min(reach, max_blocks - local))
             except Exception as e:  # noqa: BLE001 - an unreachable worker is a miss, never a crash
                 # do not stall scheduling on it: treat everything as a miss for a while
@@ -178,22 +209,22 @@ class TierKVScheduler:
             # and save what it computes
             self._async_failed.discard(request.request_id)
             hits, stored = 0, min(stored, local)
-        self.totals["lookups"] += 1
+        self.totals.lookups += 1
         ext = hits * bs
         if (local + hits) * bs >= request.num_tokens:  # only with full_hit_recompute="token"
             ext = max(0, request.num_tokens - 1 - local * bs)
         # (vLLM: never async with nothing to load; a block whose tier is unknown counts as a slow one)
-        is_async = ext > 0 and self._loads_between_steps(ext, (list(where[:hits]) + [None] * hits)[:hits])
-        self._lookups[request.request_id] = (local, hits, stored, max_blocks, is_async, where)
+        is_async = ext > 0 and self._loads_between_steps(ext, _padded(where, hits))
+        self._lookups[request.request_id] = Lookup(local, hits, stored, is_async, where)
         return ext, is_async
 
-    def _loads_between_steps(self, ext: int, where: list) -> bool:
-        """Whether a hit of ``ext`` tokens served from ``where`` (tier, locality per block) loads between steps."""
+    def _loads_between_steps(self, ext: int, where: list[TierPlace | None]) -> bool:
+        """Whether a hit of ``ext`` tokens served from ``where`` (one place per block) loads between steps."""
         mode = self.options.load_async
         if mode != "auto":
             return bool(mode)
         inline = (self._inline_this_step == 0 and ext <= self.options.load_inline_max_tokens
-                  and all(w is not None and w[1] in INLINE_LOCALITIES for w in where))
+                  and all(w is not None and w.locality in INLINE_LOCALITIES for w in where))
         if inline:
             self._inline_this_step += 1
         return not inline
@@ -207,7 +238,7 @@ class TierKVScheduler:
         look = self._lookups.pop(rid, None)
         if look is None:
             return
-        local, _, stored, _, is_async, found = look
+        local, stored = look.local, look.stored
         bs = self._bs
         num_external_tokens = max(0, int(num_external_tokens))
         st.next_chunk, st.tail_end = stored // self._G, stored
@@ -222,18 +253,17 @@ class TierKVScheduler:
             return
         st.block_ids = list(blocks.get_block_ids()[0])
         st.pending_load = (local, local + n_ext)
-        st.load_async = is_async
+        st.load_async = look.is_async
         # which tier will serve the hit (for stats and vLLM's cache-hit sources), as the lookup found it
-        where = (list(found[:n_ext]) + [None] * n_ext)[:n_ext]
-        by_tier = self.totals["hit_tokens_by_tier"]
-        for i, tl in enumerate(where):
-            name, locality = tl if tl is not None else ("unknown", None)
+        by_tier = self.totals.hit_tokens_by_tier
+        for i, place in enumerate(_padded(look.where, n_ext)):
+            name, locality = (place.tier, place.locality) if place is not None else ("unknown", None)
             n = min(bs, num_external_tokens - i * bs)  # hit tokens of this block
             by_tier[name] = by_tier.get(name, 0) + n
             src = hit_source(locality)
             if src is not None:
                 st.hit_sources[src] = st.hit_sources.get(src, 0) + n
-        self.totals["hit_tokens"] += num_external_tokens
+        self.totals.hit_tokens += num_external_tokens
 
     def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict | None:
         """Hit tokens by source, or None when they do not add up (the caller falls back)."""
@@ -343,10 +373,10 @@ class TierKVScheduler:
         """Tell every rank's worker to drain and close now (the engine is going down); waits for none."""
         for rank in range(self.info.tp_size):
             try:
-                path, key = endpoint(self.info.engine_id, self.info.dp_rank, rank)
-                c = LookupClient(path, key, connect_timeout=0.2)
+                path, key = endpoint(self.info.engine_id, self.info.dp_rank, rank, Channel.LIFECYCLE)
+                c = ChannelClient(path, key, connect_timeout=0.2)
                 try:
-                    c.post("shutdown")
+                    c.post(ShutdownRequest())
                 finally:
                     c.close()
             except Exception:  # noqa: BLE001 - gone already, or never started
@@ -356,3 +386,8 @@ class TierKVScheduler:
         for c in self._clients.values():
             c.close()
         self._clients.clear()
+
+
+def _padded(where: list[TierPlace | None], n: int) -> list[TierPlace | None]:
+    """``where``'s first ``n`` places, None past its end (a block whose tier is unknown)."""
+    return (where[:n] + [None] * n)[:n]

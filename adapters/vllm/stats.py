@@ -1,10 +1,9 @@
 """The connector's counters: vLLM's stats payload, per-request records, and how a put is counted.
 
 ``TierKVConnectorStats`` travels from the workers to vLLM's logger (one interval
-at a time) and also keeps a worker's totals.  :func:`put_outcome` is the one
-place that decides what a put's answer counts as, so when the store can say
-*why* a put was refused (admission, as opposed to an error) only that function
-changes.  Nothing here touches a store or an engine.
+at a time) and also keeps a worker's totals.  :meth:`SaveTally.of` is the one
+place that decides what a put's answers (``PutOutcome``) count as.  Nothing here
+touches a store or an engine.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from tierkv.store import PutOutcome
+from tierkv.outcome import PutOutcome
 
 from .chunks import Chunk
 from .prom import merge_store_snapshots
@@ -78,33 +77,9 @@ class TierKVConnectorStats(KVConnectorStats):
 
 
 # ---------------------------------------------------------------------------------------
-# saves: what a put's answer counts as
+# saves: what a put's answers count as
 # ---------------------------------------------------------------------------------------
-SAVED, REFUSED, FAILED = "saved", "refused", "failed"
-
-
-def put_outcome(result: Any) -> str:
-    """``SAVED``, ``REFUSED`` (the store declined to keep it) or ``FAILED`` for one key's put result.
-
-    ``result`` is a ``PutOutcome`` from ``TieredStore.put_detailed`` (stored or
-    present: saved; rejected by admission or no room: refused; a medium error:
-    failed), or a plain bool from a store without it (False counts as failed).
-    """
-    if isinstance(result, PutOutcome):
-        if result:
-            return SAVED
-        return FAILED if result is PutOutcome.ERROR else REFUSED
-    return SAVED if result else FAILED
-
-
 _FIRST, _LAST = operator.itemgetter(0), operator.itemgetter(1)
-
-
-def _all_saved(results: list[Any]) -> bool:
-    """Every answer counts as saved: counted in C (``all()`` would call ``PutOutcome.__bool__`` per answer)."""
-    n = len(results)
-    return (results.count(PutOutcome.STORED) + results.count(PutOutcome.PRESENT) == n
-            or results.count(True) == n)
 
 
 @dataclass
@@ -118,20 +93,30 @@ class SaveTally:
     seconds: float = 0.0
 
     @classmethod
-    def of(cls, results: list[Any], chunks: list[Chunk], block_nbytes: int) -> SaveTally:
-        """The tally of one put of ``chunks`` (``block_nbytes`` bytes per block), from its answers."""
+    def of(cls, results: list[PutOutcome], chunks: list[Chunk], block_nbytes: int) -> SaveTally:
+        """The tally of one ``put_detailed`` of ``chunks`` (``block_nbytes`` bytes per block), from its answers.
+
+        ``STORED`` and ``PRESENT`` count as saved blocks, ``ERROR`` as an error (a
+        medium failed), ``REJECTED`` and ``NO_ROOM`` as refused (the store declined to
+        keep the chunk: admission, or no room could be made).
+        """
         t = cls()
-        if _all_saved(results):  # the common case
-            t.blocks = sum(map(_LAST, chunks)) - sum(map(_FIRST, chunks)) + len(chunks)  # (in C loops)
+        n = len(results)
+        if n != len(chunks):
+            raise ValueError(f"a put answered {n} outcomes for {len(chunks)} chunks")
+        # the common case, counted in C (a loop would call PutOutcome.__bool__ per answer)
+        if results.count(PutOutcome.STORED) + results.count(PutOutcome.PRESENT) == n:
+            t.blocks = sum(map(_LAST, chunks)) - sum(map(_FIRST, chunks)) + n
         else:
             for res, (first, last) in zip(results, chunks):
-                kind = put_outcome(res)
-                if kind == SAVED:
+                if res is PutOutcome.STORED or res is PutOutcome.PRESENT:
                     t.blocks += last - first + 1
-                elif kind == REFUSED:
+                elif res is PutOutcome.ERROR:
+                    t.errors += 1
+                elif res is PutOutcome.REJECTED or res is PutOutcome.NO_ROOM:
                     t.refused += 1
                 else:
-                    t.errors += 1
+                    raise TypeError(f"a put answered {res!r}, not a PutOutcome")
         t.nbytes = t.blocks * block_nbytes
         return t
 

@@ -1,0 +1,111 @@
+"""A worker's bookkeeping: what its loads and saves moved, per interval, in total and per request.
+
+The save thread, the background loader and the engine's thread all report here;
+one lock guards every counter.  ``interval`` goes to vLLM with each step's stats
+(:meth:`WorkerCounters.take_interval`), ``totals`` into the totals line and the
+exit watcher, ``request_records`` into each finished request's log line.  Blocks
+that failed to load wait here until vLLM asks for them
+(:meth:`WorkerCounters.take_load_errors`).  Nothing here touches a store.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from typing import Any
+
+from .loading import LoadJob
+from .stats import RequestRecords, SaveTally, TierKVConnectorStats
+
+logger = logging.getLogger("vllm.tierkv.worker")
+
+
+class WorkerCounters:
+    """The counters of one worker (thread-safe)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.interval = TierKVConnectorStats()
+        self.totals = TierKVConnectorStats()
+        self.request_records = RequestRecords()
+        #: load jobs run: in the engine's step ("sync") and between steps ("async")
+        self.load_counts = {"sync": 0, "async": 0}
+        #: the last load jobs' per-layer timestamps (submit, begin, end, wait_return)
+        self.load_trace: collections.deque = collections.deque(maxlen=64)
+        self._load_errors: set[int] = set()
+        self._totals_sent: dict | None = None
+
+    def add_save(self, req_id: str, tally: SaveTally) -> None:
+        with self._lock:
+            tally.add_to(self.interval)
+            tally.add_to(self.totals)
+            self.request_records.add_save(req_id, tally)
+
+    def add_load(self, job: LoadJob, in_step: bool) -> None:
+        """Count one finished load job; ``in_step``: its failed blocks go to vLLM at the step's end."""
+        elapsed = max(job.end) - job.submit_t if job.end else 0.0
+        failed = set(job.failed_blocks)
+        with self._lock:
+            self.load_counts["sync" if in_step else "async"] += 1
+            if in_step:
+                self._load_errors |= failed
+            for s in (self.interval, self.totals):
+                d = s.data
+                d["load_requests"] += len(job.per_req)
+                d["load_blocks"] += job.nblocks
+                d["load_tokens"] += job.ntokens
+                d["load_bytes"] += job.nbytes
+                d["load_s"] += elapsed
+                d["load_errors"] += len(failed)
+                hits = d.setdefault("hit_tokens", {})
+                for tier, n in job.hit_tokens.items():
+                    hits[tier] = hits.get(tier, 0) + n
+            for rid, pr in job.per_req.items():
+                rec = self.request_records.record(rid)
+                rec["load_tokens"] += pr["tokens"]
+                rec["load_bytes"] += pr["bytes"]
+                rec["load_s"] += elapsed
+                for tier, n in pr["hit_tokens"].items():
+                    rec["hit_tokens"][tier] = rec["hit_tokens"].get(tier, 0) + n
+                if rid in job.failed_reqs:
+                    rec["load_errors"] += 1
+            self.load_trace.append(job.trace())
+        if failed:
+            logger.warning("TierKVConnector: %d block(s) failed to load; vLLM recomputes them", len(failed))
+
+    def add_load_errors(self, blocks: set[int]) -> None:
+        """Blocks to report as failed at the next :meth:`take_load_errors` (a load between steps)."""
+        with self._lock:
+            self._load_errors |= blocks
+
+    def take_load_errors(self) -> set[int]:
+        with self._lock:
+            out, self._load_errors = self._load_errors, set()
+        return out
+
+    def take_interval(self, due: bool) -> TierKVConnectorStats | None:
+        """The interval's counters (a fresh interval starts), or None when it moved nothing and ``due`` is false."""
+        with self._lock:
+            if self.interval.is_empty() and not due:
+                return None
+            out, self.interval = self.interval, TierKVConnectorStats()
+        return out
+
+    def reduced_totals(self) -> dict[str, Any]:
+        with self._lock:
+            return self.totals.reduce()
+
+    def totals_if_changed(self) -> dict[str, Any] | None:
+        """The reduced totals when they changed since the last call that returned them, else None."""
+        reduced = self.reduced_totals()
+        if reduced == self._totals_sent:
+            return None
+        self._totals_sent = reduced
+        return reduced
+
+    def summary(self, req_id: str) -> str | None:
+        """The log line of a finished request (None when it moved nothing)."""
+        with self._lock:
+            rec = self.request_records.get(req_id)
+            return RequestRecords.summary(req_id, rec) if rec is not None else None

@@ -1,0 +1,254 @@
+"""What a worker's store holds of a request: the scheduler's probe, and the chunks a load reads.
+
+Both questions are answered in one pass over the store (see chunks.py for which
+objects hold which blocks).  A chunk is stored when every layer holds its object.
+A pass asks the store in two *levels*, each one batched ``locate`` of every key
+the level needs, and keeps the answers per chunk:
+
+1. the last layer's keys of every full chunk the question can reach, and of the
+   tails that may end it (the first and the last chunk's), answered with the tier
+   holding each: the last layer is written last, so a chunk it lacks is not
+   stored, and a miss costs this one call;
+2. the other layers' keys of the chunks the last layer holds, answered per chunk
+   (does every other layer hold it), with the last layer's keys of the tails of a
+   chunk where its run broke early.
+
+A call after those is made only when an answer moved the end of the run to a chunk
+whose tails were not asked yet (a layer missing a chunk the last layer holds).
+Each key is hashed once per pass and asked about once; the tier of each chunk
+comes from the same answers.  A probe answers both of its questions (the blocks
+held below ``local`` and the reach from it) from one pass.
+
+Nothing here keeps state between passes: a pass is a question's scratch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from itertools import chain, repeat
+from typing import Any, NamedTuple
+
+from .chunks import Chunk, covered, resolve, tail_candidates
+from .layer_keys import LayerKeys
+from .service import ProbeAnswer, ProbeRequest, TierPlace
+
+_UNKNOWN: Any = object()  # not asked yet (an answer is a tier name, or None: absent)
+
+
+class StoredChunk(NamedTuple):
+    """A stored chunk of blocks ``first .. last``, its last layer's key and the tier holding that object."""
+
+    first: int
+    last: int
+    key: str
+    tier: str | None
+
+
+def _index(values: list, target: Any, stop: int) -> int:
+    """Position of the first ``target`` in ``values[:stop]`` (compared in C), or ``stop``."""
+    try:
+        return values.index(target, 0, stop)
+    except ValueError:
+        return stop
+
+
+def _unknown(ends: list[int], vals: list, lo: int, hi: int) -> list[int]:
+    """The ends of ``lo .. hi-1`` whose answer is unknown (all of them, the usual case, in one slice)."""
+    if vals[lo:hi].count(_UNKNOWN) == hi - lo:
+        return ends[lo:hi]
+    return [e for e, v in zip(ends[lo:hi], vals[lo:hi]) if v is _UNKNOWN]
+
+
+def _merged(parts: list[list[int]]) -> list[int]:
+    """The ends of every list, each once, in order (two windows may want the same chunk)."""
+    return parts[0] if len(parts) == 1 else list(dict.fromkeys(chain(*parts)))
+
+
+class _Pass:
+    """One question's answers from the store, asked for in batches (one ``locate`` per level).
+
+    ``hashes[i]`` names block ``base + i``; ``layers`` are the layers that must
+    hold a chunk, the first of them (the last layer) asked alone in the first
+    level, the others together in the second.
+    """
+
+    def __init__(self, keys: LayerKeys, store: Any, hashes: Sequence[bytes], base: int, salt: str | None,
+                 layers: list[int], G: int) -> None:
+        self._keys, self._store = keys, store
+        self._hashes, self._base, self._salt = hashes, base, salt
+        self.G = G
+        self.known = base + len(hashes)  # blocks with a hash: an object ending past them cannot be named
+        self._first, self._others = layers[0], layers[1:]
+        #: chunk end -> the tier holding the first layer's object (None: none)
+        self.first: dict[int, str | None] = {}
+        #: chunk end -> whether every other layer holds its object
+        self.others: dict[int, bool] = {}
+        #: the first layer's key of each chunk end asked about (the load reads by them)
+        self.first_keys: dict[int, str] = {}
+        self._ask_first: list[list[int]] = []
+        self._ask_others: list[list[int]] = []
+        self.calls = 0
+
+    def fetch(self) -> bool:
+        """Ask the store about every key wanted since the last call, in one call; False when none is."""
+        if not self._ask_first and not self._ask_others:
+            return False
+        first = _merged(self._ask_first) if self._ask_first else []
+        others = _merged(self._ask_others) if self._ask_others else []
+        self._ask_first, self._ask_others = [], []
+        hashes, base, salt = self._hashes, self._base, self._salt
+        keys = self._keys.keys(self._first, [hashes[e - base] for e in first], salt) if first else []
+        self.first_keys.update(zip(first, keys))
+        if others:
+            hs = [hashes[e - base] for e in others]  # (one conversion for every layer)
+            for layer in self._others:
+                keys += self._keys.keys(layer, hs, salt)
+        tiers = self._store.locate(keys)
+        self.calls += 1
+        n = len(first)
+        self.first.update(zip(first, tiers[:n]))
+        if others:
+            m = len(others)
+            held = [True] * m
+            for at in range(n, len(tiers), m):
+                row = tiers[at:at + m]
+                if None in row:  # (rare: a layer lost a chunk its last layer holds)
+                    for i, t in enumerate(row):
+                        if t is None:
+                            held[i] = False
+            self.others.update(zip(others, held))
+        return True
+
+    # ---- one window's chunks, as chunks.resolve defines them ----------------------------
+    def window(self, lo: int, hi: int) -> list[Chunk] | None:
+        """The stored chunks covering the leading blocks of ``lo .. hi-1`` (``chunks.resolve`` over the answers
+        so far), or None while answers are missing (then they are asked for: :meth:`fetch` them, call again)."""
+        settled = True
+
+        def full_present(ends: list[int]) -> int:
+            nonlocal settled
+            if self.first.get(ends[0], _UNKNOWN) is _UNKNOWN:
+                # the first level: also ask the tails of the first chunk, so that a miss costs one call
+                self._ask_first.append(tail_candidates(lo // self.G, lo, hi, self.known, self.G))
+            n, done = self._leading(ends)
+            settled = settled and done
+            return n
+
+        def tail_present(cands: list[int]) -> int | None:
+            nonlocal settled
+            j, done = self._first_stored(cands)
+            settled = settled and done
+            return j
+
+        found = resolve(lo, hi, self.known, self.G, full_present, tail_present)
+        return found if settled else None
+
+    def _leading(self, ends: list[int]) -> tuple[int, bool]:
+        """How many leading ``ends`` every layer holds, and whether that is settled (every answer in).
+
+        Unsettled, the count is what the answers so far allow (a chunk not yet
+        asked about counts as held) and the missing answers are asked for: the
+        first layer's of every chunk, the others' where the first layer holds it.
+        """
+        n = len(ends)
+        vals = list(map(self.first.get, ends, repeat(_UNKNOWN, n)))
+        n = _index(vals, None, n)
+        held = _index(vals, _UNKNOWN, n)  # ends[:held]: the first layer holds them
+        settled = held == n
+        if not settled:
+            self._ask_first.append(_unknown(ends, vals, held, n))
+        if self._others and held:
+            rest = list(map(self.others.get, ends[:held], repeat(_UNKNOWN, held)))
+            held = _index(rest, False, held)
+            n = min(n, held)
+            u = _index(rest, _UNKNOWN, held)
+            if u < held:
+                settled = False
+                self._ask_others.append(_unknown(ends, rest, u, held))
+        return n, settled
+
+    def _first_stored(self, cands: list[int]) -> tuple[int | None, bool]:
+        """The first of ``cands`` every layer holds (None: none), and whether that is settled."""
+        settled = True
+        for j in cands:
+            v = self.first.get(j, _UNKNOWN)
+            if v is None:
+                continue
+            if v is _UNKNOWN:
+                self._ask_first.append([j])
+                settled = False
+                continue
+            if self._others:
+                w = self.others.get(j, _UNKNOWN)
+                if w is False:
+                    continue
+                if w is _UNKNOWN:
+                    self._ask_others.append([j])
+                    settled = False
+                    continue
+            return (j, True) if settled else (None, False)
+        return None, settled
+
+
+class Prober:
+    """Answers a worker's questions about its store, each in one pass.
+
+    ``store()`` is the store to ask (looked up per question, so a caller may wrap
+    it); ``locality`` the declared locality of each tier by name.
+    """
+
+    def __init__(self, keys: LayerKeys, chunk_blocks: int, store: Callable[[], Any],
+                 locality: dict[str, str | None]) -> None:
+        self._keys = keys
+        self._G = chunk_blocks
+        self._store = store
+        self._locality = locality
+        self._places: dict[str, TierPlace] = {}
+        L = keys.num_layers
+        self._all_layers = [L - 1, *range(L - 1)]
+        self._last_layer = [L - 1]
+
+    def _run(self, p: _Pass, windows: list[tuple[int, int]]) -> list[list[Chunk]]:
+        while True:
+            got = [p.window(lo, hi) for lo, hi in windows]
+            if all(c is not None for c in got):
+                return got  # type: ignore[return-value]  # (none is None)
+            if not p.fetch():
+                raise RuntimeError("a probe pass asked for nothing yet is not settled")
+
+    def probe(self, request: ProbeRequest) -> ProbeAnswer:
+        """The scheduler's question about one request (service.py), answered in one pass."""
+        store = self._store()
+        if store is None:
+            raise RuntimeError("the connector's worker is shut down")
+        hashes, lo = request.hashes, request.local
+        hi = len(hashes)
+        p = _Pass(self._keys, store, hashes, 0, request.salt, self._all_layers, self._G)
+        windows = [(lo, hi)] + ([(0, lo)] if lo else [])
+        found = self._run(p, windows)
+        reach = covered(found[0], lo, hi)
+        held = covered(found[1], 0, lo) if lo else 0
+        where: list[TierPlace | None] = []
+        tiers = p.first
+        for first, last in found[0] if reach else ():
+            n = min(last + 1, hi) - max(first, lo)
+            where += [self._place(tiers.get(last))] * n
+        return ProbeAnswer(reach, held, where)
+
+    def chunks(self, hashes: Sequence[bytes], base: int, lo: int, hi: int, salt: str | None) -> list[StoredChunk]:
+        """The chunks a load of blocks ``lo .. hi-1`` reads (``hashes[i]`` names block ``base+i``), by the last
+        layer only (the one written last), each with its key in that layer and the tier holding it."""
+        store = self._store()
+        if store is None:
+            raise RuntimeError("the connector's worker is shut down")
+        p = _Pass(self._keys, store, hashes, base, salt, self._last_layer, self._G)
+        (found,) = self._run(p, [(lo, hi)])
+        return [StoredChunk(first, last, p.first_keys[last], p.first.get(last)) for first, last in found]
+
+    def _place(self, tier: str | None) -> TierPlace | None:
+        if tier is None:
+            return None
+        place = self._places.get(tier)
+        if place is None:
+            place = self._places[tier] = TierPlace(tier, self._locality.get(tier))
+        return place
