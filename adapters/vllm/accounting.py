@@ -15,6 +15,7 @@ import logging
 import threading
 from typing import Any
 
+from .load_mode import LoadMode
 from .loading import LoadJob
 from .stats import RequestRecords, SaveTally, TierKVConnectorStats
 
@@ -29,8 +30,8 @@ class WorkerCounters:
         self.interval = TierKVConnectorStats()
         self.totals = TierKVConnectorStats()
         self.request_records = RequestRecords()
-        #: load jobs run: in the engine's step ("sync") and between steps ("async")
-        self.load_counts = {"sync": 0, "async": 0}
+        #: load jobs run, by where they ran: in the engine's step or between steps
+        self.load_counts: dict[LoadMode, int] = dict.fromkeys(LoadMode, 0)
         #: the last load jobs' per-layer timestamps (submit, begin, end, wait_return)
         self.load_trace: collections.deque = collections.deque(maxlen=64)
         self._load_errors: set[int] = set()
@@ -42,13 +43,14 @@ class WorkerCounters:
             tally.add_to(self.totals)
             self.request_records.add_save(req_id, tally)
 
-    def add_load(self, job: LoadJob, in_step: bool) -> None:
-        """Count one finished load job; ``in_step``: its failed blocks go to vLLM at the step's end."""
+    def add_load(self, job: LoadJob, mode: LoadMode) -> None:
+        """Count one finished load job; one run in the step (``SYNC``) has its failed blocks reported to vLLM
+        at the step's end (an ``ASYNC`` one's go with its request: :meth:`add_load_errors`)."""
         elapsed = max(job.end) - job.submit_t if job.end else 0.0
         failed = set(job.failed_blocks)
         with self._lock:
-            self.load_counts["sync" if in_step else "async"] += 1
-            if in_step:
+            self.load_counts[mode] += 1
+            if mode is LoadMode.SYNC:
                 self._load_errors |= failed
             for s in (self.interval, self.totals):
                 d = s.data

@@ -10,8 +10,8 @@ the level needs, and keeps the answers per chunk:
    holding each: the last layer is written last, so a chunk it lacks is not
    stored, and a miss costs this one call;
 2. the other layers' keys of the chunks the last layer holds, answered per chunk
-   (does every other layer hold it), with the last layer's keys of the tails of a
-   chunk where its run broke early.
+   (does every other layer hold it), with every layer's keys of the tails of a
+   chunk where the last layer's run broke early.
 
 A call after those is made only when an answer moved the end of the run to a chunk
 whose tails were not asked yet (a layer missing a chunk the last layer holds).
@@ -176,6 +176,10 @@ class _Pass:
                 continue
             if v is _UNKNOWN:
                 self._ask_first.append([j])
+                if self.calls and self._others:
+                    # past the first level, a tail's layers are asked together: a run that broke in the
+                    # middle costs no third call
+                    self._ask_others.append([j])
                 settled = False
                 continue
             if self._others:

@@ -53,6 +53,7 @@ from .accounting import WorkerCounters
 from .async_loading import AsyncLoads
 from .config import ConnectorOptions, EngineInfo
 from .layer_keys import LayerKeys
+from .load_mode import LoadMode
 from .loading import Loader, LoadJob
 from .lookup import ChannelServer, endpoint, sweep_stale_sockets
 from .metadata import LoadSpec, TierKVConnectorMetadata
@@ -146,7 +147,7 @@ class TierKVWorker:
         return self.counters.request_records
 
     @property
-    def load_counts(self) -> dict[str, int]:
+    def load_counts(self) -> dict[LoadMode, int]:
         return self.counters.load_counts
 
     @property
@@ -221,12 +222,12 @@ class TierKVWorker:
 
     def _count_async_load(self, job: LoadJob) -> None:
         # the failed blocks go to vLLM with the request (get_finished), not at the step's end
-        self._settle(job, in_step=False)
+        self._settle(job, LoadMode.ASYNC)
 
-    def _settle(self, job: LoadJob, in_step: bool) -> None:
+    def _settle(self, job: LoadJob, mode: LoadMode) -> None:
         if job.future is not None:
             job.future.result()
-        self.counters.add_load(job, in_step)
+        self.counters.add_load(job, mode)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self.load_job
@@ -250,7 +251,7 @@ class TierKVWorker:
     def _finish_load_job(self) -> None:
         job, self.load_job = self.load_job, None
         if job is not None:
-            self._settle(job, in_step=True)
+            self._settle(job, LoadMode.SYNC)
         # submit the step's saves, dropping everything computed on a failed block
         self.saver.release_held(job.failed_blocks if job is not None else set())
 
