@@ -211,7 +211,8 @@ class Tier:
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
     def allocate(self, sizes: Sequence[int]) -> list[Any]:
-        """A code for an object of each size, its space taken now (None where none is free)."""
+        """A code for an object of each size, its space taken now (None where none is free; what a None could
+        not place takes nothing).  Sizes are ints >= 0 (``TypeError`` / ``ValueError`` otherwise)."""
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
     def write_at(self, codes: Sequence[int], srcs: Sequence[Parts], ptrs: Optional[Sequence[int]] = None) -> None:
@@ -230,7 +231,9 @@ class Tier:
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
     def free_at(self, codes: Sequence[int]) -> None:
-        """Give back the space of each code."""
+        """Give back the space of each code (a no-op on a closed tier).  A code that is not live raises
+        ``ValueError`` here and in every located call, as far as the tier can tell (all are checked before any
+        is freed); ``ptrs`` callers vouch for their codes (tests/test_located_conformance.py)."""
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
     def views_at(self, codes: Sequence[int]) -> Optional[list[Parts]]:
