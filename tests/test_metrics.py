@@ -68,6 +68,7 @@ def test_scraped_while_the_store_works(store):
     finally:
         stop.set()
         t.join()
+    assert store.drain_write_behind(timeout=60)  # (background copies settled: the two snapshots below agree)
     # counters never go down between scrapes taken while the store works
     for name in ("tierkv_tier_hits_total", "tierkv_tier_written_bytes_total", "tierkv_tier_evictions_total"):
         vals = [s[tier(name, "dram")] for s in seen]

@@ -142,7 +142,7 @@ def test_admission_is_asked_once_per_placement_and_every_no_is_counted():
     # each chunk was asked about once for the write-behind copy, and refused: counted once each
     assert no.asked == 3
     low = store.stats()["low"]
-    assert low["rejected"] == low["admission_rejected"] == 3 and low["admission_admitted"] == 0
+    assert low["rejected"] == low["admission"]["rejected"] == 3 and low["admission"]["admitted"] == 0
     assert store.locate(["a", "b", "c"]) == ["top"] * 3
     store.close()
 
@@ -157,7 +157,7 @@ def test_a_throttled_chunk_goes_on_and_is_counted_apart_from_a_rejection():
     assert store.put(["a", "b"], [val(1), val(2)]) == [True, True]
     assert store.locate(["a", "b"]) == ["top", "low"]
     top = store.stats()["top"]
-    assert (top["admission_admitted"], top["admission_throttled"], top["admission_rejected"]) == (1, 1, 0)
+    assert top["admission"] == {"admitted": 1, "rejected": 0, "throttled": 1}
     assert top["rejected"] == 0
     store.close()
 

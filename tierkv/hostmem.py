@@ -180,7 +180,7 @@ class StagingPool:
     between batches; ``release`` lets every idle one go (a store's ``close``).
     """
 
-    def __init__(self, keep: int = 4) -> None:
+    def __init__(self, keep: int = 2) -> None:
         self._free: list[StagingArena] = []
         self._lent = 0
         self._keep = keep

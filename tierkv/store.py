@@ -408,8 +408,7 @@ class TieredStore:
                 }
                 if lvl.eviction is not None:
                     d["eviction"] = getattr(lvl.eviction, "name", type(lvl.eviction).__name__)
-                for answer, n in lvl.admissions.as_dict().items():  # (each answer the store acted on)
-                    d["admission_" + answer] = n
+                d["admission"] = lvl.admissions.as_dict()  # (each answer the store acted on)
                 try:
                     extra = lvl.tier.extra_stats()
                 except Exception as e:  # noqa: BLE001 - a medium's stats never break stats()

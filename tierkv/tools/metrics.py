@@ -136,6 +136,7 @@ STORE_COUNTER_HELP = {
     "bytes_put": "Bytes of the chunks puts stored",
     "bytes_got": "Bytes of the chunks gets found",
     "write_behind_queued": "Chunks handed to the write-behind queue",
+    "promotions_dropped": "Promotions the background queue gave up (full, closing, or a failed batch)",
     "write_behind_dropped": "Acknowledged chunks whose copy into a persistent tier was given up, by reason "
                             "(flush() names them)",
 }
