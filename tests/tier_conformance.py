@@ -16,6 +16,7 @@ import itertools
 import threading
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
@@ -448,10 +449,13 @@ class LocatedTierConformance:
         for bad in ([-1], [1, -8]):
             with pytest.raises(ValueError, match="size"):
                 tier.allocate(bad)
-        for bad in ([1.5], ["8"], [None]):
+        for bad in ([1.5], ["8"], [None], [True], 8, "8"):
             with pytest.raises(TypeError, match="size"):
                 tier.allocate(bad)
         assert tier.used_bytes == 0  # and nothing was taken
+        codes = tier.allocate(list(np.array([8, 16], dtype=np.int64)))  # an integer of any type is a size
+        assert None not in codes and [tier.code_nbytes(c) for c in codes] == [8, 16]
+        tier.free_at(codes)
         assert tier.allocate([tier.capacity_bytes]) != [None]
 
     def test_codes_it_never_gave_out_are_refused(self, make_tier):

@@ -29,6 +29,7 @@ memory a copy is using.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -94,10 +95,10 @@ def _check_sizes(name: str, sizes: Sequence[int]) -> Sequence[int]:
     if not sizes:
         return sizes
     if set(map(type, sizes)) != _INT:  # (one C pass for the common case)
-        for n in sizes:
-            if not isinstance(n, int) or isinstance(n, bool):
+        for n in sizes:  # any integer type (numpy's too), but not a bool
+            if isinstance(n, bool) or not hasattr(type(n), "__index__"):
                 raise TypeError(f"tier {name!r}: sizes must be ints, got {n!r} ({type(n).__name__})")
-        sizes = [int(n) for n in sizes]
+        sizes = [operator.index(n) for n in sizes]
     if min(sizes) < 0:
         raise ValueError(f"tier {name!r}: sizes must be >= 0, got {min(sizes)}")
     return sizes
