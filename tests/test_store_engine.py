@@ -306,3 +306,19 @@ def test_fast_paths_answer_as_their_general_loops(policy, chain, trace):
     finally:
         fast.close()
         slow.close()
+
+
+def test_a_hit_in_a_shared_pool_is_promoted_into_the_managed_level_above():
+    from fake_media import FakeTier
+
+    pool = FakeTier("pool", managed=False)
+    store = TieredStore([Level(dram("top", 4)), pool], promotion="on-hit")
+    pool.write(["p"], [[val(7)]])  # (another process put it into the pool)
+    out = torch.empty(C, dtype=torch.uint8)
+    assert store.get(["p"], [out]) == [True] and torch.equal(out, val(7))
+    assert store.drain_write_behind(timeout=30)
+    assert store.locate(["p"]) == ["top"]
+    assert store.stats()["pool"]["promotions"] == 1
+    out.zero_()
+    assert store.get(["p"], [out]) == [True] and torch.equal(out, val(7))
+    store.close()

@@ -63,8 +63,9 @@ class Copier:
         self.promotion = CheckedPromotion(promotion)
         #: positions of the write-behind levels
         self.behind_levels = chain.behind
-        #: promotion is possible: a policy that may say yes, and a managed level above another
-        self.promotes = type(promotion) is not NeverPromote and len(chain.managed) > 1
+        #: promotion is possible: a policy that may say yes, and a managed level above another level
+        self.promotes = (type(promotion) is not NeverPromote and bool(chain.managed)
+                         and chain.managed[0] < len(chain.levels) - 1)
         self.queue: Optional[BackgroundQueue] = (
             BackgroundQueue(self._run, max_queued=max_queued, on_drop=self._dropped)
             if self.behind_levels or self.promotes else None)
@@ -84,8 +85,7 @@ class Copier:
         if not self.promotes or self.queue is None:
             return
         top = self.chain.managed[0]
-        jobs: list[Job] = [(key, j, p[1]) for key, p, j in zip(keys, prepared, served)
-                           if j is not None and j > top and self.levels[j].managed]
+        jobs: list[Job] = [(key, j, p[1]) for key, p, j in zip(keys, prepared, served) if j is not None and j > top]
         if jobs:
             self.queue.submit(jobs)
 
@@ -248,12 +248,16 @@ class Copier:
             self._promote_from(j, items, budget)
 
     def _promote_from(self, j: int, items: dict[str, int], budget: dict[int, int]) -> None:
+        """Promote chunks served by level ``j`` (pinned there meanwhile when it is managed; a shared pool is
+        read again as it is, and a chunk it lost meanwhile is a failed read)."""
         src = self.levels[j]
         with self._lock:
-            items = {key: nb for key, nb in items.items() if src.ready_nbytes(key) == nb}
+            if src.managed:
+                items = {key: nb for key, nb in items.items() if src.ready_nbytes(key) == nb}
             plan = self._promotion_targets(j, items, budget)
             keys = list(plan)
-            src.pin_many(keys)
+            if src.managed:
+                src.pin_many(keys)
         if not keys:
             return
         try:
@@ -263,8 +267,9 @@ class Copier:
                     if oks[i]:
                         self._promote_one(j, plan[key], key, sizes[i], bufs[i])
         finally:
-            with self._lock:
-                src.unpin_many(keys)
+            if src.managed:
+                with self._lock:
+                    src.unpin_many(keys)
 
     def _promotion_targets(self, j: int, items: dict[str, int], budget: dict[int, int]) -> dict[str, int]:
         """key -> the faster managed level it is copied into: the first above ``j`` that is available,
@@ -311,7 +316,7 @@ class _SourceBytes:
         self._lease: Any = None
 
     def __enter__(self) -> tuple[list[Parts], list[bool]]:
-        src, keys = self._src, self._keys
+        src, keys, io = self._src, self._keys, self._copier.io
         if src.located:
             with self._copier._lock:
                 codes = src.codes(keys)
@@ -319,9 +324,11 @@ class _SourceBytes:
             if views is not None:
                 return views, [True] * len(keys)
         self._lease = self._copier.stager.carve(self._sizes)
-        staged = self._lease.__enter__()
-        bufs: list[Parts] = [[b] for b in staged]
-        return bufs, self._copier.io.read(src, keys, bufs)
+        bufs: list[Parts] = [[b] for b in self._lease.__enter__()]
+        if src.managed:
+            return bufs, io.read(src, keys, bufs)
+        got = io.read_unmanaged(src, keys, bufs)  # (a shared pool: a chunk it lost meanwhile is a failed read)
+        return bufs, got if got is not None else [False] * len(keys)
 
     def __exit__(self, *exc: object) -> None:
         if self._lease is not None:
