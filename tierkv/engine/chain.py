@@ -174,17 +174,18 @@ class Chain:
         self.faults_seen[k] = now
         return reason_of_failed_write(seen if seen is not None else fault_counts(None), now)
 
-    def wanted_below(self, j: int, mask: int, key: str, nbytes: int, down: list[str]) -> bool:
-        """Whether an available write-behind level below ``j`` lacks ``key`` and admits it.  Lock held.
+    def wanted_below(self, j: int, mask: int, key: str, nbytes: int, down: list[str]) -> int:
+        """The bits (``level.bit``) of the available write-behind levels below ``j`` that lack ``key`` and admit
+        it (0: none).  Lock held.
 
         ``key`` is appended to ``down`` (once) when such a level would admit it but is unavailable.
         """
-        wanted = False
+        wanted = 0
         for k in self.behind:
             lvl = self.levels[k]
             if k > j and not mask & lvl.bit and self.admits(lvl, key, nbytes):
                 if lvl.tier.available:
-                    wanted = True
+                    wanted |= lvl.bit
                 elif not down or down[-1] != key:
                     down.append(key)
         return wanted
@@ -197,7 +198,7 @@ class Chain:
         j = (mask & -mask).bit_length() - 1
         nbytes = self.levels[j].ready_nbytes(key)
         down: list[str] = []
-        return nbytes >= 0 and (self.wanted_below(j, mask, key, nbytes, down) or bool(down))
+        return nbytes >= 0 and (bool(self.wanted_below(j, mask, key, nbytes, down)) or bool(down))
 
     def note_evicted(self, j: int, keys: list[str]) -> None:
         """Victims of level ``j`` about to leave it without a demotion: note as undurable those a write-behind

@@ -141,7 +141,7 @@ class Copier:
                 nbytes = self.levels[j].ready_nbytes(key)
                 if nbytes < 0:
                     continue
-                wanted = self._admitting_below(j, mask, key, nbytes, down)
+                wanted = chain.wanted_below(j, mask, key, nbytes, down)  # (admission asked once, here)
                 if wanted:
                     todo.setdefault(j, []).append((key, nbytes, wanted))
             if down:
@@ -157,19 +157,6 @@ class Copier:
                     size += items[at][1]
                     at += 1
                 self._copy_batch(j, batch)
-
-    def _admitting_below(self, j: int, mask: int, key: str, nbytes: int, down: list[str]) -> int:
-        """Bits of the available write-behind levels below ``j`` that lack ``key`` and admit it (asked once,
-        here: ``Chain.admits``); ``key`` joins ``down`` when such a level is unavailable.  Lock held."""
-        bits = 0
-        for k in self.behind_levels:
-            lvl = self.levels[k]
-            if k > j and not mask & lvl.bit and self.chain.admits(lvl, key, nbytes):
-                if lvl.tier.available:
-                    bits |= lvl.bit
-                elif not down or down[-1] != key:
-                    down.append(key)
-        return bits
 
     def _copy_batch(self, j: int, batch: list[tuple[str, int, int]]) -> None:
         """Pin the chunks of ``batch`` still READY in level ``j``, write them below, unpin."""
