@@ -1,0 +1,141 @@
+"""The connector's two sides built directly, talking over their typed channels: no engine, a real store.
+
+The scheduler side (``TierKVScheduler``) and the worker side (``TierKVWorker``) are built
+from their constructors, as the connector builds them; vLLM's requests and scheduler
+outputs are plain objects.  One request is saved, a second with the same prompt hits,
+is loaded into other blocks with the same bytes, and the scheduler's shutdown request
+reaches the worker on its lifecycle channel.
+"""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+import torch
+
+from tierkv import TieredStore
+from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, kv_shard
+from tierkv.adapters.vllm.lookup import ChannelClient, endpoint
+from tierkv.adapters.vllm.scheduler import TierKVScheduler
+from tierkv.adapters.vllm.service import Channel, ProbeAnswer, ProbeRequest, ShutdownRequest, TierPlace
+from tierkv.adapters.vllm.worker import TierKVWorker
+
+BS = 16
+LAYERS = ("model.layers.0.self_attn.attn", "model.layers.1.self_attn.attn")
+NB = 16
+
+
+def _request(rid: str, blocks: int, tokens_over: int = 3):
+    return SimpleNamespace(request_id=rid, num_tokens=blocks * BS + tokens_over,
+                           num_prompt_tokens=blocks * BS + tokens_over,
+                           block_hashes=[bytes([i, 7]) * 16 for i in range(blocks)], cache_salt=None)
+
+
+def _output(rid: str, block_ids: list[int], computed: int, scheduled: int):
+    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    new = SimpleNamespace(req_id=rid, block_ids=(block_ids,), num_computed_tokens=computed)
+    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
+                           num_scheduled_tokens={rid: scheduled}, preempted_req_ids=set())
+
+
+def _step(worker: TierKVWorker, meta) -> set[int]:
+    """One engine step on the worker side as vLLM runs it; the blocks that failed to load."""
+    worker.bind_metadata(meta)
+    worker.start_load_kv()
+    for name in LAYERS:
+        worker.wait_for_layer_load(name)
+        worker.save_kv_layer(name)
+    worker.wait_for_save()
+    worker.clear_metadata()
+    return worker.get_block_ids_with_load_errors()
+
+
+@pytest.fixture
+def sides():
+    store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "64MiB"}]})
+    info = EngineInfo(block_size=BS, layers=LAYERS, num_blocks=NB, shard=kv_shard(0, 1, 2), namespaces={0: "ns"},
+                      engine_id=f"test-service-{os.getpid()}")
+    opts = ConnectorOptions(chunk_tokens=BS, load_async=False)
+    released = []
+    worker = TierKVWorker(opts, info, store, release=released.append)
+    caches = {n: torch.randn(NB, 2, BS, 8) for n in LAYERS}
+    worker.register_kv_caches(caches)
+    scheduler = TierKVScheduler(opts, info)  # asks on the worker's lookup channel
+    yield SimpleNamespace(store=store, worker=worker, scheduler=scheduler, caches=caches, released=released)
+    worker.shutdown()
+    scheduler.shutdown()
+    store.close()
+
+
+def test_a_saved_prompt_is_found_and_loaded_through_the_two_sides(sides):
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    s, w = sides.scheduler, sides.worker
+    a = _request("a", 4)
+    # nothing stored: a miss, and the whole prompt is planned for saving
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, SimpleNamespace(get_block_ids=lambda: ([0, 1, 2, 3, 4],)), 0)
+    meta = s.build_connector_meta(_output("a", [0, 1, 2, 3, 4], 0, a.num_tokens))
+    assert [(spec.req_id, spec.chunks) for spec in meta.saves] == [("a", [(0, 0), (1, 1), (2, 2), (3, 3)])]
+    assert _step(w, meta) == set()
+    assert s.request_finished(a) == (True, None)  # its blocks wait for the worker's word
+    assert w.get_finished({"a"}) == ({"a"}, None)
+    assert w.totals.data["save_blocks"] == 4 * len(LAYERS)
+
+    # the same prompt again: its four full blocks are a hit, from the dram tier (locality host)
+    b = _request("b", 4)
+    assert s.get_num_new_matched_tokens(b, 0) == (4 * BS, False)
+    s.update_state_after_alloc(b, SimpleNamespace(get_block_ids=lambda: ([8, 9, 10, 11, 12],)), 4 * BS)
+    assert s.get_external_cache_hit_sources(b, 4 * BS) == {CacheHitSource.HOST: 4 * BS}
+    assert s.totals.hit_tokens_by_tier == {"dram": 4 * BS}
+    meta = s.build_connector_meta(_output("b", [8, 9, 10, 11, 12], 4 * BS, 3))
+    assert [(spec.req_id, spec.start, spec.block_ids) for spec in meta.loads] == [("b", 0, [8, 9, 10, 11])]
+    assert meta.saves == []  # the store holds it already
+    assert _step(w, meta) == set()
+    for name in LAYERS:
+        assert torch.equal(sides.caches[name][8:12], sides.caches[name][0:4])
+    assert w.totals.data["load_blocks"] == 4 and w.totals.data["hit_tokens"] == {"dram": 4 * BS}
+
+    # the engine goes down: the scheduler's request reaches the worker on the lifecycle channel
+    s.ask_workers_to_shut_down()
+    assert w.closed and sides.released == [sides.store]
+    # ... and its lookups are a miss from then on (never a crash)
+    assert s.get_num_new_matched_tokens(_request("c", 4), 0) == (0, False)
+
+
+def test_each_channel_takes_its_one_request_type(sides):
+    w = sides.worker
+    lookup, life = w.socket_paths
+    info = w.info
+    assert (lookup, life) == (endpoint(info.engine_id, 0, 0, Channel.LOOKUP)[0],
+                              endpoint(info.engine_id, 0, 0, Channel.LIFECYCLE)[0])
+    key = endpoint(info.engine_id, 0, 0)[1]
+    c = ChannelClient(lookup, key)
+    try:
+        assert c.call(ProbeRequest([b"x" * 32] * 3, 1)) == ProbeAnswer(0, 0, [])
+        with pytest.raises(TypeError, match="lookup channel takes a ProbeRequest, got ShutdownRequest"):
+            c.call(ShutdownRequest())
+        with pytest.raises(TypeError, match="got tuple"):
+            c.call(("probe", ()))  # the old string-named op: refused by type
+    finally:
+        c.close()
+    assert not w.closed
+    ChannelClient(life, key).post(ShutdownRequest())
+    assert w.closed and w.socket_paths == []
+
+
+def test_a_probe_names_the_tier_and_locality_of_each_block_it_reaches(sides):
+    w = sides.worker
+    hashes = [bytes([i, 9]) * 16 for i in range(6)]
+    one = torch.zeros(1, dtype=torch.uint8)
+    for layer in range(len(LAYERS)):
+        sides.store.put(w.keys.keys(layer, hashes[:4], None), [one] * 4)
+    got = w.probe(ProbeRequest(hashes, 1))
+    assert got == ProbeAnswer(3, 1, [TierPlace("dram", "host")] * 3)
+    with pytest.raises(ValueError, match="ProbeRequest.local"):
+        ProbeRequest(hashes, True)  # type: ignore[arg-type]
