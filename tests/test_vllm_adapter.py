@@ -392,7 +392,7 @@ def test_cut_past_the_cache_end_is_a_short_buffer_not_an_error():
 
 @pytest.mark.vllm
 def test_save_tally_counts_each_answer_of_a_put():
-    from tierkv.adapters.vllm.stats import SaveTally
+    from tierkv.adapters.vllm.connector_stats import SaveTally
     from tierkv.outcome import PutOutcome as P
 
     chunks = [(0, 3), (4, 7), (8, 9), (10, 10)]

@@ -24,7 +24,7 @@ _LAZY = {
     "TierKVConnectorMetadata": "metadata",
     "LoadSpec": "metadata",
     "SaveSpec": "metadata",
-    "TierKVConnectorStats": "stats",
+    "TierKVConnectorStats": "connector_stats",
     "ConnectorOptions": "config",
     "EngineInfo": "config",
     "parse_options": "config",

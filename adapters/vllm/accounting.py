@@ -15,9 +15,9 @@ import logging
 import threading
 from typing import Any
 
+from .connector_stats import RequestRecords, SaveTally, TierKVConnectorStats
 from .load_mode import LoadMode
 from .loading import LoadJob
-from .stats import RequestRecords, SaveTally, TierKVConnectorStats
 
 logger = logging.getLogger("vllm.tierkv.worker")
 

@@ -10,7 +10,7 @@ key namespaces here) and hands each hook to the object of its role, as vLLM's ow
   the probes it answers), over a store leased from the process's registry
   (registry.py).
 
-Metadata (scheduler -> workers) is in metadata.py, counters in stats.py, and
+Metadata (scheduler -> workers) is in metadata.py, counters in connector_stats.py and accounting.py, and
 what happens when the engine goes down in lifecycle.py.  A model with several KV
 cache groups leaves the connector idle (every hook a no-op).
 """
@@ -39,10 +39,10 @@ from .config import (
     parse_options,
     shard_from_replicas,
 )
+from .connector_stats import TierKVConnectorStats
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
 from .registry import STORES
 from .scheduler import TierKVScheduler
-from .stats import TierKVConnectorStats
 from .trace_hook import RequestTracer
 from .worker import TierKVWorker
 

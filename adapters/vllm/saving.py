@@ -29,10 +29,10 @@ from tierkv.outcome import PutOutcome
 from .accounting import WorkerCounters
 from .chunks import Chunk
 from .config import ShardInfo, block_hash_bytes
+from .connector_stats import SaveTally
 from .layer_keys import LayerKeys
 from .metadata import SaveSpec, TierKVConnectorMetadata
 from .paged import Cuts, PagedLayer
-from .stats import SaveTally
 
 logger = logging.getLogger("vllm.tierkv.saving")
 

@@ -52,6 +52,7 @@ import torch
 from .accounting import WorkerCounters
 from .async_loading import AsyncLoads
 from .config import ConnectorOptions, EngineInfo
+from .connector_stats import TierKVConnectorStats
 from .layer_keys import LayerKeys
 from .load_mode import LoadMode
 from .loading import Loader, LoadJob
@@ -62,7 +63,6 @@ from .probe import Prober
 from .prom import SnapshotClock, attach_store_snapshot, watch_store
 from .saving import Saver
 from .service import Channel, ProbeAnswer, ProbeRequest, ShutdownRequest
-from .stats import TierKVConnectorStats
 
 logger = logging.getLogger("vllm.tierkv.worker")
 
