@@ -254,6 +254,11 @@ def _general_only(store: TieredStore) -> TieredStore:
     return store
 
 
+def _locate_one_by_one(store: TieredStore, keys: list[str]) -> list:
+    """``locate`` as its definition says: the fastest level holding each key READY, asked key by key."""
+    return [next((lvl.name for lvl in store.levels if lvl.holds(k)), None) for k in keys]
+
+
 _trace_op = st.one_of(
     st.tuples(st.just("put"), st.lists(st.tuples(st.integers(0, 24), st.sampled_from([1, 2])), min_size=1,
                                        max_size=10)),
@@ -294,6 +299,7 @@ def test_fast_paths_answer_as_their_general_loops(policy, chain, trace):
             elif kind == "lookup":
                 keys = [f"k{i}" for i in arg]
                 assert fast.lookup(keys) == slow.lookup(keys)
+                assert fast.locate(keys) == slow.locate(keys) == _locate_one_by_one(fast, keys)
             else:
                 fast.remove([f"k{i}" for i in arg])
                 slow.remove([f"k{i}" for i in arg])

@@ -306,13 +306,31 @@ class Reader:
 
     def locate(self, keys: list[str]) -> list[Optional[str]]:
         """Name of the fastest tier holding each key (None where none does)."""
-        out: list[Optional[str]] = [None] * len(keys)
+        n = len(keys)
+        out: list[Optional[str]] = [None] * n
         with self._lock:
             try:
-                for i, k in enumerate(keys):
-                    mask = self.chain.mask(k)
-                    if mask:
-                        out[i] = self.levels[(mask & -mask).bit_length() - 1].name
+                left = list(range(n))  # positions no managed level asked so far holds READY
+                for j in self.chain.managed:  # fastest first: one batched question per level
+                    if not left:
+                        break
+                    lvl = self.levels[j]
+                    have = lvl.ready_sizes(keys if len(left) == n else [keys[i] for i in left])
+                    if min(have) >= 0:  # every one READY here (the common case)
+                        if len(left) == n:
+                            out = [lvl.name] * n
+                        else:
+                            for i in left:
+                                out[i] = lvl.name
+                        left = []
+                        break
+                    rest = []
+                    for i, nb in zip(left, have):
+                        if nb >= 0:
+                            out[i] = lvl.name
+                        else:
+                            rest.append(i)
+                    left = rest
             except TypeError:
                 check_keys(keys)  # an unhashable key: raise the error that names it
                 raise
