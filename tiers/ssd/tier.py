@@ -305,10 +305,54 @@ class SSDTier(Tier):
 
     # -- open and recover ---------------------------------------------------------------
     def _open(self) -> None:
+        """Open the directory, in phases: its region files (``_find_regions``), which of them are regions of
+        this size (``_valid_regions``), their objects from the checkpoint, the summaries and scans
+        (``reopen.load``), those kept (``_keep``: no orphan pieces, within capacity), the index and the
+        regions' live counts (``_index_objects``), then a region to write into (``_settle``).  A checkpoint
+        is written if the open changed anything or read regions after the last one."""
         st = self._state
         st.ensure_dirs()
         self._checkpointer.note_dir()
-        headers = {}
+        headers = self._find_regions()
+        valid = self._valid_regions(headers)
+        ckpt = C.read(st.path)
+        if ckpt is not None and ckpt.region_size != st.region_size:
+            ckpt = None
+        st.dead = DeadLog(st.path)
+        st.dead.reserve()  # (removals are recorded even once the file system is full)
+        dead = deadlog.read(st.path)
+        loaded = reopen.load(st.path, valid, st.region_size, st.direct_io, ckpt, dead)
+        st.counters["torn_regions"] = loaded.torn
+        self.recovered_from = loaded.source if valid else "empty"
+        # above every seq ever handed out: the regions' headers, the checkpoint's, the dead log's marks (a
+        # region file lost or damaged since took its seq with it, and the dead log may name its records)
+        seqs = [h.seq for h in headers.values() if h is not None]
+        if ckpt is not None:
+            seqs += [ckpt.covered_seq, int(ckpt.region_seqs.max()) if len(ckpt.region_seqs) else 0]
+        st.next_seq = max([*seqs, deadlog.high_water(dead)], default=0) + 1
+        c, dropped = self._keep(loaded.cands)
+        self._index_objects(c, valid, ckpt if not loaded.read_regions and not len(dropped.digest) else None)
+        st.covered = ckpt.covered_seq if ckpt is not None else 0
+        if len(dropped.digest):
+            st.counters["trimmed"] = len(dropped.digest)
+            for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
+                st.dead.add(rg, off, sq)
+        resume, lost, moved = self._settle(valid, loaded.scanned, dead)
+        if lost:
+            c = reopen.take(c, np.flatnonzero(st.index.find_many(c.digest) >= 0))
+        self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
+        if (any(valid[i].seq >= st.covered for i in loaded.read_regions) or len(dropped.digest) or lost
+                or moved or resume is not None or st.counters["regions_removed"]):
+            with st.wlock:  # the keys are at hand unless objects moved: then the summaries say where
+                self._checkpointer.flush_locked(checkpoint=False)
+                self._checkpointer.write(None if moved or resume is not None else c)
+
+    def _find_regions(self) -> dict[int, Optional[F.RegionHeader]]:
+        """Open every region file of the directory: index -> its header (None for a file not ours, which is
+        kept as foreign, never written or deleted).  A region file never begun (no header, nothing in it)
+        is removed; one that cannot be opened is skipped (both counted)."""
+        st = self._state
+        headers: dict[int, Optional[F.RegionHeader]] = {}
         for name in sorted(os.listdir(st.regions_dir)):
             idx = R.parse_region_name(name)
             if idx is None:
@@ -342,6 +386,12 @@ class SSDTier(Tier):
                 st.counters["skipped_files"] += 1
             headers[idx] = h
             st.regions[idx] = r
+        return headers
+
+    def _valid_regions(self, headers: dict[int, Optional[F.RegionHeader]]) -> dict[int, R.Region]:
+        """The regions of this directory's region size (the size most of its regions have: ``region_size``
+        applies to a new directory only), sealed until their objects are counted; others are foreign."""
+        st = self._state
         sizes = [h.region_size for h in headers.values() if h is not None]
         if sizes:
             stored = max(set(sizes), key=sizes.count)
@@ -361,43 +411,36 @@ class SSDTier(Tier):
             r.seq = h.seq
             r.state = R.SEALED
             valid[idx] = r
-        ckpt = C.read(st.path)
-        if ckpt is not None and ckpt.region_size != st.region_size:
-            ckpt = None
-        st.dead = DeadLog(st.path)
-        st.dead.reserve()  # (removals are recorded even once the file system is full)
-        dead = deadlog.read(st.path)
-        loaded = reopen.load(st.path, valid, st.region_size, st.direct_io, ckpt, dead)
-        st.counters["torn_regions"] = loaded.torn
-        self.recovered_from = loaded.source if valid else "empty"
-        # above every seq ever handed out: the regions' headers, the checkpoint's, the dead log's marks (a
-        # region file lost or damaged since took its seq with it, and the dead log may name its records)
-        seqs = [h.seq for h in headers.values() if h is not None]
-        if ckpt is not None:
-            seqs += [ckpt.covered_seq, int(ckpt.region_seqs.max()) if len(ckpt.region_seqs) else 0]
-        st.next_seq = max([*seqs, deadlog.high_water(dead)], default=0) + 1
-        c = loaded.cands
+        return valid
+
+    def _keep(self, c: reopen.Candidates) -> tuple[reopen.Candidates, reopen.Candidates]:
+        """(kept, dropped) of the objects found: pieces no manifest claims (a process killed before the
+        manifest was written) go (``large.py``), and a smaller capacity keeps the newest that fit (a large
+        object's footprint is its manifest's)."""
+        st = self._state
         geom = st.geometry()
-        # pieces no manifest claims (a process killed before the manifest was written) go (``large.py``)
         keep = ~L.orphans(c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom)
         pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
-        # a smaller capacity keeps the newest that fit (a large object's footprint is its manifest's)
         fps = np.where(pieces, 0, geom.footprint(c.raw_len))
         if int(fps[keep].sum()) > st.capacity_bytes:
             keep &= (np.cumsum(np.where(keep, fps, 0)[::-1])[::-1] <= st.capacity_bytes) | pieces
             keep &= ~L.orphans(c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom, alive=keep)
         if keep.all():  # (nothing to select)
-            dropped = reopen.take(c, np.zeros(0, dtype=np.int64))
-        else:
-            dropped = reopen.take(c, np.flatnonzero(~keep))
-            c = reopen.take(c, np.flatnonzero(keep))
-        st.has_large = bool(len(c.raw_len)) and bool((c.raw_len > geom.single).any())
-        if (ckpt is not None and ckpt.table is not None and not loaded.read_regions and not len(dropped.digest)
+            return c, reopen.take(c, np.zeros(0, dtype=np.int64))
+        return reopen.take(c, np.flatnonzero(keep)), reopen.take(c, np.flatnonzero(~keep))
+
+    def _index_objects(self, c: reopen.Candidates, valid: dict[int, R.Region], ckpt: Optional[C.Checkpoint]) -> None:
+        """The index of the objects kept, and each region's live bytes and count (a region holding none is
+        free).  ``ckpt``: the checkpoint, when it alone was read and nothing was dropped: if it lists exactly
+        these objects its index is taken as it is (no table built)."""
+        st = self._state
+        st.has_large = bool(len(c.raw_len)) and bool((c.raw_len > st.geometry().single).any())
+        if (ckpt is not None and ckpt.table is not None
                 and len(c.digest) == len(ckpt.cols["digest"]) == ckpt.table[0]):
             st.index.load_table(ckpt.table)  # every object the checkpoint lists is current: its index as is
         else:
             st.index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
-        for idx, r in valid.items():  # noqa: B007 - the name documents the loop
+        for r in valid.values():
             r.state = R.FREE
         if len(c.digest):
             meas = ((c.rec_len + F.ALIGN - 1) // F.ALIGN * F.ALIGN + F.ENTRY + F.MAX_KEY)
@@ -408,19 +451,20 @@ class SSDTier(Tier):
                 r = st.regions[idx]
                 r.state, r.live_bytes, r.live_count = R.SEALED, int(live[idx]), int(cnt[idx])
             st.live_total = int(meas.sum())
-        st.covered = ckpt.covered_seq if ckpt is not None else 0
-        if len(dropped.digest):
-            st.counters["trimmed"] = len(dropped.digest)
-            for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
-                st.dead.add(rg, off, sq)
-        resume = self._to_resume(valid, loaded.scanned, dead)
-        for idx, sc in loaded.scanned.items():  # seal what an earlier process left unsealed
+
+    def _settle(self, valid: dict[int, R.Region], scanned: dict, dead: np.ndarray) -> tuple[Optional[int], int, int]:
+        """A region to write into: the unsealed regions an earlier process left are sealed, or the newest
+        filled on (``_to_resume``); then ``RegionChanger.settle`` leaves a region free and
+        ``remove_surplus`` the files the capacity provisions.  Returns (the region resumed, objects
+        dropped, reclamations run)."""
+        st = self._state
+        resume = self._to_resume(valid, scanned, dead)
+        for idx, sc in scanned.items():  # seal what an earlier process left unsealed
             if idx != resume:
                 self._io.seal_scanned(valid[idx], sc)
-        moved = 0
         with st.wlock:
             if resume is not None:
-                sc = loaded.scanned[resume]
+                sc = scanned[resume]
                 try:
                     self._changer.resume(valid[resume], sc.end, sc.entries.tobytes(), sc.keys)
                 except OSError as e:
@@ -430,14 +474,7 @@ class SSDTier(Tier):
             lost = self._changer.settle()  # never every region holding objects
             moved = st.counters["gc_runs"] - gc_before
             self._changer.remove_surplus()  # never more region files than the capacity provisions
-        if lost:
-            c = reopen.take(c, np.flatnonzero(st.index.find_many(c.digest) >= 0))
-        self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
-        if (any(valid[i].seq >= st.covered for i in loaded.read_regions) or len(dropped.digest) or lost
-                or moved or resume is not None or st.counters["regions_removed"]):
-            with st.wlock:  # the keys are at hand unless objects moved: then the summaries say where
-                self._checkpointer.flush_locked(checkpoint=False)
-                self._checkpointer.write(None if moved or resume is not None else c)
+        return resume, lost, moved
 
     def _to_resume(self, valid: dict, scanned: dict, dead: np.ndarray) -> Optional[int]:
         """The region to fill on at open, if one must be: when every region holds live objects (no free
