@@ -15,7 +15,6 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, cast
 
-from . import format as F
 from . import region as R
 from .hostbuf import ctype_of
 from .state import EngineState
@@ -26,7 +25,6 @@ PUMPS = 2
 SECOND_PUMP = 2 << 20
 #: how long a hand-off waits for the writer thread to take its piece (it normally takes microseconds)
 _HANDOFF_WAIT = 0.002
-_ENTRY = F.ENTRY_STRUCT.pack
 
 
 def _handoff(pool: ThreadPoolExecutor, wait: bool, fn, *args):
@@ -106,19 +104,6 @@ class Segment:
         self.futures = []
         self.gather = False
         self.iov: list = []
-
-    def add(self, i: int, d: int, pos: int, rec_len: int, raw_len: int, kb: bytes, flags: int, end: int) -> None:
-        """A record appended at ``pos`` (the batch's ``i``-th object, digest ``d``); the segment ends at ``end``."""
-        self.idx.append(i)
-        self.digests.append(d)
-        self.offsets.append(pos)
-        self.rec_lens.append(rec_len)
-        self.raw_lens.append(raw_len)
-        self.entries.append(_ENTRY(d, pos, rec_len, raw_len, len(kb), flags, 0))
-        self.keys.append(kb)
-        self.key_bytes += len(kb)
-        self.n += 1
-        self.end = end
 
     def begin(self, r: R.Region, pos: int, gather: bool) -> None:
         self.region, self.start, self.gather = r, pos, gather
