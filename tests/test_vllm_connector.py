@@ -547,8 +547,9 @@ def _free_port() -> int:
 
 
 def _lookup_names_bound(engine_id: str) -> list[str]:
-    """Lookup sockets of ``engine_id`` still bound (abstract names) or present as files."""
+    """Channel sockets (lookup and lifecycle) of ``engine_id`` still bound (abstract names) or present as files."""
     from tierkv.adapters.vllm.lookup import endpoint
+    from tierkv.adapters.vllm.service import Channel
 
     bound = ""
     if os.path.exists("/proc/net/unix"):
@@ -556,15 +557,16 @@ def _lookup_names_bound(engine_id: str) -> list[str]:
             bound = f.read()
     left = []
     for rank in range(4):
-        path, _ = endpoint(engine_id, 0, rank)
-        if path.startswith("\0"):
-            if "@" + path[1:] in bound:
+        for channel in Channel:
+            path, _ = endpoint(engine_id, 0, rank, channel)
+            if path.startswith("\0"):
+                if "@" + path[1:] in bound:
+                    left.append(path)
+            elif os.path.exists(path):
                 left.append(path)
-        elif os.path.exists(path):
-            left.append(path)
-        file_path, _ = endpoint(engine_id, 0, rank, abstract=False)
-        if os.path.exists(file_path):
-            left.append(file_path)
+            file_path, _ = endpoint(engine_id, 0, rank, channel, abstract=False)
+            if os.path.exists(file_path):
+                left.append(file_path)
     return left
 
 
