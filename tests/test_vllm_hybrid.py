@@ -73,3 +73,32 @@ def test_qwen3_next_style_model_makes_mamba_align_and_full_groups(tmp_path):
     assert {g["block_size"] for g in groups["groups"]} == {groups["block_size"]}
     assert len({g["page_size_bytes"] for g in groups["groups"]}) == 1
     assert groups["mamba_cache_mode"] == "align"
+
+
+def _store(path) -> dict:
+    return {"tiers": [{"medium": "dram", "capacity": "64MiB"},
+                      {"medium": "ssd", "path": str(path), "capacity": "512MiB"}]}
+
+
+def test_gemma3_style_model_keeps_its_groups_and_hits_from_a_new_process(tmp_path):
+    """With the connector vLLM keeps the hybrid manager on (the same four groups); engine 1 stores, engine 2 (a
+    new process over the same SSD) produces vLLM's tokens without a connector and loads the block-aligned
+    prefix of each prompt from the tiers."""
+    model = H.make_gemma3_model(tmp_path / "gemma3")
+    prompts = _prompts(200, (40, 75, 9))
+    cache = tmp_path / "c"
+    steps = [{"op": "kv_groups"}, {"op": "generate", "prompts": prompts, "one_by_one": True}]
+    base = U.run_engine({"model": model, "kv_transfer_config": None, "steps": steps}, cache)
+    groups, expected = base["steps"][0], base["steps"][1]["tokens"]
+    # one block per stored object: the prompts share 200 tokens, six whole blocks
+    kv = U.connector_config(_store(tmp_path / "ssd"), extra={"chunk_tokens": 32})
+    one = U.run_engine({"model": model, "kv_transfer_config": kv, "steps": steps + [{"op": "records"}]}, cache)
+    assert one["steps"][0]["groups"] == groups["groups"]  # the hybrid manager stays on
+    assert one["steps"][1]["tokens"] == expected
+    two = U.run_engine({"model": model, "kv_transfer_config": kv, "steps": steps + [{"op": "records"}]}, cache)
+    gen = two["steps"][1]
+    assert gen["tokens"] == expected
+    # every full block of every prompt (less the block holding the last token) came from the tiers
+    assert gen["num_cached_tokens"] == [(len(p) - 1) // 32 * 32 for p in prompts]
+    sched = two["steps"][2]["scheduler"][0]
+    assert sched["hit_tokens"] == sum(gen["num_cached_tokens"])

@@ -53,6 +53,8 @@ class AsyncLoads:
         self._cancelled: set[str] = set()
         self._done: set[str] = set()
         self._failed: set[int] = set()
+        #: requests of those done with a block that failed (several KV cache groups report them so)
+        self._failed_reqs: set[str] = set()
         self._busy = False
         self.closed = False
 
@@ -96,6 +98,12 @@ class AsyncLoads:
             self._cancelled -= done
             return done, failed
 
+    def take_failed_requests(self) -> set[str]:
+        """Requests a load failed for (a block or all of it), since the last call."""
+        with self._cond:
+            out, self._failed_reqs = self._failed_reqs, set()
+            return out
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until nothing is queued or running; False on timeout."""
         with self._cond:
@@ -117,10 +125,15 @@ class AsyncLoads:
     # ---- the loading thread ---------------------------------------------------------
     def _finish(self, specs: list[LoadSpec], failed: bool, failed_blocks: Iterable[int] = ()) -> None:
         # caller holds the lock
+        failed_blocks = set(failed_blocks)
         for s in specs:
             self._done.add(s.req_id)
             if failed and s.req_id not in self._cancelled:
-                self._failed.update(s.block_ids)
+                for g in range(1 if s.group_block_ids is None else len(s.group_block_ids)):
+                    self._failed.update(s.ids_of(g))
+                self._failed_reqs.add(s.req_id)
+            elif failed_blocks and s.req_id not in self._cancelled:
+                self._failed_reqs.add(s.req_id)  # (one request per call: see _run_group)
         self._failed.update(failed_blocks)
         self._cond.notify_all()
 

@@ -16,6 +16,8 @@ from typing import Any
 from tierkv.errors import ConfigError
 from tierkv.options import pop_bool, pop_choice, pop_float, pop_int, pop_size, pop_str, short
 
+from .groups import GroupGeometry
+
 #: Used when the connector config names no store: a small host tier over DRAM.
 DEFAULT_STORE_CONFIG: dict[str, Any] = {
     "tiers": [
@@ -158,10 +160,30 @@ class EngineInfo:
     tp_size: int = 1
     engine_id: str = "engine"
     dp_rank: int = 0
+    #: the KV cache group of each layer (hybrid models: vLLM's hybrid KV cache manager); empty: all in one
+    layer_groups: tuple[int, ...] = ()
+    #: each group's geometry (groups.py); empty: one full-attention group
+    groups: tuple[GroupGeometry, ...] = ()
 
     @property
     def layer_index(self) -> dict[str, int]:
         return {name: i for i, name in enumerate(self.layers)}
+
+    @property
+    def num_groups(self) -> int:
+        return max(1, len(self.groups))
+
+    def group_of(self, layer: int) -> int:
+        """The KV cache group of layer ``layer`` (an index into :attr:`layers`)."""
+        return self.layer_groups[layer] if self.layer_groups else 0
+
+    def key_name(self, layer: int) -> str:
+        """The name layer ``layer``'s keys are made under: with several groups, its group's kind and shape too,
+        so a layer served under another kind (one group when the hybrid manager is off) never shares keys."""
+        name = self.layers[layer]
+        if len(self.groups) > 1:
+            name += "@" + self.groups[self.group_of(layer)].namespace()
+        return name
 
 
 # -- KV-head shards -------------------------------------------------------------------

@@ -27,6 +27,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -40,6 +42,7 @@ from .config import (
     shard_from_replicas,
 )
 from .connector_stats import TierKVConnectorStats
+from .groups import GroupGeometry, GroupKind, UnsupportedGroup, geometry_of_spec
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
 from .registry import STORES
 from .scheduler import TierKVScheduler
@@ -126,9 +129,32 @@ def _block_bytes(group: Any, layers: int) -> int | None:
         return None
 
 
+def served_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[GroupGeometry, ...]:
+    """The geometry of each KV cache group, or :class:`UnsupportedGroup` naming why the connector cannot serve them.
+
+    Served: one group of any attention kind, or several groups of full attention, MLA and sliding windows at the
+    engine's block size.  Not yet: recurrent-state groups (Mamba, Gated DeltaNet, short convolution) beside
+    others, and groups of different block sizes.
+    """
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
+    if not groups:
+        raise UnsupportedGroup("no KV cache group (an attention-free model)")
+    if len(groups) == 1:
+        return ()
+    geoms = tuple(geometry_of_spec(g.kv_cache_spec) for g in groups)
+    for geom in geoms:
+        if geom.kind is GroupKind.STATE:
+            raise UnsupportedGroup(f"{len(geoms)} KV cache groups with recurrent-state layers "
+                                   "(Mamba / linear attention / short convolution) are not served yet")
+        if geom.block_size != block_size:
+            raise UnsupportedGroup(f"KV cache groups of block sizes {sorted({g.block_size for g in geoms})} "
+                                   "are not served yet")
+    return geoms
+
+
 def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig,
-                options: ConnectorOptions) -> EngineInfo:
-    """The engine geometry, ranks and key namespaces of this connector (single KV cache group)."""
+                options: ConnectorOptions, groups: tuple[GroupGeometry, ...] = ()) -> EngineInfo:
+    """The engine geometry, ranks and key namespaces of this connector (``groups``: several KV cache groups)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
     block_size = int(vllm_config.cache_config.block_size)
     tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
@@ -159,14 +185,17 @@ def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config:
     G = max(1, options.chunk_tokens // block_size)
     namespaces = {s: base_namespace(model_id, dtype, layout, block_size, s, shard.num_shards, hash_algo, G)
                   for s in range(shard.num_shards)}
-    group = kv_cache_config.kv_cache_groups[0]
-    return EngineInfo(block_size=block_size, layers=tuple(group.layer_names), num_blocks=int(kv_cache_config.num_blocks),
+    kv_groups = kv_cache_config.kv_cache_groups if groups else kv_cache_config.kv_cache_groups[:1]
+    layers = tuple(name for g in kv_groups for name in g.layer_names)
+    layer_groups = tuple(i for i, g in enumerate(kv_groups) for _ in g.layer_names) if groups else ()
+    return EngineInfo(block_size=block_size, layers=layers, num_blocks=int(kv_cache_config.num_blocks),
                       shard=shard, namespaces=namespaces, tp_rank=tp_rank, tp_size=tp_size,
                       engine_id=str(vllm_config.kv_transfer_config.engine_id),  # type: ignore[union-attr]  # (set for a connector)
-                      dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0))
+                      dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
+                      layer_groups=layer_groups, groups=groups)
 
 
-class TierKVConnector(KVConnectorBase_V1):
+class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered KV cache (HBM / DRAM / SSD / pooled and remote tiers) for vLLM V1.
 
     Options (``kv_connector_extra_config``) are described in ``docs/vllm.md`` and
@@ -188,13 +217,17 @@ class TierKVConnector(KVConnectorBase_V1):
         self.scheduler: TierKVScheduler | None = None
         self.worker: TierKVWorker | None = None
         self._tracer: RequestTracer | None = None
+        #: why the connector does nothing (a model whose KV cache groups it cannot serve); None when it serves
+        self.idle_reason: str | None = None
         groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
-        if len(groups) != 1:
-            logger.warning("TierKVConnector: %d KV cache groups; only single-group models are supported, "
-                           "connector is idle", len(groups))
+        try:
+            geoms = served_groups(kv_cache_config, int(vllm_config.cache_config.block_size))
+        except UnsupportedGroup as e:
+            logger.warning("TierKVConnector: %s; the connector is idle (no loads, no saves)", e)
+            self.idle_reason = str(e)
             _LIVE.add(self)
             return
-        info = engine_info(vllm_config, role, kv_cache_config, options)
+        info = engine_info(vllm_config, role, kv_cache_config, options, geoms)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = TierKVScheduler(options, info)
             # hash-only request traces (option trace_path), for `tierkv simulate`
@@ -261,6 +294,13 @@ class TierKVConnector(KVConnectorBase_V1):
             return False, None
         return self.scheduler.request_finished(request)
 
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished`` with the hybrid manager on (one block list per KV cache group)."""
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request)
+
     # ---- worker side --------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]):
         if self.worker is not None:
@@ -300,6 +340,12 @@ class TierKVConnector(KVConnectorBase_V1):
         if self.worker is None:
             return None, None
         return self.worker.get_finished(finished_req_ids)
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self.worker.take_failed_recving() if self.worker is not None else set()
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()) | failed, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()

@@ -36,7 +36,7 @@ class LayerKeys:
         sh = self._shard if shard is None else shard
         root = self._roots.get((sh, layer, salt))
         if root is None:
-            root = block_hash_root(layer_namespace(self._info.namespaces[sh], self._layers[layer], salt))
+            root = block_hash_root(layer_namespace(self._info.namespaces[sh], self._info.key_name(layer), salt))
             if len(self._roots) >= ROOTS_MAX:
                 self._roots.clear()
             self._roots[(sh, layer, salt)] = root

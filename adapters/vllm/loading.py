@@ -46,11 +46,22 @@ class LoadObj:
     targets: list[int | None]
     last_key: str
     tier: str | None
+    #: several KV cache groups: each group's targets (``targets`` is group 0's); None with one group
+    group_targets: list[list[int | None]] | None = None
 
     @functools.cached_property
     def num_targets(self) -> int:
-        """Blocks the chunk fills (its targets are fixed once planned)."""
-        return len(self.targets) - self.targets.count(None)
+        """Blocks of the request the chunk fills, in some group (its targets are fixed once planned)."""
+        if self.group_targets is None:
+            return len(self.targets) - self.targets.count(None)
+        return sum(any(b is not None for b in col) for col in zip(*self.group_targets))
+
+    def targets_of(self, group: int) -> list[int | None]:
+        return self.targets if self.group_targets is None else self.group_targets[group]
+
+    def all_targets(self) -> list[int | None]:
+        """Every group's targets (the blocks a failed read leaves unwritten)."""
+        return self.targets if self.group_targets is None else [b for t in self.group_targets for b in t]
 
 
 class _Batch:
@@ -60,7 +71,7 @@ class _Batch:
 
     __slots__ = ("blocks", "by_salt", "cuts", "discards", "objs", "req_blocks")
 
-    def __init__(self, objs: list[LoadObj]) -> None:
+    def __init__(self, objs: list[LoadObj], num_groups: int = 1) -> None:
         self.objs = objs
         by_salt: dict[str | None, tuple[list[int], list[bytes]]] = {}
         for i, o in enumerate(objs):
@@ -69,12 +80,18 @@ class _Batch:
             hs.append(o.key_hash)
         #: (salt, positions, hashes); positions None when the batch has one salt
         self.by_salt = [(salt, None if len(by_salt) == 1 else pos, hs) for salt, (pos, hs) in by_salt.items()]
-        self.cuts = Cuts([o.targets for o in objs])
-        self.blocks = self.cuts.blocks
-        self.discards = sum(len(o.targets) for o in objs) - self.blocks
-        self.req_blocks: dict[str, int] = {}
-        for o in objs:
-            self.req_blocks[o.req_id] = self.req_blocks.get(o.req_id, 0) + o.num_targets
+        #: per KV cache group: where the chunks' blocks go, how many they fill, how many are read and dropped,
+        #: and how many each request fills
+        self.cuts = [Cuts([o.targets_of(g) for o in objs]) for g in range(num_groups)]
+        self.blocks = [c.blocks for c in self.cuts]
+        self.discards = [sum(len(o.targets) for o in objs) - n for n in self.blocks]
+        self.req_blocks: list[dict[str, int]] = []
+        for g in range(num_groups):
+            per: dict[str, int] = {}
+            for o in objs:
+                t = o.targets_of(g)
+                per[o.req_id] = per.get(o.req_id, 0) + len(t) - t.count(None)
+            self.req_blocks.append(per)
 
     def last_keys(self) -> list[str]:
         """The chunks' keys in the last layer, as the lookup that found them made them (hashed once)."""
@@ -139,8 +156,11 @@ class Loader:
     def __init__(self, *, layers: list[str], paged: dict[str, PagedLayer], block_size: int,
                  store: Callable[[], Any], stored: Callable[[list[bytes], int, int, int, str | None], list[StoredChunk]],
                  layer_keys: Callable[[int, list[bytes], str | None], list[str]],
-                 tp_rank: int = 0, tp_size: int = 1) -> None:
+                 tp_rank: int = 0, tp_size: int = 1, group_of: Callable[[int], int] = lambda layer: 0,
+                 num_groups: int = 1) -> None:
         self._layers = layers
+        self._group_of = group_of
+        self._num_groups = num_groups
         self._paged = paged
         self._bs = block_size
         self._store = store
@@ -182,11 +202,17 @@ class Loader:
                 chunks = []
             reach = lo
             for first, last, key, tier in chunks:
-                targets = [spec.block_ids[b - lo] if lo <= b < hi else None for b in range(first, last + 1)]
+                if spec.group_block_ids is None:
+                    per_group = [[spec.block_ids[b - lo] if lo <= b < hi else None for b in range(first, last + 1)]]
+                else:
+                    per_group = [[_target(ids, b - lo) if lo <= b < hi else None for b in range(first, last + 1)]
+                                 for ids in spec.group_block_ids]
                 objs.append(LoadObj(spec.req_id, spec.cache_salt, spec.block_hashes[last - spec.hash_base],
-                                    first, targets, key, tier))
+                                    first, per_group[0], key, tier,
+                                    per_group if spec.group_block_ids is not None else None))
                 reach = last + 1
-            lost = spec.block_ids[max(0, reach - lo):]
+            lost = [b for g in range(self._num_groups) for b in spec.ids_of(g)[max(0, reach - lo):]
+                    if spec.group_block_ids is None or b != 0]
             if lost:  # evicted since the scheduler looked: recomputed
                 job.failed_blocks.update(lost)
                 job.failed_reqs.add(spec.req_id)
@@ -209,7 +235,7 @@ class Loader:
 
     def _run_inner(self, job: LoadJob, specs: list[LoadSpec]) -> None:
         objs = self.plan(job, specs)
-        batch = _Batch(objs) if objs else None
+        batch = _Batch(objs, self._num_groups) if objs else None
         last_keys: list[str] = []
         if batch is not None:
             # which tier serves each chunk (for stats; the load itself does not depend on it),
@@ -245,12 +271,13 @@ class Loader:
         buffers; ``spare`` of them are already taken by other layers of the same get.
         """
         paged = self._paged[self._layers[layer]]
-        n = batch.discards
+        g = self._group_of(layer)
+        n = batch.discards[g]
         if n:
             discard = iter(paged.discard_targets(spare + n, self._discard)[spare:])
-            outs, copies = paged.cut(batch.cuts, lambda: next(discard))
+            outs, copies = paged.cut(batch.cuts[g], lambda: next(discard))
         else:
-            outs, copies = paged.cut(batch.cuts, _no_discards)
+            outs, copies = paged.cut(batch.cuts[g], _no_discards)
         return outs, copies, n
 
     def _get(self, keys: list[str], outs: list, what: str) -> list[bool]:
@@ -262,9 +289,10 @@ class Loader:
 
     def _finish_layer(self, job: LoadJob, layer: int, batch: _Batch, ok: list[bool], copies: list | None) -> None:
         nb = self._paged[self._layers[layer]].block_nbytes
+        g = self._group_of(layer)
         if copies is None and all(ok):  # the common case: every chunk in place, nothing to copy
-            job.nbytes += nb * batch.blocks
-            for rid, n in batch.req_blocks.items():
+            job.nbytes += nb * batch.blocks[g]
+            for rid, n in batch.req_blocks[g].items():
                 job.per_req[rid]["bytes"] += nb * n
             return
         for j, (o, good) in enumerate(zip(batch.objs, ok)):
@@ -272,10 +300,12 @@ class Loader:
                 if copies is not None:
                     for stage, dst in copies[j]:
                         dst.copy_(stage)
-                job.nbytes += nb * o.num_targets
-                job.per_req[o.req_id]["bytes"] += nb * o.num_targets
+                t = o.targets_of(g)
+                job.nbytes += nb * (len(t) - t.count(None))
+                job.per_req[o.req_id]["bytes"] += nb * (len(t) - t.count(None))
             else:
-                job.failed_blocks.update(b for b in o.targets if b is not None)
+                # a block of any group computed from this chunk is stale: report every group's
+                job.failed_blocks.update(b for b in o.all_targets() if b is not None)
                 job.failed_reqs.add(o.req_id)
 
     def _load_all_layers(self, job: LoadJob, batch: _Batch, last_keys: list[str]) -> None:
@@ -298,6 +328,13 @@ class Loader:
         ok = self._get(keys, outs, "all layers")
         for layer in range(L):
             self._finish_layer(job, layer, batch, ok[layer * n:(layer + 1) * n], copies[layer])
+
+
+def _target(ids: list[int], i: int) -> int | None:
+    """Block ``i`` of a request's ids as a load target: vLLM's null block (id 0, a sliding-window block out of
+    the window) is never written."""
+    b = ids[i]
+    return None if b == 0 else b
 
 
 def _no_discards() -> list:

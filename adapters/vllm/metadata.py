@@ -26,6 +26,13 @@ class LoadSpec:
     block_hashes: list[bytes]
     cache_salt: str | None = None
     hash_base: int = 0
+    #: several KV cache groups: each group's block ids of the same blocks (``block_ids`` is group 0's);
+    #: None with one group
+    group_block_ids: list[list[int]] | None = None
+
+    def ids_of(self, group: int) -> list[int]:
+        """The block ids of KV cache group ``group``."""
+        return self.block_ids if self.group_block_ids is None else self.group_block_ids[group]
 
 
 @dataclass
@@ -44,6 +51,13 @@ class SaveSpec:
     #: any of these blocks taints the saves after it
     table: list[int]
     cache_salt: str | None = None
+    #: several KV cache groups: ``group_block_ids[g][i]`` group ``g``'s block ids of chunk ``i``
+    #: (``block_ids`` is group 0's); None with one group
+    group_block_ids: list[list[list[int]]] | None = None
+
+    def ids_of(self, group: int) -> list[list[int]]:
+        """Each chunk's block ids in KV cache group ``group``."""
+        return self.block_ids if self.group_block_ids is None else self.group_block_ids[group]
 
 
 @dataclass

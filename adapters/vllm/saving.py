@@ -42,11 +42,12 @@ class SavePlan:
 
     __slots__ = ("chunks", "cuts", "hashes", "spec")
 
-    def __init__(self, spec: SaveSpec, pos: list[int]) -> None:
+    def __init__(self, spec: SaveSpec, pos: list[int], num_groups: int = 1) -> None:
         self.spec = spec
         self.chunks = [spec.chunks[j] for j in pos]
         self.hashes = [block_hash_bytes(spec.block_hashes[j]) for j in pos]
-        self.cuts = Cuts([spec.block_ids[j] for j in pos])
+        #: where the chunks' blocks lie, per KV cache group (each group has its own block ids)
+        self.cuts = [Cuts([ids[j] for j in pos]) for ids in (spec.ids_of(g) for g in range(num_groups))]
 
 
 class SaveItem:
@@ -81,8 +82,11 @@ class Saver:
     """
 
     def __init__(self, *, keys: LayerKeys, layers: list[str], paged: dict[str, PagedLayer], chunk_blocks: int,
-                 shard: ShardInfo, split_writes: bool, store: Callable[[], Any], counters: WorkerCounters) -> None:
+                 shard: ShardInfo, split_writes: bool, store: Callable[[], Any], counters: WorkerCounters,
+                 group_of: Callable[[int], int] = lambda layer: 0, num_groups: int = 1) -> None:
         self._keys = keys
+        self._group_of = group_of
+        self._num_groups = num_groups
         self._layers = layers
         self._paged = paged
         self._G = chunk_blocks
@@ -119,7 +123,7 @@ class Saver:
         for plan in self._plans_of(meta):
             if plan is None:
                 continue
-            item = SaveItem(plan, layer, None if direct else paged.read_cut(plan.cuts))
+            item = SaveItem(plan, layer, None if direct else paged.read_cut(plan.cuts[self._group_of(layer)]))
             with self._cond:
                 self._pending[plan.spec.req_id] += 1
             if hold:
@@ -161,7 +165,7 @@ class Saver:
                        if (first // self._G) % shard.replicas == shard.replica]
             else:
                 pos = list(range(len(spec.chunks)))
-            plans.append(SavePlan(spec, pos) if pos else None)
+            plans.append(SavePlan(spec, pos, self._num_groups) if pos else None)
         self._plans = (meta, plans)
         return plans
 
@@ -191,7 +195,8 @@ class Saver:
                                        spec.cache_salt)
                 values = item.values
                 if values is None:
-                    cuts = plan.cuts if keep is None else Cuts([plan.cuts.objects[j] for j in keep])
+                    cuts = plan.cuts[self._group_of(layer)]
+                    cuts = cuts if keep is None else Cuts([cuts.objects[j] for j in keep])
                     values = self._paged[self._layers[layer]].read_cut(cuts)
                 outcomes: list[PutOutcome] = self._store().put_detailed(keys, values)
             except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else

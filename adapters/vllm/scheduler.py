@@ -92,7 +92,8 @@ class RequestState:
     """What the scheduler side tracks for one request between steps."""
 
     request: Any
-    block_ids: list[int] = field(default_factory=list)
+    #: the request's block ids, one list per KV cache group (one list for most models)
+    block_ids: list[list[int]] = field(default_factory=list)
     #: the first chunk not saved (nor known stored), and one past the longest tail saved
     next_chunk: int = 0
     tail_end: int = 0
@@ -111,6 +112,8 @@ class SchedulerTotals:
     lookups: int = 0
     hit_tokens: int = 0
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
+    #: chunks not saved because a group had freed a block of them (sliding windows of a hybrid model)
+    chunks_unsavable: int = 0
 
 
 class TierKVScheduler:
@@ -121,6 +124,8 @@ class TierKVScheduler:
         self.info = info
         self._bs = info.block_size
         self._G = max(1, options.chunk_tokens // info.block_size)
+        #: several KV cache groups (a hybrid model): block ids per group, loads between steps only
+        self._multi = info.num_groups > 1
         self._clients: dict[int, ChannelClient] = {}
         self._ask = ask or self._ask_worker
         self._lookup_down_until = 0.0
@@ -214,7 +219,8 @@ class TierKVScheduler:
         if (local + hits) * bs >= request.num_tokens:  # only with full_hit_recompute="token"
             ext = max(0, request.num_tokens - 1 - local * bs)
         # (vLLM: never async with nothing to load; a block whose tier is unknown counts as a slow one)
-        is_async = ext > 0 and self._loads_between_steps(ext, _padded(where, hits))
+        # several groups: vLLM takes a failed load back per request only from a load between steps
+        is_async = ext > 0 and (self._multi or self._loads_between_steps(ext, _padded(where, hits)))
         self._lookups[request.request_id] = Lookup(local, hits, stored, is_async, where)
         return ext, is_async
 
@@ -251,7 +257,7 @@ class TierKVScheduler:
         n_ext = -(-num_external_tokens // bs)  # blocks to load, the last one perhaps for all but a token
         if n_ext <= 0:
             return
-        st.block_ids = list(blocks.get_block_ids()[0])
+        st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         st.pending_load = (local, local + n_ext)
         st.load_async = look.is_async
         # which tier will serve the hit (for stats and vLLM's cache-hit sources), as the lookup found it
@@ -283,7 +289,7 @@ class TierKVScheduler:
             st = self.requests.get(nr.req_id)
             if st is None:
                 continue
-            st.block_ids = list(nr.block_ids[0])
+            st.block_ids = [list(ids) for ids in nr.block_ids]
             computed[nr.req_id] = nr.num_computed_tokens
         cached = scheduler_output.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
@@ -292,9 +298,12 @@ class TierKVScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if rid in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids is not None else []
+                st.block_ids = [list(ids) for ids in new_ids] if new_ids is not None else []
             elif new_ids is not None:
-                st.block_ids.extend(new_ids[0])
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in new_ids]
+                for mine, ids in zip(st.block_ids, new_ids):
+                    mine.extend(ids)
             computed[rid] = cached.num_computed_tokens[i]
 
         # loads between steps: their requests are parked, not scheduled
@@ -303,9 +312,8 @@ class TierKVScheduler:
                 continue
             lo, hi = st.pending_load
             st.pending_load, st.load_async = None, False
-            hashes, base = self.hash_window(st.request, lo, hi)
-            meta.async_loads.append(LoadSpec(rid, lo, st.block_ids[lo:hi], hashes, st.request.cache_salt, base))
-            self._async_in_flight[rid] = set(st.block_ids[lo:hi])
+            meta.async_loads.append(self._load_spec(st, lo, hi))
+            self._async_in_flight[rid] = {b for ids in st.block_ids for b in ids[lo:hi]}
             # the workers no longer hold saves of an earlier life of it (before a preemption):
             # the blocks wait for this load's report only
             self._planned_saves.discard(rid)
@@ -316,8 +324,7 @@ class TierKVScheduler:
             if st.pending_load is not None:
                 lo, hi = st.pending_load
                 st.pending_load = None
-                hashes, base = self.hash_window(req, lo, hi)
-                meta.loads.append(LoadSpec(rid, lo, st.block_ids[lo:hi], hashes, req.cache_salt, base))
+                meta.loads.append(self._load_spec(st, lo, hi))
             if not self.options.save:
                 continue
             G = self._G
@@ -327,22 +334,51 @@ class TierKVScheduler:
                 st.tail_end = min(st.tail_end, done)
             new_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
             st.expect_done = new_tokens // bs
-            end = min(new_tokens // bs, len(req.block_hashes), len(st.block_ids))
+            end = min(new_tokens // bs, len(req.block_hashes), *(len(ids) for ids in st.block_ids or [[]]))
             # the step that completes the prompt also saves its blocks after the last full chunk
             prefilled = num_computed < req.num_prompt_tokens <= new_tokens
             chunks, st.next_chunk, st.tail_end = plan_saves(st.next_chunk, st.tail_end, end, prefilled, G)
+            if chunks and self._multi:
+                chunks = self._savable(st, chunks, num_computed)
             if not chunks:
                 continue
+            per_group = [[ids[a:b + 1] for a, b in chunks] for ids in st.block_ids]
             meta.saves.append(SaveSpec(
                 rid,
                 chunks,
-                [st.block_ids[a:b + 1] for a, b in chunks],
+                per_group[0],
                 [bytes(req.block_hashes[b]) for _, b in chunks],
-                list(st.block_ids[:end]),
+                [b for ids in st.block_ids for b in ids[:end]] if self._multi else list(st.block_ids[0][:end]),
                 req.cache_salt,
+                per_group if self._multi else None,
             ))
             self._planned_saves.add(rid)
         return meta
+
+    def _load_spec(self, st: RequestState, lo: int, hi: int) -> LoadSpec:
+        """Load the request's blocks ``lo .. hi-1`` (in every group)."""
+        hashes, base = self.hash_window(st.request, lo, hi)
+        per_group = [ids[lo:hi] for ids in st.block_ids]
+        return LoadSpec(st.request.request_id, lo, per_group[0], hashes, st.request.cache_salt, base,
+                        per_group if self._multi else None)
+
+    def _savable(self, st: RequestState, chunks: list[tuple[int, int]], num_computed: int) -> list[tuple[int, int]]:
+        """The chunks every group still holds: a sliding-window group frees the blocks before its window
+        (vLLM's null block, id 0, takes their place), and a chunk one of its groups lost is not saved
+        (a hit needs it in every layer).  A request computed in one step keeps every block of it."""
+        out = []
+        for a, b in chunks:
+            ok = True
+            for g, ids in enumerate(st.block_ids):
+                lo, _ = self.info.groups[g].live_blocks(num_computed)
+                if a < lo or 0 in ids[a:b + 1]:
+                    ok = False
+                    break
+            if ok:
+                out.append((a, b))
+            else:
+                self.totals.chunks_unsavable += 1
+        return out
 
     def update_connector_output(self, output: Any) -> None:
         """The workers' report of a step: which async loads are done, which blocks failed."""
@@ -351,6 +387,8 @@ class TierKVScheduler:
             for rid, blocks in self._async_in_flight.items():
                 if not blocks.isdisjoint(bad):
                     self._async_failed.add(rid)
+        # several groups: a failed load between steps comes back per request (vLLM recomputes it)
+        self._async_failed.update(getattr(output, "failed_recving", None) or ())
         for rid in getattr(output, "finished_recving", None) or ():
             self._async_in_flight.pop(rid, None)
 

@@ -100,12 +100,13 @@ class TierKVWorker:
         # processes; with private tiers each replica must hold what it will load
         split = self.shard.replicas > 1 and all(t["shared"] for t in tiers)
         self.saver = Saver(keys=self.keys, layers=layers, paged=self._paged, chunk_blocks=G, shard=self.shard,
-                           split_writes=split, store=lambda: self.store, counters=self.counters)
+                           split_writes=split, store=lambda: self.store, counters=self.counters,
+                           group_of=info.group_of, num_groups=info.num_groups)
 
         def loader() -> Loader:
             return Loader(layers=layers, paged=self._paged, block_size=info.block_size, store=lambda: self.store,
                           stored=self.prober.chunks, layer_keys=self.keys.keys, tp_rank=info.tp_rank,
-                          tp_size=info.tp_size)
+                          tp_size=info.tp_size, group_of=info.group_of, num_groups=info.num_groups)
 
         self._loader = loader()
         self._loader.layerwise = options.layerwise is True  # "auto" is settled in register_kv_caches
@@ -115,6 +116,8 @@ class TierKVWorker:
         self._async = AsyncLoads(self._async_loader.start, on_done=self._count_async_load)
         self._metadata: TierKVConnectorMetadata | None = None
         self.load_job: LoadJob | None = None
+        #: requests whose load failed, to report in vLLM's failed_recving (several KV cache groups)
+        self.failed_recving: set[str] = set()
         self._to_log: set[str] = set()
         self._closing = threading.Lock()
         self.closed = False
@@ -272,9 +275,13 @@ class TierKVWorker:
         if finished_req_ids:
             self._async.cancel(finished_req_ids)
         recving, failed = self._async.take_finished()
+        failed_reqs = self._async.take_failed_requests()
         if failed:
-            # get_block_ids_with_load_errors, called right after, reports them in this same step
+            # get_block_ids_with_load_errors, called right after, reports them in this same step (one KV
+            # cache group); with several, block ids are not unique and the requests go back instead
             self.counters.add_load_errors(failed)
+        if self.info.num_groups > 1:
+            self.failed_recving |= failed_reqs
         done = self.saver.finished(finished_req_ids)
         # a finished request is logged once its saves (if any) are in the store
         self._to_log |= finished_req_ids
@@ -288,7 +295,15 @@ class TierKVWorker:
         return done or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.counters.take_load_errors()
+        failed = self.counters.take_load_errors()
+        # several KV cache groups: vLLM cannot map block ids back to requests (it would stop the engine);
+        # their failed loads went back as requests (take_failed_recving)
+        return failed if self.info.num_groups == 1 else set()
+
+    def take_failed_recving(self) -> set[str]:
+        """Requests whose load between steps failed, for vLLM's ``failed_recving`` (several KV cache groups)."""
+        out, self.failed_recving = self.failed_recving, set()
+        return out
 
     def get_stats(self) -> TierKVConnectorStats | None:
         out = self.counters.take_interval(self._snapshots.due())
