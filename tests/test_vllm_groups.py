@@ -204,3 +204,77 @@ def test_geometry_of_vllms_own_specs():
     with pytest.raises(UnsupportedGroup, match="ChunkedLocalAttentionSpec"):
         geometry_of_spec(ChunkedLocalAttentionSpec(block_size=32, num_kv_heads=1, head_size=64,
                                                    dtype=torch.float32, attention_chunk_size=64))
+
+
+# ---- the scheduler with several KV cache groups (no engine) -------------------------------------------------
+BS = 4
+
+
+def _hybrid_scheduler(reach: int, load_async=False):
+    from types import SimpleNamespace as NS
+
+    from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, kv_shard
+    from tierkv.adapters.vllm.scheduler import TierKVScheduler
+    from tierkv.adapters.vllm.service import ProbeAnswer
+
+    def ask(rank, request):
+        n = max(0, min(len(request.hashes), reach) - request.local)
+        return ProbeAnswer(n, min(request.local, reach), [None] * n)
+
+    info = EngineInfo(block_size=BS, layers=("sw", "full"), num_blocks=64, shard=kv_shard(0, 1, 1),
+                      namespaces={0: "ns"}, layer_groups=(0, 1),
+                      groups=(GroupGeometry(SW, BS, sliding_window=2 * BS), GroupGeometry(FULL, BS)))
+    sched = TierKVScheduler(ConnectorOptions(chunk_tokens=BS, load_async=load_async), info, ask=ask)
+    return sched, NS
+
+
+def _hreq(NS, rid: str, blocks: int):
+    return NS(request_id=rid, num_tokens=blocks * BS + 1, num_prompt_tokens=blocks * BS + 1,
+              block_hashes=[bytes([i]) * 8 for i in range(blocks)], cache_salt=None)
+
+
+def _out(NS, new=(), scheduled=None):
+    cached = NS(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
+    return NS(scheduled_new_reqs=list(new), scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled or {},
+              preempted_req_ids=set())
+
+
+@pytest.mark.vllm
+def test_a_hybrid_hit_loads_between_steps_with_each_groups_block_ids_and_fails_per_request():
+    s, NS = _hybrid_scheduler(reach=4, load_async=False)
+    req = _hreq(NS, "r", 4)
+    assert s.get_num_new_matched_tokens(req, 0) == (4 * BS, True)  # between steps, whatever load_async says
+    ids = ([0, 0, 12, 13, 14], [20, 21, 22, 23, 24])  # the sliding-window group's first blocks are null
+    s.update_state_after_alloc(req, NS(get_block_ids=lambda: ids), 4 * BS)
+    (load,) = s.build_connector_meta(_out(NS)).async_loads
+    assert load.block_ids == [0, 0, 12, 13] and load.group_block_ids == [[0, 0, 12, 13], [20, 21, 22, 23]]
+    assert load.ids_of(1) == [20, 21, 22, 23]
+    # the load failed: vLLM hands it back per request; the next lookup is a miss, the one after hits
+    s.update_connector_output(NS(invalid_block_ids=set(), finished_recving={"r"}, failed_recving={"r"}))
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert s.get_num_new_matched_tokens(req, 0) == (4 * BS, True)
+
+
+@pytest.mark.vllm
+def test_hybrid_saves_carry_each_groups_ids_and_skip_chunks_a_group_has_freed():
+    s, NS = _hybrid_scheduler(reach=0)
+    # computed in one step from token 0: every block of both groups is live, every chunk saved
+    a = _hreq(NS, "a", 4)
+    assert s.get_num_new_matched_tokens(a, 0) == (0, False)
+    s.update_state_after_alloc(a, NS(get_block_ids=lambda: ([], [])), 0)
+    new = NS(req_id="a", block_ids=([1, 2, 3, 4, 5], [6, 7, 8, 9, 10]), num_computed_tokens=0)
+    (save,) = s.build_connector_meta(_out(NS, [new], {"a": 4 * BS + 1})).saves
+    assert save.chunks == [(0, 0), (1, 1), (2, 2), (3, 3)]
+    assert save.group_block_ids == [[[1], [2], [3], [4]], [[6], [7], [8], [9]]]
+    assert save.ids_of(0) == save.block_ids == [[1], [2], [3], [4]]
+    # continued from vLLM's own cache at 3 blocks: the window (8 tokens) before token 12 starts in block 1, so
+    # block 0 of the sliding-window group is gone (null) and chunks 0..2 were never saved by this request:
+    # chunk 0 cannot be saved (counted), chunks 1 and 2 can
+    b = _hreq(NS, "b", 4)
+    s.get_num_new_matched_tokens(b, 3 * BS)
+    s.update_state_after_alloc(b, NS(get_block_ids=lambda: ([], [])), 0)
+    new = NS(req_id="b", block_ids=([0, 32, 33, 34, 35], [40, 41, 42, 43, 44]), num_computed_tokens=3 * BS)
+    (save,) = s.build_connector_meta(_out(NS, [new], {"b": BS + 1})).saves
+    assert save.chunks == [(1, 1), (2, 2), (3, 3)]
+    assert save.group_block_ids == [[[32], [33], [34]], [[41], [42], [43]]]
+    assert s.totals.chunks_unsavable == 1

@@ -92,13 +92,39 @@ def test_gemma3_style_model_keeps_its_groups_and_hits_from_a_new_process(tmp_pat
     groups, expected = base["steps"][0], base["steps"][1]["tokens"]
     # one block per stored object: the prompts share 200 tokens, six whole blocks
     kv = U.connector_config(_store(tmp_path / "ssd"), extra={"chunk_tokens": 32})
-    one = U.run_engine({"model": model, "kv_transfer_config": kv, "steps": steps + [{"op": "records"}]}, cache)
+    one = U.run_engine({"model": model, "kv_transfer_config": kv, "steps": [*steps, {"op": "records"}]}, cache)
     assert one["steps"][0]["groups"] == groups["groups"]  # the hybrid manager stays on
     assert one["steps"][1]["tokens"] == expected
-    two = U.run_engine({"model": model, "kv_transfer_config": kv, "steps": steps + [{"op": "records"}]}, cache)
+    two = U.run_engine({"model": model, "kv_transfer_config": kv, "steps": [*steps, {"op": "records"}]}, cache)
     gen = two["steps"][1]
     assert gen["tokens"] == expected
     # every full block of every prompt (less the block holding the last token) came from the tiers
     assert gen["num_cached_tokens"] == [(len(p) - 1) // 32 * 32 for p in prompts]
-    sched = two["steps"][2]["scheduler"][0]
-    assert sched["hit_tokens"] == sum(gen["num_cached_tokens"])
+    rec = two["steps"][2]
+    assert rec["scheduler"][0]["hit_tokens"] == sum(gen["num_cached_tokens"])
+    assert rec["idle"] == []
+    assert rec["workers"][0]["async_loads"] > 0  # several groups: every hit loads between steps
+    # engine 3: every get fails after writing garbage into half of its blocks; vLLM takes the loads back per
+    # request (block ids are not unique across groups) and recomputes them: the same tokens, the engine up
+    three = U.run_engine({"model": model, "kv_transfer_config": kv,
+                          "steps": [{"op": "fault_gets", "mode": "raise"}, steps[1], {"op": "records"}]}, cache)
+    assert three["steps"][1]["tokens"] == expected
+    assert three["steps"][2]["faults"]["hit"] > 0
+
+
+def test_qwen3_next_style_model_starts_with_the_connector_idle(tmp_path):
+    """Recurrent-state groups are not served yet: the engine starts with its groups (it failed to start before
+    the connector declared hybrid support), the connector says why it is idle, and the tokens are vLLM's."""
+    model = H.make_qwen3_next_model(tmp_path / "qwen3n")
+    prompts = _prompts(400, (40, 9))
+    cache = tmp_path / "c"
+    steps = [{"op": "kv_groups"}, {"op": "generate", "prompts": prompts, "one_by_one": True}]
+    base = U.run_engine({"model": model, "dtype": "bfloat16", "kv_transfer_config": None, "steps": steps}, cache)
+    kv = U.connector_config(_store(tmp_path / "ssd"))
+    got = U.run_engine({"model": model, "dtype": "bfloat16", "kv_transfer_config": kv,
+                        "steps": [*steps, {"op": "records"}]}, cache)
+    assert got["steps"][0]["groups"] == base["steps"][0]["groups"]
+    assert got["steps"][1]["tokens"] == base["steps"][1]["tokens"]
+    rec = got["steps"][2]
+    assert rec["workers"] == [] and rec["scheduler"] == []
+    assert len(rec["idle"]) == 2 and all("recurrent-state" in r for r in rec["idle"])

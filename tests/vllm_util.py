@@ -442,6 +442,10 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         else:
             res["workers"] = _rank_records()
         res["scheduler"] = _jsonable([dataclasses.asdict(s.scheduler.totals) for s in scheds])
+        from tierkv.adapters.vllm import live_connectors
+
+        # connectors that serve nothing, and why (a model whose KV cache groups they cannot serve)
+        res["idle"] = [c.idle_reason for c in live_connectors() if getattr(c, "idle_reason", None)]
     else:
         raise ValueError(f"unknown op {op!r}")
     return res
