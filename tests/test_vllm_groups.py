@@ -278,3 +278,28 @@ def test_hybrid_saves_carry_each_groups_ids_and_skip_chunks_a_group_has_freed():
     assert save.chunks == [(1, 1), (2, 2), (3, 3)]
     assert save.group_block_ids == [[[32], [33], [34]], [[41], [42], [43]]]
     assert s.totals.chunks_unsavable == 1
+
+
+@pytest.mark.vllm
+def test_a_model_of_sliding_window_layers_alone_saves_only_blocks_its_group_still_holds():
+    """One sliding-window group (every layer slides): served as one group, but a chunk whose block vLLM has freed
+    (its id may already hold another request's KV) is never saved."""
+    from types import SimpleNamespace as NS
+
+    from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, kv_shard
+    from tierkv.adapters.vllm.scheduler import TierKVScheduler
+    from tierkv.adapters.vllm.service import ProbeAnswer
+
+    info = EngineInfo(block_size=BS, layers=("sw",), num_blocks=64, shard=kv_shard(0, 1, 1), namespaces={0: "ns"},
+                      groups=(GroupGeometry(SW, BS, sliding_window=2 * BS),))
+    assert info.num_groups == 1 and info.key_name(0) == "sw"  # keys as for any one-group model
+    s = TierKVScheduler(ConnectorOptions(chunk_tokens=BS), info,
+                        ask=lambda rank, r: ProbeAnswer(0, 0, []))
+    b = _hreq(NS, "b", 4)
+    s.get_num_new_matched_tokens(b, 3 * BS)
+    s.update_state_after_alloc(b, NS(get_block_ids=lambda: ([],)), 0)
+    new = NS(req_id="b", block_ids=([0, 32, 33, 34, 35],), num_computed_tokens=3 * BS)
+    (save,) = s.build_connector_meta(_out(NS, [new], {"b": BS + 1})).saves
+    assert save.chunks == [(1, 1), (2, 2), (3, 3)] and save.block_ids == [[32], [33], [34]]
+    assert save.group_block_ids is None
+    assert s.totals.chunks_unsavable == 1

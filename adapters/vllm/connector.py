@@ -140,7 +140,13 @@ def served_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> tup
     if not groups:
         raise UnsupportedGroup("no KV cache group (an attention-free model)")
     if len(groups) == 1:
-        return ()
+        # one group: served as always; a sliding window's geometry is kept (the scheduler saves only the blocks
+        # the group still holds)
+        try:
+            geom = geometry_of_spec(groups[0].kv_cache_spec)
+        except UnsupportedGroup:
+            return ()
+        return (geom,) if geom.kind is GroupKind.SLIDING_WINDOW else ()
     geoms = tuple(geometry_of_spec(g.kv_cache_spec) for g in groups)
     for geom in geoms:
         if geom.kind is GroupKind.STATE:

@@ -39,6 +39,7 @@ from typing import Any
 
 from .chunks import plan_saves
 from .config import ConnectorOptions, EngineInfo
+from .groups import GroupKind
 from .lookup import ChannelClient, endpoint
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
 from .service import Channel, ProbeAnswer, ProbeRequest, ShutdownRequest, TierPlace
@@ -126,6 +127,8 @@ class TierKVScheduler:
         self._G = max(1, options.chunk_tokens // info.block_size)
         #: several KV cache groups (a hybrid model): block ids per group, loads between steps only
         self._multi = info.num_groups > 1
+        #: a sliding-window group frees blocks before its window while the request runs: saves skip them
+        self._windowed = any(g.kind is GroupKind.SLIDING_WINDOW for g in info.groups)
         self._clients: dict[int, ChannelClient] = {}
         self._ask = ask or self._ask_worker
         self._lookup_down_until = 0.0
@@ -338,7 +341,7 @@ class TierKVScheduler:
             # the step that completes the prompt also saves its blocks after the last full chunk
             prefilled = num_computed < req.num_prompt_tokens <= new_tokens
             chunks, st.next_chunk, st.tail_end = plan_saves(st.next_chunk, st.tail_end, end, prefilled, G)
-            if chunks and self._multi:
+            if chunks and self._windowed:
                 chunks = self._savable(st, chunks, num_computed)
             if not chunks:
                 continue
