@@ -83,7 +83,7 @@ def test_store_trace_path_records_lookups_and_replays(tmp_path):
 def test_a_write_failure_disables_the_trace_not_the_store(tmp_path):
     store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "1MiB"}],
                                      "trace_path": str(tmp_path / "t.jsonl")})
-    tracer = store._observers[0]
+    tracer = store._observers.attached[0]
 
     class FullDisk:
         def write(self, s):
