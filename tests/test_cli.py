@@ -515,8 +515,7 @@ def test_captured_traces_carry_chunk_sizes(tmp_path, work):
 
 def test_sweep_of_a_chain_plots_what_varies(work, tmp_path):
     r = tierkv("simulate", work / "chat.jsonl", "--config", work / "store.yaml", "--sweep", "dram=256MiB..4GiB:3",
-               "--policies", "lru,fifo", "--out", tmp_path / "sw", "--json",
-               timeout=1500)  # (replay waits for each request's promotions: slower since they moved off-thread)
+               "--policies", "lru,fifo", "--out", tmp_path / "sw", "--json")
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["metric"] == "tier_hit_rate"

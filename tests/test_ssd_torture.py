@@ -236,3 +236,54 @@ def test_a_writer_killed_at_random_points_loses_nothing_flushed(tmp_path):
             book.gc = 0
     assert kills >= 50
     assert gc_runs >= 20, f"reclamation ran only {gc_runs} times: the kills did not land among reclamations"
+
+
+def _remover(path: str, conn) -> None:
+    """Fill most of the tier, flush, remove half, write as much again into the room the removal made, then
+    report and wait to be killed (nothing flushed after the removal)."""
+    t = _open_tier(path, "buffered", False)
+    t.recover()
+    first = [name(1, n) for n in range(80)]
+    assert all(t.write(first, [[torch.from_numpy(_big(k))] for k in first]))
+    t.flush()
+    t.delete(first[:40])
+    second = [name(2, n) for n in range(40)]
+    ok = t.write(second, [[torch.from_numpy(_big(k))] for k in second])
+    conn.send_bytes(b"done " + bytes(str(sum(ok)), "ascii"))
+    time.sleep(600)
+
+
+def _big(k: str) -> np.ndarray:
+    return np.frombuffer(np.random.default_rng(int(k, 16) % (1 << 63)).bytes(64 << 10), dtype=np.uint8).copy()
+
+
+def test_a_removal_is_not_undone_by_a_kill_after_writes_took_its_room(tmp_path):
+    """A removal is in the dead log's file when ``delete`` returns (as a write is in its region's file): a
+    writer killed before its next flush neither brings the removed objects back nor, because the writes made
+    after the removal took their room, has its reopen drop flushed objects to get under capacity."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "numpy", "tierkv", "tierkv.tiers.ssd", __name__])
+    path = str(tmp_path / "d")
+    rx, tx = ctx.Pipe(duplex=False)
+    p = ctx.Process(target=_remover, args=(path, tx), daemon=True)
+    p.start()
+    tx.close()
+    try:
+        assert rx.poll(120), "the writer did not report"
+        assert rx.recv_bytes() == b"done 40"
+    finally:
+        os.kill(p.pid, signal.SIGKILL)
+        p.join()
+    t = _open_tier(path, "buffered", False)
+    try:
+        found = dict(t.recover())
+        first = [name(1, n) for n in range(80)]
+        assert not set(first[:40]) & set(found), "removed objects came back"
+        assert set(first[40:]) <= set(found), "flushed objects lost"
+        assert t.extra_stats()["trimmed"] == 0
+        keys = first[40:]
+        outs = [torch.zeros(64 << 10, dtype=torch.uint8) for _ in keys]
+        assert all(t.read(keys, [[o] for o in outs]))
+        assert all(np.array_equal(o.numpy(), _big(k)) for k, o in zip(keys, outs))
+    finally:
+        t.close()

@@ -135,7 +135,9 @@ class TieredStore:
         #: the levels, fastest first (each: a tier, its policies, its index)
         self.levels: list[Level] = chain.levels
         self.promotion = build_promotion(promotion)
-        self._stager = StagingPool()
+        # (a copy that makes room demotes, which may make room further down: one arena per level at most
+        # is lent at once, and each stays mapped for the next cascade instead of being mapped again)
+        self._stager = StagingPool(keep=max(2, len(chain.levels)))
         self._io = TierIO(chain)
         self._placer = Placer(chain, self._io, self._stager)
         self._copier = Copier(chain, self._io, self._placer, self._stager, self.promotion,

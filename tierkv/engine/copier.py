@@ -225,7 +225,9 @@ class Copier:
 
         One batch promotes at most half of a level's capacity into it: a batch larger than
         the level would otherwise evict its own earlier chunks (thrashing).  The bytes are
-        read again from the level that served them, pinned there meanwhile.
+        read again from the level that served them, pinned there meanwhile, staged at most
+        ``_COPY_BATCH_BYTES`` at a time (so the staging arena stays that small however many
+        hits a batch promotes).
         """
         by_source: dict[int, dict[str, int]] = {}
         for key, j, nbytes in jobs:
@@ -248,11 +250,12 @@ class Copier:
         if not keys:
             return
         try:
-            sizes = [items[key] for key in keys]
-            with self._source_bytes(src, keys, sizes) as (bufs, oks):
-                for i, key in enumerate(keys):
-                    if oks[i]:
-                        self._promote_one(j, plan[key], key, sizes[i], bufs[i])
+            for part in _by_bytes(keys, items, _COPY_BATCH_BYTES):  # (a staging arena of at most one batch)
+                sizes = [items[key] for key in part]
+                with self._source_bytes(src, part, sizes) as (bufs, oks):
+                    for i, key in enumerate(part):
+                        if oks[i]:
+                            self._promote_one(j, plan[key], key, sizes[i], bufs[i])
         finally:
             if src.managed:
                 with self._lock:
@@ -292,6 +295,23 @@ class Copier:
                         self.levels[j].counters.promotions += 1
         finally:
             self.chain.release(held)
+
+
+def _by_bytes(keys: list[str], sizes: dict[str, int], limit: int) -> list[list[str]]:
+    """``keys`` in consecutive batches of at most ``limit`` bytes each (a larger chunk alone)."""
+    out: list[list[str]] = []
+    batch: list[str] = []
+    size = 0
+    for key in keys:
+        n = sizes[key]
+        if batch and size + n > limit:
+            out.append(batch)
+            batch, size = [], 0
+        batch.append(key)
+        size += n
+    if batch:
+        out.append(batch)
+    return out
 
 
 class _SourceBytes:

@@ -128,10 +128,12 @@ class DeadLog:
         """Record that ``seq`` was handed out.  Written ahead of every entry added after it (one append)."""
         self.pending.append((MARK_REGION, 0, seq))
 
-    def write(self, fsync: bool) -> None:
-        if not self.pending:
+    def write(self, fsync: bool, start: int = 0) -> None:
+        """Append the entries added so far (``start``: only those from this position in ``pending``, the
+        others stay pending) to the file; they leave ``pending`` once written."""
+        if len(self.pending) <= start:
             return
-        a = np.array(self.pending, dtype=np.uint64)
+        a = np.array(self.pending[start:], dtype=np.uint64)
         keys = dead_keys(a[:, 0], a[:, 1], a[:, 2])
         is_mark = a[:, 0] == np.uint64(MARK_REGION)
         if is_mark.any():
@@ -153,7 +155,7 @@ class DeadLog:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        self.pending.clear()
+        del self.pending[start:]
 
     def size(self) -> int:
         try:

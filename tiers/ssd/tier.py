@@ -589,8 +589,25 @@ class SSDTier(Tier):
     # -- deletes ----------------------------------------------------------------------------
     def _delete(self, keys: Sequence[str]) -> None:
         st = self._state
+        with st.wlock:  # (reclamation may be moving these very objects)
+            first = self._unindex(keys)
+            # The removals reach the dead log's file before the answer, as a write reaches its region's
+            # file: a process killed after a removal never brings the object back beside writes made after
+            # it (which may have taken its room: a reopen over capacity would drop the oldest, flushed
+            # objects).  Durable on disk at the next flush (or now with ``fsync: "always"``); a failed
+            # append leaves them pending for the flush.
+            try:
+                st.dead.write(st.fsync == "always", start=first)
+            except OSError as e:
+                st.io_error(e, "writing the dead log")
+
+    def _unindex(self, keys: Sequence[str]) -> int:
+        """Remove ``keys`` from the index (the dead log names their records, in ``pending``); returns where
+        in ``pending`` their entries begin.  Caller holds ``wlock``."""
+        st = self._state
         geom = st.geometry()
-        with st.wlock, st.lock:  # (_wlock: reclamation may be moving these very objects)
+        with st.lock:
+            first = len(st.dead.pending)
             for key in keys:
                 d = F.key_digest(key.encode())
                 e = st.index.get(d) if st.has_large else None
@@ -601,6 +618,7 @@ class SSDTier(Tier):
                     st.changed = True
                     if e is not None and e[3] > geom.single:  # a large object: its pieces go with it
                         st.drop_pieces(d, 0, geom.layout(e[3])[0])
+        return first
 
     def _contains(self, keys: Sequence[str]) -> list[bool]:
         st = self._state
