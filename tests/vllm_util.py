@@ -333,6 +333,49 @@ class _FaultyGets:
         return self._store.get(keys, outs)
 
 
+class _RecordingPuts:
+    """Store proxy that records the keys and sizes of every ``put_detailed`` call, in order.
+
+    The connector's save thread puts one layer of a save plan per call, layers in order, so
+    call ``i`` of a single prompt saved in one step is layer ``i``, its keys in chunk order.
+    """
+
+    def __init__(self, store):
+        self._store = store
+        self.calls: list[list[tuple[str, int]]] = []
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def put_detailed(self, keys, values):
+        from tierkv.buffers import to_parts
+
+        self.calls.append([(k, to_parts(v)[1]) for k, v in zip(keys, values)])
+        return self._store.put_detailed(keys, values)
+
+
+def _plant(store, calls, step: dict[str, Any]) -> dict[str, Any]:
+    """Store the bytes of one recorded key under another (same size) through the store's API: wrong
+    content under a real key, with the checksum the put computes for it."""
+    import torch
+
+    key, size = calls[step["call"]][step["index"]]
+    src, src_size = calls[step["from_call"]][step.get("from_index", step["index"])]
+    if size != src_size:
+        raise ValueError(f"cannot plant {src_size} bytes under a key of {size}")
+    buf = torch.empty(size, dtype=torch.uint8)
+    if not store.get([src], [buf])[0]:
+        raise RuntimeError("the source chunk is not in the store")
+    old = torch.empty(size, dtype=torch.uint8)
+    store.get([key], [old])
+    if torch.equal(old, buf):
+        raise RuntimeError("the planted bytes equal the stored ones")
+    store.remove([key])
+    if not store.put([key], [buf])[0]:
+        raise RuntimeError("the planted chunk was not stored")
+    return {"key": key, "size": size}
+
+
 def _corrupt_files(root: str, limit: int | None = None) -> int:
     """Flip bytes in the middle of the payload of stored objects under ``root`` (an ssd tier's directory).
 
@@ -415,6 +458,18 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         w = workers[0].worker
         state["faults"] = _FaultyGets(w.store, step["mode"], step.get("limit"))
         w.store = state["faults"]
+    elif op == "record_puts":
+        workers, _ = _connectors()
+        w = workers[0].worker
+        state["puts"] = _RecordingPuts(w.store)
+        w.store = state["puts"]
+    elif op == "plant":
+        workers, _ = _connectors()
+        res.update(_plant(workers[0].worker.store, state["puts"].calls, step))
+        state.setdefault("planted", []).append(res["key"])
+    elif op == "contains":
+        workers, _ = _connectors()
+        res["contains"] = workers[0].worker.store.contains(step.get("keys") or state.get("planted") or [])
     elif op == "gate_layers":
         workers, _ = _connectors()
         w = workers[0].worker

@@ -15,6 +15,7 @@ import logging
 import threading
 from typing import Any
 
+from .audit import AuditTally
 from .connector_stats import RequestRecords, SaveTally, TierKVConnectorStats
 from .load_mode import LoadMode
 from .loading import LoadJob
@@ -37,11 +38,15 @@ class WorkerCounters:
         self._load_errors: set[int] = set()
         self._totals_sent: dict | None = None
 
-    def add_save(self, req_id: str, tally: SaveTally) -> None:
+    def add_save(self, req_id: str, tally: SaveTally, audit: AuditTally | None = None) -> None:
         with self._lock:
             tally.add_to(self.interval)
             tally.add_to(self.totals)
             self.request_records.add_save(req_id, tally)
+            if audit is not None and (audit.audits or audit.skipped):
+                audit.add_to(self.interval.data)
+                audit.add_to(self.totals.data)
+                audit.add_to(self.request_records.record(req_id))
 
     def add_load(self, job: LoadJob, mode: LoadMode) -> None:
         """Count one finished load job; one run in the step (``SYNC``) has its failed blocks reported to vLLM

@@ -58,11 +58,14 @@ def store_config_from_extra(extra: dict[str, Any] | None) -> dict[str, Any] | st
 # -- connector options ------------------------------------------------------------
 _WHAT = "kv_connector_extra_config"
 
+#: ``audit_rate``'s default: one hit in a hundred is recomputed and compared (docs/vllm.md, "Audits")
+DEFAULT_AUDIT_RATE = 0.01
+
 #: every option ``kv_connector_extra_config`` may hold (see :class:`ConnectorOptions`)
 OPTION_NAMES = (
     "tierkv", "tierkv_config_file", "model_id", "load", "save", "chunk_tokens", "layerwise",
     "full_hit_recompute", "load_failure_policy", "load_async", "load_inline_max_tokens", "save_wait",
-    "shutdown_timeout_s",
+    "shutdown_timeout_s", "audit_rate", "audit_tolerance",
     "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt",
 )
 
@@ -94,6 +97,10 @@ class ConnectorOptions:
     trace: dict[str, Any] = field(default_factory=dict)
     #: with load_async "auto": the longest hit (tokens) loaded in the step; a longer one goes between steps
     load_inline_max_tokens: int = 8192
+    #: share of the requests that would hit whose hit is recomputed and compared with the stored chunks
+    audit_rate: float = DEFAULT_AUDIT_RATE
+    #: 0: an audit compares bitwise; above 0, the largest absolute difference it lets pass
+    audit_tolerance: float = 0.0
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -126,6 +133,8 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
                           f"default), not {short(la)}")
     save_wait = pop_bool(opts, "save_wait", True, _WHAT)
     shutdown_timeout = pop_float(opts, "shutdown_timeout_s", 30.0, _WHAT, min_value=0.0)
+    audit_rate = pop_float(opts, "audit_rate", DEFAULT_AUDIT_RATE, _WHAT, min_value=0.0, max_value=1.0)
+    audit_tolerance = pop_float(opts, "audit_tolerance", 0.0, _WHAT, min_value=0.0)
     trace: dict[str, Any] = {}
     path = pop_str(opts, "trace_path", None, _WHAT)
     if path is not None:
@@ -140,7 +149,8 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     if opts:
         raise ConfigError(f"{_WHAT}: unknown option(s) {sorted(opts)}; known: {sorted(OPTION_NAMES)}")
     return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, load_async,
-                            save_wait, shutdown_timeout, trace, inline_max)
+                            save_wait, shutdown_timeout, trace, inline_max,
+                            audit_rate=audit_rate, audit_tolerance=audit_tolerance)
 
 
 @dataclass(frozen=True)

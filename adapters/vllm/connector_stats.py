@@ -23,6 +23,7 @@ from .prom import merge_store_snapshots
 COUNTERS = (
     "load_requests", "load_blocks", "load_tokens", "load_bytes", "load_s", "load_errors",
     "save_blocks", "save_bytes", "save_s", "save_errors", "save_refused",
+    "audits", "audit_mismatches", "audit_skipped", "audit_s",
 )
 
 
@@ -60,6 +61,10 @@ class TierKVConnectorStats(KVConnectorStats):
             "save_ms": round(d.get("save_s", 0.0) * 1e3, 3),
             "save_errors": d.get("save_errors", 0),
             "save_refused": d.get("save_refused", 0),
+            "audits": d.get("audits", 0),
+            "audit_mismatches": d.get("audit_mismatches", 0),
+            "audit_skipped": d.get("audit_skipped", 0),
+            "audit_ms": round(d.get("audit_s", 0.0) * 1e3, 3),
         }
         for tier, n in sorted((d.get("hit_tokens") or {}).items()):
             out[f"hit_tokens[{tier}]"] = n
@@ -163,7 +168,11 @@ class RequestRecords(collections.OrderedDict):
         """The log line for a finished request (None when it moved nothing)."""
         if not (rec["load_tokens"] or rec["save_blocks"] or rec["save_errors"]):
             return None
+        audited = ""
+        if rec.get("audits") or rec.get("audit_skipped"):
+            audited = (f"; audited {rec['audits']} stored chunk-layers, {rec['audit_mismatches']} differed, "
+                       f"{rec['audit_skipped']} not compared")
         return (f"TierKVConnector: request {rid} loaded {rec['load_tokens']} tokens {rec['hit_tokens']} "
                 f"({rec['load_bytes'] / 2**20:.2f} MiB, {rec['load_s'] * 1e3:.1f} ms, {rec['load_errors']} errors); "
                 f"saved {rec['save_blocks']} block-layers ({rec['save_bytes'] / 2**20:.2f} MiB, "
-                f"{rec['save_s'] * 1e3:.1f} ms)")
+                f"{rec['save_s'] * 1e3:.1f} ms){audited}")

@@ -54,6 +54,16 @@ class SaveSpec:
     #: several KV cache groups: ``group_block_ids[g][i]`` group ``g``'s block ids of chunk ``i``
     #: (``block_ids`` is group 0's); None with one group
     group_block_ids: list[list[list[int]]] | None = None
+    #: blocks ``lo .. hi-1`` were a hit served as a miss for an audit: the chunks that overlap them are
+    #: compared with the stored copies when the put finds them present (None: no audit)
+    audit: tuple[int, int] | None = None
+
+    def audited(self, chunks: list[tuple[int, int]]) -> list[int]:
+        """Positions in ``chunks`` of those the audit covers."""
+        if self.audit is None:
+            return []
+        lo, hi = self.audit
+        return [j for j, (first, last) in enumerate(chunks) if last >= lo and first < hi]
 
     def ids_of(self, group: int) -> list[list[int]]:
         """Each chunk's block ids in KV cache group ``group``."""

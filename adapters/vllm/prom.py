@@ -6,7 +6,8 @@ with each interval's aggregated ``KVConnectorStats.data``.  Two things ride in i
 
 * the connector's own interval counters (``load_tokens``, ``load_bytes``,
   ``load_s``, ``load_errors``, ``save_blocks``, ``save_bytes``, ``save_s``,
-  ``save_errors``, ``save_refused``, ``hit_tokens`` by tier) -> counters
+  ``save_errors``, ``save_refused``, the audit's ``audits``, ``audit_mismatches``,
+  ``audit_skipped``, ``audit_s``, ``hit_tokens`` by tier) -> counters
   ``tierkv_connector_loaded_tokens_total`` … and ``tierkv_connector_hit_tokens_total{tier}``;
 * each worker's store as ``tierkv.tools.metrics.snapshot`` reads it, under ``"tierkv_store"``
   by rank (put there by ``attach_store_snapshot``, merged across workers by
@@ -42,6 +43,12 @@ CONNECTOR_COUNTERS = {
     "save_s": ("tierkv_connector_save_seconds", "Seconds spent saving to tierkv"),
     "save_errors": ("tierkv_connector_save_errors", "Saves that failed"),
     "save_refused": ("tierkv_connector_save_refused", "Chunks the store declined to keep (admission, no room)"),
+    "audits": ("tierkv_connector_audits", "Stored chunks compared with KV computed afresh (audit_rate)"),
+    "audit_mismatches": ("tierkv_connector_audit_mismatches",
+                         "Audited chunks that differed from the KV computed afresh (removed from every tier)"),
+    "audit_skipped": ("tierkv_connector_audit_skipped",
+                      "Audited chunks not compared (gone from the store by the save, or unreadable)"),
+    "audit_s": ("tierkv_connector_audit_seconds", "Seconds spent reading audited chunks back and comparing"),
 }
 
 

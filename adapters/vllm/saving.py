@@ -12,6 +12,11 @@ the blocks computed from it, so the saves from the first failed block on are
 dropped (:meth:`Saver.release_held`).  A request is reported finished once no save
 of it is pending; a preempted request's pending saves are waited for before vLLM
 frees its blocks.
+
+A save whose spec carries an audit (``SaveSpec.audit``: the scheduler served a hit
+as a miss, at ``audit_rate``) hands the chunks it covers to the :class:`Auditor`
+after the put: those the put found already stored are compared with the bytes
+just computed, and a stored copy that differs is removed (audit.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 from tierkv.outcome import PutOutcome
 
 from .accounting import WorkerCounters
+from .audit import Auditor, AuditTally
 from .chunks import Chunk
 from .config import ShardInfo, block_hash_bytes
 from .connector_stats import SaveTally
@@ -40,7 +46,7 @@ logger = logging.getLogger("vllm.tierkv.saving")
 class SavePlan:
     """One save spec's chunks on this rank, as every layer of the step uses them."""
 
-    __slots__ = ("chunks", "cuts", "hashes", "spec")
+    __slots__ = ("audited", "chunks", "cuts", "hashes", "spec")
 
     def __init__(self, spec: SaveSpec, pos: list[int], num_groups: int = 1) -> None:
         self.spec = spec
@@ -48,6 +54,8 @@ class SavePlan:
         self.hashes = [block_hash_bytes(spec.block_hashes[j]) for j in pos]
         #: where the chunks' blocks lie, per KV cache group (each group has its own block ids)
         self.cuts = [Cuts([ids[j] for j in pos]) for ids in (spec.ids_of(g) for g in range(num_groups))]
+        #: positions in ``chunks`` of those an audit compares with the stored copies
+        self.audited = spec.audited(self.chunks)
 
 
 class SaveItem:
@@ -71,6 +79,14 @@ class SaveItem:
         chunks = self.plan.chunks
         return chunks if self.keep is None else [chunks[j] for j in self.keep]
 
+    def audited(self) -> list[int]:
+        """Positions in :meth:`chunks` of those the audit covers."""
+        audited = self.plan.audited
+        if self.keep is None or not audited:
+            return audited
+        covered = set(audited)
+        return [i for i, j in enumerate(self.keep) if j in covered]
+
 
 class Saver:
     """Puts a worker's step saves on its save thread and tracks them per request.
@@ -78,12 +94,15 @@ class Saver:
     ``store()`` is the store to put into (looked up per put, so a caller may wrap
     it); ``paged`` the worker's layers (filled by ``register_kv_caches``).
     ``split_writes``: replicas of this KV-head shard share the tiers, so each saves
-    its share of the chunks only.
+    its share of the chunks only.  ``auditor`` compares the audited saves with the
+    stored copies (None: audits are not checked, and count as skipped).
     """
 
     def __init__(self, *, keys: LayerKeys, layers: list[str], paged: dict[str, PagedLayer], chunk_blocks: int,
                  shard: ShardInfo, split_writes: bool, store: Callable[[], Any], counters: WorkerCounters,
-                 group_of: Callable[[int], int] = lambda layer: 0, num_groups: int = 1) -> None:
+                 group_of: Callable[[int], int] = lambda layer: 0, num_groups: int = 1,
+                 auditor: Auditor | None = None) -> None:
+        self._auditor = auditor
         self._keys = keys
         self._group_of = group_of
         self._num_groups = num_groups
@@ -189,7 +208,10 @@ class Saver:
         chunks = item.chunks()
         t0 = time.perf_counter()
         tally = SaveTally()
+        audit = AuditTally()
         try:
+            keys: list[str] | None = None
+            values: Any = None
             try:
                 keys = self._keys.keys(layer, plan.hashes if keep is None else [plan.hashes[j] for j in keep],
                                        spec.cache_salt)
@@ -202,11 +224,27 @@ class Saver:
             except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
                 logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
                 outcomes = [PutOutcome.ERROR] * len(chunks)
-            tally = SaveTally.of(outcomes, chunks, self._paged[self._layers[layer]].block_nbytes)
+            paged = self._paged[self._layers[layer]]
+            tally = SaveTally.of(outcomes, chunks, paged.block_nbytes)
+            audited = item.audited()
+            if audited:
+                audit = self._audit(item, keys, values, outcomes, audited, paged)
         finally:
             tally.seconds = time.perf_counter() - t0
-            self._counters.add_save(spec.req_id, tally)
+            self._counters.add_save(spec.req_id, tally, audit)
             self._done(spec.req_id)
+
+    def _audit(self, item: SaveItem, keys: list[str] | None, values: Any, outcomes: list[PutOutcome],
+               audited: list[int], paged: PagedLayer) -> AuditTally:
+        """Compare the audited chunks of one save with the store's copies (a failure skips them, counted)."""
+        if self._auditor is None or keys is None:
+            return AuditTally(skipped=len(audited))
+        try:
+            return self._auditor.check(self._store(), keys, values, outcomes, audited,
+                                       layer=self._layers[item.layer], dtype=paged.tensor.dtype, req_id=item.req_id)
+        except Exception as e:  # noqa: BLE001 - an audit that cannot read loses that audit, nothing else
+            logger.warning("TierKVConnector: audit of %s layer %d not made: %s", item.req_id, item.layer, e)
+            return AuditTally(skipped=len(audited))
 
     # ---- requests and shutdown ----------------------------------------------------
     def finished(self, finished_req_ids: set[str]) -> set[str]:

@@ -19,6 +19,11 @@ long: a request arriving alone starts at once instead of waiting a step for its
 load, while the batch waits for one memory-speed load a step at most; every other
 hit of the step (and any hit from disk or a remote tier) loads between steps.
 
+A share ``audit_rate`` of the requests that would hit is audited (:class:`AuditPace`):
+the hit is served as a miss, vLLM computes it, and the save plans carry the audited
+blocks (``SaveSpec.audit``) so that the workers compare what they computed with the
+chunks stored (audit.py).
+
 The store lives with the workers; a request's question goes to them as a
 ``ProbeRequest`` (service.py) through ``ask`` (the lookup channel of lookup.py by
 default), one rank per KV-head shard, and the smallest answer wins.  An
@@ -32,6 +37,7 @@ engine memory.
 from __future__ import annotations
 
 import logging
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -86,6 +92,8 @@ class Lookup:
     is_async: bool
     #: where each block of the reach from ``local`` is (None: unknown)
     where: list[TierPlace | None]
+    #: blocks past ``local`` that would have hit, served as a miss for an audit (0: no audit)
+    audit: int = 0
 
 
 @dataclass
@@ -104,6 +112,8 @@ class RequestState:
     #: the pending load runs between steps (vLLM parks the request until it is done)
     load_async: bool = False
     hit_sources: dict[Any, int] = field(default_factory=dict)
+    #: blocks ``lo .. hi-1`` are computed for an audit: their saves compare with the stored chunks
+    audit: tuple[int, int] | None = None
 
 
 @dataclass
@@ -115,6 +125,9 @@ class SchedulerTotals:
     hit_tokens_by_tier: dict[str, int] = field(default_factory=dict)
     #: chunks not saved because a group had freed a block of them (sliding windows of a hybrid model)
     chunks_unsavable: int = 0
+    #: hits served as misses for an audit (``audit_rate``), and their tokens (recomputed instead of loaded)
+    audited_requests: int = 0
+    audited_tokens: int = 0
 
 
 class TierKVScheduler:
@@ -142,6 +155,9 @@ class TierKVScheduler:
         self._planned_saves: set[str] = set()
         #: hits this step (since the last build_connector_meta) loads in the step under load_async "auto"
         self._inline_this_step = 0
+        #: request id -> whether its hits are audited (drawn at its first lookup that hits, kept until it ends)
+        self._audit_draws: dict[str, bool] = {}
+        self._audit_pace = AuditPace(options.audit_rate)
         self.totals = SchedulerTotals()
 
     # ---- asking the workers -------------------------------------------------------
@@ -217,6 +233,11 @@ class TierKVScheduler:
             # and save what it computes
             self._async_failed.discard(request.request_id)
             hits, stored = 0, min(stored, local)
+        audit = 0
+        if hits and self._audited(request.request_id):
+            # served as a miss: vLLM computes these blocks, the workers save them, and each save that
+            # finds its chunk stored compares the fresh bytes with it (saving.py)
+            audit, hits, stored = hits, 0, min(stored, local)
         self.totals.lookups += 1
         ext = hits * bs
         if (local + hits) * bs >= request.num_tokens:  # only with full_hit_recompute="token"
@@ -224,8 +245,20 @@ class TierKVScheduler:
         # (vLLM: never async with nothing to load; a block whose tier is unknown counts as a slow one)
         # several groups: vLLM takes a failed load back per request only from a load between steps
         is_async = ext > 0 and (self._multi or self._loads_between_steps(ext, _padded(where, hits)))
-        self._lookups[request.request_id] = Lookup(local, hits, stored, is_async, where)
+        self._lookups[request.request_id] = Lookup(local, hits, stored, is_async, where, audit)
         return ext, is_async
+
+    def _audited(self, rid: str) -> bool:
+        """Whether request ``rid``'s hits are audited: drawn once per request, at ``audit_rate``.
+
+        Only while saves are on: the comparison is made by the save that finds the chunk stored.
+        """
+        if self.options.audit_rate <= 0.0 or not self.options.save:
+            return False
+        drawn = self._audit_draws.get(rid)
+        if drawn is None:
+            drawn = self._audit_draws[rid] = self._audit_pace.next()
+        return drawn
 
     def _loads_between_steps(self, ext: int, where: list[TierPlace | None]) -> bool:
         """Whether a hit of ``ext`` tokens served from ``where`` (one place per block) loads between steps."""
@@ -257,6 +290,10 @@ class TierKVScheduler:
         st.pending_load = None
         st.load_async = False
         st.hit_sources = {}
+        st.audit = (local, local + look.audit) if look.audit else None
+        if look.audit:
+            self.totals.audited_requests += 1
+            self.totals.audited_tokens += look.audit * bs
         n_ext = -(-num_external_tokens // bs)  # blocks to load, the last one perhaps for all but a token
         if n_ext <= 0:
             return
@@ -354,6 +391,7 @@ class TierKVScheduler:
                 [b for ids in st.block_ids for b in ids[:end]] if self._multi else list(st.block_ids[0][:end]),
                 req.cache_salt,
                 per_group if self._multi else None,
+                audit=st.audit,
             ))
             self._planned_saves.add(rid)
         return meta
@@ -405,6 +443,7 @@ class TierKVScheduler:
         self.requests.pop(rid, None)
         self._lookups.pop(rid, None)
         self._async_failed.discard(rid)
+        self._audit_draws.pop(rid, None)
         delay = rid in self._planned_saves
         self._planned_saves.discard(rid)
         return delay, None
@@ -427,6 +466,36 @@ class TierKVScheduler:
         for c in self._clients.values():
             c.close()
         self._clients.clear()
+
+
+class AuditPace:
+    """Which requests that would hit are audited: a share ``rate`` of them, neither early nor in step.
+
+    Each request adds ``rate`` to a credit; one is audited when the credit reaches a threshold, which
+    is then spent and drawn again, uniformly between 0.5 and 1.5 (mean 1, so ``rate`` is the long-run
+    share).  The first threshold is 1: the first audit is the ``ceil(1 / rate)``-th request, never a
+    chance early one; the drawn thresholds keep the audits out of step with a workload that cycles
+    through its prompts.  The draws are seeded: a run is reproducible.  ``rate`` 1 audits every one.
+    """
+
+    def __init__(self, rate: float, seed: int = 0x7A5D17) -> None:
+        self.rate = rate
+        self._credit = 0.0
+        self._threshold = 1.0
+        self._rng = random.Random(seed)
+
+    def next(self) -> bool:
+        """Whether the next request is audited."""
+        if self.rate >= 1.0:
+            return True
+        if self.rate <= 0.0:
+            return False
+        self._credit += self.rate
+        if self._credit + 1e-12 < self._threshold:
+            return False
+        self._credit -= self._threshold
+        self._threshold = self._rng.uniform(0.5, 1.5)
+        return True
 
 
 def _padded(where: list[TierPlace | None], n: int) -> list[TierPlace | None]:

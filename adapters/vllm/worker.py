@@ -51,6 +51,7 @@ import torch
 
 from .accounting import WorkerCounters
 from .async_loading import AsyncLoads
+from .audit import Auditor
 from .config import ConnectorOptions, EngineInfo
 from .connector_stats import TierKVConnectorStats
 from .layer_keys import LayerKeys
@@ -101,7 +102,8 @@ class TierKVWorker:
         split = self.shard.replicas > 1 and all(t["shared"] for t in tiers)
         self.saver = Saver(keys=self.keys, layers=layers, paged=self._paged, chunk_blocks=G, shard=self.shard,
                            split_writes=split, store=lambda: self.store, counters=self.counters,
-                           group_of=info.group_of, num_groups=info.num_groups)
+                           group_of=info.group_of, num_groups=info.num_groups,
+                           auditor=Auditor(options.audit_tolerance))
 
         def loader() -> Loader:
             return Loader(layers=layers, paged=self._paged, block_size=info.block_size, store=lambda: self.store,
