@@ -15,6 +15,12 @@ vLLM has dropped.  Back ends:
     tierkv-sync   the same with {"load_async": false}: every hit loads in the step, the batch waits
     tierkv-async  the same with {"load_async": true}: every hit loads between steps, the request waits
     tierkv-auto   the same with {"load_async": "auto"} named (as tierkv)
+    tierkv-noaudit  the same with {"audit_rate": 0}: no hit recomputed for an audit (the audit's cost is
+              tierkv's figures against these, in the same run)
+
+--audit-rate sets ``audit_rate`` on every tierkv back end but tierkv-noaudit (default: the
+connector's own default); the audits each run made and the time they spent reading back and
+comparing are in the /metrics table (``audits``, ``audit_ms``).
 
 The load is vLLM's ``vllm.benchmarks.serve`` (called in-process) with the
 ``prefix_repetition`` dataset: --num-prefixes shared prefixes, each followed by
@@ -63,10 +69,11 @@ sys.path.insert(0, str(HERE))
 import serve_util as S
 import vllm_util as U
 
-BACKENDS = ("none", "mooncake", "tierkv", "tierkv-sync", "tierkv-async", "tierkv-auto")
+BACKENDS = ("none", "mooncake", "tierkv", "tierkv-sync", "tierkv-async", "tierkv-auto", "tierkv-noaudit")
 #: kv_connector_extra_config of each tierkv back end
 TIERKV_EXTRA: dict[str, Any] = {"tierkv": None, "tierkv-sync": {"load_async": False},
-                                "tierkv-async": {"load_async": True}, "tierkv-auto": {"load_async": "auto"}}
+                                "tierkv-async": {"load_async": True}, "tierkv-auto": {"load_async": "auto"},
+                                "tierkv-noaudit": {"audit_rate": 0.0}}
 #: the back ends of a run without --backends
 DEFAULT_BACKENDS = ("none", "mooncake", "tierkv")
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
@@ -74,6 +81,14 @@ METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttf
 #: the table's columns: (result key, header, higher is better)
 SHOWN = (("request_throughput", "req/s", True), ("median_ttft_ms", "TTFT p50 ms", False),
          ("p99_ttft_ms", "TTFT p99 ms", False), ("median_tpot_ms", "TPOT p50 ms", False))
+
+
+def _tierkv_extra(name: str, audit_rate: float | None) -> dict[str, Any] | None:
+    """A tierkv back end's kv_connector_extra_config, with ``--audit-rate`` where it applies."""
+    extra = dict(TIERKV_EXTRA[name] or {})
+    if audit_rate is not None and "audit_rate" not in extra:
+        extra["audit_rate"] = audit_rate
+    return extra or None
 
 
 def _rotated(names: list[str], i: int) -> list[str]:
@@ -204,7 +219,8 @@ COUNTERS = ("vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:externa
             "vllm:request_prefill_time_seconds_count", "vllm:iteration_tokens_total_count",
             "vllm:iteration_tokens_total_sum", "vllm:time_to_first_token_seconds_sum",
             "vllm:time_to_first_token_seconds_count", "tierkv_connector_load_seconds",
-            "tierkv_connector_loaded_bytes")
+            "tierkv_connector_loaded_bytes", "tierkv_connector_audits", "tierkv_connector_audit_mismatches",
+            "tierkv_connector_audit_seconds")
 
 
 def scrape(srv: S.ApiServer) -> dict[str, float]:
@@ -257,6 +273,11 @@ def served_from(before: dict[str, float], after: dict[str, float]) -> dict[str, 
         if n > 0:
             out["load_ms"] = 1000 * d["tierkv_connector_load_seconds"] / n
         out["load_GiBps"] = d["tierkv_connector_loaded_bytes"] / d["tierkv_connector_load_seconds"] / 2**30
+    if d["tierkv_connector_audits"] > 0 or d["tierkv_connector_audit_seconds"] > 0:
+        # stored chunks (one layer each) compared with KV computed afresh, and the time that took in all
+        out["audits"] = d["tierkv_connector_audits"]
+        out["audit_mismatches"] = d["tierkv_connector_audit_mismatches"]
+        out["audit_ms"] = 1000 * d["tierkv_connector_audit_seconds"]
     return out
 
 
@@ -416,6 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-cache-prompts", type=float, default=1.5,
                     help="vLLM's KV cache size in units of (concurrency x request length): small, so its "
                          "own prefix cache evicts")
+    ap.add_argument("--audit-rate", type=float, default=None,
+                    help="audit_rate of the tierkv back ends but tierkv-noaudit (default: the connector's)")
     ap.add_argument("--dram", default="1GiB", help="tierkv's DRAM tier capacity (SSD below it)")
     ap.add_argument("--ssd", default="8GiB", help="tierkv's SSD tier capacity")
     ap.add_argument("--mooncake-mode", default="embedded", choices=["embedded", "standalone"])
@@ -444,6 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"unknown back end {b!r} (choose from {', '.join(BACKENDS)})")
     if args.requests < args.num_prefixes:
         raise SystemExit(f"--requests {args.requests} must be at least --num-prefixes {args.num_prefixes}")
+    if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
+        raise SystemExit(f"--audit-rate {args.audit_rate} must be between 0 and 1")
     if args.settle < 0:
         raise SystemExit(f"--settle {args.settle} must be 0 or more seconds")
     if args.warmup is not None and args.warmup < args.num_prefixes:
@@ -494,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(ssd, ignore_errors=True)
                 kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": args.dram},
                                                    {"medium": "ssd", "path": str(ssd), "capacity": args.ssd}]},
-                                        extra=TIERKV_EXTRA[name])
+                                        extra=_tierkv_extra(name, args.audit_rate))
             print(f"[{name}] starting server ...", file=sys.stderr, flush=True)
             srv = servers[name] = S.ApiServer(name, model, _server_args(args, max_len, kv_bytes, kv), env, work)
             startup[name] = srv.wait_ready(args.start_timeout)
@@ -590,11 +615,12 @@ def main(argv: list[str] | None = None) -> int:
             row += f"{ratio:>7.2f}" if ratio is not None else f"{'-':>7}"
         print(row)
     src_keys = ("local_hit", "connector_hit", "queue_ms", "prefill_ms", "server_ttft_ms", "steps", "tokens_per_step",
-                "load_ms", "load_GiBps")
+                "load_ms", "load_GiBps", "audits", "audit_ms")
     print("\nFrom vLLM's /metrics, medians over rounds: shares of queried prompt tokens hit in vLLM's own prefix "
           "cache and in the connector's store; mean time per request queued and in prefill, and the server's mean "
           "TTFT (arrival in the API server to first token out); engine steps and tokens "
-          "computed per step; tierkv's time in loads per request and their speed")
+          "computed per step; tierkv's time in loads per request and their speed; the audits the run made (stored "
+          "chunk-layers compared) and the time they took in all")
     print(f"{'backend':<13}" + "".join(f"{k:>16}" for k in src_keys))
     for name, rs in runs.items():
         med = {}
