@@ -333,6 +333,26 @@ class _FaultyGets:
         return self._store.get(keys, outs)
 
 
+class _SlowGets:
+    """Store proxy whose gets on the connector's background loader start ``delay`` seconds late (a loader
+    busy behind a slow medium): the step's saves land meanwhile, so a chunk a lookup found may be evicted
+    before its load reads it.  Gets on other threads pass straight through."""
+
+    def __init__(self, store, delay: float):
+        self._store = store
+        self._delay = delay
+        self.slowed = 0
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+    def get(self, keys, outs):
+        if threading.current_thread().name.startswith("tierkv-async-load"):
+            self.slowed += 1
+            time.sleep(self._delay)
+        return self._store.get(keys, outs)
+
+
 class _RecordingPuts:
     """Store proxy that records the keys and sizes of every ``put_detailed`` call, in order.
 
@@ -470,6 +490,11 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     elif op == "contains":
         workers, _ = _connectors()
         res["contains"] = workers[0].worker.store.contains(step.get("keys") or state.get("planted") or [])
+    elif op == "slow_gets":
+        workers, _ = _connectors()
+        w = workers[0].worker
+        state["slow"] = _SlowGets(w.store, step["delay"])
+        w.store = state["slow"]
     elif op == "gate_layers":
         workers, _ = _connectors()
         w = workers[0].worker
@@ -488,6 +513,9 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         gate = state["gate"]
         if gate is not None:
             res["gate"] = {"timeouts": gate.timeouts, "gated": gate.gated}
+        slow = state.get("slow")
+        if slow is not None:
+            res["slowed"] = slow.slowed
         faults = state.get("faults")
         if faults is not None:
             res["faults"] = {"hit": faults.hit, "threads": sorted(faults.threads)}
@@ -578,6 +606,8 @@ def _main(spec_path: str) -> None:
         "max_model_len": spec.get("max_model_len", 2048),
         "max_num_batched_tokens": spec.get("max_num_batched_tokens", 8192),
     }
+    if "max_num_seqs" in spec:
+        kwargs["max_num_seqs"] = spec["max_num_seqs"]
     state: dict[str, Any] = {"gate": None}
     if spec.get("tensor_parallel_size", 1) > 1:
         # ranks run in worker processes; "records" and "drain" reach them through collective_rpc

@@ -11,7 +11,7 @@ from tierkv.units import parse_size
 
 def __getattr__(name: str):
     # the store (and torch under it) loads on first use: `tierkv --help` and the trace tools start fast
-    if name in ("TieredStore", "Level", "PutOutcome"):
+    if name in ("TieredStore", "Level", "Lease", "PutOutcome"):
         from tierkv import store
 
         return getattr(store, name)
@@ -28,6 +28,7 @@ __all__ = [
     "BufferSizeError",
     "ConfigError",
     "FlushResult",
+    "Lease",
     "Level",
     "PolicyError",
     "PutOutcome",

@@ -38,6 +38,10 @@ class StoreCounters:
     bytes_got: int = 0
     write_behind_queued: int = 0  # chunks handed to the write-behind queue
     promotions_dropped: int = 0  # promotions the background queue gave up (full, closing, failed)
+    leases: int = 0  # leases granted (TieredStore.lease)
+    leased_chunks: int = 0  # chunks those leases pinned
+    leases_released: int = 0  # leases their holder released
+    lease_expired: int = 0  # leases their deadline released (the chunks could be evicted again)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)

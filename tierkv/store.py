@@ -63,6 +63,14 @@ Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.p
    ``Copier``'s background thread (which may evict and demote to make room), or
    dropped and counted (``promotions_dropped``) when its queue is full.
    ``drain_write_behind()`` and ``flush()`` wait for them.
+9. **A lease holds until its holder is done, or its deadline.**  ``lease(keys,
+   ttl_s)`` pins each key in the fastest managed level holding it READY (as a
+   reader's pin: never a victim, see 2); the pins are released exactly once, by
+   ``Lease.release()``, by the deadline (counted in ``lease_expired``; the
+   eviction it held back then proceeds) or by ``close()``.  A level whose chunks
+   are all pinned refuses a new chunk (``rejected``, the put's ``NO_ROOM``)
+   rather than exceed its capacity (1).  A chunk only a shared pool holds is not
+   held (``Lease.unheld``): the pool evicts by its own rules.
 
 Normal outcomes (miss, no room, backend down) are values and counters; misuse
 raises an error that names the problem.
@@ -85,6 +93,7 @@ from tierkv.config import build_levels, load_config
 from tierkv.durability import DropReason, FlushResult, fault_counts, lost_count
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
+from tierkv.engine.leases import Lease
 from tierkv.engine.level import Level
 from tierkv.engine.observers import Observers, attach_from_config
 from tierkv.engine.placer import Placer
@@ -186,6 +195,8 @@ class TieredStore:
         try:
             self._copier.close(timeout=120)
         finally:
+            with chain.lock:
+                chain.leases.close()  # (every lease still held: its holder's release is then a no-op)
             self._stager.release()  # (an arena lent to a copy still running is let go when given back)
             self._executor.shutdown(wait=True)
             self._observers.close()
@@ -333,6 +344,24 @@ class TieredStore:
         finally:
             self._chain.leave()
 
+    def lease(self, keys: Sequence[str], ttl_s: float) -> Lease:
+        """Hold the chunks of ``keys`` against eviction for up to ``ttl_s`` seconds (a lookup's finding, until
+        the load that follows it): each is pinned in the fastest managed tier holding it.  ``release()`` the
+        answer on every path out; a lease not released by its deadline is released then and counted
+        (``stats()["total"]["lease_expired"]``).  Keys in no managed tier (absent, being written, or only in a
+        shared pool) are not held: ``Lease.unheld`` lists them.  Pins nothing on a closed store.
+        """
+        keys = check_keys(keys)
+        if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0 or ttl_s == float("inf"):
+            raise ValueError(f"lease ttl_s must be a finite number of seconds > 0, got {ttl_s!r}")
+        chain = self._chain
+        chain.enter()
+        try:
+            with chain.lock:
+                return chain.leases.grant(keys, float(ttl_s))
+        finally:
+            chain.leave()
+
     def remove(self, keys: Sequence[str]) -> None:
         """Forget the chunks in every tier (absent keys are ignored)."""
         keys = check_keys(keys)
@@ -396,6 +425,8 @@ class TieredStore:
         tiers: dict[str, dict[str, Any]] = {}
         chain = self._chain
         with chain.lock:
+            if not chain.closed:
+                chain.leases.expire()  # (a lease past its deadline is counted as such when asked)
             for lvl in self.levels:
                 d: dict[str, Any] = {
                     "medium": lvl.tier.medium,
@@ -425,6 +456,7 @@ class TieredStore:
                           "rejected", "bytes_read", "bytes_written", "persisted"):
                 total[field] = sum(t[field] for t in tiers.values())
             total["in_flight"] = chain.in_flight
+            total["leases_active"] = chain.leases.active
             total["write_behind_pending"] = self._copier.pending()
             total["write_behind_dropped"] = chain.drops.total
             total["write_behind_dropped_by_reason"] = chain.drops.by_reason()
@@ -477,4 +509,4 @@ class TieredStore:
         return f"TieredStore({chain})"
 
 
-__all__ = ["Level", "PolicyError", "PutOutcome", "TieredStore", "check_keys"]
+__all__ = ["Lease", "Level", "PolicyError", "PutOutcome", "TieredStore", "check_keys"]

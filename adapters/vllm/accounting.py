@@ -81,6 +81,18 @@ class WorkerCounters:
         if failed:
             logger.warning("TierKVConnector: %d block(s) failed to load; vLLM recomputes them", len(failed))
 
+    def add_leases(self, taken: int, expired: int) -> None:
+        """Leases the worker's lookups took, and those found expired when let go (their load may have failed)."""
+        if not taken and not expired:
+            return
+        with self._lock:
+            for s in (self.interval, self.totals):
+                s.data["leases"] = s.data.get("leases", 0) + taken
+                s.data["lease_expired"] = s.data.get("lease_expired", 0) + expired
+        if expired:
+            logger.warning("TierKVConnector: %d lease(s) expired before their load (lease_timeout_s); their chunks "
+                           "could be evicted", expired)
+
     def add_load_errors(self, blocks: set[int]) -> None:
         """Blocks to report as failed at the next :meth:`take_load_errors` (a load between steps)."""
         with self._lock:

@@ -65,7 +65,7 @@ DEFAULT_AUDIT_RATE = 0.01
 OPTION_NAMES = (
     "tierkv", "tierkv_config_file", "model_id", "load", "save", "chunk_tokens", "layerwise",
     "full_hit_recompute", "load_failure_policy", "load_async", "load_inline_max_tokens", "save_wait",
-    "shutdown_timeout_s", "audit_rate", "audit_tolerance",
+    "shutdown_timeout_s", "audit_rate", "audit_tolerance", "lease_timeout_s",
     "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt",
 )
 
@@ -101,6 +101,8 @@ class ConnectorOptions:
     audit_rate: float = DEFAULT_AUDIT_RATE
     #: 0: an audit compares bitwise; above 0, the largest absolute difference it lets pass
     audit_tolerance: float = 0.0
+    #: how long what a lookup found is held for its load at most (seconds); 0: nothing is held
+    lease_timeout_s: float = 30.0
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -135,6 +137,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     shutdown_timeout = pop_float(opts, "shutdown_timeout_s", 30.0, _WHAT, min_value=0.0)
     audit_rate = pop_float(opts, "audit_rate", DEFAULT_AUDIT_RATE, _WHAT, min_value=0.0, max_value=1.0)
     audit_tolerance = pop_float(opts, "audit_tolerance", 0.0, _WHAT, min_value=0.0)
+    lease_timeout = pop_float(opts, "lease_timeout_s", 30.0, _WHAT, min_value=0.0, max_value=3600.0)
     trace: dict[str, Any] = {}
     path = pop_str(opts, "trace_path", None, _WHAT)
     if path is not None:
@@ -150,7 +153,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
         raise ConfigError(f"{_WHAT}: unknown option(s) {sorted(opts)}; known: {sorted(OPTION_NAMES)}")
     return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, load_async,
                             save_wait, shutdown_timeout, trace, inline_max,
-                            audit_rate=audit_rate, audit_tolerance=audit_tolerance)
+                            audit_rate=audit_rate, audit_tolerance=audit_tolerance, lease_timeout_s=lease_timeout)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ from .prom import merge_store_snapshots
 COUNTERS = (
     "load_requests", "load_blocks", "load_tokens", "load_bytes", "load_s", "load_errors",
     "save_blocks", "save_bytes", "save_s", "save_errors", "save_refused",
-    "audits", "audit_mismatches", "audit_skipped", "audit_s",
+    "audits", "audit_mismatches", "audit_skipped", "audit_s", "leases", "lease_expired",
 )
 
 
@@ -65,6 +65,8 @@ class TierKVConnectorStats(KVConnectorStats):
             "audit_mismatches": d.get("audit_mismatches", 0),
             "audit_skipped": d.get("audit_skipped", 0),
             "audit_ms": round(d.get("audit_s", 0.0) * 1e3, 3),
+            "leases": d.get("leases", 0),
+            "lease_expired": d.get("lease_expired", 0),
         }
         for tier, n in sorted((d.get("hit_tokens") or {}).items()):
             out[f"hit_tokens[{tier}]"] = n

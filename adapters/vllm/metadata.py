@@ -78,3 +78,5 @@ class TierKVConnectorMetadata(KVConnectorMetadata):
     async_loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     preempted: set[str] = field(default_factory=set)
+    #: requests whose lookup leased chunks that no load of this step or a later one will read (leases.py)
+    lease_releases: set[str] = field(default_factory=set)

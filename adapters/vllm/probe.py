@@ -88,6 +88,9 @@ class _Pass:
         self._ask_first: list[list[int]] = []
         self._ask_others: list[list[int]] = []
         self.calls = 0
+        #: every key asked about, and the chunk end each names (what a lease of found chunks holds)
+        self.asked_keys: list[str] = []
+        self.asked_ends: list[int] = []
 
     def fetch(self) -> bool:
         """Ask the store about every key wanted since the last call, in one call; False when none is."""
@@ -105,6 +108,10 @@ class _Pass:
                 keys += self._keys.keys(layer, hs, salt)
         tiers = self._store.locate(keys)
         self.calls += 1
+        self.asked_keys += keys
+        self.asked_ends += first
+        if others:
+            self.asked_ends += others * len(self._others)
         n = len(first)
         self.first.update(zip(first, tiers[:n]))
         if others:
@@ -222,6 +229,11 @@ class Prober:
 
     def probe(self, request: ProbeRequest) -> ProbeAnswer:
         """The scheduler's question about one request (service.py), answered in one pass."""
+        return self.probe_keys(request)[0]
+
+    def probe_keys(self, request: ProbeRequest) -> tuple[ProbeAnswer, list[str]]:
+        """:meth:`probe`, and the keys of every layer's object of the chunks its reach counts on (what a
+        lease for the request's load holds), from the same pass."""
         store = self._store()
         if store is None:
             raise RuntimeError("the connector's worker is shut down")
@@ -234,10 +246,13 @@ class Prober:
         held = covered(found[1], 0, lo) if lo else 0
         where: list[TierPlace | None] = []
         tiers = p.first
+        ends = set()
         for first, last in found[0] if reach else ():
             n = min(last + 1, hi) - max(first, lo)
             where += [self._place(tiers.get(last))] * n
-        return ProbeAnswer(reach, held, where)
+            ends.add(last)
+        keys = [k for k, e in zip(p.asked_keys, p.asked_ends) if e in ends] if ends else []
+        return ProbeAnswer(reach, held, where), keys
 
     def chunks(self, hashes: Sequence[bytes], base: int, lo: int, hi: int, salt: str | None) -> list[StoredChunk]:
         """The chunks a load of blocks ``lo .. hi-1`` reads (``hashes[i]`` names block ``base+i``), by the last

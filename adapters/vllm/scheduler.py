@@ -158,6 +158,10 @@ class TierKVScheduler:
         #: request id -> whether its hits are audited (drawn at its first lookup that hits, kept until it ends)
         self._audit_draws: dict[str, bool] = {}
         self._audit_pace = AuditPace(options.audit_rate)
+        #: requests whose last lookup leased chunks in the workers and no load was planned for yet
+        self._leased: set[str] = set()
+        #: of those, the ones no load will read: released in the next step's metadata
+        self._lease_releases: set[str] = set()
         self.totals = SchedulerTotals()
 
     # ---- asking the workers -------------------------------------------------------
@@ -185,16 +189,23 @@ class TierKVScheduler:
 
     def probe(self, request: Any, local: int) -> ProbeAnswer:
         """A request's whole lookup in one round trip per KV-head shard (``ProbeRequest``): the smallest
-        ``reach`` and ``held`` of the shards, and where each reached block is, from the first shard."""
+        ``reach`` and ``held`` of the shards, and where each reached block is, from the first shard.
+        With ``lease_timeout_s`` each shard's worker holds what it reports until the load (``leased``: the
+        objects held, over the shards)."""
         hashes = [bytes(h) for h in request.block_hashes]
-        ask = ProbeRequest(hashes, local, request.cache_salt)
-        reach, held, where = max(0, len(hashes) - local), local, []
-        for i, rank in enumerate(self._shard_ranks()):
-            got = self._ask(rank, ask)
-            reach, held = min(reach, got.reach), min(held, got.held)
-            if i == 0:
-                where = got.where
-        return ProbeAnswer(reach, held, where[:reach])
+        rid = request.request_id if self.options.lease_timeout_s else None
+        ask = ProbeRequest(hashes, local, request.cache_salt, rid)
+        reach, held, where, leased = max(0, len(hashes) - local), local, [], 0
+        try:
+            for i, rank in enumerate(self._shard_ranks()):
+                got = self._ask(rank, ask)
+                reach, held, leased = min(reach, got.reach), min(held, got.held), leased + got.leased
+                if i == 0:
+                    where = got.where
+        finally:
+            if rid is not None:  # (a shard that answered may hold a lease even when another failed)
+                self._leased.add(rid)
+        return ProbeAnswer(reach, held, where[:reach], leased)
 
     # ---- vLLM's scheduler hooks -----------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -238,6 +249,8 @@ class TierKVScheduler:
             # served as a miss: vLLM computes these blocks, the workers save them, and each save that
             # finds its chunk stored compares the fresh bytes with it (saving.py)
             audit, hits, stored = hits, 0, min(stored, local)
+        if hits == 0:
+            self._release_lease(request.request_id)  # nothing to load: nothing to hold
         self.totals.lookups += 1
         ext = hits * bs
         if (local + hits) * bs >= request.num_tokens:  # only with full_hit_recompute="token"
@@ -296,6 +309,7 @@ class TierKVScheduler:
             self.totals.audited_tokens += look.audit * bs
         n_ext = -(-num_external_tokens // bs)  # blocks to load, the last one perhaps for all but a token
         if n_ext <= 0:
+            self._release_lease(rid)
             return
         st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         st.pending_load = (local, local + n_ext)
@@ -320,8 +334,18 @@ class TierKVScheduler:
             return None
         return dict(st.hit_sources)
 
+    def _release_lease(self, rid: str) -> None:
+        """The request's last lookup will not be loaded: its workers let go of what it leased (next step)."""
+        if rid in self._leased:
+            self._leased.discard(rid)
+            self._lease_releases.add(rid)
+
     def build_connector_meta(self, scheduler_output: Any) -> TierKVConnectorMetadata:
         meta = TierKVConnectorMetadata(preempted=set(scheduler_output.preempted_req_ids or ()))
+        if self._lease_releases:
+            meta.lease_releases, self._lease_releases = self._lease_releases, set()
+        if meta.preempted and self._leased:  # (the workers let go of a preempted request's leases themselves)
+            self._leased -= meta.preempted
         self._inline_this_step = 0  # (called once per schedule(): the next lookups are the next step's)
         bs = self._bs
         computed: dict[str, int] = {}
@@ -353,6 +377,7 @@ class TierKVScheduler:
             lo, hi = st.pending_load
             st.pending_load, st.load_async = None, False
             meta.async_loads.append(self._load_spec(st, lo, hi))
+            self._leased.discard(rid)  # (the workers let go of it once the load is over)
             self._async_in_flight[rid] = {b for ids in st.block_ids for b in ids[lo:hi]}
             # the workers no longer hold saves of an earlier life of it (before a preemption):
             # the blocks wait for this load's report only
@@ -365,6 +390,7 @@ class TierKVScheduler:
                 lo, hi = st.pending_load
                 st.pending_load = None
                 meta.loads.append(self._load_spec(st, lo, hi))
+                self._leased.discard(rid)
             if not self.options.save:
                 continue
             G = self._G
@@ -444,6 +470,7 @@ class TierKVScheduler:
         self._lookups.pop(rid, None)
         self._async_failed.discard(rid)
         self._audit_draws.pop(rid, None)
+        self._release_lease(rid)  # finished or aborted before its load
         delay = rid in self._planned_saves
         self._planned_saves.discard(rid)
         return delay, None

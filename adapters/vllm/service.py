@@ -48,10 +48,14 @@ class ProbeRequest:
     hashes: list[bytes]
     local: int
     salt: str | None = None
+    #: the request asking: the worker leases what it reports for that request's load (see leases.py)
+    req_id: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.local, bool) or not isinstance(self.local, int) or self.local < 0:
             raise ValueError(f"ProbeRequest.local must be an int >= 0, got {self.local!r}")
+        if self.req_id is not None and not isinstance(self.req_id, str):
+            raise ValueError(f"ProbeRequest.req_id must be a string or None, got {type(self.req_id).__name__}")
 
 
 @dataclass(frozen=True)
@@ -61,12 +65,15 @@ class ProbeAnswer:
     ``reach``: blocks stored from ``local`` on, counted from there (every layer of
     this worker's KV-head shard holds them); ``held``: blocks of ``0 .. local-1``
     stored, counted from 0; ``where[i]``: where block ``local + i`` is (``reach``
-    entries; None where the tier could not be told).
+    entries; None where the tier could not be told); ``leased``: objects of the reach
+    this worker holds for the request's load (0 when the request named none, or
+    leases are off).
     """
 
     reach: int = 0
     held: int = 0
     where: list[TierPlace | None] = field(default_factory=list)
+    leased: int = 0
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ from .audit import Auditor
 from .config import ConnectorOptions, EngineInfo
 from .connector_stats import TierKVConnectorStats
 from .layer_keys import LayerKeys
+from .leases import RequestLeases
 from .load_mode import LoadMode
 from .loading import Loader, LoadJob
 from .lookup import ChannelServer, endpoint, sweep_stale_sockets
@@ -96,6 +97,8 @@ class TierKVWorker:
         self.keys = LayerKeys(info)
         self.counters = WorkerCounters()
         self.prober = Prober(self.keys, G, lambda: self.store, {t["name"]: t["locality"] for t in tiers})
+        #: what lookups found, held for their loads (leases.py); off with lease_timeout_s 0
+        self.leases = RequestLeases()
         self._paged: dict[str, PagedLayer] = {}
         # replicas of a shard split the writes only when every tier is shared between
         # processes; with private tiers each replica must hold what it will load
@@ -164,7 +167,16 @@ class TierKVWorker:
         """The scheduler's question about one request (the lookup channel), answered in one pass."""
         if self.closed:
             raise RuntimeError("the connector's worker is shut down")
-        return self.prober.probe(request)
+        ttl = self.options.lease_timeout_s
+        if request.req_id is None or not ttl:
+            return self.prober.probe(request)
+        answer, keys = self.prober.probe_keys(request)
+        if not keys:
+            self.leases.release([request.req_id])  # (an earlier lookup's lease holds nothing of use now)
+            return answer
+        lease = self.store.lease(keys, ttl)
+        self.leases.hold(request.req_id, lease)
+        return ProbeAnswer(answer.reach, answer.held, answer.where, lease.held)
 
     def _on_shutdown_request(self, request: ShutdownRequest) -> None:
         self.shutdown()
@@ -192,6 +204,10 @@ class TierKVWorker:
 
     def bind_metadata(self, meta: Any) -> None:
         self._metadata = meta if isinstance(meta, TierKVConnectorMetadata) else None
+        if self._metadata is not None and (self._metadata.lease_releases or self._metadata.preempted):
+            # lookups the scheduler will not load (no blocks for the hit, finished or aborted first), and
+            # preempted requests: what they held goes back now
+            self.leases.release(self._metadata.lease_releases | self._metadata.preempted)
         if self._metadata is not None and self._metadata.saves:
             # the scheduler holds the blocks of every request it planned a save for until
             # each worker reports it (get_finished), whether or not this worker saves any
@@ -212,6 +228,8 @@ class TierKVWorker:
         if self.closed or meta is None or not meta.loads or not self._paged:
             return
         specs = [spec for spec in meta.loads if spec.block_ids]
+        if len(specs) < len(meta.loads):  # (nothing to fill: nothing to hold either)
+            self.leases.release(spec.req_id for spec in meta.loads if not spec.block_ids)
         if specs:
             self.load_job = self._loader.start(specs)
 
@@ -221,6 +239,7 @@ class TierKVWorker:
         # blocks for this load only, until get_finished reports it
         self.saver.forget_planned({s.req_id for s in specs})
         if self.closed or not self._paged:
+            self.leases.release(s.req_id for s in specs)
             self._async.fail(specs)  # nothing written: vLLM recomputes every block
         else:
             self._async.submit(specs)
@@ -230,8 +249,12 @@ class TierKVWorker:
         self._settle(job, LoadMode.ASYNC)
 
     def _settle(self, job: LoadJob, mode: LoadMode) -> None:
-        if job.future is not None:
-            job.future.result()
+        try:
+            if job.future is not None:
+                job.future.result()
+        finally:
+            # the load is over (every block read or failed): what its lookup held goes back
+            self.leases.release(job.per_req)
         self.counters.add_load(job, mode)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -276,7 +299,11 @@ class TierKVWorker:
         """``(finished_sending, finished_recving)``: saves done for finished requests, async loads done."""
         if finished_req_ids:
             self._async.cancel(finished_req_ids)
+            self.leases.release(finished_req_ids)  # finished or aborted: nothing of theirs is loaded now
         recving, failed = self._async.take_finished()
+        if recving:
+            self.leases.release(recving)  # (loads between steps over, skipped or failed)
+        self.counters.add_leases(*self.leases.take_counts())
         failed_reqs = self._async.take_failed_requests()
         if failed:
             # get_block_ids_with_load_errors, called right after, reports them in this same step (one KV
@@ -358,6 +385,8 @@ class TierKVWorker:
                     logger.warning("TierKVConnector: a background load still runs after %.1f s", timeout)
                 self.saver.close(timeout)
                 self._loader.close()
+                self.leases.release_all()
+                self.counters.add_leases(*self.leases.take_counts())
                 logger.info("TierKVConnector totals: %s", self.counters.reduced_totals())
                 self._report("logged")
             finally:

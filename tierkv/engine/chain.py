@@ -17,6 +17,7 @@ import threading
 from collections.abc import Sequence
 
 from tierkv.durability import DropLedger, DropReason, fault_counts, reason_of_failed_write
+from tierkv.engine.leases import LeaseBook
 from tierkv.engine.level import Level
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.outcome import Admission
@@ -67,6 +68,8 @@ class Chain:
         self.observing = [a for a in {id(lvl.admission): lvl.admit for lvl in self.levels}.values() if a.observes]
         #: acknowledged chunks whose copy into a persistent level was given up (``flush`` reports them)
         self.drops = DropLedger()
+        #: chunks held from a lookup to its load (``TieredStore.lease``)
+        self.leases = LeaseBook(self)
         self.faults_seen: dict[int, dict[str, int]] = {}  # level -> its medium's fault counters (``drop_reason``)
 
     # ------------------------------------------------------------------ calls in flight

@@ -108,6 +108,9 @@ class Placer:
                 if lvl.reserve(key, nbytes):
                     held[(j, key)] = None
                     return True
+                leases = self.chain.leases
+                if leases.due():  # a lease past its deadline holds nothing back any more
+                    leases.expire()
                 victims = lvl.victims(fp - (lvl.capacity - lvl.used))
                 if victims is None:
                     lvl.counters.rejected += 1
@@ -143,6 +146,9 @@ class Placer:
             short = min(need - (lvl.capacity - lvl.used), lvl.used)
             if short <= 0:
                 return
+            leases = self.chain.leases
+            if leases.due():
+                leases.expire()
             victims = lvl.victims(short)
             if not victims:
                 return

@@ -137,6 +137,10 @@ STORE_COUNTER_HELP = {
     "bytes_got": "Bytes of the chunks gets found",
     "write_behind_queued": "Chunks handed to the write-behind queue",
     "promotions_dropped": "Promotions the background queue gave up (full, closing, or a failed batch)",
+    "leases": "Leases granted (chunks held from a lookup to its load)",
+    "leased_chunks": "Chunks those leases pinned",
+    "leases_released": "Leases their holder released",
+    "lease_expired": "Leases their deadline released (their chunks could be evicted again)",
     "write_behind_dropped": "Acknowledged chunks whose copy into a persistent tier was given up, by reason "
                             "(flush() names them)",
 }
@@ -145,6 +149,7 @@ STORE_GAUGE_HELP = {
     "used_bytes": "Bytes of capacity in use (all tiers)",
     "capacity_bytes": "Configured capacity (all tiers)",
     "in_flight": "Store calls in progress",
+    "leases_active": "Leases holding chunks now",
     "write_behind_pending": "Chunks waiting in the write-behind queue (its depth)",
 }
 _STORE_COUNTERS = {f.name for f in fields(StoreCounters)}

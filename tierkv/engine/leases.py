@@ -1,0 +1,156 @@
+"""Leases: chunks held against eviction from a lookup to the load that follows it.
+
+A :class:`Lease` pins each chunk it holds in the fastest managed level holding
+it READY, as a reader's pin does (``Level.pin_many``): a leased chunk is never
+named as a victim, and a level whose chunks are all pinned refuses new chunks
+rather than exceed its capacity.  It holds until :meth:`Lease.release` (every path
+out of the caller's work: done, failed, abandoned), until its ``ttl_s`` runs out,
+or until the store closes, whichever comes first, exactly once.
+
+A lease past its deadline is released by the store the next time it needs room
+(a reservation that would evict, a batch's ``make_room``), when a lease is taken
+and when ``stats()`` is read: it is counted (``lease_expired``) and the eviction
+it held back then proceeds.  A chunk only a shared pool holds (``dram_pool``,
+``remote_npu``) is not held: the pool evicts by its own rules, and a lease says
+so (``unheld``).
+
+:class:`LeaseBook` keeps the live leases of one chain, ordered by deadline; every
+method but ``Lease.release`` runs under the chain's lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from typing import Any
+
+from tierkv.engine.level import Level
+
+
+class Lease:
+    """Chunks pinned for a caller until :meth:`release`, the deadline, or the store's close.
+
+    ``held``: how many keys are pinned; ``unheld``: the keys that are not (in no
+    managed level: absent, being written, or in a shared pool only).  ``expired``:
+    the deadline released it (the chunks could then be evicted); ``released``: it
+    holds nothing any more, by whatever path.
+    """
+
+    __slots__ = ("_book", "_pins", "deadline", "expired", "held", "released", "ttl_s", "unheld")
+
+    def __init__(self, book: LeaseBook | None, pins: list[tuple[Level, list[str]]], unheld: list[str],
+                 ttl_s: float, deadline: float) -> None:
+        self._book = book
+        self._pins = pins
+        self.held = sum(len(keys) for _, keys in pins)
+        self.unheld = unheld
+        self.ttl_s = ttl_s
+        self.deadline = deadline
+        self.expired = False
+        self.released = not pins
+
+    def release(self) -> bool:
+        """Unpin every chunk still held; True when this call released them, False when the lease held
+        nothing any more (released before, expired, or the store closed).  Idempotent, thread-safe."""
+        book = self._book
+        if self.released or book is None:
+            return False
+        return book.release(self)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+    def __repr__(self) -> str:
+        state = "expired" if self.expired else "released" if self.released else "held"
+        return f"Lease({self.held} held, {len(self.unheld)} unheld, ttl {self.ttl_s:g} s, {state})"
+
+
+class LeaseBook:
+    """The live leases of one chain, by deadline (see the module docstring)."""
+
+    def __init__(self, chain: Any) -> None:
+        self._chain = chain
+        self._heap: list[tuple[float, int, Lease]] = []
+        self._seq = itertools.count()
+        #: leases holding chunks now
+        self.active = 0
+
+    def grant(self, keys: list[str], ttl_s: float) -> Lease:
+        """Pin each key in the fastest managed level holding it READY.  Lock held."""
+        chain = self._chain
+        now = time.monotonic()
+        self.expire(now)
+        pins: list[tuple[Level, list[str]]] = []
+        rest = keys
+        for j in chain.managed:
+            if not rest:
+                break
+            lvl = chain.levels[j]
+            codes = lvl.ready_codes(rest)
+            if None not in codes:
+                here, rest = rest, []
+            else:
+                here = [k for k, c in zip(rest, codes) if c is not None]
+                rest = [k for k, c in zip(rest, codes) if c is None]
+            if here:
+                lvl.pin_many(here)
+                pins.append((lvl, here))
+        lease = Lease(self, pins, list(rest), ttl_s, now + ttl_s)
+        c = chain.counters
+        c.leases += 1
+        c.leased_chunks += lease.held
+        if pins:
+            self.active += 1
+            heapq.heappush(self._heap, (lease.deadline, next(self._seq), lease))
+        return lease
+
+    def release(self, lease: Lease) -> bool:
+        with self._chain.lock:
+            if lease.released:
+                return False
+            self._unpin(lease)
+            self._chain.counters.leases_released += 1
+            return True
+
+    def _unpin(self, lease: Lease) -> None:
+        pins, lease._pins = lease._pins, []
+        lease.released = True
+        self.active -= 1
+        for lvl, keys in pins:
+            lvl.unpin_many(keys)
+
+    def due(self) -> bool:
+        """Whether some lease is past its deadline (cheap when none is live).  Lock held."""
+        heap = self._heap
+        return bool(heap) and heap[0][0] <= time.monotonic()
+
+    def expire(self, now: float | None = None) -> int:
+        """Release the leases past their deadline, each counted in ``lease_expired``.  Lock held."""
+        heap = self._heap
+        if not heap:
+            return 0
+        now = time.monotonic() if now is None else now
+        n = 0
+        while heap and heap[0][0] <= now:
+            lease = heapq.heappop(heap)[2]
+            if lease.released:
+                continue
+            lease.expired = True
+            self._unpin(lease)
+            n += 1
+        self._chain.counters.lease_expired += n
+        if len(heap) > 64 and len(heap) > 4 * self.active:  # (released leases linger until their deadline)
+            self._heap = [e for e in heap if not e[2].released]
+            heapq.heapify(self._heap)
+        return n
+
+    def close(self) -> None:
+        """Release every live lease (the store is closing).  Lock held."""
+        heap, self._heap = self._heap, []
+        for _, _, lease in heap:
+            if not lease.released:
+                self._unpin(lease)
