@@ -57,7 +57,7 @@ def _rig(capacity="64MiB", **opts):
     store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": capacity, "eviction": "lru"}]})
     gets = _Gets(store)
     info = EngineInfo(block_size=BS, layers=LAYERS, num_blocks=NB, shard=kv_shard(0, 1, 2), namespaces={0: "ns"})
-    options = ConnectorOptions(chunk_tokens=BS, **opts)
+    options = ConnectorOptions(chunk_tokens=BS, **{"audit_rate": 0.0, **opts})
     w = TierKVWorker(options, info, gets, release=lambda s: None, serve=False)
     caches = {n: torch.zeros(NB, 2, BS, 8) for n in LAYERS}
     w.register_kv_caches(caches)
