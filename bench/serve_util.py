@@ -103,7 +103,9 @@ def _stop_group(proc: subprocess.Popen, sig: int, grace: float) -> None:
 class ApiServer:
     """One vLLM OpenAI server on a free loopback port."""
 
-    def __init__(self, name: str, model: str, args: list[str], env: dict[str, str], log_dir: Path) -> None:
+    def __init__(self, name: str, model: str, args: list[str], env: dict[str, str], log_dir: Path,
+                 cpus: set[int] | None = None) -> None:
+        """``cpus``: the cores the server (and every process it starts) may run on; None: this process's."""
         self.name = name
         self.model = model
         self.port = mooncake_util.free_port()
@@ -112,7 +114,8 @@ class ApiServer:
                "--port", str(self.port), "--model", model, *args]
         with open(self.log_path, "w") as log:  # the child keeps its own descriptor
             self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
         self.started = time.monotonic()
 
     @property
