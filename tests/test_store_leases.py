@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from tierkv import Lease, TieredStore
+from tierkv import Lease, StoreClosedError, TieredStore
 from tierkv.outcome import PutOutcome
 
 KB = 64 << 10
@@ -131,6 +131,8 @@ def test_close_releases_every_lease():
     assert lease.released and not lease.expired
     assert lease.release() is False
     assert not s.levels[0].pinned
+    with pytest.raises(StoreClosedError):
+        s.lease(keys, ttl_s=1)
 
 
 def test_a_lease_of_nothing_holds_nothing_and_bad_arguments_are_named():

@@ -100,6 +100,9 @@ def test_a_saved_prompt_is_found_and_loaded_through_the_two_sides(sides):
     for name in LAYERS:
         assert torch.equal(sides.caches[name][8:12], sides.caches[name][0:4])
     assert w.totals.data["load_blocks"] == 4 and w.totals.data["hit_tokens"] == {"dram": 4 * BS}
+    # b's lookup held its chunks, over the lookup channel, until its load was over
+    t = sides.store.stats()["total"]
+    assert (t["leases"], t["leased_chunks"], t["leases_released"], t["leases_active"]) == (1, 4 * len(LAYERS), 1, 0)
 
     # the engine goes down: the scheduler's request reaches the worker on the lifecycle channel
     s.ask_workers_to_shut_down()

@@ -349,7 +349,7 @@ class TieredStore:
         the load that follows it): each is pinned in the fastest managed tier holding it.  ``release()`` the
         answer on every path out; a lease not released by its deadline is released then and counted
         (``stats()["total"]["lease_expired"]``).  Keys in no managed tier (absent, being written, or only in a
-        shared pool) are not held: ``Lease.unheld`` lists them.  Pins nothing on a closed store.
+        shared pool) are not held: ``Lease.unheld`` lists them.  A closed store raises ``StoreClosedError``.
         """
         keys = check_keys(keys)
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0 or ttl_s == float("inf"):
