@@ -13,7 +13,8 @@ Shape::
       "io_workers": 4,
       "trace_path": "/var/log/tierkv/trace",       # optional: hash-only request traces (tierkv.tools.trace)
       "trace": {"max_bytes": "64MiB", "max_files": 8},
-      "shadow": {"rate": 0.05}                     # optional: what more capacity would buy (tierkv.shadow)
+      "shadow": {"rate": 0.05},                    # optional: what more capacity would buy (tierkv.shadow)
+      "verify": "external"                         # optional: every tier's default 'verify'
     }
 
 Keys every tier takes: ``medium`` (a built-in name or ``"package.module:Class"``),
@@ -21,7 +22,10 @@ Keys every tier takes: ``medium`` (a built-in name or ``"package.module:Class"``
 ``admission``, ``persist`` (``"write_behind"``: every chunk stored above is copied
 in by a background queue, the default for persistent media; ``"write_through"``:
 copied in synchronously; ``"on_evict"``: only demotions, the default otherwise; a
-``tierkv.persist.PersistMode``).  Everything else goes to the medium, which rejects what it
+``tierkv.persist.PersistMode``), ``verify`` (when reads are checked against each chunk's checksum:
+``"external"``, the default, checks every read from a tier whose bytes can change outside this process
+(pooled, remote, disk); ``"always"`` checks local tiers (``hbm``, ``dram``) too; the store's top-level
+``verify`` sets every tier's default; ``tierkv.checksum.Verify``).  Everything else goes to the medium, which rejects what it
 does not know.  Unknown keys are errors, never ignored; a removed spelling (``"write_through": true``,
 ``"eviction": "s3-fifo"``, ``"promotion": "on_hit"``, admission ``"threshold"``) is an error naming
 the one to use.
@@ -34,6 +38,7 @@ import json
 import os
 from typing import Any
 
+from tierkv.checksum import parse_verify
 from tierkv.engine.level import Level
 from tierkv.errors import ConfigError
 from tierkv.options import check_int, check_str
@@ -41,7 +46,8 @@ from tierkv.persist import pop_persist
 from tierkv.tiers import medium_class
 
 TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue",
-            "trace_path", "trace", "shadow"}  # the last three: tierkv.engine.observers
+            "trace_path", "trace", "shadow",  # these three: tierkv.engine.observers
+            "verify"}
 
 
 def default_config(root: str | None = None) -> dict[str, Any]:
@@ -107,8 +113,10 @@ def _read_file(path: str) -> Any:
     raise ConfigError(f"config file {path}: unknown extension {ext!r} (use .json, .yaml, .yml or .toml)")
 
 
-def build_levels(tier_cfgs: list[Any]) -> list[Level]:
-    """Instantiate every tier of the chain; on any error, release those already built."""
+def build_levels(tier_cfgs: list[Any], verify: Any = None) -> list[Level]:
+    """Instantiate every tier of the chain (``verify``: every tier's default); on any error, release those
+    already built."""
+    default_verify = parse_verify(verify, "config") if verify is not None else None
     levels: list = []
     names: set[str] = set()
     try:
@@ -128,12 +136,14 @@ def build_levels(tier_cfgs: list[Any]) -> list[Level]:
             eviction = opts.pop("eviction", None)
             admission = opts.pop("admission", None)
             persist = pop_persist(opts, f"tier {name!r}")
+            raw_verify = opts.pop("verify", None)
+            verify = parse_verify(raw_verify, f"tier {name!r}") if raw_verify is not None else default_verify
             for key, path in ((k, v) for k, v in opts.items() if k in ("path", "root")):
                 if any(getattr(lvl.tier, "path", None) == os.path.abspath(os.path.expanduser(str(path))) for lvl in levels):
                     raise ConfigError(f"tiers[{pos}]: {key} {path!r} is used by another tier of this store")
             tier = cls.from_config(name, opts)
             try:
-                levels.append(Level(tier, eviction=eviction, admission=admission, persist=persist))
+                levels.append(Level(tier, eviction=eviction, admission=admission, persist=persist, verify=verify))
             except Exception:
                 tier.close()
                 raise

@@ -17,6 +17,7 @@ class TierCounters:
     demotions: int = 0
     rejected: int = 0  # refused: admission said no, or no room could be made
     errors: int = 0  # failed or corrupt reads and writes
+    corrupt: int = 0  # copies that failed their checksum (or a medium found corrupt): dropped, read as misses
     persisted: int = 0  # chunks copied in by the write-behind queue
 
     def as_dict(self) -> dict[str, int]:

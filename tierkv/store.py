@@ -171,7 +171,7 @@ class TieredStore:
     def from_config(cls, config: StoreConfig) -> TieredStore:
         """Build a store from a dict or a JSON / YAML / TOML file (see ``tierkv.config``)."""
         cfg = load_config(config)
-        levels = build_levels(cfg["tiers"])
+        levels = build_levels(cfg["tiers"], cfg.get("verify"))
         try:
             store = cls(levels, promotion=cfg.get("promotion"), io_workers=cfg.get("io_workers", 4),
                         write_behind_queue=cfg.get("write_behind_queue", 65536))
@@ -450,10 +450,12 @@ class TieredStore:
                     d.setdefault(k, v)
                 mine = extra.get("too_large")  # (refused by the store as larger than the tier, or by the medium)
                 d["too_large"] = lvl.too_large + (mine if isinstance(mine, int) else 0)
+                own = extra.get("corrupt")  # (a medium that checks its own records counts what it dropped)
+                d["corrupt"] = lvl.counters.corrupt + (own if isinstance(own, int) else 0)
                 tiers[lvl.name] = d
             total: dict[str, Any] = chain.counters.as_dict()
             for field in ("capacity_bytes", "used_bytes", "evictions", "promotions", "demotions", "errors",
-                          "rejected", "bytes_read", "bytes_written", "persisted"):
+                          "corrupt", "rejected", "bytes_read", "bytes_written", "persisted"):
                 total[field] = sum(t[field] for t in tiers.values())
             total["in_flight"] = chain.in_flight
             total["leases_active"] = chain.leases.active

@@ -38,8 +38,20 @@ Failures:
     ``write`` and ``read`` return one bool per key.  ``False`` from ``read`` means a
     miss: absent, short, corrupt or unreachable; the destination bytes are then
     unspecified and the store will not hand them out.  ``read`` never returns
-    ``True`` for bytes that differ from what was written.  Exceptions are for
-    misuse only.
+    ``True`` for bytes that differ from what was written; a medium that can tell
+    a copy is present but not the bytes stored (a failed checksum, a wrong size)
+    answers ``CORRUPT`` (falsy) for it, and the store counts it ``corrupt`` and
+    drops it.  Exceptions are for misuse only.
+
+Checksums (``tierkv.checksum``):
+    Each chunk's sum is computed once, when a put brings its bytes in, and
+    travels with it.  A tier that verifies its own reads against a sum it
+    stores with each object, the same value (``verifies_reads``, the ``ssd``
+    tier's records), is trusted with it; a pool shared with other processes
+    (``sum_inside``) is handed each object with the sum in a trailer after the
+    chunk's bytes, which the store checks on every read.  For any other medium
+    the level keeps the sum beside the chunk and checks reads when its
+    ``verify`` option says so.
 """
 
 from __future__ import annotations
@@ -63,6 +75,19 @@ _LISTS = {list, tuple}
 CODE_SHIFT = 25
 #: the largest nbytes a code's ``f`` field holds; all ones: ask ``code_nbytes``
 NB_FIELD = (1 << 24) - 1
+
+
+class _Corrupt(enum.Enum):
+    """``CORRUPT``: a read's answer for a copy that is present but not the bytes stored (falsy)."""
+
+    CORRUPT = "corrupt"
+
+    def __bool__(self) -> bool:
+        return False
+
+
+#: what ``read`` answers for a copy present but not the bytes stored (falsy; see "Failures")
+CORRUPT = _Corrupt.CORRUPT
 
 
 class Locality(enum.StrEnum):
@@ -90,6 +115,12 @@ class Tier:
     keeps_bytes: ClassVar[bool] = True
     #: True when the tier can leave each object's location to its level (see "Located tiers")
     located: ClassVar[bool] = False
+    #: True when the medium stores each object's checksum with it and checks it on every read, the same
+    #: value as ``tierkv.checksum.chunk_sum`` (see "Checksums")
+    verifies_reads: ClassVar[bool] = False
+    #: True when the store keeps each chunk's checksum inside the object, in a trailer after its bytes
+    #: (a pool other processes read and write; see "Checksums")
+    sum_inside: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

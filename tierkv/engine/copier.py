@@ -166,14 +166,14 @@ class Copier:
             keys = [item[0] for item in batch]
             src.pin_many(keys)
         try:
-            with self._source_bytes(src, keys, [item[1] for item in batch]) as (bufs, oks):
+            with self._source_bytes(src, keys, [item[1] for item in batch]) as (bufs, oks, sums):
                 if False in oks:
                     with self._lock:
                         self.chain.drops.record([key for key, ok in zip(keys, oks) if not ok],
                                                 DropReason.READ_FAILED)
                 for k in self.behind_levels:
                     if k > j:
-                        self._write_below(j, k, batch, bufs, oks)
+                        self._write_below(j, k, batch, bufs, oks, sums)
         finally:
             with self._lock:
                 src.unpin_many(keys)
@@ -183,7 +183,7 @@ class Copier:
         return _SourceBytes(self, src, keys, sizes)
 
     def _write_below(self, j: int, k: int, batch: list[tuple[str, int, int]], bufs: list[Parts],
-                     oks: list[bool]) -> None:
+                     oks: list[bool], sums: list[Optional[int]]) -> None:
         """Write the chunks of ``batch`` (read from level ``j``, where they are pinned) held in ``bufs`` into
         write-behind level ``k`` where it admitted them and still lacks them."""
         lvl = self.levels[k]
@@ -204,7 +204,8 @@ class Copier:
                     chain.refused_below(lvl, key, nbytes, flags)
             if not go:
                 return
-            wrote = self.io.write(lvl, [batch[i][0] for i in go], [bufs[i] for i in go])
+            wrote = self.io.write(lvl, [batch[i][0] for i in go], [bufs[i] for i in go],
+                                  sums=[sums[i] for i in go], source=self.levels[j])
             with self._lock:
                 failed = []
                 for i, ok in zip(go, wrote):
@@ -252,10 +253,10 @@ class Copier:
         try:
             for part in _by_bytes(keys, items, _COPY_BATCH_BYTES):  # (a staging arena of at most one batch)
                 sizes = [items[key] for key in part]
-                with self._source_bytes(src, part, sizes) as (bufs, oks):
+                with self._source_bytes(src, part, sizes) as (bufs, oks, sums):
                     for i, key in enumerate(part):
                         if oks[i]:
-                            self._promote_one(j, plan[key], key, sizes[i], bufs[i])
+                            self._promote_one(j, plan[key], key, sizes[i], bufs[i], sums[i])
         finally:
             if src.managed:
                 with self._lock:
@@ -283,12 +284,12 @@ class Copier:
                 break
         return plan
 
-    def _promote_one(self, j: int, k: int, key: str, nbytes: int, parts: Parts) -> None:
+    def _promote_one(self, j: int, k: int, key: str, nbytes: int, parts: Parts, chunk_sum: Optional[int]) -> None:
         lvl = self.levels[k]
         held: Held = {}
         try:
             if self.placer.reserve(k, key, nbytes, held):
-                ok = self.io.write(lvl, [key], [parts])[0]
+                ok = self.io.write(lvl, [key], [parts], sums=[chunk_sum], source=self.levels[j])[0]
                 with self._lock:
                     held.pop((k, key), None)
                     if self.chain.finish_write(lvl, key, nbytes, ok, source=self.levels[j]):
@@ -315,27 +316,34 @@ def _by_bytes(keys: list[str], sizes: dict[str, int], limit: int) -> list[list[s
 
 
 class _SourceBytes:
-    """``with copier._source_bytes(src, keys, sizes) as (bufs, oks)``: the pinned chunks' bytes, each with
-    whether it could be read; a staging arena, when one was needed, is given back at the end."""
+    """``with copier._source_bytes(src, keys, sizes) as (bufs, oks, sums)``: the pinned chunks' bytes, each
+    with whether it could be read and the checksum it carried (None where the source kept none); a staging
+    arena, when one was needed, is given back at the end."""
 
     def __init__(self, copier: Copier, src: Level, keys: list[str], sizes: list[int]) -> None:
         self._copier, self._src, self._keys, self._sizes = copier, src, keys, sizes
         self._lease: Any = None
 
-    def __enter__(self) -> tuple[list[Parts], list[bool]]:
+    def __enter__(self) -> tuple[list[Parts], list[bool], list[Optional[int]]]:
         src, keys, io = self._src, self._keys, self._copier.io
+        sums: list[Optional[int]] = [None] * len(keys)
         if src.located:
             with self._copier._lock:
                 codes = src.codes(keys)
+                if src.keeps_sums:
+                    sums = list(map(src.sums.get, keys))
             views = _views(src, codes)
             if views is not None:
-                return views, [True] * len(keys)
+                if src.checks_reads:  # (the views are the chunks' own bytes: checked as a read would be)
+                    oks = io.check(src, keys, views, sums)
+                    return views, oks, sums
+                return views, [True] * len(keys), sums
         self._lease = self._copier.stager.carve(self._sizes)
         bufs: list[Parts] = [[b] for b in self._lease.__enter__()]
         if src.managed:
-            return bufs, io.read(src, keys, bufs)
-        got = io.read_unmanaged(src, keys, bufs)  # (a shared pool: a chunk it lost meanwhile is a failed read)
-        return bufs, got if got is not None else [False] * len(keys)
+            return bufs, io.read(src, keys, bufs, sums_out=sums), sums
+        got = io.read_unmanaged(src, keys, bufs, sums_out=sums)  # (a shared pool: one lost meanwhile is a failed read)
+        return bufs, got if got is not None else [False] * len(keys), sums
 
     def __exit__(self, *exc: object) -> None:
         if self._lease is not None:

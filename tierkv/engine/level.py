@@ -47,13 +47,14 @@ from typing import Any, Optional, Union
 
 import numpy as np
 
+from tierkv.checksum import Verify, parse_verify
 from tierkv.errors import ConfigError, PolicyError
 from tierkv.hooks import CheckedAdmission, CheckedEviction
 from tierkv.outcome import AdmissionCounts
 from tierkv.persist import PersistMode, resolve_persist
 from tierkv.policies import AdmissionPolicy, EvictionPolicy, build_admission, build_eviction
 from tierkv.stats import TierCounters
-from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Tier
+from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Locality, Tier
 
 log = logging.getLogger("tierkv")
 
@@ -137,6 +138,7 @@ class Level:
         admission: Union[str, AdmissionPolicy, dict, None] = None,
         write_through: Optional[bool] = None,
         persist: Optional[str] = None,
+        verify: Union[str, Verify, None] = None,
     ) -> None:
         if not isinstance(tier, Tier):
             raise TypeError(f"a level needs a Tier, got {type(tier).__name__}")
@@ -164,6 +166,15 @@ class Level:
                               "'write_through' or 'on_evict', not 'write_behind'")
         #: the tier leaves each object's location to this level (its code is the index int)
         self.located = tier.located and self.managed
+        #: when reads are checked against the chunk's sum (``tierkv.checksum.Verify``)
+        self.verify = parse_verify(Verify.EXTERNAL if verify is None else verify, f"tier {tier.name!r}")
+        #: the level keeps each chunk's sum beside it (``sums``): a medium that holds bytes and keeps no sum
+        self.keeps_sums = self.managed and tier.keeps_bytes and not tier.verifies_reads and not tier.sum_inside
+        #: the engine checks this level's reads against ``sums``: always, or when its bytes can change outside
+        self.checks_reads = self.keeps_sums and (self.verify is Verify.ALWAYS
+                                                 or tier.locality in (Locality.REMOTE, Locality.DISK))
+        #: key -> checksum of each chunk the level holds (a column beside the index; ``keeps_sums`` levels)
+        self.sums: dict[str, int] = {}
         #: key -> int (> 0 READY, < 0 RESERVED) or, for a doomed chunk still read, an ``Entry``
         self._index: dict[str, Slot] = {}
         #: key -> number of readers holding it (the keys eviction must not name)
@@ -587,6 +598,7 @@ class Level:
         if type(v) is int and v < 0:  # type: ignore[operator]
             fp = self._unpack(v)[1]
             del self._index[key]
+            self.sums.pop(key, None)
             self.used -= fp
             if self.located:
                 self._give_back([-v])
@@ -695,6 +707,7 @@ class Level:
 
     def _free_slot(self, key: str, footprint: int, code: int = 0) -> None:
         del self._index[key]
+        self.sums.pop(key, None)
         self.used -= footprint
         if self.located:
             self._give_back([code])
@@ -726,6 +739,10 @@ class Level:
             for key in keys:
                 del pinned[key]
                 del index[key]
+            if self.sums:
+                pop = self.sums.pop
+                for key in keys:
+                    pop(key, None)
             freed = sum(fps)
             self.ready_count -= len(keys)
             self.ready_bytes -= freed
@@ -744,6 +761,7 @@ class Level:
                     continue
                 del pinned[key]
                 del index[key]
+                self.sums.pop(key, None)
                 self.ready_count -= 1
                 fp = self._value_footprint(v)
                 self.ready_bytes -= fp

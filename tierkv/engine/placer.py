@@ -228,6 +228,7 @@ class Placer:
     def _demote_staged(self, j: int, keys: list[str], sizes: list[int], staged: list[Any]) -> set[str]:
         nbytes = dict(zip(keys, sizes))
         buf_of = dict(zip(keys, staged))
+        sum_of: dict[str, Optional[int]] = {}  # the checksum each source copy carried (copied, not recomputed)
         src = self.levels[j]
         below: set[str] = set()
         read: set[str] = set()
@@ -250,7 +251,9 @@ class Placer:
                     (go if self.place(key, nbytes[key], k, k + 1, held)[0] is not None else rest).append(key)
                 need = [key for key in go if key not in read]
                 if need:
-                    oks = self.io.read(src, need, [[buf_of[key]] for key in need])
+                    got: list[Optional[int]] = [None] * len(need)
+                    oks = self.io.read(src, need, [[buf_of[key]] for key in need], sums_out=got)
+                    sum_of.update(zip(need, got))
                     for key, ok in zip(need, oks):
                         (read if ok else unreadable).add(key)
                     if False in oks:
@@ -258,7 +261,8 @@ class Placer:
                             src.counters.errors += oks.count(False)
                 go = [key for key in go if key in read]  # (the unreadable stay in held: released below)
                 if go:
-                    wrote = self.io.write(lvl, go, [[buf_of[key]] for key in go])
+                    wrote = self.io.write(lvl, go, [[buf_of[key]] for key in go], sums=[sum_of[key] for key in go],
+                                          source=src)
                     with self._lock:
                         for key, ok in zip(go, wrote):
                             held.pop((k, key), None)
@@ -272,8 +276,10 @@ class Placer:
         return below
 
     # ------------------------------------------------------------------ write-through
-    def write_through(self, j: int, key: str, prepared: tuple[Parts, int], held: Held) -> None:
-        """Copy a chunk just written into level ``j`` into every ``write_through`` level below, at once."""
+    def write_through(self, j: int, key: str, prepared: tuple[Parts, int], held: Held,
+                      chunk_sum: Optional[int] = None) -> None:
+        """Copy a chunk just written into level ``j`` into every ``write_through`` level below, at once (with
+        its checksum, ``chunk_sum``, as the put computed it)."""
         parts, nbytes = prepared
         chain = self.chain
         for k in range(j + 1, len(self.levels)):
@@ -288,7 +294,7 @@ class Placer:
                 if flags and lvl.tier.persistent:  # (no flags: its admission said no, which is no loss)
                     chain.refused_below(lvl, key, nbytes, flags)
                 continue
-            ok = self.io.write(lvl, [key], [parts])[0]
+            ok = self.io.write(lvl, [key], [parts], sums=[chunk_sum])[0]
             with self._lock:
                 held.pop((k, key), None)
                 chain.finish_write(lvl, key, nbytes, ok)

@@ -11,18 +11,33 @@ A located level's reads and writes go by the codes of its index (``write_at`` /
 hand over the ``codes`` it already read under the lock, and ``ptrs``: the host
 addresses of buffers it checked are one flat part of exactly each chunk's size
 (``to_parts_ptrs``, and sizes matched against the index).
+
+Checksums (``tierkv.checksum``): every write is handed each chunk's sum, computed once
+where the put brought the bytes in and copied from level to level since, never
+recomputed from bytes nobody verified.  A level that keeps sums (``Level.keeps_sums``)
+gets them in its column; a pool that carries them inside the object
+(``Tier.sum_inside``) gets each object with a trailer after the chunk's bytes.  A read
+is checked here: from a pool, always (the trailer against the bytes); from a level that
+keeps sums, when ``Level.checks_reads``; a medium that verifies its own records
+(``Tier.verifies_reads``) is trusted, and a copy out of it is summed from the bytes it
+verified.  A copy that fails its check, or that the medium answers ``CORRUPT``, is
+counted ``corrupt`` for the level, logged (rate-limited, naming the tier and the key)
+and answered False: a miss, never bytes.  The caller drops it from a managed level (the
+reader does for every failed read); a pool's copy is deleted here.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-from typing import Optional
+from typing import Any, Optional
 
 from tierkv.buffers import Parts
+from tierkv.checksum import CorruptLog, chunk_sum, read_trailer, trailer_buffers, trailers
 from tierkv.engine.chain import Chain
 from tierkv.engine.level import Level
 from tierkv.errors import StoreClosedError
+from tierkv.tiers.base import CORRUPT
 
 log = logging.getLogger("tierkv")
 
@@ -41,16 +56,95 @@ class TierIO:
 
     def __init__(self, chain: Chain) -> None:
         self._lock = chain.lock
+        self._corrupt_log = CorruptLog()
 
     # ------------------------------------------------------------------ bytes
     def read(self, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]] = None,
-             codes: Optional[list[int]] = None) -> list[bool]:
-        """Read each chunk into its parts; one bool each (a medium fault: False, never raised)."""
-        return self._bytes(Op.READ, lvl, keys, parts, ptrs, codes)
+             codes: Optional[list[int]] = None, sums_out: Optional[list[Optional[int]]] = None) -> list[bool]:
+        """Read each chunk into its parts; one bool each (a medium fault or a failed check: False, never
+        raised).  ``sums_out``, when given (a copy), receives each chunk's sum (None where none is known)."""
+        oks = self._bytes(Op.READ, lvl, keys, parts, ptrs, codes)
+        if CORRUPT in oks:
+            oks = self._corrupt(lvl, keys, oks, [i for i, ok in enumerate(oks) if ok is CORRUPT])
+        if lvl.checks_reads or sums_out is not None:
+            self._check_level(lvl, keys, parts, oks, sums_out)
+        return oks
 
-    def write(self, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]] = None) -> list[bool]:
-        """Write each chunk from its parts (reserved by the caller in a managed level); one bool each."""
-        return self._bytes(Op.WRITE, lvl, keys, parts, ptrs, None)
+    def write(self, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]] = None,
+              sums: Optional[list[Optional[int]]] = None, source: Optional[Level] = None) -> list[bool]:
+        """Write each chunk from its parts (reserved by the caller in a managed level); one bool each.
+
+        ``sums``: each chunk's checksum as it travels (a put's, or the copy's source's); one that is None
+        (a chunk whose source kept none) is computed from the bytes here.  ``source``: the level a copy was
+        read from; when its read was not checked and ``lvl`` sums the bytes itself (``verifies_reads``), the
+        bytes are checked against the sums first (a corrupt copy is counted at the source, never stored)."""
+        if sums is None or None in sums:
+            sums = [chunk_sum(p) if sums is None or sums[i] is None else sums[i]  # type: ignore[misc]
+                    for i, p in enumerate(parts)]
+        elif (source is not None and lvl.tier.verifies_reads and source.keeps_sums
+              and not source.checks_reads):
+            oks = self.check(source, keys, parts, sums)
+            if False in oks:
+                go = [i for i, ok in enumerate(oks) if ok]
+                wrote = self.write(lvl, [keys[i] for i in go], [parts[i] for i in go], None,
+                                   [sums[i] for i in go]) if go else []
+                for i, ok in zip(go, wrote):
+                    oks[i] = ok
+                return oks
+        if lvl.tier.sum_inside:
+            tr = trailers(sums, _device_of(parts))  # type: ignore[arg-type]
+            parts = [[*p, t] for p, t in zip(parts, tr)]
+            ptrs = None
+        oks = self._bytes(Op.WRITE, lvl, keys, parts, ptrs, None)
+        if lvl.keeps_sums:
+            with self._lock:
+                if False in oks:
+                    lvl.sums.update([(k, s) for k, s, ok in zip(keys, sums, oks) if ok])  # type: ignore[misc]
+                else:
+                    lvl.sums.update(zip(keys, sums))  # type: ignore[arg-type]
+        return oks
+
+    def check(self, lvl: Level, keys: list[str], parts: list[Parts], sums: list[Optional[int]]) -> list[bool]:
+        """Check bytes held by ``lvl`` (views, or a copy) against ``sums``; one bool each (a failure is
+        counted corrupt for ``lvl`` and logged; the caller drops it)."""
+        oks = [True] * len(keys)
+        bad = [i for i, s in enumerate(sums) if s is not None and chunk_sum(parts[i]) != s]
+        if bad:
+            self._corrupt(lvl, keys, oks, bad, in_place=True)
+        return oks
+
+    def _check_level(self, lvl: Level, keys: list[str], parts: list[Parts], oks: list[bool],
+                     sums_out: Optional[list[Optional[int]]]) -> None:
+        """Check a managed level's reads against its sums (``checks_reads``); fill ``sums_out``."""
+        if lvl.keeps_sums:
+            get = lvl.sums.get
+            have = [get(k) for k in keys]
+            bad: list[int] = []
+            if lvl.checks_reads:
+                for i, ok in enumerate(oks):
+                    s = have[i]
+                    if ok and s is not None and chunk_sum(parts[i]) != s:
+                        bad.append(i)
+                if bad:
+                    self._corrupt(lvl, keys, oks, bad, in_place=True)
+            if sums_out is not None:
+                sums_out[:] = have
+        elif sums_out is not None:
+            # a medium that verified its own records (or keeps no bytes): the bytes it handed over are checked
+            sums_out[:] = [chunk_sum(p) if ok and lvl.tier.verifies_reads else None for p, ok in zip(parts, oks)]
+
+    def _corrupt(self, lvl: Level, keys: list[str], oks: list, at: list[int], in_place: bool = False) -> list[bool]:
+        """Count, log and answer False for the copies at ``at`` (a pool's are deleted from it)."""
+        out = oks if in_place else [bool(ok) for ok in oks]
+        for i in at:
+            out[i] = False
+        names = [keys[i] for i in at]
+        with self._lock:
+            lvl.counters.corrupt += len(at)
+        self._corrupt_log.found(lvl.name, names)
+        if not lvl.managed:
+            self.delete(lvl, names)
+        return out
 
     def _bytes(self, op: Op, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]],
                codes: Optional[list[int]]) -> list[bool]:
@@ -113,15 +207,37 @@ class TierIO:
             log.warning("tierkv: tier %s contains failed: %s", lvl.name, str(e)[:300])
             return None
 
-    def read_unmanaged(self, lvl: Level, keys: list[str], parts: list[Parts]) -> Optional[list[bool]]:
-        """A shared pool's read; None when the medium failed (then no key is asked alone: a pool is remote)."""
+    def read_unmanaged(self, lvl: Level, keys: list[str], parts: list[Parts],
+                       sums_out: Optional[list[Optional[int]]] = None) -> Optional[list[bool]]:
+        """A shared pool's read, each object's trailer checked (``sum_inside``); None when the medium failed
+        (then no key is asked alone: a pool is remote).  ``sums_out`` as for ``read``."""
+        inside = lvl.tier.sum_inside
+        objs = parts
+        if inside:
+            tr = trailer_buffers(len(keys), _device_of(parts))
+            objs = [[*p, t] for p, t in zip(parts, tr)]
         try:
-            return _checked(lvl.tier.read(keys, parts), len(keys))
+            res = _checked(lvl.tier.read(keys, objs), len(keys))
         except StoreClosedError:
             raise
         except Exception as e:  # noqa: BLE001 - the choke point: a medium fault is a miss
             log.warning("tierkv: tier %s read failed: %s", lvl.name, str(e)[:300])
             return None
+        sums: list[Optional[int]] = [None] * len(keys)
+        bad = [i for i, ok in enumerate(res) if ok is CORRUPT]
+        if inside:
+            for i, ok in enumerate(res):
+                if ok is True:
+                    s = read_trailer(tr[i])
+                    if s is None or chunk_sum(parts[i]) != s:
+                        bad.append(i)
+                    else:
+                        sums[i] = s
+        if bad:
+            res = self._corrupt(lvl, keys, res, bad)
+        if sums_out is not None:
+            sums_out[:] = sums
+        return res
 
     def delete(self, lvl: Level, keys: list[str]) -> bool:
         """Delete keys from a tier; False when the medium failed (logged)."""
@@ -133,6 +249,14 @@ class TierIO:
         except Exception as e:  # noqa: BLE001 - the choke point: a medium fault is a miss
             log.warning("tierkv: tier %s delete failed: %s", lvl.name, str(e)[:300])
             return False
+
+
+def _device_of(objs: list[Parts]) -> Any:
+    """The device of the first part of the first object (trailers go beside the chunk's bytes)."""
+    for parts in objs:
+        for p in parts:
+            return p.device
+    return None
 
 
 def _checked(res: Optional[list], n: int) -> list[bool]:

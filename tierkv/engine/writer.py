@@ -26,6 +26,7 @@ import time
 from typing import Optional
 
 from tierkv.buffers import Parts, check_size
+from tierkv.checksum import chunk_sum
 from tierkv.engine.chain import FAILED, Chain, Held
 from tierkv.engine.copier import Copier
 from tierkv.engine.level import Level
@@ -43,7 +44,7 @@ class _Put:
     """The state of one put call, handed from phase to phase."""
 
     __slots__ = ("batch0", "behind", "first", "groups", "held", "holding", "inflight", "keys", "n", "out",
-                 "prepared", "ptrs", "slow", "start", "todo", "unique", "why")
+                 "prepared", "ptrs", "slow", "start", "sums", "todo", "unique", "why")
 
     def __init__(self, keys: list[str], prepared: Prepared, ptrs: Optional[list[int]]) -> None:
         n = len(keys)
@@ -62,6 +63,7 @@ class _Put:
         self.inflight: list[int] = []  # positions of keys another call is writing (answered present for now)
         self.start = [0] * n  # the first level each key may still go to
         self.why = [0] * n  # refusal flags per key
+        self.sums: list[Optional[int]] = [None] * n  # each chunk's checksum, computed once before its first write
         self.behind: list[tuple[int, str]] = []  # (level, key) stored: for write-behind
 
 
@@ -220,10 +222,18 @@ class Writer:
             lvl = self.levels[j]
             # (a reservation's code was taken for its prepared size: the addresses may stand for the parts)
             whole = len(idx) == n and idx == list(range(n))  # every position, in order
+            sums = call.sums
+            if whole and sums[0] is None:  # (where the bytes enter the store: the one time they are summed)
+                sums[:] = [chunk_sum(p[0]) for p in prepared]
+            else:
+                for i in idx:
+                    if sums[i] is None:
+                        sums[i] = chunk_sum(prepared[i][0])
             oks = self.io.write(lvl, keys if whole else [keys[i] for i in idx],
                                 [p[0] for p in prepared] if whole else [prepared[i][0] for i in idx],
                                 None if ptrs is None or not lvl.located else
-                                ptrs if whole else [ptrs[i] for i in idx])
+                                ptrs if whole else [ptrs[i] for i in idx],
+                                sums if whole else [sums[i] for i in idx])
             with self._lock:
                 done = self._settle_writes(call, j, idx, oks)
                 if j == 0 and call.batch0:
@@ -235,7 +245,7 @@ class Writer:
             if chain.any_write_through:
                 for i, ok in zip(idx, oks):
                     if ok:
-                        self.placer.write_through(j, keys[i], prepared[i], call.held)
+                        self.placer.write_through(j, keys[i], prepared[i], call.held, call.sums[i])
 
     def _settle_writes(self, call: _Put, j: int, idx: list[int], oks: list[bool]) -> list[int]:
         """The positions whose write into level ``j`` went through; the failed ones aborted and sent on to

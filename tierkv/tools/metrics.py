@@ -88,6 +88,8 @@ TIER_COUNTERS = {
     "promotions": ("promotions", "Hits of the tier copied up to a faster tier"),
     "rejected": ("rejected", "Chunks the tier refused (admission, no room)"),
     "errors": ("errors", "Failed or corrupt reads and writes"),
+    "corrupt": ("corrupt", "Copies that failed their checksum (the store's check or the medium's own): dropped "
+                "from the tier, each read as a miss"),
     "persisted": ("persisted", "Chunks the write-behind queue copied into the tier"),
 }
 #: per-tier gauges: field -> (help, how ranks combine)
@@ -101,7 +103,6 @@ TIER_GAUGES = {
 #: a medium's fault counters (``extra_stats()``) -> the ``reason`` of ``tierkv_tier_medium_errors_total``
 MEDIUM_ERRORS = {
     "io_errors": "io",
-    "corrupt": "corrupt",
     "enospc": "disk_full",
     "too_large": "too_large",
     "checkpoint_errors": "checkpoint",
@@ -257,7 +258,7 @@ def families(snap: dict[str, Any]) -> list[Family]:
     for f, (doc, merge) in TIER_GAUGES.items():
         by_tier[f] = Family(f"tierkv_tier_{f}", Kind.GAUGE, doc, ("tier",), merge=merge)
     errors = Family("tierkv_tier_medium_errors", Kind.COUNTER,
-                    "Faults the medium counted, by reason (io, corrupt, disk_full, too_large, checkpoint, bad_key, "
+                    "Faults the medium counted, by reason (io, disk_full, too_large, checkpoint, bad_key, "
                     "timeout, peer_unreachable)", ("tier", "reason"))
     medium = Family("tierkv_tier_medium", Kind.GAUGE,
                     "Every other number the medium reports in stats() (its own counters and levels)",

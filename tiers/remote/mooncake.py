@@ -258,10 +258,11 @@ class MooncakeClient:
         transfer: one master call (``batch_get_replica_desc``) says where every
         replica lies and grants the same read lease a get takes, which keeps the
         replica from being removed or evicted while it is copied.  Per key: the
-        bytes copied, or 0 where nothing was (no complete replica here, missing, a
-        size other than the one asked for, or the copy ending more than ``guard_s``
-        after the lease was granted, which a get must then redo).  Destinations
-        must be host memory.
+        bytes copied; -1 where a complete replica here has a size other than the
+        one asked for (not the object the caller stored); or 0 where nothing was
+        (no complete replica here, missing, or the copy ending more than
+        ``guard_s`` after the lease was granted, which a get must then redo).
+        Destinations must be host memory.
         """
         out = [0] * len(keys)
         own = self._own_endpoint
@@ -274,6 +275,9 @@ class MooncakeClient:
         for k, (key, p, s) in enumerate(zip(keys, ptrs, sizes)):
             addr = self._local_address(descs.get(key), sum(s), own)
             if addr is None:
+                continue
+            if addr < 0:
+                out[k] = -1
                 continue
             off = 0
             for ptr, n in zip(p, s):
@@ -294,8 +298,8 @@ class MooncakeClient:
                 if not r.is_memory_replica() or r.status != self._complete:
                     continue
                 bd = r.get_memory_descriptor().buffer_descriptor
-                if bd.transport_endpoint == own and int(bd.size) == want and bd.buffer_address:
-                    return int(bd.buffer_address)
+                if bd.transport_endpoint == own and bd.buffer_address:
+                    return int(bd.buffer_address) if int(bd.size) == want else -1
             except Exception:  # noqa: BLE001 (a descriptor this wrapper does not understand: not local)
                 continue
         return None

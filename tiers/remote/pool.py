@@ -20,7 +20,9 @@ Invariants
       While the sentinel cannot be stored (a pool with no segment mounted) the
       tier stays unavailable: misses, never errors.
     * ``read`` returns True only when the backend reports exactly the object's
-      size filled in; ``write`` counts an existing key as stored (dedup).
+      size filled in, and ``CORRUPT`` for an object found in this node's own
+      segment with another size; ``write`` counts an existing key as stored
+      (dedup).
     * A pool that is full (``NO_SPACE``) is retried once after
       ``full_retry_delay`` seconds, then the write is refused and counted.
     * A put abandoned at its deadline that later succeeds is removed again: it
@@ -44,7 +46,7 @@ import torch
 
 from tierkv.buffers import host_copy
 
-from ..base import Parts, Tier
+from ..base import CORRUPT, Parts, Tier
 from .client import Outcome
 from .presence import Presence
 from .session import REFUSED, TIMEOUT, Registration, Session
@@ -62,6 +64,8 @@ class RemotePoolTier(Tier):
 
     managed = False
     persistent = False
+    #: the store keeps each chunk's checksum in a trailer inside the object: any process reading it checks it
+    sum_inside = True
     #: prefix of every key this medium writes: f"{namespace}/{key_tag}/{key}"
     key_tag = "pool"
     max_key_len = 4096
@@ -394,7 +398,7 @@ class RemotePoolTier(Tier):
         if len(keys) != len(dsts):
             raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(dsts)} destinations")
         fkeys = self._full_keys(keys)
-        ok = [False] * len(keys)
+        ok: list[Any] = [False] * len(keys)
         if not self.available:
             self._counters["misses_unavailable"] += len(keys)
             return ok
@@ -455,7 +459,7 @@ class RemotePoolTier(Tier):
             self._check_codes(session.client, codes, "get")
 
     def _read_local(self, session: Session, todo: list[int], fkeys: list[str], dsts: Sequence[Parts],
-                    ok: list[bool]) -> list[int]:
+                    ok: list[Any]) -> list[int]:
         """Serve what lies in this node's own segment by a plain copy; returns the keys left for a get."""
         host = [i for i in todo if all(p.device.type == "cpu" and p.is_contiguous() for p in dsts[i])]
         if not host:
@@ -467,12 +471,16 @@ class RemotePoolTier(Tier):
                         sum(want), "local read", session=session)
         if got is None:
             return []  # the pool failed: the tier is unavailable and every key is a miss
+        wrong: set[int] = set()
         for i, n, w in zip(host, got, want):
             if n == w:
                 ok[i] = True
                 self._presence.remember(fkeys[i], w)
                 self._counters["local_reads"] += 1
-        return [i for i in todo if not ok[i]]
+            elif n < 0:  # present here with another size: not the object stored under this key
+                ok[i] = CORRUPT
+                wrong.add(i)
+        return [i for i in todo if not ok[i] and i not in wrong]
 
     def _contains(self, keys: Sequence[str]) -> list[bool]:
         self._check_open()

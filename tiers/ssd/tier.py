@@ -141,6 +141,8 @@ class SSDTier(Tier):
 
     medium = "ssd"
     locality = Locality.DISK
+    #: each record's payload sum is checked on every read (xxh3-64 of an uncompressed payload: the chunk's sum)
+    verifies_reads = True
     persistent = True
     managed = True
 

@@ -1,0 +1,170 @@
+"""Integrity from put to load: each chunk's checksum, computed once at the put, travels with it and is checked on
+reads (docs/architecture.md, "Integrity").  The pooled cases, over a real ``mooncake_master``, are in
+tests/test_mooncake_integrity.py."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from tierkv.checksum import TRAILER_BYTES, Verify, chunk_sum, read_trailer, trailers
+from tierkv.errors import ConfigError
+from tierkv.store import TieredStore
+from tierkv.tools.metrics import families, snapshot
+
+MiB = 1 << 20
+
+
+def chunk(i: int, n: int = 64 << 10) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def flip(store: TieredStore, tier: str, key: str, at: int = 17) -> None:
+    """Flip one bit of ``key``'s bytes in a slab tier's memory, behind the store's back."""
+    lvl = next(lvl for lvl in store.levels if lvl.name == tier)
+    with store._chain.lock:
+        views = lvl.tier.views_at(lvl.codes([key]))
+    assert views is not None
+    views[0][0][at] ^= 1
+
+
+def test_a_flipped_byte_in_dram_under_verify_always_is_a_miss_counted_and_dropped(caplog):
+    with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "8MiB", "verify": "always"}]}) as s:
+        a, b = chunk(1), chunk(2)
+        assert s.put(["a", "b"], [a, b]) == [True, True]
+        flip(s, "dram", "a")
+        out_a, out_b = torch.zeros_like(a), torch.zeros_like(b)
+        with caplog.at_level(logging.WARNING, logger="tierkv"):
+            assert s.get(["a", "b"], [out_a, out_b]) == [False, True]
+        assert torch.equal(out_b, b)
+        st = s.stats()["tiers"]["dram"]
+        assert st["corrupt"] == 1
+        assert st["entries"] == 1  # the bad copy left the tier
+        assert s.lookup(["a"]) == 0
+        assert any("dram" in r.getMessage() and "'a'" not in r.getMessage() and " a " in r.getMessage()
+                   for r in caplog.records), [r.getMessage() for r in caplog.records]
+        # the next put of the chunk stores it again, and it reads back exact
+        assert s.put(["a"], [a]) == [True]
+        assert s.get(["a"], [out_a]) == [True] and torch.equal(out_a, a)
+
+
+def test_a_corrupt_dram_copy_falls_through_to_the_ssd_copy(tmp_path):
+    cfg = {"tiers": [{"medium": "dram", "capacity": "8MiB", "verify": "always"},
+                     {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB",
+                      "persist": "write_through"}]}
+    with TieredStore.from_config(cfg) as s:
+        a = chunk(3)
+        assert s.put(["a"], [a]) == [True]
+        flip(s, "dram", "a")
+        out = torch.zeros_like(a)
+        assert s.get(["a"], [out]) == [True]
+        assert torch.equal(out, a)  # the ssd's copy, never the flipped one
+        st = s.stats()
+        assert st["tiers"]["dram"]["corrupt"] == 1
+        assert st["tiers"]["ssd"]["hits"] == 1
+        assert st["total"]["corrupt"] == 1
+
+
+def test_verify_always_checks_hbm_too():
+    with TieredStore.from_config({"verify": "always",
+                                  "tiers": [{"medium": "hbm", "device": "cpu", "capacity": "8MiB"}]}) as s:
+        a = chunk(4)
+        s.put(["a"], [a])
+        flip(s, "hbm", "a")
+        assert s.get(["a"], [torch.zeros_like(a)]) == [False]
+        assert s.stats()["tiers"]["hbm"]["corrupt"] == 1
+
+
+def test_a_demotion_never_stores_bytes_that_fail_the_sum_the_chunk_carries(tmp_path):
+    # dram holds two chunks; a corrupt one demoted to the ssd would be summed again there from bad bytes
+    cfg = {"tiers": [{"medium": "dram", "capacity": 3 * (64 << 10), "eviction": "lru"},
+                     {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB", "persist": "on_evict"}]}
+    with TieredStore.from_config(cfg) as s:
+        a = chunk(5)
+        s.put(["a"], [a])
+        flip(s, "dram", "a")
+        s.put(["b", "c", "d"], [chunk(6), chunk(7), chunk(8)])  # a is evicted, its demotion checked
+        s.drain_write_behind()
+        out = torch.zeros_like(a)
+        assert s.get(["a"], [out]) == [False]
+        st = s.stats()["tiers"]
+        assert st["dram"]["corrupt"] == 1
+        assert s.get(["b"], [out]) == [True] and torch.equal(out, chunk(6))
+
+
+def test_every_tier_counts_corrupt_from_zero(tmp_path):
+    cfg = {"tiers": [{"medium": "hbm", "device": "cpu", "capacity": "8MiB"},
+                     {"medium": "dram", "capacity": "8MiB"},
+                     {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB"}]}
+    with TieredStore.from_config(cfg) as s:
+        s.put(["a"], [chunk(9)])
+        st = s.stats()
+        for name in ("hbm", "dram", "ssd"):
+            assert st["tiers"][name]["corrupt"] == 0
+        assert st["total"]["corrupt"] == 0
+        names = {f.name for f in families(snapshot(s))}
+        assert "tierkv_tier_corrupt" in names and "tierkv_corrupt" in names
+
+
+def test_the_exporter_shows_a_corrupt_copy():
+    with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "8MiB", "verify": "always"}]}) as s:
+        s.put(["a"], [chunk(10)])
+        flip(s, "dram", "a")
+        s.get(["a"], [torch.zeros(64 << 10, dtype=torch.uint8)])
+        fam = next(f for f in families(snapshot(s)) if f.name == "tierkv_tier_corrupt")
+        assert fam.samples == [(("dram",), 1.0)]
+
+
+def test_verify_values_and_defaults():
+    with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "8MiB"}]}) as s:
+        lvl = s.levels[0]
+        assert lvl.verify is Verify.EXTERNAL and not lvl.checks_reads and lvl.keeps_sums
+    with TieredStore.from_config({"verify": "always", "tiers": [{"medium": "dram", "capacity": "8MiB"},
+                                 {"medium": "dram", "name": "d2", "capacity": "8MiB", "verify": "external"}]}) as s:
+        assert [lvl.checks_reads for lvl in s.levels] == [True, False]
+    for cfg in ({"tiers": [{"medium": "dram", "capacity": "8MiB", "verify": "sometimes"}]},
+                {"verify": True, "tiers": [{"medium": "dram", "capacity": "8MiB"}]}):
+        with pytest.raises(ConfigError, match="'verify'"):
+            TieredStore.from_config(cfg)
+
+
+def test_the_sum_is_the_ssd_records_payload_sum(tmp_path):
+    # the same value in every tier: xxh3-64 of the bytes, as an uncompressed ssd record carries it
+    import xxhash
+
+    a = chunk(11)
+    assert chunk_sum([a]) == xxhash.xxh3_64_intdigest(a.numpy().tobytes())
+    assert chunk_sum([a[:100], a[100:]]) == chunk_sum([a])
+    t = trailers([chunk_sum([a])])[0]
+    assert t.numel() == TRAILER_BYTES and read_trailer(t) == chunk_sum([a])
+    t[0] ^= 1
+    assert read_trailer(t) is None
+
+
+def test_a_put_sums_each_chunk_once_and_a_copy_carries_it(tmp_path, monkeypatch):
+    import tierkv.checksum as C
+
+    calls = []
+    real = C.chunk_sum
+
+    def counting(parts):
+        calls.append(1)
+        return real(parts)
+
+    import tierkv.engine.tierio as tio
+    import tierkv.engine.writer as w
+
+    monkeypatch.setattr(w, "chunk_sum", counting)
+    monkeypatch.setattr(tio, "chunk_sum", counting)
+    cfg = {"tiers": [{"medium": "hbm", "device": "cpu", "capacity": 2 * (64 << 10)},
+                     {"medium": "dram", "capacity": "8MiB"}]}
+    with TieredStore.from_config(cfg) as s:
+        s.put(["a", "b"], [chunk(12), chunk(13)])
+        s.put(["c"], [chunk(14)])  # c evicts a into dram: its sum is copied, not computed again
+        s.drain_write_behind()
+        assert s.locate(["a", "c"]) == ["dram", "hbm"]
+        assert len(calls) == 3
+        assert s.levels[1].sums["a"] == real([chunk(12)])
