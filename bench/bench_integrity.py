@@ -1,0 +1,141 @@
+"""What checking each chunk's checksum costs a ``get``, beside the same reads unchecked, in one run.
+
+    .venv/bin/python bench/bench_integrity.py [--chunk-mib 2] [--batch 32] [--reps 7] [--no-pool]
+
+* ``dram``: two stores, one ``dram`` tier each, the same chunks in both: ``"verify": "external"`` (reads
+  unchecked, the default for a local tier) and ``"verify": "always"`` (each read hashed and compared).
+* ``dram_pool`` (when Mooncake is installed; it starts its own ``mooncake_master``): ``store.get`` from the
+  pool (every read checked: the trailer against the bytes) beside the pool tier's own read of the same
+  objects into the same buffers, trailer included, unchecked.
+
+Rounds alternate the two sides; the figure is the median of ``--reps`` rounds, as GB/s and as the ratio
+checked / unchecked (the target: >= 0.90).  Prints one JSON line per case.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+import uuid
+from typing import Any, Callable
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "tests"))
+
+from tierkv.checksum import trailer_buffers  # noqa: E402
+from tierkv.store import TieredStore  # noqa: E402
+
+MiB = 1 << 20
+
+
+def chunks(n: int, size: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g) for _ in range(n)]
+
+
+def rate(fn: Callable[[], Any], nbytes: int) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return nbytes / (time.perf_counter() - t0) / 1e9
+
+
+def alternate(checked: Callable[[], Any], unchecked: Callable[[], Any], nbytes: int, reps: int) -> dict[str, Any]:
+    checked()
+    unchecked()  # (warm both)
+    on, off = [], []
+    for _ in range(reps):
+        off.append(rate(unchecked, nbytes))
+        on.append(rate(checked, nbytes))
+    a, b = statistics.median(on), statistics.median(off)
+    return {"checked_gbps": round(a, 3), "unchecked_gbps": round(b, 3), "ratio": round(a / b, 3)}
+
+
+def bench_dram(vals: list[torch.Tensor], reps: int) -> dict[str, Any]:
+    keys = [f"k{i}" for i in range(len(vals))]
+    nbytes = sum(v.numel() for v in vals)
+    cap = 2 * nbytes + 64 * MiB
+    off = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": cap, "verify": "external"}]})
+    on = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": cap, "verify": "always"}]})
+    try:
+        assert all(off.put(keys, vals)) and all(on.put(keys, vals))
+        outs = [torch.empty_like(v) for v in vals]
+
+        def get(s: TieredStore) -> Callable[[], None]:
+            def run() -> None:
+                if not all(s.get(keys, outs)):
+                    raise RuntimeError("a get missed")
+            return run
+
+        res = alternate(get(on), get(off), nbytes, reps)
+        assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+        assert on.stats()["tiers"]["dram"]["corrupt"] == 0
+        return {"case": "dram", **res}
+    finally:
+        off.close()
+        on.close()
+
+
+def bench_pool(vals: list[torch.Tensor], reps: int) -> dict[str, Any]:
+    from mooncake_util import MooncakeMaster, client_env
+
+    os.environ.update(client_env())
+    keys = [f"k{i}" for i in range(len(vals))]
+    nbytes = sum(v.numel() for v in vals)
+    with MooncakeMaster() as m:
+        pool = m.tier_config(segment=f"{2 * nbytes // MiB + 64}MiB", namespace=f"bench-{uuid.uuid4().hex[:8]}")
+        s = TieredStore.from_config({"tiers": [pool]})
+        try:
+            assert all(s.put(keys, vals))
+            tier = s.levels[0].tier
+            outs = [torch.empty_like(v) for v in vals]
+            tr = trailer_buffers(len(vals))
+
+            def checked() -> None:
+                if not all(s.get(keys, outs)):
+                    raise RuntimeError("a get missed")
+
+            def unchecked() -> None:
+                if not all(tier.read(keys, [[o, t] for o, t in zip(outs, tr)])):
+                    raise RuntimeError("a read missed")
+
+            res = alternate(checked, unchecked, nbytes, reps)
+            assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+            assert s.stats()["tiers"]["dram_pool"]["corrupt"] == 0
+            return {"case": "dram_pool", **res}
+        finally:
+            s.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--chunk-mib", type=float, default=2.0)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--no-pool", action="store_true", help="skip the dram_pool case")
+    a = ap.parse_args()
+    if a.chunk_mib <= 0 or a.batch < 1 or a.reps < 1:
+        print("bench_integrity: --chunk-mib must be > 0, --batch and --reps >= 1", file=sys.stderr)
+        return 2
+    vals = chunks(a.batch, int(a.chunk_mib * MiB))
+    print(json.dumps({"chunk_mib": a.chunk_mib, "batch": a.batch, "reps": a.reps, **bench_dram(vals, a.reps)}),
+          flush=True)
+    if not a.no_pool:
+        from mooncake_util import missing_reason
+
+        why = missing_reason()
+        if why:
+            print(json.dumps({"case": "dram_pool", "skipped": why}), flush=True)
+        else:
+            print(json.dumps({"chunk_mib": a.chunk_mib, "batch": a.batch, "reps": a.reps,
+                              **bench_pool(vals, a.reps)}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
