@@ -21,15 +21,16 @@ import statistics
 import sys
 import time
 import uuid
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "tests"))
 
-from tierkv.checksum import trailer_buffers  # noqa: E402
-from tierkv.store import TieredStore  # noqa: E402
+from tierkv.checksum import trailer_buffers
+from tierkv.store import TieredStore
 
 MiB = 1 << 20
 

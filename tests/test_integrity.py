@@ -121,7 +121,13 @@ def test_the_exporter_shows_a_corrupt_copy():
 def test_verify_values_and_defaults():
     with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "8MiB"}]}) as s:
         lvl = s.levels[0]
-        assert lvl.verify is Verify.EXTERNAL and not lvl.checks_reads and lvl.keeps_sums
+        # a lone dram tier, unchecked: its sums would serve nothing, so none is kept (nor computed by a put)
+        assert lvl.verify is Verify.EXTERNAL and not lvl.checks_reads and not lvl.keeps_sums
+        s.put(["a"], [chunk(1)])
+        assert lvl.sums == {}
+    with TieredStore.from_config({"tiers": [{"medium": "hbm", "device": "cpu", "capacity": "8MiB"},
+                                            {"medium": "dram", "capacity": "8MiB"}]}) as s:
+        assert [lvl.keeps_sums for lvl in s.levels] == [True, False]  # hbm's copies carry theirs to dram
     with TieredStore.from_config({"verify": "always", "tiers": [{"medium": "dram", "capacity": "8MiB"},
                                  {"medium": "dram", "name": "d2", "capacity": "8MiB", "verify": "external"}]}) as s:
         assert [lvl.checks_reads for lvl in s.levels] == [True, False]
@@ -160,7 +166,7 @@ def test_a_put_sums_each_chunk_once_and_a_copy_carries_it(tmp_path, monkeypatch)
     monkeypatch.setattr(w, "chunk_sum", counting)
     monkeypatch.setattr(tio, "chunk_sum", counting)
     cfg = {"tiers": [{"medium": "hbm", "device": "cpu", "capacity": 2 * (64 << 10)},
-                     {"medium": "dram", "capacity": "8MiB"}]}
+                     {"medium": "dram", "capacity": "8MiB", "verify": "always"}]}
     with TieredStore.from_config(cfg) as s:
         s.put(["a", "b"], [chunk(12), chunk(13)])
         s.put(["c"], [chunk(14)])  # c evicts a into dram: its sum is copied, not computed again

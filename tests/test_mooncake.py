@@ -12,6 +12,7 @@ from tier_conformance import TierConformance, blob, key
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.store import TieredStore
 from tierkv.tiers import medium_class
+from tierkv.tiers.base import CORRUPT
 from tierkv.tiers.remote.media import DramPoolTier, RemoteNPUTier
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))]
@@ -155,7 +156,8 @@ def test_multi_part_write_single_part_read_and_back(pool):
 def test_reads_into_a_larger_buffer_are_misses(pool):
     t = pool()
     t.write([key(1, "g")], [[blob(1, 1000)]])
-    assert t.read([key(1, "g")], [[torch.zeros(1001, dtype=torch.uint8)]]) == [False]
+    got = t.read([key(1, "g")], [[torch.zeros(1001, dtype=torch.uint8)]])
+    assert got == [CORRUPT]  # in this node's own segment with another size: not the object asked for
 
 
 def test_non_uint8_and_strided_views_round_trip(pool):
@@ -233,7 +235,7 @@ def test_objects_in_the_own_segment_are_copied_out_directly(pool):
     assert all(torch.equal(o, v) for o, v in zip(outs, layers))
     assert t.extra_stats()["local_reads"] == 1
     # a size other than the stored one is still a miss, and is not served locally
-    assert t.read([key(1, "loc")], [[torch.zeros(4 * (64 << 10) + 1, dtype=torch.uint8)]]) == [False]
+    assert t.read([key(1, "loc")], [[torch.zeros(4 * (64 << 10) + 1, dtype=torch.uint8)]]) == [CORRUPT]
     assert t.extra_stats()["local_reads"] == 1
 
 

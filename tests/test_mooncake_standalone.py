@@ -251,6 +251,7 @@ def test_standalone_client_killed_misses_then_the_store_recovers_by_itself(ipc):
             assert store.put(keys, vals) == [True] * 16
             outs = [torch.zeros(128 << 10, dtype=torch.uint8) for _ in keys]
             assert store.get(keys, outs) == [True] * 16
+            store.drain_write_behind()  # (the promotions those hits queued have landed)
             where = store.locate(keys)  # after the reads: hits in the pool may have been promoted
             local = [i for i, w in enumerate(where) if w == "dram"]
             remote = [i for i, w in enumerate(where) if w == "dram_pool"]

@@ -95,7 +95,8 @@ class TierConformance:
     def test_read_into_wrong_size_is_not_a_hit(self, tier):
         tier.write([key(2, "s")], [[blob(3, 512)]])
         out = torch.zeros(511, dtype=torch.uint8)
-        assert tier.read([key(2, "s")], [[out]]) == [False]
+        got = tier.read([key(2, "s")], [[out]])
+        assert len(got) == 1 and not got[0]  # False, or CORRUPT where the medium sees the other size
 
     def test_batch_results_are_per_key(self, tier):
         tier.write([key(1, "b")], [[blob(1, 256)]])

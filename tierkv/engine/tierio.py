@@ -78,11 +78,12 @@ class TierIO:
         (a chunk whose source kept none) is computed from the bytes here.  ``source``: the level a copy was
         read from; when its read was not checked and ``lvl`` sums the bytes itself (``verifies_reads``), the
         bytes are checked against the sums first (a corrupt copy is counted at the source, never stored)."""
-        if sums is None or None in sums:
+        inside = lvl.tier.sum_inside
+        if (inside or lvl.keeps_sums) and (sums is None or None in sums):
             sums = [chunk_sum(p) if sums is None or sums[i] is None else sums[i]  # type: ignore[misc]
                     for i, p in enumerate(parts)]
-        elif (source is not None and lvl.tier.verifies_reads and source.keeps_sums
-              and not source.checks_reads):
+        if (sums is not None and source is not None and lvl.tier.verifies_reads and source.keeps_sums
+                and not source.checks_reads):
             oks = self.check(source, keys, parts, sums)
             if False in oks:
                 go = [i for i, ok in enumerate(oks) if ok]
@@ -91,12 +92,12 @@ class TierIO:
                 for i, ok in zip(go, wrote):
                     oks[i] = ok
                 return oks
-        if lvl.tier.sum_inside:
+        if inside:
             tr = trailers(sums, _device_of(parts))  # type: ignore[arg-type]
             parts = [[*p, t] for p, t in zip(parts, tr)]
             ptrs = None
         oks = self._bytes(Op.WRITE, lvl, keys, parts, ptrs, None)
-        if lvl.keeps_sums:
+        if lvl.keeps_sums and sums is not None:
             with self._lock:
                 if False in oks:
                     lvl.sums.update([(k, s) for k, s, ok in zip(keys, sums, oks) if ok])  # type: ignore[misc]

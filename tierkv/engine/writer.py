@@ -223,7 +223,9 @@ class Writer:
             # (a reservation's code was taken for its prepared size: the addresses may stand for the parts)
             whole = len(idx) == n and idx == list(range(n))  # every position, in order
             sums = call.sums
-            if whole and sums[0] is None:  # (where the bytes enter the store: the one time they are summed)
+            if not chain.needs_sums:
+                pass  # (no level keeps a sum nor carries one: none is computed)
+            elif whole and sums[0] is None:  # (where the bytes enter the store: the one time they are summed)
                 sums[:] = [chunk_sum(p[0]) for p in prepared]
             else:
                 for i in idx:
@@ -233,7 +235,7 @@ class Writer:
                                 [p[0] for p in prepared] if whole else [prepared[i][0] for i in idx],
                                 None if ptrs is None or not lvl.located else
                                 ptrs if whole else [ptrs[i] for i in idx],
-                                sums if whole else [sums[i] for i in idx])
+                                None if not chain.needs_sums else sums if whole else [sums[i] for i in idx])
             with self._lock:
                 done = self._settle_writes(call, j, idx, oks)
                 if j == 0 and call.batch0:
