@@ -64,9 +64,9 @@ def _record_writes(store: TieredStore) -> list[tuple[str, str]]:
     seen: list[tuple[str, str]] = []
     write = store._io.write
 
-    def recording(lvl, keys, parts, ptrs=None):
+    def recording(lvl, keys, parts, ptrs=None, **kw):
         seen.append((lvl.name, threading.current_thread().name))
-        return write(lvl, keys, parts, ptrs)
+        return write(lvl, keys, parts, ptrs, **kw)
 
     store._io.write = recording  # type: ignore[method-assign]
     return seen
