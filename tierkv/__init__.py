@@ -15,6 +15,10 @@ def __getattr__(name: str):
         from tierkv import store
 
         return getattr(store, name)
+    if name == "MissReason":
+        from tierkv.outcome import MissReason
+
+        return MissReason
     if name == "FlushResult":
         from tierkv.durability import FlushResult
 
@@ -30,6 +34,7 @@ __all__ = [
     "FlushResult",
     "Lease",
     "Level",
+    "MissReason",
     "PolicyError",
     "PutOutcome",
     "StoreClosedError",

@@ -11,6 +11,7 @@ Shape::
       ],
       "promotion": {"policy": "on-hit", "min_hits": 2},
       "io_workers": 4,
+      "miss_memory": 65536,                        # recent departures remembered to explain misses
       "trace_path": "/var/log/tierkv/trace",       # optional: hash-only request traces (tierkv.tools.trace)
       "trace": {"max_bytes": "64MiB", "max_files": 8},
       "shadow": {"rate": 0.05},                    # optional: what more capacity would buy (tierkv.shadow)
@@ -45,7 +46,7 @@ from tierkv.options import check_int, check_str
 from tierkv.persist import pop_persist
 from tierkv.tiers import medium_class
 
-TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue",
+TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue", "miss_memory",
             "trace_path", "trace", "shadow",  # these three: tierkv.engine.observers
             "verify"}
 
@@ -80,6 +81,8 @@ def load_config(config: Any) -> dict[str, Any]:
         check_int(cfg["io_workers"], "config key 'io_workers'", min_value=1, max_value=256)
     if "write_behind_queue" in cfg:
         check_int(cfg["write_behind_queue"], "config key 'write_behind_queue'", min_value=0)
+    if "miss_memory" in cfg:
+        check_int(cfg["miss_memory"], "config key 'miss_memory'", min_value=0)
     tiers = cfg.get("tiers")
     if not isinstance(tiers, list) or not tiers:
         raise ConfigError("config needs 'tiers': a non-empty list of tier configs, fastest first")

@@ -1,8 +1,10 @@
-"""Typed answers: what ``TieredStore.put_detailed`` answers for each chunk, and what an admission policy answers.
+"""Typed answers: what ``TieredStore.put_detailed`` answers for each chunk, what an admission policy answers,
+and why a chunk a lookup asked for was not there (``MissReason``).
 
-Both are enums whose values are the words stats and logs print; both are true only for the yes
-(``PutOutcome.STORED`` / ``PRESENT``, ``Admission.ADMIT``), so a refusal or a throttled answer is never
-mistaken for a success.
+``PutOutcome`` and ``Admission`` are enums whose values are the words stats and logs print; both are true
+only for the yes (``PutOutcome.STORED`` / ``PRESENT``, ``Admission.ADMIT``), so a refusal or a throttled
+answer is never mistaken for a success.  ``MissReason`` is a ``StrEnum``: its members are the words of
+``stats()["total"]["misses_by_reason"]``, of the exporter's ``reason`` label and of traces.
 """
 
 from __future__ import annotations
@@ -22,6 +24,24 @@ class PutOutcome(enum.Enum):
 
     def __bool__(self) -> bool:
         return self is PutOutcome.STORED or self is PutOutcome.PRESENT
+
+
+class MissReason(enum.StrEnum):
+    """Why a chunk was not served (``TieredStore.why_missing``); the label set of every miss counter.
+
+    The answer comes from the store's bounded memory of recent departures (``miss_memory`` entries):
+    a key older than the last ``miss_memory`` departures, or never seen, is ``NEVER_STORED``, which
+    therefore reads "never stored, or not among the last N departures".
+    """
+
+    NEVER_STORED = "never_stored"  #: not in the memory: never stored here, or departed before the last N
+    EVICTED = "evicted"  #: evicted from the last tier holding it (the memory names tier and policy)
+    REJECTED = "rejected"  #: its put was refused by every tier (admission, or no room could be made)
+    CORRUPT = "corrupt"  #: dropped because its bytes failed verification
+    AUDIT_FAILED = "audit_failed"  #: dropped because a recompute audit found it differs from fresh KV
+    LEASE_EXPIRED = "lease_expired"  #: a lease held from lookup to load ran out before the load
+    UNAVAILABLE = "unavailable"  #: a tier that may hold it is marked unavailable (or its put failed so)
+    OTHER_NAMESPACE = "other_namespace"  #: stored under another model / layout / TP / salt
 
 
 class Admission(enum.Enum):

@@ -71,6 +71,20 @@ Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.p
    are all pinned refuses a new chunk (``rejected``, the put's ``NO_ROOM``)
    rather than exceed its capacity (1).  A chunk only a shared pool holds is not
    held (``Lease.unheld``): the pool evicts by its own rules.
+11. **Every miss has a reason.**  The store remembers the last ``miss_memory`` departures
+   (``tierkv.engine.departures``; default ``DEFAULT_MISS_MEMORY``): chunks evicted from the last
+   tier holding them (with that tier, its eviction policy and the time), puts no tier took
+   (``rejected``, or ``unavailable`` when a tier that might have taken them was down), and what
+   was dropped for a named reason.  ``why_missing(keys)`` answers a ``MissReason`` per key from
+   that memory alone (no tier is asked): a key it does not hold is ``unavailable`` while some tier
+   is marked unavailable, else ``never_stored`` ("never stored, or not among the last N
+   departures").  Each answer is counted in ``stats()["total"]["misses_by_reason"]``.
+
+   Recording a departure, the two ways: from outside the engine, ``remove(keys, reason=...)``
+   (e.g. ``MissReason.AUDIT_FAILED``, ``LEASE_EXPIRED``) removes the chunks and records why; a
+   plain ``remove(keys)`` is a deliberate forgetting, not a miss reason: the memory forgets the
+   keys too (a later miss is ``never_stored``).  Inside the engine, ``Chain.departed(keys,
+   reason, level)`` records without removing (the reader's corrupt drops).
 
 Normal outcomes (miss, no room, backend down) are values and counters; misuse
 raises an error that names the problem.
@@ -94,6 +108,7 @@ from tierkv.durability import DropReason, FlushResult, fault_counts, lost_count
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
 from tierkv.engine.leases import Lease
+from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departure
 from tierkv.engine.level import Level
 from tierkv.engine.observers import Observers, attach_from_config
 from tierkv.engine.placer import Placer
@@ -105,7 +120,7 @@ from tierkv.errors import ConfigError, PolicyError, StoreClosedError
 from tierkv.hostmem import StagingPool
 from tierkv.keys import check_keys
 from tierkv.options import check_int
-from tierkv.outcome import PutOutcome
+from tierkv.outcome import MissReason, PutOutcome
 from tierkv.policies import PromotionPolicy, build_promotion
 from tierkv.tiers.base import Tier
 
@@ -135,12 +150,14 @@ class TieredStore:
         promotion: Union[str, PromotionPolicy, dict, None] = None,
         io_workers: int = 4,
         write_behind_queue: int = 65536,
+        miss_memory: int = DEFAULT_MISS_MEMORY,
     ) -> None:
         if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence) or not tiers:
             raise ConfigError("a store needs a non-empty list of tiers (Tier or Level objects), fastest first")
         io_workers = check_int(io_workers, "io_workers", min_value=1, max_value=256)
         write_behind_queue = check_int(write_behind_queue, "write_behind_queue", min_value=0)
-        self._chain = chain = Chain([t if isinstance(t, Level) else Level(t) for t in tiers])
+        miss_memory = check_int(miss_memory, "miss_memory", min_value=0)
+        self._chain = chain = Chain([t if isinstance(t, Level) else Level(t) for t in tiers], miss_memory)
         #: the levels, fastest first (each: a tier, its policies, its index)
         self.levels: list[Level] = chain.levels
         self.promotion = build_promotion(promotion)
@@ -174,7 +191,8 @@ class TieredStore:
         levels = build_levels(cfg["tiers"], cfg.get("verify"))
         try:
             store = cls(levels, promotion=cfg.get("promotion"), io_workers=cfg.get("io_workers", 4),
-                        write_behind_queue=cfg.get("write_behind_queue", 65536))
+                        write_behind_queue=cfg.get("write_behind_queue", 65536),
+                        miss_memory=cfg.get("miss_memory", DEFAULT_MISS_MEMORY))
         except Exception:
             for lvl in levels:
                 lvl.tier.close()
@@ -313,6 +331,8 @@ class TieredStore:
             raise
         finally:
             self._chain.leave()
+        if False in res:  # (each miss explained and counted by reason: ``why_missing``)
+            self._explain([k for k, ok in zip(keys, res) if not ok], True)
         if self._observers.attached:
             self._observers.observe("get", keys, res, t0, prepared)
         return res
@@ -362,12 +382,27 @@ class TieredStore:
         finally:
             chain.leave()
 
-    def remove(self, keys: Sequence[str]) -> None:
-        """Forget the chunks in every tier (absent keys are ignored)."""
+    def remove(self, keys: Sequence[str], reason: Optional[MissReason] = None) -> None:
+        """Forget the chunks in every tier (absent keys are ignored).
+
+        ``reason`` (a ``MissReason``): why they go, remembered so a later miss of them says so
+        (``why_missing``; the departure names no tier: they left every tier).  None: a deliberate
+        removal, which is no miss reason: what the store remembered of the keys is forgotten too.
+        """
         keys = check_keys(keys)
+        if reason is not None:
+            try:
+                reason = MissReason(reason)
+            except ValueError:
+                raise ValueError(f"remove: reason must be a MissReason ({', '.join(MissReason)}), "
+                                 f"got {reason!r}") from None
         chain = self._chain
         chain.enter()
         try:
+            if reason is None:
+                chain.departures.forget(keys)
+            else:
+                chain.departed(keys, reason)
             with chain.lock:
                 for j in chain.managed:
                     lvl = self.levels[j]
@@ -380,6 +415,32 @@ class TieredStore:
                     self._io.delete(self.levels[j], keys)
         finally:
             chain.leave()
+
+    def why_missing(self, keys: Sequence[str], count: bool = True) -> list[MissReason]:
+        """Why each key is (or would be) a miss: a ``MissReason`` per key, from the store's memory of
+        recent departures alone (no tier is asked, and a present key is not checked: ask only about
+        keys a lookup or get missed).
+
+        A key not remembered is ``UNAVAILABLE`` while some tier is marked unavailable, else
+        ``NEVER_STORED``: never stored, or not among the last ``miss_memory`` departures.  With
+        ``count`` (the default) each answer is counted in ``stats()["total"]["misses_by_reason"]``.
+        """
+        return self._explain(check_keys(keys, each=False), count)
+
+    def _explain(self, keys: list[str], count: bool) -> list[MissReason]:
+        down = any(not lvl.tier.available for lvl in self.levels)
+        fallback = MissReason.UNAVAILABLE if down else MissReason.NEVER_STORED
+        return self._chain.departures.explain(keys, fallback, count)
+
+    def departures(self, keys: Sequence[str]) -> list[Optional[Departure]]:
+        """The last remembered departure of each key (reason, tier, policy, monotonic time; ``age()``), or
+        None.  Not counted."""
+        keys = check_keys(keys, each=False)
+        return self._chain.departures.recall(keys)
+
+    def count_misses(self, reason: MissReason, n: int = 1) -> None:
+        """Count ``n`` misses an adapter explained itself (e.g. ``OTHER_NAMESPACE``) in ``misses_by_reason``."""
+        self._chain.departures.count(reason, check_int(n, "n", min_value=0))
 
     # ------------------------------------------------------------------ async twins
     async def _run(self, fn, *args):
@@ -403,9 +464,9 @@ class TieredStore:
         """``lookup`` on the store's I/O threads, awaitable (shared tiers may answer over the network)."""
         return await self._run(self.lookup, keys)
 
-    async def aremove(self, keys: Sequence[str]) -> None:
+    async def aremove(self, keys: Sequence[str], reason: Optional[MissReason] = None) -> None:
         """``remove`` on the store's I/O threads, awaitable."""
-        return await self._run(self.remove, keys)
+        return await self._run(self.remove, keys, reason)
 
     # ------------------------------------------------------------------ observers
     def add_observer(self, observer: Any) -> None:
@@ -462,6 +523,9 @@ class TieredStore:
             total["write_behind_pending"] = self._copier.pending()
             total["write_behind_dropped"] = chain.drops.total
             total["write_behind_dropped_by_reason"] = chain.drops.by_reason()
+            total["misses_by_reason"] = chain.departures.counts_by_reason()
+            total["miss_memory"] = chain.departures.capacity
+            total["miss_memory_used"] = len(chain.departures)
         self._observers.merge_stats(tiers)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         for name, d in tiers.items():
@@ -511,4 +575,4 @@ class TieredStore:
         return f"TieredStore({chain})"
 
 
-__all__ = ["Lease", "Level", "PolicyError", "PutOutcome", "TieredStore", "check_keys"]
+__all__ = ["Departure", "Lease", "Level", "MissReason", "PolicyError", "PutOutcome", "TieredStore", "check_keys"]

@@ -17,10 +17,11 @@ import threading
 from collections.abc import Sequence
 
 from tierkv.durability import DropLedger, DropReason, fault_counts, reason_of_failed_write
+from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departures
 from tierkv.engine.leases import LeaseBook
 from tierkv.engine.level import Level
 from tierkv.errors import ConfigError, StoreClosedError
-from tierkv.outcome import Admission
+from tierkv.outcome import Admission, MissReason
 from tierkv.stats import StoreCounters
 
 # why a chunk was not placed (bit flags gathered while scanning the chain)
@@ -33,7 +34,7 @@ Held = dict[tuple[int, str], None]
 class Chain:
     """The levels, fastest first, and their shared state (see the module docstring)."""
 
-    def __init__(self, levels: Sequence[Level]) -> None:
+    def __init__(self, levels: Sequence[Level], miss_memory: int = DEFAULT_MISS_MEMORY) -> None:
         self.levels: list[Level] = list(levels)
         names = [lvl.name for lvl in self.levels]
         dup = {n for n in names if names.count(n) > 1}
@@ -76,6 +77,19 @@ class Chain:
         #: chunks held from a lookup to its load (``TieredStore.lease``)
         self.leases = LeaseBook(self)
         self.faults_seen: dict[int, dict[str, int]] = {}  # level -> its medium's fault counters (``drop_reason``)
+        #: the last ``miss_memory`` chunks that left the store, and why (``departed``; ``TieredStore.why_missing``)
+        self.departures = Departures(miss_memory)
+
+    # ------------------------------------------------------------------ departures
+    def departed(self, keys: Sequence[str], reason: MissReason, lvl: Level | None = None,
+                 policy: str | None = None) -> None:
+        """The one engine call that records chunks leaving for ``reason`` (from ``lvl``; None: every tier),
+        so a later miss of them is explained (``tierkv.engine.departures``).  Lock held or not.
+
+        Call it for every copy dropped for a reason a miss should name (a corrupt read, a failed audit):
+        the memory is asked only about keys that are missing, so a copy another tier still serves costs
+        nothing but one of the ``miss_memory`` places."""
+        self.departures.record(keys, reason, None if lvl is None else lvl.name, policy)
 
     # ------------------------------------------------------------------ calls in flight
     def enter(self) -> None:

@@ -327,6 +327,16 @@ class Level:
         """Whether ``key`` is in the index in any state (READY, RESERVED, or doomed and still read)."""
         return key in self._index
 
+    def lacking(self, keys: list[str]) -> list[str]:
+        """The keys of ``keys`` that are not READY here, in order."""
+        get = self._index.get
+        return [k for k in keys if not (type(v := get(k)) is int and v > 0)]  # type: ignore[operator]
+
+    @property
+    def policy_name(self) -> Optional[str]:
+        """The eviction policy's name (None: an unmanaged level)."""
+        return None if self.eviction is None else getattr(self.eviction, "name", type(self.eviction).__name__)
+
     def knows_none(self, keys: Any) -> bool:
         """Whether none of ``keys`` is in the index, in any state."""
         return self._index.keys().isdisjoint(keys)

@@ -19,7 +19,7 @@ from tierkv.buffers import Parts
 from tierkv.engine.chain import FAILED, NO_ROOM, TOO_LARGE, UNAVAILABLE, Chain, Held
 from tierkv.engine.tierio import TierIO
 from tierkv.hostmem import StagingPool
-from tierkv.outcome import PutOutcome
+from tierkv.outcome import MissReason, PutOutcome
 
 log = logging.getLogger("tierkv")
 
@@ -201,12 +201,19 @@ class Placer:
                 below = self.demote(j, victims[at:end], sizes[at:end]) if not last else set()
                 with self._lock:
                     batch = victims[at:end]
-                    if len(below) < len(batch) and chain.behind and chain.behind[-1] > j:
-                        chain.note_evicted(j, [key for key in batch if key not in below])
+                    gone = [key for key in batch if key not in below] if below else batch
+                    if gone and chain.behind and chain.behind[-1] > j:
+                        chain.note_evicted(j, gone)
                     at = end  # evict_many releases every pin of the batch, raising or not
                     lvl.counters.evictions += len(batch)
                     lvl.counters.demotions += len(below)
                     lvl.evict_many(batch)
+                    for i in chain.managed:  # (what a level above still holds has not left the store)
+                        if i >= j or not gone:
+                            break
+                        gone = self.levels[i].lacking(gone)
+                    if gone:
+                        chain.departed(gone, MissReason.EVICTED, lvl, lvl.policy_name)
         finally:
             if at < len(victims):
                 with self._lock:

@@ -27,12 +27,12 @@ from typing import Optional
 
 from tierkv.buffers import Parts, check_size
 from tierkv.checksum import chunk_sum
-from tierkv.engine.chain import FAILED, Chain, Held
+from tierkv.engine.chain import FAILED, UNAVAILABLE, Chain, Held
 from tierkv.engine.copier import Copier
 from tierkv.engine.level import Level
 from tierkv.engine.placer import Placer, refusal
 from tierkv.engine.tierio import TierIO
-from tierkv.outcome import PutOutcome
+from tierkv.outcome import MissReason, PutOutcome
 
 #: how long a put waits for another call's write of a key it found being written
 _SETTLE_S = 30.0
@@ -319,7 +319,19 @@ class Writer:
         if refused:
             with self._lock:
                 self.chain.counters.chunks_rejected += refused
+            self._note_refused(call)
         return out  # type: ignore[return-value]
+
+    def _note_refused(self, call: _Put) -> None:
+        """Remember the chunks no tier took (``rejected``; ``unavailable`` where a tier that might have taken
+        them was down), so a later miss of them is explained."""
+        out, keys, why = call.out, call.keys, call.why
+        refused = [keys[i] for i in range(call.n) if out[i] is PutOutcome.REJECTED or out[i] is PutOutcome.NO_ROOM]
+        down = [keys[i] for i in range(call.n) if out[i] is PutOutcome.ERROR and why[i] & UNAVAILABLE]
+        if refused:
+            self.chain.departed(refused, MissReason.REJECTED)
+        if down:
+            self.chain.departed(down, MissReason.UNAVAILABLE)
 
     # ------------------------------------------------------------------ keys found present
     def _hold_present(self, keys: list[str], sizes: list[int], holding: list[tuple[Level, list[str]]]) -> list[str]:
