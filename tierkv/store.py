@@ -107,8 +107,8 @@ from tierkv.config import build_levels, load_config
 from tierkv.durability import DropReason, FlushResult, fault_counts, lost_count
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
-from tierkv.engine.leases import Lease
 from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departure
+from tierkv.engine.leases import Lease
 from tierkv.engine.level import Level
 from tierkv.engine.observers import Observers, attach_from_config
 from tierkv.engine.placer import Placer
