@@ -71,7 +71,7 @@ Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.p
    are all pinned refuses a new chunk (``rejected``, the put's ``NO_ROOM``)
    rather than exceed its capacity (1).  A chunk only a shared pool holds is not
    held (``Lease.unheld``): the pool evicts by its own rules.
-11. **Every miss has a reason.**  The store remembers the last ``miss_memory`` departures
+10. **Every miss has a reason.**  The store remembers the last ``miss_memory`` departures
    (``tierkv.engine.departures``; default ``DEFAULT_MISS_MEMORY``): chunks evicted from the last
    tier holding them (with that tier, its eviction policy and the time), puts no tier took
    (``rejected``, or ``unavailable`` when a tier that might have taken them was down), and what
