@@ -17,7 +17,9 @@ worker side (``TierKVWorker``) the way vLLM's worker does, without an engine:
   whole-step loads, the default on CPU);
 * **lookup**: the scheduler's question, as a worker answers it (``worker.probe`` of a
   ``ProbeRequest`` with ``--local`` blocks already in vLLM: how far every layer holds
-  the prefix from there, whether it holds those, and which tier holds each block hit);
+  the prefix from there, whether it holds those, and which tier holds each block hit),
+  naming the request as the scheduler does, so the worker leases what it found, and
+  letting go of that lease as a load's end does (``--no-lease``: the probe alone);
   against ``store.lookup`` of the last layer's keys plus ``store.contains`` of the
   others', the keys made beforehand.
 
@@ -72,8 +74,9 @@ def hashes(round_: int, n: int) -> list[bytes]:
 
 
 class Rig:
-    def __init__(self, layers: int, blocks: int, head: int, local: int = 0) -> None:
+    def __init__(self, layers: int, blocks: int, head: int, local: int = 0, lease: bool = True) -> None:
         self.L, self.n, self.local = layers, blocks, local
+        self.rid = "r" if lease else None
         self.names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
         # CPU paged layout [num_blocks, kv_heads, block_size, 2*head]
         self.caches = {nm: torch.randn(blocks, 2, BLOCK, 2 * head) for nm in self.names}
@@ -118,10 +121,14 @@ class Rig:
 
     def conn_lookup(self, hs: list[bytes]) -> tuple[float, float]:
         t0 = clock()
-        got = self.w.probe(ProbeRequest(hs, self.local, None))
+        got = self.w.probe(ProbeRequest(hs, self.local, None, self.rid))
+        if self.rid is not None:
+            self.w.leases.release([self.rid])  # (as the request's load does once it is over)
         t = since(t0)
         if (got.reach, got.held) != (self.n - self.local, self.local):
             raise AssertionError(f"the probe found {got.held} + {got.reach} of {self.n} blocks")
+        if self.rid is not None and got.leased != (self.n - self.local) * self.L:
+            raise AssertionError(f"the probe leased {got.leased} objects")
         return t
 
     # -- the baseline: the store calls alone ---------------------------------------
@@ -171,7 +178,7 @@ class Rig:
 
 
 def run(args) -> dict:
-    rig = Rig(args.layers, args.blocks, args.head, args.local)
+    rig = Rig(args.layers, args.blocks, args.head, args.local, lease=not args.no_lease)
     objs = args.layers * args.blocks
     res: dict[str, list[tuple[float, float]]] = {
         k: [] for k in ("conn_save", "base_save", "conn_load", "base_load", "conn_lookup", "base_lookup")}
@@ -203,6 +210,7 @@ def run(args) -> dict:
                 res[k].append(v)
     rig.w.shutdown()
     out: dict = {"layers": args.layers, "blocks": args.blocks, "local": args.local, "objects": objs,
+                 "lease": not args.no_lease,
                  "object_bytes": rig.object_bytes,
                  "rounds": args.rounds, "loadavg_1min": os.getloadavg()[0]}
     for op in ("save", "load", "lookup"):
@@ -226,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--head", type=int, default=8, help="head size (a block of one layer is 2*16*2*head floats)")
     ap.add_argument("--local", type=int, default=0, help="blocks the lookup's request already has in vLLM")
     ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--no-lease", action="store_true", help="the lookup does not lease what it finds")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     for name in ("layers", "blocks", "head", "rounds"):

@@ -25,7 +25,7 @@ Nothing here keeps state between passes: a pass is a question's scratch.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from itertools import chain, repeat
+from itertools import chain, compress, repeat
 from typing import Any, NamedTuple
 
 from .chunks import Chunk, covered, resolve, tail_candidates
@@ -251,7 +251,12 @@ class Prober:
             n = min(last + 1, hi) - max(first, lo)
             where += [self._place(tiers.get(last))] * n
             ends.add(last)
-        keys = [k for k, e in zip(p.asked_keys, p.asked_ends) if e in ends] if ends else []
+        if not ends:
+            keys: list[str] = []
+        elif ends.issuperset(p.asked_ends):  # (every key asked about is of a chunk found: the usual hit)
+            keys = p.asked_keys
+        else:
+            keys = list(compress(p.asked_keys, map(ends.__contains__, p.asked_ends)))
         return ProbeAnswer(reach, held, where), keys
 
     def chunks(self, hashes: Sequence[bytes], base: int, lo: int, hi: int, salt: str | None) -> list[StoredChunk]:
