@@ -144,3 +144,23 @@ def test_a_lease_of_nothing_holds_nothing_and_bad_arguments_are_named():
                 s.lease(["k"], ttl_s=bad)  # type: ignore[arg-type]
         with pytest.raises((TypeError, ValueError)):
             s.lease("k0", ttl_s=1)  # type: ignore[arg-type]
+
+
+def test_a_chunk_evicted_after_its_lease_ran_out_is_missed_as_lease_expired():
+    from tierkv.outcome import MissReason
+
+    with _store() as s:
+        keys = _fill(s, "k", 64)
+        held = [k for k, c in zip(keys, s.contains(keys)) if c]
+        late = s.lease(held[:4], ttl_s=0.02)  # runs out before its holder is done
+        done = s.lease(held[4:8], ttl_s=0.02)  # runs out, then its holder lets go (its load is over)
+        while time.monotonic() < max(late.deadline, done.deadline):
+            time.sleep(0.005)
+        assert s.stats()["total"]["lease_expired"] == 2
+        done.release()
+        _fill(s, "new", 64)  # everything else leaves
+        assert not any(s.contains(held[:8]))
+        assert s.why_missing(held[:4]) == [MissReason.LEASE_EXPIRED] * 4
+        assert s.why_missing(held[4:8]) == [MissReason.EVICTED] * 4  # an ordinary eviction after the load
+        assert s.why_missing(held[8:10]) == [MissReason.EVICTED] * 2
+        assert s.stats()["total"]["misses_by_reason"]["lease_expired"] == 4

@@ -67,7 +67,8 @@ Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.p
    ttl_s)`` pins each key in the fastest managed level holding it READY (as a
    reader's pin: never a victim, see 2); the pins are released exactly once, by
    ``Lease.release()``, by the deadline (counted in ``lease_expired``; the
-   eviction it held back then proceeds) or by ``close()``.  A level whose chunks
+   eviction it held back then proceeds, and a chunk of it evicted before its
+   holder let go departs as ``MissReason.LEASE_EXPIRED``) or by ``close()``.  A level whose chunks
    are all pinned refuses a new chunk (``rejected``, the put's ``NO_ROOM``)
    rather than exceed its capacity (1).  A chunk only a shared pool holds is not
    held (``Lease.unheld``): the pool evicts by its own rules.

@@ -10,7 +10,10 @@ or until the store closes, whichever comes first, exactly once.
 A lease past its deadline is released by the store the next time it needs room
 (a reservation that would evict, a batch's ``make_room``), when a lease is taken
 and when ``stats()`` is read: it is counted (``lease_expired``) and the eviction
-it held back then proceeds.  A chunk only a shared pool holds (``dram_pool``,
+it held back then proceeds.  Its keys are remembered (the last
+``EXPIRED_MEMORY``): a chunk of them evicted from the last tier holding it departs
+as ``MissReason.LEASE_EXPIRED``, not ``EVICTED``, so the miss that follows names
+the lease that ran out (``TieredStore.why_missing``).  A chunk only a shared pool holds (``dram_pool``,
 ``remote_npu``) is not held: the pool evicts by its own rules, and a lease says
 so (``unheld``).
 
@@ -27,6 +30,9 @@ from typing import Any
 
 from tierkv.engine.level import Level
 
+#: keys of expired leases remembered for their eviction's departure record (the oldest go first)
+EXPIRED_MEMORY = 1 << 16
+
 
 class Lease:
     """Chunks pinned for a caller until :meth:`release`, the deadline, or the store's close.
@@ -37,7 +43,7 @@ class Lease:
     holds nothing any more, by whatever path.
     """
 
-    __slots__ = ("_book", "_pins", "deadline", "expired", "held", "released", "ttl_s", "unheld")
+    __slots__ = ("_book", "_late", "_pins", "deadline", "expired", "held", "released", "ttl_s", "unheld")
 
     def __init__(self, book: LeaseBook | None, pins: list[tuple[Level, list[str]]], unheld: list[str],
                  ttl_s: float, deadline: float) -> None:
@@ -49,12 +55,17 @@ class Lease:
         self.deadline = deadline
         self.expired = False
         self.released = not pins
+        self._late: list[str] = []  # (its keys, once it expired, until its holder lets go)
 
     def release(self) -> bool:
         """Unpin every chunk still held; True when this call released them, False when the lease held
         nothing any more (released before, expired, or the store closed).  Idempotent, thread-safe."""
         book = self._book
-        if self.released or book is None:
+        if book is None:
+            return False
+        if self.released:
+            if self._late:
+                book.forget_late(self)
             return False
         return book.release(self)
 
@@ -78,6 +89,8 @@ class LeaseBook:
         self._seq = itertools.count()
         #: leases holding chunks now
         self.active = 0
+        #: keys of leases that expired, not yet evicted (insertion order: the oldest first)
+        self.expired_keys: dict[str, None] = {}
 
     def grant(self, keys: list[str], ttl_s: float) -> Lease:
         """Pin each key in the fastest managed level holding it READY.  Lock held."""
@@ -100,6 +113,10 @@ class LeaseBook:
                 lvl.pin_many(here)
                 pins.append((lvl, here))
         lease = Lease(self, pins, list(rest), ttl_s, now + ttl_s)
+        if self.expired_keys and pins:  # (held again: an earlier lease's expiry no longer explains them)
+            for _, keys in pins:
+                for k in keys:
+                    self.expired_keys.pop(k, None)
         c = chain.counters
         c.leases += 1
         c.leased_chunks += lease.held
@@ -140,13 +157,41 @@ class LeaseBook:
             if lease.released:
                 continue
             lease.expired = True
+            for _, keys in lease._pins:
+                self.expired_keys.update(dict.fromkeys(keys))
+                lease._late += keys
             self._unpin(lease)
             n += 1
         self._chain.counters.lease_expired += n
+        over = len(self.expired_keys) - EXPIRED_MEMORY
+        if over > 0:
+            for key in list(itertools.islice(self.expired_keys, over)):
+                del self.expired_keys[key]
         if len(heap) > 64 and len(heap) > 4 * self.active:  # (released leases linger until their deadline)
             self._heap = [e for e in heap if not e[2].released]
             heapq.heapify(self._heap)
         return n
+
+    def split_expired(self, gone: list[str]) -> tuple[list[str], list[str]]:
+        """``gone`` (chunks leaving the store) as (those whose lease expired, the others); each key is
+        forgotten here once it left.  Lock held.  Cheap while no lease has expired."""
+        exp = self.expired_keys
+        if not exp or exp.keys().isdisjoint(gone):
+            return [], gone
+        mine = [k for k in gone if k in exp]
+        for k in mine:
+            exp.pop(k, None)
+        late = set(mine)
+        return mine, [k for k in gone if k not in late]
+
+    def forget_late(self, lease: Lease) -> None:
+        """The holder of an expired lease let go (its load is over): an eviction of its chunks from now on is
+        an ordinary one."""
+        with self._chain.lock:
+            keys, lease._late = lease._late, []
+            exp = self.expired_keys
+            for k in keys:
+                exp.pop(k, None)
 
     def close(self) -> None:
         """Release every live lease (the store is closing).  Lock held."""

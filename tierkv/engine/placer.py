@@ -213,6 +213,11 @@ class Placer:
                             break
                         gone = self.levels[i].lacking(gone)
                     if gone:
+                        # a chunk a lookup reported, whose lease ran out before its load: the miss names that
+                        late, gone = chain.leases.split_expired(gone)
+                        if late:
+                            chain.departed(late, MissReason.LEASE_EXPIRED, lvl, lvl.policy_name)
+                    if gone:
                         chain.departed(gone, MissReason.EVICTED, lvl, lvl.policy_name)
         finally:
             if at < len(victims):
