@@ -152,3 +152,54 @@ def test_a_get_miss_is_counted_by_reason():
         out = [torch.empty(CHUNK, dtype=torch.uint8) for _ in keys]
         assert store.get(keys, out) == [False, False, True, True, True, True]
         assert store.stats()["total"]["misses_by_reason"]["evicted"] == 2
+
+
+def test_metrics_exposition_has_the_reason_label():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from tierkv.tools.metrics import register
+
+    keys = keys_of(6)
+    with dram_store() as store:
+        for i, k in enumerate(keys):
+            store.put([k], [chunk(i)])
+        store.why_missing(keys[:3])  # 2 evicted, 1 still there (answered from memory: never_stored)
+        reg = CollectorRegistry()
+        register(store, reg)
+        text = generate_latest(reg).decode()
+    assert 'tierkv_misses_by_reason_total{reason="evicted"} 2.0' in text
+    assert 'tierkv_misses_by_reason_total{reason="never_stored"} 1.0' in text
+    assert 'tierkv_misses_by_reason_total{reason="other_namespace"} 0.0' in text
+    assert "tierkv_misses_total 0.0" in text  # (the gets' own miss counter stays beside it)
+
+
+def test_trace_show_answers_why_a_request_recomputed(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tierkv.tools.trace import TraceWriter
+
+    path = tmp_path / "t.jsonl"
+    w = TraceWriter(str(path), block_tokens=16)
+    w.record([b"a", b"b"], input_length=40, request_id="other")
+    w.record([b"a", b"b", b"c"], input_length=3000, request_id="req-7", miss_tokens=3000,
+             miss_reasons={"evicted": 2048, "never_stored": 952})
+    w.close()
+    exe = str(Path(sys.executable).parent / "tierkv")
+    r = subprocess.run([exe, "trace", "show", str(path), "--request", "req-7"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "3000 tokens not served" in r.stdout
+    assert [line.split() for line in r.stdout.splitlines()[1:]] == [["evicted", "2048", "tokens"],
+                                                                    ["never_stored", "952", "tokens"]]
+    r = subprocess.run([exe, "trace", "show", str(path), "--request", "req-7", "--json"], capture_output=True,
+                       text=True, timeout=120)
+    doc = json.loads(r.stdout)
+    assert doc["requests"][0]["miss_reasons"] == {"evicted": 2048, "never_stored": 952}
+    r = subprocess.run([exe, "trace", "show", str(path), "--json"], capture_output=True, text=True, timeout=120)
+    assert json.loads(r.stdout)["miss_tokens_by_reason"] == {"evicted": 2048, "never_stored": 952}
+    r = subprocess.run([exe, "trace", "show", str(path), "--request", "nope"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "no request 'nope'" in r.stderr and "Traceback" not in r.stderr

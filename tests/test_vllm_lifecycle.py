@@ -226,7 +226,7 @@ def test_lookup_socket_leaves_no_file_and_answers_other_processes(tmp_path):
         print(c.recv())
         """, timeout=60)
         lines = out.stdout.strip().splitlines()
-        assert lines[0] == "('ok', ProbeAnswer(reach=2, held=1, where=[]))", out.stderr
+        assert lines[0] == "('ok', ProbeAnswer(reach=2, held=1, where=[], leased=0, missed={}))", out.stderr
         assert lines[1].startswith("('error',") and "takes a ProbeRequest, got ShutdownRequest" in lines[1]
         assert not any(n.startswith("tierkv-") and "engine" in n for n in os.listdir(tmp_path))
         assert "@" + path[1:] in _unix_sockets()

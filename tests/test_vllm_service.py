@@ -120,7 +120,7 @@ def test_each_channel_takes_its_one_request_type(sides):
     key = endpoint(info.engine_id, 0, 0)[1]
     c = ChannelClient(lookup, key)
     try:
-        assert c.call(ProbeRequest([b"x" * 32] * 3, 1)) == ProbeAnswer(0, 0, [])
+        assert c.call(ProbeRequest([b"x" * 32] * 3, 1)) == ProbeAnswer(0, 0, [], missed={"never_stored": 2})
         with pytest.raises(TypeError, match="lookup channel takes a ProbeRequest, got ShutdownRequest"):
             c.call(ShutdownRequest())
         with pytest.raises(TypeError, match="got tuple"):
@@ -139,6 +139,39 @@ def test_a_probe_names_the_tier_and_locality_of_each_block_it_reaches(sides):
     for layer in range(len(LAYERS)):
         sides.store.put(w.keys.keys(layer, hashes[:4], None), [one] * 4)
     got = w.probe(ProbeRequest(hashes, 1))
-    assert got == ProbeAnswer(3, 1, [TierPlace("dram", "host")] * 3)
+    assert got == ProbeAnswer(3, 1, [TierPlace("dram", "host")] * 3, missed={"never_stored": 2})
     with pytest.raises(ValueError, match="ProbeRequest.local"):
         ProbeRequest(hashes, True)  # type: ignore[arg-type]
+
+
+def test_a_lookup_says_why_the_blocks_past_its_hit_missed_and_a_trace_records_it(sides, tmp_path):
+    from tierkv import MissReason
+    from tierkv.adapters.vllm.trace_hook import RequestTracer
+    from tierkv.tools.sim import read_trace
+
+    s, w, store = sides.scheduler, sides.worker, sides.store
+    hashes = [bytes([i, 5]) * 16 for i in range(6)]
+    one = torch.zeros(1, dtype=torch.uint8)
+    for layer in range(len(LAYERS)):
+        store.put(w.keys.keys(layer, hashes[:4], None), [one] * 4)
+    # block 2's objects are evicted by the store (recorded as the dram tier's), block 3's refused at a put
+    evicted = [w.keys.keys(layer, hashes[2:3], None)[0] for layer in range(len(LAYERS))]
+    store.remove(evicted)
+    store._chain.departed(evicted, MissReason.EVICTED, store.levels[0], "lru")
+    r = SimpleNamespace(request_id="x", num_tokens=6 * BS + 3, num_prompt_tokens=6 * BS + 3, block_hashes=hashes,
+                        cache_salt=None, max_tokens=1)
+    assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, False)
+    # blocks 2..5 are not served: block 2 evicted (the break), and 3 (stored, past the break) with it; 4, 5 never
+    assert s.last_missed == ("x", {"evicted": 2 * BS, "never_stored": 2 * BS})
+    by_reason = store.stats()["total"]["misses_by_reason"]
+    assert (by_reason["evicted"], by_reason["never_stored"]) == (1, 2)
+    s.get_num_new_matched_tokens(r, 0)  # asked again while it waits: counted once
+    assert store.stats()["total"]["misses_by_reason"] == by_reason
+
+    path = tmp_path / "t.jsonl"
+    tracer = RequestTracer.from_extra_config({"trace_path": str(path)}, BS)
+    tracer.on_lookup(r, s.last_missed[1])
+    tracer.close()
+    (req,) = read_trace(str(path))
+    assert req.extra["request_id"] == "x" and req.extra["miss_tokens"] == 4 * BS
+    assert req.miss_reasons == {"evicted": 2 * BS, "never_stored": 2 * BS}

@@ -271,9 +271,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.scheduler is None:
             return 0, False
+        got = self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
         if self._tracer is not None:
-            self._tracer.on_lookup(request)
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+            rid, missed = self.scheduler.last_missed
+            self._tracer.on_lookup(request, missed if rid == request.request_id else None)
+        return got
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int):
         if self.scheduler is not None:

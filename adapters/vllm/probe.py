@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 from itertools import chain, compress, repeat
 from typing import Any, NamedTuple
 
+from tierkv.outcome import MissReason
+
 from .chunks import Chunk, covered, resolve, tail_candidates
 from .layer_keys import LayerKeys
 from .service import ProbeAnswer, ProbeRequest, TierPlace
@@ -231,9 +233,13 @@ class Prober:
         """The scheduler's question about one request (service.py), answered in one pass."""
         return self.probe_keys(request)[0]
 
-    def probe_keys(self, request: ProbeRequest) -> tuple[ProbeAnswer, list[str]]:
+    def probe_keys(self, request: ProbeRequest, count_misses: bool = True) -> tuple[ProbeAnswer, list[str]]:
         """:meth:`probe`, and the keys of every layer's object of the chunks its reach counts on (what a
-        lease for the request's load holds), from the same pass."""
+        lease for the request's load holds), from the same pass.
+
+        The blocks past the reach are explained (``ProbeAnswer.missed``) from the chunks the pass found
+        absent, by one ``why_missing`` call (counted in the store's ``misses_by_reason`` with
+        ``count_misses``); a probe that reaches the end asks nothing more."""
         store = self._store()
         if store is None:
             raise RuntimeError("the connector's worker is shut down")
@@ -257,7 +263,37 @@ class Prober:
             keys = p.asked_keys
         else:
             keys = list(compress(p.asked_keys, map(ends.__contains__, p.asked_ends)))
-        return ProbeAnswer(reach, held, where), keys
+        missed = self._explain(p, store, lo + reach, hi, count_misses) if lo + reach < hi else {}
+        return ProbeAnswer(reach, held, where, missed=missed), keys
+
+    @staticmethod
+    def _explain(p: _Pass, store: Any, b0: int, hi: int, count: bool) -> dict[str, int]:
+        """Blocks ``b0 .. hi-1`` (not served) by reason: the blocks of each absent chunk take its reason, and
+        the blocks between absent chunks (stored, but past the break) the reason of the absent chunk before
+        them; with no absent chunk asked about, ``never_stored``."""
+        others = p.others
+        ends = sorted(e for e, t in p.first.items()
+                      if e >= b0 and (t is None or others.get(e) is False) and e in p.first_keys)
+        why = getattr(store, "why_missing", None)
+        if not ends or why is None:
+            return {str(MissReason.NEVER_STORED): hi - b0}
+        words = [r.value for r in why([p.first_keys[e] for e in ends], count=count)]
+        out: dict[str, int] = {}
+        at, before = b0, words[0]
+        for e, word in zip(ends, words):
+            if e < at:
+                continue  # (a tail inside a chunk counted already)
+            start = max(at, e - p.G + 1)
+            if start > at:  # stored blocks past the break: the break's reason
+                out[before] = out.get(before, 0) + start - at
+            end = min(e, hi - 1)
+            out[word] = out.get(word, 0) + end - start + 1
+            at, before = end + 1, word
+            if at >= hi:
+                break
+        if at < hi:
+            out[before] = out.get(before, 0) + hi - at
+        return out
 
     def chunks(self, hashes: Sequence[bytes], base: int, lo: int, hi: int, salt: str | None) -> list[StoredChunk]:
         """The chunks a load of blocks ``lo .. hi-1`` reads (``hashes[i]`` names block ``base+i``), by the last

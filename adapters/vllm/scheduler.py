@@ -43,6 +43,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from tierkv.outcome import MissReason
+
 from .chunks import plan_saves
 from .config import ConnectorOptions, EngineInfo
 from .groups import GroupKind
@@ -163,6 +165,8 @@ class TierKVScheduler:
         #: of those, the ones no load will read: released in the next step's metadata
         self._lease_releases: set[str] = set()
         self.totals = SchedulerTotals()
+        #: (request id, tokens its last lookup found not stored, by ``MissReason``): what a trace records
+        self.last_missed: tuple[Any, dict[str, int]] = (None, {})
 
     # ---- asking the workers -------------------------------------------------------
     def _ask_worker(self, tp_rank: int, request: ProbeRequest) -> ProbeAnswer:
@@ -194,18 +198,21 @@ class TierKVScheduler:
         objects held, over the shards)."""
         hashes = [bytes(h) for h in request.block_hashes]
         rid = request.request_id if self.options.lease_timeout_s else None
-        ask = ProbeRequest(hashes, local, request.cache_salt, rid)
+        ask = ProbeRequest(hashes, local, request.cache_salt, str(request.request_id))
         reach, held, where, leased = max(0, len(hashes) - local), local, [], 0
+        missed: dict[str, int] = {}
         try:
             for i, rank in enumerate(self._shard_ranks()):
                 got = self._ask(rank, ask)
+                if i == 0 or got.reach < reach:  # (the misses of the shard that reached least)
+                    missed = got.missed
                 reach, held, leased = min(reach, got.reach), min(held, got.held), leased + got.leased
                 if i == 0:
                     where = got.where
         finally:
             if rid is not None:  # (a shard that answered may hold a lease even when another failed)
                 self._leased.add(rid)
-        return ProbeAnswer(reach, held, where[:reach], leased)
+        return ProbeAnswer(reach, held, where[:reach], leased, missed)
 
     # ---- vLLM's scheduler hooks -----------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -223,13 +230,14 @@ class TierKVScheduler:
         local = num_computed_tokens // bs
         hits, held, reach = 0, 0, 0
         where: list[TierPlace | None] = []
+        missed: dict[str, int] = {}
         if time.monotonic() >= self._lookup_down_until and (local or len(hashes) > local):
             try:
                 # one round trip: how far the full blocks are stored from ``local`` on (what is stored past
                 # max_blocks needs no save), whether the store already holds what vLLM has locally (decides
                 # what to save), and which tier holds each block of the hit (statistics)
                 got = self.probe(request, local)
-                reach, held, where = got.reach, got.held, got.where
+                reach, held, where, missed = got.reach, got.held, got.where, got.missed
                 hits = max(0, min(reach, max_blocks - local))
             except Exception as e:  # noqa: BLE001 - an unreachable worker is a miss, never a crash
                 # do not stall scheduling on it: treat everything as a miss for a while
@@ -237,6 +245,9 @@ class TierKVScheduler:
                 logger.warning("TierKVConnector: lookup failed (%s); misses for the next %.0f s", e,
                                LOOKUP_BACKOFF_S)
                 hits, held, reach, where = 0, 0, 0, []
+                missed = {str(MissReason.UNAVAILABLE): max(0, len(hashes) - local)}
+        #: the blocks of this lookup the store did not serve, by reason (a trace records them)
+        self.last_missed = (request.request_id, {r: n * bs for r, n in missed.items() if n})
         # what is in the store needs no save: from the first block it lacks
         stored = held if held < local else local + reach
         if request.request_id in self._async_failed:

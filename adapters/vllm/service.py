@@ -48,7 +48,8 @@ class ProbeRequest:
     hashes: list[bytes]
     local: int
     salt: str | None = None
-    #: the request asking: the worker leases what it reports for that request's load (see leases.py)
+    #: the request asking: the worker leases what it reports for that request's load (see leases.py, with
+    #: ``lease_timeout_s``), and counts the reasons of its misses once per request
     req_id: str | None = None
 
     def __post_init__(self) -> None:
@@ -67,13 +68,16 @@ class ProbeAnswer:
     stored, counted from 0; ``where[i]``: where block ``local + i`` is (``reach``
     entries; None where the tier could not be told); ``leased``: objects of the reach
     this worker holds for the request's load (0 when the request named none, or
-    leases are off).
+    leases are off); ``missed``: the blocks from ``local + reach`` on that the store
+    does not serve, by reason (``tierkv.outcome.MissReason`` words; the counts add up
+    to ``len(hashes) - local - reach``).
     """
 
     reach: int = 0
     held: int = 0
     where: list[TierPlace | None] = field(default_factory=list)
     leased: int = 0
+    missed: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

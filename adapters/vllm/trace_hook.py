@@ -5,6 +5,11 @@ unless ``"trace_path"`` is set; otherwise a tracer whose ``on_lookup(request)``
 records the request's block hashes once (the first lookup of a request id: the
 scheduler may ask again while a request waits), keyed-digested by
 ``tierkv.tools.trace.TraceWriter`` — no token id and no raw block hash is written.
+Each record also says why the store did not serve the rest of the prompt:
+``request_id`` (vLLM's id), ``miss_tokens`` (tokens of full blocks past vLLM's own
+cache the store did not hold) and ``miss_reasons`` (those tokens by
+``tierkv.outcome.MissReason``), so ``tierkv trace show --request ID`` answers
+"why did this request recompute N tokens?".
 
 Options (in ``kv_connector_extra_config``): ``trace_path`` (file; rotated copies
 beside it), ``trace_max_bytes`` (default 64MiB), ``trace_max_files`` (default 8),
@@ -54,8 +59,9 @@ class RequestTracer:
                              block_bytes=block_bytes or None)
         return cls(writer)
 
-    def on_lookup(self, request: Any) -> None:
-        """Record ``request`` unless it was recorded already.  Never raises into the scheduler."""
+    def on_lookup(self, request: Any, missed: Optional[dict[str, int]] = None) -> None:
+        """Record ``request`` unless it was recorded already, with the tokens its lookup found not stored by
+        reason (``missed``; None: not known).  Never raises into the scheduler."""
         rid = str(getattr(request, "request_id", id(request)))
         if rid in self._seen:
             return
@@ -65,7 +71,12 @@ class RequestTracer:
         try:
             hashes = [block_hash_bytes(h) for h in (getattr(request, "block_hashes", None) or [])]
             n_prompt = getattr(request, "num_prompt_tokens", None)
-            self.writer.record(hashes, input_length=n_prompt, output_length=int(getattr(request, "max_tokens", 0) or 0))
+            extra: dict[str, Any] = {"request_id": rid}
+            if missed is not None:
+                extra["miss_tokens"] = sum(missed.values())
+                extra["miss_reasons"] = dict(missed)
+            self.writer.record(hashes, input_length=n_prompt, output_length=int(getattr(request, "max_tokens", 0) or 0),
+                               **extra)
         except Exception as e:  # noqa: BLE001 - tracing never fails a request
             (log.debug if self._warned else log.warning)("tierkv: request %s not traced: %s", rid, e)
             self._warned = True

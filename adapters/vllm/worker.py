@@ -44,6 +44,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -65,6 +66,9 @@ from .probe import Prober
 from .prom import SnapshotClock, attach_store_snapshot, watch_store
 from .saving import Saver
 from .service import Channel, ProbeAnswer, ProbeRequest, ShutdownRequest
+
+#: requests whose first lookup a worker remembers (their misses are counted once)
+_LOOKED_UP_MAX = 1 << 16
 
 logger = logging.getLogger("vllm.tierkv.worker")
 
@@ -99,6 +103,7 @@ class TierKVWorker:
         self.prober = Prober(self.keys, G, lambda: self.store, {t["name"]: t["locality"] for t in tiers})
         #: what lookups found, held for their loads (leases.py); off with lease_timeout_s 0
         self.leases = RequestLeases()
+        self._looked_up: OrderedDict[str, None] = OrderedDict()  # requests whose misses were counted
         self._paged: dict[str, PagedLayer] = {}
         # replicas of a shard split the writes only when every tier is shared between
         # processes; with private tiers each replica must hold what it will load
@@ -168,15 +173,29 @@ class TierKVWorker:
         if self.closed:
             raise RuntimeError("the connector's worker is shut down")
         ttl = self.options.lease_timeout_s
+        # a request's misses are counted by reason once, at its first lookup (the scheduler asks again while
+        # the request waits)
+        answer, keys = self.prober.probe_keys(request, count_misses=self._first_lookup(request.req_id))
         if request.req_id is None or not ttl:
-            return self.prober.probe(request)
-        answer, keys = self.prober.probe_keys(request)
+            return answer
         if not keys:
             self.leases.release([request.req_id])  # (an earlier lookup's lease holds nothing of use now)
             return answer
         lease = self.store.lease(keys, ttl)
         self.leases.hold(request.req_id, lease)
-        return ProbeAnswer(answer.reach, answer.held, answer.where, lease.held)
+        return ProbeAnswer(answer.reach, answer.held, answer.where, lease.held, answer.missed)
+
+    def _first_lookup(self, req_id: str | None) -> bool:
+        """Whether no lookup of ``req_id`` was seen yet (bounded memory; a request without an id: yes)."""
+        if req_id is None:
+            return True
+        seen = self._looked_up
+        if req_id in seen:
+            return False
+        seen[req_id] = None
+        if len(seen) > _LOOKED_UP_MAX:
+            seen.popitem(last=False)
+        return True
 
     def _on_shutdown_request(self, request: ShutdownRequest) -> None:
         self.shutdown()

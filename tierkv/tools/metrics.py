@@ -144,6 +144,8 @@ STORE_COUNTER_HELP = {
     "lease_expired": "Leases their deadline released (their chunks could be evicted again)",
     "write_behind_dropped": "Acknowledged chunks whose copy into a persistent tier was given up, by reason "
                             "(flush() names them)",
+    "misses_by_reason": "Misses explained, by reason (tierkv.outcome.MissReason: never_stored, evicted, rejected, "
+                        "corrupt, audit_failed, lease_expired, unavailable, other_namespace)",
 }
 #: store gauges (``stats()["total"]`` fields that are neither ``StoreCounters`` nor per-tier sums)
 STORE_GAUGE_HELP = {
@@ -151,6 +153,8 @@ STORE_GAUGE_HELP = {
     "capacity_bytes": "Configured capacity (all tiers)",
     "in_flight": "Store calls in progress",
     "leases_active": "Leases holding chunks now",
+    "miss_memory": "Departures the store remembers at most to explain misses (config miss_memory)",
+    "miss_memory_used": "Departures remembered now",
     "write_behind_pending": "Chunks waiting in the write-behind queue (its depth)",
 }
 _STORE_COUNTERS = {f.name for f in fields(StoreCounters)}
@@ -297,10 +301,13 @@ def families(snap: dict[str, Any]) -> list[Family]:
     out += [calls, chunks]
     split = snap.get("by_reason") or {}
     for f, counts in split.items():
-        out.append(Family(f"tierkv_{f}", Kind.COUNTER, STORE_COUNTER_HELP.get(f, f"stats() store counter {f}"),
+        # (a split whose counter is also a store counter of its own, ``misses``, keeps ``_by_reason`` in its name)
+        name = f"{f}_by_reason" if f in _STORE_COUNTERS else f
+        out.append(Family(f"tierkv_{name}", Kind.COUNTER, STORE_COUNTER_HELP.get(name, f"stats() store counter {f}"),
                           ("reason",), [((r,), n) for r, n in counts.items()]))
     for f, v in total.items():
-        if f in _CALLS or f == "chunks_put" or (f.startswith("chunks_") and f in CHUNK_OUTCOMES) or f in split:
+        if (f in _CALLS or f == "chunks_put" or (f.startswith("chunks_") and f in CHUNK_OUTCOMES)
+                or (f in split and f not in _STORE_COUNTERS)):
             continue  # (chunks_put is the sum of the put outcomes; a split counter's total, of its reasons)
         if f in _STORE_COUNTERS:
             out.append(Family(f"tierkv_{f}", Kind.COUNTER, STORE_COUNTER_HELP.get(f, f"stats() store counter {f}"),

@@ -35,6 +35,9 @@ def add_parser(sub) -> None:
     show.add_argument("--format", choices=("mooncake", "bailian", "tierkv"), help="trace format (default: detect)")
     show.add_argument("--head", type=int, default=5, help="records to print (default 5)")
     show.add_argument("--json", action="store_true", help="the summary as one JSON document on stdout, nothing else")
+    show.add_argument("--request", metavar="ID",
+                      help="why request ID recomputed what it did: the tokens the store did not serve at its "
+                           "lookup, by reason (a vLLM connector capture records them)")
     show.set_defaults(func=run_show)
     conv = tsub.add_parser("convert", help="rewrite a trace (any format, rotated files) as one file",
                            description="Read a trace in any known format (rotated captures included) and write it "
@@ -61,16 +64,56 @@ def run_show(args) -> int:
     if args.head < 0:
         raise CommandError("--head must be 0 or more")
     reqs = list(read_trace(args.trace, args.format))
+    if args.request is not None:
+        return _show_request(args, reqs)
     s = summarize(reqs)
     if args.json:
         dump_json({"trace": args.trace, **s, "head": [r.to_mooncake() for r in reqs[:args.head]]})
         return EXIT_OK
-    table([[k, fmt_num(v, 3) if not isinstance(v, list) else ",".join(map(str, v))] for k, v in s.items()],
-          ["trace", args.trace])
+    table([[k, _cell(v)] for k, v in s.items()], ["trace", args.trace])
     for r in reqs[:args.head]:
         ids = r.hash_ids if len(r.hash_ids) <= 8 else [*r.hash_ids[:8], "..."]
         print(f"  t={r.timestamp:.3f}s in={r.input_length} out={r.output_length} blocks={len(r.hash_ids)} "
-              f"hash_ids={ids}" + (f" session={r.session}" if r.session else ""))
+              f"hash_ids={ids}" + (f" session={r.session}" if r.session else "")
+              + (f" id={r.extra['request_id']}" if "request_id" in r.extra else "")
+              + (f" missed={_cell(r.miss_reasons)}" if r.miss_reasons else ""))
+    return EXIT_OK
+
+
+def _cell(v) -> str:
+    if isinstance(v, list):
+        return ",".join(map(str, v))
+    if isinstance(v, dict):
+        return ", ".join(f"{k} {n}" for k, n in v.items()) or "-"
+    return fmt_num(v, 3)
+
+
+def _show_request(args, reqs) -> int:
+    """``trace show --request ID``: the request's lookups, each with the tokens not served and why."""
+    mine = [r for r in reqs if r.extra.get("request_id") == args.request]
+    if not mine:
+        said = any("request_id" in r.extra for r in reqs)
+        raise CommandError(f"trace {args.trace!r} has no request {args.request!r}"
+                           + ("" if said else " (it records no request ids: capture it with the vLLM "
+                                              "connector's trace_path)"), code=1)
+    docs = []
+    for r in mine:
+        reasons = r.miss_reasons
+        docs.append({"request_id": args.request, "timestamp_s": r.timestamp, "input_tokens": r.input_length,
+                     "miss_tokens": r.extra.get("miss_tokens"), "miss_reasons": reasons})
+        if args.json:
+            continue
+        if reasons is None:
+            print(f"request {args.request} (t={r.timestamp:.3f}s, {r.input_length} prompt tokens): the trace does "
+                  "not say why blocks missed")
+            continue
+        n = r.extra.get("miss_tokens", sum(reasons.values()))
+        print(f"request {args.request} (t={r.timestamp:.3f}s, {r.input_length} prompt tokens): "
+              f"{n} tokens not served by the store")
+        for reason, k in sorted(reasons.items(), key=lambda kv: -kv[1]):
+            print(f"  {reason:<16} {k} tokens")
+    if args.json:
+        dump_json({"trace": args.trace, "requests": docs})
     return EXIT_OK
 
 

@@ -61,7 +61,19 @@ class Request:
             rec["block_bytes"] = self.block_bytes
         if self.session is not None:
             rec["session"] = self.session
+        for k in MISS_FIELDS:  # (a capture's account of the request's misses, kept as read)
+            if k in self.extra:
+                rec[k] = self.extra[k]
         return rec
+
+    @property
+    def miss_reasons(self) -> Optional[dict[str, int]]:
+        """Tokens the store did not serve at the request's lookup, by reason (None: the trace does not say)."""
+        return self.extra.get("miss_reasons")
+
+
+#: what a capture says of a request's misses (``adapters/vllm/trace_hook.py``), kept by the readers and writers
+MISS_FIELDS = ("request_id", "miss_tokens", "miss_reasons")
 
 
 def trace_files(path: str) -> list[str]:
@@ -221,7 +233,22 @@ def _parse(rec: dict, fmt: str, block_tokens: Optional[int], block_bytes: Option
         block_bytes = _positive(rec["block_bytes"], "block_bytes")
     session = rec.get("session")
     return Request(_timestamp(rec["timestamp"]) / 1000.0, input_length, output_length, hash_ids, bt,
-                   None if session is None else str(session), block_bytes=block_bytes)
+                   None if session is None else str(session), _misses(rec), block_bytes=block_bytes)
+
+
+def _misses(rec: dict) -> dict:
+    """A capture's ``request_id``, ``miss_tokens`` and ``miss_reasons`` (reason -> tokens), checked."""
+    out: dict = {}
+    if rec.get("request_id") is not None:
+        out["request_id"] = str(rec["request_id"])
+    if rec.get("miss_tokens") is not None:
+        out["miss_tokens"] = _count(rec["miss_tokens"], "miss_tokens")
+    reasons = rec.get("miss_reasons")
+    if reasons is not None:
+        if not isinstance(reasons, dict):
+            raise ValueError("miss_reasons must be a mapping of reason -> tokens")
+        out["miss_reasons"] = {str(r): _count(n, f"miss_reasons[{r!r}]") for r, n in reasons.items()}
+    return out
 
 
 def write_trace(requests, path: str, header: Optional[dict] = None) -> int:
@@ -247,8 +274,12 @@ def open_output(path: str) -> io.TextIOBase:
 
 
 def summarize(requests) -> dict:
-    """Counts of a trace: requests, blocks, distinct blocks, tokens, duration, sessions."""
+    """Counts of a trace: requests, blocks, distinct blocks, tokens, duration, sessions; with a capture that
+    says why blocks missed, ``miss_tokens`` and ``miss_tokens_by_reason`` over every request."""
     n = blocks = tokens = out_tokens = 0
+    missed: dict[str, int] = {}
+    miss_tokens = 0
+    explained = False
     distinct: set = set()
     sessions: set = set()
     t0 = t1 = None
@@ -262,10 +293,18 @@ def summarize(requests) -> dict:
         bts.add(r.block_tokens)
         if r.session is not None:
             sessions.add(r.session)
+        reasons = r.miss_reasons
+        if reasons is not None:
+            explained = True
+            miss_tokens += r.extra.get("miss_tokens", sum(reasons.values()))
+            for k, v in reasons.items():
+                missed[k] = missed.get(k, 0) + v
         t0 = r.timestamp if t0 is None else min(t0, r.timestamp)
         t1 = r.timestamp if t1 is None else max(t1, r.timestamp)
     return {"requests": n, "blocks": blocks, "distinct_blocks": len(distinct),
             "reuse_ratio": (1 - len(distinct) / blocks) if blocks else 0.0,
             "input_tokens": tokens, "output_tokens": out_tokens,
             "mean_input_tokens": tokens / n if n else 0.0, "duration_s": (cast(float, t1) - cast(float, t0)) if n else 0.0,
-            "sessions": len(sessions), "block_tokens": sorted(bts)}
+            "sessions": len(sessions), "block_tokens": sorted(bts),
+            **({"miss_tokens": miss_tokens, "miss_tokens_by_reason": dict(sorted(missed.items(), key=lambda kv: -kv[1]))}
+               if explained else {})}
