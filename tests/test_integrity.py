@@ -12,7 +12,7 @@ import torch
 from tierkv.checksum import TRAILER_BYTES, Verify, chunk_sum, read_trailer, trailers
 from tierkv.errors import ConfigError
 from tierkv.store import TieredStore
-from tierkv.tools.metrics import families, snapshot
+from tierkv.tools.metrics import families, health, snapshot
 
 MiB = 1 << 20
 
@@ -116,6 +116,8 @@ def test_the_exporter_shows_a_corrupt_copy():
         s.get(["a"], [torch.zeros(64 << 10, dtype=torch.uint8)])
         fam = next(f for f in families(snapshot(s)) if f.name == "tierkv_tier_corrupt")
         assert fam.samples == [(("dram",), 1.0)]
+        problems, warnings = health(snapshot(s))
+        assert not problems and any("dram" in w and "checksum" in w for w in warnings), warnings
 
 
 def test_verify_values_and_defaults():

@@ -191,7 +191,7 @@ class TierIO:
             except Exception:  # noqa: BLE001 - the choke point: a medium fault is a miss
                 failed += 1
                 ok = False
-            out.append(bool(ok))
+            out.append(ok if ok is CORRUPT else bool(ok))
         if failed:
             log.warning("tierkv: tier %s %s: %d of %d chunks failed alone; the rest went through",
                         lvl.name, op.value, failed, len(keys))

@@ -349,6 +349,8 @@ def health(snap: dict[str, Any]) -> tuple[list[str], list[str]]:
             problems.append(f"tier {name} is unavailable" + (f" ({err})" if err else ""))
         faults = {reason: v[f] for f, reason in MEDIUM_ERRORS.items() if v.get(f)}
         said = [f"{v['errors']:.0f} failed or corrupt reads and writes"] if v.get("errors") else []
+        if v.get("corrupt"):
+            said.append(f"{v['corrupt']:.0f} copies failed their checksum (dropped, read as misses)")
         if faults:
             said.append("medium faults: " + ", ".join(f"{reason} {n:.0f}" for reason, n in faults.items()))
         if said:
