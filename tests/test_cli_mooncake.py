@@ -10,6 +10,7 @@ from mooncake_util import mooncake_master  # noqa: F401  (fixture)
 from test_cli import tierkv
 
 from tierkv import TieredStore
+from tierkv.checksum import TRAILER_BYTES
 
 pytestmark = pytest.mark.mooncake
 
@@ -23,7 +24,8 @@ def test_inspect_a_pool_and_bench_dram_pool(mooncake_master):
         r = tierkv("inspect", "--master", m.master, "--metrics-port", m.metrics_port, "--json")
         assert r.returncode == 0, r.stderr
         info = json.loads(r.stdout)
-        assert info["objects"] == 5 and info["bytes"] == sum(v.numel() for v in vals)
+        # (each object: the chunk's bytes and its checksum trailer)
+        assert info["objects"] == 5 and info["bytes"] == sum(v.numel() + TRAILER_BYTES for v in vals)
         assert info["by_tag"] == {"dram_pool": {"objects": 5, "bytes": info["bytes"]}}
         r = tierkv("inspect", "--master", m.master, "--metrics-port", m.metrics_port)
         assert r.returncode == 0 and "objects: 5" in r.stdout

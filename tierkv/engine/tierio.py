@@ -29,6 +29,7 @@ reader does for every failed read); a pool's copy is deleted here.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 from typing import Any, Optional
 
@@ -63,6 +64,20 @@ class TierIO:
              codes: Optional[list[int]] = None, sums_out: Optional[list[Optional[int]]] = None) -> list[bool]:
         """Read each chunk into its parts; one bool each (a medium fault or a failed check: False, never
         raised).  ``sums_out``, when given (a copy), receives each chunk's sum (None where none is known)."""
+        n = len(keys)
+        if lvl.checks_reads and lvl.located and n > 1:
+            # checked reads of a slab go in groups of about ``_CHECK_GROUP`` bytes, each hashed right after its
+            # copy, while its bytes are still in cache (one more call into the tier per group, no more)
+            cuts = _groups(parts, _CHECK_GROUP)
+            if len(cuts) > 2:
+                oks: list = []
+                for a, b in itertools.pairwise(cuts):
+                    sub_out: Optional[list[Optional[int]]] = None if sums_out is None else [None] * (b - a)
+                    oks += self.read(lvl, keys[a:b], parts[a:b], None if ptrs is None else ptrs[a:b],
+                                     None if codes is None else codes[a:b], sub_out)
+                    if sums_out is not None:
+                        sums_out[a:b] = sub_out  # type: ignore[assignment]
+                return oks
         oks = self._bytes(Op.READ, lvl, keys, parts, ptrs, codes)
         if CORRUPT in oks:
             oks = self._corrupt(lvl, keys, oks, [i for i, ok in enumerate(oks) if ok is CORRUPT])
@@ -213,6 +228,19 @@ class TierIO:
         """A shared pool's read, each object's trailer checked (``sum_inside``); None when the medium failed
         (then no key is asked alone: a pool is remote).  ``sums_out`` as for ``read``."""
         inside = lvl.tier.sum_inside
+        if inside and len(keys) > 1 and _POOL_GROUP:
+            cuts = _groups(parts, _POOL_GROUP)
+            if len(cuts) > 2:  # (as for a slab: each group hashed while its bytes are in cache)
+                out: list = []
+                for a, b in itertools.pairwise(cuts):
+                    sub_out: Optional[list[Optional[int]]] = None if sums_out is None else [None] * (b - a)
+                    got = self.read_unmanaged(lvl, keys[a:b], parts[a:b], sub_out)
+                    if got is None:
+                        return None if not out else out + [False] * (len(keys) - a)
+                    out += got
+                    if sums_out is not None:
+                        sums_out[a:b] = sub_out  # type: ignore[assignment]
+                return out
         objs = parts
         if inside:
             tr = trailer_buffers(len(keys), _device_of(parts))
@@ -250,6 +278,26 @@ class TierIO:
         except Exception as e:  # noqa: BLE001 - the choke point: a medium fault is a miss
             log.warning("tierkv: tier %s delete failed: %s", lvl.name, str(e)[:300])
             return False
+
+
+#: bytes a checked read of a slab copies before it hashes them (a share of a core's cache)
+_CHECK_GROUP = 2 << 20
+#: the same for a pool's reads, larger: each call into a pool asks its master once
+_POOL_GROUP = 8 << 20
+
+
+def _groups(objs: list[Parts], limit: int) -> list[int]:
+    """Cut points of ``objs`` into consecutive groups of at most ``limit`` bytes (a larger chunk alone)."""
+    cuts = [0]
+    size = 0
+    for i, parts in enumerate(objs):
+        n = sum([p.numel() for p in parts])
+        if size and size + n > limit:
+            cuts.append(i)
+            size = 0
+        size += n
+    cuts.append(len(objs))
+    return cuts
 
 
 def _device_of(objs: list[Parts]) -> Any:
