@@ -11,6 +11,7 @@ import torch
 
 from tierkv.checksum import TRAILER_BYTES, Verify, chunk_sum, read_trailer, trailers
 from tierkv.errors import ConfigError
+from tierkv.outcome import MissReason
 from tierkv.store import TieredStore
 from tierkv.tools.metrics import families, health, snapshot
 
@@ -44,6 +45,8 @@ def test_a_flipped_byte_in_dram_under_verify_always_is_a_miss_counted_and_droppe
         assert st["corrupt"] == 1
         assert st["entries"] == 1  # the bad copy left the tier
         assert s.lookup(["a"]) == 0
+        assert s.why_missing(["a"]) == [MissReason.CORRUPT]
+        assert s.departures(["a"])[0].tier == "dram"
         assert any("dram" in r.getMessage() and "'a'" not in r.getMessage() and " a " in r.getMessage()
                    for r in caplog.records), [r.getMessage() for r in caplog.records]
         # the next put of the chunk stores it again, and it reads back exact

@@ -14,6 +14,7 @@ import pytest
 import torch
 from mooncake_util import HOST, MooncakeMaster, client_env, missing_reason
 
+from tierkv.outcome import MissReason
 from tierkv.store import TieredStore
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.slow,
@@ -86,6 +87,7 @@ def test_an_object_overwritten_in_the_pool_is_a_miss_counted_never_wrong_bytes(m
             assert st["corrupt"] == 3
             assert st["available"] is True  # a corrupt object is the object's fault, not the pool's
             assert s.stats()["total"]["misses"] == 3
+            assert s.why_missing(keys[:3]) == [MissReason.CORRUPT] * 3
             # the bad copies are removed from the pool (once the read lease ends): a put stores the chunk again,
             # and it reads back exact
             tier = s.levels[0].tier
@@ -103,6 +105,7 @@ def test_an_object_overwritten_in_the_pool_is_a_miss_counted_never_wrong_bytes(m
 # Process A stores chunks in the pool (its local tier is too small for one) and holds its segment.
 WRITER = r"""
 import json, sys, torch
+from tierkv.outcome import MissReason
 from tierkv.store import TieredStore
 cfg, n = json.loads(sys.argv[1]), int(sys.argv[2])
 store = TieredStore.from_config(cfg)
@@ -116,6 +119,7 @@ store.close()
 # Process B reads them: what was changed in the pool meanwhile is a miss, counted; the rest exact.
 READER = r"""
 import json, sys, torch
+from tierkv.outcome import MissReason
 from tierkv.store import TieredStore
 cfg, n = json.loads(sys.argv[1]), int(sys.argv[2])
 store = TieredStore.from_config(cfg)

@@ -21,8 +21,9 @@ is checked here: from a pool, always (the trailer against the bytes); from a lev
 keeps sums, when ``Level.checks_reads``; a medium that verifies its own records
 (``Tier.verifies_reads``) is trusted, and a copy out of it is summed from the bytes it
 verified.  A copy that fails its check, or that the medium answers ``CORRUPT``, is
-counted ``corrupt`` for the level, logged (rate-limited, naming the tier and the key)
-and answered False: a miss, never bytes.  The caller drops it from a managed level (the
+counted ``corrupt`` for the level, recorded as a departure (``MissReason.CORRUPT``),
+logged (rate-limited, naming the tier and the key) and answered False: a miss, never
+bytes.  The caller drops it from a managed level (the
 reader does for every failed read); a pool's copy is deleted here.
 """
 
@@ -38,6 +39,7 @@ from tierkv.checksum import CorruptLog, chunk_sum, read_trailer, trailer_buffers
 from tierkv.engine.chain import Chain
 from tierkv.engine.level import Level
 from tierkv.errors import StoreClosedError
+from tierkv.outcome import MissReason
 from tierkv.tiers.base import CORRUPT
 
 log = logging.getLogger("tierkv")
@@ -57,6 +59,7 @@ class TierIO:
 
     def __init__(self, chain: Chain) -> None:
         self._lock = chain.lock
+        self._chain = chain
         self._corrupt_log = CorruptLog()
 
     # ------------------------------------------------------------------ bytes
@@ -157,6 +160,7 @@ class TierIO:
         names = [keys[i] for i in at]
         with self._lock:
             lvl.counters.corrupt += len(at)
+        self._chain.departed(names, MissReason.CORRUPT, lvl)  # (a later miss of them says why)
         self._corrupt_log.found(lvl.name, names)
         if not lvl.managed:
             self.delete(lvl, names)
