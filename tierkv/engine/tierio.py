@@ -232,19 +232,6 @@ class TierIO:
         """A shared pool's read, each object's trailer checked (``sum_inside``); None when the medium failed
         (then no key is asked alone: a pool is remote).  ``sums_out`` as for ``read``."""
         inside = lvl.tier.sum_inside
-        if inside and len(keys) > 1 and _POOL_GROUP:
-            cuts = _groups(parts, _POOL_GROUP)
-            if len(cuts) > 2:  # (as for a slab: each group hashed while its bytes are in cache)
-                out: list = []
-                for a, b in itertools.pairwise(cuts):
-                    sub_out: Optional[list[Optional[int]]] = None if sums_out is None else [None] * (b - a)
-                    got = self.read_unmanaged(lvl, keys[a:b], parts[a:b], sub_out)
-                    if got is None:
-                        return None if not out else out + [False] * (len(keys) - a)
-                    out += got
-                    if sums_out is not None:
-                        sums_out[a:b] = sub_out  # type: ignore[assignment]
-                return out
         objs = parts
         if inside:
             tr = trailer_buffers(len(keys), _device_of(parts))
@@ -286,8 +273,6 @@ class TierIO:
 
 #: bytes a checked read of a slab copies before it hashes them (a share of a core's cache)
 _CHECK_GROUP = 2 << 20
-#: the same for a pool's reads, larger: each call into a pool asks its master once
-_POOL_GROUP = 8 << 20
 
 
 def _groups(objs: list[Parts], limit: int) -> list[int]:
