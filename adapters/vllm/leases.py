@@ -38,7 +38,7 @@ class RequestLeases:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by_req: dict[str, Any] = {}
-        #: leases taken, and those found expired when let go (since the last ``take_counts``)
+        #: leases that held something, and those found expired when let go (since the last ``take_counts``)
         self.taken = 0
         self.expired = 0
 
@@ -46,8 +46,8 @@ class RequestLeases:
         """Keep ``lease`` for ``req_id``, releasing the one an earlier lookup of it took."""
         with self._lock:
             old = self._by_req.pop(req_id, None)
-            self.taken += 1
             if lease.held:
+                self.taken += 1
                 self._by_req[req_id] = lease
         if old is not None:
             self._let_go(old)
