@@ -203,3 +203,31 @@ def test_trace_show_answers_why_a_request_recomputed(tmp_path):
     r = subprocess.run([exe, "trace", "show", str(path), "--request", "nope"], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 1 and "no request 'nope'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_corrupt_copy_dropped_is_explained_as_corrupt():
+    with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "1MiB", "verify": "always"}]}) as store:
+        keys = keys_of(1)
+        store.put(keys, [chunk(1)])
+        lvl = store.levels[0]
+        with store._chain.lock:
+            views = lvl.tier.views_at(lvl.codes(keys))
+        views[0][0][5] ^= 1  # a bit flipped behind the store's back
+        assert store.get(keys, [torch.empty(CHUNK, dtype=torch.uint8)]) == [False]
+        assert store.why_missing(keys, count=False) == [MissReason.CORRUPT]
+        assert store.departures(keys)[0].tier == "dram"
+        assert store.stats()["total"]["misses_by_reason"]["corrupt"] == 1  # (counted by the get's miss)
+
+
+def test_a_chunk_the_audit_dropped_is_explained_as_audit_failed():
+    from tierkv.adapters.vllm.audit import Auditor
+    from tierkv.outcome import PutOutcome
+
+    with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "1MiB"}]}) as store:
+        keys = keys_of(2)
+        stored = [torch.full((64,), 1.0), torch.full((64,), 2.0)]
+        store.put(keys, stored)
+        t = Auditor(0.0).check(store, keys, [stored[0], stored[1] + 1], [PutOutcome.PRESENT] * 2, [0, 1],
+                               layer="L0", dtype=torch.float32)
+        assert t.mismatches == 1 and store.contains(keys) == [True, False]
+        assert store.why_missing(keys[1:]) == [MissReason.AUDIT_FAILED]

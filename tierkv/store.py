@@ -85,7 +85,7 @@ Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.p
    (e.g. ``MissReason.AUDIT_FAILED``, ``LEASE_EXPIRED``) removes the chunks and records why; a
    plain ``remove(keys)`` is a deliberate forgetting, not a miss reason: the memory forgets the
    keys too (a later miss is ``never_stored``).  Inside the engine, ``Chain.departed(keys,
-   reason, level)`` records without removing (the reader's corrupt drops).
+   reason, level)`` records without removing (``TierIO``'s corrupt drops).
 
 Normal outcomes (miss, no room, backend down) are values and counters; misuse
 raises an error that names the problem.

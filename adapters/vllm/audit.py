@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from tierkv.errors import BufferSizeError
-from tierkv.outcome import PutOutcome
+from tierkv.outcome import MissReason, PutOutcome
 
 logger = logging.getLogger("vllm.tierkv.audit")
 
@@ -128,7 +128,7 @@ class Auditor:
                     bad.append((key, diff))
         if bad:
             tally.mismatches += len(bad)
-            store.remove([key for key, _ in bad])
+            store.remove([key for key, _ in bad], reason=MissReason.AUDIT_FAILED)
             diffs = [d for _, d in bad if d is not None]
             worst = max(diffs) if len(diffs) == len(bad) else None
             shown = ", ".join(f"{key} (max |diff| {_fmt(d)})" for key, d in bad[:4])

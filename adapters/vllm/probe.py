@@ -24,8 +24,10 @@ Nothing here keeps state between passes: a pass is a question's scratch.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Sequence
-from itertools import chain, compress, repeat
+from itertools import chain, compress, groupby, repeat
+from operator import itemgetter, not_
 from typing import Any, NamedTuple
 
 from tierkv.outcome import MissReason
@@ -271,22 +273,31 @@ class Prober:
         """Blocks ``b0 .. hi-1`` (not served) by reason: the blocks of each absent chunk take its reason, and
         the blocks between absent chunks (stored, but past the break) the reason of the absent chunk before
         them; with no absent chunk asked about, ``never_stored``."""
-        others = p.others
-        ends = sorted(e for e, t in p.first.items()
-                      if e >= b0 and (t is None or others.get(e) is False) and e in p.first_keys)
+        first = p.first
+        ends = list(compress(first, map(not_, first.values())))  # (absent from the first layer asked; in C)
+        ends += [e for e, ok in p.others.items() if not ok and first.get(e)]  # (rare: another layer lacks it)
+        ends.sort()
+        ends = ends[bisect_left(ends, b0):]
         why = getattr(store, "why_missing", None)
         if not ends or why is None:
             return {str(MissReason.NEVER_STORED): hi - b0}
-        words = [r.value for r in why([p.first_keys[e] for e in ends], count=count)]
+        reasons = why(list(map(p.first_keys.__getitem__, ends)), count=count)
+        if reasons.count(reasons[0]) == len(reasons):  # one reason for all (the common case)
+            return {reasons[0].value: hi - b0}
         out: dict[str, int] = {}
-        at, before = b0, words[0]
-        for e, word in zip(ends, words):
-            if e < at:
-                continue  # (a tail inside a chunk counted already)
-            start = max(at, e - p.G + 1)
-            if start > at:  # stored blocks past the break: the break's reason
+        at, before = b0, reasons[0].value
+        # runs of absent chunks with one reason: the blocks from a run's first chunk to its last take its reason
+        # (the stored ones between them too: the absent chunk before them has that reason)
+        for reason, run in groupby(zip(ends, reasons), key=itemgetter(1)):
+            got = list(run)
+            last = got[-1][0]
+            if last < at:
+                continue  # (tails inside a chunk counted already)
+            word = reason.value
+            start = max(at, got[0][0] - p.G + 1)
+            if start > at:  # stored blocks past the break: the reason of the absent chunk before them
                 out[before] = out.get(before, 0) + start - at
-            end = min(e, hi - 1)
+            end = min(last, hi - 1)
             out[word] = out.get(word, 0) + end - start + 1
             at, before = end + 1, word
             if at >= hi:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import repeat
@@ -121,15 +121,15 @@ class Departures:
     def explain(self, keys: Sequence[str], fallback: MissReason, count: bool = True) -> list[MissReason]:
         """The reason of each key: its last departure's, else ``fallback``; counted in ``counts`` if ``count``."""
         with self._lock:
-            recs = list(map(self._last.get, keys))
-            out = [fallback if r is None else r.reason for r in recs]
+            recs = list(map(self._last.get, keys, repeat(None)))
+            if not self._last or recs.count(None) == len(recs):  # nothing remembered of them (the common case)
+                out = [fallback] * len(recs)
+            else:
+                out = [fallback if r is None else r.reason for r in recs]
             if count and out:
                 counts = self.counts
-                if len(set(out)) == 1:
-                    counts[out[0]] += len(out)
-                else:
-                    for r in out:
-                        counts[r] += 1
+                for r, n in Counter(out).items():  # (counted in C)
+                    counts[r] += n
         return out
 
     def count(self, reason: MissReason, n: int = 1) -> None:
