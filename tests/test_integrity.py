@@ -126,13 +126,16 @@ def test_the_exporter_shows_a_corrupt_copy():
 def test_verify_values_and_defaults():
     with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "8MiB"}]}) as s:
         lvl = s.levels[0]
-        # a lone dram tier, unchecked: its sums would serve nothing, so none is kept (nor computed by a put)
+        # a store of one dram tier, unchecked: its sums would serve nothing, so none is kept (nor computed)
         assert lvl.verify is Verify.EXTERNAL and not lvl.checks_reads and not lvl.keeps_sums
         s.put(["a"], [chunk(1)])
         assert lvl.sums == {}
     with TieredStore.from_config({"tiers": [{"medium": "hbm", "device": "cpu", "capacity": "8MiB"},
                                             {"medium": "dram", "capacity": "8MiB"}]}) as s:
-        assert [lvl.keeps_sums for lvl in s.levels] == [True, False]  # hbm's copies carry theirs to dram
+        # each keeps them: a demotion carries hbm's down, a promotion dram's up
+        assert [lvl.keeps_sums for lvl in s.levels] == [True, True]
+        s.put(["a"], [chunk(1)])
+        assert s.levels[0].sums == {"a": chunk_sum([chunk(1)])}
     with TieredStore.from_config({"verify": "always", "tiers": [{"medium": "dram", "capacity": "8MiB"},
                                  {"medium": "dram", "name": "d2", "capacity": "8MiB", "verify": "external"}]}) as s:
         assert [lvl.checks_reads for lvl in s.levels] == [True, False]

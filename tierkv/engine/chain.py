@@ -53,9 +53,9 @@ class Chain:
                                   f"({type(lvl.eviction).__name__}); give each tier its own instance")
         for i, lvl in enumerate(self.levels):
             lvl.bind(1 << i)
-        last = self.levels[-1] if self.levels else None
-        if last is not None and last.keeps_sums and not last.checks_reads:
-            last.keeps_sums = False  # (its sums would serve neither a check nor a copy: it has nothing below)
+        if len(self.levels) == 1 and self.levels[0].keeps_sums and not self.levels[0].checks_reads:
+            # one level read unchecked: its sums would serve neither a check nor a copy (none is made)
+            self.levels[0].keeps_sums = False
         #: some level keeps sums or carries them in its objects: a put computes each chunk's sum
         self.needs_sums = any(lvl.keeps_sums or lvl.tier.sum_inside for lvl in self.levels)
         self.lock = threading.RLock()
