@@ -17,9 +17,12 @@ vLLM has dropped.  Back ends:
     tierkv-auto   the same with {"load_async": "auto"} named (as tierkv)
     tierkv-noaudit  the same with {"audit_rate": 0}: no hit recomputed for an audit (the audit's cost is
               tierkv's figures against these, in the same run)
+    tierkv-audit-all  the same with {"audit_rate": 1}: every hit recomputed and compared (the audit's
+              whole cost; at a rate r it is about r times the difference to tierkv-noaudit)
 
---audit-rate sets ``audit_rate`` on every tierkv back end but tierkv-noaudit (default: the
-connector's own default); the audits each run made and the time they spent reading back and
+--audit-rate sets ``audit_rate`` on every tierkv back end but those two (default: the
+connector's own default), --audit-tolerance ``audit_tolerance`` on every tierkv back end; the audits
+each run made and the time they spent reading back and
 comparing are in the /metrics table (``audits``, ``audit_ms``).
 
 The load is vLLM's ``vllm.benchmarks.serve`` (called in-process) with the
@@ -69,11 +72,12 @@ sys.path.insert(0, str(HERE))
 import serve_util as S
 import vllm_util as U
 
-BACKENDS = ("none", "mooncake", "tierkv", "tierkv-sync", "tierkv-async", "tierkv-auto", "tierkv-noaudit")
+BACKENDS = ("none", "mooncake", "tierkv", "tierkv-sync", "tierkv-async", "tierkv-auto", "tierkv-noaudit",
+            "tierkv-audit-all")
 #: kv_connector_extra_config of each tierkv back end
 TIERKV_EXTRA: dict[str, Any] = {"tierkv": None, "tierkv-sync": {"load_async": False},
                                 "tierkv-async": {"load_async": True}, "tierkv-auto": {"load_async": "auto"},
-                                "tierkv-noaudit": {"audit_rate": 0.0}}
+                                "tierkv-noaudit": {"audit_rate": 0.0}, "tierkv-audit-all": {"audit_rate": 1.0}}
 #: the back ends of a run without --backends
 DEFAULT_BACKENDS = ("none", "mooncake", "tierkv")
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
@@ -83,11 +87,14 @@ SHOWN = (("request_throughput", "req/s", True), ("median_ttft_ms", "TTFT p50 ms"
          ("p99_ttft_ms", "TTFT p99 ms", False), ("median_tpot_ms", "TPOT p50 ms", False))
 
 
-def _tierkv_extra(name: str, audit_rate: float | None) -> dict[str, Any] | None:
-    """A tierkv back end's kv_connector_extra_config, with ``--audit-rate`` where it applies."""
+def _tierkv_extra(name: str, audit_rate: float | None, audit_tolerance: float | None = None) -> dict[str, Any] | None:
+    """A tierkv back end's kv_connector_extra_config, with ``--audit-rate`` and ``--audit-tolerance`` where they
+    apply."""
     extra = dict(TIERKV_EXTRA[name] or {})
     if audit_rate is not None and "audit_rate" not in extra:
         extra["audit_rate"] = audit_rate
+    if audit_tolerance is not None:
+        extra["audit_tolerance"] = audit_tolerance
     return extra or None
 
 
@@ -438,7 +445,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="vLLM's KV cache size in units of (concurrency x request length): small, so its "
                          "own prefix cache evicts")
     ap.add_argument("--audit-rate", type=float, default=None,
-                    help="audit_rate of the tierkv back ends but tierkv-noaudit (default: the connector's)")
+                    help="audit_rate of the tierkv back ends but tierkv-noaudit and tierkv-audit-all "
+                         "(default: the connector's)")
+    ap.add_argument("--audit-tolerance", type=float, default=None,
+                    help="audit_tolerance of the tierkv back ends (default: the connector's, 0: bitwise)")
     ap.add_argument("--dram", default="1GiB", help="tierkv's DRAM tier capacity (SSD below it)")
     ap.add_argument("--ssd", default="8GiB", help="tierkv's SSD tier capacity")
     ap.add_argument("--mooncake-mode", default="embedded", choices=["embedded", "standalone"])
@@ -469,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--requests {args.requests} must be at least --num-prefixes {args.num_prefixes}")
     if args.audit_rate is not None and not 0.0 <= args.audit_rate <= 1.0:
         raise SystemExit(f"--audit-rate {args.audit_rate} must be between 0 and 1")
+    if args.audit_tolerance is not None and not 0.0 <= args.audit_tolerance < float("inf"):
+        raise SystemExit(f"--audit-tolerance {args.audit_tolerance} must be a finite number, 0 or more")
     if args.settle < 0:
         raise SystemExit(f"--settle {args.settle} must be 0 or more seconds")
     if args.warmup is not None and args.warmup < args.num_prefixes:
@@ -519,7 +531,7 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(ssd, ignore_errors=True)
                 kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": args.dram},
                                                    {"medium": "ssd", "path": str(ssd), "capacity": args.ssd}]},
-                                        extra=_tierkv_extra(name, args.audit_rate))
+                                        extra=_tierkv_extra(name, args.audit_rate, args.audit_tolerance))
             print(f"[{name}] starting server ...", file=sys.stderr, flush=True)
             srv = servers[name] = S.ApiServer(name, model, _server_args(args, max_len, kv_bytes, kv), env, work)
             startup[name] = srv.wait_ready(args.start_timeout)
@@ -604,10 +616,10 @@ def main(argv: list[str] | None = None) -> int:
           f"{'warm (every prefix served once before each run); ' if args.warm else ''}"
           f"{args.rounds} round(s), medians over rounds; 'vs mc' = ratio to MooncakeStoreConnector in the "
           f"same round (median over rounds)")
-    head = f"{'backend':<13}" + "".join(f"{h:>13}{'vs mc':>7}" for _, h, _ in SHOWN)
+    head = f"{'backend':<17}" + "".join(f"{h:>13}{'vs mc':>7}" for _, h, _ in SHOWN)
     print(head)
     for name, s in summary.items():
-        row = f"{name:<13}"
+        row = f"{name:<17}"
         for key, _, _ in SHOWN:
             v = s.get(key)
             ratio = s.get(f"{key}_vs_mooncake")
@@ -615,13 +627,13 @@ def main(argv: list[str] | None = None) -> int:
             row += f"{ratio:>7.2f}" if ratio is not None else f"{'-':>7}"
         print(row)
     src_keys = ("local_hit", "connector_hit", "queue_ms", "prefill_ms", "server_ttft_ms", "steps", "tokens_per_step",
-                "load_ms", "load_GiBps", "audits", "audit_ms")
+                "load_ms", "load_GiBps", "audits", "audit_mismatches", "audit_ms")
     print("\nFrom vLLM's /metrics, medians over rounds: shares of queried prompt tokens hit in vLLM's own prefix "
           "cache and in the connector's store; mean time per request queued and in prefill, and the server's mean "
           "TTFT (arrival in the API server to first token out); engine steps and tokens "
           "computed per step; tierkv's time in loads per request and their speed; the audits the run made (stored "
           "chunk-layers compared) and the time they took in all")
-    print(f"{'backend':<13}" + "".join(f"{k:>16}" for k in src_keys))
+    print(f"{'backend':<17}" + "".join(f"{k:>16}" for k in src_keys))
     for name, rs in runs.items():
         med = {}
         for k in src_keys:
@@ -630,7 +642,7 @@ def main(argv: list[str] | None = None) -> int:
                 med[k] = statistics.median(vals)
         if name in summary:
             summary[name]["served_from"] = med
-        print(f"{name:<13}" + "".join(f"{med[k]:>16.2f}" if k in med else f"{'-':>16}" for k in src_keys))
+        print(f"{name:<17}" + "".join(f"{med[k]:>16.2f}" if k in med else f"{'-':>16}" for k in src_keys))
     pooled = pooled_ttfts(runs)
     if pooled:
         for name, pc in pooled.items():
@@ -639,10 +651,10 @@ def main(argv: list[str] | None = None) -> int:
                 summary[name]["pooled_ttft_vs_mooncake"] = {q: pc[q] / pooled["mooncake"][q] for q in pc}
         print(f"\nTTFT of every request of every round together (the p99 of {args.requests} requests is their "
               f"second slowest: pooled rounds give it more to stand on)")
-        print(f"{'backend':<13}{'requests':>9}" + "".join(f"{'p' + q + ' ms':>10}{'vs mc':>7}" for q in PCTS))
+        print(f"{'backend':<17}{'requests':>9}" + "".join(f"{'p' + q + ' ms':>10}{'vs mc':>7}" for q in PCTS))
         for name, pc in pooled.items():
             vs = summary[name].get("pooled_ttft_vs_mooncake")
-            print(f"{name:<13}{pc['n']:>9.0f}" + "".join(
+            print(f"{name:<17}{pc['n']:>9.0f}" + "".join(
                 f"{pc[q]:>10.0f}" + (f"{vs[q]:>7.2f}" if vs else f"{'-':>7}") for q in PCTS))
     if profile is not None:
         print_profile(profile)
