@@ -175,3 +175,17 @@ def test_a_lookup_says_why_the_blocks_past_its_hit_missed_and_a_trace_records_it
     (req,) = read_trace(str(path))
     assert req.extra["request_id"] == "x" and req.extra["miss_tokens"] == 4 * BS
     assert req.miss_reasons == {"evicted": 2 * BS, "never_stored": 2 * BS}
+
+
+def test_a_salted_request_whose_break_is_stored_unsalted_misses_as_other_namespace(sides):
+    w, store = sides.worker, sides.store
+    hashes = [bytes([i, 3]) * 16 for i in range(4)]
+    one = torch.zeros(1, dtype=torch.uint8)
+    for layer in range(len(LAYERS)):
+        store.put(w.keys.keys(layer, hashes, None), [one] * 4)  # stored without a salt
+    got = w.probe(ProbeRequest(hashes, 0, "tenant-b", "y"))
+    # the break (block 0) is held under the unsalted namespace; the rest are not asked about: never_stored
+    assert (got.reach, got.missed) == (0, {"other_namespace": 1, "never_stored": 3})
+    by_reason = store.stats()["total"]["misses_by_reason"]
+    assert (by_reason["other_namespace"], by_reason["never_stored"]) == (1, 3)
+    assert w.probe(ProbeRequest(hashes, 0, None, "z")).reach == 4  # (unsalted: a hit)

@@ -25,6 +25,7 @@ Nothing here keeps state between passes: a pass is a question's scratch.
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Callable, Sequence
 from itertools import chain, compress, groupby, repeat
 from operator import itemgetter, not_
@@ -268,11 +269,14 @@ class Prober:
         missed = self._explain(p, store, lo + reach, hi, count_misses) if lo + reach < hi else {}
         return ProbeAnswer(reach, held, where, missed=missed), keys
 
-    @staticmethod
-    def _explain(p: _Pass, store: Any, b0: int, hi: int, count: bool) -> dict[str, int]:
+    def _explain(self, p: _Pass, store: Any, b0: int, hi: int, count: bool) -> dict[str, int]:
         """Blocks ``b0 .. hi-1`` (not served) by reason: the blocks of each absent chunk take its reason, and
         the blocks between absent chunks (stored, but past the break) the reason of the absent chunk before
-        them; with no absent chunk asked about, ``never_stored``."""
+        them; with no absent chunk asked about, ``never_stored``.
+
+        One namespace check, for the absent chunk that breaks the prefix alone: a request with a cache salt
+        whose break the store never saw is ``other_namespace`` when the store holds that chunk unsalted (one
+        more key and one more ``locate``).  Other namespaces (model, layout, KV-head shard) are not asked."""
         first = p.first
         ends = list(compress(first, map(not_, first.values())))  # (absent from the first layer asked; in C)
         ends += [e for e, ok in p.others.items() if not ok and first.get(e)]  # (rare: another layer lacks it)
@@ -281,7 +285,12 @@ class Prober:
         why = getattr(store, "why_missing", None)
         if not ends or why is None:
             return {str(MissReason.NEVER_STORED): hi - b0}
-        reasons = why(list(map(p.first_keys.__getitem__, ends)), count=count)
+        reasons = why(list(map(p.first_keys.__getitem__, ends)), count=False)
+        if reasons[0] is MissReason.NEVER_STORED and p._salt is not None and self._unsalted(p, store, ends[0]):
+            reasons[0] = MissReason.OTHER_NAMESPACE
+        if count and hasattr(store, "count_misses"):
+            for r, n in Counter(reasons).items():
+                store.count_misses(r, n)
         if reasons.count(reasons[0]) == len(reasons):  # one reason for all (the common case)
             return {reasons[0].value: hi - b0}
         out: dict[str, int] = {}
@@ -305,6 +314,11 @@ class Prober:
         if at < hi:
             out[before] = out.get(before, 0) + hi - at
         return out
+
+    def _unsalted(self, p: _Pass, store: Any, end: int) -> bool:
+        """Whether the store holds the last layer's object of the chunk ending at ``end`` without a salt."""
+        key = self._keys.keys(self._last_layer[0], [p._hashes[end - p._base]], None)
+        return store.locate(key)[0] is not None
 
     def chunks(self, hashes: Sequence[bytes], base: int, lo: int, hi: int, salt: str | None) -> list[StoredChunk]:
         """The chunks a load of blocks ``lo .. hi-1`` reads (``hashes[i]`` names block ``base+i``), by the last
