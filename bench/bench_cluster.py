@@ -37,7 +37,8 @@ Reported per back end (table, and ``--json``):
 * cluster-wide token hit rate, from every instance's ``/metrics`` read before and after the measured run:
   (sum of ``vllm:prefix_cache_hits`` + sum of ``vllm:external_prefix_cache_hits``) / sum of
   ``vllm:prefix_cache_queries`` - vLLM's own prefix cache plus the connector's hits, over the prompt tokens asked;
-  the two shares apart as ``local`` and ``connector``;
+  the two shares apart as ``local`` and ``connector``; for tierkv, its connector hits by the tier that served
+  them (``tierkv_connector_hit_tokens_total{tier}``: ``dram`` the instance's own, ``dram_pool`` the shared pool);
 * TTFT median and p99 (client side: request sent to first streamed token), over every measured request;
 * throughput: completed requests and prompt tokens per second of the measured run's wall time.
 
@@ -334,6 +335,39 @@ def _warm(srv: S.ApiServer, vocab: int, length: int, n: int, output_len: int) ->
             r.read()
 
 
+def tier_hits(text: str) -> dict[str, float]:
+    """tierkv's prompt tokens hit per tier (``tierkv_connector_hit_tokens_total{tier=...}``) in a /metrics page."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("tierkv_connector_hit_tokens_total{") and 'tier="' in line:
+            tier = line.split('tier="', 1)[1].split('"', 1)[0]
+            try:
+                out[tier] = out.get(tier, 0.0) + float(line.rsplit(" ", 1)[1])
+            except ValueError:
+                continue
+    return out
+
+
+def _page(srv: S.ApiServer) -> str:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(srv.base_url + "/metrics", timeout=10) as r:
+            return r.read().decode()
+    except OSError:
+        return ""
+
+
+def _save_metrics(srv: S.ApiServer, path: Path) -> None:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(srv.base_url + "/metrics", timeout=10) as r:
+            path.write_bytes(r.read())
+    except OSError as e:
+        path.write_text(f"unreadable: {e}\n")
+
+
 def run_backend(name: str, args: argparse.Namespace, model: str, work: Path, base_env: dict[str, str],
                 sessions: list[Session], max_len: int, kv_bytes: int, pool_bytes: int,
                 cpus: set[int]) -> dict[str, Any]:
@@ -371,20 +405,30 @@ def run_backend(name: str, args: argparse.Namespace, model: str, work: Path, bas
                   flush=True)
         waited = B.settle(args.settle) if args.settle > 0 else 0.0
         before = [B.scrape(s) for s in servers]
+        tiers_before = [tier_hits(_page(s)) for s in servers]
         router = Router(len(servers), args.route, seed=args.seed)
         results, wall = play([s.base_url for s in servers], router, sessions, args.concurrency, args.output_len)
         time.sleep(0.5)  # the last step's stats reach /metrics at the engine's next log interval
         after = [B.scrape(s) for s in servers]
+        tiers_after = [tier_hits(_page(s)) for s in servers]
+        for s in servers:  # the whole page, for a kept --workdir
+            _save_metrics(s, work / f"metrics-{s.name}.txt")
         try:
             out = summarise(results, wall, before, after)
         except RuntimeError as e:
             tails = "\n".join(f"--- {s.name}\n{s.log_tail(1500)}" for s in servers)
             raise RuntimeError(f"{name}: {e}\n{tails}") from None
-        out |= {"instances": instances, "kv_cache_bytes": cache_bytes, "settled_s": waited,
+        by_tier: dict[str, float] = {}
+        for b, a in zip(tiers_before, tiers_after):
+            for tier, v in a.items():
+                by_tier[tier] = by_tier.get(tier, 0.0) + v - b.get(tier, 0.0)
+        out |= {"instances": instances, "tierkv_hit_tokens_by_tier": by_tier, "kv_cache_bytes": cache_bytes,
+                "settled_s": waited,
                 "ttfts_ms": [r.ttft * 1000 for r in results if r.ttft is not None]}
         print(f"[{name}] {out['requests']} requests in {wall:.1f}s: hit {out['hit_rate']:.3f} "
               f"(local {out['local_hit_rate']:.3f}, connector {out['connector_hit_rate']:.3f}), TTFT p50 "
-              f"{out['ttft_p50_ms']:.0f} ms p99 {out['ttft_p99_ms']:.0f} ms, {out['req_per_s']:.2f} req/s",
+              f"{out['ttft_p50_ms']:.0f} ms p99 {out['ttft_p99_ms']:.0f} ms, {out['req_per_s']:.2f} req/s"
+              + (f"; tierkv's hits by tier {by_tier}" if by_tier else ""),
               file=sys.stderr, flush=True)
         return out
     finally:
@@ -547,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
                 r["hit_rate_vs_limit_points"] = 100 * (r["hit_rate"] - results["limit"]["hit_rate"])
         print("hit rate against the limit, points: " + ", ".join(
             f"{n} {r['hit_rate_vs_limit_points']:+.1f}" for n, r in results.items() if n != "limit"))
+    for name, r in results.items():
+        if r["tierkv_hit_tokens_by_tier"]:
+            shares = {t: v / r["prompt_tokens_asked"] for t, v in r["tierkv_hit_tokens_by_tier"].items()}
+            print(f"{name}: connector hits by tier (share of prompt tokens, tierkv_connector_hit_tokens_total): "
+                  + ", ".join(f"{t} {v:.3f}" for t, v in shares.items()))
     for name, e in failed.items():
         print(f"{name}: FAILED: {e.splitlines()[0]}")
     if args.json:

@@ -184,3 +184,14 @@ def test_a_failing_request_is_counted_and_ends_its_session() -> None:
     assert all("HTTP 500" in (r.error or "") and r.turn == 1 for r in failed)
     with pytest.raises(RuntimeError, match="2 of 4 requests failed"):
         C.summarise(results, 1.0, [_counters(0, 0)], [_counters(10, 1)])
+
+
+def test_tier_hits_reads_tierkvs_hit_tokens_per_tier() -> None:
+    page = "\n".join([
+        "# HELP tierkv_connector_hit_tokens_total Prompt tokens found in tierkv, by the tier serving them",
+        'tierkv_connector_hit_tokens_total{engine="0",model_name="tiny",tier="dram"} 192.0',
+        'tierkv_connector_hit_tokens_total{engine="0",model_name="tiny",tier="dram_pool"} 320.0',
+        'tierkv_connector_hit_tokens_created{engine="0",model_name="tiny",tier="dram"} 1.79e+09',
+        'vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 512.0'])
+    assert C.tier_hits(page) == {"dram": 192.0, "dram_pool": 320.0}
+    assert C.tier_hits("") == {}
