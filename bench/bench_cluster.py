@@ -308,15 +308,6 @@ def summarise(results: list[Result], wall: float, before: list[dict[str, float]]
 
 
 # -- servers ---------------------------------------------------------------------------------
-def _server_args(args: argparse.Namespace, max_len: int, kv_bytes: int, kv: dict | None) -> list[str]:
-    out = ["--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
-           "--block-size", str(args.block_size), "--max-model-len", str(max_len),
-           "--max-num-batched-tokens", str(max(max_len, 2048)), "--max-num-seqs", str(max(8, args.concurrency * 2)),
-           "--kv-cache-memory-bytes", str(kv_bytes), "--enable-prefix-caching", "--seed", "0",
-           "--uvicorn-log-level", "warning"]
-    if kv is not None:
-        out += ["--kv-transfer-config", json.dumps(kv)]
-    return out
 
 
 def _warm(srv: S.ApiServer, vocab: int, length: int, n: int, output_len: int) -> None:
@@ -396,7 +387,7 @@ def run_backend(name: str, args: argparse.Namespace, model: str, work: Path, bas
                                     extra={"chunk_tokens": args.block_size})
         for i in range(instances):  # one after another: cold starts at once crawl on a small machine
             print(f"[{name}] starting instance {i + 1}/{instances} ...", file=sys.stderr, flush=True)
-            srv = S.ApiServer(f"{name}-{i}", model, _server_args(args, max_len, cache_bytes, kv), env, work,
+            srv = S.ApiServer(f"{name}-{i}", model, B._server_args(args, max_len, cache_bytes, kv), env, work,
                               cpus=cpus)
             servers.append(srv)
             took = srv.wait_ready(args.start_timeout)
