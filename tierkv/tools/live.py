@@ -222,7 +222,8 @@ def snapshot_from_text(text: str) -> tuple[Optional[dict[str, Any]], dict[str, A
                 t[part][rest[0]] = value
         elif path[0] == "by_reason":
             snap["by_reason"].setdefault(path[1], {})[path[2]] = value
-            snap["total"][path[1]] = snap["total"].get(path[1], 0.0) + value
+            if len(path) == 3:  # (a split counter's total is the sum of its reasons)
+                snap["total"][path[1]] = snap["total"].get(path[1], 0.0) + value
         else:
             snap["total"][path[1]] = value
     outcomes = [snap["total"][f] for f, (op, _) in metrics.CHUNK_OUTCOMES.items() if op == "put" and f in snap["total"]]
@@ -260,7 +261,12 @@ def _path(name: str, labels: dict[str, str]) -> Optional[tuple]:
         f = _CHUNKS_FIELD.get((labels["op"], labels["outcome"]))
         return ("total", f) if f else None
     if "reason" in labels:
-        return ("by_reason", name[len("tierkv_"):], labels["reason"])
+        f = name[len("tierkv_"):]
+        stem = f[:-len("_by_reason")]
+        if f.endswith("_by_reason") and stem in metrics.STORE_COUNTER_NAMES:
+            # a split of a store counter that has its own family (misses): the total is not the sum read here
+            return ("by_reason", stem, labels["reason"], "own_total")
+        return ("by_reason", f, labels["reason"])
     if labels:
         return None
     return ("total", _STORE_TOTAL_FIELD.get(name, name[len("tierkv_"):]))

@@ -158,6 +158,7 @@ STORE_GAUGE_HELP = {
     "write_behind_pending": "Chunks waiting in the write-behind queue (its depth)",
 }
 _STORE_COUNTERS = {f.name for f in fields(StoreCounters)}
+STORE_COUNTER_NAMES = frozenset(_STORE_COUNTERS)  # (a split of one of these is exported as ``<name>_by_reason``)
 _TIER_COUNTERS = [f.name for f in fields(TierCounters)]
 _NOT_MEDIUM = {*_TIER_COUNTERS, *TIER_GAUGES, *MEDIUM_ERRORS}
 
