@@ -112,19 +112,41 @@ def test_gemma3_style_model_keeps_its_groups_and_hits_from_a_new_process(tmp_pat
     assert three["steps"][2]["faults"]["hit"] > 0
 
 
-def test_qwen3_next_style_model_starts_with_the_connector_idle(tmp_path):
-    """Recurrent-state groups are not served yet: the engine starts with its groups (it failed to start before
-    the connector declared hybrid support), the connector says why it is idle, and the tokens are vLLM's."""
+def test_qwen3_next_style_model_keeps_its_groups_and_hits_its_saved_states_from_a_new_process(tmp_path):
+    """Recurrent-state groups (Gated DeltaNet in ``align`` mode) beside full attention: with the connector vLLM
+    keeps its four groups; engine 1 saves each prompt's attention blocks and the state at the boundary its prefill
+    stopped on; engine 2 (a new process over the same SSD) loads the block-aligned shared prefix, attention
+    blocks and states, from the tiers and produces vLLM's tokens without a connector."""
     model = H.make_qwen3_next_model(tmp_path / "qwen3n")
-    prompts = _prompts(400, (40, 9))
+    prompts = _prompts(400, (40, 75, 9))
     cache = tmp_path / "c"
     steps = [{"op": "kv_groups"}, {"op": "generate", "prompts": prompts, "one_by_one": True}]
-    base = U.run_engine({"model": model, "dtype": "bfloat16", "kv_transfer_config": None, "steps": steps}, cache)
+    base = U.run_engine({"model": model, "dtype": "bfloat16", "kv_transfer_config": None, "steps": steps}, cache,
+                        timeout=600)
+    groups, expected = base["steps"][0], base["steps"][1]["tokens"]
+    bs = groups["block_size"]
     kv = U.connector_config(_store(tmp_path / "ssd"))
-    got = U.run_engine({"model": model, "dtype": "bfloat16", "kv_transfer_config": kv,
-                        "steps": [*steps, {"op": "records"}]}, cache)
-    assert got["steps"][0]["groups"] == base["steps"][0]["groups"]
-    assert got["steps"][1]["tokens"] == base["steps"][1]["tokens"]
-    rec = got["steps"][2]
-    assert rec["workers"] == [] and rec["scheduler"] == []
-    assert len(rec["idle"]) == 2 and all("recurrent-state" in r for r in rec["idle"])
+    spec = {"model": model, "dtype": "bfloat16", "kv_transfer_config": kv, "steps": [*steps, {"op": "records"}]}
+    one = U.run_engine(spec, cache, timeout=600)
+    assert one["steps"][0]["groups"] == groups["groups"]  # the hybrid manager stays on
+    assert one["steps"][1]["tokens"] == expected
+    rec = one["steps"][2]
+    assert rec["idle"] == []
+    two = U.run_engine(spec, cache, timeout=600)
+    gen, rec = two["steps"][1], two["steps"][2]
+    assert gen["tokens"] == expected
+    # each prompt continues from the last block boundary before its last token (vLLM's align mode keeps a
+    # state there); the first one's from the tiers, the others' from vLLM's own cache of what was loaded
+    hit = [(len(p) - 1) // bs * bs for p in prompts]
+    assert gen["num_cached_tokens"] == hit
+    assert rec["scheduler"][0]["hit_tokens"] >= hit[0] > 0
+    assert rec["idle"] == []
+    assert rec["workers"][0]["async_loads"] > 0
+    # this tiny model's greedy tokens barely depend on far context, so the tokens alone would not catch a wrong
+    # state: engine 3 audits every hit (served as a miss, recomputed, and each stored object the saves find
+    # compared bit for bit), the first prompt's 2 attention blocks and its 3 layers' states at the boundary
+    audit = U.connector_config(_store(tmp_path / "ssd"), extra={"audit_rate": 1.0})
+    three = U.run_engine({**spec, "kv_transfer_config": audit}, cache, timeout=600)
+    assert three["steps"][1]["tokens"] == expected
+    t = three["steps"][2]["workers"][0]["totals"]
+    assert t["audits"] == hit[0] // bs + 3 and t.get("audit_mismatches", 0) == 0

@@ -16,7 +16,7 @@ from typing import Any
 from tierkv.errors import ConfigError
 from tierkv.options import pop_bool, pop_choice, pop_float, pop_int, pop_size, pop_str, short
 
-from .groups import GroupGeometry
+from .groups import GroupGeometry, GroupKind
 
 #: Used when the connector config names no store: a small host tier over DRAM.
 DEFAULT_STORE_CONFIG: dict[str, Any] = {
@@ -185,6 +185,17 @@ class EngineInfo:
     @property
     def num_groups(self) -> int:
         return max(1, len(self.groups))
+
+    @property
+    def state_groups(self) -> frozenset[int]:
+        """The recurrent-state groups (one state block per boundary, see groups.py)."""
+        return frozenset(g for g, geom in enumerate(self.groups) if geom.kind is GroupKind.STATE)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """The layers of recurrent-state groups (indices into :attr:`layers`)."""
+        sg = self.state_groups
+        return tuple(i for i in range(len(self.layers)) if self.group_of(i) in sg) if sg else ()
 
     def group_of(self, layer: int) -> int:
         """The KV cache group of layer ``layer`` (an index into :attr:`layers`)."""

@@ -11,8 +11,8 @@ key namespaces here) and hands each hook to the object of its role, as vLLM's ow
   (registry.py).
 
 Metadata (scheduler -> workers) is in metadata.py, counters in connector_stats.py and accounting.py, and
-what happens when the engine goes down in lifecycle.py.  A model with several KV
-cache groups leaves the connector idle (every hook a no-op).
+what happens when the engine goes down in lifecycle.py.  A model whose KV cache
+groups it cannot serve leaves the connector idle (every hook a no-op).
 """
 
 from __future__ import annotations
@@ -132,9 +132,8 @@ def _block_bytes(group: Any, layers: int) -> int | None:
 def served_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> tuple[GroupGeometry, ...]:
     """The geometry of each KV cache group, or :class:`UnsupportedGroup` naming why the connector cannot serve them.
 
-    Served: one group of any attention kind, or several groups of full attention, MLA and sliding windows at the
-    engine's block size.  Not yet: recurrent-state groups (Mamba, Gated DeltaNet, short convolution) beside
-    others, and groups of different block sizes.
+    Served: one group of any attention kind, or several groups of full attention, MLA, sliding windows and
+    recurrent state (``align`` mode) at the engine's block size.  Not yet: groups of different block sizes.
     """
     groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else []
     if not groups:
@@ -146,15 +145,16 @@ def served_groups(kv_cache_config: KVCacheConfig | None, block_size: int) -> tup
             geom = geometry_of_spec(groups[0].kv_cache_spec)
         except UnsupportedGroup:
             return ()
+        if geom.kind is GroupKind.STATE:
+            raise UnsupportedGroup("a model of recurrent-state layers alone (no attention group) is not served")
         return (geom,) if geom.kind is GroupKind.SLIDING_WINDOW else ()
     geoms = tuple(geometry_of_spec(g.kv_cache_spec) for g in groups)
     for geom in geoms:
-        if geom.kind is GroupKind.STATE:
-            raise UnsupportedGroup(f"{len(geoms)} KV cache groups with recurrent-state layers "
-                                   "(Mamba / linear attention / short convolution) are not served yet")
         if geom.block_size != block_size:
             raise UnsupportedGroup(f"KV cache groups of block sizes {sorted({g.block_size for g in geoms})} "
                                    "are not served yet")
+    if all(g.kind is GroupKind.STATE for g in geoms):
+        raise UnsupportedGroup("a model of recurrent-state layers alone (no attention group) is not served")
     return geoms
 
 
@@ -233,6 +233,12 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.idle_reason = str(e)
             _LIVE.add(self)
             return
+        if any(g.kind is GroupKind.STATE for g in geoms) and options.chunk_tokens != geoms[0].block_size:
+            # a recurrent state exists at block boundaries only: one object per block, so that every boundary
+            # whose state was saved names an object of its own
+            logger.info("TierKVConnector: recurrent-state groups: chunk_tokens %d -> %d (one block per object)",
+                        options.chunk_tokens, geoms[0].block_size)
+            self.options = options = dataclasses.replace(options, chunk_tokens=geoms[0].block_size)
         info = engine_info(vllm_config, role, kv_cache_config, options, geoms)
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = TierKVScheduler(options, info)

@@ -69,10 +69,15 @@ class _Batch:
     and the blocks each request fills.  Made once per job; each layer then costs its keys,
     its views and the store's get."""
 
-    __slots__ = ("blocks", "by_salt", "cuts", "discards", "objs", "req_blocks")
+    __slots__ = ("blocks", "by_salt", "cuts", "discards", "members", "objs", "req_blocks")
 
-    def __init__(self, objs: list[LoadObj], num_groups: int = 1) -> None:
+    def __init__(self, objs: list[LoadObj], num_groups: int = 1, state_groups: frozenset[int] = frozenset()) -> None:
         self.objs = objs
+        #: per KV cache group, the positions of the objects its layers read (None: all); a recurrent-state
+        #: group reads only the chunks whose boundary state the load writes
+        self.members: list[list[int] | None] = [
+            [i for i, o in enumerate(objs) if any(b is not None for b in o.targets_of(g))] if g in state_groups
+            else None for g in range(num_groups)]
         by_salt: dict[str | None, tuple[list[int], list[bytes]]] = {}
         for i, o in enumerate(objs):
             pos, hs = by_salt.setdefault(o.salt, ([], []))
@@ -82,22 +87,32 @@ class _Batch:
         self.by_salt = [(salt, None if len(by_salt) == 1 else pos, hs) for salt, (pos, hs) in by_salt.items()]
         #: per KV cache group: where the chunks' blocks go, how many they fill, how many are read and dropped,
         #: and how many each request fills
-        self.cuts = [Cuts([o.targets_of(g) for o in objs]) for g in range(num_groups)]
+        self.cuts = [Cuts([o.targets_of(g) for o in self.objs_of(g)]) for g in range(num_groups)]
         self.blocks = [c.blocks for c in self.cuts]
-        self.discards = [sum(len(o.targets) for o in objs) - n for n in self.blocks]
+        self.discards = [sum(len(o.targets) for o in self.objs_of(g)) - n for g, n in enumerate(self.blocks)]
         self.req_blocks: list[dict[str, int]] = []
         for g in range(num_groups):
             per: dict[str, int] = {}
-            for o in objs:
+            for o in self.objs_of(g):
                 t = o.targets_of(g)
                 per[o.req_id] = per.get(o.req_id, 0) + len(t) - t.count(None)
             self.req_blocks.append(per)
+
+    def objs_of(self, group: int) -> list[LoadObj]:
+        """The objects the layers of ``group`` read."""
+        m = self.members[group]
+        return self.objs if m is None else [self.objs[i] for i in m]
 
     def last_keys(self) -> list[str]:
         """The chunks' keys in the last layer, as the lookup that found them made them (hashed once)."""
         return [o.last_key for o in self.objs]
 
-    def keys(self, layer_keys: Callable[[int, list[bytes], str | None], list[str]], layer: int) -> list[str]:
+    def keys(self, layer_keys: Callable[[int, list[bytes], str | None], list[str]], layer: int,
+             group: int = 0) -> list[str]:
+        """The keys of ``layer``'s objects (of those its group reads)."""
+        m = self.members[group]
+        if m is not None:
+            return [layer_keys(layer, [o.key_hash], o.salt)[0] for o in self.objs_of(group)]
         if len(self.by_salt) == 1:
             salt, _, hs = self.by_salt[0]
             return layer_keys(layer, hs, salt)
@@ -157,8 +172,11 @@ class Loader:
                  store: Callable[[], Any], stored: Callable[[list[bytes], int, int, int, str | None], list[StoredChunk]],
                  layer_keys: Callable[[int, list[bytes], str | None], list[str]],
                  tp_rank: int = 0, tp_size: int = 1, group_of: Callable[[int], int] = lambda layer: 0,
-                 num_groups: int = 1) -> None:
+                 num_groups: int = 1, state_groups: frozenset[int] = frozenset()) -> None:
         self._layers = layers
+        self._state_groups = state_groups
+        # the lookup's keys are the last layer's (a recurrent-state layer is never the one looked up)
+        self._last_is_looked_up = group_of(len(layers) - 1) not in state_groups
         self._group_of = group_of
         self._num_groups = num_groups
         self._paged = paged
@@ -235,7 +253,7 @@ class Loader:
 
     def _run_inner(self, job: LoadJob, specs: list[LoadSpec]) -> None:
         objs = self.plan(job, specs)
-        batch = _Batch(objs, self._num_groups) if objs else None
+        batch = _Batch(objs, self._num_groups, self._state_groups) if objs else None
         last_keys: list[str] = []
         if batch is not None:
             # which tier serves each chunk (for stats; the load itself does not depend on it),
@@ -257,12 +275,17 @@ class Loader:
             job.begin[layer] = time.perf_counter()
             try:
                 if batch is not None:
-                    keys = last_keys if layer == job.num_layers - 1 else batch.keys(self._layer_keys, layer)
+                    keys = self._keys_of(batch, layer, last_keys)
                     outs, copies, _ = self._prepare_layer(layer, batch, 0)
                     self._finish_layer(job, layer, batch, self._get(keys, outs, f"layer {layer}"), copies)
             finally:
                 job.end[layer] = time.perf_counter()
                 job.events[layer].set()
+
+    def _keys_of(self, batch: _Batch, layer: int, last_keys: list[str]) -> list[str]:
+        if layer == len(self._layers) - 1 and self._last_is_looked_up:
+            return last_keys
+        return batch.keys(self._layer_keys, layer, self._group_of(layer))
 
     def _prepare_layer(self, layer: int, batch: _Batch, spare: int) -> tuple[list, list | None, int]:
         """Destination buffers of one layer's chunks, and their pending copies (None: none).
@@ -295,7 +318,7 @@ class Loader:
             for rid, n in batch.req_blocks[g].items():
                 job.per_req[rid]["bytes"] += nb * n
             return
-        for j, (o, good) in enumerate(zip(batch.objs, ok)):
+        for j, (o, good) in enumerate(zip(batch.objs_of(g), ok)):
             if good:
                 if copies is not None:
                     for stage, dst in copies[j]:
@@ -310,13 +333,13 @@ class Loader:
 
     def _load_all_layers(self, job: LoadJob, batch: _Batch, last_keys: list[str]) -> None:
         """Every layer in one get: the tiers batch it as a whole (one round trip, one I/O queue)."""
-        L, n = job.num_layers, len(batch.objs)
+        L = job.num_layers
         keys: list[str] = []
         per_layer: list = []
         copies: list = []
         spare = 0
         for layer in range(L):
-            keys += last_keys if layer == L - 1 else batch.keys(self._layer_keys, layer)
+            keys += self._keys_of(batch, layer, last_keys)
             o, c, used = self._prepare_layer(layer, batch, spare)
             spare += used
             per_layer.append(o)
@@ -326,8 +349,11 @@ class Loader:
         else:
             outs = [v for o in per_layer for v in o]
         ok = self._get(keys, outs, "all layers")
+        at = 0
         for layer in range(L):
-            self._finish_layer(job, layer, batch, ok[layer * n:(layer + 1) * n], copies[layer])
+            n = len(batch.objs_of(self._group_of(layer)))
+            self._finish_layer(job, layer, batch, ok[at:at + n], copies[layer])
+            at += n
 
 
 def _target(ids: list[int], i: int) -> int | None:

@@ -57,6 +57,9 @@ class SaveSpec:
     #: blocks ``lo .. hi-1`` were a hit served as a miss for an audit: the chunks that overlap them are
     #: compared with the stored copies when the put finds them present (None: no audit)
     audit: tuple[int, int] | None = None
+    #: recurrent-state groups: positions in ``chunks`` whose state this step offers (the step ends on the
+    #: chunk's last block boundary), the only ones those groups save; None without such groups
+    state_chunks: list[int] | None = None
 
     def audited(self, chunks: list[tuple[int, int]]) -> list[int]:
         """Positions in ``chunks`` of those the audit covers."""

@@ -214,15 +214,22 @@ class Prober:
     """
 
     def __init__(self, keys: LayerKeys, chunk_blocks: int, store: Callable[[], Any],
-                 locality: dict[str, str | None]) -> None:
+                 locality: dict[str, str | None], state_layers: Sequence[int] = ()) -> None:
         self._keys = keys
         self._G = chunk_blocks
         self._store = store
         self._locality = locality
         self._places: dict[str, TierPlace] = {}
-        L = keys.num_layers
-        self._all_layers = [L - 1, *range(L - 1)]
-        self._last_layer = [L - 1]
+        #: layers of recurrent-state groups: one object per block boundary whose state was saved, asked
+        #: about apart (a prefix of them is not a run of stored chunks)
+        self._state_layers = list(state_layers)
+        if self._state_layers and chunk_blocks != 1:
+            raise ValueError("recurrent-state layers need one block per object (chunk_blocks 1)")
+        skip = set(self._state_layers)
+        prefix = [i for i in range(keys.num_layers) if i not in skip]
+        # the last of them is written last (saves follow the forward's layer order): asked first
+        self._all_layers = [prefix[-1], *prefix[:-1]]
+        self._last_layer = [prefix[-1]]
 
     def _run(self, p: _Pass, windows: list[tuple[int, int]]) -> list[list[Chunk]]:
         while True:
@@ -253,6 +260,12 @@ class Prober:
         found = self._run(p, windows)
         reach = covered(found[0], lo, hi)
         held = covered(found[1], 0, lo) if lo else 0
+        state_keys: list[str] = []
+        cut = 0  # blocks of the prefix's reach past the last boundary whose state is stored
+        if self._state_layers and reach:
+            reach, state_keys = self._state_reach(store, hashes, lo, reach, request.salt)
+            cut = covered(found[0], lo, hi) - reach
+            found[0] = [c for c in found[0] if c[1] < lo + reach]
         where: list[TierPlace | None] = []
         tiers = p.first
         ends = set()
@@ -263,11 +276,29 @@ class Prober:
         if not ends:
             keys: list[str] = []
         elif ends.issuperset(p.asked_ends):  # (every key asked about is of a chunk found: the usual hit)
-            keys = p.asked_keys
+            keys = p.asked_keys + state_keys
         else:
-            keys = list(compress(p.asked_keys, map(ends.__contains__, p.asked_ends)))
-        missed = self._explain(p, store, lo + reach, hi, count_misses) if lo + reach < hi else {}
+            keys = list(compress(p.asked_keys, map(ends.__contains__, p.asked_ends))) + state_keys
+        missed = self._explain(p, store, lo + reach + cut, hi, count_misses) if lo + reach + cut < hi else {}
+        if cut:  # stored in every attention layer, but no state saved at a boundary past the hit
+            word = MissReason.NEVER_STORED.value
+            missed[word] = missed.get(word, 0) + cut
+            if count_misses and hasattr(store, "count_misses"):
+                store.count_misses(MissReason.NEVER_STORED, cut)
         return ProbeAnswer(reach, held, where, missed=missed), keys
+
+    def _state_reach(self, store: Any, hashes: Sequence[bytes], lo: int, reach: int,
+                     salt: str | None) -> tuple[int, list[str]]:
+        """The longest reach ``<= reach`` from ``lo`` whose last boundary's state every state layer holds, and
+        those objects' keys: one ``locate`` of every state layer's object of every block in the reach."""
+        hs = [hashes[b] for b in range(lo, lo + reach)]
+        keys = [self._keys.keys(layer, hs, salt) for layer in self._state_layers]
+        tiers = store.locate([k for ks in keys for k in ks])
+        n = len(hs)
+        for j in range(n - 1, -1, -1):
+            if all(tiers[i * n + j] is not None for i in range(len(keys))):
+                return j + 1, [ks[j] for ks in keys]
+        return 0, []
 
     def _explain(self, p: _Pass, store: Any, b0: int, hi: int, count: bool) -> dict[str, int]:
         """Blocks ``b0 .. hi-1`` (not served) by reason: the blocks of each absent chunk take its reason, and

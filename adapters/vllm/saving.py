@@ -46,11 +46,15 @@ logger = logging.getLogger("vllm.tierkv.saving")
 class SavePlan:
     """One save spec's chunks on this rank, as every layer of the step uses them."""
 
-    __slots__ = ("audited", "chunks", "cuts", "hashes", "spec")
+    __slots__ = ("audited", "chunks", "cuts", "hashes", "spec", "state_keep")
 
     def __init__(self, spec: SaveSpec, pos: list[int], num_groups: int = 1) -> None:
         self.spec = spec
         self.chunks = [spec.chunks[j] for j in pos]
+        #: positions in ``chunks`` of those whose recurrent state this step offers (the only ones a state
+        #: group saves)
+        offered = set(spec.state_chunks or ())
+        self.state_keep = [i for i, j in enumerate(pos) if j in offered]
         self.hashes = [block_hash_bytes(spec.block_hashes[j]) for j in pos]
         #: where the chunks' blocks lie, per KV cache group (each group has its own block ids)
         self.cuts = [Cuts([ids[j] for j in pos]) for ids in (spec.ids_of(g) for g in range(num_groups))]
@@ -101,8 +105,9 @@ class Saver:
     def __init__(self, *, keys: LayerKeys, layers: list[str], paged: dict[str, PagedLayer], chunk_blocks: int,
                  shard: ShardInfo, split_writes: bool, store: Callable[[], Any], counters: WorkerCounters,
                  group_of: Callable[[int], int] = lambda layer: 0, num_groups: int = 1,
-                 auditor: Auditor | None = None) -> None:
+                 auditor: Auditor | None = None, state_groups: frozenset[int] = frozenset()) -> None:
         self._auditor = auditor
+        self._state_groups = state_groups
         self._keys = keys
         self._group_of = group_of
         self._num_groups = num_groups
@@ -139,10 +144,21 @@ class Saver:
         # per-chunk work stays on the engine's thread.  A staged layout (device memory, strided
         # views) is copied out here, in the engine's stream order, before the layer is reused.
         direct = paged.is_flat()
+        group = self._group_of(layer)
         for plan in self._plans_of(meta):
             if plan is None:
                 continue
-            item = SaveItem(plan, layer, None if direct else paged.read_cut(plan.cuts[self._group_of(layer)]))
+            if group in self._state_groups:
+                # a state block holds the state at its boundary only during the step that offers it (vLLM frees
+                # or overwrites it in a later one): copied now, on the engine's thread
+                if not plan.state_keep:
+                    continue
+                objects = plan.cuts[group].objects
+                values = [[p.clone() for p in paged.read_runs([b for b in objects[j] if b is not None])]
+                          for j in plan.state_keep]
+                item = SaveItem(plan, layer, values, list(plan.state_keep))
+            else:
+                item = SaveItem(plan, layer, None if direct else paged.read_cut(plan.cuts[group]))
             with self._cond:
                 self._pending[plan.spec.req_id] += 1
             if hold:
@@ -164,12 +180,13 @@ class Saver:
             spec = item.plan.spec
             cut = next((p for p, bid in enumerate(spec.table) if bid in failed_blocks), None) if failed_blocks else None
             if cut is not None:
-                keep = [j for j, (_, last) in enumerate(item.plan.chunks) if last < cut]
-                if not keep:
+                had = item.keep if item.keep is not None else range(len(item.plan.chunks))
+                at = [i for i, j in enumerate(had) if item.plan.chunks[j][1] < cut]
+                if not at:
                     self._done(spec.req_id)
                     continue
-                values = None if item.values is None else [item.values[j] for j in keep]
-                item = SaveItem(item.plan, item.layer, values, keep)
+                values = None if item.values is None else [item.values[i] for i in at]
+                item = SaveItem(item.plan, item.layer, values, [had[i] for i in at])
             self._submit(item)
 
     def _plans_of(self, meta: TierKVConnectorMetadata) -> list[SavePlan | None]:

@@ -144,6 +144,9 @@ class TierKVScheduler:
         self._multi = info.num_groups > 1
         #: a sliding-window group frees blocks before its window while the request runs: saves skip them
         self._windowed = any(g.kind is GroupKind.SLIDING_WINDOW for g in info.groups)
+        #: recurrent-state groups: a hit ends on a boundary whose state was saved, and a state is saved in the
+        #: step that ends on its boundary
+        self._state_groups = sorted(info.state_groups)
         self._clients: dict[int, ChannelClient] = {}
         self._ask = ask or self._ask_worker
         self._lookup_down_until = 0.0
@@ -191,12 +194,12 @@ class TierKVScheduler:
         top = min(len(request.block_hashes), -(-hi // G) * G)
         return [bytes(h) for h in request.block_hashes[base:top]], base
 
-    def probe(self, request: Any, local: int) -> ProbeAnswer:
+    def probe(self, request: Any, local: int, limit: int | None = None) -> ProbeAnswer:
         """A request's whole lookup in one round trip per KV-head shard (``ProbeRequest``): the smallest
         ``reach`` and ``held`` of the shards, and where each reached block is, from the first shard.
         With ``lease_timeout_s`` each shard's worker holds what it reports until the load (``leased``: the
         objects held, over the shards)."""
-        hashes = [bytes(h) for h in request.block_hashes]
+        hashes = [bytes(h) for h in request.block_hashes[:limit]]
         rid = request.request_id if self.options.lease_timeout_s else None
         ask = ProbeRequest(hashes, local, request.cache_salt, str(request.request_id))
         reach, held, where, leased = max(0, len(hashes) - local), local, [], 0
@@ -225,7 +228,8 @@ class TierKVScheduler:
         # (vLLM's own rule); with full_hit_recompute="token" that block is loaded too
         # and only the prompt's last token is computed (its KV overwrites the loaded
         # copy of itself: the same token at the same position after the same prefix).
-        token_mode = self.options.full_hit_recompute == "token"
+        # (a recurrent state exists at block boundaries only: with state groups a hit is whole blocks)
+        token_mode = self.options.full_hit_recompute == "token" and not self._state_groups
         max_blocks = min(len(hashes), (request.num_tokens - (0 if token_mode else 1)) // bs)
         local = num_computed_tokens // bs
         hits, held, reach = 0, 0, 0
@@ -236,7 +240,9 @@ class TierKVScheduler:
                 # one round trip: how far the full blocks are stored from ``local`` on (what is stored past
                 # max_blocks needs no save), whether the store already holds what vLLM has locally (decides
                 # what to save), and which tier holds each block of the hit (statistics)
-                got = self.probe(request, local)
+                # with recurrent-state groups the hit's last block must be one the hit may end on: the probe
+                # asks no further than that (the state at its boundary decides where the hit ends)
+                got = self.probe(request, local, max_blocks if self._state_groups else None)
                 reach, held, where, missed = got.reach, got.held, got.where, got.missed
                 hits = max(0, min(reach, max_blocks - local))
             except Exception as e:  # noqa: BLE001 - an unreachable worker is a miss, never a crash
@@ -420,6 +426,7 @@ class TierKVScheduler:
             if not chunks:
                 continue
             per_group = [[ids[a:b + 1] for a, b in chunks] for ids in st.block_ids]
+            state_chunks = self._offered_states(st, chunks, new_tokens) if self._state_groups else None
             meta.saves.append(SaveSpec(
                 rid,
                 chunks,
@@ -429,14 +436,31 @@ class TierKVScheduler:
                 req.cache_salt,
                 per_group if self._multi else None,
                 audit=st.audit,
+                state_chunks=state_chunks,
             ))
             self._planned_saves.add(rid)
         return meta
 
+    def _offered_states(self, st: RequestState, chunks: list[tuple[int, int]], new_tokens: int) -> list[int]:
+        """Positions in ``chunks`` whose recurrent state this step offers: the step ends exactly on the chunk's
+        last block boundary, and every state group holds a block there (vLLM keeps the state at a boundary only
+        where a step ends; its block is freed or overwritten in a later step)."""
+        bs = self._bs
+        if new_tokens % bs:
+            return []
+        last = new_tokens // bs - 1
+        return [j for j, (_, b) in enumerate(chunks)
+                if b == last and all(b < len(st.block_ids[g]) and st.block_ids[g][b] != 0
+                                     for g in self._state_groups)]
+
     def _load_spec(self, st: RequestState, lo: int, hi: int) -> LoadSpec:
-        """Load the request's blocks ``lo .. hi-1`` (in every group)."""
+        """Load the request's blocks ``lo .. hi-1`` (in every group; in a recurrent-state group, the state at the
+        boundary of block ``hi-1`` alone, into that block: vLLM continues from it)."""
         hashes, base = self.hash_window(st.request, lo, hi)
         per_group = [ids[lo:hi] for ids in st.block_ids]
+        for g in self._state_groups:
+            # (id 0, vLLM's null block, is never written: the blocks before the boundary are not loaded)
+            per_group[g] = [0] * (len(per_group[g]) - 1) + per_group[g][-1:]
         return LoadSpec(st.request.request_id, lo, per_group[0], hashes, st.request.cache_salt, base,
                         per_group if self._multi else None)
 

@@ -100,7 +100,11 @@ class TierKVWorker:
         tiers = store.tier_info()
         self.keys = LayerKeys(info)
         self.counters = WorkerCounters()
-        self.prober = Prober(self.keys, G, lambda: self.store, {t["name"]: t["locality"] for t in tiers})
+        self.prober = Prober(self.keys, G, lambda: self.store, {t["name"]: t["locality"] for t in tiers},
+                             state_layers=info.state_layers)
+        #: layers of recurrent-state groups: vLLM calls no per-layer hook for them, so their saves are
+        #: copied out at the step's end (wait_for_save), before vLLM may hand their blocks to another request
+        self._state_layers = [layers[i] for i in info.state_layers]
         #: what lookups found, held for their loads (leases.py); off with lease_timeout_s 0
         self.leases = RequestLeases()
         self._looked_up: OrderedDict[str, None] = OrderedDict()  # requests whose misses were counted
@@ -111,12 +115,13 @@ class TierKVWorker:
         self.saver = Saver(keys=self.keys, layers=layers, paged=self._paged, chunk_blocks=G, shard=self.shard,
                            split_writes=split, store=lambda: self.store, counters=self.counters,
                            group_of=info.group_of, num_groups=info.num_groups,
-                           auditor=Auditor(options.audit_tolerance))
+                           auditor=Auditor(options.audit_tolerance), state_groups=info.state_groups)
 
         def loader() -> Loader:
             return Loader(layers=layers, paged=self._paged, block_size=info.block_size, store=lambda: self.store,
                           stored=self.prober.chunks, layer_keys=self.keys.keys, tp_rank=info.tp_rank,
-                          tp_size=info.tp_size, group_of=info.group_of, num_groups=info.num_groups)
+                          tp_size=info.tp_size, group_of=info.group_of, num_groups=info.num_groups,
+                          state_groups=info.state_groups)
 
         self._loader = loader()
         self._loader.layerwise = options.layerwise is True  # "auto" is settled in register_kv_caches
@@ -303,6 +308,8 @@ class TierKVWorker:
         self.saver.release_held(job.failed_blocks if job is not None else set())
 
     def wait_for_save(self) -> None:
+        for name in self._state_layers:
+            self.save_kv_layer(name)
         # the step's loads are over once the forward is; settle them, then release saves
         if self.load_job is not None or self.saver.holding:
             self._finish_load_job()
