@@ -201,3 +201,17 @@ def test_a_state_gone_from_the_store_fails_the_load_never_loads_another(sides):
     w.get_finished(set())
     assert w.take_failed_recving() == {"b"}  # vLLM recomputes the request
     assert not bool(sides.state[33].any())
+
+
+def test_a_hit_whose_boundary_has_no_state_block_fails_never_loads_attention_alone(sides):
+    _serve_a(sides)
+    s, w = sides.sched, sides.worker
+    b = _request("b", 4)
+    assert s.get_num_new_matched_tokens(b, 0) == (4 * BS, True)
+    # the state group's block at the boundary is vLLM's null block: nothing could hold the state
+    s.update_state_after_alloc(b, NS(get_block_ids=lambda: ([30, 31, 32, 0], [1, 2, 3, 4])), 4 * BS)
+    _step(sides, s.build_connector_meta(_output("x", ([], []), 0, 0, new=True)))
+    assert w._async.wait_idle(30)
+    w.get_finished(set())
+    assert w.take_failed_recving() == {"b"}
+    assert not bool(sides.attn[1:5].any())  # no attention block written either

@@ -213,6 +213,13 @@ class Loader:
             job.per_req.setdefault(spec.req_id, {"tokens": 0, "bytes": 0, "hit_tokens": {}})["tokens"] += \
                 (hi - lo) * self._bs
             job.nblocks += hi - lo
+            if any(not spec.ids_of(g)[-1:] or spec.ids_of(g)[-1] == 0 for g in self._state_groups):
+                # no block to hold the state the hit ends on: the attention blocks alone would be wrong
+                lost = [b for g in range(self._num_groups) for b in spec.ids_of(g) if b != 0]
+                job.failed_blocks.update(lost)
+                job.failed_reqs.add(spec.req_id)
+                job.count_hits(spec.req_id, "miss", (hi - lo) * self._bs)
+                continue
             try:
                 chunks = self._stored(spec.block_hashes, spec.hash_base, lo, hi, spec.cache_salt)
             except Exception as e:  # noqa: BLE001 - a broken backend is a miss
