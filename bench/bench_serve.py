@@ -69,8 +69,33 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 
+import hybrid_models as H
 import serve_util as S
 import vllm_util as U
+
+#: model families a run can serve (``--family``): a Llama, a Gemma-3-style model (three sliding-window layers to
+#: one full-attention layer) and a Qwen3-Next-style one (three Gated DeltaNet layers to one full-attention layer)
+FAMILIES = ("llama", "gemma3", "qwen3-next")
+FAMILY_DTYPE = {"llama": "float32", "gemma3": "float32", "qwen3-next": "bfloat16"}
+
+
+def make_model(args: argparse.Namespace, work: Path, max_positions: int) -> str:
+    """The run's random-weight model of ``args.family`` (kept in ``work`` under a name that holds its shape)."""
+    shape = f"{args.layers}x{args.hidden}h{args.heads}-v{args.vocab}-p{max_positions}"
+    if args.family == "llama":
+        return U.make_tiny_model(work / f"model-{shape}", layers=args.layers, hidden=args.hidden,
+                                 heads=args.heads, kv_heads=args.heads, vocab=args.vocab, max_positions=max_positions)
+    if args.family == "gemma3":
+        types = [("full_attention" if i % 4 == 3 else "sliding_attention") for i in range(args.layers)]
+        return H.make_gemma3_model(work / f"model-gemma3-{shape}-w{args.sliding_window}", hidden=args.hidden,
+                                   heads=args.heads, kv_heads=args.heads, vocab=args.vocab,
+                                   sliding_window=args.sliding_window, layer_types=types,
+                                   max_positions=max_positions)
+    types = [("full_attention" if i % 4 == 3 else "linear_attention") for i in range(args.layers)]
+    return H.make_qwen3_next_model(work / f"model-qwen3next-{shape}", hidden=args.hidden, heads=args.heads,
+                                   kv_heads=args.heads, vocab=args.vocab, layer_types=types,
+                                   max_positions=max_positions)
+
 
 BACKENDS = ("none", "mooncake", "tierkv", "tierkv-sync", "tierkv-async", "tierkv-auto", "tierkv-noaudit",
             "tierkv-audit-all")
@@ -104,7 +129,7 @@ def _rotated(names: list[str], i: int) -> list[str]:
 
 
 def _server_args(args: argparse.Namespace, max_len: int, kv_bytes: int, kv: dict | None) -> list[str]:
-    out = ["--served-model-name", "tiny", "--dtype", "float32", "--enforce-eager",
+    out = ["--served-model-name", "tiny", "--dtype", FAMILY_DTYPE[getattr(args, "family", "llama")], "--enforce-eager",
            "--block-size", str(args.block_size), "--max-model-len", str(max_len),
            "--max-num-batched-tokens", str(max(max_len, 2048)), "--max-num-seqs", str(max(8, args.concurrency * 2)),
            "--kv-cache-memory-bytes", str(kv_bytes), "--enable-prefix-caching", "--seed", "0",
@@ -441,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--family", default="llama", choices=FAMILIES,
+                    help="the model's family: llama, or a hybrid one (gemma3: sliding window + full attention; "
+                         "qwen3-next: Gated DeltaNet + full attention, bfloat16; vLLM may raise its block size)")
+    ap.add_argument("--sliding-window", type=int, default=256, help="gemma3's sliding window, in tokens")
     ap.add_argument("--kv-cache-prompts", type=float, default=1.5,
                     help="vLLM's KV cache size in units of (concurrency x request length): small, so its "
                          "own prefix cache evicts")
@@ -483,6 +512,11 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--audit-tolerance {args.audit_tolerance} must be a finite number, 0 or more")
     if args.settle < 0:
         raise SystemExit(f"--settle {args.settle} must be 0 or more seconds")
+    if args.family != "llama" and (args.layers < 4 or args.layers % 4):
+        raise SystemExit(f"--layers {args.layers}: a {args.family} model has a multiple of 4 layers "
+                         "(three hybrid layers to one full-attention layer)")
+    if args.sliding_window < 1:
+        raise SystemExit(f"--sliding-window {args.sliding_window} must be 1 token or more")
     if args.warmup is not None and args.warmup < args.num_prefixes:
         raise SystemExit(f"--warmup {args.warmup} must be at least --num-prefixes {args.num_prefixes}")
 
@@ -491,13 +525,12 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     prompt_len = args.prefix_len + args.suffix_len
     max_len = -(-(prompt_len + args.output_len + 16) // args.block_size) * args.block_size
-    kv_per_token = 2 * args.hidden * 4 * args.layers  # float32 K and V, every layer
+    # float32 K and V, every layer (an upper bound for the hybrid families, whose recurrent layers keep a state)
+    kv_per_token = 2 * args.hidden * 4 * args.layers
     kv_bytes = int(kv_per_token * args.concurrency * (prompt_len + args.output_len) * args.kv_cache_prompts)
     kv_bytes = max(kv_bytes, kv_per_token * max_len * 2)  # two longest requests fit, at least
     # every shape in the name: a kept --workdir reuses a model only when it fits this run
-    model_dir = work / f"model-{args.layers}x{args.hidden}h{args.heads}-v{args.vocab}-p{max_len + 64}"
-    model = U.make_tiny_model(model_dir, layers=args.layers, hidden=args.hidden,
-                              heads=args.heads, kv_heads=args.heads, vocab=args.vocab, max_positions=max_len + 64)
+    model = make_model(args, work, max_len + 64)
     S.make_word_tokenizer(model, args.vocab)
 
     base_env = U.engine_env(work / "cache")
@@ -611,7 +644,8 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"\nvLLM OpenAI server, prefix_repetition: {args.requests} requests, {args.num_prefixes} prefixes of "
           f"{args.prefix_len} + {args.suffix_len}-token suffixes, {args.output_len} output tokens, concurrency "
-          f"{args.concurrency}; model {args.layers} layers x hidden {args.hidden} (float32), block "
+          f"{args.concurrency}; model {args.family} {args.layers} layers x hidden {args.hidden} "
+          f"({FAMILY_DTYPE[args.family]}), block "
           f"{args.block_size}, vLLM KV cache {kv_bytes >> 20} MiB ({kv_bytes // kv_per_token} tokens); "
           f"{'warm (every prefix served once before each run); ' if args.warm else ''}"
           f"{args.rounds} round(s), medians over rounds; 'vs mc' = ratio to MooncakeStoreConnector in the "
