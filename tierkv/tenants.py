@@ -26,7 +26,7 @@ Nothing here is asked when no tenant is configured (the store then holds no ledg
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Container, Iterable
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -145,8 +145,9 @@ class TenantLedger:
         #: key -> label of each chunk the tier holds (absent: ``OTHER``)
         self._of: dict[str, str] = {}
 
-    def label_of(self, key: str) -> str:
-        return self._of.get(key, OTHER)
+    def charged(self, key: str) -> Optional[str]:
+        """The configured tenant ``key`` is charged to here (None: ``OTHER``'s, or not held)."""
+        return self._of.get(key)
 
     def charge(self, key: str, label: str, footprint: int) -> None:
         """``key`` (``label``'s) now takes ``footprint`` bytes here."""
@@ -188,8 +189,44 @@ class TenantLedger:
         taken[label] = taken.get(label, 0) + footprint
         return True
 
+    def guard(self, pinned: Container[str], putter: str, own_only: bool) -> QuotaGuard:
+        """What a policy must not name for a put by ``putter`` (its ``protected``); see ``QuotaGuard``."""
+        return QuotaGuard(self, pinned, putter, own_only)
+
     def snapshot(self) -> dict[str, dict[str, Any]]:
         """label -> {used_bytes, hits, cap_bytes, guaranteed_bytes} (None where not configured)."""
         return {label: {"used_bytes": used, "hits": self.hits[label], "cap_bytes": self.caps.get(label),
                         "guaranteed_bytes": self.guaranteed.get(label)}
                 for label, used in self.usage.items()}
+
+
+class QuotaGuard:
+    """The ``protected`` container a policy is given for a put under quotas: the pinned keys, the keys
+    already considered (``seen``), and, unless they are the putter's own, the chunks of a tenant at or
+    under its guaranteed bytes (or, when the put is over its cap, every other tenant's chunks).
+
+    A cheap first filter (a policy asks ``key in protected`` as it walks its order); the level then checks
+    each key the policy names with ``TenantLedger.victim_ok``, which counts what the put already took."""
+
+    __slots__ = ("ledger", "own_only", "pinned", "putter", "seen", "taken")
+
+    def __init__(self, ledger: TenantLedger, pinned: Container[str], putter: str, own_only: bool) -> None:
+        self.ledger = ledger
+        self.pinned = pinned
+        self.putter = putter
+        self.own_only = own_only
+        self.seen: set[str] = set()
+        #: label -> footprint bytes this put already took of it
+        self.taken: dict[str, int] = {}
+
+    def __contains__(self, key: object) -> bool:
+        if key in self.pinned or key in self.seen:
+            return True
+        ledger = self.ledger
+        label = ledger._of.get(key, OTHER) if isinstance(key, str) else OTHER
+        if label == self.putter:
+            return False
+        if self.own_only:
+            return True
+        floor = ledger.guaranteed.get(label)
+        return floor is not None and ledger.usage[label] - self.taken.get(label, 0) <= floor
