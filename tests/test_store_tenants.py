@@ -157,3 +157,33 @@ def test_bad_tenant_config_is_a_config_error_naming_it(tenants, words):
 def test_put_refuses_a_tenant_that_is_no_string():
     with store({"alice": {"hbm": {"share": 0.5}}}) as s, pytest.raises(TypeError, match="tenant"):
         s.put(keys(1, "a"), [chunk(0)], tenant=3)
+
+
+def test_concurrent_floods_keep_each_share_and_exact_usage():
+    import threading
+
+    with store({"alice": {"hbm": {"share": 0.5}}, "bob": {"hbm": {"share": 0.25}}}, hbm=8, dram=4) as s:
+        seed = {t: keys(2, t + "-seed") for t in ("alice", "bob")}
+        for t, ks in seed.items():
+            assert all(s.put(ks, [chunk(0)] * 2, tenant=t))
+        errors = []
+
+        def flood(tenant):
+            try:
+                for at, k in enumerate(keys(120, tenant)):
+                    s.put([k], [chunk(at)], tenant=tenant)
+            except Exception as e:  # (reported by the test)
+                errors.append(e)
+
+        threads = [threading.Thread(target=flood, args=(t,)) for t in ("carol", "dave", "alice")]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert not errors
+        st = s.stats()
+        assert s.locate(seed["bob"]) == ["hbm"] * 2  # -> bob, under his share, lost nothing to the others
+        for tier in ("hbm", "dram"):
+            assert sum(st["tenants"][t]["tiers"][tier]["used_bytes"] for t in ("alice", "bob", "other")) \
+                == st[tier]["used_bytes"]
+        assert used(s, "alice", "hbm") >= 4 * CHUNK

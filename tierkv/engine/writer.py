@@ -107,8 +107,9 @@ class Writer:
             if label is not None:
                 with self._lock:
                     putting = self.chain.putting
-                    for key in keys:
-                        putting.pop(key, None)
+                    for key in keys:  # (a concurrent put of the same key under another tenant keeps its own)
+                        if putting.get(key) == label:
+                            del putting[key]
         return self._end_call(call, tenant)
 
     # ------------------------------------------------------------------ phases
