@@ -496,7 +496,8 @@ class TieredStore:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
-        """Counters per tier (under ``"tiers"`` and at the top level, by name) and store totals (``"total"``)."""
+        """Counters per tier (under ``"tiers"`` and at the top level, by name), store totals (``"total"``) and,
+        with tenants configured, each tenant's usage and hits (``"tenants"``: ``tierkv.tenants``)."""
         tiers: dict[str, dict[str, Any]] = {}
         chain = self._chain
         with chain.lock:
