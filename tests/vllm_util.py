@@ -367,11 +367,11 @@ class _RecordingPuts:
     def __getattr__(self, name):
         return getattr(self._store, name)
 
-    def put_detailed(self, keys, values):
+    def put_detailed(self, keys, values, tenant=None):
         from tierkv.buffers import to_parts
 
         self.calls.append([(k, to_parts(v)[1]) for k, v in zip(keys, values)])
-        return self._store.put_detailed(keys, values)
+        return self._store.put_detailed(keys, values, tenant)
 
 
 def _plant(store, calls, step: dict[str, Any]) -> dict[str, Any]:

@@ -15,7 +15,8 @@ Shape::
       "trace_path": "/var/log/tierkv/trace",       # optional: hash-only request traces (tierkv.tools.trace)
       "trace": {"max_bytes": "64MiB", "max_files": 8},
       "shadow": {"rate": 0.05},                    # optional: what more capacity would buy (tierkv.shadow)
-      "verify": "external"                         # optional: every tier's default 'verify'
+      "verify": "external",                        # optional: every tier's default 'verify'
+      "tenants": {"alice": {"dram": {"share": 0.5}}}  # optional: quotas per tenant per tier (tierkv.tenants)
     }
 
 Keys every tier takes: ``medium`` (a built-in name or ``"package.module:Class"``),
@@ -48,7 +49,7 @@ from tierkv.tiers import medium_class
 
 TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue", "miss_memory",
             "trace_path", "trace", "shadow",  # these three: tierkv.engine.observers
-            "verify"}
+            "verify", "tenants"}
 
 
 def default_config(root: str | None = None) -> dict[str, Any]:

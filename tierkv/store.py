@@ -123,6 +123,7 @@ from tierkv.keys import check_keys
 from tierkv.options import check_int
 from tierkv.outcome import MissReason, PutOutcome
 from tierkv.policies import PromotionPolicy, build_promotion
+from tierkv.tenants import Tenants, parse_tenants
 from tierkv.tiers.base import Tier
 
 if TYPE_CHECKING:
@@ -152,6 +153,7 @@ class TieredStore:
         io_workers: int = 4,
         write_behind_queue: int = 65536,
         miss_memory: int = DEFAULT_MISS_MEMORY,
+        tenants: Union[dict, Tenants, None] = None,
     ) -> None:
         if isinstance(tiers, (str, bytes)) or not isinstance(tiers, Sequence) or not tiers:
             raise ConfigError("a store needs a non-empty list of tiers (Tier or Level objects), fastest first")
@@ -159,6 +161,11 @@ class TieredStore:
         write_behind_queue = check_int(write_behind_queue, "write_behind_queue", min_value=0)
         miss_memory = check_int(miss_memory, "miss_memory", min_value=0)
         self._chain = chain = Chain([t if isinstance(t, Level) else Level(t) for t in tiers], miss_memory)
+        if tenants is not None:  # (quotas per tenant per tier: ``tierkv.tenants``)
+            if not isinstance(tenants, Tenants):
+                tenants = parse_tenants(tenants, [lvl.name for lvl in chain.levels],
+                                        [lvl.name for lvl in chain.levels if lvl.managed])
+            chain.set_tenants(tenants)
         #: the levels, fastest first (each: a tier, its policies, its index)
         self.levels: list[Level] = chain.levels
         self.promotion = build_promotion(promotion)
@@ -193,7 +200,7 @@ class TieredStore:
         try:
             store = cls(levels, promotion=cfg.get("promotion"), io_workers=cfg.get("io_workers", 4),
                         write_behind_queue=cfg.get("write_behind_queue", 65536),
-                        miss_memory=cfg.get("miss_memory", DEFAULT_MISS_MEMORY))
+                        miss_memory=cfg.get("miss_memory", DEFAULT_MISS_MEMORY), tenants=cfg.get("tenants"))
         except Exception:
             for lvl in levels:
                 lvl.tier.close()
@@ -290,24 +297,30 @@ class TieredStore:
         return self._copier.drain(timeout)
 
     # ------------------------------------------------------------------ put
-    def put(self, keys: Sequence[str], values: Sequence[Value]) -> list[bool]:
+    def put(self, keys: Sequence[str], values: Sequence[Value], tenant: Optional[str] = None) -> list[bool]:
         """Store chunks; one bool per key: True if stored now or already present (dedup).
+
+        ``tenant``: whose chunks they are, when the store has tenants configured (one not configured
+        counts as ``"other"``; ``tierkv.tenants``); ignored otherwise.
 
         ``values[i]`` is a contiguous tensor (any dtype, shape, device) or a list of
         them, whose bytes are the chunk.  False means no tier took it (admission,
         no room, media errors); it is counted, never raised.  ``put_detailed`` says why.
         """
         stored, present = PutOutcome.STORED, PutOutcome.PRESENT
-        return [o is stored or o is present for o in self.put_detailed(keys, values)]
+        return [o is stored or o is present for o in self.put_detailed(keys, values, tenant)]
 
-    def put_detailed(self, keys: Sequence[str], values: Sequence[Value]) -> list[PutOutcome]:
+    def put_detailed(self, keys: Sequence[str], values: Sequence[Value],
+                     tenant: Optional[str] = None) -> list[PutOutcome]:
         """``put``, answering a ``PutOutcome`` per key: stored, present, rejected, no room or error."""
+        if tenant is not None and not isinstance(tenant, str):
+            raise TypeError(f"tenant must be a str or None, got {type(tenant).__name__}")
         keys, values = self._pairs(keys, values, "values")
         prepared, ptrs = to_parts_ptrs(values, "values")
         self._chain.enter()
         t0 = time.perf_counter()
         try:
-            res = self._writer.put(keys, prepared, ptrs)
+            res = self._writer.put(keys, prepared, ptrs, tenant)
         finally:
             self._chain.leave()
         if self._observers.attached:
@@ -483,7 +496,8 @@ class TieredStore:
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
-        """Counters per tier (under ``"tiers"`` and at the top level, by name) and store totals (``"total"``)."""
+        """Counters per tier (under ``"tiers"`` and at the top level, by name), store totals (``"total"``) and,
+        with tenants configured, each tenant's usage and hits (``"tenants"``: ``tierkv.tenants``)."""
         tiers: dict[str, dict[str, Any]] = {}
         chain = self._chain
         with chain.lock:
@@ -527,10 +541,27 @@ class TieredStore:
             total["misses_by_reason"] = chain.departures.counts_by_reason()
             total["miss_memory"] = chain.departures.capacity
             total["miss_memory_used"] = len(chain.departures)
+            tenants = self._tenant_stats() if chain.tenants is not None else None
         self._observers.merge_stats(tiers)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
+        if tenants is not None:
+            out["tenants"] = tenants
         for name, d in tiers.items():
             out.setdefault(name, d)
+        return out
+
+    def _tenant_stats(self) -> dict[str, Any]:
+        """label -> {used_bytes, hits (totals over the managed tiers), tiers: {tier: that tier's figures}}
+        (lock held)."""
+        out: dict[str, Any] = {}
+        for lvl in self.levels:
+            if lvl.ledger is None:
+                continue
+            for label, d in lvl.ledger.snapshot().items():
+                t = out.setdefault(label, {"used_bytes": 0, "hits": 0, "tiers": {}})
+                t["used_bytes"] += d["used_bytes"]
+                t["hits"] += d["hits"]
+                t["tiers"][lvl.name] = d
         return out
 
     # ------------------------------------------------------------------ helpers

@@ -237,7 +237,8 @@ class Saver:
                     cuts = plan.cuts[self._group_of(layer)]
                     cuts = cuts if keep is None else Cuts([cuts.objects[j] for j in keep])
                     values = self._paged[self._layers[layer]].read_cut(cuts)
-                outcomes: list[PutOutcome] = self._store().put_detailed(keys, values)
+                # (a request's cache_salt names its tenant: quotas and per-tenant figures, ``tierkv.tenants``)
+                outcomes: list[PutOutcome] = self._store().put_detailed(keys, values, tenant=spec.cache_salt)
             except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
                 logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
                 outcomes = [PutOutcome.ERROR] * len(chunks)

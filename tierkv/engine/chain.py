@@ -23,6 +23,7 @@ from tierkv.engine.level import Level
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.outcome import Admission, MissReason
 from tierkv.stats import StoreCounters
+from tierkv.tenants import OTHER, TenantLedger, Tenants
 
 # why a chunk was not placed (bit flags gathered while scanning the chain)
 NO_ROOM, UNAVAILABLE, FAILED, TOO_LARGE = 1, 2, 4, 8
@@ -79,6 +80,31 @@ class Chain:
         self.faults_seen: dict[int, dict[str, int]] = {}  # level -> its medium's fault counters (``drop_reason``)
         #: the last ``miss_memory`` chunks that left the store, and why (``departed``; ``TieredStore.why_missing``)
         self.departures = Departures(miss_memory)
+        #: the configured tenants (None: no quotas, nothing below is asked)
+        self.tenants: Tenants | None = None
+        #: key -> the label of the tenant a put in flight stores it for (``Writer``)
+        self.putting: dict[str, str] = {}
+
+    # ------------------------------------------------------------------ tenants
+    def set_tenants(self, tenants: Tenants) -> None:
+        """Keep ``tenants``' quotas: every managed level accounts its chunks per tenant (levels still empty)."""
+        self.tenants = tenants
+        for lvl in self.levels:
+            if lvl.managed:
+                lvl.set_quotas(TenantLedger(lvl.name, lvl.capacity, tenants), self.label_of)
+
+    def label_of(self, key: str) -> str:
+        """The tenant label of ``key``: the one a put in flight gives it, else the one a level holding it
+        charged it to, else ``OTHER`` (a chunk recovered from disk or found only in a shared pool).  Lock held."""
+        label = self.putting.get(key)
+        if label is not None:
+            return label
+        for j in self.managed:
+            ledger = self.levels[j].ledger
+            label = ledger.charged(key) if ledger is not None else None
+            if label is not None:
+                return label
+        return OTHER
 
     # ------------------------------------------------------------------ departures
     def departed(self, keys: Sequence[str], reason: MissReason, lvl: Level | None = None,

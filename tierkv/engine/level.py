@@ -54,6 +54,7 @@ from tierkv.outcome import AdmissionCounts
 from tierkv.persist import PersistMode, resolve_persist
 from tierkv.policies import AdmissionPolicy, EvictionPolicy, build_admission, build_eviction
 from tierkv.stats import TierCounters
+from tierkv.tenants import OTHER, TenantLedger
 from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Locality, Tier
 
 log = logging.getLogger("tierkv")
@@ -199,6 +200,16 @@ class Level:
                              and not len(self.eviction))
         if self._follows:
             self.eviction.follow_order(_Order(self))  # type: ignore[union-attr]
+        #: per-tenant usage and the quota rules here (None: no tenant configured, nothing asked)
+        self.ledger: Optional[TenantLedger] = None
+        #: the label of the tenant a key is put under (``set_quotas``)
+        self._label_of: Any = None
+
+    def set_quotas(self, ledger: TenantLedger, label_of: Any) -> None:
+        """Account this level's chunks per tenant (``label_of(key)``: the tenant of a key being placed) and keep
+        their quotas: every reservation is charged, every freed chunk credited (the level is empty)."""
+        self.ledger = ledger
+        self._label_of = label_of
 
     @property
     def write_through(self) -> bool:
@@ -421,7 +432,9 @@ class Level:
         index, cap, size = self._index, self.capacity, self._size
         fps = self._fps
         used = self.used
-        if type(keys) is list and len(keys) > 1 and index.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+        ledger = self.ledger
+        if (ledger is None and type(keys) is list and len(keys) > 1 and index.keys().isdisjoint(keys)
+                and len(set(keys)) == len(keys)):
             # all new, all distinct (the common case): if the whole batch fits, reserve it in C loops
             fp_of = self._fp_only
             fps_all = list(map(fp_of.get, sizes))
@@ -452,6 +465,12 @@ class Level:
                 if used + fp > cap:
                     append(2)
                     continue
+                if ledger is not None:
+                    label = self._label_of(key)
+                    if ledger.over_cap(label, fp):  # (room must come from the tenant's own chunks: evict first)
+                        append(2)
+                        continue
+                    ledger.charge(key, label, fp)
                 index[key] = c[1]
                 used += fp
                 fresh.append(len(out))
@@ -492,6 +511,8 @@ class Level:
                 if c is None:
                     del index[keys[i]]
                     self.used -= self._size(sizes[i])[0]
+                    if self.ledger is not None:
+                        self.ledger.credit(keys[i], self._size(sizes[i])[0])
                     out[i] = 2
 
     def commit(self, key: str) -> None:
@@ -581,6 +602,8 @@ class Level:
         self.used += total
         self.ready_count += n
         self.ready_bytes += total
+        if self.ledger is not None:  # (a recovered chunk's tenant is not known: it counts as OTHER's)
+            self.ledger.usage[OTHER] += total
         policy = self._policy
         if policy is None:
             return True
@@ -590,6 +613,8 @@ class Level:
             policy.adopted(keys, sizes_seq)
         except BaseException:
             index.clear()  # (it held these alone) none of them may stay unknown to the policy
+            if self.ledger is not None:
+                self.ledger.usage[OTHER] -= total
             self.used -= total
             self.ready_count -= n
             self.ready_bytes -= total
@@ -610,6 +635,8 @@ class Level:
             del self._index[key]
             self.sums.pop(key, None)
             self.used -= fp
+            if self.ledger is not None:
+                self.ledger.credit(key, fp)
             if self.located:
                 self._give_back([-v])
 
@@ -719,6 +746,8 @@ class Level:
         del self._index[key]
         self.sums.pop(key, None)
         self.used -= footprint
+        if self.ledger is not None:
+            self.ledger.credit(key, footprint)
         if self.located:
             self._give_back([code])
             return
@@ -754,6 +783,9 @@ class Level:
                 for key in keys:
                     pop(key, None)
             freed = sum(fps)
+            if self.ledger is not None:
+                for key, fp in zip(keys, fps):
+                    self.ledger.credit(key, fp)
             self.ready_count -= len(keys)
             self.ready_bytes -= freed
             self.used -= freed
@@ -776,6 +808,8 @@ class Level:
                 fp = self._value_footprint(v)
                 self.ready_bytes -= fp
                 self.used -= fp
+                if self.ledger is not None:
+                    self.ledger.credit(key, fp)
                 codes.append(v)
                 gone.append(key)
         finally:
@@ -809,11 +843,16 @@ class Level:
         fps: list[Any] = list(map(self._fp_only.get, fields))
         return None if None in fps else sum(fps)
 
-    def victims(self, need: int) -> Optional[list[str]]:
-        """Ask the policy for victims freeing ``need`` footprint bytes, then check its answer."""
+    def victims(self, need: int, tenant: Optional[str] = None, own_need: int = 0) -> Optional[list[str]]:
+        """Ask the policy for victims freeing ``need`` footprint bytes, then check its answer.
+
+        ``tenant`` (a level with quotas): the label of the put that needs the room, and ``own_need`` the
+        bytes it must free of its own chunks to stay under its cap (see ``_quota_victims``)."""
         policy = self._policy
         if policy is None:
             return None
+        if self.ledger is not None and tenant is not None:
+            return self._quota_victims(max(need, own_need), tenant, own_need > 0)
         pname = policy.pname
         pinned = self.pinned
         # the pins as a read-only view: a policy cannot unpin a chunk being read by changing its argument
@@ -856,3 +895,40 @@ class Level:
             if freed < need:
                 return None
         return victims
+
+    def _quota_victims(self, need: int, tenant: str, own_only: bool) -> Optional[list[str]]:
+        """Victims for a put by ``tenant`` under quotas: the policy picks in its own order among the chunks
+        the quota lets go (``QuotaGuard``: its own, and other tenants' only above their guaranteed bytes; only
+        its own when ``own_only``); each key it names is checked, and the policy is asked again for what is
+        still lacking while it names keys not seen yet."""
+        policy, ledger, index, pinned = self._policy, self.ledger, self._index, self.pinned
+        if policy is None or ledger is None:
+            return None
+        guard = ledger.guard(pinned.keys(), tenant, own_only)
+        chosen: list[str] = []
+        freed = 0
+        while freed < need:
+            answer = policy.victims(need - freed, guard)
+            if answer is None:
+                return None
+            fresh = False
+            for v in answer:
+                e = index.get(v) if isinstance(v, str) else None
+                if type(e) is not int or e < 0:  # type: ignore[operator]
+                    raise PolicyError(f"eviction policy {policy.pname} of tier {self.name!r} named "
+                                      f"{str(v)[:80]!r}, which the tier does not hold (did on_remove forget it?)")
+                if v in pinned:
+                    raise PolicyError(f"eviction policy {policy.pname} named the protected key {v[:80]!r}")
+                if v in guard.seen:
+                    continue
+                fresh = True
+                guard.seen.add(v)
+                fp = self._value_footprint(e)  # type: ignore[arg-type]
+                if ledger.victim_ok(v, tenant, guard.taken, fp, own_only):
+                    chosen.append(v)
+                    freed += fp
+                    if freed >= need:
+                        break
+            if not fresh:
+                return None
+        return chosen

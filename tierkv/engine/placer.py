@@ -101,6 +101,15 @@ class Placer:
         if fp > lvl.capacity:
             self._too_large(lvl, nbytes, fp)
             return False
+        ledger = lvl.ledger
+        tenant = None
+        if ledger is not None:
+            with self._lock:
+                tenant = self.chain.label_of(key)
+            if ledger.exceeds_cap(tenant, fp):  # (larger than its tenant's whole cap here: a refusal)
+                with self._lock:
+                    lvl.counters.rejected += 1
+                return False
         for _ in range(_RESERVE_ATTEMPTS):
             with self._lock:
                 if lvl.knows(key):
@@ -111,7 +120,8 @@ class Placer:
                 leases = self.chain.leases
                 if leases.due():  # a lease past its deadline holds nothing back any more
                     leases.expire()
-                victims = lvl.victims(fp - (lvl.capacity - lvl.used))
+                own = ledger.over_cap(tenant, fp) if ledger is not None and tenant is not None else 0
+                victims = lvl.victims(fp - (lvl.capacity - lvl.used), tenant, own)
                 if victims is None:
                     lvl.counters.rejected += 1
                     return False
@@ -142,6 +152,8 @@ class Placer:
         ``victims`` call, before a batch is placed there key by key.  Called without the lock; a
         policy that cannot name enough victims leaves the keys to the per-key path."""
         lvl = self.levels[j]
+        if lvl.ledger is not None:  # (under quotas, room is made key by key, for each key's tenant)
+            return
         with self._lock:
             short = min(need - (lvl.capacity - lvl.used), lvl.used)
             if short <= 0:

@@ -175,6 +175,8 @@ class Reader:
                                 call.served[i] = j
                         lvl.counters.bytes_read += sum([prepared[i][1] for i in items])
                         lvl.counters.hits += len(items)
+                        if lvl.ledger is not None:
+                            lvl.ledger.count_hits(names)
                         lvl.accessed(names)
                         continue
                     hit = []
@@ -193,6 +195,8 @@ class Reader:
                             call.pending.append(i)
                     lvl.counters.bytes_read += got
                     lvl.counters.hits += len(hit)
+                    if lvl.ledger is not None:
+                        lvl.ledger.count_hits(hit)
                     lvl.accessed(hit)
         finally:
             with self._lock:

@@ -78,11 +78,17 @@ class Writer:
         self.placer = placer
         self.copier = copier
 
-    def put(self, keys: list[str], prepared: Prepared, ptrs: Optional[list[int]] = None) -> list[PutOutcome]:
-        """Store ``prepared`` under ``keys`` (``ptrs``: their host addresses, see ``to_parts_ptrs``)."""
+    def put(self, keys: list[str], prepared: Prepared, ptrs: Optional[list[int]] = None,
+            tenant: Optional[str] = None) -> list[PutOutcome]:
+        """Store ``prepared`` under ``keys`` (``ptrs``: their host addresses, see ``to_parts_ptrs``) for
+        ``tenant`` (counted and held to its quotas when the store has tenants configured)."""
         call = _Put(keys, prepared, ptrs)
+        tenants = self.chain.tenants
+        label = tenants.label(tenant) if tenants is not None else None
         try:
             with self._lock:
+                if label is not None:
+                    self.chain.putting.update(dict.fromkeys(keys, label))
                 self._count_call(call)
                 if call.unique and self._all_on_top_possible():
                     self._reserve_all_on_top(call)
@@ -98,7 +104,13 @@ class Writer:
                 self._write_groups(call)
         finally:
             self._release(call)
-        return self._end_call(call)
+            if label is not None:
+                with self._lock:
+                    putting = self.chain.putting
+                    for key in keys:  # (a concurrent put of the same key under another tenant keeps its own)
+                        if putting.get(key) == label:
+                            del putting[key]
+        return self._end_call(call, tenant)
 
     # ------------------------------------------------------------------ phases
     def _count_call(self, call: _Put) -> None:
@@ -303,12 +315,12 @@ class Writer:
                 for lvl, ks in call.holding:
                     lvl.unpin_many(ks)
 
-    def _end_call(self, call: _Put) -> list[PutOutcome]:
+    def _end_call(self, call: _Put, tenant: Optional[str]) -> list[PutOutcome]:
         """Queue the write-behind copies, settle keys another call was writing, fill and count the answer."""
         if call.behind:
             self.copier.queue_behind(call.behind)
         if call.inflight:
-            self._settle(call)
+            self._settle(call, tenant)
         out, keys = call.out, call.keys
         if None in out:
             for i in range(call.n):
@@ -371,7 +383,7 @@ class Writer:
         seen = {k for ks in pinned for k in ks}
         return [k for k in keys if k not in seen and self.chain.writing_elsewhere(k)]
 
-    def _settle(self, call: _Put) -> None:
+    def _settle(self, call: _Put, tenant: Optional[str]) -> None:
         """The keys at ``call.inflight`` were answered present because another call was writing them: wait
         for that write; a key it did not store is put now, and one still being written after ``_SETTLE_S``
         seconds is an ``ERROR`` (unverified), so a ``PRESENT`` is never a chunk that is not there."""
@@ -397,5 +409,6 @@ class Writer:
         for i in left:
             call.out[i] = PutOutcome.ERROR
         if gone:
-            for i, o in zip(gone, self.put([keys[i] for i in gone], [call.prepared[i] for i in gone])):
+            for i, o in zip(gone, self.put([keys[i] for i in gone], [call.prepared[i] for i in gone],
+                                            tenant=tenant)):
                 call.out[i] = o

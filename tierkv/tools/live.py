@@ -168,7 +168,7 @@ _STORE_TOTAL_FIELD = {f"tierkv_{suffix}": f for f, (suffix, _) in metrics.TIER_C
 _CHUNKS_FIELD = {labels: f for f, labels in metrics.CHUNK_OUTCOMES.items()}
 _SHADOW_FACTOR_FIELD = {f"tierkv_tier_shadow_{name}": f for f, (name, _, _) in metrics.SHADOW_FACTOR_FIELDS.items()}
 _SHADOW_FIELD = {f"tierkv_tier_shadow_{f}": f for f in metrics.SHADOW_FIELDS}
-_OWN_LABELS = {"tier", "reason", "field", "capacity_factor", "op", "outcome"}
+_OWN_LABELS = {"tier", "reason", "field", "capacity_factor", "op", "outcome", "tenant"}
 
 
 def snapshot_from_text(text: str) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
@@ -220,6 +220,8 @@ def snapshot_from_text(text: str) -> tuple[Optional[dict[str, Any]], dict[str, A
                 t["factors"].setdefault(rest[0], {})[rest[1]] = value
             else:
                 t[part][rest[0]] = value
+        elif path[0] == "tenant":
+            snap.setdefault("tenants", {}).setdefault(path[1], {}).setdefault(path[2], {})[path[3]] = value
         elif path[0] == "by_reason":
             snap["by_reason"].setdefault(path[1], {})[path[2]] = value
             if len(path) == 3:  # (a split counter's total is the sum of its reasons)
@@ -234,11 +236,18 @@ def snapshot_from_text(text: str) -> tuple[Optional[dict[str, Any]], dict[str, A
     return (snap if found else None), {"sources": [s for s in sources if s], "connector": connector}
 
 
+#: a tenant family -> its field in a snapshot's ``tenants[label][tier]``
+_TENANT_FIELD = {"tierkv_tenant_used_bytes": "used_bytes", "tierkv_tenant_hits": "hits"}
+
+
 def _path(name: str, labels: dict[str, str]) -> Optional[tuple]:
     """Where one sample goes in a snapshot (None: a family this reader does not know)."""
     tier = labels.get("tier")
     if name == "tierkv_open":
         return ("open",)
+    if tier is not None and "tenant" in labels:
+        field = _TENANT_FIELD.get(name)
+        return ("tenant", labels["tenant"], tier, field) if field else None
     if tier is not None:
         if name in _TIER_COUNTER_FIELD:
             return ("tier", tier, "values", _TIER_COUNTER_FIELD[name])
@@ -358,6 +367,12 @@ def describe_store(snap: dict[str, Any], url: str = "", extras: Optional[dict[st
     }
     shown = {*doc["total"], "write_behind_pending", "write_behind_queued", "persisted", "write_behind_dropped"}
     doc["total"]["figures"] = {k: _n(x) for k, x in total.items() if k not in shown}  # every other store figure
+    if snap.get("tenants"):  # (per tenant: its figures summed over the tiers, and per tier)
+        doc["tenants"] = [{"tenant": label,
+                           "used_bytes": _n(sum(d.get("used_bytes", 0.0) for d in per_tier.values())),
+                           "hits": _n(sum(d.get("hits", 0.0) for d in per_tier.values())),
+                           "tiers": {tier: {k: _n(v) for k, v in d.items()} for tier, d in per_tier.items()}}
+                          for label, per_tier in snap["tenants"].items()]
     extras = extras or {}
     if extras.get("sources"):
         doc["sources"] = extras["sources"]

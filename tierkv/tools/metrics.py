@@ -245,6 +245,9 @@ def snapshot(store: Any) -> dict[str, Any]:
         "by_reason": {k[:-len("_by_reason")]: {r: float(n) for r, n in v.items()}
                       for k, v in st["total"].items() if k.endswith("_by_reason") and isinstance(v, dict)},
     }
+    if "tenants" in st:  # label -> tier -> {used_bytes, hits}: the configured tenants and "other"
+        out["tenants"] = {label: {tier: {"used_bytes": float(d["used_bytes"]), "hits": float(d["hits"])}
+                                  for tier, d in t["tiers"].items()} for label, t in st["tenants"].items()}
     rec = LatencyRecorder.find(store)
     if rec is not None:
         out["latency"] = rec.snapshot()
@@ -289,6 +292,15 @@ def families(snap: dict[str, Any]) -> list[Family]:
                 if f in per_factor:
                     per_factor[f].samples.append(((name, factor), v))
     out += [*by_tier.values(), errors, medium, *per_factor.values(), *shadow_top.values()]
+    if snap.get("tenants"):  # (bounded labels: the configured tenants and "other", never one per name seen)
+        used = Family("tierkv_tenant_used_bytes", Kind.GAUGE,
+                      "Footprint bytes a tenant's chunks take in a tier (quotas: tierkv.tenants)", ("tier", "tenant"))
+        hits = Family("tierkv_tenant_hits", Kind.COUNTER, "Chunks read from a tier, by tenant", ("tier", "tenant"))
+        for label, per_tier in snap["tenants"].items():
+            for tier, d in per_tier.items():
+                used.samples.append(((tier, label), d["used_bytes"]))
+                hits.samples.append(((tier, label), d["hits"]))
+        out += [used, hits]
 
     total = snap.get("total") or {}
     calls = Family("tierkv_calls", Kind.COUNTER, "Store calls (batches)", ("op",))

@@ -143,6 +143,10 @@ def _render_store(doc: dict[str, Any], lines: list[str]) -> None:
     reasons = ", ".join(f"{r} {n}" for r, n in wb["dropped_by_reason"].items())
     lines.append(f"write-behind: {_num(wb['pending'])} pending, {_num(wb['queued'])} queued, {_num(wb['persisted'])} "
                  f"persisted, {_num(wb['dropped'])} dropped" + (f" ({reasons})" if reasons else ""))
+    if doc.get("tenants"):
+        lines += _table([[r["tenant"], fmt_bytes(r["used_bytes"]), _num(r["hits"]),
+                          ", ".join(f"{tier} {fmt_bytes(d.get('used_bytes'))}" for tier, d in r["tiers"].items())]
+                         for r in doc["tenants"]], ["tenant", "used", "hits", "used per tier"])
     conn = doc.get("connector")
     if conn:
         hit = conn.get("hit_tokens") or {}

