@@ -169,7 +169,8 @@ def busy_store(tmp_path, **extra):
 def test_every_documented_metric_is_exported_and_nothing_else(tmp_path):
     docs = documented_metrics()
     assert len(docs) > 40 and docs["tierkv_chunks_total"] == "counter"
-    store = busy_store(tmp_path)
+    # (with a tenant configured, so the per-tenant families are exported too)
+    store = busy_store(tmp_path, tenants={"alice": {"dram": {"share": 0.5}}})
     try:
         with serve(store, 0) as exp:
             text = urllib.request.urlopen(exp.url, timeout=10).read().decode()
