@@ -36,14 +36,16 @@ NB = 32
 # ---------------------------------------------------------------------------------- options
 def test_audit_options_default_and_bad_values():
     opts = parse_options({})
-    assert opts.audit_rate == DEFAULT_AUDIT_RATE == 0.01 and opts.audit_tolerance == 0.0
+    assert opts.audit_rate == DEFAULT_AUDIT_RATE == 0.01 and opts.audit_tolerance is None  # scaled to the dtype
+    assert parse_options({"audit_tolerance": "auto"}).audit_tolerance is None
+    assert parse_options({"audit_tolerance": 0}).audit_tolerance == 0.0  # bitwise
     opts = parse_options({"audit_rate": 1, "audit_tolerance": 1e-3})
     assert opts.audit_rate == 1.0 and opts.audit_tolerance == 1e-3
     assert parse_options({"audit_rate": 0}).audit_rate == 0.0
     for bad in (-0.1, 1.5, "0.1", True, None, float("nan"), [0.1]):
         with pytest.raises(ConfigError, match="audit_rate"):
             parse_options({"audit_rate": bad})
-    for bad in (-1e-6, "0", False, float("inf")):
+    for bad in (-1e-6, "0", "bitwise", False, None, float("inf"), float("nan"), [1e-3]):
         with pytest.raises(ConfigError, match="audit_tolerance"):
             parse_options({"audit_tolerance": bad})
 
@@ -88,6 +90,32 @@ def test_auditor_bitwise_and_within_tolerance(caplog):
         t = Auditor(0.0).check(store, ["k0", "k9"], [stored[0], torch.zeros(64)], outcomes[:2], [0, 1],
                                layer="L7", dtype=torch.float32)
         assert (t.audits, t.mismatches) == (2, 1) and store.contains(["k0", "k9"]) == [True, False]
+    finally:
+        store.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_default_tolerance_passes_batch_noise_and_catches_wrong_kv(dtype):
+    # KV-like values of order 1; "noise": a few units in the last place of each value, as kernels that are not
+    # batch-invariant produce; "wrong": the KV of another layer or prompt (values of the same order, unrelated)
+    g = torch.Generator().manual_seed(3)
+    kv = torch.randn(4096, generator=g).to(dtype)
+    ulp = torch.finfo(dtype).eps
+    noisy = (kv.float() * (1 + 4 * ulp * torch.randn(4096, generator=g).sign())).to(dtype)
+    assert not torch.equal(noisy, kv)
+    wrong = torch.randn(4096, generator=g).to(dtype)
+    scaled = kv.float() * 1.5  # a dtype or scale mix-up: the same pattern, other values
+    store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "16MiB"}]})
+    try:
+        keys = ["n", "w", "s"]
+        assert store.put(keys, [kv, kv, kv]) == [True] * 3
+        t = Auditor().check(store, keys, [noisy, wrong, scaled.to(dtype)], [PutOutcome.PRESENT] * 3, [0, 1, 2],
+                            layer="L0", dtype=dtype)
+        assert (t.audits, t.mismatches) == (3, 2)
+        assert store.contains(keys) == [True, False, False]
+        # 0 stays bitwise: the noise alone is a mismatch
+        t = Auditor(0.0).check(store, ["n"], [noisy], [PutOutcome.PRESENT], [0], layer="L0", dtype=dtype)
+        assert t.mismatches == 1
     finally:
         store.close()
 

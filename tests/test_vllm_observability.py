@@ -26,6 +26,8 @@ def test_request_tracer_records_each_request_once(tmp_path):
     tr = RequestTracer.from_extra_config({"trace_path": str(tmp_path / "t.jsonl"), "trace_max_bytes": "1MiB"}, 16)
     h = [bytes([i]) * 32 for i in range(5)]
     tr.on_lookup(fake_request("a", h[:3], 50))
+    # on disk at once, not when the engine stops: a live server's capture answers for a request just served
+    assert '"request_id":"a"' in (tmp_path / "t.jsonl").read_text()
     tr.on_lookup(fake_request("a", h[:3], 50))  # asked again while it waits: one record
     tr.on_lookup(fake_request("b", h, 80, 4))
     tr.on_lookup(fake_request("c", [object()], 10))  # an unreadable hash costs this record, nothing else

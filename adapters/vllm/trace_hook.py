@@ -9,7 +9,8 @@ Each record also says why the store did not serve the rest of the prompt:
 ``request_id`` (vLLM's id), ``miss_tokens`` (tokens of full blocks past vLLM's own
 cache the store did not hold) and ``miss_reasons`` (those tokens by
 ``tierkv.outcome.MissReason``), so ``tierkv trace show --request ID`` answers
-"why did this request recompute N tokens?".
+"why did this request recompute N tokens?".  Each record reaches the file when its
+request is looked up (flushed, not held in a buffer until the engine stops).
 
 Options (in ``kv_connector_extra_config``): ``trace_path`` (file; rotated copies
 beside it), ``trace_max_bytes`` (default 64MiB), ``trace_max_files`` (default 8),
@@ -77,6 +78,9 @@ class RequestTracer:
                 extra["miss_reasons"] = dict(missed)
             self.writer.record(hashes, input_length=n_prompt, output_length=int(getattr(request, "max_tokens", 0) or 0),
                                **extra)
+            # written through at once: a live server's capture answers ``trace show`` for a request just served
+            # (one small write per request; a server stopped by a signal may never close the file)
+            self.writer.flush()
         except Exception as e:  # noqa: BLE001 - tracing never fails a request
             (log.debug if self._warned else log.warning)("tierkv: request %s not traced: %s", rid, e)
             self._warned = True
