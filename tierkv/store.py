@@ -489,7 +489,7 @@ class TieredStore:
         self._chain.removal_listeners = [*self._chain.removal_listeners, listener]
 
     def remove_removal_listener(self, listener: Callable[[list[str]], None]) -> None:
-        self._chain.removal_listeners = [fn for fn in self._chain.removal_listeners if fn is not listener]
+        self._chain.removal_listeners = [fn for fn in self._chain.removal_listeners if fn != listener]
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
