@@ -470,3 +470,26 @@ def test_hits_and_misses_are_counted_per_tier(tmp_path):
         assert delta == {"hbm": (1, 3), "dram": (1, 2), "ssd": (1, 1)}
         assert after["total"]["hits"] - before["total"]["hits"] == 3
         assert after["total"]["misses"] - before["total"]["misses"] == 1
+
+
+def test_removal_listener_hears_chunks_that_left_every_tier():
+    # a 2-chunk hbm over a 2-chunk dram: the first two puts are demoted, not gone; the fifth put evicts the
+    # first chunk from dram, its last copy; remove() is heard too
+    cfg = {"tiers": [{"medium": "hbm", "device": "cpu", "capacity": 2 * CHUNK},
+                     {"medium": "dram", "capacity": 2 * CHUNK, "eviction": "lru"}],
+           "promotion": {"policy": "never"}}
+    heard: list[str] = []
+    with TieredStore.from_config(cfg) as store:
+        store.add_removal_listener(heard.extend)
+        keys = keys_for(6)
+        for i, k in enumerate(keys[:4]):
+            store.put([k], [chunk(i)])
+        assert heard == []
+        store.put([keys[4]], [chunk(4)])
+        assert heard == [keys[0]] and store.locate([keys[0]]) == [None]
+        store.remove([keys[4]])
+        assert heard == [keys[0], keys[4]]
+        store.remove_removal_listener(heard.extend)  # (an equal bound method is the same listener)
+        store.put(keys[5:], [chunk(5)])
+        store.put(keys[:3], [chunk(0), chunk(1), chunk(2)])  # evicts again, unheard
+        assert heard == [keys[0], keys[4]] and None in store.locate(keys[1:4])

@@ -97,7 +97,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -427,6 +427,7 @@ class TieredStore:
             for j in chain.shared:
                 if self.levels[j].tier.available:
                     self._io.delete(self.levels[j], keys)
+            chain.removed(keys)
         finally:
             chain.leave()
 
@@ -493,6 +494,15 @@ class TieredStore:
 
     def remove_observer(self, observer: Any) -> None:
         self._observers.remove(observer)
+
+    def add_removal_listener(self, listener: Callable[[list[str]], None]) -> None:
+        """Call ``listener(keys)`` with chunks that left every managed tier: the last copy evicted (or its
+        lease expired) or ``remove``d.  It may run under the store's lock, on any thread: keep it short, and
+        never call the store from it.  A listener that raises is logged, never reaches the caller."""
+        self._chain.removal_listeners = [*self._chain.removal_listeners, listener]
+
+    def remove_removal_listener(self, listener: Callable[[list[str]], None]) -> None:
+        self._chain.removal_listeners = [fn for fn in self._chain.removal_listeners if fn != listener]
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

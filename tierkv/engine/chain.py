@@ -13,8 +13,9 @@ Every method whose docstring says "lock held" expects the caller to hold ``lock`
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from tierkv.durability import DropLedger, DropReason, fault_counts, reason_of_failed_write
 from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departures
@@ -84,6 +85,8 @@ class Chain:
         self.tenants: Tenants | None = None
         #: key -> the label of the tenant a put in flight stores it for (``Writer``)
         self.putting: dict[str, str] = {}
+        #: called with the keys that left every tier (``TieredStore.add_removal_listener``)
+        self.removal_listeners: list[Callable[[list[str]], None]] = []
 
     # ------------------------------------------------------------------ tenants
     def set_tenants(self, tenants: Tenants) -> None:
@@ -116,6 +119,14 @@ class Chain:
         the memory is asked only about keys that are missing, so a copy another tier still serves costs
         nothing but one of the ``miss_memory`` places."""
         self.departures.record(keys, reason, None if lvl is None else lvl.name, policy)
+
+    def removed(self, keys: list[str]) -> None:
+        """Tell the removal listeners that ``keys`` left every tier (evicted from the last copy, or removed)."""
+        for fn in self.removal_listeners:
+            try:
+                fn(keys)
+            except Exception as e:  # noqa: BLE001 - a listener's fault never reaches the store's caller
+                logging.getLogger("tierkv").warning("tierkv: removal listener %r failed: %s", fn, e)
 
     # ------------------------------------------------------------------ calls in flight
     def enter(self) -> None:

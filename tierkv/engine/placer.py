@@ -229,8 +229,10 @@ class Placer:
                         late, gone = chain.leases.split_expired(gone)
                         if late:
                             chain.departed(late, MissReason.LEASE_EXPIRED, lvl, lvl.policy_name)
+                            chain.removed(late)
                     if gone:
                         chain.departed(gone, MissReason.EVICTED, lvl, lvl.policy_name)
+                        chain.removed(gone)
         finally:
             if at < len(victims):
                 with self._lock:
