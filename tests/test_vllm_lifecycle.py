@@ -41,9 +41,9 @@ _WORKER = """
         '''The real store, each put held until ``gate`` opens: saves are still queued when the signal comes.'''
         def __init__(self, store): self._store = store
         def __getattr__(self, name): return getattr(self._store, name)
-        def put_detailed(self, keys, values):
+        def put_detailed(self, keys, values, tenant=None):
             assert gate.wait(60), "the gate never opened"
-            return self._store.put_detailed(keys, values)
+            return self._store.put_detailed(keys, values, tenant=tenant)
 
     store = TieredStore.from_config({"tiers": [{"medium": "ssd", "path": sys.argv[1], "capacity": "64MiB"}]})
     layers = ("l0", "l1")

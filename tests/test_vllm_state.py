@@ -57,9 +57,9 @@ class _GatedPuts:
     def __getattr__(self, name):
         return getattr(self._store, name)
 
-    def put_detailed(self, keys, values):
+    def put_detailed(self, keys, values, tenant=None):
         self.gate.wait(30)
-        return self._store.put_detailed(keys, values)
+        return self._store.put_detailed(keys, values, tenant=tenant)
 
 
 @pytest.fixture
