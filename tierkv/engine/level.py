@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Callable
 from itertools import repeat
 from operator import neg as _neg
 from typing import Any, Optional, Union
@@ -203,9 +204,9 @@ class Level:
         #: per-tenant usage and the quota rules here (None: no tenant configured, nothing asked)
         self.ledger: Optional[TenantLedger] = None
         #: the label of the tenant a key is put under (``set_quotas``)
-        self._label_of: Any = None
+        self._label_of: Callable[[str], str] = lambda key: OTHER
 
-    def set_quotas(self, ledger: TenantLedger, label_of: Any) -> None:
+    def set_quotas(self, ledger: TenantLedger, label_of: Callable[[str], str]) -> None:
         """Account this level's chunks per tenant (``label_of(key)``: the tenant of a key being placed) and keep
         their quotas: every reservation is charged, every freed chunk credited (the level is empty)."""
         self.ledger = ledger
@@ -868,16 +869,11 @@ class Level:
         else:
             victims_to_check = victims
         for v in victims_to_check:
-            e = index.get(v) if isinstance(v, str) else None
-            if type(e) is not int or e < 0:  # type: ignore[operator]
-                raise PolicyError(f"eviction policy {pname} of tier {self.name!r} named {str(v)[:80]!r}, "
-                                  "which the tier does not hold (did on_remove forget it?)")
-            if v in pinned:
-                raise PolicyError(f"eviction policy {pname} named the protected key {v[:80]!r}")
+            fp = self._held_footprint(v, pname)
             if v in seen:
                 raise PolicyError(f"eviction policy {pname} named {v[:80]!r} twice")
             seen.add(v)
-            freed += self._value_footprint(e)
+            freed += fp
         if freed < need:
             # a policy that counts other sizes than the footprints it was given: ask for the rest
             more = policy.victims(need - freed, frozenset(pinned.keys() | seen))
@@ -896,15 +892,26 @@ class Level:
                 return None
         return victims
 
+    def _held_footprint(self, v: Any, pname: str) -> int:
+        """The footprint of victim ``v`` a policy named, or a ``PolicyError`` if the level does not hold it
+        (held and ready) or it is pinned."""
+        e = self._index.get(v) if isinstance(v, str) else None
+        if type(e) is not int or e < 0:  # type: ignore[operator]
+            raise PolicyError(f"eviction policy {pname} of tier {self.name!r} named {str(v)[:80]!r}, "
+                              "which the tier does not hold (did on_remove forget it?)")
+        if v in self.pinned:
+            raise PolicyError(f"eviction policy {pname} named the protected key {v[:80]!r}")
+        return self._value_footprint(e)  # type: ignore[arg-type]
+
     def _quota_victims(self, need: int, tenant: str, own_only: bool) -> Optional[list[str]]:
         """Victims for a put by ``tenant`` under quotas: the policy picks in its own order among the chunks
         the quota lets go (``QuotaGuard``: its own, and other tenants' only above their guaranteed bytes; only
         its own when ``own_only``); each key it names is checked, and the policy is asked again for what is
         still lacking while it names keys not seen yet."""
-        policy, ledger, index, pinned = self._policy, self.ledger, self._index, self.pinned
+        policy, ledger = self._policy, self.ledger
         if policy is None or ledger is None:
             return None
-        guard = ledger.guard(pinned.keys(), tenant, own_only)
+        guard = ledger.guard(self.pinned.keys(), tenant, own_only)
         chosen: list[str] = []
         freed = 0
         while freed < need:
@@ -913,17 +920,11 @@ class Level:
                 return None
             fresh = False
             for v in answer:
-                e = index.get(v) if isinstance(v, str) else None
-                if type(e) is not int or e < 0:  # type: ignore[operator]
-                    raise PolicyError(f"eviction policy {policy.pname} of tier {self.name!r} named "
-                                      f"{str(v)[:80]!r}, which the tier does not hold (did on_remove forget it?)")
-                if v in pinned:
-                    raise PolicyError(f"eviction policy {policy.pname} named the protected key {v[:80]!r}")
+                fp = self._held_footprint(v, policy.pname)
                 if v in guard.seen:
                     continue
                 fresh = True
                 guard.seen.add(v)
-                fp = self._value_footprint(e)  # type: ignore[arg-type]
                 if ledger.victim_ok(v, tenant, guard.taken, fp, own_only):
                     chosen.append(v)
                     freed += fp
