@@ -188,6 +188,7 @@ def test_connector_options_are_checked_by_type():
     assert (opts.full_hit_recompute, opts.model_id, opts.shutdown_timeout_s) == ("token", "m", 2.0)
     assert parse_options({}) == ConnectorOptions()
     assert parse_options({"layerwise": "auto"}).layerwise is None
+    assert parse_options({"namespace": "team-a"}).namespace == "team-a"
     assert parse_options(None).store_config is DEFAULT_STORE_CONFIG
     inline = {"tiers": [{"medium": "dram", "capacity": "1MiB"}]}
     assert parse_options({"tierkv": inline}).store_config == inline
@@ -204,6 +205,8 @@ def test_connector_options_are_checked_by_type():
     ({"load_failure_policy": "fail"}, "'load_failure_policy'"),
     ({"shutdown_timeout_s": -1}, "'shutdown_timeout_s'"),
     ({"model_id": 3}, "'model_id'"),
+    ({"namespace": 3}, "'namespace'"),
+    ({"namespace": " "}, "'namespace'"),
     ({"chunk_token": 256}, "chunk_token"),  # a typo is named, never ignored
 ])
 def test_bad_connector_options_are_named(extra, name):

@@ -72,3 +72,31 @@ def test_a_flood_under_one_salt_leaves_the_other_salts_prefix_in_tierkv(model, w
     # the control: the same run with no tenants configured loses the prefix to the flood
     cached, store = _run(model, workdir, None, "control")
     assert cached == 0 and "tenants" not in store
+
+
+def test_a_configured_namespace_is_a_tenant_and_keeps_its_keys_apart(model, workdir, tmp_path):
+    """The connector's ``namespace`` names the tenant of requests without a cache_salt, and is part of the keys:
+    an engine of another namespace on the same SSD directory misses what one of the first namespace hits."""
+    rng = random.Random(9)
+    prompt = [rng.randrange(1024) for _ in range(4 * BS + 1)]
+    store = {"tiers": [{"medium": "dram", "capacity": "4MiB"},
+                       {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB"}],
+             "tenants": {"team-a": {"dram": {"cap_bytes": "1MiB"}, "ssd": {"share": 0.5}}}}
+
+    def run(namespace, steps):
+        kv = U.connector_config(store, extra={"namespace": namespace})
+        return U.run_engine({"model": model, "kv_transfer_config": kv, "steps": steps},
+                            workdir / f"cache-ns-{namespace}")["steps"]
+
+    first, _, rec = run("team-a", [{"op": "generate", "prompts": [prompt]}, {"op": "drain"}, {"op": "records"}])
+    (w,) = rec["workers"]
+    t = w["store"]["tenants"]
+    # the puts of a request without a salt went to the engine's namespace as tenant, within its cap
+    assert 0 < t["team-a"]["tiers"]["dram"]["used_bytes"] <= 1 << 20 and t["other"]["used_bytes"] == 0
+    assert t["team-a"]["tiers"]["ssd"]["used_bytes"] > 0
+    other, rec = run("team-b", [{"op": "generate", "prompts": [prompt]}, {"op": "records"}])
+    assert other["tokens"] == first["tokens"] and other["num_cached_tokens"] == [0]
+    (w,) = rec["workers"]
+    assert w["totals"]["load_tokens"] == 0
+    again, rec = run("team-a", [{"op": "generate", "prompts": [prompt]}, {"op": "records"}])
+    assert again["tokens"] == first["tokens"] and again["num_cached_tokens"] == [4 * BS]

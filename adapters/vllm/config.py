@@ -63,7 +63,7 @@ DEFAULT_AUDIT_RATE = 0.01
 
 #: every option ``kv_connector_extra_config`` may hold (see :class:`ConnectorOptions`)
 OPTION_NAMES = (
-    "tierkv", "tierkv_config_file", "model_id", "load", "save", "chunk_tokens", "layerwise",
+    "tierkv", "tierkv_config_file", "model_id", "namespace", "load", "save", "chunk_tokens", "layerwise",
     "full_hit_recompute", "load_failure_policy", "load_async", "load_inline_max_tokens", "save_wait",
     "shutdown_timeout_s", "audit_rate", "audit_tolerance", "lease_timeout_s",
     "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt",
@@ -104,6 +104,9 @@ class ConnectorOptions:
     audit_tolerance: float | None = None
     #: how long what a lookup found is held for its load at most (seconds); 0: nothing is held
     lease_timeout_s: float = 30.0
+    #: this engine's namespace: part of every key (engines of different namespaces never share a chunk) and the
+    #: tenant of the puts of requests without a ``cache_salt`` (``tierkv.tenants``); None: none
+    namespace: str | None = None
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -113,6 +116,9 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     opts = dict(extra or {})
     store = store_config_from_extra({k: opts.pop(k) for k in ("tierkv", "tierkv_config_file") if k in opts})
     model_id = pop_str(opts, "model_id", None, _WHAT)
+    namespace = pop_str(opts, "namespace", None, _WHAT)
+    if namespace is not None and not namespace.strip():
+        raise ConfigError(f"{_WHAT} option 'namespace': expected a non-empty name, got {namespace!r}")
     load = pop_bool(opts, "load", True, _WHAT)
     save = pop_bool(opts, "save", True, _WHAT)
     chunk_tokens = pop_int(opts, "chunk_tokens", 256, _WHAT, min_value=1)
@@ -155,7 +161,8 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
         raise ConfigError(f"{_WHAT}: unknown option(s) {sorted(opts)}; known: {sorted(OPTION_NAMES)}")
     return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, load_async,
                             save_wait, shutdown_timeout, trace, inline_max,
-                            audit_rate=audit_rate, audit_tolerance=audit_tolerance, lease_timeout_s=lease_timeout)
+                            audit_rate=audit_rate, audit_tolerance=audit_tolerance, lease_timeout_s=lease_timeout,
+                            namespace=namespace)
 
 
 @dataclass(frozen=True)

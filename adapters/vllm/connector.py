@@ -185,6 +185,8 @@ def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config:
     revision = getattr(mc, "revision", None)
     if revision and not options.model_id:
         model_id += "@" + str(revision)
+    if options.namespace is not None:  # a configured namespace: its keys are its own
+        model_id += "#ns:" + options.namespace
     layout = _layout_descriptor(vllm_config, kv_cache_config)
     hash_algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
     dtype = str(mc.dtype).replace("torch.", "")

@@ -105,8 +105,11 @@ class Saver:
     def __init__(self, *, keys: LayerKeys, layers: list[str], paged: dict[str, PagedLayer], chunk_blocks: int,
                  shard: ShardInfo, split_writes: bool, store: Callable[[], Any], counters: WorkerCounters,
                  group_of: Callable[[int], int] = lambda layer: 0, num_groups: int = 1,
-                 auditor: Auditor | None = None, state_groups: frozenset[int] = frozenset()) -> None:
+                 auditor: Auditor | None = None, state_groups: frozenset[int] = frozenset(),
+                 tenant: str | None = None) -> None:
         self._auditor = auditor
+        #: the tenant of a put whose request carries no cache_salt (the connector's ``namespace``)
+        self._tenant = tenant
         self._state_groups = state_groups
         self._keys = keys
         self._group_of = group_of
@@ -237,8 +240,9 @@ class Saver:
                     cuts = plan.cuts[self._group_of(layer)]
                     cuts = cuts if keep is None else Cuts([cuts.objects[j] for j in keep])
                     values = self._paged[self._layers[layer]].read_cut(cuts)
-                # (a request's cache_salt names its tenant: quotas and per-tenant figures, ``tierkv.tenants``)
-                outcomes: list[PutOutcome] = self._store().put_detailed(keys, values, tenant=spec.cache_salt)
+                # a request's cache_salt names its tenant, else the engine's namespace (``tierkv.tenants``)
+                tenant = spec.cache_salt if spec.cache_salt is not None else self._tenant
+                outcomes: list[PutOutcome] = self._store().put_detailed(keys, values, tenant=tenant)
             except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
                 logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)
                 outcomes = [PutOutcome.ERROR] * len(chunks)

@@ -115,7 +115,8 @@ class TierKVWorker:
         self.saver = Saver(keys=self.keys, layers=layers, paged=self._paged, chunk_blocks=G, shard=self.shard,
                            split_writes=split, store=lambda: self.store, counters=self.counters,
                            group_of=info.group_of, num_groups=info.num_groups,
-                           auditor=Auditor(options.audit_tolerance), state_groups=info.state_groups)
+                           auditor=Auditor(options.audit_tolerance), state_groups=info.state_groups,
+                           tenant=options.namespace)
 
         def loader() -> Loader:
             return Loader(layers=layers, paged=self._paged, block_size=info.block_size, store=lambda: self.store,
