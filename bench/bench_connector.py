@@ -36,6 +36,16 @@ per object of the question too (a question covers every layer's objects).
 The objects alive once the rig is built are frozen out of the garbage collector
 first, as vLLM freezes its heap once its engine has started.
 Budget: <= 3 µs per object above the store's own calls.
+
+``--verify-cost``: what checking each chunk's checksum costs the connector's
+in-engine load instead (issue target: at most 10 % of the load's time).  Two rigs
+hold the same request in a ``dram`` tier, one ``"verify": "external"`` (a local
+tier's reads unchecked, the default), one ``"verify": "always"`` (every read hashed
+and compared); each round loads the request through both (``start_load_kv`` ..
+``wait_for_save``), the first alternating.  Reported: each side's median load time
+and GB/s, and the median over rounds of the round's unchecked / checked time (1.0:
+free; the target is >= 0.9).  ``--head 8192`` makes 2 MiB objects (a block of
+``2*16*2*head`` float32).
 """
 
 from __future__ import annotations
@@ -74,7 +84,8 @@ def hashes(round_: int, n: int) -> list[bytes]:
 
 
 class Rig:
-    def __init__(self, layers: int, blocks: int, head: int, local: int = 0, lease: bool = True) -> None:
+    def __init__(self, layers: int, blocks: int, head: int, local: int = 0, lease: bool = True,
+                 verify: str = "external") -> None:
         self.L, self.n, self.local = layers, blocks, local
         self.rid = "r" if lease else None
         self.names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
@@ -82,7 +93,7 @@ class Rig:
         self.caches = {nm: torch.randn(blocks, 2, BLOCK, 2 * head) for nm in self.names}
         per = self.caches[self.names[0]][0].numel() * 4
         cap = 4 * layers * blocks * per + (64 << 20)
-        self.store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": cap}]})
+        self.store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": cap}], "verify": verify})
         info = EngineInfo(block_size=BLOCK, layers=self.names, num_blocks=blocks,
                           shard=kv_shard(0, 1, 2), namespaces={0: "bench-ns"})
         self.w = TierKVWorker(ConnectorOptions(chunk_tokens=BLOCK, save_wait=True, layerwise=False),
@@ -227,6 +238,38 @@ def run(args) -> dict:
     return out
 
 
+def run_verify_cost(args) -> dict:
+    """The connector's load from a ``dram`` tier, reads unchecked beside reads checked (see the module doc)."""
+    rigs = {v: Rig(args.layers, args.blocks, args.head, verify=v) for v in ("external", "always")}
+    hs = hashes(0, args.blocks)
+    for rig in rigs.values():
+        rig.conn_save(hs)
+    objs = args.layers * args.blocks
+    before = rigs["always"].store.stats()["dram"]["corrupt"]
+    gc.collect()
+    gc.freeze()
+    times: dict[str, list[float]] = {v: [] for v in rigs}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for v in (("external", "always") if r % 2 else ("always", "external")):
+            wall, _ = rigs[v].conn_load(hs)
+            if r:
+                times[v].append(wall)
+    if rigs["always"].store.stats()["dram"]["corrupt"] != before:
+        raise AssertionError("a checked read found a corrupt chunk")
+    nbytes = objs * rigs["external"].object_bytes
+    ratios = sorted(u / c for u, c in zip(times["external"], times["always"]))
+    out: dict = {"layers": args.layers, "blocks": args.blocks, "objects": objs,
+                 "object_bytes": rigs["external"].object_bytes, "rounds": args.rounds,
+                 "loadavg_1min": os.getloadavg()[0], "ratio": statistics.median(ratios),
+                 "ratio_range": [ratios[0], ratios[-1]]}
+    for v in rigs:
+        med = statistics.median(times[v])
+        out[v] = {"load_ms": med * 1e3, "gbps": nbytes / med / 1e9}
+    for rig in rigs.values():
+        rig.w.shutdown()
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", type=int, default=32)
@@ -235,6 +278,8 @@ def main(argv=None) -> int:
     ap.add_argument("--local", type=int, default=0, help="blocks the lookup's request already has in vLLM")
     ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--no-lease", action="store_true", help="the lookup does not lease what it finds")
+    ap.add_argument("--verify-cost", action="store_true",
+                    help="measure the load with every chunk's checksum checked against the load unchecked")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     for name in ("layers", "blocks", "head", "rounds"):
@@ -242,6 +287,19 @@ def main(argv=None) -> int:
             ap.error(f"--{name} must be positive")
     if not 0 <= args.local <= args.blocks:
         ap.error(f"--local must be between 0 and --blocks ({args.blocks})")
+    if args.verify_cost:
+        out = run_verify_cost(args)
+        print(f"connector load of {out['objects']:,} objects ({args.layers} layers x {args.blocks} chunks) of "
+              f"{out['object_bytes']} B from dram, median of {args.rounds} rounds")
+        for v in ("external", "always"):
+            print(f"  verify {v:<9} {out[v]['load_ms']:9.2f} ms  {out[v]['gbps']:6.2f} GB/s")
+        lo, hi = out["ratio_range"]
+        print(f"  unchecked / checked time: {out['ratio']:.3f} (range {lo:.3f} .. {hi:.3f}; target >= 0.9)")
+        print(f"(1-minute load average at the end: {out['loadavg_1min']:.2f})")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     out = run(args)
     print(f"{out['objects']:,} objects ({args.layers} layers x {args.blocks} chunks) of {out['object_bytes']} B, "
           f"median of {args.rounds} rounds")
