@@ -93,6 +93,19 @@ class WorkerCounters:
             logger.warning("TierKVConnector: %d lease(s) expired before their load (lease_timeout_s); their chunks "
                            "could be evicted", expired)
 
+    def add_events(self, dropped: int, unmapped: int) -> None:
+        """KV event records dropped (a full queue, or a failed ``locate``), and removed keys no chunk this worker
+        wrote maps to."""
+        if not dropped and not unmapped:
+            return
+        with self._lock:
+            for s in (self.interval, self.totals):
+                s.data["events_dropped"] = s.data.get("events_dropped", 0) + dropped
+                s.data["events_unmapped"] = s.data.get("events_unmapped", 0) + unmapped
+        if dropped:
+            logger.warning("TierKVConnector: %d KV event record(s) dropped (the queue was full, or the store could "
+                           "not say where the chunk lies)", dropped)
+
     def add_load_errors(self, blocks: set[int]) -> None:
         """Blocks to report as failed at the next :meth:`take_load_errors` (a load between steps)."""
         with self._lock:
