@@ -149,3 +149,43 @@ def test_the_save_path_reports_a_chunk_when_every_layer_is_saved(answers, publis
         saver.close(5)
     taken = events.take()
     assert (len(taken.get_all_events()) if taken else 0) == published
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("state_answer, published", [("stored", [1, 2]), ("no_room", [1])])
+def test_a_state_group_counts_only_for_the_chunks_whose_state_the_step_offers(state_answer, published):
+    """Layer 0 is attention (every chunk), layer 1 a recurrent-state group that saves chunk 1's state only: chunk
+    0 is complete after its attention layer, chunk 1 after its state too."""
+    import torch
+
+    from adapters.vllm.accounting import WorkerCounters
+    from adapters.vllm.config import ShardInfo
+    from adapters.vllm.kv_events import ChunkEvents
+    from adapters.vllm.metadata import SaveSpec, TierKVConnectorMetadata
+    from adapters.vllm.saving import Saver
+    from tierkv.outcome import PutOutcome
+
+    class _Keys:
+        num_layers = 2
+
+        def keys(self, layer, hashes, salt):
+            return [f"{h.hex()}/{layer}" for h in hashes]
+
+    events = ChunkEvents()
+    store = _Store([PutOutcome.STORED, PutOutcome.STORED, PutOutcome(state_answer)])
+    paged = SimpleNamespace(is_flat=lambda: False, read_cut=lambda cuts: [torch.zeros(1)] * len(cuts.objects),
+                            read_runs=lambda ids: [torch.zeros(1)], block_nbytes=4)
+    saver = Saver(keys=_Keys(), layers=["attn", "state"], paged={"attn": paged, "state": paged}, chunk_blocks=1,
+                  shard=ShardInfo(0, 1, 0, 1), split_writes=False, store=lambda: store, counters=WorkerCounters(),
+                  group_of=lambda layer: layer, num_groups=2, state_groups=frozenset({1}), events=events)
+    spec = SaveSpec("r", [(0, 0), (1, 1)], [[0], [1]], [bytes([1]) * 32, bytes([2]) * 32], [0, 1],
+                    group_block_ids=[[[0], [1]], [[5], [6]]], state_chunks=[1])
+    meta = TierKVConnectorMetadata(saves=[spec])
+    try:
+        for layer in range(2):
+            saver.save_layer(meta, layer, paged, hold=False)
+        assert saver.wait_all(30)
+    finally:
+        saver.close(5)
+    taken = events.take()
+    assert [r.last_hash[0] for r in (taken.get_all_events() if taken else [])] == published
