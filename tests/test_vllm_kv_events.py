@@ -207,3 +207,4 @@ def test_vllm_publishes_tierkv_stores_and_removals(tmp_path):
     assert counters.get("tierkv_connector_events_stored_total") == 12, counters
     assert counters.get("tierkv_connector_events_removed_total") == 8, counters
     assert counters.get("tierkv_connector_events_dropped_total") == 0, counters
+    assert counters.get("tierkv_connector_events_unmapped_total") == 0, counters  # every evicted key was this engine's
