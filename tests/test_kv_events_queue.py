@@ -189,3 +189,21 @@ def test_a_state_group_counts_only_for_the_chunks_whose_state_the_step_offers(st
         saver.close(5)
     taken = events.take()
     assert [r.last_hash[0] for r in (taken.get_all_events() if taken else [])] == published
+
+
+@pytest.mark.vllm
+def test_a_queue_nothing_drains_counts_its_drops_in_the_stats_and_logs_them_once(caplog):
+    """Behind vLLM 0.32's MultiConnector nobody collects the worker's events: what the full queue drops shows in the
+    connector's stats, and the warning comes once, not with every step."""
+    from adapters.vllm.accounting import WorkerCounters
+    from adapters.vllm.kv_events import ChunkEvents
+
+    ev, counters = ChunkEvents(queue_max=1), WorkerCounters()
+    with caplog.at_level("WARNING", logger="vllm.tierkv.worker"):
+        for step in range(3):
+            ev.note_keys(bytes([step]), [f"{step}/0"])
+            ev.stored(bytes([step]), "dram")
+            counters.add_events(*ev.take_counts())
+    assert counters.totals.data["events_dropped"] == 2
+    assert counters.totals.reduce()["events_dropped"] == 2
+    assert len([r for r in caplog.records if "KV event record(s) dropped" in r.getMessage()]) == 1

@@ -368,12 +368,11 @@ class TierKVWorker:
 
     def take_kv_events(self) -> TierKVEvents | None:
         """The chunk records since the last step, for ``KVConnectorOutput.kv_cache_events``."""
-        if self.events is None:
-            return None
-        self.counters.add_events(*self.events.take_counts())
-        return self.events.take()
+        return self.events.take() if self.events is not None else None
 
     def get_stats(self) -> TierKVConnectorStats | None:
+        if self.events is not None:  # (counted here too where nothing collects the events: a full queue drops)
+            self.counters.add_events(*self.events.take_counts())
         out = self.counters.take_interval(self._snapshots.due())
         if out is None:
             return None
