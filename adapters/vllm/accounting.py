@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from typing import Any
 
 from .audit import AuditTally
@@ -21,6 +22,9 @@ from .load_mode import LoadMode
 from .loading import LoadJob
 
 logger = logging.getLogger("vllm.tierkv.worker")
+
+#: KV event drops are logged at most this often (each line counts those since the last)
+EVENTS_LOG_EVERY_S = 60.0
 
 
 class WorkerCounters:
@@ -37,6 +41,8 @@ class WorkerCounters:
         self.load_trace: collections.deque = collections.deque(maxlen=64)
         self._load_errors: set[int] = set()
         self._totals_sent: dict | None = None
+        self._events_dropped_unlogged = 0
+        self._events_logged_at: float | None = None
 
     def add_save(self, req_id: str, tally: SaveTally, audit: AuditTally | None = None) -> None:
         with self._lock:
@@ -92,6 +98,26 @@ class WorkerCounters:
         if expired:
             logger.warning("TierKVConnector: %d lease(s) expired before their load (lease_timeout_s); their chunks "
                            "could be evicted", expired)
+
+    def add_events(self, dropped: int, unmapped: int) -> None:
+        """KV event records dropped (a full queue, or a failed ``locate``), and removed keys no chunk this worker
+        wrote maps to."""
+        if not dropped and not unmapped:
+            return
+        with self._lock:
+            for s in (self.interval, self.totals):
+                s.data["events_dropped"] = s.data.get("events_dropped", 0) + dropped
+                s.data["events_unmapped"] = s.data.get("events_unmapped", 0) + unmapped
+        if not dropped:
+            return
+        # (a queue nothing drains drops with every step: one line a minute, with the count since the last)
+        self._events_dropped_unlogged += dropped
+        now = time.monotonic()
+        if self._events_logged_at is None or now - self._events_logged_at >= EVENTS_LOG_EVERY_S:
+            n, self._events_dropped_unlogged, self._events_logged_at = self._events_dropped_unlogged, 0, now
+            logger.warning("TierKVConnector: %d KV event record(s) dropped: the worker's queue was full (vLLM did not "
+                           "collect them: behind vLLM 0.32's MultiConnector it does not), or the store could not say "
+                           "where a chunk lies", n)
 
     def add_load_errors(self, blocks: set[int]) -> None:
         """Blocks to report as failed at the next :meth:`take_load_errors` (a load between steps)."""

@@ -186,6 +186,8 @@ class EngineInfo:
     layer_groups: tuple[int, ...] = ()
     #: each group's geometry (groups.py); empty: one full-attention group
     groups: tuple[GroupGeometry, ...] = ()
+    #: vLLM publishes KV cache events (``--kv-events-config``): the connector reports what it stores
+    kv_events: bool = False
 
     @property
     def layer_index(self) -> dict[str, int]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import weakref
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,6 +57,7 @@ except ImportError:  # pragma: no cover - older engines
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent, KVConnectorKVEvents
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -200,7 +202,8 @@ def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config:
                       shard=shard, namespaces=namespaces, tp_rank=tp_rank, tp_size=tp_size,
                       engine_id=str(vllm_config.kv_transfer_config.engine_id),  # type: ignore[union-attr]  # (set for a connector)
                       dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
-                      layer_groups=layer_groups, groups=groups)
+                      layer_groups=layer_groups, groups=groups,
+                      kv_events=bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False)))
 
 
 class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
@@ -305,6 +308,10 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None:
             self.scheduler.update_connector_output(connector_output)
 
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """``BlockStored`` / ``BlockRemoved`` for what the workers reported stored or removed (kv_events.py)."""
+        return self.scheduler.take_events() if self.scheduler is not None else ()
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is None:
             return False, None
@@ -366,8 +373,13 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker.get_block_ids_with_load_errors() if self.worker is not None else set()
 
+    def get_kv_connector_kv_cache_events(self) -> KVConnectorKVEvents | None:
+        return self.worker.take_kv_events() if self.worker is not None else None
+
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        return self.worker.get_stats() if self.worker is not None else None
+        if self.worker is not None:
+            return self.worker.get_stats()
+        return self.scheduler.take_event_stats() if self.scheduler is not None else None
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:

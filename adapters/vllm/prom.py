@@ -52,6 +52,14 @@ CONNECTOR_COUNTERS = {
     "leases": ("tierkv_connector_leases", "Lookups whose chunks were held for their load (a lease each)"),
     "lease_expired": ("tierkv_connector_lease_expired", "Leases that ran past lease_timeout_s before their load "
                       "(their chunks could be evicted)"),
+    "events_stored": ("tierkv_connector_events_stored", "BlockStored KV events published for chunks tierkv stored"),
+    "events_removed": ("tierkv_connector_events_removed",
+                       "BlockRemoved KV events published for chunks that left every tier"),
+    "events_dropped": ("tierkv_connector_events_dropped",
+                       "KV events not published (a worker's queue was full, or the chunk's block hashes were "
+                       "forgotten)"),
+    "events_unmapped": ("tierkv_connector_events_unmapped",
+                        "Removed keys no chunk this worker stored maps to (no KV event)"),
 }
 
 

@@ -36,6 +36,7 @@ from .audit import Auditor, AuditTally
 from .chunks import Chunk
 from .config import ShardInfo, block_hash_bytes
 from .connector_stats import SaveTally
+from .kv_events import ChunkEvents
 from .layer_keys import LayerKeys
 from .metadata import SaveSpec, TierKVConnectorMetadata
 from .paged import Cuts, PagedLayer
@@ -46,7 +47,7 @@ logger = logging.getLogger("vllm.tierkv.saving")
 class SavePlan:
     """One save spec's chunks on this rank, as every layer of the step uses them."""
 
-    __slots__ = ("audited", "chunks", "cuts", "hashes", "spec", "state_keep")
+    __slots__ = ("audited", "chunks", "cuts", "hashes", "layers_left", "spec", "state_keep", "unsaved", "written")
 
     def __init__(self, spec: SaveSpec, pos: list[int], num_groups: int = 1) -> None:
         self.spec = spec
@@ -60,6 +61,20 @@ class SavePlan:
         self.cuts = [Cuts([ids[j] for j in pos]) for ids in (spec.ids_of(g) for g in range(num_groups))]
         #: positions in ``chunks`` of those an audit compares with the stored copies
         self.audited = spec.audited(self.chunks)
+        #: for KV events, per chunk: layers whose put is still to come, whether one was not saved, whether one
+        #: was written now (set by :meth:`track`; empty: not tracked)
+        self.layers_left: list[int] = []
+        self.unsaved: list[bool] = []
+        self.written: list[bool] = []
+
+    def track(self, plain_layers: int, state_layers: int) -> None:
+        """Count each chunk's puts: every layer outside a state group, and a state group's only where this step
+        offers the chunk's state."""
+        offered = set(self.state_keep)
+        n = len(self.chunks)
+        self.layers_left = [plain_layers + (state_layers if i in offered else 0) for i in range(n)]
+        self.unsaved = [False] * n
+        self.written = [False] * n
 
 
 class SaveItem:
@@ -106,11 +121,15 @@ class Saver:
                  shard: ShardInfo, split_writes: bool, store: Callable[[], Any], counters: WorkerCounters,
                  group_of: Callable[[int], int] = lambda layer: 0, num_groups: int = 1,
                  auditor: Auditor | None = None, state_groups: frozenset[int] = frozenset(),
-                 tenant: str | None = None) -> None:
+                 tenant: str | None = None, events: ChunkEvents | None = None) -> None:
         self._auditor = auditor
         #: the tenant of a put whose request carries no cache_salt (the connector's ``namespace``)
         self._tenant = tenant
         self._state_groups = state_groups
+        #: where chunks that became stored are reported (vLLM KV events); None: not reported
+        self._events = events
+        state_layers = sum(1 for i in range(len(layers)) if group_of(i) in state_groups)
+        self._layer_counts = (len(layers) - state_layers, state_layers)
         self._keys = keys
         self._group_of = group_of
         self._num_groups = num_groups
@@ -204,7 +223,10 @@ class Saver:
                        if (first // self._G) % shard.replicas == shard.replica]
             else:
                 pos = list(range(len(spec.chunks)))
-            plans.append(SavePlan(spec, pos, self._num_groups) if pos else None)
+            plan = SavePlan(spec, pos, self._num_groups) if pos else None
+            if plan is not None and self._events is not None:
+                plan.track(*self._layer_counts)
+            plans.append(plan)
         self._plans = (meta, plans)
         return plans
 
@@ -248,6 +270,8 @@ class Saver:
                 outcomes = [PutOutcome.ERROR] * len(chunks)
             paged = self._paged[self._layers[layer]]
             tally = SaveTally.of(outcomes, chunks, paged.block_nbytes)
+            if self._events is not None and plan.layers_left:
+                self._track(plan, keep, keys, outcomes)
             audited = item.audited()
             if audited:
                 audit = self._audit(item, keys, values, outcomes, audited, paged)
@@ -255,6 +279,35 @@ class Saver:
             tally.seconds = time.perf_counter() - t0
             self._counters.add_save(spec.req_id, tally, audit)
             self._done(spec.req_id)
+
+    def _track(self, plan: SavePlan, keep: list[int] | None, keys: list[str] | None,
+               outcomes: list[PutOutcome]) -> None:
+        """Map the keys written now to their chunks, and report each chunk whose every layer is now saved (one
+        of them written now) stored, in the tier its fastest copy lies in (vLLM's KV events, kv_events.py)."""
+        events = self._events
+        if events is None:
+            return
+        done: list[int] = []
+        for i, j in enumerate(range(len(plan.chunks)) if keep is None else keep):
+            outcome = outcomes[i]
+            if outcome is PutOutcome.STORED and keys is not None:
+                plan.written[j] = True
+                events.note_keys(plan.hashes[j], [keys[i]])
+            elif not outcome:
+                plan.unsaved[j] = True
+            plan.layers_left[j] -= 1
+            if plan.layers_left[j] == 0 and plan.written[j] and not plan.unsaved[j] and keys is not None:
+                done.append(i)
+        if done and keys is not None:
+            try:
+                where = self._store().locate([keys[i] for i in done])
+            except Exception as e:  # noqa: BLE001 - a closed or broken store loses the events, counted
+                logger.warning("TierKVConnector: %d KV event(s) dropped: locate failed: %s", len(done), e)
+                events.drop(len(done))
+                return
+            for i, tier in zip(done, where):
+                if tier is not None:  # (gone already: its removal was heard, nothing to publish)
+                    events.stored(plan.hashes[i if keep is None else keep[i]], tier)
 
     def _audit(self, item: SaveItem, keys: list[str] | None, values: Any, outcomes: list[PutOutcome],
                audited: list[int], paged: PagedLayer) -> AuditTally:

@@ -43,11 +43,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.distributed.kv_events import KVCacheEvent
+
 from tierkv.outcome import MissReason
 
 from .chunks import plan_saves
 from .config import ConnectorOptions, EngineInfo
+from .connector_stats import TierKVConnectorStats
 from .groups import GroupKind
+from .kv_events import BlockEvents
 from .lookup import ChannelClient, endpoint
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
 from .service import Channel, ProbeAnswer, ProbeRequest, ShutdownRequest, TierPlace
@@ -163,6 +167,8 @@ class TierKVScheduler:
         #: request id -> whether its hits are audited (drawn at its first lookup that hits, kept until it ends)
         self._audit_draws: dict[str, bool] = {}
         self._audit_pace = AuditPace(options.audit_rate)
+        #: the block hashes of planned chunks, for vLLM's KV events (None: vLLM publishes no events)
+        self.block_events: BlockEvents | None = BlockEvents(info.block_size) if info.kv_events else None
         #: requests whose last lookup leased chunks in the workers and no load was planned for yet
         self._leased: set[str] = set()
         #: of those, the ones no load will read: released in the next step's metadata
@@ -427,6 +433,8 @@ class TierKVScheduler:
                 continue
             per_group = [[ids[a:b + 1] for a, b in chunks] for ids in st.block_ids]
             state_chunks = self._offered_states(st, chunks, new_tokens) if self._state_groups else None
+            if self.block_events is not None:
+                self.block_events.plan(req, chunks)
             meta.saves.append(SaveSpec(
                 rid,
                 chunks,
@@ -493,6 +501,23 @@ class TierKVScheduler:
         self._async_failed.update(getattr(output, "failed_recving", None) or ())
         for rid in getattr(output, "finished_recving", None) or ():
             self._async_in_flight.pop(rid, None)
+        if self.block_events is not None:
+            self.block_events.add(getattr(output, "kv_cache_events", None))
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """vLLM's KV events for the chunks the workers reported stored or removed since the last call."""
+        return self.block_events.take() if self.block_events is not None else []
+
+    def take_event_stats(self) -> TierKVConnectorStats | None:
+        """The events published and dropped since the last call, as connector stats (None: none)."""
+        if self.block_events is None:
+            return None
+        n = self.block_events.take_counts()
+        if not (n.stored or n.removed or n.dropped):
+            return None
+        stats = TierKVConnectorStats()
+        stats.data.update(events_stored=n.stored, events_removed=n.removed, events_dropped=n.dropped)
+        return stats
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
         """``(delay_free, None)``: blocks stay allocated until every worker reports the request's saves done.

@@ -55,6 +55,7 @@ from .async_loading import AsyncLoads
 from .audit import Auditor
 from .config import ConnectorOptions, EngineInfo
 from .connector_stats import TierKVConnectorStats
+from .kv_events import ChunkEvents, TierKVEvents
 from .layer_keys import LayerKeys
 from .leases import RequestLeases
 from .load_mode import LoadMode
@@ -112,11 +113,15 @@ class TierKVWorker:
         # replicas of a shard split the writes only when every tier is shared between
         # processes; with private tiers each replica must hold what it will load
         split = self.shard.replicas > 1 and all(t["shared"] for t in tiers)
+        #: chunks that became stored, for vLLM's KV events (None: vLLM publishes no events)
+        self.events: ChunkEvents | None = ChunkEvents() if info.kv_events else None
         self.saver = Saver(keys=self.keys, layers=layers, paged=self._paged, chunk_blocks=G, shard=self.shard,
                            split_writes=split, store=lambda: self.store, counters=self.counters,
                            group_of=info.group_of, num_groups=info.num_groups,
                            auditor=Auditor(options.audit_tolerance), state_groups=info.state_groups,
-                           tenant=options.namespace)
+                           tenant=options.namespace, events=self.events)
+        if self.events is not None:
+            store.add_removal_listener(self.events.on_removed)
 
         def loader() -> Loader:
             return Loader(layers=layers, paged=self._paged, block_size=info.block_size, store=lambda: self.store,
@@ -361,7 +366,13 @@ class TierKVWorker:
         out, self.failed_recving = self.failed_recving, set()
         return out
 
+    def take_kv_events(self) -> TierKVEvents | None:
+        """The chunk records since the last step, for ``KVConnectorOutput.kv_cache_events``."""
+        return self.events.take() if self.events is not None else None
+
     def get_stats(self) -> TierKVConnectorStats | None:
+        if self.events is not None:  # (counted here too where nothing collects the events: a full queue drops)
+            self.counters.add_events(*self.events.take_counts())
         out = self.counters.take_interval(self._snapshots.due())
         if out is None:
             return None
@@ -421,6 +432,8 @@ class TierKVWorker:
                 for server in servers:
                     server.close()
                 owned, self._owned, self.store = self._owned, None, None
+                if self.events is not None and owned is not None:
+                    owned.remove_removal_listener(self.events.on_removed)
                 try:
                     if owned is not None:
                         self._release(owned)
