@@ -10,7 +10,8 @@ Each part is an object of its own module, built from a ``Chain`` and the parts i
 * ``writer``: ``Writer``, the put path in named phases;
 * ``reader``: ``Reader``, the get path in named phases, ``lookup`` and ``locate``;
 * ``copier``: ``Copier``, write-behind and promotion on one background queue (``background``);
-* ``recovery``: indexing what persistent media kept; ``observers``: batch observers.
+* ``recovery``: indexing what persistent media kept; ``observers``: batch observers;
+* ``report``: the figures ``stats()`` answers.
 
 Foundations (``tierkv.buffers``, ``tierkv.hostmem``, ``tierkv.hooks``...) sit below; nothing here
 imports the adapters or the operator tools.
