@@ -249,7 +249,7 @@ def _general_only(store: TieredStore) -> TieredStore:
     for lvl in store.levels:
         lvl.probe_sized = lambda keys, sizes: None  # type: ignore[method-assign]
         lvl.all_ready = lambda keys: False  # type: ignore[method-assign]
-        lvl._fast_victims = lambda victims: None  # type: ignore[method-assign]
+        lvl.evictable_footprint = lambda keys: None  # type: ignore[method-assign]
     store._writer._all_on_top_possible = lambda: False  # type: ignore[method-assign]
     return store
 

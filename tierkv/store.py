@@ -115,6 +115,7 @@ from tierkv.engine.observers import Observers, attach_from_config
 from tierkv.engine.placer import Placer
 from tierkv.engine.reader import Reader
 from tierkv.engine.recovery import recover
+from tierkv.engine.report import collect_stats
 from tierkv.engine.tierio import TierIO
 from tierkv.engine.writer import Writer
 from tierkv.errors import ConfigError, PolicyError, StoreClosedError
@@ -507,71 +508,15 @@ class TieredStore:
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:
         """Counters per tier (under ``"tiers"`` and at the top level, by name), store totals (``"total"``) and,
-        with tenants configured, each tenant's usage and hits (``"tenants"``: ``tierkv.tenants``)."""
-        tiers: dict[str, dict[str, Any]] = {}
-        chain = self._chain
-        with chain.lock:
-            if not chain.closed:
-                chain.leases.expire()  # (a lease past its deadline is counted as such when asked)
-            for lvl in self.levels:
-                d: dict[str, Any] = {
-                    "medium": lvl.tier.medium,
-                    "locality": getattr(lvl.tier, "locality", "host"),
-                    "persist": lvl.persist,
-                    "capacity_bytes": lvl.capacity,
-                    "used_bytes": lvl.used if lvl.managed else lvl.tier.used_bytes,
-                    "stored_bytes": lvl.tier.used_bytes,
-                    "entries": lvl.entries() if lvl.managed else None,
-                    "available": bool(lvl.tier.available),
-                    **lvl.counters.as_dict(),
-                }
-                if lvl.eviction is not None:
-                    d["eviction"] = getattr(lvl.eviction, "name", type(lvl.eviction).__name__)
-                d["admission"] = lvl.admissions.as_dict()  # (each answer the store acted on)
-                try:
-                    extra = lvl.tier.extra_stats()
-                except Exception as e:  # noqa: BLE001 - a medium's stats never break stats()
-                    extra = {"extra_stats_error": str(e)}
-                for k, v in extra.items():
-                    d.setdefault(k, v)
-                mine = extra.get("too_large")  # (refused by the store as larger than the tier, or by the medium)
-                d["too_large"] = lvl.too_large + (mine if isinstance(mine, int) else 0)
-                own = extra.get("corrupt")  # (a medium that checks its own records counts what it dropped)
-                d["corrupt"] = lvl.counters.corrupt + (own if isinstance(own, int) else 0)
-                tiers[lvl.name] = d
-            total: dict[str, Any] = chain.counters.as_dict()
-            for field in ("capacity_bytes", "used_bytes", "evictions", "promotions", "demotions", "errors",
-                          "corrupt", "rejected", "bytes_read", "bytes_written", "persisted"):
-                total[field] = sum(t[field] for t in tiers.values())
-            total["in_flight"] = chain.in_flight
-            total["leases_active"] = chain.leases.active
-            total["write_behind_pending"] = self._copier.pending()
-            total["write_behind_dropped"] = chain.drops.total
-            total["write_behind_dropped_by_reason"] = chain.drops.by_reason()
-            total["misses_by_reason"] = chain.departures.counts_by_reason()
-            total["miss_memory"] = chain.departures.capacity
-            total["miss_memory_used"] = len(chain.departures)
-            tenants = self._tenant_stats() if chain.tenants is not None else None
+        with tenants configured, each tenant's usage and hits (``"tenants"``: ``tierkv.tenants``); gathered by
+        ``tierkv.engine.report``."""
+        tiers, total, tenants = collect_stats(self._chain, self._copier.pending)
         self._observers.merge_stats(tiers)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         if tenants is not None:
             out["tenants"] = tenants
         for name, d in tiers.items():
             out.setdefault(name, d)
-        return out
-
-    def _tenant_stats(self) -> dict[str, Any]:
-        """label -> {used_bytes, hits (totals over the managed tiers), tiers: {tier: that tier's figures}}
-        (lock held)."""
-        out: dict[str, Any] = {}
-        for lvl in self.levels:
-            if lvl.ledger is None:
-                continue
-            for label, d in lvl.ledger.snapshot().items():
-                t = out.setdefault(label, {"used_bytes": 0, "hits": 0, "tiers": {}})
-                t["used_bytes"] += d["used_bytes"]
-                t["hits"] += d["hits"]
-                t["tiers"][lvl.name] = d
         return out
 
     # ------------------------------------------------------------------ helpers

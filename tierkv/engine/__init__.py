@@ -3,13 +3,15 @@
 Each part is an object of its own module, built from a ``Chain`` and the parts it calls:
 
 * ``level``: ``Level``, one tier as the store sees it (index, reservations, pins, eviction), sealed;
+  its index is ``levelindex`` (``LevelIndex``), its victim search ``victims`` (``choose_victims``);
 * ``chain``: ``Chain``, the levels fastest first and the state they share (lock, counters, drops);
 * ``tierio``: ``TierIO``, the one choke point for tier I/O (a medium fault is a miss);
 * ``placer``: ``Placer``, placement, eviction, demotion, write-through;
 * ``writer``: ``Writer``, the put path in named phases;
 * ``reader``: ``Reader``, the get path in named phases, ``lookup`` and ``locate``;
 * ``copier``: ``Copier``, write-behind and promotion on one background queue (``background``);
-* ``recovery``: indexing what persistent media kept; ``observers``: batch observers.
+* ``recovery``: indexing what persistent media kept; ``observers``: batch observers;
+* ``report``: the figures ``stats()`` answers.
 
 Foundations (``tierkv.buffers``, ``tierkv.hostmem``, ``tierkv.hooks``...) sit below; nothing here
 imports the adapters or the operator tools.

@@ -1,13 +1,10 @@
 """``Level``: one tier in the chain as the store sees it — the medium, its policies, its index.
 
-A level owns the bookkeeping of a *managed* tier: the index of entries
-(RESERVED, READY, or doomed-but-pinned), the bytes they account for, and the
-pins of readers.  The index and its packed-int encoding are private to this
-module: the store's reader, placer and copier ask typed, batched questions
-(``holds``, ``ready_sizes``, ``probe_sized``, ``footprints``...), and an eviction
-policy that follows the level's order sees it through ``LevelOrder``
-(``policies/eviction.py``), where a token is opaque but for "READY is a positive
-int".  The store decides *what* happens (placement, eviction, demotion); the
+A level owns the bookkeeping of a *managed* tier.  Its index (``LevelIndex``,
+``tierkv/engine/levelindex.py``: one packed int per chunk, RESERVED, READY, or
+doomed-but-pinned, and the typed, batched questions the store's reader, placer and
+copier ask) is the base this class builds on; the encoding is private to those two
+modules.  The store decides *what* happens (placement, eviction, demotion); the
 level makes each step keep its invariants:
 
 * ``used`` is always the sum of ``footprint`` over the entries in ``index``
@@ -15,18 +12,15 @@ level makes each step keep its invariants:
 * a READY entry is known to the eviction policy (told with its footprint, the
   one unit of size everywhere) and found by the store's reads; a RESERVED one
   is neither;
-* the index holds one ``int`` per chunk (READY > 0, RESERVED < 0) and an
-  ``Entry`` only for a doomed chunk a reader still holds; pins are counts in
-  ``pinned`` (``entry`` gives a view of any state).  For a *located* tier (the
-  slab under ``hbm`` and ``dram``) the int is the tier's location code, taken at
-  ``reserve`` and given back when the chunk is freed, and the tier keeps nothing
-  per object; for any other tier it is one shared value per size;
+* a located tier's code is taken at ``reserve`` and given back when the chunk is
+  freed; any other tier's bytes are deleted when the chunk is freed;
 * a pinned entry is never freed: ``drop`` makes it unreadable at once, and the
   last ``unpin`` frees its space and deletes its bytes.
 
 Giving chunks up: ``victims`` asks the policy and refuses an answer that names
 a key the level does not hold READY, a pinned key, or one key twice
-(``PolicyError``); a policy that frees too little is asked once more for the rest.
+(``PolicyError``); a policy that frees too little is asked once more for the rest
+(``choose_victims``, ``tierkv/engine/victims.py``, with the tenant-quota search).
 ``evict_many`` drops each victim and releases the one pin the eviction holds on
 it; a key another reader still holds stays readable to that reader (doomed) until
 its last ``unpin``.  Every pin the call was given is released, raising or not.
@@ -49,6 +43,8 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from tierkv.checksum import Verify, parse_verify
+from tierkv.engine.levelindex import _INT, _NB_MASK, _ONE, Entry, LevelIndex, size_value
+from tierkv.engine.victims import choose_victims
 from tierkv.errors import ConfigError, PolicyError
 from tierkv.hooks import CheckedAdmission, CheckedEviction
 from tierkv.outcome import AdmissionCounts
@@ -56,43 +52,9 @@ from tierkv.persist import PersistMode, resolve_persist
 from tierkv.policies import AdmissionPolicy, EvictionPolicy, build_admission, build_eviction
 from tierkv.stats import TierCounters
 from tierkv.tenants import OTHER, TenantLedger
-from tierkv.tiers.base import CODE_SHIFT, NB_FIELD, Locality, Tier
+from tierkv.tiers.base import Locality, Tier
 
 log = logging.getLogger("tierkv")
-
-class Entry:
-    """A view of one object of a managed level (``Level.entry``); in the index, a doomed chunk still read.
-
-    The index holds one packed ``int`` per chunk (a shared object for each distinct
-    size): positive while READY, negative while RESERVED.  An ``Entry`` stands in the
-    index only for a chunk that was dropped while a reader holds it (``doomed``),
-    until the last ``unpin`` frees it.
-    """
-
-    __slots__ = ("code", "doomed", "footprint", "nbytes", "pins", "ready")
-
-    def __init__(self, nbytes: int, footprint: int, ready: bool = False, code: int = 0) -> None:
-        self.nbytes = nbytes
-        self.footprint = footprint
-        self.ready = ready
-        self.pins = 0
-        self.doomed = False
-        self.code = code  # a located tier's code, to give back at the last unpin
-
-
-# An index int (READY; its negation while RESERVED) is ``X << CODE_SHIFT | f << 1 | 1``
-# (never 0): ``f`` is nbytes below ``NB_FIELD``; at ``NB_FIELD`` the level asks
-# ``value_nbytes``.  For a located tier X is the tier's; otherwise X is 0, or
-# nbytes itself for a large chunk, and the value is shared by every chunk of one size.
-_NB_MASK = NB_FIELD
-#: distinct sizes whose values are shared; past it, each entry keeps its own
-_CANON_LIMIT = 4096
-
-Slot = Union[int, Entry]
-_INT = {int}
-_ONE = {1}
-_STR = {str}
-
 
 #: id(policy) -> the level it serves (weakly): one eviction policy object keeps one tier's metadata
 _BOUND: dict[int, weakref.ref] = {}
@@ -113,25 +75,8 @@ def _bind_policy(policy: Any, level: Level) -> None:
     _BOUND[id(policy)] = weakref.ref(level)
 
 
-def size_value(nbytes: int) -> int:
-    """The READY value of a chunk of ``nbytes`` in a level whose tier is not located."""
-    return nbytes << 1 | 1 if nbytes < NB_FIELD else nbytes << CODE_SHIFT | NB_FIELD << 1 | 1
-
-
-class _Order:
-    """A level's ``LevelOrder`` (``policies/eviction.py``): its entries, and what a policy may ask of them."""
-
-    __slots__ = ("entries", "footprint", "ready_bytes", "ready_count")
-
-    def __init__(self, level: Level) -> None:
-        self.entries = level._index
-        self.footprint = level._value_footprint
-        self.ready_count = level.entries
-        self.ready_bytes = lambda: level.ready_bytes
-
-
-class Level:
-    """One tier in the chain: the medium, its eviction and admission policies, and its index."""
+class Level(LevelIndex):
+    """One tier in the chain: the medium, its eviction and admission policies, and its index (``LevelIndex``)."""
 
     def __init__(
         self,
@@ -144,8 +89,7 @@ class Level:
     ) -> None:
         if not isinstance(tier, Tier):
             raise TypeError(f"a level needs a Tier, got {type(tier).__name__}")
-        self.tier = tier
-        self.name = tier.name
+        super().__init__(tier, located=tier.located and tier.managed)
         self.managed = tier.managed
         if not self.managed and eviction is not None:
             raise ConfigError(f"tier {tier.name!r} ({tier.medium}) manages its own space: it takes no 'eviction'")
@@ -166,8 +110,6 @@ class Level:
         if self.persist is PersistMode.WRITE_BEHIND and not self.managed:
             raise ConfigError(f"tier {tier.name!r} ({tier.medium}) is a shared pool: 'persist' may be "
                               "'write_through' or 'on_evict', not 'write_behind'")
-        #: the tier leaves each object's location to this level (its code is the index int)
-        self.located = tier.located and self.managed
         #: when reads are checked against the chunk's sum (``tierkv.checksum.Verify``)
         self.verify = parse_verify(Verify.EXTERNAL if verify is None else verify, f"tier {tier.name!r}")
         #: the level keeps each chunk's sum beside it (``sums``): a medium that holds bytes and keeps no sum
@@ -177,30 +119,19 @@ class Level:
                                                  or tier.locality in (Locality.REMOTE, Locality.DISK))
         #: key -> checksum of each chunk the level holds (a column beside the index; ``keeps_sums`` levels)
         self.sums: dict[str, int] = {}
-        #: key -> int (> 0 READY, < 0 RESERVED) or, for a doomed chunk still read, an ``Entry``
-        self._index: dict[str, Slot] = {}
-        #: key -> number of readers holding it (the keys eviction must not name)
-        self.pinned: dict[str, int] = {}
-        self.used = 0
-        self.ready_count = 0
-        self.ready_bytes = 0  # footprint of the READY entries
         self.counters = TierCounters()
         #: chunks the store refused here (among ``counters.rejected``) as larger than the whole tier; ``stats()``
         #: adds the medium's own ``too_large`` (one fault reason of the medium's, in the exporter's terms)
         self.too_large = 0
         self.too_large_quiet = 0.0  # no "larger than the tier" line is logged before this (monotonic) time
         self.bit = 0
-        self._canon: dict[int, int] = {}
-        #: nbytes -> (footprint, shared reservation value): a medium's footprint is a function of nbytes alone
-        self._fps: dict[int, tuple[int, int]] = {}
-        self._fp_only: dict[int, int] = {}  # nbytes -> footprint (the same sizes as ``_fps``)
         if self.located:
             tier.attach(self.ready_codes)
         #: the eviction policy follows this level's order (it keeps no order of its own)
         self._follows = bool(self.eviction is not None and self.eviction.follows_level_order
                              and not len(self.eviction))
         if self._follows:
-            self.eviction.follow_order(_Order(self))  # type: ignore[union-attr]
+            self.eviction.follow_order(self.level_order())  # type: ignore[union-attr]
         #: per-tenant usage and the quota rules here (None: no tenant configured, nothing asked)
         self.ledger: Optional[TenantLedger] = None
         #: the label of the tenant a key is put under (``set_quotas``)
@@ -228,195 +159,10 @@ class Level:
         """Join a store: ``bit`` marks this level in the masks the store builds (``1 << position``)."""
         self.bit = bit
 
-    def entries(self) -> int:
-        """How many READY objects the level holds."""
-        return self.ready_count
-
-    # -- the index -----------------------------------------------------------------
-    def _shared(self, v: int) -> int:
-        """The one int object for the value ``v`` (bounded: past the limit, ``v`` itself)."""
-        got = self._canon.get(v)
-        if got is not None:
-            return got
-        if len(self._canon) < _CANON_LIMIT:
-            self._canon[v] = v
-        return v
-
-    def _size(self, nbytes: int) -> tuple[int, int]:
-        """(footprint, shared reservation value) of a chunk of ``nbytes``."""
-        c = self._fps.get(nbytes)
-        if c is None:
-            fp = self.tier.footprint(nbytes)
-            c = (fp, self._shared(-size_value(nbytes)))
-            if len(self._fps) < _CANON_LIMIT:
-                self._fps[nbytes] = c
-                self._fp_only[nbytes] = fp
-        return c
-
-    def footprint(self, nbytes: int) -> int:
-        """The tier's footprint of a chunk of ``nbytes`` (remembered per size)."""
-        fp = self._fp_only.get(nbytes)
-        return fp if fp is not None else self._size(nbytes)[0]
-
-    def _value_nbytes(self, v: int) -> int:
-        """nbytes of an index int (READY, or RESERVED: negative)."""
-        if v < 0:
-            v = -v
-        f = v >> 1 & NB_FIELD
-        if f != NB_FIELD:
-            return f
-        return self.tier.code_nbytes(v) if self.located else v >> CODE_SHIFT
-
-    def _value_footprint(self, v: int) -> int:
-        """The footprint of an index int that is READY (its size looked up once per size)."""
-        f = v >> 1 & NB_FIELD
-        fp = self._fp_only.get(f) if f != NB_FIELD else None  # (at the marker the size is elsewhere)
-        return fp if fp is not None else self._unpack(v)[1]
-
-    def _unpack(self, v: int) -> tuple[int, int]:
-        """(nbytes, footprint) of an index int (READY or RESERVED)."""
-        nb = self._value_nbytes(v)
-        return nb, self._size(nb)[0]
-
-    def ready_codes(self, keys: list[str]) -> list[Optional[int]]:
-        """A located tier's code of each READY key (None for any other); what ``tier.read`` by key uses."""
-        return [v if type(v) is int and v > 0 else None for v in map(self._index.get, keys)]
-
-    def codes(self, keys: list[str]) -> list[int]:
-        """The located tier's code of each key, which the caller holds (pinned, or reserved by it)."""
-        vals: list[Any] = list(map(self._index.__getitem__, keys))
-        if vals and set(map(type, vals)) == _INT:  # the common cases in C loops: all READY, or all RESERVED
-            if min(vals) > 0:
-                return vals
-            if max(vals) < 0:
-                return list(map(_neg, vals))
-        out = []
-        for key in keys:
-            v = self._index[key]
-            out.append((v if v > 0 else -v) if type(v) is int else v.code)  # type: ignore[union-attr,operator]
-        return out
-
-    def holds(self, key: str) -> bool:
-        """Whether ``key`` is READY here."""
-        v = self._index.get(key)
-        return type(v) is int and v > 0
-
-    def ready_nbytes(self, key: str) -> int:
-        """nbytes of ``key`` if it is READY here, else -1."""
-        v = self._index.get(key)
-        if type(v) is int and v > 0:
-            return self._value_nbytes(v)
-        return -1
-
-    def entry(self, key: str) -> Optional[Entry]:
-        """A view of ``key``'s state (nbytes, footprint, ready, pins, doomed); None if absent."""
-        v = self._index.get(key)
-        if v is None:
-            return None
-        if type(v) is int:
-            nb, fp = self._unpack(v)
-            e = Entry(nb, fp, ready=v > 0)
-        else:
-            e = Entry(v.nbytes, v.footprint)  # type: ignore[union-attr]
-            e.doomed = True
-        e.pins = self.pinned.get(key, 0)
-        return e
-
-    def items(self) -> list[tuple[str, Entry]]:
-        """(key, ``entry(key)``) for every key in the index, in the level's order."""
-        return [(k, self.entry(k)) for k in list(self._index)]  # type: ignore[misc]
-
-    def keys(self) -> list[str]:
-        """Every key in the index (RESERVED, READY or doomed), in the level's order."""
-        return list(self._index)
-
-    def ready_keys(self) -> list[str]:
-        """The READY keys, in the level's order."""
-        return [k for k, v in self._index.items() if type(v) is int and v > 0]
-
-    # -- typed questions, batched (C-level loops in the common case) ----------------
-    def knows(self, key: str) -> bool:
-        """Whether ``key`` is in the index in any state (READY, RESERVED, or doomed and still read)."""
-        return key in self._index
-
-    def lacking(self, keys: list[str]) -> list[str]:
-        """The keys of ``keys`` that are not READY here, in order."""
-        get = self._index.get
-        return [k for k in keys if not (type(v := get(k)) is int and v > 0)]  # type: ignore[operator]
-
     @property
     def policy_name(self) -> Optional[str]:
         """The eviction policy's name (None: an unmanaged level)."""
         return None if self.eviction is None else getattr(self.eviction, "name", type(self.eviction).__name__)
-
-    def knows_none(self, keys: Any) -> bool:
-        """Whether none of ``keys`` is in the index, in any state."""
-        return self._index.keys().isdisjoint(keys)
-
-    def busy(self, key: str) -> bool:
-        """Whether ``key`` is READY or RESERVED (being written) here; a doomed one is neither."""
-        return type(self._index.get(key)) is int
-
-    def reserved(self, key: str) -> bool:
-        """Whether ``key`` is RESERVED (being written) here."""
-        v = self._index.get(key)
-        return type(v) is int and v < 0
-
-    def not_dropped(self, key: str) -> bool:
-        """Whether a key the caller holds pinned is still READY (not dropped, doomed, meanwhile)."""
-        return type(self._index.get(key)) is int
-
-    def none_dropped(self, keys: list[str]) -> bool:
-        """``not_dropped`` of every key."""
-        return set(map(type, map(self._index.get, keys))) == _INT
-
-    def all_ready(self, keys: list[str]) -> bool:
-        """Whether every key (at least one) is READY here."""
-        vals: list[Any] = list(map(self._index.get, keys))
-        try:
-            return bool(vals) and min(vals) > 0
-        except TypeError:  # (a miss, or a doomed chunk)
-            return False
-
-    def leading_ready(self, keys: list[str]) -> int:
-        """How many leading keys are READY here."""
-        if self.all_ready(keys):
-            return len(keys)
-        n = 0
-        for v in map(self._index.get, keys):
-            if type(v) is not int or v < 0:
-                break
-            n += 1
-        return n
-
-    def ready_sizes(self, keys: list[str]) -> list[int]:
-        """nbytes of each key READY here, -1 for any other."""
-        vals: list[Any] = list(map(self._index.get, keys))
-        if vals and set(map(type, vals)) == _INT and min(vals) > 0:
-            fields = [v >> 1 & _NB_MASK for v in vals]
-            if _NB_MASK not in fields:  # (at the marker: a large chunk, sized elsewhere)
-                return fields
-        return [self._value_nbytes(v) if type(v) is int and v > 0 else -1 for v in vals]
-
-    def probe_sized(self, keys: list[str], sizes: list[int]) -> Optional[list[int]]:
-        """When every key (at least one) is READY here with exactly its size in ``sizes``, their codes (what
-        ``read_at`` of a located tier takes; meaningless for any other); else None (ask ``ready_sizes``)."""
-        vals: list[Any] = list(map(self._index.get, keys))
-        if (vals and set(map(type, vals)) == _INT and min(vals) > 0
-                and (fields := [v >> 1 & _NB_MASK for v in vals]) == sizes
-                and _NB_MASK not in fields):  # (a field at the marker: a large chunk, sized elsewhere)
-            return vals
-        return None
-
-    def footprints(self, sizes: list[int]) -> int:
-        """The sum of the footprints of chunks of these sizes (each size looked up once)."""
-        fps: list[Any] = list(map(self._fp_only.get, sizes))
-        return sum(fps) if None not in fps else sum([self.footprint(nb) for nb in sizes])
-
-    def nbytes_of(self, key: str) -> int:
-        """nbytes of ``key``, in any state (it must be in the index)."""
-        v = self._index[key]
-        return self._value_nbytes(v) if type(v) is int else v.nbytes  # type: ignore[union-attr,arg-type]
 
     # -- two-phase writes ------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> bool:
@@ -830,106 +576,11 @@ class Level:
             if gone and self._policy is not None:
                 self._policy.removed(gone)
 
-    def _fast_victims(self, victims: list) -> Optional[int]:
-        """The footprint bytes of ``victims`` when they pass every check at once (distinct READY keys of
-        this level, none pinned, sizes remembered); None to check them one by one."""
-        if not victims or set(map(type, victims)) != _STR or len(set(victims)) != len(victims):
-            return None
-        vals: list[Any] = list(map(self._index.get, victims))
-        if set(map(type, vals)) != _INT or min(vals) < 0 or not self.pinned.keys().isdisjoint(victims):
-            return None
-        fields = [v >> 1 & _NB_MASK for v in vals]
-        if _NB_MASK in fields:  # a large chunk's size lives elsewhere: the per-key path
-            return None
-        fps: list[Any] = list(map(self._fp_only.get, fields))
-        return None if None in fps else sum(fps)
-
     def victims(self, need: int, tenant: Optional[str] = None, own_need: int = 0) -> Optional[list[str]]:
-        """Ask the policy for victims freeing ``need`` footprint bytes, then check its answer.
+        """Ask the policy for victims freeing ``need`` footprint bytes, then check its answer (``choose_victims``).
 
         ``tenant`` (a level with quotas): the label of the put that needs the room, and ``own_need`` the
-        bytes it must free of its own chunks to stay under its cap (see ``_quota_victims``)."""
-        policy = self._policy
-        if policy is None:
+        bytes it must free of its own chunks to stay under its cap."""
+        if self._policy is None:
             return None
-        if self.ledger is not None and tenant is not None:
-            return self._quota_victims(max(need, own_need), tenant, own_need > 0)
-        pname = policy.pname
-        pinned = self.pinned
-        # the pins as a read-only view: a policy cannot unpin a chunk being read by changing its argument
-        victims = policy.victims(need, pinned.keys())
-        if victims is None:
-            return None
-        freed, seen = 0, set()
-        index = self._index
-        fast = self._fast_victims(victims)
-        if fast is not None:
-            freed, seen = fast, set(victims)
-            victims_to_check: list = []
-        else:
-            victims_to_check = victims
-        for v in victims_to_check:
-            fp = self._held_footprint(v, pname)
-            if v in seen:
-                raise PolicyError(f"eviction policy {pname} named {v[:80]!r} twice")
-            seen.add(v)
-            freed += fp
-        if freed < need:
-            # a policy that counts other sizes than the footprints it was given: ask for the rest
-            more = policy.victims(need - freed, frozenset(pinned.keys() | seen))
-            if more is None:
-                return None
-            for v in more:
-                e = index.get(v) if isinstance(v, str) else None
-                if v in seen or type(e) is not int or e < 0 or v in pinned:  # type: ignore[operator]
-                    continue
-                victims.append(v)
-                seen.add(v)
-                freed += self._unpack(e)[1]  # type: ignore[arg-type]
-                if freed >= need:
-                    break
-            if freed < need:
-                return None
-        return victims
-
-    def _held_footprint(self, v: Any, pname: str) -> int:
-        """The footprint of victim ``v`` a policy named, or a ``PolicyError`` if the level does not hold it
-        (held and ready) or it is pinned."""
-        e = self._index.get(v) if isinstance(v, str) else None
-        if type(e) is not int or e < 0:  # type: ignore[operator]
-            raise PolicyError(f"eviction policy {pname} of tier {self.name!r} named {str(v)[:80]!r}, "
-                              "which the tier does not hold (did on_remove forget it?)")
-        if v in self.pinned:
-            raise PolicyError(f"eviction policy {pname} named the protected key {v[:80]!r}")
-        return self._value_footprint(e)  # type: ignore[arg-type]
-
-    def _quota_victims(self, need: int, tenant: str, own_only: bool) -> Optional[list[str]]:
-        """Victims for a put by ``tenant`` under quotas: the policy picks in its own order among the chunks
-        the quota lets go (``QuotaGuard``: its own, and other tenants' only above their guaranteed bytes; only
-        its own when ``own_only``); each key it names is checked, and the policy is asked again for what is
-        still lacking while it names keys not seen yet."""
-        policy, ledger = self._policy, self.ledger
-        if policy is None or ledger is None:
-            return None
-        guard = ledger.guard(self.pinned.keys(), tenant, own_only)
-        chosen: list[str] = []
-        freed = 0
-        while freed < need:
-            answer = policy.victims(need - freed, guard)
-            if answer is None:
-                return None
-            fresh = False
-            for v in answer:
-                fp = self._held_footprint(v, policy.pname)
-                if v in guard.seen:
-                    continue
-                fresh = True
-                guard.seen.add(v)
-                if ledger.victim_ok(v, tenant, guard.taken, fp, own_only):
-                    chosen.append(v)
-                    freed += fp
-                    if freed >= need:
-                        break
-            if not fresh:
-                return None
-        return chosen
+        return choose_victims(self, self._policy, self.ledger, need, tenant, own_need)

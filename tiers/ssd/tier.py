@@ -57,7 +57,7 @@ the graph has no cycle (each is built from those below it):
        │                  └─▶ Checkpointer (fsync "always"; files removed behind the tier)
        ├─ read ───▶ RecordReader (recordreader.py)
        ├─ flush, checkpoint ─▶ Checkpointer (flush, checkpoints, files removed behind the tier)
-       └─ open, recover, delete, close: here
+       └─ open, recover, delete, close: here (the directory checked first: directory.py)
     every component ─▶ RegionIO (regionio.py: write-outs, summaries behind a seal, images, fds)
                      ─▶ EngineState (state.py: counters, ``io_error``, ``retire``, ``drop_pieces``)
 
@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -101,7 +100,8 @@ from . import large as L
 from . import region as R
 from .checkpointer import Checkpointer
 from .deadlog import DeadLog
-from .lock import LOCK_NAME, DirLock
+from .directory import prepare_dir, probe_direct
+from .lock import DirLock
 from .reclaim import Reclaimer
 from .recordreader import RecordReader
 from .regionchange import RegionChanger
@@ -114,20 +114,6 @@ log = logging.getLogger(__name__)
 DEFAULT_REGION = 64 << 20
 MIN_REGION = 1 << 20
 MAX_REGION = 2 << 30
-
-
-def check_old_layout(path: str) -> None:
-    """Raise if ``path`` holds the former one-file-per-object layout (shard dirs of ``*.kv`` files)."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        return
-    for n in names:
-        p = os.path.join(path, n)
-        if n.endswith(".kv") or (len(n) == 2 and os.path.isdir(p) and any(
-                f.endswith(".kv") for f in os.listdir(p))):
-            raise ConfigError(f"ssd directory {path} holds the old one-file-per-object layout (*.kv files); "
-                              "this tier keeps regions: give it a new directory, or remove the old files")
 
 
 def footprint_of(nbytes):
@@ -170,7 +156,6 @@ class SSDTier(Tier):
             raise ConfigError(f"{what} option 'region_size': must be a multiple of 4 KiB between 1 MiB and 2 GiB, "
                               f"got {rs}")
         self.path = os.path.abspath(os.path.expanduser(path))
-        self._what = what
         self._recovered: Optional[reopen.Candidates] = None  # what the open found, until recover()
         # the engine: its shared state, and its components, each holding the state and those it calls
         st = self._state = EngineState(name, what, self.path, capacity_bytes, rs, self.compression,
@@ -180,12 +165,10 @@ class SSDTier(Tier):
         self._reclaimer = Reclaimer(st, self._io)
         self._changer = RegionChanger(st, self._io, self._reclaimer, self._checkpointer)
         self._writer = SegmentWriter(st, self._io, self._changer, self._checkpointer)
-        self._prepare_dir()
-        check_old_layout(self.path)
-        self._check_layout()
+        prepare_dir(self.path, what)
         st.lock_file = lock_file = DirLock(self.path, what)
         try:
-            self.direct_io = st.direct_io = self._probe_direct(direct_io)
+            self.direct_io = st.direct_io = probe_direct(self.path, what, direct_io)
             try:
                 self._open()
             except OSError as e:  # (a read-only volume, a file where a directory belongs, ...)
@@ -248,62 +231,6 @@ class SSDTier(Tier):
         """One record's bound, or for an object too large for one (more than ``_geometry().single`` bytes)
         the sum of its pieces' and its manifest's (``large.py``)."""
         return int(self._geometry().footprint(int(nbytes)))
-
-    # -- directory -------------------------------------------------------------------------
-    def _prepare_dir(self) -> None:
-        try:
-            os.makedirs(self.path, mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"{self._what}: cannot create directory {self.path}: {e}") from e
-        st = os.stat(self.path)
-        if st.st_uid != os.geteuid():
-            raise ConfigError(f"{self._what}: directory {self.path} is owned by uid {st.st_uid}, not us")
-        if not stat.S_ISDIR(st.st_mode):
-            raise ConfigError(f"{self._what}: {self.path} is not a directory")
-        if st.st_mode & 0o077:
-            try:
-                os.chmod(self.path, 0o700)
-            except OSError as e:
-                raise ConfigError(f"{self._what}: cannot make {self.path} private (0700): {e.strerror or e}") from e
-
-    def _check_layout(self) -> None:
-        """A ``ConfigError`` naming the path if something of the layout is of the wrong kind."""
-        for name, want_dir in ((REGIONS_DIR, True), (LOCK_NAME, False), (C.NAME, False), (deadlog.NAME, False)):
-            p = os.path.join(self.path, name)
-            try:
-                st = os.stat(p)
-            except FileNotFoundError:
-                continue
-            except OSError as e:
-                raise ConfigError(f"{self._what}: cannot use {p}: {e.strerror or e}") from e
-            if want_dir and not stat.S_ISDIR(st.st_mode):
-                raise ConfigError(f"{self._what}: {p} is not a directory (the tier keeps its region files there); "
-                                  "move it away or give the tier another directory")
-            if not want_dir and not stat.S_ISREG(st.st_mode):
-                raise ConfigError(f"{self._what}: {p} is not a regular file (the tier keeps its {name} file "
-                                  "there); move it away or give the tier another directory")
-
-    def _probe_direct(self, want: Optional[bool]) -> bool:
-        if want is False:
-            return False
-        probe = os.path.join(self.path, ".probe-direct")
-        try:
-            fd = os.open(probe, os.O_CREAT | os.O_WRONLY | os.O_DIRECT, 0o600)
-            try:
-                os.pwrite(fd, F.aligned_buffer(F.BLOCK), 0)
-            finally:
-                os.close(fd)
-            ok, err = True, None
-        except OSError as e:
-            ok, err = False, e
-        finally:
-            try:
-                os.unlink(probe)
-            except OSError:
-                pass
-        if want and not ok:
-            raise ConfigError(f"{self._what}: direct_io is not supported on {self.path}: {err}")
-        return ok
 
     # -- open and recover ---------------------------------------------------------------
     def _open(self) -> None:
