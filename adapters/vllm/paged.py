@@ -302,3 +302,38 @@ class PagedLayer:
         while len(sets) < n:
             sets.append([torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in self.parts(0)])
         return sets[:n]
+
+
+def head_dim(shape: tuple[int, ...], block_dim: int, heads: int, kernel_block_size: int) -> int:
+    """The dimension of a paged layer's KV heads: the one past the block dimension of size ``heads``.
+
+    CPU layouts ``[num_blocks, heads, block_size, 2*head]`` give ``block_dim + 1``; ``[2, num_blocks,
+    block_size, heads, head]`` gives 3.  A dimension as long as a kernel block is passed over when another
+    fits too; raises ``ValueError`` when none fits, or several do.
+    """
+    dims = [d for d in range(block_dim + 1, len(shape)) if shape[d] == heads]
+    if len(dims) > 1:
+        dims = [d for d in dims if shape[d] != kernel_block_size]
+    if len(dims) != 1:
+        raise ValueError(f"cannot tell the KV-head dimension of a paged KV tensor of shape {tuple(shape)} "
+                         f"({heads} heads, block dimension {block_dim})")
+    return dims[0]
+
+
+def split_heads(layer: PagedLayer, heads: int, parts: int, block_size: int | None = None) -> list[PagedLayer]:
+    """``layer`` as ``parts`` layers, part ``k`` holding heads ``k*heads/parts ..`` of each block (views, no copy).
+
+    ``heads`` is the layer's KV heads.  On CPU layouts a block's heads are contiguous, so each part's block is
+    one contiguous view of the cache (a chunk is one view per block); in layouts where a block's heads are
+    strided the parts are staged, as any strided layer is (:meth:`PagedLayer.read_parts`).
+    """
+    if parts == 1:
+        return [layer]
+    if heads <= 0 or heads % parts:
+        raise ValueError(f"{heads} KV heads cannot be split into {parts} equal parts")
+    t = layer.tensor
+    r = layer.kernel_blocks_per_block
+    kbs = (block_size or 0) // r
+    d = head_dim(tuple(t.shape), layer.block_dim, heads, kbs)
+    h = heads // parts
+    return [PagedLayer(t.narrow(d, k * h, h), layer.block_dim, r) for k in range(parts)]
