@@ -304,23 +304,23 @@ class PagedLayer:
         return sets[:n]
 
 
-def head_dim(shape: tuple[int, ...], block_dim: int, heads: int, kernel_block_size: int) -> int:
+def head_dim(shape: tuple[int, ...], block_dim: int, heads: int, cpu: bool = False) -> int:
     """The dimension of a paged layer's KV heads: the one past the block dimension of size ``heads``.
 
-    CPU layouts ``[num_blocks, heads, block_size, 2*head]`` give ``block_dim + 1``; ``[2, num_blocks,
-    block_size, heads, head]`` gives 3.  A dimension as long as a kernel block is passed over when another
-    fits too; raises ``ValueError`` when none fits, or several do.
+    ``[2, num_blocks, block_size, heads, head]`` gives 3.  When several fit (as many heads as tokens in a
+    block), vLLM's CPU layout ``[num_blocks, heads, block_size, 2*head]`` (``cpu``) decides: the one right
+    after the block dimension.  Raises ``ValueError`` when none fits, or several do elsewhere.
     """
     dims = [d for d in range(block_dim + 1, len(shape)) if shape[d] == heads]
-    if len(dims) > 1:
-        dims = [d for d in dims if shape[d] != kernel_block_size]
+    if len(dims) > 1 and cpu and dims[0] == block_dim + 1:
+        dims = dims[:1]
     if len(dims) != 1:
         raise ValueError(f"cannot tell the KV-head dimension of a paged KV tensor of shape {tuple(shape)} "
                          f"({heads} heads, block dimension {block_dim})")
     return dims[0]
 
 
-def split_heads(layer: PagedLayer, heads: int, parts: int, block_size: int | None = None) -> list[PagedLayer]:
+def split_heads(layer: PagedLayer, heads: int, parts: int) -> list[PagedLayer]:
     """``layer`` as ``parts`` layers, part ``k`` holding heads ``k*heads/parts ..`` of each block (views, no copy).
 
     ``heads`` is the layer's KV heads.  On CPU layouts a block's heads are contiguous, so each part's block is
@@ -332,8 +332,6 @@ def split_heads(layer: PagedLayer, heads: int, parts: int, block_size: int | Non
     if heads <= 0 or heads % parts:
         raise ValueError(f"{heads} KV heads cannot be split into {parts} equal parts")
     t = layer.tensor
-    r = layer.kernel_blocks_per_block
-    kbs = (block_size or 0) // r
-    d = head_dim(tuple(t.shape), layer.block_dim, heads, kbs)
+    d = head_dim(tuple(t.shape), layer.block_dim, heads, t.device.type == "cpu" and layer.block_dim == 0)
     h = heads // parts
-    return [PagedLayer(t.narrow(d, k * h, h), layer.block_dim, r) for k in range(parts)]
+    return [PagedLayer(t.narrow(d, k * h, h), layer.block_dim, layer.kernel_blocks_per_block) for k in range(parts)]

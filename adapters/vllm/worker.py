@@ -229,7 +229,7 @@ class TierKVWorker:
                 raise ValueError(f"TierKVConnector: no KV cache tensor for layer {name!r}")
             paged = PagedLayer.wrap(t, info.num_blocks, info.block_size)
             # several stored KV-head shards on this rank: a view of each shard's heads
-            for k, part in enumerate(split_heads(paged, info.rank_heads_of(i), n, info.block_size)):
+            for k, part in enumerate(split_heads(paged, info.rank_heads_of(i), n)):
                 self._paged[names[i * n + k]] = part
         for paged in self._paged.values():
             paged.prepare()  # views of the cache made here, outside the engine's inference mode
