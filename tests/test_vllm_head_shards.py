@@ -26,8 +26,9 @@ from tierkv.adapters.vllm.config import (
 )
 from tierkv.adapters.vllm.layer_keys import LayerKeys
 from tierkv.adapters.vllm.metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
-from tierkv.adapters.vllm.paged import PagedLayer, head_dim, split_heads
+from tierkv.adapters.vllm.paged import Cuts, PagedLayer, head_dim, split_heads
 from tierkv.adapters.vllm.worker import TierKVWorker
+from tierkv.buffers import HostViews
 from tierkv.errors import ConfigError
 
 BS, NB, HD = 16, 10, 8
@@ -43,11 +44,24 @@ def test_cpu_layout_split_is_views_of_each_heads_slice():
     assert len(parts) == 2
     for k, p in enumerate(parts):
         assert p.block_nbytes == 2 * BS * 2 * HD * 4
-        assert p.is_direct() and not p.is_flat()  # zero-copy, one view per block
+        assert p.is_direct() and p.is_flat()  # zero-copy: one view of the cache per block, never staged
         for b in (0, 3, NB - 1):
             (view,) = p.read_parts(b)
             assert view.is_contiguous() and view.data_ptr() == t[b, 2 * k].data_ptr()  # a view, not a copy
             assert torch.equal(view[0], t[b, 2 * k:2 * k + 2])
+        # objects of one block: one view each, with their addresses; longer ones: a view per block
+        views, pending = p.cut(Cuts([[3], [NB - 1]]), list)
+        assert pending is None and type(views) is HostViews
+        for view, b in zip(views, (3, NB - 1)):
+            assert view.data_ptr() == t[b, 2 * k].data_ptr()
+            assert torch.equal(view, t[b, 2 * k:2 * k + 2].reshape(-1).view(torch.uint8))
+        (obj,) = p.read_cut(Cuts([[1, 2, 5]]))
+        assert [v.data_ptr() for v in obj] == [t[b, 2 * k].data_ptr() for b in (1, 2, 5)]
+        assert all(torch.equal(v, t[b, 2 * k:2 * k + 2].reshape(-1).view(torch.uint8)) for v, b in zip(obj, (1, 2, 5)))
+        # a block read and dropped takes the filler's buffers; a block id past the cache, a short view
+        spare = torch.empty(p.block_nbytes, dtype=torch.uint8)
+        (obj,), _ = p.cut(Cuts([[None, 4, NB]]), lambda: [spare])
+        assert obj[0] is spare and obj[1].data_ptr() == t[4, 2 * k].data_ptr() and obj[2].numel() < p.block_nbytes
 
 
 def test_kv_first_layout_split_is_staged_and_writes_back_its_heads_only():

@@ -112,6 +112,9 @@ class PagedLayer:
     tensor: torch.Tensor
     block_dim: int
     kernel_blocks_per_block: int = 1
+    #: a slice of a flat layer's blocks (``split_heads``): (the layer's flat uint8 view, bytes from one block
+    #: to the next, bytes from a block's start to the slice's); each block's slice is one view of it
+    span: tuple[torch.Tensor, int, int] | None = None
 
     @classmethod
     def wrap(cls, tensor: torch.Tensor, num_blocks: int, block_size: int | None = None) -> PagedLayer:
@@ -153,8 +156,9 @@ class PagedLayer:
         self._flat()
 
     def is_flat(self) -> bool:
-        """True when :meth:`cut` gives every regular object as one view of the cache (nothing staged)."""
-        return self._flat() is not None
+        """True when :meth:`cut` gives views of the cache alone, never staging: one view per regular object,
+        or for a slice of a flat layer (``span``) one per block."""
+        return self._flat() is not None or self.span is not None
 
     def _flat(self) -> torch.Tensor | None:
         """The whole cache as one flat uint8 view when blocks are its outermost dimension, else None."""
@@ -235,6 +239,8 @@ class PagedLayer:
         flat = self._flat()
         out: list = []
         pending: list | None = None
+        if flat is None and self.span is not None:
+            return self._cut_span(cuts, filler), None
         if flat is None:
             pending = []
             for ids in cuts.objects:
@@ -267,9 +273,35 @@ class PagedLayer:
                 out.append(self.byte_runs(objects[i], filler)[0])
         return out, None
 
+    def _cut_span(self, cuts: Cuts, filler) -> list:
+        """:meth:`cut` of a slice of a flat layer: an object of one block is one view (all such: ``HostViews``),
+        a longer one a list of one view per block (``filler()`` for a block read and dropped)."""
+        whole, stride, off = self.span  # type: ignore[misc]  # (set: checked by the caller)
+        nb = self.block_nbytes
+        objects = cuts.objects
+        top = whole.numel() // stride
+        if all(len(ids) == 1 and ids[0] is not None and 0 <= ids[0] < top for ids in objects):
+            views = HostViews.over(whole)
+            for ids in objects:
+                views.add(cast(int, ids[0]) * stride + off, nb)  # (checked above)
+            return views
+        out: list = []
+        for ids in objects:
+            parts: list = []
+            for b in ids:
+                if b is None:
+                    parts.extend(filler())
+                else:
+                    at = b * stride + off
+                    parts.append(whole[at:at + nb])  # (a bad block id: a short view, which the store refuses)
+            out.append(parts)
+        return out
+
     def read_cut(self, cuts: Cuts) -> list:
         """The bytes of each of ``cuts``' objects (no None entries): views where the layout allows,
         as :meth:`cut` makes them, else staged copies (:meth:`read_runs`)."""
+        if self.span is not None:
+            return self._cut_span(cuts, list)
         if self._flat() is None:
             return [self.read_runs(list(ids)) for ids in cuts.objects]  # type: ignore[arg-type]
         return self.cut(cuts, list)[0]
@@ -334,4 +366,10 @@ def split_heads(layer: PagedLayer, heads: int, parts: int) -> list[PagedLayer]:
     t = layer.tensor
     d = head_dim(tuple(t.shape), layer.block_dim, heads, t.device.type == "cpu" and layer.block_dim == 0)
     h = heads // parts
-    return [PagedLayer(t.narrow(d, k * h, h), layer.block_dim, layer.kernel_blocks_per_block) for k in range(parts)]
+    r = layer.kernel_blocks_per_block
+    flat = layer._flat()
+    if flat is not None and d == 1 and r == 1:
+        # heads right after the blocks of a flat layer: each block's slice is one run of bytes of it
+        nb = layer.block_nbytes
+        return [PagedLayer(t.narrow(d, k * h, h), 0, 1, span=(flat, nb, k * (nb // parts))) for k in range(parts)]
+    return [PagedLayer(t.narrow(d, k * h, h), layer.block_dim, r) for k in range(parts)]
