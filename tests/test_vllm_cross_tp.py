@@ -15,7 +15,7 @@ import uuid
 
 import pytest
 
-pytestmark = [pytest.mark.vllm, pytest.mark.mooncake, pytest.mark.slow]
+pytestmark = pytest.mark.vllm
 
 import mooncake_util
 import vllm_util as U
@@ -45,6 +45,8 @@ def _engine(model: str, tp: int, kv: dict | None, steps: list[dict]) -> dict:
     return spec
 
 
+@pytest.mark.mooncake
+@pytest.mark.slow
 def test_prefix_stored_at_one_tp_size_is_a_hit_at_the_other(tmp_path):
     reason = mooncake_util.missing_reason() or (None if client_binary() else "mooncake_client not found")
     if reason:
@@ -92,3 +94,13 @@ def test_prefix_stored_at_one_tp_size_is_a_hit_at_the_other(tmp_path):
         t = w["totals"]
         assert set(t["hit_tokens"]) == {"dram_pool"} and t["load_errors"] == 0
         assert t["load_tokens"] == sum(full_q)
+
+
+def test_kv_head_shards_that_does_not_fit_the_model_stops_the_engine_with_a_config_error(tmp_path):
+    """A value the engine cannot store under (4 shards of a model with 2 KV heads) is refused at start-up,
+    naming the option and the numbers; the engine never serves with keys no other engine would make."""
+    model = U.make_tiny_model(tmp_path / "model", layers=2, heads=2, kv_heads=2)
+    kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": "16MiB"}]}, extra={"kv_head_shards": 4})
+    with pytest.raises(RuntimeError) as e:
+        U.run_engine(_engine(model, 1, kv, [{"op": "generate", "prompts": [[1, 2, 3]]}]), tmp_path / "cache")
+    assert "option 'kv_head_shards': 4 does not divide the model's 2 KV heads" in str(e.value)

@@ -275,9 +275,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             lifecycle.on_engine_signal(self.worker.shutdown)
             self._finalizer = lifecycle.on_exit(self, self.worker.shutdown)
         _LIVE.add(self)
-        logger.info("TierKVConnector (%s) ready: store=%s shard=%s namespace=%s", role.name.lower(),
+        logger.info("TierKVConnector (%s) ready: store=%s shard=%s stored as %d KV-head shard(s)%s namespace=%s",
+                    role.name.lower(),
                     "file " + options.store_config if isinstance(options.store_config, str) else "inline",
-                    info.shard, info.namespaces.get(info.shard.shard))
+                    info.shard, info.stored_shards, "" if options.kv_head_shards else " (kv_head_shards unset)",
+                    info.namespaces.get(info.slice_shard(0)))
 
     @staticmethod
     def _watch(worker: TierKVWorker) -> None:
