@@ -175,8 +175,8 @@ def test_tp1_slices_share_the_keys_of_tp2_ranks():
 
 
 # ---------------------------------------------------------------- workers across TP sizes
-def _worker(info: EngineInfo, store, cache_heads: int, fill: bool):
-    w = TierKVWorker(ConnectorOptions(chunk_tokens=2 * BS, layerwise=False, load_async=False), info, store,
+def _worker(info: EngineInfo, store, cache_heads: int, fill: bool, layerwise: bool = False):
+    w = TierKVWorker(ConnectorOptions(chunk_tokens=2 * BS, layerwise=layerwise, load_async=False), info, store,
                      release=lambda s: None, serve=False)
     make = torch.randn if fill else torch.zeros
     caches = {n: make(NB, cache_heads, BS, 2 * HD) for n in LAYERS}
@@ -199,14 +199,14 @@ def _save(w, ids=WRITE_IDS) -> None:
     assert w.get_finished({"w"})[0] == {"w"}
 
 
-def _load(w, ids=READ_IDS) -> None:
+def _load(w, ids=READ_IDS, failed: set[int] = frozenset()) -> None:
     w.bind_metadata(TierKVConnectorMetadata(loads=[LoadSpec("r", 0, list(ids), list(HASHES))]))
     w.start_load_kv()
     for name in LAYERS:
         w.wait_for_layer_load(name)
     w.wait_for_save()
     w.clear_metadata()
-    assert w.get_block_ids_with_load_errors() == set()
+    assert w.get_block_ids_with_load_errors() == failed
 
 
 @pytest.fixture
@@ -240,14 +240,16 @@ def test_tp1_writes_tp2_ranks_read_their_heads(store):
         reader.shutdown()
 
 
-def test_tp2_ranks_write_tp1_reads_every_head(store):
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
+def test_tp2_ranks_write_tp1_reads_every_head(store, layerwise):
     srcs = []
     for rank in (0, 1):
         writer, src = _worker(_info(rank, 2, stored=2), store, HEADS // 2, fill=True)
         _save(writer)
         srcs.append(src)
         writer.shutdown()
-    reader, dst = _worker(_info(0, 1, stored=2), store, HEADS, fill=False)
+    reader, dst = _worker(_info(0, 1, stored=2), store, HEADS, fill=False, layerwise=layerwise)
+    assert reader.layerwise is layerwise
     _load(reader)
     for name in LAYERS:
         for r, w in zip(READ_IDS, WRITE_IDS):
@@ -262,4 +264,24 @@ def test_tp2_ranks_write_tp1_reads_every_head(store):
     assert reader.probe(ProbeRequest([bytes(h) for h in HASHES], 0, None, None)).reach == 4
     store.remove(LayerKeys(reader.info).keys(1, [HASHES[3]], None))  # one shard of one layer's second chunk
     assert reader.probe(ProbeRequest([bytes(h) for h in HASHES], 0, None, None)).reach == 2
+    reader.shutdown()
+
+
+def test_a_missing_head_shard_fails_its_blocks_for_recompute(store):
+    """One head's object of one layer's second chunk gone between the lookup and the load: that chunk's
+    blocks are reported failed (vLLM recomputes them), the first chunk's are loaded."""
+    srcs = []
+    for rank in (0, 1):
+        writer, src = _worker(_info(rank, 2, stored=2), store, HEADS // 2, fill=True)
+        _save(writer)
+        srcs.append(src)
+        writer.shutdown()
+    reader, dst = _worker(_info(0, 1, stored=2), store, HEADS, fill=False)
+    keys = LayerKeys(reader.info)
+    store.remove(keys.keys(3, [HASHES[3]], None))  # layer 1, head shard 1, blocks 2..3
+    _load(reader, failed=set(READ_IDS[2:]))
+    for name in LAYERS:
+        for r, w in zip(READ_IDS[:2], WRITE_IDS[:2]):
+            assert torch.equal(dst[name][r], torch.cat([srcs[0][name][w], srcs[1][name][w]])), name
+    assert reader.totals.data["load_errors"] == 2
     reader.shutdown()
