@@ -9,6 +9,9 @@ and the option's errors name it and the numbers.
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 pytestmark = pytest.mark.vllm  # (the worker's metadata types come from vLLM)
@@ -175,9 +178,10 @@ def test_tp1_slices_share_the_keys_of_tp2_ranks():
 
 
 # ---------------------------------------------------------------- workers across TP sizes
-def _worker(info: EngineInfo, store, cache_heads: int, fill: bool, layerwise: bool = False):
-    w = TierKVWorker(ConnectorOptions(chunk_tokens=2 * BS, layerwise=layerwise, load_async=False), info, store,
-                     release=lambda s: None, serve=False)
+def _worker(info: EngineInfo, store, cache_heads: int, fill: bool, layerwise: bool = False,
+            load_async: bool = False):
+    w = TierKVWorker(ConnectorOptions(chunk_tokens=2 * BS, layerwise=layerwise, load_async=load_async), info,
+                     store, release=lambda s: None, serve=False)
     make = torch.randn if fill else torch.zeros
     caches = {n: make(NB, cache_heads, BS, 2 * HD) for n in LAYERS}
     w.register_kv_caches(caches)
@@ -284,4 +288,27 @@ def test_a_missing_head_shard_fails_its_blocks_for_recompute(store):
         for r, w in zip(READ_IDS[:2], WRITE_IDS[:2]):
             assert torch.equal(dst[name][r], torch.cat([srcs[0][name][w], srcs[1][name][w]])), name
     assert reader.totals.data["load_errors"] == 2
+    reader.shutdown()
+
+
+def test_tp2_rank_loads_between_steps_what_tp1_stored(store):
+    """``load_async``: a TP-2 rank's load of its head from a TP-1 engine's objects runs between steps and is
+    reported in ``finished_recving`` with no failed block."""
+    writer, src = _worker(_info(0, 1, stored=2), store, HEADS, fill=True)
+    _save(writer)
+    writer.shutdown()
+    reader, dst = _worker(_info(1, 2, stored=2), store, HEADS // 2, fill=False, load_async=True)
+    reader.bind_metadata(TierKVConnectorMetadata(async_loads=[LoadSpec("r", 0, list(READ_IDS), list(HASHES))]))
+    reader.start_load_kv()
+    reader.wait_for_save()
+    reader.clear_metadata()
+    # (vLLM asks every step; the request is reported once, with any failed block)
+    deadline = time.monotonic() + 30
+    while not reader.get_finished(set())[1]:
+        assert time.monotonic() < deadline, "the load was never reported"
+        threading.Event().wait(0.005)
+    assert reader.get_block_ids_with_load_errors() == set()
+    for name in LAYERS:
+        for r, w in zip(READ_IDS, WRITE_IDS):
+            assert torch.equal(dst[name][r], src[name][w, 2:4]), name
     reader.shutdown()
