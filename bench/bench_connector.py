@@ -1,6 +1,7 @@
 """The vLLM connector's own per-object work, beside the store calls it makes.
 
-    .venv/bin/python bench/bench_connector.py [--layers 32] [--blocks 512] [--local 0] [--rounds 11] [--json out.json]
+    .venv/bin/python bench/bench_connector.py [--layers 32] [--blocks 512] [--local 0] [--rounds 11]
+        [--kv-head-shards 1] [--json out.json]
 
 The connector stores one object per (chunk, layer).  Around each store call it does
 work of its own: keys from block hashes, block views of the paged KV tensor, save
@@ -35,6 +36,9 @@ machine it moves less than wall time when the benchmark is descheduled).  Lookup
 per object of the question too (a question covers every layer's objects).
 The objects alive once the rig is built are frozen out of the garbage collector
 first, as vLLM freezes its heap once its engine has started.
+``--kv-head-shards 2`` stores each layer's two KV heads as two objects (the option of the
+same name, as an engine at TP 1 does in a fleet that also runs TP 2): twice the objects,
+each half the size, the baseline's views each one head of a block.
 Budget: <= 3 µs per object above the store's own calls.
 
 ``--verify-cost``: what checking each chunk's checksum costs the connector's
@@ -85,17 +89,20 @@ def hashes(round_: int, n: int) -> list[bytes]:
 
 class Rig:
     def __init__(self, layers: int, blocks: int, head: int, local: int = 0, lease: bool = True,
-                 verify: str = "external") -> None:
-        self.L, self.n, self.local = layers, blocks, local
+                 verify: str = "external", kv_head_shards: int = 1) -> None:
+        self.n, self.local = blocks, local
+        self.S = kv_head_shards
+        self.L = layers * kv_head_shards  # objects per chunk (slices)
         self.rid = "r" if lease else None
         self.names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers))
         # CPU paged layout [num_blocks, kv_heads, block_size, 2*head]
         self.caches = {nm: torch.randn(blocks, 2, BLOCK, 2 * head) for nm in self.names}
-        per = self.caches[self.names[0]][0].numel() * 4
-        cap = 4 * layers * blocks * per + (64 << 20)
+        per = self.caches[self.names[0]][0].numel() * 4 // kv_head_shards
+        cap = 4 * self.L * blocks * per + (64 << 20)
         self.store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": cap}], "verify": verify})
-        info = EngineInfo(block_size=BLOCK, layers=self.names, num_blocks=blocks,
-                          shard=kv_shard(0, 1, 2), namespaces={0: "bench-ns"})
+        info = EngineInfo(block_size=BLOCK, layers=self.names, num_blocks=blocks, shard=kv_shard(0, 1, 2),
+                          namespaces={j: f"bench-ns-{j}-of-{kv_head_shards}" for j in range(kv_head_shards)},
+                          kv_head_shards=kv_head_shards, rank_kv_heads=(2,))
         self.w = TierKVWorker(ConnectorOptions(chunk_tokens=BLOCK, save_wait=True, layerwise=False),
                               info, self.store, serve=False)
         self.w.register_kv_caches(self.caches)
@@ -147,12 +154,14 @@ class Rig:
         return [self.w.keys.keys(layer, hs, None) for layer in range(self.L)]
 
     def views(self) -> list[list[torch.Tensor]]:
-        # the cheapest buffers the store takes: one flat uint8 view of each block, made beforehand
+        # the cheapest buffers the store takes: one flat uint8 view of each block (of each of its head
+        # shards), made beforehand
         out = []
+        h = 2 // self.S
         for nm in self.names:
-            flat = self.caches[nm].reshape(-1).view(torch.uint8)
-            nb = flat.numel() // self.n
-            out.append([flat[b * nb:(b + 1) * nb] for b in self.block_ids])
+            for k in range(self.S):
+                out.append([self.caches[nm][b, k * h:(k + 1) * h].reshape(-1).view(torch.uint8)
+                            for b in self.block_ids])
         return out
 
     def base_save(self, keys, views) -> tuple[float, float]:
@@ -189,8 +198,9 @@ class Rig:
 
 
 def run(args) -> dict:
-    rig = Rig(args.layers, args.blocks, args.head, args.local, lease=not args.no_lease)
-    objs = args.layers * args.blocks
+    rig = Rig(args.layers, args.blocks, args.head, args.local, lease=not args.no_lease,
+              kv_head_shards=args.kv_head_shards)
+    objs = rig.L * args.blocks
     res: dict[str, list[tuple[float, float]]] = {
         k: [] for k in ("conn_save", "base_save", "conn_load", "base_load", "conn_lookup", "base_lookup")}
     views = rig.views()
@@ -221,6 +231,7 @@ def run(args) -> dict:
                 res[k].append(v)
     rig.w.shutdown()
     out: dict = {"layers": args.layers, "blocks": args.blocks, "local": args.local, "objects": objs,
+                 "kv_head_shards": args.kv_head_shards,
                  "lease": not args.no_lease,
                  "object_bytes": rig.object_bytes,
                  "rounds": args.rounds, "loadavg_1min": os.getloadavg()[0]}
@@ -244,7 +255,7 @@ def run_verify_cost(args) -> dict:
     hs = hashes(0, args.blocks)
     for rig in rigs.values():
         rig.conn_save(hs)
-    objs = args.layers * args.blocks
+    objs = rigs["external"].L * args.blocks
     before = rigs["always"].store.stats()["dram"]["corrupt"]
     gc.collect()
     gc.freeze()
@@ -280,6 +291,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-lease", action="store_true", help="the lookup does not lease what it finds")
     ap.add_argument("--verify-cost", action="store_true",
                     help="measure the load with every chunk's checksum checked against the load unchecked")
+    ap.add_argument("--kv-head-shards", type=int, default=1, choices=(1, 2),
+                    help="objects per chunk and layer (the cache has 2 KV heads): 2 splits them by head")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     for name in ("layers", "blocks", "head", "rounds"):
@@ -301,7 +314,8 @@ def main(argv=None) -> int:
                 json.dump(out, f, indent=1)
         return 0
     out = run(args)
-    print(f"{out['objects']:,} objects ({args.layers} layers x {args.blocks} chunks) of {out['object_bytes']} B, "
+    print(f"{out['objects']:,} objects ({args.layers} layers x {args.kv_head_shards} KV-head shard(s) x "
+          f"{args.blocks} chunks) of {out['object_bytes']} B, "
           f"median of {args.rounds} rounds")
     print(f"{'µs per object':<14}{'connector':>10}{'store alone':>12}{'own':>7}{'(range)':>16}"
           f"{'own CPU':>9}{'(range)':>16}{'budget':>8}")

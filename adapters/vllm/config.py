@@ -66,7 +66,7 @@ OPTION_NAMES = (
     "tierkv", "tierkv_config_file", "model_id", "namespace", "load", "save", "chunk_tokens", "layerwise",
     "full_hit_recompute", "load_failure_policy", "load_async", "load_inline_max_tokens", "save_wait",
     "shutdown_timeout_s", "audit_rate", "audit_tolerance", "lease_timeout_s",
-    "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt",
+    "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt", "kv_head_shards",
 )
 
 
@@ -107,6 +107,9 @@ class ConnectorOptions:
     #: this engine's namespace: part of every key (engines of different namespaces never share a chunk) and the
     #: tenant of the puts of requests without a ``cache_salt`` (``tierkv.tenants``); None: none
     namespace: str | None = None
+    #: the KV-head shards every layer's chunk is stored under, fleet-wide, whatever the engine's tensor-parallel
+    #: size (a multiple of every TP size sharing the store); None: as many as the engine's own KV-head shards
+    kv_head_shards: int | None = None
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -146,6 +149,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     at = opts.pop("audit_tolerance", "auto")
     audit_tolerance = None if at == "auto" else check_float(at, f"{_WHAT} option 'audit_tolerance'", min_value=0.0)
     lease_timeout = pop_float(opts, "lease_timeout_s", 30.0, _WHAT, min_value=0.0, max_value=3600.0)
+    kv_head_shards = pop_int(opts, "kv_head_shards", None, _WHAT, min_value=1)
     trace: dict[str, Any] = {}
     path = pop_str(opts, "trace_path", None, _WHAT)
     if path is not None:
@@ -162,7 +166,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, load_async,
                             save_wait, shutdown_timeout, trace, inline_max,
                             audit_rate=audit_rate, audit_tolerance=audit_tolerance, lease_timeout_s=lease_timeout,
-                            namespace=namespace)
+                            namespace=namespace, kv_head_shards=kv_head_shards)
 
 
 @dataclass(frozen=True)
@@ -170,7 +174,8 @@ class EngineInfo:
     """What the connector takes from the engine: block geometry, layers, ranks, key namespaces.
 
     Built from vLLM's config by the connector facade; tests build it directly.
-    ``namespaces[s]`` is the base namespace of KV-head shard ``s`` (see :func:`base_namespace`).
+    ``namespaces[j]`` is the base namespace of stored KV-head shard ``j`` (see :func:`base_namespace` and
+    :attr:`stored_shards`); without ``kv_head_shards`` the stored shards are the engine's own.
     """
 
     block_size: int
@@ -188,6 +193,13 @@ class EngineInfo:
     groups: tuple[GroupGeometry, ...] = ()
     #: vLLM publishes KV cache events (``--kv-events-config``): the connector reports what it stores
     kv_events: bool = False
+    #: the KV-head shards each layer's chunks are stored under (option ``kv_head_shards``, checked by
+    #: :func:`stored_kv_head_shards`): a multiple of ``shard.num_shards``, so this rank holds
+    #: :attr:`slices_per_layer` of them; 0: as many as the engine's own KV-head shards
+    kv_head_shards: int = 0
+    #: the KV heads this rank holds in a layer of each KV cache group (what a layer is split along when it
+    #: holds several stored shards); empty: unknown
+    rank_kv_heads: tuple[int, ...] = ()
 
     @property
     def layer_index(self) -> dict[str, int]:
@@ -211,6 +223,42 @@ class EngineInfo:
     def group_of(self, layer: int) -> int:
         """The KV cache group of layer ``layer`` (an index into :attr:`layers`)."""
         return self.layer_groups[layer] if self.layer_groups else 0
+
+    @property
+    def stored_shards(self) -> int:
+        """The KV-head shards each layer's chunks are stored under (``namespaces`` has one per shard)."""
+        return self.kv_head_shards or self.shard.num_shards
+
+    @property
+    def slices_per_layer(self) -> int:
+        """The stored KV-head shards this rank holds: objects per chunk and layer."""
+        return max(1, self.stored_shards // self.shard.num_shards)
+
+    @property
+    def slice_names(self) -> tuple[str, ...]:
+        """What this rank stores per chunk, layer by layer: a *slice* per layer and stored KV-head shard it holds
+        (slice ``s`` is layer ``s // slices_per_layer``); with one shard per layer, the layers themselves."""
+        n = self.slices_per_layer
+        if n == 1:
+            return self.layers
+        return tuple(f"{name}#kvshard{self.slice_shard(i * n + k)}" for i, name in enumerate(self.layers)
+                     for k in range(n))
+
+    def slice_layer(self, s: int) -> int:
+        """The layer of slice ``s`` (an index into :attr:`layers`)."""
+        return s // self.slices_per_layer
+
+    def slice_shard(self, s: int) -> int:
+        """The stored KV-head shard of slice ``s`` (a key of :attr:`namespaces`)."""
+        n = self.slices_per_layer
+        return self.shard.shard * n + s % n
+
+    def rank_heads_of(self, layer: int) -> int:
+        """The KV heads this rank holds in layer ``layer`` (0: unknown)."""
+        heads = self.rank_kv_heads
+        if not heads:
+            return 0
+        return heads[self.group_of(layer)] if len(heads) > 1 else heads[0]
 
     def key_name(self, layer: int) -> str:
         """The name layer ``layer``'s keys are made under: with several groups, its group's kind and shape too,
@@ -254,6 +302,34 @@ def kv_shard(tp_rank: int, tp_size: int, total_kv_heads: int, use_mla: bool = Fa
         raise ValueError(f"tensor-parallel size {tp_size} is not a multiple of {total_kv_heads} KV heads")
     replicas = tp_size // total_kv_heads
     return ShardInfo(tp_rank // replicas, total_kv_heads, tp_rank % replicas, replicas)
+
+
+def stored_kv_head_shards(option: int | None, shard: ShardInfo, total_kv_heads: int, tp_size: int = 1, *,
+                          mla: bool = False, state_layers: bool = False) -> int:
+    """The KV-head shards each layer's chunks are stored under: option ``kv_head_shards``, checked for this engine.
+
+    Unset, or for MLA (one latent shared by every rank: one copy), the engine's own KV-head shards: its keys
+    and objects are those of an engine without the option.  Otherwise it must be a multiple of the engine's
+    shards (its tensor-parallel size, or its KV heads when ranks replicate them) and divide the model's KV
+    heads; every engine that shares a store must be given the same value.  Raises ``ConfigError`` naming
+    the option and the numbers.
+    """
+    own = shard.num_shards
+    if option is None or mla or option == own:
+        return own
+    what = f"{_WHAT} option 'kv_head_shards'"
+    if option % own:
+        raise ConfigError(f"{what}: {option} is not a multiple of this engine's {own} KV-head shards "
+                          f"(tensor-parallel size {tp_size}); give a multiple of every tensor-parallel size "
+                          "that shares the store")
+    if total_kv_heads <= 0:
+        raise ConfigError(f"{what}: {option} needs the model's number of KV heads, which the engine does not give")
+    if total_kv_heads % option:
+        raise ConfigError(f"{what}: {option} does not divide the model's {total_kv_heads} KV heads")
+    if state_layers:
+        raise ConfigError(f"{what}: {option} shards per layer with recurrent-state layers (not split by KV "
+                          f"head): this model at tensor-parallel size {tp_size} takes {own} only")
+    return option
 
 
 def shard_from_replicas(tp_rank: int, tp_size: int, replicas: int) -> ShardInfo:

@@ -41,6 +41,7 @@ from .config import (
     kv_shard,
     parse_options,
     shard_from_replicas,
+    stored_kv_head_shards,
 )
 from .connector_stats import TierKVConnectorStats
 from .groups import GroupGeometry, GroupKind, UnsupportedGroup, geometry_of_spec
@@ -88,11 +89,13 @@ def live_connectors() -> list[TierKVConnector]:
     return list(_LIVE)
 
 
-def _layout_descriptor(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> str:
+def _layout_descriptor(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, slices: int = 1) -> str:
     """What decides the bytes of a page: platform, layout, backend, ISA and KV spec.
 
     Computed identically on scheduler and workers (it uses no tensors), so both
-    sides derive the same keys.
+    sides derive the same keys.  ``slices``: stored KV-head shards per rank; the
+    heads and page bytes named are one stored shard's, so engines of different
+    tensor-parallel sizes that store the same shards name the same layout.
     """
     from vllm.platforms import current_platform
 
@@ -115,10 +118,10 @@ def _layout_descriptor(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) 
             isa = "isa-" + platform.machine()
     return ":".join([
         device, str(layout), str(backend), isa or "-",
-        f"h{getattr(spec, 'num_kv_heads', 0)}x{getattr(spec, 'head_size', 0)}",
+        f"h{getattr(spec, 'num_kv_heads', 0) // slices}x{getattr(spec, 'head_size', 0)}",
         str(getattr(spec, "dtype", "")).replace("torch.", ""),
         f"kv-{vllm_config.cache_config.cache_dtype}",
-        f"page{spec.page_size_bytes}",
+        f"page{spec.page_size_bytes // slices}",
         type(spec).__name__,
     ])
 
@@ -175,34 +178,44 @@ def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config:
         except Exception:  # noqa: BLE001 - not initialised: single rank
             tp_rank = 0
     replicas = int(getattr(kv_cache_config, "kv_tp_replicas", 1) or 1)
-    if replicas > 1:
-        shard = shard_from_replicas(tp_rank, tp_size, replicas)
-    else:
-        try:
-            total_heads = int(mc.get_total_num_kv_heads())
-        except Exception:  # noqa: BLE001
-            total_heads = 0
-        shard = kv_shard(tp_rank, tp_size, total_heads, bool(getattr(mc, "use_mla", False)))
+    try:
+        total_heads = int(mc.get_total_num_kv_heads())
+    except Exception:  # noqa: BLE001
+        total_heads = 0
+    mla = bool(getattr(mc, "use_mla", False))
+    shard = shard_from_replicas(tp_rank, tp_size, replicas) if replicas > 1 \
+        else kv_shard(tp_rank, tp_size, total_heads, mla)
+    stored = stored_kv_head_shards(options.kv_head_shards, shard, total_heads, tp_size, mla=mla,
+                                   state_layers=any(g.kind is GroupKind.STATE for g in groups))
+    if mla and options.kv_head_shards not in (None, 1):
+        logger.info("TierKVConnector: MLA keeps one copy of its latent KV for every rank: kv_head_shards %d "
+                    "does not apply", options.kv_head_shards)
+    slices = stored // shard.num_shards
     model_id = options.model_id or str(mc.model)
     revision = getattr(mc, "revision", None)
     if revision and not options.model_id:
         model_id += "@" + str(revision)
     if options.namespace is not None:  # a configured namespace: its keys are its own
         model_id += "#ns:" + options.namespace
-    layout = _layout_descriptor(vllm_config, kv_cache_config)
+    layout = _layout_descriptor(vllm_config, kv_cache_config, slices)
     hash_algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
     dtype = str(mc.dtype).replace("torch.", "")
     G = max(1, options.chunk_tokens // block_size)
-    namespaces = {s: base_namespace(model_id, dtype, layout, block_size, s, shard.num_shards, hash_algo, G)
-                  for s in range(shard.num_shards)}
+    namespaces = {j: base_namespace(model_id, dtype, layout, block_size, j, stored, hash_algo, G)
+                  for j in range(stored)}
     kv_groups = kv_cache_config.kv_cache_groups if groups else kv_cache_config.kv_cache_groups[:1]
+    rank_heads = tuple(int(getattr(g.kv_cache_spec, "num_kv_heads", 0) or 0) for g in kv_groups)
+    if slices > 1:  # a group's key segment names one stored shard's heads (see _layout_descriptor)
+        groups = tuple(dataclasses.replace(g, shape=(g.shape[0] // slices, *g.shape[1:]))
+                       if g.kind is not GroupKind.STATE and g.shape else g for g in groups)
     layers = tuple(name for g in kv_groups for name in g.layer_names)
     layer_groups = tuple(i for i, g in enumerate(kv_groups) for _ in g.layer_names) if groups else ()
     return EngineInfo(block_size=block_size, layers=layers, num_blocks=int(kv_cache_config.num_blocks),
                       shard=shard, namespaces=namespaces, tp_rank=tp_rank, tp_size=tp_size,
                       engine_id=str(vllm_config.kv_transfer_config.engine_id),  # type: ignore[union-attr]  # (set for a connector)
                       dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
-                      layer_groups=layer_groups, groups=groups,
+                      layer_groups=layer_groups, groups=groups, kv_head_shards=stored,
+                      rank_kv_heads=rank_heads,
                       kv_events=bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False)))
 
 
@@ -267,9 +280,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             lifecycle.on_engine_signal(self.worker.shutdown)
             self._finalizer = lifecycle.on_exit(self, self.worker.shutdown)
         _LIVE.add(self)
-        logger.info("TierKVConnector (%s) ready: store=%s shard=%s namespace=%s", role.name.lower(),
+        logger.info("TierKVConnector (%s) ready: store=%s shard=%s stored as %d KV-head shard(s)%s namespace=%s",
+                    role.name.lower(),
                     "file " + options.store_config if isinstance(options.store_config, str) else "inline",
-                    info.shard, info.namespaces.get(info.shard.shard))
+                    info.shard, info.stored_shards, "" if options.kv_head_shards else " (kv_head_shards unset)",
+                    info.namespaces.get(info.slice_shard(0)))
 
     @staticmethod
     def _watch(worker: TierKVWorker) -> None:

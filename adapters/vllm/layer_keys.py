@@ -1,9 +1,11 @@
-"""Store keys of the connector's objects: one key per (chunk, layer, KV-head shard), each one SHA-256.
+"""Store keys of the connector's objects: one key per (chunk, layer, stored KV-head shard), each one SHA-256.
 
 An object is named by vLLM's hash of its chunk's last block, under the namespace of
-its layer (model, layout, KV-head shard, cache salt: config.py).  The digest of each
-namespace (its *root*) is kept, so a key costs one SHA-256 of ``root + block hash``.
-Callers that need a key twice keep it: nothing here remembers keys.
+its layer (model, layout, stored KV-head shard, cache salt: config.py).  The parts
+index *slices* (``EngineInfo.slice_names``): a layer, or, when a rank holds several
+stored KV-head shards of a layer (``kv_head_shards``), one of them.  The digest of
+each namespace (its *root*) is kept, so a key costs one SHA-256 of ``root + block
+hash``.  Callers that need a key twice keep it: nothing here remembers keys.
 """
 
 from __future__ import annotations
@@ -19,29 +21,30 @@ ROOTS_MAX = 1 << 14
 
 
 class LayerKeys:
-    """Keys of one engine's objects, for a KV-head shard (this rank's by default)."""
+    """Keys of one rank's objects, by slice (a layer and a stored KV-head shard, see ``EngineInfo``)."""
 
     def __init__(self, info: EngineInfo) -> None:
         self._info = info
-        self._layers = info.layers
-        self._shard = info.shard.shard
-        self._roots: dict[tuple[int, int, str | None], bytes] = {}
+        self._num = len(info.slice_names)
+        self._roots: dict[tuple[int, str | None], bytes] = {}
 
     @property
     def num_layers(self) -> int:
-        return len(self._layers)
+        """The slices (one per layer unless a rank holds several stored KV-head shards of a layer)."""
+        return self._num
 
-    def keys(self, layer: int, hashes: Sequence[bytes], salt: str | None, shard: int | None = None) -> list[str]:
-        """Keys of the chunks named by ``hashes`` (bytes) in ``layer``: one SHA-256 each."""
-        sh = self._shard if shard is None else shard
-        root = self._roots.get((sh, layer, salt))
+    def keys(self, layer: int, hashes: Sequence[bytes], salt: str | None) -> list[str]:
+        """Keys of the chunks named by ``hashes`` (bytes) in slice ``layer``: one SHA-256 each."""
+        root = self._roots.get((layer, salt))
         if root is None:
-            root = block_hash_root(layer_namespace(self._info.namespaces[sh], self._info.key_name(layer), salt))
+            info = self._info
+            ns = info.namespaces[info.slice_shard(layer)]
+            root = block_hash_root(layer_namespace(ns, info.key_name(info.slice_layer(layer)), salt))
             if len(self._roots) >= ROOTS_MAX:
                 self._roots.clear()
-            self._roots[(sh, layer, salt)] = root
+            self._roots[(layer, salt)] = root
         return keys_from_root(root, hashes)
 
-    def keys_of(self, layer: int, hashes: Sequence[object], salt: str | None, shard: int | None = None) -> list[str]:
+    def keys_of(self, layer: int, hashes: Sequence[object], salt: str | None) -> list[str]:
         """:meth:`keys` of engine block hashes in any form vLLM gives them (see ``block_hash_bytes``)."""
-        return self.keys(layer, [block_hash_bytes(h) for h in hashes], salt, shard)
+        return self.keys(layer, [block_hash_bytes(h) for h in hashes], salt)

@@ -112,6 +112,9 @@ class PagedLayer:
     tensor: torch.Tensor
     block_dim: int
     kernel_blocks_per_block: int = 1
+    #: a slice of a flat layer's blocks (``split_heads``): (the layer's flat uint8 view, bytes from one block
+    #: to the next, bytes from a block's start to the slice's); each block's slice is one view of it
+    span: tuple[torch.Tensor, int, int] | None = None
 
     @classmethod
     def wrap(cls, tensor: torch.Tensor, num_blocks: int, block_size: int | None = None) -> PagedLayer:
@@ -153,8 +156,9 @@ class PagedLayer:
         self._flat()
 
     def is_flat(self) -> bool:
-        """True when :meth:`cut` gives every regular object as one view of the cache (nothing staged)."""
-        return self._flat() is not None
+        """True when :meth:`cut` gives views of the cache alone, never staging: one view per regular object,
+        or for a slice of a flat layer (``span``) one per block."""
+        return self._flat() is not None or self.span is not None
 
     def _flat(self) -> torch.Tensor | None:
         """The whole cache as one flat uint8 view when blocks are its outermost dimension, else None."""
@@ -235,6 +239,8 @@ class PagedLayer:
         flat = self._flat()
         out: list = []
         pending: list | None = None
+        if flat is None and self.span is not None:
+            return self._cut_span(cuts, filler), None
         if flat is None:
             pending = []
             for ids in cuts.objects:
@@ -267,9 +273,35 @@ class PagedLayer:
                 out.append(self.byte_runs(objects[i], filler)[0])
         return out, None
 
+    def _cut_span(self, cuts: Cuts, filler) -> list:
+        """:meth:`cut` of a slice of a flat layer: an object of one block is one view (all such: ``HostViews``),
+        a longer one a list of one view per block (``filler()`` for a block read and dropped)."""
+        whole, stride, off = self.span  # type: ignore[misc]  # (set: checked by the caller)
+        nb = self.block_nbytes
+        objects = cuts.objects
+        top = whole.numel() // stride
+        if all(len(ids) == 1 and ids[0] is not None and 0 <= ids[0] < top for ids in objects):
+            views = HostViews.over(whole)
+            for ids in objects:
+                views.add(cast(int, ids[0]) * stride + off, nb)  # (checked above)
+            return views
+        out: list = []
+        for ids in objects:
+            parts: list = []
+            for b in ids:
+                if b is None:
+                    parts.extend(filler())
+                else:
+                    at = b * stride + off
+                    parts.append(whole[at:at + nb])  # (a bad block id: a short view, which the store refuses)
+            out.append(parts)
+        return out
+
     def read_cut(self, cuts: Cuts) -> list:
         """The bytes of each of ``cuts``' objects (no None entries): views where the layout allows,
         as :meth:`cut` makes them, else staged copies (:meth:`read_runs`)."""
+        if self.span is not None:
+            return self._cut_span(cuts, list)
         if self._flat() is None:
             return [self.read_runs(list(ids)) for ids in cuts.objects]  # type: ignore[arg-type]
         return self.cut(cuts, list)[0]
@@ -302,3 +334,42 @@ class PagedLayer:
         while len(sets) < n:
             sets.append([torch.empty(p.shape, dtype=p.dtype, device="cpu") for p in self.parts(0)])
         return sets[:n]
+
+
+def head_dim(shape: tuple[int, ...], block_dim: int, heads: int, cpu: bool = False) -> int:
+    """The dimension of a paged layer's KV heads: the one past the block dimension of size ``heads``.
+
+    ``[2, num_blocks, block_size, heads, head]`` gives 3.  When several fit (as many heads as tokens in a
+    block), vLLM's CPU layout ``[num_blocks, heads, block_size, 2*head]`` (``cpu``) decides: the one right
+    after the block dimension.  Raises ``ValueError`` when none fits, or several do elsewhere.
+    """
+    dims = [d for d in range(block_dim + 1, len(shape)) if shape[d] == heads]
+    if len(dims) > 1 and cpu and dims[0] == block_dim + 1:
+        dims = dims[:1]
+    if len(dims) != 1:
+        raise ValueError(f"cannot tell the KV-head dimension of a paged KV tensor of shape {tuple(shape)} "
+                         f"({heads} heads, block dimension {block_dim})")
+    return dims[0]
+
+
+def split_heads(layer: PagedLayer, heads: int, parts: int) -> list[PagedLayer]:
+    """``layer`` as ``parts`` layers, part ``k`` holding heads ``k*heads/parts ..`` of each block (views, no copy).
+
+    ``heads`` is the layer's KV heads.  On CPU layouts a block's heads are contiguous, so each part's block is
+    one contiguous view of the cache (a chunk is one view per block); in layouts where a block's heads are
+    strided the parts are staged, as any strided layer is (:meth:`PagedLayer.read_parts`).
+    """
+    if parts == 1:
+        return [layer]
+    if heads <= 0 or heads % parts:
+        raise ValueError(f"{heads} KV heads cannot be split into {parts} equal parts")
+    t = layer.tensor
+    d = head_dim(tuple(t.shape), layer.block_dim, heads, t.device.type == "cpu" and layer.block_dim == 0)
+    h = heads // parts
+    r = layer.kernel_blocks_per_block
+    flat = layer._flat()
+    if flat is not None and d == 1 and r == 1:
+        # heads right after the blocks of a flat layer: each block's slice is one run of bytes of it
+        nb = layer.block_nbytes
+        return [PagedLayer(t.narrow(d, k * h, h), 0, 1, span=(flat, nb, k * (nb // parts))) for k in range(parts)]
+    return [PagedLayer(t.narrow(d, k * h, h), layer.block_dim, r) for k in range(parts)]

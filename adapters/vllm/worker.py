@@ -2,10 +2,14 @@
 
 Objects
     A request's KV is stored in chunks of ``chunk_tokens`` (whole blocks; see
-    chunks.py): one object per (chunk, layer, KV-head shard), named from vLLM's
-    hash of the chunk's last block (layer_keys.py).  Full chunks are saved as they
-    complete; the blocks after the last full chunk are saved as a shorter *tail*
-    once the prompt is prefilled.
+    chunks.py): one object per (chunk, layer, stored KV-head shard), named from
+    vLLM's hash of the chunk's last block (layer_keys.py).  Full chunks are saved
+    as they complete; the blocks after the last full chunk are saved as a shorter
+    *tail* once the prompt is prefilled.  A rank that holds several stored KV-head
+    shards of a layer (``kv_head_shards`` above the engine's own shards) keeps
+    each as a *slice* of its own: a view of the layer's cache narrowed to those
+    heads (paged.py, ``split_heads``), saved, probed and loaded as the parts do a
+    layer (they index slices).
 
 Parts (each its own module, each built here and nowhere else)
     ``Prober`` (probe.py) answers the scheduler's probes (service.py) on the lookup
@@ -62,7 +66,7 @@ from .load_mode import LoadMode
 from .loading import Loader, LoadJob
 from .lookup import ChannelServer, endpoint, sweep_stale_sockets
 from .metadata import LoadSpec, TierKVConnectorMetadata
-from .paged import PagedLayer
+from .paged import PagedLayer, split_heads
 from .probe import Prober
 from .prom import SnapshotClock, attach_store_snapshot, watch_store
 from .saving import Saver
@@ -96,16 +100,26 @@ class TierKVWorker:
         self.shard = info.shard
         self.tp_rank = info.tp_rank
         G = max(1, options.chunk_tokens // info.block_size)
-        layers = list(info.layers)
-        self._layer_index = info.layer_index
+        # the parts work on slices (one per layer, or per layer and stored KV-head shard this rank holds)
+        layers = list(info.slice_names)
+        n = info.slices_per_layer
+        #: each layer's slices, in order
+        self._slices_of = {name: tuple(range(i * n, (i + 1) * n)) for i, name in enumerate(info.layers)}
+
+        def slice_group(s: int) -> int:
+            return info.group_of(s // n)
+
+        group_of = info.group_of if n == 1 else slice_group
+        state_slices = tuple(i * n + k for i in info.state_layers for k in range(n))
         tiers = store.tier_info()
         self.keys = LayerKeys(info)
+        self._slice_names = layers
         self.counters = WorkerCounters()
         self.prober = Prober(self.keys, G, lambda: self.store, {t["name"]: t["locality"] for t in tiers},
-                             state_layers=info.state_layers)
+                             state_layers=state_slices)
         #: layers of recurrent-state groups: vLLM calls no per-layer hook for them, so their saves are
         #: copied out at the step's end (wait_for_save), before vLLM may hand their blocks to another request
-        self._state_layers = [layers[i] for i in info.state_layers]
+        self._state_layers = [info.layers[i] for i in info.state_layers]
         #: what lookups found, held for their loads (leases.py); off with lease_timeout_s 0
         self.leases = RequestLeases()
         self._looked_up: OrderedDict[str, None] = OrderedDict()  # requests whose misses were counted
@@ -117,7 +131,7 @@ class TierKVWorker:
         self.events: ChunkEvents | None = ChunkEvents() if info.kv_events else None
         self.saver = Saver(keys=self.keys, layers=layers, paged=self._paged, chunk_blocks=G, shard=self.shard,
                            split_writes=split, store=lambda: self.store, counters=self.counters,
-                           group_of=info.group_of, num_groups=info.num_groups,
+                           group_of=group_of, num_groups=info.num_groups,
                            auditor=Auditor(options.audit_tolerance), state_groups=info.state_groups,
                            tenant=options.namespace, events=self.events)
         if self.events is not None:
@@ -126,7 +140,7 @@ class TierKVWorker:
         def loader() -> Loader:
             return Loader(layers=layers, paged=self._paged, block_size=info.block_size, store=lambda: self.store,
                           stored=self.prober.chunks, layer_keys=self.keys.keys, tp_rank=info.tp_rank,
-                          tp_size=info.tp_size, group_of=info.group_of, num_groups=info.num_groups,
+                          tp_size=info.tp_size, group_of=group_of, num_groups=info.num_groups,
                           state_groups=info.state_groups)
 
         self._loader = loader()
@@ -213,22 +227,27 @@ class TierKVWorker:
 
     # ---- vLLM's worker hooks --------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        for name in self.info.layers:
+        info = self.info
+        n, names = info.slices_per_layer, info.slice_names
+        for i, name in enumerate(info.layers):
             t = kv_caches.get(name)
             if t is None:
                 raise ValueError(f"TierKVConnector: no KV cache tensor for layer {name!r}")
-            self._paged[name] = PagedLayer.wrap(t, self.info.num_blocks, self.info.block_size)
+            paged = PagedLayer.wrap(t, info.num_blocks, info.block_size)
+            # several stored KV-head shards on this rank: a view of each shard's heads
+            for k, part in enumerate(split_heads(paged, info.rank_heads_of(i), n)):
+                self._paged[names[i * n + k]] = part
         for paged in self._paged.values():
             paged.prepare()  # views of the cache made here, outside the engine's inference mode
-        first = self._paged[self.info.layers[0]]
+        first = self._paged[names[0]]
         if self.options.layerwise is None:
             # on CPU a background loader competes with compute for the same cores (copies,
             # reader threads, checksums): one get for the whole step measured faster
             self._loader.layerwise = first.tensor.device.type != "cpu"
         logger.info(
-            "TierKVConnector: %d layers, KV %s %s on %s, block dim %d (x%d), %d B per block and layer, %s, %s loads",
-            len(self.info.layers), tuple(first.tensor.shape), first.tensor.dtype, first.tensor.device,
-            first.block_dim, first.kernel_blocks_per_block, first.block_nbytes,
+            "TierKVConnector: %d layers x %d stored KV-head shard(s), KV %s %s on %s, block dim %d (x%d), %d B per "
+            "block and slice, %s, %s loads", len(info.layers), n, tuple(first.tensor.shape), first.tensor.dtype,
+            first.tensor.device, first.block_dim, first.kernel_blocks_per_block, first.block_nbytes,
             "zero-copy" if first.is_direct() else "staged", "layerwise" if self.layerwise else "whole-step",
         )
 
@@ -289,22 +308,25 @@ class TierKVWorker:
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         job = self.load_job
-        i = self._layer_index.get(layer_name)
-        if job is None or i is None:
+        slices = self._slices_of.get(layer_name)
+        if job is None or slices is None:
             return
-        job.events[i].wait()
-        job.wait_return[i] = time.perf_counter()
+        for i in slices:
+            job.events[i].wait()
+            job.wait_return[i] = time.perf_counter()
 
     def save_kv_layer(self, layer_name: str) -> None:
         meta = self._metadata
         if self.closed or meta is None or not meta.saves:
             return
-        layer = self._layer_index.get(layer_name)
-        paged = self._paged.get(layer_name)
-        if layer is None or paged is None:
+        slices = self._slices_of.get(layer_name)
+        if slices is None or not self._paged:
             return
         # this step loads: a failed load may taint these blocks, so the saves wait for the verdict
-        self.saver.save_layer(meta, layer, paged, hold=self.load_job is not None)
+        hold = self.load_job is not None
+        names = self._slice_names
+        for s in slices:
+            self.saver.save_layer(meta, s, self._paged[names[s]], hold=hold)
 
     def _finish_load_job(self) -> None:
         job, self.load_job = self.load_job, None
