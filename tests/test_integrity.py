@@ -8,8 +8,9 @@ import logging
 
 import pytest
 import torch
+from fake_media import FakeTier
 
-from tierkv.checksum import TRAILER_BYTES, Verify, chunk_sum, read_trailer, trailers
+from tierkv.checksum import TRAILER_BYTES, ReadSums, Verify, chunk_sum, read_trailer, trailers
 from tierkv.errors import ConfigError
 from tierkv.outcome import MissReason
 from tierkv.store import TieredStore
@@ -182,3 +183,54 @@ def test_a_put_sums_each_chunk_once_and_a_copy_carries_it(tmp_path, monkeypatch)
         assert s.locate(["a", "c"]) == ["dram", "hbm"]
         assert len(calls) == 3
         assert s.levels[1].sums["a"] == real([chunk(12)])
+
+
+class SummingPool(FakeTier):
+    """A shared pool that sums what it copies (``sums_copies``), with one answer per key a test can spoil."""
+
+    sum_inside = True
+    sums_copies = True
+
+    def __init__(self) -> None:
+        super().__init__("pool", managed=False)
+        self.spoil: dict[str, str] = {}  # key -> "wrong" (a sum off by one bit) or "none" (no sum)
+        self.summed: list[list[str]] = []
+
+    def _read_summed(self, keys, dsts, sums):
+        oks = self._read(keys, dsts)
+        self.summed.append(list(keys))
+        for i, (key, parts) in enumerate(zip(keys, dsts)):
+            if oks[i] and self.spoil.get(key) != "none":
+                s = chunk_sum([torch.cat(parts)[:sums.nbytes[i]]])
+                sums.sums[i] = s ^ 1 if self.spoil.get(key) == "wrong" else s
+        return oks
+
+
+def test_a_pool_that_sums_its_copies_is_checked_by_those_sums_and_the_rest_summed_by_the_store():
+    pool = SummingPool()
+    with TieredStore([pool]) as s:
+        keys = ["a", "b", "c", "d"]
+        vals = [chunk(20 + i) for i in range(4)]
+        assert s.put(keys, vals) == [True] * 4
+        assert all(v.numel() == 64 * 1024 + TRAILER_BYTES for v in pool.data.values())
+        # b: the medium's sum of the bytes it copied disagrees with the trailer; c: no sum (the store sums the
+        # bytes itself), and a bit of c flipped in the pool; d: no sum, bytes intact
+        pool.spoil = {"b": "wrong", "c": "none", "d": "none"}
+        pool.data["c"][5] ^= 1
+        outs = [torch.zeros_like(v) for v in vals]
+        assert s.get(keys, outs) == [True, False, False, True]
+        assert pool.summed == [keys]  # (one read, asked to sum)
+        assert torch.equal(outs[0], vals[0]) and torch.equal(outs[3], vals[3])
+        assert s.stats()["tiers"]["pool"]["corrupt"] == 2
+        assert s.why_missing(["b", "c"]) == [MissReason.CORRUPT] * 2
+        assert sorted(pool.data) == ["a", "d"]  # the bad copies were deleted from the pool
+
+
+def test_a_medium_that_does_not_sum_its_copies_leaves_the_sums_unanswered():
+    t = FakeTier("plain", managed=False)
+    assert t.write(["a"], [[chunk(1)]]) == [True]
+    asked = ReadSums([100])
+    out = torch.zeros(64 << 10, dtype=torch.uint8)
+    assert t.read(["a"], [[out]], asked) == [True] and asked.sums == [None]
+    with pytest.raises(ValueError, match="sums"):
+        SummingPool().read(["a", "b"], [[out], [out]], ReadSums([1]))
