@@ -234,3 +234,29 @@ def test_a_medium_that_does_not_sum_its_copies_leaves_the_sums_unanswered():
     assert t.read(["a"], [[out]], asked) == [True] and asked.sums == [None]
     with pytest.raises(ValueError, match="sums"):
         SummingPool().read(["a", "b"], [[out], [out]], ReadSums([1]))
+
+
+def test_a_flipped_byte_amid_a_large_summed_dram_read_is_a_miss_and_its_neighbours_hits(monkeypatch):
+    import tierkv.tiers.slab as slab
+
+    calls = []
+    real = slab.copy_and_sum
+
+    def spy(jobs, sum_bytes):
+        calls.append(len(jobs))
+        return real(jobs, sum_bytes)
+
+    monkeypatch.setattr(slab, "copy_and_sum", spy)
+    n, size = 8, 2 * MiB  # (16 MiB: the copy and its sums on two threads)
+    with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "32MiB", "verify": "always"}]}) as s:
+        keys = [f"c{i}" for i in range(n)]
+        vals = [chunk(30 + i, size) for i in range(n)]
+        assert s.put(keys, vals) == [True] * n
+        flip(s, "dram", keys[5], at=size - 1)
+        outs = [torch.zeros(size, dtype=torch.uint8) for _ in keys]
+        assert s.get(keys, outs) == [True] * 5 + [False] + [True] * 2
+        assert calls == [n]  # one summed copy of the whole batch
+        assert all(torch.equal(outs[i], vals[i]) for i in range(n) if i != 5)
+        st = s.stats()["tiers"]["dram"]
+        assert st["corrupt"] == 1 and st["entries"] == n - 1
+        assert s.why_missing([keys[5]]) == [MissReason.CORRUPT]

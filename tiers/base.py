@@ -271,10 +271,10 @@ class Tier:
         """
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
-    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts],
-                ptrs: Optional[Sequence[int]] = None) -> list[bool]:
+    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts], ptrs: Optional[Sequence[int]] = None,
+                sums: Optional[ReadSums] = None) -> list[bool]:
         """Fill each ``dsts[i]`` from the space of ``codes[i]``; False where the sizes differ
-        (``ptrs`` as for ``write_at``)."""
+        (``ptrs`` as for ``write_at``; ``sums`` as for ``read``)."""
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
     def free_at(self, codes: Sequence[int]) -> None:

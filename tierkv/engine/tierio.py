@@ -69,10 +69,15 @@ class TierIO:
         raised).  ``sums_out``, when given (a copy), receives each chunk's sum (None where none is known)."""
         n = len(keys)
         got: Optional[list[Optional[int]]] = None  # each chunk's sum, hashed right after its copy
-        if lvl.checks_reads and lvl.located and n > 1:
-            cuts = _groups(parts, _CHECK_GROUP)
-            if len(cuts) > 2:
-                oks, got = self._read_groups(lvl, keys, parts, ptrs, codes, cuts)
+        if lvl.checks_reads and lvl.located:
+            if lvl.tier.sums_copies and ptrs is not None:  # the medium sums each chunk as it copies it
+                asked = ReadSums([sum([p.numel() for p in ps]) for ps in parts])
+                oks = self._bytes(Op.READ, lvl, keys, parts, ptrs, codes, asked)
+                got = asked.sums
+            elif n > 1:
+                cuts = _groups(parts, _CHECK_GROUP)
+                if len(cuts) > 2:
+                    oks, got = self._read_groups(lvl, keys, parts, ptrs, codes, cuts)
         if got is None:
             oks = self._bytes(Op.READ, lvl, keys, parts, ptrs, codes)
         if CORRUPT in oks:
@@ -183,20 +188,22 @@ class TierIO:
         return out
 
     def _bytes(self, op: Op, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]],
-               codes: Optional[list[int]]) -> list[bool]:
+               codes: Optional[list[int]], sums: Optional[ReadSums] = None) -> list[bool]:
         try:
-            return self._batch(op, lvl, keys, parts, ptrs, codes)
+            return self._batch(op, lvl, keys, parts, ptrs, codes, sums)
         except StoreClosedError:
             raise
         except Exception as e:  # noqa: BLE001 - the choke point: a medium fault is a miss
             log.warning("tierkv: tier %s %s failed: %s", lvl.name, op.value, str(e)[:300])
+            if sums is not None:  # (whatever the failed call summed is not trusted: the bytes are summed again)
+                sums.sums[:] = [None] * len(keys)
             if len(keys) > 1 and lvl.managed and lvl.tier.available:
                 # one chunk's fault never costs the others: a local medium is asked again key by key
                 return self._one_by_one(op, lvl, keys, parts, ptrs, codes)
             return [False] * len(keys)
 
     def _batch(self, op: Op, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]],
-               codes: Optional[list[int]]) -> list[bool]:
+               codes: Optional[list[int]], sums: Optional[ReadSums] = None) -> list[bool]:
         tier = lvl.tier
         if lvl.located:
             if codes is None:
@@ -205,7 +212,7 @@ class TierIO:
             if op is Op.WRITE:
                 tier.write_at(codes, parts, ptrs)
                 return [True] * len(keys)
-            res = tier.read_at(codes, parts, ptrs)
+            res = tier.read_at(codes, parts, ptrs, sums) if sums is not None else tier.read_at(codes, parts, ptrs)
         elif op is Op.WRITE:
             res = tier.write(keys, parts)
         else:
