@@ -58,8 +58,10 @@ def test_a_large_batch_is_summed_on_two_threads_with_the_same_values(way):
 
 
 @pytest.mark.parametrize("total", [(1 << 20) + 16, 9 << 20])
-def test_a_summed_copy_moves_every_byte_and_sums_the_bytes_asked_for(way, monkeypatch, total):
-    monkeypatch.setattr(xxh3, "PIECE_BYTES", 64 << 10)  # (several pieces per part, pieces across part edges)
+@pytest.mark.parametrize("piece", [64 << 10, xxh3.PIECE_BYTES])
+def test_a_summed_copy_moves_every_byte_and_sums_the_bytes_asked_for(way, monkeypatch, total, piece):
+    # (64 KiB pieces: several per part, pieces across part edges; the default: a first part copied and summed whole)
+    monkeypatch.setattr(xxh3, "PIECE_BYTES", piece)
     n = 6
     srcs = [data(total, 10 + i) for i in range(n)]
     dsts = [torch.zeros(total, dtype=torch.uint8) for _ in range(n)]
@@ -72,3 +74,16 @@ def test_a_summed_copy_moves_every_byte_and_sums_the_bytes_asked_for(way, monkey
     for s, d in zip(srcs, dsts):
         assert torch.equal(s, d)
     assert got == [ref(s[:k]) for s, k in zip(srcs, sum_bytes)]
+
+
+def test_a_summed_copy_of_a_chunk_and_its_trailer_sums_the_chunk_alone(way):
+    # the shape of a pool's object: the chunk's bytes, then a 16-byte trailer left out of the sum
+    srcs = [data((2 << 20) + 16, 40 + i) for i in range(5)] + [data(16, 45)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    jobs = [[(d.data_ptr(), s.data_ptr(), s.numel() - 16),
+             (d.data_ptr() + s.numel() - 16, s.data_ptr() + s.numel() - 16, 16)] for s, d in zip(srcs, dsts)]
+    jobs[-1] = jobs[-1][1:]  # (an empty chunk: its trailer alone)
+    got = xxh3.copy_and_sum(jobs, [s.numel() - 16 for s in srcs])
+    assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
+    assert got == [ref(s[:-16]) for s in srcs]
+    assert xxh3.copy_and_sum([[]], [0]) == [ref(data(0))]
