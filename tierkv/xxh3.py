@@ -24,9 +24,10 @@ import xxhash
 
 from tierkv.buffers import on_two_threads
 
-#: a copy that sums moves and hashes at most this many bytes at a time: what one copy leaves in a core's caches
-#: (smaller pieces cost more calls, each a release and a retake of the interpreter lock, than they save)
-PIECE_BYTES = 2 << 20
+#: a copy that sums moves and hashes this many bytes at a time: half a core's L2 cache here, so each piece is
+#: hashed from it (smaller pieces cost more in calls, each a release and a retake of the interpreter lock, than
+#: they save; 2 MiB pieces spill into the L3)
+PIECE_BYTES = 512 << 10
 
 Move = tuple[int, int, int]  # (dst, src, nbytes)
 
