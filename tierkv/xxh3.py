@@ -24,10 +24,11 @@ import xxhash
 
 from tierkv.buffers import on_two_threads
 
-#: a copy that sums moves and hashes this many bytes at a time: half a core's L2 cache here, so each piece is
-#: hashed from it (smaller pieces cost more in calls, each a release and a retake of the interpreter lock, than
-#: they save; 2 MiB pieces spill into the L3)
-PIECE_BYTES = 512 << 10
+#: a copy that sums moves and hashes at most this many bytes at a time, hashed from the core's caches right after
+#: their copy.  Smaller pieces stay in a faster cache but cost more calls, each a release and a retake of the
+#: interpreter lock: on a 2-core machine with other work running, 512 KiB pieces cost a checked pool read more
+#: than 2 MiB ones did (bench/bench_integrity.py)
+PIECE_BYTES = 2 << 20
 
 Move = tuple[int, int, int]  # (dst, src, nbytes)
 
