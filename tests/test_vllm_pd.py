@@ -27,6 +27,24 @@ from tierkv.tiers.remote.standalone import client_binary
 BS = 32
 
 
+def _prompts(tmp_path, seed: int, needs_nixl: bool = False):
+    """Skip without the processes the test needs; else the model, two prompts sharing a 4-block prefix (what the
+    prefill instance pools of ``first``: its full blocks) and vLLM's own greedy tokens for them."""
+    reason = mooncake_util.missing_reason() or (None if client_binary() else "mooncake_client not found")
+    if needs_nixl and importlib.util.find_spec("nixl") is None:
+        reason = reason or "nixl is not installed"
+    if reason:
+        pytest.skip(reason)
+    model = U.make_tiny_model(tmp_path / "model", layers=2)
+    rng = random.Random(seed)
+    head = [rng.randrange(1024) for _ in range(4 * BS)]
+    first = head + [rng.randrange(1024) for _ in range(12)]
+    later = head + [rng.randrange(1024) for _ in range(40)]
+    plain = U.run_engine({"model": model, "kv_transfer_config": None,
+                          "steps": [{"op": "generate", "prompts": [first, later]}]}, tmp_path / "cache")
+    return model, first, later, plain["steps"][0]["tokens"]
+
+
 def _pd_config(role: str, transfer_dir: str, store: dict) -> dict:
     tierkv = dict(U.connector_config(store) or {}, kv_role=role)
     transfer = {"kv_connector": "ExampleConnector", "kv_role": role,
@@ -36,18 +54,7 @@ def _pd_config(role: str, transfer_dir: str, store: dict) -> dict:
 
 
 def test_prefill_pools_decode_receives_then_hits_the_pool(tmp_path):
-    reason = mooncake_util.missing_reason() or (None if client_binary() else "mooncake_client not found")
-    if reason:
-        pytest.skip(reason)
-    model = U.make_tiny_model(tmp_path / "model", layers=2)
-    rng = random.Random(11)
-    # a 4-block shared prefix: what the prefill instance pools of ``first`` (its full blocks)
-    head = [rng.randrange(1024) for _ in range(4 * BS)]
-    first = head + [rng.randrange(1024) for _ in range(12)]
-    later = head + [rng.randrange(1024) for _ in range(40)]
-    plain = U.run_engine({"model": model, "kv_transfer_config": None,
-                          "steps": [{"op": "generate", "prompts": [first, later]}]}, tmp_path / "cache")
-    expected = plain["steps"][0]["tokens"]
+    model, first, later, expected = _prompts(tmp_path, 11)
     with mooncake_util.MooncakeMaster() as master, master.standalone_pool("256MiB") as pool:
         for k, v in mooncake_util.client_env().items():
             os.environ.setdefault(k, v)
@@ -97,19 +104,7 @@ def test_nixl_transfers_to_decode_and_both_sides_hit_the_pool(tmp_path):
     token, its output's ``kv_transfer_params`` go with the decode request.  Both instances stay up side by side
     (the decode side pulls the blocks from the prefill side's memory).
     """
-    reason = mooncake_util.missing_reason() or (None if client_binary() else "mooncake_client not found")
-    if importlib.util.find_spec("nixl") is None:
-        reason = reason or "nixl is not installed"
-    if reason:
-        pytest.skip(reason)
-    model = U.make_tiny_model(tmp_path / "model", layers=2)
-    rng = random.Random(13)
-    head = [rng.randrange(1024) for _ in range(4 * BS)]
-    first = head + [rng.randrange(1024) for _ in range(12)]
-    later = head + [rng.randrange(1024) for _ in range(40)]
-    plain = U.run_engine({"model": model, "kv_transfer_config": None,
-                          "steps": [{"op": "generate", "prompts": [first, later]}]}, tmp_path / "cache")
-    expected = plain["steps"][0]["tokens"]
+    model, first, later, expected = _prompts(tmp_path, 13, needs_nixl=True)
     side = [mooncake_util.free_port(), mooncake_util.free_port()]
     with mooncake_util.MooncakeMaster() as master, master.standalone_pool("256MiB") as pool:
         for k, v in mooncake_util.client_env().items():
