@@ -87,14 +87,18 @@ class WorkerCounters:
         if failed:
             logger.warning("TierKVConnector: %d block(s) failed to load; vLLM recomputes them", len(failed))
 
+    def _add(self, **counts: int) -> None:
+        """Add ``counts`` to this interval's figures and the totals."""
+        with self._lock:
+            for s in (self.interval, self.totals):
+                for name, n in counts.items():
+                    s.data[name] = s.data.get(name, 0) + n
+
     def add_leases(self, taken: int, expired: int) -> None:
         """Leases the worker's lookups took, and those found expired when let go (their load may have failed)."""
         if not taken and not expired:
             return
-        with self._lock:
-            for s in (self.interval, self.totals):
-                s.data["leases"] = s.data.get("leases", 0) + taken
-                s.data["lease_expired"] = s.data.get("lease_expired", 0) + expired
+        self._add(leases=taken, lease_expired=expired)
         if expired:
             logger.warning("TierKVConnector: %d lease(s) expired before their load (lease_timeout_s); their chunks "
                            "could be evicted", expired)
@@ -104,10 +108,7 @@ class WorkerCounters:
         wrote maps to."""
         if not dropped and not unmapped:
             return
-        with self._lock:
-            for s in (self.interval, self.totals):
-                s.data["events_dropped"] = s.data.get("events_dropped", 0) + dropped
-                s.data["events_unmapped"] = s.data.get("events_unmapped", 0) + unmapped
+        self._add(events_dropped=dropped, events_unmapped=unmapped)
         if not dropped:
             return
         # (a queue nothing drains drops with every step: one line a minute, with the count since the last)
