@@ -32,6 +32,21 @@ sys.stdin.read()
 store.close()
 """
 
+# Process C: reads (a read from the pool is promoted into the local tier in the background) and exits
+# without closing its store.  Its last exit callback names every tierkv thread still alive.
+LEAVER = r"""
+import atexit, json, sys, threading
+atexit.register(lambda: print("ALIVE", json.dumps(sorted(
+    t.name for t in threading.enumerate() if t.name.startswith("tierkv"))), flush=True))
+import torch
+from tierkv.store import TieredStore
+cfg, n = json.loads(sys.argv[1]), int(sys.argv[2])
+store = TieredStore.from_config(cfg)
+keys = [f"{i:064x}" for i in range(1, n + 1)]
+outs = [torch.zeros(256 << 10, dtype=torch.uint8) for _ in keys]
+print("get", json.dumps(store.get(keys, outs)), flush=True)
+"""
+
 # Process B: another engine instance finds them with lookup and reads exact bytes.
 READER = r"""
 import json, sys, torch
@@ -82,3 +97,32 @@ def test_process_b_finds_and_reads_what_process_a_stored():
         assert res["lookup"] == n, res
         assert res["get"] == [True] * n and res["exact"] == [True] * n, res
         assert res["absent"] == 0
+
+
+def test_a_process_that_leaves_its_store_open_exits_cleanly():
+    """The pool client, its workers and the store's copier are shut down before the interpreter
+    finalizes: no tierkv thread is alive in the last exit callback, and the exit code is 0 (a
+    worker caught by finalization used to abort the process after its work was done)."""
+    n = 12
+    with MooncakeMaster() as m:
+        pool = m.tier_config(segment="32MiB", namespace=f"leave-{uuid.uuid4().hex}")
+        cfg_a = {"tiers": [{"medium": "dram", "capacity": "64KiB"}, pool]}
+        cfg_c = {"tiers": [{"medium": "dram", "capacity": "8MiB"}, pool]}
+        a = subprocess.Popen([sys.executable, "-c", WRITER, json.dumps(cfg_a), str(n)], cwd=HERE,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert json.loads(a.stdout.readline())["put"] == [True] * n
+            for _ in range(3):
+                c = subprocess.run([sys.executable, "-c", LEAVER, json.dumps(cfg_c), str(n)], cwd=HERE,
+                                   capture_output=True, text=True, timeout=120)
+                assert c.returncode == 0, c.stderr[-3000:]
+                assert f"get {json.dumps([True] * n)}" in c.stdout, c.stdout
+                assert "ALIVE []" in c.stdout, c.stdout
+        finally:
+            if a.poll() is None:
+                a.stdin.close()
+                try:
+                    a.wait(30)
+                except subprocess.TimeoutExpired:
+                    a.kill()
+                    a.wait(10)

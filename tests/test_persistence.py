@@ -205,3 +205,31 @@ def test_a_chunk_in_a_write_behind_copy_is_never_in_no_tier(fail):
         assert not lvl.pinned, "a pin outlived the copy"
         assert not [k for k, v in lvl._index.items() if type(v) is int and v < 0], "a reservation leaked"
     store.close()
+
+
+LEFT_OPEN = textwrap.dedent("""
+    import atexit, json, sys, threading
+    # registered before tierkv is imported, so it runs after tierkv's own exit callbacks
+    atexit.register(lambda: print("ALIVE", json.dumps(sorted(
+        t.name for t in threading.enumerate() if t.name.startswith("tierkv"))), flush=True))
+    from tierkv import TieredStore
+    sys.path.insert(0, {testdir!r})
+    from test_persistence import chain, chunk, keys_for
+    store = TieredStore.from_config(chain({path!r}))
+    keys = keys_for(40)
+    print("put", store.put(keys, [chunk(i) for i in range(40)]) == [True] * 40, flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_a_store_left_open_at_exit_is_closed_and_its_copies_kept(tmp_path):
+    """No close, no flush: the exit closes the store as close() would (write-behind copies made, no
+    thread of the store left running while the interpreter finalizes)."""
+    code = LEFT_OPEN.format(testdir=os.path.dirname(__file__), path=str(tmp_path / "ssd"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "put True" in p.stdout
+    assert "ALIVE []" in p.stdout, p.stdout
+    keys = keys_for(40)
+    with TieredStore.from_config(ssd_only(tmp_path / "ssd")) as store:
+        assert read_all(store, keys) == list(range(40))

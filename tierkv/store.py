@@ -86,6 +86,9 @@ Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.p
    plain ``remove(keys)`` is a deliberate forgetting, not a miss reason: the memory forgets the
    keys too (a later miss is ``never_stored``).  Inside the engine, ``Chain.departed(keys,
    reason, level)`` records without removing (``TierIO``'s corrupt drops).
+11. **A store left open is closed at exit.**  At interpreter exit every store still open is
+   closed as ``close()`` would, then every backend client (``tierkv.shutdown``): no thread of
+   the store's is left running while the interpreter finalizes.
 
 Normal outcomes (miss, no room, backend down) are values and counters; misuse
 raises an error that names the problem.
@@ -97,12 +100,14 @@ import asyncio
 import functools
 import logging
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
+from tierkv import shutdown
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
 from tierkv.durability import DropReason, FlushResult, fault_counts, lost_count
@@ -131,6 +136,20 @@ if TYPE_CHECKING:
     import os
 
 log = logging.getLogger("tierkv")
+
+_open_stores: weakref.WeakSet[TieredStore] = weakref.WeakSet()
+
+
+def _close_open_stores() -> None:
+    """At exit: close every store its owner left open (see ``tierkv.shutdown``)."""
+    for store in list(_open_stores):
+        try:
+            store.close()
+        except Exception as e:  # noqa: BLE001 - one store failing to close must not keep the rest open
+            log.warning("tierkv: closing a store at exit failed: %r", e)
+
+
+shutdown.at_exit(shutdown.STORES, _close_open_stores)
 
 StoreConfig = Union[dict, str, "os.PathLike[str]"]  # (a name for type checkers only)
 
@@ -183,6 +202,7 @@ class TieredStore:
         self._lost_seen: dict[int, int] = {}  # persistent level -> its medium's lost objects so far (``_count_lost``)
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
         recover(self.levels)
+        _open_stores.add(self)  # closed at exit if its owner does not (``tierkv.shutdown``)
         for k, lvl in enumerate(self.levels):  # (after recovery: what opening counted is no write's fault)
             if lvl.tier.persistent:
                 try:

@@ -12,6 +12,9 @@ Invariants
       call (or at once when idle), in the background (``close_in_background``:
       closing a Mooncake client takes seconds and holds the interpreter lock).
       A session whose call never returns is never closed.
+    * Nothing outlives the interpreter: at exit every session is retired, its
+      workers joined and its client closed (``_shut_down_at_exit``); an idle worker
+      holds no reference to its last call (caller memory, registrations).
     * A registered address is never freed and reused while registered: a cached
       ``Registration`` holds a reference to the storage it covers.  Cached
       registrations are bounded by ``register_limit`` bytes (LRU); permanent ones
@@ -20,7 +23,6 @@ Invariants
 
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures
 import contextlib
@@ -28,10 +30,13 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+
+from tierkv import shutdown
 
 log = logging.getLogger("tierkv.tiers.remote")
 
@@ -40,6 +45,7 @@ REFUSED = object()  # the session was retired before the call could start
 
 _closers: set[threading.Thread] = set()
 _closers_lock = threading.Lock()
+_sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session not yet collected
 
 
 def close_in_background(fn: Callable[[], None]) -> None:
@@ -57,13 +63,33 @@ def close_in_background(fn: Callable[[], None]) -> None:
     t.start()
 
 
-@atexit.register
-def _wait_for_closers(timeout: float = 10.0) -> None:
+def _shut_down_at_exit(timeout: float = 30.0) -> None:
+    """Retire and close every session before the interpreter finalizes.
+
+    A worker thread still alive when the interpreter finalizes dies at its next attempt
+    to take the interpreter lock, and a native destructor it runs then (the last
+    reference to caller memory, a client) aborts the process.  So at exit every
+    session is retired, its workers are joined, and its client is closed, on this
+    thread when idle; a call that never returns keeps its session open (bounded wait,
+    then a warning).
+    """
     end = time.monotonic() + timeout
+    sessions = list(_sessions)
+    for s in sessions:
+        s.retire(close=True, force=True)
+    for s in sessions:
+        for t in s._threads:
+            t.join(max(0.0, end - time.monotonic()))
     with _closers_lock:
         pending = list(_closers)
     for t in pending:
         t.join(max(0.0, end - time.monotonic()))
+    stuck = sum(1 for s in sessions if not s._closed_event.is_set())
+    if stuck:
+        log.warning("tierkv: %d remote client(s) still busy at exit; left open", stuck)
+
+
+shutdown.at_exit(shutdown.CLIENTS, _shut_down_at_exit)
 
 
 class Registration:
@@ -92,6 +118,7 @@ class Session:
         self._lock = threading.Lock()
         self._inflight = 0
         self.retired = False
+        self._close_wanted = False
         self._closed = False
         self._closed_event = threading.Event()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
@@ -102,6 +129,7 @@ class Session:
                          for i in range(workers)]
         for t in self._threads:
             t.start()
+        _sessions.add(self)
 
     # -- in-flight accounting: the only guard between calls and close() --------
     def _enter(self) -> bool:
@@ -114,28 +142,32 @@ class Session:
     def _leave(self) -> None:
         with self._lock:
             self._inflight -= 1
-            close_now = self.retired and self._inflight == 0 and not self._closed
+            close_now = self.retired and self._close_wanted and self._inflight == 0 and not self._closed
             if close_now:
                 self._closed = True
         if close_now:
             close_in_background(self._close_client)
 
-    def retire(self, close: bool = True) -> None:
+    def retire(self, close: bool = True, force: bool = False) -> None:
         """Accept no new call.  With ``close`` the client is closed once idle; without, it is left alone
-        (closing holds the interpreter lock for seconds, which a running engine must not see)."""
+        until the process exits (closing holds the interpreter lock for seconds, which a running engine
+        must not see).  ``force`` (at exit): close even a client retired earlier without ``close``, on
+        this thread when idle."""
         with self._lock:
-            if self.retired:
-                return
+            first = not self.retired
             self.retired = True
-            if not close:
-                self._closed = True  # never closed: its segment lives until the process ends
-            close_now = self._inflight == 0 and not self._closed
+            self._close_wanted = self._close_wanted or close
+            close_now = self._close_wanted and self._inflight == 0 and not self._closed
             if close_now:
                 self._closed = True
-            for _ in self._threads:
-                self._queue.put(None)
+            if first:
+                for _ in self._threads:
+                    self._queue.put(None)
         if close_now:
-            close_in_background(self._close_client)
+            if force:
+                self._close_client()
+            else:
+                close_in_background(self._close_client)
 
     def wait_closed(self, timeout: float) -> bool:
         return self._closed_event.wait(timeout)
@@ -165,6 +197,8 @@ class Session:
                     after(fut)
                 except Exception as e:  # noqa: BLE001
                     log.debug("remote call cleanup failed: %r", e)
+            # an idle worker holds nothing of its last call (its buffers, its registrations)
+            item = fn = fut = after = None
             self._leave()
 
     def call(self, fn: Callable[[Any], Any], deadline: float,
