@@ -8,8 +8,9 @@ import logging
 
 import pytest
 import torch
+from fake_media import FakeTier
 
-from tierkv.checksum import TRAILER_BYTES, Verify, chunk_sum, read_trailer, trailers
+from tierkv.checksum import TRAILER_BYTES, ReadSums, Verify, chunk_sum, read_trailer, trailers
 from tierkv.errors import ConfigError
 from tierkv.outcome import MissReason
 from tierkv.store import TieredStore
@@ -182,3 +183,101 @@ def test_a_put_sums_each_chunk_once_and_a_copy_carries_it(tmp_path, monkeypatch)
         assert s.locate(["a", "c"]) == ["dram", "hbm"]
         assert len(calls) == 3
         assert s.levels[1].sums["a"] == real([chunk(12)])
+
+
+class SummingPool(FakeTier):
+    """A shared pool that sums what it copies (``sums_copies``), with one answer per key a test can spoil."""
+
+    sum_inside = True
+    sums_copies = True
+
+    def __init__(self) -> None:
+        super().__init__("pool", managed=False)
+        self.spoil: dict[str, str] = {}  # key -> "wrong" (a sum off by one bit) or "none" (no sum)
+        self.summed: list[list[str]] = []
+
+    def _read_summed(self, keys, dsts, sums):
+        oks = self._read(keys, dsts)
+        self.summed.append(list(keys))
+        for i, (key, parts) in enumerate(zip(keys, dsts)):
+            if oks[i] and self.spoil.get(key) != "none":
+                s = chunk_sum([torch.cat(parts)[:sums.nbytes[i]]])
+                sums.sums[i] = s ^ 1 if self.spoil.get(key) == "wrong" else s
+        return oks
+
+
+def test_a_pool_that_sums_its_copies_is_checked_by_those_sums_and_the_rest_summed_by_the_store():
+    pool = SummingPool()
+    with TieredStore([pool]) as s:
+        keys = ["a", "b", "c", "d"]
+        vals = [chunk(20 + i) for i in range(4)]
+        assert s.put(keys, vals) == [True] * 4
+        assert all(v.numel() == 64 * 1024 + TRAILER_BYTES for v in pool.data.values())
+        # b: the medium's sum of the bytes it copied disagrees with the trailer; c: no sum (the store sums the
+        # bytes itself), and a bit of c flipped in the pool; d: no sum, bytes intact
+        pool.spoil = {"b": "wrong", "c": "none", "d": "none"}
+        pool.data["c"][5] ^= 1
+        outs = [torch.zeros_like(v) for v in vals]
+        assert s.get(keys, outs) == [True, False, False, True]
+        assert pool.summed == [keys]  # (one read, asked to sum)
+        assert torch.equal(outs[0], vals[0]) and torch.equal(outs[3], vals[3])
+        assert s.stats()["tiers"]["pool"]["corrupt"] == 2
+        assert s.why_missing(["b", "c"]) == [MissReason.CORRUPT] * 2
+        assert sorted(pool.data) == ["a", "d"]  # the bad copies were deleted from the pool
+
+
+def test_a_medium_that_does_not_sum_its_copies_leaves_the_sums_unanswered():
+    t = FakeTier("plain", managed=False)
+    assert t.write(["a"], [[chunk(1)]]) == [True]
+    asked = ReadSums([100])
+    out = torch.zeros(64 << 10, dtype=torch.uint8)
+    assert t.read(["a"], [[out]], asked) == [True] and asked.sums == [None]
+    with pytest.raises(ValueError, match="sums"):
+        SummingPool().read(["a", "b"], [[out], [out]], ReadSums([1]))
+
+
+def test_a_flipped_byte_amid_a_large_summed_dram_read_is_a_miss_and_its_neighbours_hits(monkeypatch):
+    import tierkv.tiers.slab as slab
+
+    calls = []
+    real = slab.copy_and_sum
+
+    def spy(jobs, sum_bytes):
+        calls.append(len(jobs))
+        return real(jobs, sum_bytes)
+
+    monkeypatch.setattr(slab, "copy_and_sum", spy)
+    n, size = 8, 2 * MiB  # (16 MiB: the copy and its sums on two threads)
+    with TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "32MiB", "verify": "always"}]}) as s:
+        keys = [f"c{i}" for i in range(n)]
+        vals = [chunk(30 + i, size) for i in range(n)]
+        assert s.put(keys, vals) == [True] * n
+        flip(s, "dram", keys[5], at=size - 1)
+        outs = [torch.zeros(size, dtype=torch.uint8) for _ in keys]
+        assert s.get(keys, outs) == [True] * 5 + [False] + [True] * 2
+        assert calls == [n]  # one summed copy of the whole batch
+        assert all(torch.equal(outs[i], vals[i]) for i in range(n) if i != 5)
+        st = s.stats()["tiers"]["dram"]
+        assert st["corrupt"] == 1 and st["entries"] == n - 1
+        assert s.why_missing([keys[5]]) == [MissReason.CORRUPT]
+
+
+@pytest.mark.parametrize("medium", ["hbm", "dram"])
+def test_a_flipped_byte_amid_a_large_read_summed_after_its_copy_is_a_miss_and_its_neighbours_hits(medium):
+    # hbm sums nothing as it copies, and a dram read of parts the store could not vouch for (two parts each) is not
+    # summed by the slab either: the store hashes each group of about 2 MiB right after its copy, on two threads
+    n, size = 8, 2 * MiB
+    cfg = {"verify": "always", "tiers": [{"medium": medium, "capacity": "32MiB"}]}
+    if medium == "hbm":
+        cfg["tiers"][0]["device"] = "cpu"
+    with TieredStore.from_config(cfg) as s:
+        keys = [f"g{i}" for i in range(n)]
+        vals = [chunk(60 + i, size) for i in range(n)]
+        assert s.put(keys, vals) == [True] * n
+        flip(s, medium, keys[2], at=5)
+        outs = [torch.zeros(size, dtype=torch.uint8) for _ in keys]
+        parts = [[o[:1000], o[1000:]] for o in outs]
+        assert s.get(keys, parts) == [True] * 2 + [False] + [True] * 5
+        assert all(torch.equal(outs[i], vals[i]) for i in range(n) if i != 2)
+        assert s.stats()["tiers"][medium]["corrupt"] == 1
+        assert s.lookup(keys[2:3]) == 0

@@ -14,6 +14,7 @@ import pytest
 import torch
 from mooncake_util import HOST, MooncakeMaster, client_env, missing_reason
 
+from tierkv.checksum import ReadSums, chunk_sum, read_trailer, trailer_buffers
 from tierkv.outcome import MissReason
 from tierkv.store import TieredStore
 
@@ -173,3 +174,39 @@ def test_a_chunk_corrupted_in_the_pool_is_caught_by_another_process(master):
     assert res["get"] == [True, False, True, True], res
     assert res["exact"][0] and res["exact"][2] and res["exact"][3], res
     assert res["corrupt"] == 1
+
+
+def test_a_corrupt_object_amid_a_large_summed_local_read_is_a_miss_and_its_neighbours_hits(master):
+    # 8 chunks of 2 MiB: served from this node's own segment, summed as they are copied, on two threads
+    ns = f"integ-{uuid.uuid4().hex[:8]}"
+    pool = master.tier_config(segment="64MiB", namespace=ns)
+    n, size = 8, 2 << 20
+    keys = [f"big{i}" for i in range(n)]
+    vals = [torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(50 + i))
+            for i in range(n)]
+    raw = RawClient(master)
+    try:
+        with TieredStore.from_config({"tiers": [pool]}) as s:
+            assert s.put(keys, vals) == [True] * n
+            tier = s.levels[0].tier
+            assert tier.sums_copies
+            full = f"{ns}/dram_pool/{keys[3]}"
+            data = bytearray(raw.store.get(full))
+            data[size - 1] ^= 0x01  # the chunk's last byte, the trailer left as it was
+            raw.replace(full, bytes(data))
+            # the medium's own answer: each object's sum, of the bytes it copied (the trailer left out)
+            outs = [torch.zeros(size, dtype=torch.uint8) for _ in keys]
+            objs = [[o, t] for o, t in zip(outs, trailer_buffers(n))]
+            asked = ReadSums([size] * n)
+            assert tier.read(keys, objs, asked) == [True] * n
+            assert asked.sums == [chunk_sum([o]) for o in outs]
+            assert asked.sums[3] != read_trailer(objs[3][1]) and asked.sums[2] == read_trailer(objs[2][1])
+            before = tier.extra_stats()["local_reads"]
+            outs = [torch.zeros(size, dtype=torch.uint8) for _ in keys]
+            assert s.get(keys, outs) == [True] * 3 + [False] + [True] * 4
+            assert all(torch.equal(outs[i], vals[i]) for i in range(n) if i != 3)
+            assert tier.extra_stats()["local_reads"] - before == n  # (the summed local path served every one)
+            assert s.stats()["tiers"]["dram_pool"]["corrupt"] == 1
+            assert s.why_missing([keys[3]]) == [MissReason.CORRUPT]
+    finally:
+        raw.close()

@@ -293,7 +293,7 @@ def share_work(body: Callable[[int], None], n: int, pool: ThreadPoolExecutor, he
                 f.result()
 
 
-def _on_two_threads(run_one: Callable[[Any], None], jobs: Sequence, sizes: Sequence[int]) -> None:
+def on_two_threads(run_one: Callable[[Any], None], jobs: Sequence, sizes: Sequence[int]) -> None:
     """``run_one(job)`` for every job; a batch of ``PARALLEL_COPY_MIN`` bytes or more on the caller
     and the helper thread (see ``share_work``)."""
     if len(jobs) < 2 or sum(sizes) < PARALLEL_COPY_MIN:
@@ -320,7 +320,7 @@ def copy_many(jobs: Sequence[tuple[Sequence[torch.Tensor], Sequence[torch.Tensor
         for job in jobs:
             _copy_job(job)
         return
-    _on_two_threads(_copy_job, jobs, [sum(p.numel() * p.element_size() for p in dst) for dst, _ in jobs])
+    on_two_threads(_copy_job, jobs, [sum(p.numel() * p.element_size() for p in dst) for dst, _ in jobs])
 
 
 def _move(move: tuple[int, int, int]) -> None:
@@ -334,7 +334,7 @@ def memmove_many(moves: Sequence[tuple[int, int, int]]) -> None:
     guarantees every range is valid for the whole call and that destinations do
     not overlap one another.
     """
-    _on_two_threads(_move, moves, [n for _, _, n in moves])
+    on_two_threads(_move, moves, [n for _, _, n in moves])
 
 
 def staging(nbytes: int, pin: bool = False) -> torch.Tensor:

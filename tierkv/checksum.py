@@ -3,7 +3,13 @@
 The sum is xxh3-64 (seed 0) of the chunk's bytes, its parts in order: the value the
 ``ssd`` tier writes as a record's payload sum (``tiers/ssd/format.py``, an
 uncompressed xxh3 record), so the same number stands for the chunk in every tier.
-It is computed in C over each part's buffer (``xxhash``), never byte by byte.
+It is computed in C over each part's buffer (``tierkv.xxh3``: outside the interpreter
+lock, a large batch on two threads), never byte by byte.
+
+A medium that copies host memory itself can sum the bytes as it copies them
+(``Tier.sums_copies``): a read handed a ``ReadSums`` gets each object's sum back
+with it, hashed piece by piece right after each piece was copied, while it is still
+in the cache, instead of a second pass over memory afterwards.
 
 A pooled object (``Tier.sum_inside``) carries its sum in a ``TRAILER_BYTES`` trailer
 after the chunk's bytes: magic ``b"TKVC"``, a version byte, three zero bytes, the sum
@@ -25,13 +31,11 @@ from collections.abc import Sequence
 from typing import Any, Optional
 
 import torch
-import xxhash
 
+from tierkv import xxh3
 from tierkv.errors import ConfigError
 
 log = logging.getLogger("tierkv")
-
-_DIGEST = xxhash.xxh3_64_intdigest
 
 #: magic, version, pad, sum
 _TRAILER = struct.Struct("<4sB3xQ")
@@ -58,27 +62,41 @@ def parse_verify(raw: Any, what: str) -> Verify:
     raise ConfigError(f"{what}: 'verify' must be one of {[v.value for v in Verify]}, got {raw!r}")
 
 
-def _host(p: torch.Tensor) -> Any:
-    """A buffer over a 1-D uint8 part's bytes (a device part is copied to host first)."""
-    if p.device.type != "cpu":
-        p = p.cpu()
-    return p.numpy()
-
-
 def chunk_sum(parts: Sequence[torch.Tensor]) -> int:
     """xxh3-64 of a chunk's parts, concatenated."""
-    if len(parts) == 1:
-        return _DIGEST(_host(parts[0]))
-    h = xxhash.xxh3_64()
-    for p in parts:
-        if p.numel():
-            h.update(_host(p))
-    return h.intdigest()
+    return chunk_sums([parts])[0]
 
 
 def chunk_sums(objs: Sequence[Sequence[torch.Tensor]]) -> list[int]:
-    """``chunk_sum`` of each chunk."""
-    return [chunk_sum(parts) for parts in objs]
+    """``chunk_sum`` of each chunk (a large batch hashed on two threads)."""
+    keep: list[torch.Tensor] = []  # host copies of parts off the host, alive until hashed
+    ranges: list[list[tuple[int, int]]] = []
+    for parts in objs:
+        r = []
+        for p in parts:
+            if p.numel():
+                if p.device.type != "cpu" or not p.is_contiguous():
+                    p = p.contiguous().cpu()
+                    keep.append(p)
+                r.append((p.data_ptr(), p.numel() * p.element_size()))
+        ranges.append(r)
+    return xxh3.sum_many(ranges)
+
+
+class ReadSums:
+    """A read's request that the medium sum what it copies (``Tier.sums_copies``): ``sums[i]`` becomes the
+    xxh3-64 of the first ``nbytes[i]`` bytes of object ``i`` as the read wrote them into its destination
+    parts, or stays None where the medium did not sum it (the caller sums those bytes itself)."""
+
+    __slots__ = ("nbytes", "sums")
+
+    def __init__(self, nbytes: list[int]) -> None:
+        self.nbytes = nbytes
+        self.sums: list[Optional[int]] = [None] * len(nbytes)
+
+    def part(self, idx: Sequence[int]) -> ReadSums:
+        """The request for the objects at ``idx`` alone."""
+        return ReadSums([self.nbytes[i] for i in idx])
 
 
 def trailers(sums: Sequence[int], device: Optional[torch.device] = None) -> list[torch.Tensor]:
@@ -104,7 +122,9 @@ def trailer_buffers(n: int, device: Optional[torch.device] = None) -> list[torch
 
 def read_trailer(t: torch.Tensor) -> Optional[int]:
     """The sum a trailer holds, or None when it is not one (wrong magic or version)."""
-    magic, version, s = _TRAILER.unpack(bytes(_host(t)))
+    if t.device.type != "cpu":
+        t = t.cpu()
+    magic, version, s = _TRAILER.unpack(t.numpy().tobytes())
     if magic != TRAILER_MAGIC or version != TRAILER_VERSION:
         return None
     return s

@@ -51,7 +51,10 @@ Checksums (``tierkv.checksum``):
     (``sum_inside``) is handed each object with the sum in a trailer after the
     chunk's bytes, which the store checks on every read.  For any other medium
     the level keeps the sum beside the chunk and checks reads when its
-    ``verify`` option says so.
+    ``verify`` option says so.  A medium that copies the bytes itself may sum
+    them as it copies (``sums_copies``): ``read`` is then handed a ``ReadSums``
+    and answers each object's sum with it, so the check needs no second pass
+    over the bytes.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from tierkv.checksum import ReadSums
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.units import parse_size
 
@@ -121,6 +125,8 @@ class Tier:
     #: True when the store keeps each chunk's checksum inside the object, in a trailer after its bytes
     #: (a pool other processes read and write; see "Checksums")
     sum_inside: ClassVar[bool] = False
+    #: True when ``read`` can sum the bytes it copies as it copies them (its ``sums``; see "Checksums")
+    sums_copies: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -177,10 +183,17 @@ class Tier:
         keys, srcs = self._check_batch(keys, srcs, "srcs")
         return self._check_results(self._write(keys, srcs), len(keys), "write")
 
-    def read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
-        """Fill each ``dsts[i]`` with the object ``keys[i]``; True where it was exact."""
+    def read(self, keys: Sequence[str], dsts: Sequence[Parts], sums: Optional[ReadSums] = None) -> list[bool]:
+        """Fill each ``dsts[i]`` with the object ``keys[i]``; True where it was exact.
+
+        ``sums``: a request to sum what is copied (one ``nbytes`` per key), answered by a
+        medium that ``sums_copies`` and left all None by any other."""
         keys, dsts = self._check_batch(keys, dsts, "dsts")
-        return self._check_results(self._read(keys, dsts), len(keys), "read")
+        if sums is None or not self.sums_copies:
+            return self._check_results(self._read(keys, dsts), len(keys), "read")
+        if len(sums.nbytes) != len(keys):
+            raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(sums.nbytes)} sums asked for")
+        return self._check_results(self._read_summed(keys, dsts, sums), len(keys), "read")
 
     def delete(self, keys: Sequence[str]) -> None:
         """Forget the objects (absent keys are ignored)."""
@@ -198,6 +211,9 @@ class Tier:
 
     def _read(self, keys: list[str], dsts: list[Parts]) -> list[bool]:
         raise NotImplementedError(f"{type(self).__name__} does not implement _read")
+
+    def _read_summed(self, keys: list[str], dsts: list[Parts], sums: ReadSums) -> list[bool]:
+        raise NotImplementedError(f"{type(self).__name__} does not implement _read_summed")
 
     def _delete(self, keys: list[str]) -> None:
         raise NotImplementedError(f"{type(self).__name__} does not implement _delete")
@@ -255,10 +271,10 @@ class Tier:
         """
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
-    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts],
-                ptrs: Optional[Sequence[int]] = None) -> list[bool]:
+    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts], ptrs: Optional[Sequence[int]] = None,
+                sums: Optional[ReadSums] = None) -> list[bool]:
         """Fill each ``dsts[i]`` from the space of ``codes[i]``; False where the sizes differ
-        (``ptrs`` as for ``write_at``)."""
+        (``ptrs`` as for ``write_at``; ``sums`` as for ``read``)."""
         raise NotImplementedError(f"{type(self).__name__} is not a located tier")
 
     def free_at(self, codes: Sequence[int]) -> None:

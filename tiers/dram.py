@@ -15,6 +15,8 @@ class DRAMTier(SlabTier):
     """Host memory pool; pinned (page-locked) when a device runtime exists, for fast H2D/D2H."""
 
     medium = "dram"
+    #: a checked read by the store's vouched path sums each chunk as it copies it (``SlabTier.read_at``)
+    sums_copies = True
 
     def __init__(self, name: str, capacity_bytes: int, pin_memory: bool | None = None, prefault: bool = True) -> None:
         if pin_memory is None:

@@ -38,8 +38,10 @@ from typing import Any, Optional
 import torch
 
 from tierkv.buffers import PARALLEL_COPY_MIN, _memmove, copy_many, memmove_many
+from tierkv.checksum import ReadSums
 from tierkv.errors import ConfigError
 from tierkv.hostmem import advise_huge, unregister
+from tierkv.xxh3 import copy_and_sum
 
 from .base import CODE_SHIFT, NB_FIELD, Parts, Tier
 from .slab_alloc import ALIGN, ExtentAllocator, Location, SlabAllocator, align_up
@@ -280,12 +282,31 @@ class SlabTier(Tier):
         else:
             self._move(codes, srcs, True)
 
-    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts],
-                ptrs: Optional[Sequence[int]] = None) -> list[bool]:
+    def read_at(self, codes: Sequence[int], dsts: Sequence[Parts], ptrs: Optional[Sequence[int]] = None,
+                sums: Optional[ReadSums] = None) -> list[bool]:
         self._check_open()
         if ptrs is not None and self._host:
+            if sums is not None and self.sums_copies:
+                return self._read_summed_ptrs(codes, dsts, ptrs, sums)
             return self._move_ptrs(codes, dsts, ptrs, False)
         return self._move(codes, dsts, False)
+
+    def _read_summed_ptrs(self, codes: Sequence[int], dsts: Sequence[Parts], ptrs: Sequence[int],
+                          sums: ReadSums) -> list[bool]:
+        """``read_at``'s vouched path with each object summed as it is copied (``copy_and_sum``), when every
+        object's size is in its code (the common case); otherwise a plain copy, the sums left unanswered."""
+        n = len(codes)
+        sizes = [code >> 1 & NB_FIELD for code in codes]
+        if NB_FIELD in sizes or len(dsts) != n or len(ptrs) != n or len(sums.nbytes) != n:
+            return self._move_ptrs(codes, dsts, ptrs, False)
+        slab = self.slab  # held for the whole call (see the module docstring)
+        base = slab.data_ptr()
+        jobs = [[(ptr, base + ((code >> CODE_SHIFT) << _ALIGN_BITS), nb)] for code, ptr, nb in zip(codes, ptrs, sizes)]
+        sums.sums[:] = copy_and_sum(jobs, sums.nbytes)
+        return [True] * n
+
+    def _read_summed(self, keys: Sequence[str], dsts: Sequence[Parts], sums: ReadSums) -> list[bool]:
+        return self._read(keys, dsts)  # (by key: a plain copy, the sums left unanswered)
 
     def _move_ptrs(self, codes: Sequence[int], bufs: Sequence[Parts], ptrs: Sequence[int],
                    into_slab: bool) -> list[bool]:

@@ -34,8 +34,8 @@ import itertools
 import logging
 from typing import Any, Optional
 
-from tierkv.buffers import Parts
-from tierkv.checksum import CorruptLog, chunk_sum, read_trailer, trailer_buffers, trailers
+from tierkv.buffers import Parts, on_two_threads
+from tierkv.checksum import CorruptLog, ReadSums, chunk_sum, chunk_sums, read_trailer, trailer_buffers, trailers
 from tierkv.engine.chain import Chain
 from tierkv.engine.level import Level
 from tierkv.errors import StoreClosedError
@@ -68,25 +68,44 @@ class TierIO:
         """Read each chunk into its parts; one bool each (a medium fault or a failed check: False, never
         raised).  ``sums_out``, when given (a copy), receives each chunk's sum (None where none is known)."""
         n = len(keys)
-        if lvl.checks_reads and lvl.located and n > 1:
-            # checked reads of a slab go in groups of about ``_CHECK_GROUP`` bytes, each hashed right after its
-            # copy, while its bytes are still in cache (one more call into the tier per group, no more)
-            cuts = _groups(parts, _CHECK_GROUP)
-            if len(cuts) > 2:
-                oks: list = []
-                for a, b in itertools.pairwise(cuts):
-                    sub_out: Optional[list[Optional[int]]] = None if sums_out is None else [None] * (b - a)
-                    oks += self.read(lvl, keys[a:b], parts[a:b], None if ptrs is None else ptrs[a:b],
-                                     None if codes is None else codes[a:b], sub_out)
-                    if sums_out is not None:
-                        sums_out[a:b] = sub_out  # type: ignore[assignment]
-                return oks
-        oks = self._bytes(Op.READ, lvl, keys, parts, ptrs, codes)
+        got: Optional[list[Optional[int]]] = None  # each chunk's sum, hashed right after its copy
+        if lvl.checks_reads and lvl.located:
+            if lvl.tier.sums_copies and ptrs is not None:  # the medium sums each chunk as it copies it
+                asked = ReadSums([sum([p.numel() for p in ps]) for ps in parts])
+                oks = self._bytes(Op.READ, lvl, keys, parts, ptrs, codes, asked)
+                got = asked.sums
+            elif n > 1:
+                cuts = _groups(parts, _CHECK_GROUP)
+                if len(cuts) > 2:
+                    oks, got = self._read_groups(lvl, keys, parts, ptrs, codes, cuts)
+        if got is None:
+            oks = self._bytes(Op.READ, lvl, keys, parts, ptrs, codes)
         if CORRUPT in oks:
             oks = self._corrupt(lvl, keys, oks, [i for i, ok in enumerate(oks) if ok is CORRUPT])
         if lvl.checks_reads or sums_out is not None:
-            self._check_level(lvl, keys, parts, oks, sums_out)
+            self._check_level(lvl, keys, parts, oks, sums_out, got)
         return oks
+
+    def _read_groups(self, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]],
+                     codes: Optional[list[int]], cuts: list[int]) -> tuple[list, list[Optional[int]]]:
+        """A checked read of a slab in groups of about ``_CHECK_GROUP`` bytes, each group hashed right after its
+        copy while its bytes are still in cache; the groups shared by two threads (both the copy and the hash
+        run outside the interpreter lock).  Returns each chunk's answer and the sum of each chunk read."""
+        spans = list(itertools.pairwise(cuts))
+        oks: list = [False] * len(keys)
+        got: list[Optional[int]] = [None] * len(keys)
+
+        def one(g: int) -> None:
+            a, b = spans[g]
+            res = self._bytes(Op.READ, lvl, keys[a:b], parts[a:b], None if ptrs is None else ptrs[a:b],
+                              None if codes is None else codes[a:b])
+            oks[a:b] = res
+            read = [a + k for k, ok in enumerate(res) if ok is True]
+            for i, s in zip(read, chunk_sums([parts[i] for i in read])):
+                got[i] = s
+
+        on_two_threads(one, range(len(spans)), [_nbytes(parts[a:b]) for a, b in spans])
+        return oks, got
 
     def write(self, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]] = None,
               sums: Optional[list[Optional[int]]] = None, source: Optional[Level] = None) -> list[bool]:
@@ -133,8 +152,9 @@ class TierIO:
         return oks
 
     def _check_level(self, lvl: Level, keys: list[str], parts: list[Parts], oks: list[bool],
-                     sums_out: Optional[list[Optional[int]]]) -> None:
-        """Check a managed level's reads against its sums (``checks_reads``); fill ``sums_out``."""
+                     sums_out: Optional[list[Optional[int]]], got: Optional[list[Optional[int]]] = None) -> None:
+        """Check a managed level's reads against its sums (``checks_reads``; ``got``: the sums of the bytes
+        read, where already hashed); fill ``sums_out``."""
         if lvl.keeps_sums:
             get = lvl.sums.get
             have = [get(k) for k in keys]
@@ -142,7 +162,8 @@ class TierIO:
             if lvl.checks_reads:
                 for i, ok in enumerate(oks):
                     s = have[i]
-                    if ok and s is not None and chunk_sum(parts[i]) != s:
+                    if ok and s is not None and (chunk_sum(parts[i]) if got is None or got[i] is None
+                                                 else got[i]) != s:
                         bad.append(i)
                 if bad:
                     self._corrupt(lvl, keys, oks, bad, in_place=True)
@@ -167,20 +188,22 @@ class TierIO:
         return out
 
     def _bytes(self, op: Op, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]],
-               codes: Optional[list[int]]) -> list[bool]:
+               codes: Optional[list[int]], sums: Optional[ReadSums] = None) -> list[bool]:
         try:
-            return self._batch(op, lvl, keys, parts, ptrs, codes)
+            return self._batch(op, lvl, keys, parts, ptrs, codes, sums)
         except StoreClosedError:
             raise
         except Exception as e:  # noqa: BLE001 - the choke point: a medium fault is a miss
             log.warning("tierkv: tier %s %s failed: %s", lvl.name, op.value, str(e)[:300])
+            if sums is not None:  # (whatever the failed call summed is not trusted: the bytes are summed again)
+                sums.sums[:] = [None] * len(keys)
             if len(keys) > 1 and lvl.managed and lvl.tier.available:
                 # one chunk's fault never costs the others: a local medium is asked again key by key
                 return self._one_by_one(op, lvl, keys, parts, ptrs, codes)
             return [False] * len(keys)
 
     def _batch(self, op: Op, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]],
-               codes: Optional[list[int]]) -> list[bool]:
+               codes: Optional[list[int]], sums: Optional[ReadSums] = None) -> list[bool]:
         tier = lvl.tier
         if lvl.located:
             if codes is None:
@@ -189,7 +212,7 @@ class TierIO:
             if op is Op.WRITE:
                 tier.write_at(codes, parts, ptrs)
                 return [True] * len(keys)
-            res = tier.read_at(codes, parts, ptrs)
+            res = tier.read_at(codes, parts, ptrs, sums) if sums is not None else tier.read_at(codes, parts, ptrs)
         elif op is Op.WRITE:
             res = tier.write(keys, parts)
         else:
@@ -231,13 +254,17 @@ class TierIO:
                        sums_out: Optional[list[Optional[int]]] = None) -> Optional[list[bool]]:
         """A shared pool's read, each object's trailer checked (``sum_inside``); None when the medium failed
         (then no key is asked alone: a pool is remote).  ``sums_out`` as for ``read``."""
-        inside = lvl.tier.sum_inside
+        tier = lvl.tier
+        inside = tier.sum_inside
         objs = parts
+        copied: Optional[ReadSums] = None
         if inside:
             tr = trailer_buffers(len(keys), _device_of(parts))
             objs = [[*p, t] for p, t in zip(parts, tr)]
+            if tier.sums_copies:  # (the medium sums each chunk's bytes as it copies them, the trailer left out)
+                copied = ReadSums([sum([p.numel() for p in ps]) for ps in parts])
         try:
-            res = _checked(lvl.tier.read(keys, objs), len(keys))
+            res = _checked(tier.read(keys, objs, copied) if copied is not None else tier.read(keys, objs), len(keys))
         except StoreClosedError:
             raise
         except Exception as e:  # noqa: BLE001 - the choke point: a medium fault is a miss
@@ -246,13 +273,17 @@ class TierIO:
         sums: list[Optional[int]] = [None] * len(keys)
         bad = [i for i, ok in enumerate(res) if ok is CORRUPT]
         if inside:
-            for i, ok in enumerate(res):
-                if ok is True:
-                    s = read_trailer(tr[i])
-                    if s is None or chunk_sum(parts[i]) != s:
-                        bad.append(i)
-                    else:
-                        sums[i] = s
+            got = [i for i, ok in enumerate(res) if ok is True]
+            have: list[Optional[int]] = copied.sums if copied is not None else [None] * len(keys)
+            left = [i for i in got if have[i] is None]  # what the medium did not sum: summed here
+            for i, h in zip(left, chunk_sums([parts[i] for i in left])):
+                have[i] = h
+            for i in got:
+                s = read_trailer(tr[i])
+                if s is None or have[i] != s:
+                    bad.append(i)
+                else:
+                    sums[i] = s
         if bad:
             res = self._corrupt(lvl, keys, res, bad)
         if sums_out is not None:
@@ -273,6 +304,10 @@ class TierIO:
 
 #: bytes a checked read of a slab copies before it hashes them (a share of a core's cache)
 _CHECK_GROUP = 2 << 20
+
+
+def _nbytes(objs: list[Parts]) -> int:
+    return sum([p.numel() for parts in objs for p in parts])
 
 
 def _groups(objs: list[Parts], limit: int) -> list[int]:

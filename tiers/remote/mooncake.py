@@ -42,8 +42,10 @@ from typing import Any
 import torch
 
 from tierkv.buffers import memmove_many
+from tierkv.checksum import ReadSums
 from tierkv.errors import ConfigError, install_hint
 from tierkv.options import pop_bool, pop_choice, pop_size, pop_str
+from tierkv.xxh3 import copy_and_sum
 
 from .client import Backend, BackendSpec, Outcome, parse_host_port, tcp_reachable
 from .options import pop_env_str, what
@@ -251,7 +253,7 @@ class MooncakeClient:
         return self._own_endpoint is not None
 
     def read_local(self, keys: Sequence[str], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]],
-                   guard_s: float) -> list[int]:
+                   guard_s: float, sums: ReadSums | None = None) -> list[int]:
         """Copy each object whose replica lies in this client's own segment straight out of it.
 
         The segment is host memory of this process, so such a replica needs no
@@ -262,7 +264,8 @@ class MooncakeClient:
         one asked for (not the object the caller stored); or 0 where nothing was
         (no complete replica here, missing, or the copy ending more than
         ``guard_s`` after the lease was granted, which a get must then redo).
-        Destinations must be host memory.
+        Destinations must be host memory.  ``sums``, when given, gets the sum of
+        each object copied, hashed as it is copied (``tierkv.xxh3.copy_and_sum``).
         """
         out = [0] * len(keys)
         own = self._own_endpoint
@@ -271,6 +274,7 @@ class MooncakeClient:
         t0 = time.monotonic()
         descs = self._store.batch_get_replica_desc(list(keys))
         moves: list[tuple[int, int, int]] = []
+        jobs: list[list[tuple[int, int, int]]] = []  # the moves of each object found (for a summed copy)
         found: list[int] = []
         for k, (key, p, s) in enumerate(zip(keys, ptrs, sizes)):
             addr = self._local_address(descs.get(key), sum(s), own)
@@ -280,16 +284,25 @@ class MooncakeClient:
                 out[k] = -1
                 continue
             off = 0
+            if sums is not None:
+                moves = []
+                jobs.append(moves)
             for ptr, n in zip(p, s):
                 moves.append((ptr, addr + off, n))
                 off += n
             found.append(k)
         if not found or time.monotonic() - t0 > guard_s:
             return out
-        memmove_many(moves)
+        if sums is None:
+            memmove_many(moves)
+        else:
+            got = copy_and_sum(jobs, [sums.nbytes[k] for k in found])
         if time.monotonic() - t0 <= guard_s:  # every copy ended while its lease held
             for k in found:
                 out[k] = sum(sizes[k])
+            if sums is not None:  # (only for bytes that stand: a get redoes the others)
+                for k, h in zip(found, got):
+                    sums.sums[k] = h
         return out
 
     def _local_address(self, replicas: Any, want: int, own: str) -> int | None:

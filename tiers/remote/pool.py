@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from tierkv.buffers import host_copy
+from tierkv.checksum import ReadSums
 
 from ..base import CORRUPT, Parts, Tier
 from .client import Outcome
@@ -66,6 +67,8 @@ class RemotePoolTier(Tier):
     persistent = False
     #: the store keeps each chunk's checksum in a trailer inside the object: any process reading it checks it
     sum_inside = True
+    #: an object copied out of this node's own segment is summed as it is copied (``read``'s ``sums``)
+    sums_copies = True
     #: prefix of every key this medium writes: f"{namespace}/{key_tag}/{key}"
     key_tag = "pool"
     max_key_len = 4096
@@ -394,6 +397,9 @@ class RemotePoolTier(Tier):
                 session.unpin(pins)
 
     def _read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
+        return self._read_summed(keys, dsts, None)
+
+    def _read_summed(self, keys: Sequence[str], dsts: Sequence[Parts], sums: ReadSums | None) -> list[bool]:
         self._check_open()
         if len(keys) != len(dsts):
             raise ValueError(f"tier {self.name!r}: {len(keys)} keys but {len(dsts)} destinations")
@@ -410,7 +416,7 @@ class RemotePoolTier(Tier):
         if session is None:
             return ok
         if getattr(session.client, "reads_locally", False):
-            todo = self._read_local(session, todo, fkeys, dsts, ok)
+            todo = self._read_local(session, todo, fkeys, dsts, ok, sums)
         for batch in self._staging.batches(session, todo, dsts):
             self._get(session, batch, fkeys, dsts, ok)
         return ok
@@ -459,24 +465,28 @@ class RemotePoolTier(Tier):
             self._check_codes(session.client, codes, "get")
 
     def _read_local(self, session: Session, todo: list[int], fkeys: list[str], dsts: Sequence[Parts],
-                    ok: list[Any]) -> list[int]:
-        """Serve what lies in this node's own segment by a plain copy; returns the keys left for a get."""
+                    ok: list[Any], sums: ReadSums | None) -> list[int]:
+        """Serve what lies in this node's own segment by a plain copy (summed as it goes when ``sums`` asks);
+        returns the keys left for a get."""
         host = [i for i in todo if all(p.device.type == "cpu" and p.is_contiguous() for p in dsts[i])]
         if not host:
             return todo
         ptrs = [[p.data_ptr() for p in dsts[i] if p.numel()] for i in host]
         sizes = [[p.numel() for p in dsts[i] if p.numel()] for i in host]
         want = [sum(s) for s in sizes]
-        got = self._run(lambda c: c.read_local([fkeys[i] for i in host], ptrs, sizes, LOCAL_LEASE_GUARD_S),
+        asked = None if sums is None else sums.part(host)
+        got = self._run(lambda c: c.read_local([fkeys[i] for i in host], ptrs, sizes, LOCAL_LEASE_GUARD_S, asked),
                         sum(want), "local read", session=session)
         if got is None:
             return []  # the pool failed: the tier is unavailable and every key is a miss
         wrong: set[int] = set()
-        for i, n, w in zip(host, got, want):
+        for k, (i, n, w) in enumerate(zip(host, got, want)):
             if n == w:
                 ok[i] = True
                 self._presence.remember(fkeys[i], w)
                 self._counters["local_reads"] += 1
+                if sums is not None and asked is not None:
+                    sums.sums[i] = asked.sums[k]
             elif n < 0:  # present here with another size: not the object stored under this key
                 ok[i] = CORRUPT
                 wrong.add(i)
