@@ -604,7 +604,7 @@ class RemotePoolTier(Tier):
         """Stop serving; the client is closed in the background once no call is in flight.
 
         Closing a Mooncake client takes about two seconds and holds the interpreter
-        lock meanwhile; the process's exit waits (at most 10 s) for pending closes.
+        lock meanwhile; at exit every client still open is closed first (``tierkv.shutdown``).
         """
         if self._closed:
             return

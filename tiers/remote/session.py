@@ -49,7 +49,7 @@ _sessions: weakref.WeakSet[Session] = weakref.WeakSet()  # every session not yet
 
 
 def close_in_background(fn: Callable[[], None]) -> None:
-    """Run a client's close (which takes seconds) off the caller's path; exit waits for it (bounded)."""
+    """Run a client's close (which takes seconds) off the caller's path; exit waits for it (``_shut_down_at_exit``)."""
     def run() -> None:
         try:
             fn()
