@@ -6,7 +6,11 @@
   unchecked, the default for a local tier) and ``"verify": "always"`` (each read hashed and compared).
 * ``dram_pool`` (when Mooncake is installed; it starts its own ``mooncake_master``): ``store.get`` from the
   pool (every read checked: the trailer against the bytes) beside the pool tier's own read of the same
-  objects into the same buffers, trailer included, unchecked.
+  objects into the same buffers, trailer included, unchecked.  The objects lie in the reader's own segment,
+  so each read is a memory copy (summed as it copies): the case where a check is most visible.
+* ``dram_pool_remote``: the same, the objects stored by another process into its own segment, so each read
+  is a Mooncake transfer (``tcp`` here), the case of an engine reading what another instance stored.  The
+  run fails unless every checked read was a transfer (the tier's ``local_reads`` stays 0).
 
 Rounds alternate the two sides; GB/s are medians of ``--reps`` rounds, the ratio checked / unchecked the
 median of each round's own ratio (the target: >= 0.90).  ``cpu_ratio`` is the same from the CPU time the
@@ -127,12 +131,79 @@ def bench_pool(vals: list[torch.Tensor], reps: int) -> dict[str, Any]:
             s.close()
 
 
+OWNER = r"""
+import sys, json, torch
+sys.path.insert(0, sys.argv[3])
+from bench_integrity import chunks
+from tierkv.store import TieredStore
+cfg, n, size = json.loads(sys.argv[1]), int(sys.argv[2].split(",")[0]), int(sys.argv[2].split(",")[1])
+s = TieredStore.from_config(cfg)
+ok = s.put([f"k{i}" for i in range(n)], chunks(n, size))
+print("ready" if all(ok) else "refused", flush=True)
+sys.stdin.read()
+s.close()
+"""
+
+
+def bench_pool_remote(vals: list[torch.Tensor], reps: int) -> dict[str, Any]:
+    """Reads of objects another process stored in its own segment: every read a transfer."""
+    import subprocess
+
+    from mooncake_util import MooncakeMaster, client_env
+
+    os.environ.update(client_env())
+    keys = [f"k{i}" for i in range(len(vals))]
+    nbytes = sum(v.numel() for v in vals)
+    with MooncakeMaster() as m:
+        ns = f"bench-{uuid.uuid4().hex[:8]}"
+        owner_cfg = {"tiers": [m.tier_config(segment=f"{2 * nbytes // MiB + 64}MiB", namespace=ns)]}
+        owner = subprocess.Popen([sys.executable, "-c", OWNER, json.dumps(owner_cfg),
+                                  f"{len(vals)},{vals[0].numel()}", HERE],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            line = owner.stdout.readline().strip() if owner.stdout else ""
+            if line != "ready":
+                raise RuntimeError(f"the owner process did not store the objects ({line or 'it died'})")
+            # (the smallest segment Mooncake takes: this process reads, it stores nothing)
+            s = TieredStore.from_config({"tiers": [m.tier_config(segment="16MiB", namespace=ns)]})
+            try:
+                tier = s.levels[0].tier
+                outs = [torch.empty_like(v) for v in vals]
+                tr = trailer_buffers(len(vals))
+
+                def checked() -> None:
+                    if not all(s.get(keys, outs)):
+                        raise RuntimeError("a get missed")
+
+                def unchecked() -> None:
+                    if not all(tier.read(keys, [[o, t] for o, t in zip(outs, tr)])):
+                        raise RuntimeError("a read missed")
+
+                res = alternate(checked, unchecked, nbytes, reps)
+                assert all(torch.equal(o, v) for o, v in zip(outs, vals))
+                st = s.stats()["tiers"]["dram_pool"]
+                assert st["corrupt"] == 0
+                if st["local_reads"]:
+                    raise RuntimeError(f"{st['local_reads']} reads were local copies, not transfers")
+                return {"case": "dram_pool_remote", **res}
+            finally:
+                s.close()
+        finally:
+            if owner.stdin:
+                owner.stdin.close()
+            try:
+                owner.wait(60)
+            except subprocess.TimeoutExpired:
+                owner.kill()
+                owner.wait(10)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunk-mib", type=float, default=2.0)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--no-pool", action="store_true", help="skip the dram_pool case")
+    ap.add_argument("--no-pool", action="store_true", help="skip the dram_pool cases")
     a = ap.parse_args()
     if a.chunk_mib <= 0 or a.batch < 1 or a.reps < 1:
         print("bench_integrity: --chunk-mib must be > 0, --batch and --reps >= 1", file=sys.stderr)
@@ -149,6 +220,8 @@ def main() -> int:
         else:
             print(json.dumps({"chunk_mib": a.chunk_mib, "batch": a.batch, "reps": a.reps,
                               **bench_pool(vals, a.reps)}), flush=True)
+            print(json.dumps({"chunk_mib": a.chunk_mib, "batch": a.batch, "reps": a.reps,
+                              **bench_pool_remote(vals, a.reps)}), flush=True)
     return 0
 
 
