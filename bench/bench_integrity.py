@@ -100,6 +100,23 @@ def bench_dram(vals: list[torch.Tensor], reps: int) -> dict[str, Any]:
         on.close()
 
 
+def pool_sides(s: TieredStore, keys: list[str], outs: list[torch.Tensor]) -> tuple[Callable[[], None], ...]:
+    """The two sides of a pool case: ``store.get`` (checked) and the pool tier's own read of the same objects
+    into the same buffers, trailer included (unchecked)."""
+    tier = s.levels[0].tier
+    tr = trailer_buffers(len(keys))
+
+    def checked() -> None:
+        if not all(s.get(keys, outs)):
+            raise RuntimeError("a get missed")
+
+    def unchecked() -> None:
+        if not all(tier.read(keys, [[o, t] for o, t in zip(outs, tr)])):
+            raise RuntimeError("a read missed")
+
+    return checked, unchecked
+
+
 def bench_pool(vals: list[torch.Tensor], reps: int) -> dict[str, Any]:
     from mooncake_util import MooncakeMaster, client_env
 
@@ -111,19 +128,8 @@ def bench_pool(vals: list[torch.Tensor], reps: int) -> dict[str, Any]:
         s = TieredStore.from_config({"tiers": [pool]})
         try:
             assert all(s.put(keys, vals))
-            tier = s.levels[0].tier
             outs = [torch.empty_like(v) for v in vals]
-            tr = trailer_buffers(len(vals))
-
-            def checked() -> None:
-                if not all(s.get(keys, outs)):
-                    raise RuntimeError("a get missed")
-
-            def unchecked() -> None:
-                if not all(tier.read(keys, [[o, t] for o, t in zip(outs, tr)])):
-                    raise RuntimeError("a read missed")
-
-            res = alternate(checked, unchecked, nbytes, reps)
+            res = alternate(*pool_sides(s, keys, outs), nbytes, reps)
             assert all(torch.equal(o, v) for o, v in zip(outs, vals))
             assert s.stats()["tiers"]["dram_pool"]["corrupt"] == 0
             return {"case": "dram_pool", **res}
@@ -167,19 +173,8 @@ def bench_pool_remote(vals: list[torch.Tensor], reps: int) -> dict[str, Any]:
             # (the smallest segment Mooncake takes: this process reads, it stores nothing)
             s = TieredStore.from_config({"tiers": [m.tier_config(segment="16MiB", namespace=ns)]})
             try:
-                tier = s.levels[0].tier
                 outs = [torch.empty_like(v) for v in vals]
-                tr = trailer_buffers(len(vals))
-
-                def checked() -> None:
-                    if not all(s.get(keys, outs)):
-                        raise RuntimeError("a get missed")
-
-                def unchecked() -> None:
-                    if not all(tier.read(keys, [[o, t] for o, t in zip(outs, tr)])):
-                        raise RuntimeError("a read missed")
-
-                res = alternate(checked, unchecked, nbytes, reps)
+                res = alternate(*pool_sides(s, keys, outs), nbytes, reps)
                 assert all(torch.equal(o, v) for o, v in zip(outs, vals))
                 st = s.stats()["tiers"]["dram_pool"]
                 assert st["corrupt"] == 0

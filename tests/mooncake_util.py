@@ -210,3 +210,38 @@ def shared_mooncake_master():
     """One master for a whole test module (tests must use distinct keys)."""
     with MooncakeMaster() as m:
         yield m
+
+
+class Holder:
+    """A child process that does its work, prints one line, then holds (its pool segment) until its stdin closes.
+
+    ``with Holder(args) as h: h.line`` is that first line ("" when the child died first); leaving the
+    block closes its stdin and waits for it to exit (killed after ``wait_s``).
+    """
+
+    def __init__(self, args: list[str], wait_s: float = 30.0, **popen: Any) -> None:
+        self.args, self.wait_s, self.popen = args, wait_s, popen
+        self.proc: subprocess.Popen | None = None
+        self.line = ""
+
+    def __enter__(self) -> Holder:
+        self.proc = subprocess.Popen(self.args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     **self.popen)
+        try:
+            self.line = self.proc.stdout.readline().strip() if self.proc.stdout else ""
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        p = self.proc
+        if p is None or p.poll() is not None:
+            return
+        if p.stdin:
+            p.stdin.close()
+        try:
+            p.wait(self.wait_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)

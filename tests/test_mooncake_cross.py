@@ -9,7 +9,7 @@ import sys
 import uuid
 
 import pytest
-from mooncake_util import MooncakeMaster, missing_reason
+from mooncake_util import Holder, MooncakeMaster, missing_reason
 
 pytestmark = [pytest.mark.mooncake, pytest.mark.slow,
               pytest.mark.skipif(missing_reason() is not None, reason=str(missing_reason()))]
@@ -74,26 +74,15 @@ def test_process_b_finds_and_reads_what_process_a_stored():
         # A's local tier is too small for a chunk, so everything it stores goes to the pool
         cfg_a = {"tiers": [{"medium": "dram", "capacity": "64KiB"}, pool]}
         cfg_b = {"tiers": [{"medium": "dram", "capacity": "8MiB"}, pool]}
-        a = subprocess.Popen([sys.executable, "-c", WRITER, json.dumps(cfg_a), str(n)], cwd=HERE,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            line = a.stdout.readline()
-            assert line, "writer process died"
-            wrote = json.loads(line)
+        with Holder([sys.executable, "-c", WRITER, json.dumps(cfg_a), str(n)], cwd=HERE) as a:
+            assert a.line, "writer process died"
+            wrote = json.loads(a.line)
             assert wrote["put"] == [True] * n
             assert wrote["where"] == ["dram_pool"] * n
             b = subprocess.run([sys.executable, "-c", READER, json.dumps(cfg_b), str(n)], cwd=HERE,
                                capture_output=True, text=True, timeout=120)
             assert b.returncode == 0, b.stderr[-3000:]
             res = json.loads(b.stdout.strip().splitlines()[-1])
-        finally:
-            if a.poll() is None:
-                a.stdin.close()
-                try:
-                    a.wait(30)
-                except subprocess.TimeoutExpired:
-                    a.kill()
-                    a.wait(10)
         assert res["lookup"] == n, res
         assert res["get"] == [True] * n and res["exact"] == [True] * n, res
         assert res["absent"] == 0
@@ -108,21 +97,11 @@ def test_a_process_that_leaves_its_store_open_exits_cleanly():
         pool = m.tier_config(segment="32MiB", namespace=f"leave-{uuid.uuid4().hex}")
         cfg_a = {"tiers": [{"medium": "dram", "capacity": "64KiB"}, pool]}
         cfg_c = {"tiers": [{"medium": "dram", "capacity": "8MiB"}, pool]}
-        a = subprocess.Popen([sys.executable, "-c", WRITER, json.dumps(cfg_a), str(n)], cwd=HERE,
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-        try:
-            assert json.loads(a.stdout.readline())["put"] == [True] * n
+        with Holder([sys.executable, "-c", WRITER, json.dumps(cfg_a), str(n)], cwd=HERE) as a:
+            assert a.line and json.loads(a.line)["put"] == [True] * n, "writer process died"
             for _ in range(3):
                 c = subprocess.run([sys.executable, "-c", LEAVER, json.dumps(cfg_c), str(n)], cwd=HERE,
                                    capture_output=True, text=True, timeout=120)
                 assert c.returncode == 0, c.stderr[-3000:]
                 assert f"get {json.dumps([True] * n)}" in c.stdout, c.stdout
                 assert "ALIVE []" in c.stdout, c.stdout
-        finally:
-            if a.poll() is None:
-                a.stdin.close()
-                try:
-                    a.wait(30)
-                except subprocess.TimeoutExpired:
-                    a.kill()
-                    a.wait(10)

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 import torch
-from mooncake_util import HOST, MooncakeMaster, client_env, missing_reason
+from mooncake_util import HOST, Holder, MooncakeMaster, client_env, missing_reason
 
 from tierkv.checksum import ReadSums, chunk_sum, read_trailer, trailer_buffers
 from tierkv.outcome import MissReason
@@ -142,35 +142,24 @@ def test_a_chunk_corrupted_in_the_pool_is_caught_by_another_process(master):
     cfg_a = {"tiers": [{"medium": "dram", "capacity": "16KiB"}, pool]}
     cfg_b = {"tiers": [{"medium": "dram", "capacity": "8MiB"}, pool]}
     env = {**os.environ, **client_env()}
-    a = subprocess.Popen([sys.executable, "-c", WRITER, json.dumps(cfg_a), str(n)], cwd=HERE, env=env,
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    raw = None
-    try:
-        line = a.stdout.readline()  # the handshake: A has stored every chunk
-        assert line, "writer process died"
-        wrote = json.loads(line)
+    with Holder([sys.executable, "-c", WRITER, json.dumps(cfg_a), str(n)], cwd=HERE, env=env) as a:
+        assert a.line, "writer process died"  # the handshake: A has stored every chunk
+        wrote = json.loads(a.line)
         assert wrote["put"] == [True] * n and wrote["where"] == ["dram_pool"] * n
         raw = RawClient(master)
-        key = f"{ns}/dram_pool/k1"
-        size = raw.store.get_size(key)
-        data = bytearray(raw.store.get(key))
-        assert len(data) == size
-        data[100] ^= 0x40  # one bit of the chunk's bytes, the trailer left as it was
-        raw.replace(key, bytes(data))
+        try:
+            key = f"{ns}/dram_pool/k1"
+            size = raw.store.get_size(key)
+            data = bytearray(raw.store.get(key))
+            assert len(data) == size
+            data[100] ^= 0x40  # one bit of the chunk's bytes, the trailer left as it was
+            raw.replace(key, bytes(data))
+        finally:
+            raw.close()
         b = subprocess.run([sys.executable, "-c", READER, json.dumps(cfg_b), str(n)], cwd=HERE, env=env,
                            capture_output=True, text=True, timeout=120)
         assert b.returncode == 0, b.stderr[-3000:]
         res = json.loads(b.stdout.strip().splitlines()[-1])
-    finally:
-        if raw is not None:
-            raw.close()
-        if a.poll() is None:
-            a.stdin.close()
-            try:
-                a.wait(30)
-            except subprocess.TimeoutExpired:
-                a.kill()
-                a.wait(10)
     assert res["get"] == [True, False, True, True], res
     assert res["exact"][0] and res["exact"][2] and res["exact"][3], res
     assert res["corrupt"] == 1
