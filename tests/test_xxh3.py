@@ -5,6 +5,7 @@ moves every byte and sums exactly the bytes asked for."""
 from __future__ import annotations
 
 import itertools
+import shutil
 
 import pytest
 import torch
@@ -25,8 +26,16 @@ def ref(t: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(t.numpy().tobytes())
 
 
-@pytest.fixture(params=["native", "fallback"])
+@pytest.fixture(params=["fused", "native", "fallback"])
 def way(request, monkeypatch):
+    """fused: the C helper copies and sums; native: xxHash's C functions called piece by piece; fallback: the
+    package's Python functions."""
+    if request.param == "fused":
+        if not xxh3.FUSED:
+            pytest.skip("tierkv's C helper was not built here")
+        return request.param
+    monkeypatch.setattr(xxh3, "_FUSED", None)
+    monkeypatch.setattr(xxh3, "FUSED", False)
     if request.param == "native":
         if not xxh3.NATIVE:
             pytest.skip("this xxhash build exports no C functions")
@@ -38,6 +47,12 @@ def way(request, monkeypatch):
 
 def test_the_native_functions_are_found_in_this_environment():
     assert xxh3.NATIVE  # (the wheel on PyPI exports them; a build that does not is slower, not wrong)
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
+def test_the_copy_helper_is_built_where_a_compiler_is():
+    # (pip install builds tierkv/_copysum.c where it finds a compiler; without one the install goes on, slower)
+    assert xxh3.FUSED
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -62,6 +77,7 @@ def test_a_large_batch_is_summed_on_two_threads_with_the_same_values(way):
 def test_a_summed_copy_moves_every_byte_and_sums_the_bytes_asked_for(way, monkeypatch, total, piece):
     # (64 KiB pieces: several per part, pieces across part edges; the default: a first part copied and summed whole)
     monkeypatch.setattr(xxh3, "PIECE_BYTES", piece)
+    monkeypatch.setattr(xxh3, "FUSED_PIECE_BYTES", piece)
     n = 6
     srcs = [data(total, 10 + i) for i in range(n)]
     dsts = [torch.zeros(total, dtype=torch.uint8) for _ in range(n)]

@@ -11,12 +11,21 @@ package's Python functions: the same values, holding the lock.  The values are
 always ``xxhash.xxh3_64_intdigest`` of the same bytes (seed 0); ``tests/test_xxh3.py``
 checks the two ways agree.
 
+A copy that sums (``copy_and_sum``) runs in one call per object when tierkv's C helper
+was built at install (``tierkv/_copysum.c``, an optional extension loaded with
+``ctypes``): it copies and hashes in ``FUSED_PIECE_BYTES`` pieces without coming back to
+the interpreter (``FUSED``).  Without it the pieces are copied and hashed by separate
+calls, each a release and a retake of the interpreter lock: the same sums, slower.
+
 Addresses are of host memory the caller keeps valid for the whole call.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
+import os
+import threading
 from collections.abc import Sequence
 from typing import Any, Optional
 
@@ -61,6 +70,54 @@ def _load() -> Optional[Any]:
 _C = _load()
 #: True when hashing here runs outside the interpreter lock (xxHash's C functions were found)
 NATIVE = _C is not None
+
+#: the piece a fused copy moves and then hashes: small enough to be hashed from the core's first caches
+FUSED_PIECE_BYTES = 64 << 10
+
+
+def _load_fused() -> Optional[Any]:
+    """tierkv's copy-and-sum helper (``tierkv/_copysum.c``), typed; None when it was not built."""
+    if _C is None:
+        return None
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in sorted(glob.glob(os.path.join(here, "_copysum*.so"))):
+        try:
+            fn = ctypes.CDLL(path).tierkv_copy_sum
+        except (OSError, AttributeError):
+            continue
+        vp, sz = ctypes.c_void_p, ctypes.c_size_t
+        fn.argtypes = [ctypes.POINTER(vp), ctypes.POINTER(vp), ctypes.POINTER(sz), sz, sz, sz, vp, vp, vp, vp]
+        fn.restype = ctypes.c_uint64
+        return fn
+    return None
+
+
+_FUSED = _load_fused()
+#: True when a copy that sums runs in one call per object (the C helper was built and xxHash's C functions found)
+FUSED = _FUSED is not None
+if _C is not None:
+    _FNS = tuple(ctypes.cast(_C[n], ctypes.c_void_p).value
+                 for n in ("XXH3_64bits_reset", "XXH3_64bits_update_dispatch", "XXH3_64bits_digest"))
+_states = threading.local()  # one streaming state per thread, kept for its life
+
+
+def _state() -> int:
+    s = getattr(_states, "s", None)
+    if s is None:
+        s = _states.s = _C["XXH3_createState"]()  # type: ignore[index]
+        if not s:
+            raise MemoryError("xxh3: no memory for a hashing state")
+    return int(s)
+
+
+def _fused_job(moves: Sequence[Move], sum_bytes: int) -> int:
+    m = len(moves)
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    dst, src, lens = (vp * m)(), (vp * m)(), (sz * m)()
+    for k, (d, s, n) in enumerate(moves):
+        dst[k], src[k], lens[k] = d, s, n
+    return int(_FUSED(dst, src, lens, m, max(0, sum_bytes), FUSED_PIECE_BYTES,  # type: ignore[misc]
+                      _state(), *_FNS))
 
 
 def _view(ptr: int, n: int) -> memoryview:
@@ -137,8 +194,10 @@ def copy_and_sum(jobs: Sequence[Sequence[Move]], sum_bytes: Sequence[int]) -> li
     """``memmove(dst, src, n)`` for every move of every job, and for each job the xxh3-64 of the first
     ``sum_bytes[j]`` bytes its moves wrote, in order.
 
-    Each move is copied ``PIECE_BYTES`` at a time and each piece hashed right after
-    its copy, from the cache, so the sum costs no second pass over memory.  A large
+    Each move is copied a piece at a time and each piece hashed right after its copy,
+    from the cache, so the sum costs no second pass over memory: in one call per job
+    with the C helper (``FUSED``, ``FUSED_PIECE_BYTES`` pieces), else ``PIECE_BYTES``
+    pieces, two calls each.  A large
     batch is shared by two threads as ``memmove_many``'s is.  Destinations must not
     overlap one another nor any source.
     """
@@ -147,6 +206,9 @@ def copy_and_sum(jobs: Sequence[Sequence[Move]], sum_bytes: Sequence[int]) -> li
     piece = PIECE_BYTES
 
     def one(j: int) -> None:
+        if _FUSED is not None:
+            out[j] = _fused_job(jobs[j], sum_bytes[j])
+            return
         left = sum_bytes[j]
         moves = jobs[j]
         if moves and left <= moves[0][2] <= piece:  # the common case: the summed bytes lie in the first move
