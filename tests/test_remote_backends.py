@@ -177,3 +177,63 @@ def test_a_raising_backend_call_costs_a_miss_and_releases_its_pins(dict_backend,
         assert tier.read([key(1)], [[out]]) == [True] and torch.equal(out, v)
     finally:
         tier.close()
+
+
+class _SlowGets:
+    """Wraps a client's ``get``: waits ``delay`` seconds (past the tier's deadline), then writes as the real one
+    would, and notes when it ended."""
+
+    def __init__(self, client: DictClient, delay: float) -> None:
+        self.real, self.delay, self.ended = client.get, delay, []
+        client.get = self  # type: ignore[method-assign]
+
+    def __call__(self, keys, ptrs, sizes, devices=None):
+        time.sleep(self.delay)
+        try:
+            return self.real(keys, ptrs, sizes, devices)
+        finally:
+            self.ended.append(time.monotonic())
+
+
+def test_a_read_past_its_deadline_into_the_callers_memory_returns_only_after_the_transfer_ended(dict_backend):
+    # a deadline of 0.2 s; the transfer takes 0.6 s and then writes the object into the caller's buffer
+    tier = DramPoolTier.from_config("p", {"backend": "dict", "timeout": 0.2, "probe_interval": 0.05})
+    try:
+        v = blob(1, 5000)
+        assert tier.write([key(1)], [[v]]) == [True]
+        slow = _SlowGets(dict_backend.made[-1], 0.6)
+        out = torch.zeros(5000, dtype=torch.uint8)
+        t0 = time.monotonic()
+        assert tier.read([key(1)], [[out]]) == [False]  # past its deadline: a miss...
+        answered = time.monotonic()
+        assert slow.ended and slow.ended[0] <= answered  # ...answered once nothing can write into `out`
+        assert answered - t0 >= 0.6
+        st = tier.extra_stats()
+        assert st["timeouts"] == 1 and st["late_reads_waited"] == 1 and st["late_reads_running"] == 0
+    finally:
+        tier.close()
+
+
+def test_a_read_still_running_after_its_wait_is_counted_and_logged(dict_backend, caplog):
+    tier = DramPoolTier.from_config("p", {"backend": "dict", "timeout": 0.1, "late_read_wait": 0.1,
+                                          "probe_interval": 0.05})
+    try:
+        assert tier.write([key(1)], [[blob(1, 5000)]]) == [True]
+        slow = _SlowGets(dict_backend.made[-1], 0.8)
+        out = torch.zeros(5000, dtype=torch.uint8)
+        with caplog.at_level("ERROR", logger="tierkv.tiers.remote"):
+            assert tier.read([key(1)], [[out]]) == [False]
+        assert not slow.ended  # (answered while the transfer still ran: the case the counter exposes)
+        st = tier.extra_stats()
+        assert st["late_reads_running"] == 1 and st["late_reads_waited"] == 0
+        assert any("may write there after the miss" in r.getMessage() for r in caplog.records)
+        end = time.monotonic() + 5
+        while not slow.ended and time.monotonic() < end:
+            time.sleep(0.02)
+    finally:
+        tier.close()
+
+
+def test_late_read_wait_is_checked(dict_backend):
+    with pytest.raises(ConfigError, match="late_read_wait"):
+        DramPoolTier.from_config("p", {"backend": "dict", "late_read_wait": 0})

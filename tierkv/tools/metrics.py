@@ -109,6 +109,7 @@ MEDIUM_ERRORS = {
     "bad_key": "bad_key",
     "timeouts": "timeout",
     "transfer_errors": "peer_unreachable",
+    "late_reads_running": "late_write",
 }
 #: a shadow's estimate per capacity factor (``tierkv.shadow``): field -> (metric suffix, help, how ranks combine)
 SHADOW_FACTOR_FIELDS = {

@@ -21,6 +21,8 @@ SECONDS = {
     "probe_interval": 1.0,     # health probe period while available
     "presence_ttl": 1.0,       # how long a confirmed key answers contains() without asking
     "full_retry_delay": 0.02,  # the one pause before retrying writes refused for lack of space
+    "late_read_wait": 60.0,    # a read into the caller's memory past its deadline: how long the caller waits for
+                               # the abandoned transfer to end (it may still write there), the miss answered after
 }
 
 

@@ -27,6 +27,13 @@ Invariants
       ``full_retry_delay`` seconds, then the write is refused and counted.
     * A put abandoned at its deadline that later succeeds is removed again: it
       may have read a buffer its caller reused meanwhile.
+    * A read never returns while the backend may still write into its caller's
+      memory: a get into the caller's buffers that has started when its deadline
+      passes is waited out (up to ``late_read_wait`` seconds more; counted
+      ``late_reads_waited``) and answered as a miss.  One still running after
+      that is counted ``late_reads_running`` and logged as an error: the one case
+      where the caller's memory may be written after the answer.  A get into the
+      tier's staging buffer is not waited out: that buffer is abandoned instead.
     * What a call pins (registrations, the staging buffer) is released when the
       backend call finishes, on every path, even if the caller gave up on it.
 """
@@ -50,7 +57,7 @@ from tierkv.checksum import ReadSums
 from ..base import CORRUPT, Parts, Tier
 from .client import Outcome
 from .presence import Presence
-from .session import REFUSED, TIMEOUT, Registration, Session
+from .session import HELD, LATE, REFUSED, TIMEOUT, Registration, Session
 from .staging import Staging
 
 log = logging.getLogger("tierkv.tiers.remote")
@@ -77,7 +84,8 @@ class RemotePoolTier(Tier):
                  reachable: Callable[[], bool] | None = None, namespace: str = "tierkv",
                  timeout: float = 1.0, min_bandwidth: float = 100e6, connect_timeout: float = 30.0,
                  connect_wait: float = 5.0, probe_interval: float = 1.0, presence_ttl: float = 1.0,
-                 full_retry_delay: float = 0.02, register_limit: int = 4 << 30, workers: int = 4,
+                 full_retry_delay: float = 0.02, late_read_wait: float = 60.0, register_limit: int = 4 << 30,
+                 workers: int = 4,
                  description: str = "", max_key_len: int | None = None) -> None:
         super().__init__(name, capacity_bytes)
         if max_key_len is not None:
@@ -88,6 +96,7 @@ class RemotePoolTier(Tier):
         self.timeout, self.min_bandwidth = timeout, min_bandwidth
         self.connect_timeout, self.probe_interval = connect_timeout, probe_interval
         self.presence_ttl, self.full_retry_delay = presence_ttl, full_retry_delay
+        self.late_read_wait = late_read_wait
         self.register_limit, self.workers = register_limit, workers
         self.description = description or type(self).__name__
         self._sentinel = f"{namespace}/sentinel/{self.key_tag}/{os.getpid()}-{id(self):x}-{time.time_ns():x}"
@@ -260,24 +269,32 @@ class RemotePoolTier(Tier):
 
     def _run(self, fn: Callable[[Any], Any], nbytes: int, what: str,
              after: Callable[[concurrent.futures.Future | None], None] | None = None,
-             session: Session | None = None) -> Any:
+             session: Session | None = None, hold: float = 0.0) -> Any:
         """Run a data/control call on ``session`` (default: the current one); None (and unavailable) on failure.
 
         Calls that laid out memory pass the session they registered it with: a
-        newer session's client must never see another client's registrations."""
+        newer session's client must never see another client's registrations.
+        ``hold`` (a read into the caller's memory): past the deadline, wait that much
+        longer for the call to end before answering (``Session.call``)."""
         session = session or self._session
         if session is None or not self._available:
             if after is not None:
                 after(None)
             return None
         try:
-            r = session.call(fn, self._deadline(nbytes), after)
+            r = session.call(fn, self._deadline(nbytes), after, hold)
         except Exception as e:  # noqa: BLE001 (a backend exception is a fault, not a caller error)
             self._counters["errors"] += 1
             self._fail(f"{what} raised {e!r}")
             return None
-        if r is TIMEOUT:
+        if r is TIMEOUT or r is HELD or r is LATE:
             self._counters["timeouts"] += 1
+            if r is HELD:
+                self._counters["late_reads_waited"] += 1
+            elif r is LATE:
+                self._counters["late_reads_running"] += 1
+                log.error("tierkv: tier %s: a %s into the caller's memory still runs %.0fs past its deadline; it "
+                          "may write there after the miss was answered", self.name, what, hold)
             self._fail(f"{what} did not answer within {self._deadline(nbytes):.2f}s")
             return None
         if r is REFUSED:
@@ -439,8 +456,12 @@ class RemotePoolTier(Tier):
                 devices = self._staging.devices(session, objs)
                 want = [sum(s) for s in sizes]
                 handed = True
+                # a get that writes straight into the caller's memory is waited out past its deadline (the
+                # caller may hand that memory to others once answered); one into the staging buffer is not
+                into_caller = len(staged) < sum(1 for o in objs for p in o if p.numel())
                 codes = self._run(lambda c: c.get([fkeys[i] for i in todo], ptrs, sizes, devices), sum(want),
-                                  "get", lambda _fut: session.unpin(pins), session)
+                                  "get", lambda _fut: session.unpin(pins), session,
+                                  self.late_read_wait if into_caller else 0.0)
             finally:
                 if not handed:
                     session.unpin(pins)
@@ -591,6 +612,8 @@ class RemotePoolTier(Tier):
             "local_reads": c["local_reads"],
             "failures": c["failures"],
             "timeouts": c["timeouts"],
+            "late_reads_waited": c["late_reads_waited"],
+            "late_reads_running": c["late_reads_running"],
             "transfer_errors": c["transfer_errors"],
             "reconnects": c["reconnects"],
             "pool_lost": c["pool_lost"],

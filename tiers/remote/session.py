@@ -40,7 +40,9 @@ from tierkv import shutdown
 
 log = logging.getLogger("tierkv.tiers.remote")
 
-TIMEOUT = object()  # a call that did not answer within its deadline
+TIMEOUT = object()  # a call that did not answer within its deadline (and, asked to be held, never started)
+HELD = object()  # a call that ran past its deadline and was waited out: it has ended (``call``'s ``hold``)
+LATE = object()  # a call that ran past its deadline and its hold too: it may still be running
 REFUSED = object()  # the session was retired before the call could start
 
 _closers: set[threading.Thread] = set()
@@ -202,12 +204,18 @@ class Session:
             self._leave()
 
     def call(self, fn: Callable[[Any], Any], deadline: float,
-             after: Callable[[concurrent.futures.Future], None] | None = None) -> Any:
-        """``fn(client)`` on a worker; its result, or ``TIMEOUT`` / ``REFUSED``.
+             after: Callable[[concurrent.futures.Future], None] | None = None, hold: float = 0.0) -> Any:
+        """``fn(client)`` on a worker; its result, or ``TIMEOUT`` / ``HELD`` / ``LATE`` / ``REFUSED``.
 
         ``after(future)`` runs on the worker once the call has finished or was
         cancelled, whether or not the caller still waits (cleanup of abandoned calls).
         Exceptions raised by ``fn`` are re-raised here.
+
+        ``hold``: a call that had started when its deadline passed may still write
+        into memory its caller owns; with ``hold`` the caller keeps waiting, at most
+        that many seconds more, until it has ended (``HELD``; its result is not
+        used), and learns ``LATE`` when it still runs after that.  A call that had
+        not started is cancelled and never runs (``TIMEOUT``).
         """
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self._lock:  # queued before retire() queues the workers' stop marks, or not at all
@@ -218,8 +226,10 @@ class Session:
         try:
             return fut.result(timeout=deadline)
         except concurrent.futures.TimeoutError:
-            fut.cancel()  # only succeeds if it had not started: then it never runs
-            return TIMEOUT
+            if fut.cancel() or hold <= 0:  # (cancel succeeds only if it had not started: then it never runs)
+                return TIMEOUT
+        done, _ = concurrent.futures.wait([fut], timeout=hold)
+        return HELD if done else LATE
 
     @contextlib.contextmanager
     def hold(self) -> Iterator[bool]:
