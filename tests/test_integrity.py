@@ -10,7 +10,16 @@ import pytest
 import torch
 from fake_media import FakeTier
 
-from tierkv.checksum import TRAILER_BYTES, ReadSums, Verify, chunk_sum, read_trailer, trailers
+from tierkv.checksum import (
+    TRAILER_BYTES,
+    ReadSums,
+    Verify,
+    chunk_sum,
+    read_trailer,
+    read_trailers,
+    trailer_buffers,
+    trailers,
+)
 from tierkv.errors import ConfigError
 from tierkv.outcome import MissReason
 from tierkv.store import TieredStore
@@ -157,6 +166,18 @@ def test_the_sum_is_the_ssd_records_payload_sum(tmp_path):
     assert t.numel() == TRAILER_BYTES and read_trailer(t) == chunk_sum([a])
     t[0] ^= 1
     assert read_trailer(t) is None
+
+
+def test_trailers_read_in_one_pass_give_what_each_read_alone_gives():
+    sums = [chunk_sum([chunk(i)]) for i in range(5)]
+    buf = trailer_buffers(5)  # consecutive views of one buffer: one pass
+    for dst, src in zip(buf, trailers(sums)):
+        dst.copy_(src)
+    buf[3][4] ^= 1  # a wrong version
+    assert read_trailers(buf) == [read_trailer(t) for t in buf] == [*sums[:3], None, sums[4]]
+    apart = [t.clone() for t in buf]  # separate tensors: each read alone
+    assert read_trailers(apart) == [*sums[:3], None, sums[4]]
+    assert read_trailers(buf[1:4]) == [sums[1], sums[2], None] and read_trailers([]) == []
 
 
 def test_a_put_sums_each_chunk_once_and_a_copy_carries_it(tmp_path, monkeypatch):

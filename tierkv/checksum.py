@@ -120,6 +120,27 @@ def trailer_buffers(n: int, device: Optional[torch.device] = None) -> list[torch
     return list(buf.split(TRAILER_BYTES))
 
 
+def read_trailers(ts: Sequence[torch.Tensor]) -> list[Optional[int]]:
+    """``read_trailer`` of each; one pass over the buffer when they are the consecutive host views
+    ``trailer_buffers`` made."""
+    n = len(ts)
+    if not n:
+        return []
+    first = ts[0]
+    base, st = first.data_ptr(), first.untyped_storage().data_ptr()
+    if (first.device.type != "cpu" or first.dtype != torch.uint8
+            or any(t.numel() != TRAILER_BYTES or t.data_ptr() != base + i * TRAILER_BYTES
+                   or t.untyped_storage().data_ptr() != st for i, t in enumerate(ts))):
+        return [read_trailer(t) for t in ts]
+    whole = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), first.storage_offset(),
+                                                   (n * TRAILER_BYTES,))
+    raw = whole.numpy().tobytes()
+    out: list[Optional[int]] = []
+    for magic, version, s in _TRAILER.iter_unpack(raw):
+        out.append(s if magic == TRAILER_MAGIC and version == TRAILER_VERSION else None)
+    return out
+
+
 def read_trailer(t: torch.Tensor) -> Optional[int]:
     """The sum a trailer holds, or None when it is not one (wrong magic or version)."""
     if t.device.type != "cpu":

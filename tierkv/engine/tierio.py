@@ -35,7 +35,7 @@ import logging
 from typing import Any, Optional
 
 from tierkv.buffers import Parts, on_two_threads
-from tierkv.checksum import CorruptLog, ReadSums, chunk_sum, chunk_sums, read_trailer, trailer_buffers, trailers
+from tierkv.checksum import CorruptLog, ReadSums, chunk_sum, chunk_sums, read_trailers, trailer_buffers, trailers
 from tierkv.engine.chain import Chain
 from tierkv.engine.level import Level
 from tierkv.errors import StoreClosedError
@@ -278,8 +278,9 @@ class TierIO:
             left = [i for i in got if have[i] is None]  # what the medium did not sum: summed here
             for i, h in zip(left, chunk_sums([parts[i] for i in left])):
                 have[i] = h
+            stored = read_trailers(tr)
             for i in got:
-                s = read_trailer(tr[i])
+                s = stored[i]
                 if s is None or have[i] != s:
                     bad.append(i)
                 else:
