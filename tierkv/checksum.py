@@ -22,6 +22,7 @@ bytes it got, with no state of the writer's.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 import logging
 import struct
@@ -132,9 +133,7 @@ def read_trailers(ts: Sequence[torch.Tensor]) -> list[Optional[int]]:
             or any(t.numel() != TRAILER_BYTES or t.data_ptr() != base + i * TRAILER_BYTES
                    or t.untyped_storage().data_ptr() != st for i, t in enumerate(ts))):
         return [read_trailer(t) for t in ts]
-    whole = torch.empty(0, dtype=torch.uint8).set_(first.untyped_storage(), first.storage_offset(),
-                                                   (n * TRAILER_BYTES,))
-    raw = whole.numpy().tobytes()
+    raw = ctypes.string_at(base, n * TRAILER_BYTES)  # (views of one live storage, end to end)
     out: list[Optional[int]] = []
     for magic, version, s in _TRAILER.iter_unpack(raw):
         out.append(s if magic == TRAILER_MAGIC and version == TRAILER_VERSION else None)
