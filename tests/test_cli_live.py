@@ -11,6 +11,7 @@ import http.server
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -288,7 +289,13 @@ def test_a_pool_tier_whose_master_died_makes_the_store_unhealthy(mooncake_master
         assert live.read_store(exporter.url)["healthy"]
         m.kill()
         assert store.get(["k"], [torch.empty(4096, dtype=torch.uint8)]) == [False]  # the tier finds its master gone
-        doc = live.read_store(exporter.status_url)
+        # (the failed get's own error is the last one first; the background probe's follows within its interval)
+        end = time.monotonic() + 20
+        while True:
+            doc = live.read_store(exporter.status_url)
+            if "master not reachable" in doc["tiers"][0]["last_error"] or time.monotonic() > end:
+                break
+            time.sleep(0.1)
         assert not doc["healthy"] and doc["tiers"][0]["available"] is False
         assert doc["problems"] == [f"tier dram_pool is unavailable ({doc['tiers'][0]['last_error']})"]
         assert "master not reachable" in doc["tiers"][0]["last_error"]
