@@ -237,3 +237,47 @@ def test_a_read_still_running_after_its_wait_is_counted_and_logged(dict_backend,
 def test_late_read_wait_is_checked(dict_backend):
     with pytest.raises(ConfigError, match="late_read_wait"):
         DramPoolTier.from_config("p", {"backend": "dict", "late_read_wait": 0})
+
+
+def test_gets_through_the_store_register_their_trailers_once(dict_backend):
+    # each chunk travels with a trailer: the trailers' memory is reused call after call, so the pool's
+    # registrations do not grow with the number of gets
+    from tierkv.store import TieredStore
+
+    s = TieredStore.from_config({"tiers": [{"medium": "dram_pool", "backend": "dict", "limit": 1 << 20,
+                                            "probe_interval": 0.05}]})
+    try:
+        keys = [key(i) for i in range(4)]
+        assert s.put(keys, [blob(i, 1000) for i in range(4)]) == [True] * 4
+        outs = [torch.zeros(1000, dtype=torch.uint8) for _ in keys]
+        regs = []
+        for _ in range(50):
+            assert s.get(keys, outs) == [True] * 4
+            regs.append(s.stats()["tiers"]["dram_pool"]["registered_bytes"])
+        assert len(set(regs[1:])) == 1, regs  # (the first get registered the destinations and its trailers)
+        assert all(torch.equal(o, blob(i, 1000)) for i, o in enumerate(outs))
+    finally:
+        s.close()
+
+
+def test_cached_registrations_are_bounded_in_number(dict_backend, monkeypatch):
+    import tierkv.tiers.remote.session as session_mod
+
+    monkeypatch.setattr(session_mod, "REGISTER_COUNT_LIMIT", 16)
+    tier = DramPoolTier.from_config("p", {"backend": "dict", "probe_interval": 0.05})
+    try:
+        s = tier._session
+        keep = []
+        for i in range(40):  # a caller handing a fresh small buffer to every call
+            t = torch.zeros(64, dtype=torch.uint8)
+            keep.append(t)
+            reg = s.pin(t)
+            s.unpin([reg])
+        assert len(s._regs) <= 16 + 1  # (+ the tier's own permanent ones, if any)
+        pinned = s.pin(keep[-1])
+        for i in range(40):  # a pinned registration is never let go
+            s.unpin([s.pin(torch.zeros(64, dtype=torch.uint8))])
+        assert keep[-1].untyped_storage().data_ptr() in s._regs
+        s.unpin([pinned])
+    finally:
+        tier.close()

@@ -113,6 +113,50 @@ def trailers(sums: Sequence[int], device: Optional[torch.device] = None) -> list
     return list(buf.split(TRAILER_BYTES)) if n else []
 
 
+class TrailerArena(threading.local):
+    """Trailer memory of this thread's calls, reused call after call (``views``, ``packed``).
+
+    A pool registers the memory a transfer touches and caches that registration; a
+    fresh trailer buffer per call would be registered anew each time.  One buffer
+    per (use, device) per thread, grown as needed, keeps it registered once.  After
+    a call a medium abandoned at its deadline (it may still touch the buffer), the
+    caller ``drop``s it: the next call gets a fresh one.
+    """
+
+    def __init__(self) -> None:
+        self._bufs: dict[tuple[str, str], torch.Tensor] = {}
+
+    def _buf(self, use: str, n: int, device: Optional[torch.device]) -> torch.Tensor:
+        key = (use, str(device or "cpu"))
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() < n * TRAILER_BYTES:
+            cap = 64
+            while cap < n:
+                cap *= 2
+            buf = self._bufs[key] = torch.empty(cap * TRAILER_BYTES, dtype=torch.uint8, device=device)
+        return buf
+
+    def views(self, n: int, device: Optional[torch.device] = None) -> list[torch.Tensor]:
+        """``n`` trailer-sized destinations, consecutive views of this thread's read buffer."""
+        if not n:
+            return []
+        return list(self._buf("read", n, device)[:n * TRAILER_BYTES].split(TRAILER_BYTES))
+
+    def packed(self, sums: Sequence[int], device: Optional[torch.device] = None) -> list[torch.Tensor]:
+        """``trailers(sums)`` written into this thread's write buffer."""
+        n = len(sums)
+        if not n:
+            return []
+        buf = self._buf("write", n, device)[:n * TRAILER_BYTES]
+        src = torch.cat(trailers(sums)) if n > 1 else trailers(sums)[0]
+        buf.copy_(src)
+        return list(buf.split(TRAILER_BYTES))
+
+    def drop(self) -> None:
+        """Let this thread's buffers go (a medium may still touch them): the next call makes fresh ones."""
+        self._bufs.clear()
+
+
 def trailer_buffers(n: int, device: Optional[torch.device] = None) -> list[torch.Tensor]:
     """``n`` trailer-sized destinations, views of one buffer."""
     if not n:

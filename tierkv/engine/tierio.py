@@ -35,7 +35,7 @@ import logging
 from typing import Any, Optional
 
 from tierkv.buffers import Parts, on_two_threads
-from tierkv.checksum import CorruptLog, ReadSums, chunk_sum, chunk_sums, read_trailers, trailer_buffers, trailers
+from tierkv.checksum import CorruptLog, ReadSums, TrailerArena, chunk_sum, chunk_sums, read_trailers
 from tierkv.engine.chain import Chain
 from tierkv.engine.level import Level
 from tierkv.errors import StoreClosedError
@@ -61,6 +61,7 @@ class TierIO:
         self._lock = chain.lock
         self._chain = chain
         self._corrupt_log = CorruptLog()
+        self._trailers = TrailerArena()
 
     # ------------------------------------------------------------------ bytes
     def read(self, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]] = None,
@@ -130,10 +131,13 @@ class TierIO:
                     oks[i] = ok
                 return oks
         if inside:
-            tr = trailers(sums, _device_of(parts))  # type: ignore[arg-type]
+            before = _abandoned(lvl.tier)
+            tr = self._trailers.packed(sums, _device_of(parts))  # type: ignore[arg-type]
             parts = [[*p, t] for p, t in zip(parts, tr)]
             ptrs = None
         oks = self._bytes(Op.WRITE, lvl, keys, parts, ptrs, None)
+        if inside and _abandoned(lvl.tier) != before:
+            self._trailers.drop()  # (an abandoned call may still read them)
         if lvl.keeps_sums and sums is not None:
             with self._lock:
                 if False in oks:
@@ -259,7 +263,8 @@ class TierIO:
         objs = parts
         copied: Optional[ReadSums] = None
         if inside:
-            tr = trailer_buffers(len(keys), _device_of(parts))
+            before = _abandoned(tier)
+            tr = self._trailers.views(len(keys), _device_of(parts))
             objs = [[*p, t] for p, t in zip(parts, tr)]
             if tier.sums_copies:  # (the medium sums each chunk's bytes as it copies them, the trailer left out)
                 copied = ReadSums([sum([p.numel() for p in ps]) for ps in parts])
@@ -272,6 +277,9 @@ class TierIO:
             return None
         sums: list[Optional[int]] = [None] * len(keys)
         bad = [i for i, ok in enumerate(res) if ok is CORRUPT]
+        if inside and _abandoned(tier) != before:
+            # a call abandoned meanwhile may still write into the trailers: read these, then let them go
+            self._trailers.drop()
         if inside:
             got = [i for i, ok in enumerate(res) if ok is True]
             have: list[Optional[int]] = copied.sums if copied is not None else [None] * len(keys)
@@ -323,6 +331,11 @@ def _groups(objs: list[Parts], limit: int) -> list[int]:
         size += n
     cuts.append(len(objs))
     return cuts
+
+
+def _abandoned(tier: Any) -> int:
+    """How many calls the medium has abandoned at their deadline so far (0 for media without deadlines)."""
+    return getattr(tier, "abandoned_calls", 0)
 
 
 def _device_of(objs: list[Parts]) -> Any:

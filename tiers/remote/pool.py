@@ -590,6 +590,11 @@ class RemotePoolTier(Tier):
 
     # -- accounting -----------------------------------------------------------
     @property
+    def abandoned_calls(self) -> int:
+        """Calls answered at their deadline so far (``timeouts``): such a call may still touch its memory."""
+        return self._counters["timeouts"]
+
+    @property
     def used_bytes(self) -> int:
         """Bytes of objects this instance stored or read and believes present (an estimate: the pool is shared)."""
         return self._presence.used_bytes

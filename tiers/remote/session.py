@@ -17,7 +17,9 @@ Invariants
       holds no reference to its last call (caller memory, registrations).
     * A registered address is never freed and reused while registered: a cached
       ``Registration`` holds a reference to the storage it covers.  Cached
-      registrations are bounded by ``register_limit`` bytes (LRU); permanent ones
+      registrations are bounded by ``register_limit`` bytes and by
+      ``REGISTER_COUNT_LIMIT`` entries (LRU: callers that hand a fresh small buffer
+      to every call must not grow it without end); permanent ones
       (``pin(..., permanent=True)``) and pinned ones are never evicted.
 """
 
@@ -39,6 +41,9 @@ import torch
 from tierkv import shutdown
 
 log = logging.getLogger("tierkv.tiers.remote")
+
+#: the most cached (not permanent) registrations a session keeps, whatever their bytes
+REGISTER_COUNT_LIMIT = 1024
 
 TIMEOUT = object()  # a call that did not answer within its deadline (and, asked to be held, never started)
 HELD = object()  # a call that ran past its deadline and was waited out: it has ended (``call``'s ``hold``)
@@ -126,6 +131,7 @@ class Session:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._regs: collections.OrderedDict[int, Registration] = collections.OrderedDict()
         self._cached_bytes = 0
+        self._cached_count = 0
         self.external_regions = 0
         self._threads = [threading.Thread(target=self._work, name=f"tierkv-remote-{i}", daemon=True)
                          for i in range(workers)]
@@ -261,7 +267,10 @@ class Session:
             if reg is not None and reg.nbytes >= nbytes:
                 self._regs.move_to_end(base)
                 reg.pins += 1
-                reg.permanent = reg.permanent or permanent
+                if permanent and not reg.permanent:  # (a cached one made permanent leaves the LRU's count)
+                    reg.permanent = True
+                    self._cached_bytes -= reg.nbytes
+                    self._cached_count -= 1
                 return reg
         rc = self.direct(lambda c: c.register(base, nbytes))
         if rc is REFUSED:
@@ -279,9 +288,11 @@ class Session:
             old = self._regs.pop(base, None)
             if old is not None and not old.permanent:
                 self._cached_bytes -= old.nbytes
+                self._cached_count -= 1
             self._regs[base] = reg
             if not permanent:
                 self._cached_bytes += nbytes
+                self._cached_count += 1
         self._trim()
         return reg
 
@@ -303,20 +314,22 @@ class Session:
             if reg is not None and reg.permanent:
                 reg.permanent = False
                 self._cached_bytes += reg.nbytes
+                self._cached_count += 1
         self._trim()
 
     def _trim(self) -> None:
         victims = []
         with self._lock:
-            if self._cached_bytes <= self.register_limit:
+            if self._cached_bytes <= self.register_limit and self._cached_count <= REGISTER_COUNT_LIMIT:
                 return
             for base, reg in list(self._regs.items()):
-                if self._cached_bytes <= self.register_limit:
+                if self._cached_bytes <= self.register_limit and self._cached_count <= REGISTER_COUNT_LIMIT:
                     break
                 if reg.permanent or reg.pins:
                     continue
                 del self._regs[base]
                 self._cached_bytes -= reg.nbytes
+                self._cached_count -= 1
                 victims.append(reg)
         for reg in victims:
             if not reg.external:
