@@ -281,3 +281,28 @@ def test_cached_registrations_are_bounded_in_number(dict_backend, monkeypatch):
         s.unpin([pinned])
     finally:
         tier.close()
+
+
+def test_trailers_an_abandoned_call_may_still_touch_are_let_go(dict_backend):
+    from tierkv.store import TieredStore
+
+    s = TieredStore.from_config({"tiers": [{"medium": "dram_pool", "backend": "dict", "limit": 1 << 20,
+                                            "timeout": 0.1, "late_read_wait": 0.05, "probe_interval": 0.05}]})
+    try:
+        keys = [key(i) for i in range(4)]
+        assert s.put(keys, [blob(i, 1000) for i in range(4)]) == [True] * 4
+        outs = [torch.zeros(1000, dtype=torch.uint8) for _ in keys]
+        assert s.get(keys, outs) == [True] * 4
+        arena = s._io._trailers
+        assert arena._bufs  # this thread's trailer buffers, kept for the next call
+        slow = _SlowGets(dict_backend.made[-1], 0.5)
+        assert s.get(keys, outs) == [False] * 4  # abandoned at its deadline and its wait: still running
+        assert not arena._bufs  # ...so its trailers are never handed to another call
+        end = time.monotonic() + 10
+        while not (slow.ended and s.levels[0].tier.available) and time.monotonic() < end:
+            time.sleep(0.02)
+        dict_backend.made[-1].get = slow.real
+        assert s.get(keys, outs) == [True] * 4
+        assert all(torch.equal(o, blob(i, 1000)) for i, o in enumerate(outs))
+    finally:
+        s.close()
