@@ -233,3 +233,31 @@ def test_a_store_left_open_at_exit_is_closed_and_its_copies_kept(tmp_path):
     keys = keys_for(40)
     with TieredStore.from_config(ssd_only(tmp_path / "ssd")) as store:
         assert read_all(store, keys) == list(range(40))
+
+
+FORKS = textwrap.dedent("""
+    import os, sys
+    from tierkv import TieredStore
+    sys.path.insert(0, {testdir!r})
+    from test_persistence import chain, chunk, keys_for
+    store = TieredStore.from_config(chain({path!r}))
+    keys = keys_for(40)
+    assert store.put(keys[:20], [chunk(i) for i in range(20)]) == [True] * 20
+    pid = os.fork()
+    if pid == 0:
+        sys.exit(0)  # a child that exits normally: its exit callbacks run, on its copy of the parent's store
+    _, status = os.waitpid(pid, 0)
+    print("child", os.waitstatus_to_exitcode(status), flush=True)
+    assert store.put(keys[20:], [chunk(i) for i in range(20, 40)]) == [True] * 20
+    store.close()
+""")
+
+
+@pytest.mark.slow
+def test_a_forked_child_leaves_its_parents_store_alone_at_exit(tmp_path):
+    code = FORKS.format(testdir=os.path.dirname(__file__), path=str(tmp_path / "ssd"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "child 0" in p.stdout
+    with TieredStore.from_config(ssd_only(tmp_path / "ssd")) as store:
+        assert read_all(store, keys_for(40)) == list(range(40))

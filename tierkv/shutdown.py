@@ -12,7 +12,9 @@ exception") after its work was done.  So, before finalization:
    joined (``tierkv.tiers.remote.session``).
 
 Callbacks run in phase order, then in the order they were added; one that raises is
-logged and the rest still run.  A process killed by a signal runs none of this.
+logged and the rest still run.  A process killed by a signal runs none of this.  Only
+what this process made is closed: a forked child that exits normally leaves its
+parent's stores and clients alone (its copies have none of their threads).
 """
 
 from __future__ import annotations

@@ -99,6 +99,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -143,6 +144,8 @@ _open_stores: weakref.WeakSet[TieredStore] = weakref.WeakSet()
 def _close_open_stores() -> None:
     """At exit: close every store its owner left open (see ``tierkv.shutdown``)."""
     for store in list(_open_stores):
+        if store._pid != os.getpid():
+            continue  # (a forked child's copy: its parent owns the store, its tiers and their files)
         try:
             store.close()
         except Exception as e:  # noqa: BLE001 - one store failing to close must not keep the rest open
@@ -202,6 +205,7 @@ class TieredStore:
         self._lost_seen: dict[int, int] = {}  # persistent level -> its medium's lost objects so far (``_count_lost``)
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
         recover(self.levels)
+        self._pid = os.getpid()
         _open_stores.add(self)  # closed at exit if its owner does not (``tierkv.shutdown``)
         for k, lvl in enumerate(self.levels):  # (after recovery: what opening counted is no write's fault)
             if lvl.tier.persistent:

@@ -29,6 +29,7 @@ import collections
 import concurrent.futures
 import contextlib
 import logging
+import os
 import queue
 import threading
 import time
@@ -81,7 +82,7 @@ def _shut_down_at_exit(timeout: float = 30.0) -> None:
     then a warning).
     """
     end = time.monotonic() + timeout
-    sessions = list(_sessions)
+    sessions = [s for s in list(_sessions) if s.pid == os.getpid()]  # (a forked child's copies are its parent's)
     for s in sessions:
         s.retire(close=True, force=True)
     for s in sessions:
@@ -137,6 +138,7 @@ class Session:
                          for i in range(workers)]
         for t in self._threads:
             t.start()
+        self.pid = os.getpid()
         _sessions.add(self)
 
     # -- in-flight accounting: the only guard between calls and close() --------
