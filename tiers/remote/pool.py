@@ -7,7 +7,8 @@ reconnection, presence caching, staging and the Tier operations.
 Invariants
     * The caller's path never makes a blocking backend call it cannot abandon:
       every call runs on a session worker (``session.Session``) and the caller
-      waits at most ``timeout + nbytes / min_bandwidth`` seconds.  A call that
+      waits at most ``timeout + nbytes / min_bandwidth`` seconds (a read into the
+      caller's memory that has started by then: ``late_read_wait`` more, below).  A call that
       does not answer in time, or answers ``UNAVAILABLE`` (master down) or
       ``PEER_UNREACHABLE`` (the memory holding an object is gone), marks the tier
       unavailable; from then on every operation answers a miss / refusal at
