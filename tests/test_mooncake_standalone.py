@@ -273,7 +273,11 @@ def test_standalone_client_killed_misses_then_the_store_recovers_by_itself(ipc):
             # (over IPC a client the restarted pool does not know is replaced by the tier itself)
             if not ipc:
                 assert tier._session is session and tier.extra_stats()["abandoned_clients"] == 0
-            assert tier.contains([keys[i] for i in remote]) == [False] * len(remote)  # lost, never claimed
+            lost = [keys[i] for i in remote]
+            # lost, never read: a get of them misses (no bytes), and once the master has dropped the dead
+            # client's segment (its client TTL: a few seconds) no lookup claims them
+            assert store.get(lost, [outs[i] for i in remote]) == [False] * len(remote)
+            assert wait_for(lambda: tier.available and tier.contains(lost) == [False] * len(remote), 30)
             fresh = blob(7, 64 << 10)
             assert tier.write([k(200)], [[fresh]]) == [True]
             out = torch.zeros_like(fresh)
