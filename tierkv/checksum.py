@@ -100,14 +100,20 @@ class ReadSums:
         return ReadSums([self.nbytes[i] for i in idx])
 
 
-def trailers(sums: Sequence[int], device: Optional[torch.device] = None) -> list[torch.Tensor]:
-    """One packed trailer per sum: views of one buffer (one registration covers a batch)."""
+def _packed(sums: Sequence[int]) -> torch.Tensor:
+    """The trailers of ``sums``, end to end, in one host tensor."""
     n = len(sums)
     raw = bytearray(n * TRAILER_BYTES)
     pack = _TRAILER.pack_into
     for i, s in enumerate(sums):
         pack(raw, i * TRAILER_BYTES, TRAILER_MAGIC, TRAILER_VERSION, s)
-    buf = torch.frombuffer(raw, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(raw, dtype=torch.uint8) if n else torch.empty(0, dtype=torch.uint8)
+
+
+def trailers(sums: Sequence[int], device: Optional[torch.device] = None) -> list[torch.Tensor]:
+    """One packed trailer per sum: views of one buffer (one registration covers a batch)."""
+    n = len(sums)
+    buf = _packed(sums)
     if device is not None and device.type != "cpu":
         buf = buf.to(device)
     return list(buf.split(TRAILER_BYTES)) if n else []
@@ -148,8 +154,7 @@ class TrailerArena(threading.local):
         if not n:
             return []
         buf = self._buf("write", n, device)[:n * TRAILER_BYTES]
-        src = torch.cat(trailers(sums)) if n > 1 else trailers(sums)[0]
-        buf.copy_(src)
+        buf.copy_(_packed(sums))
         return list(buf.split(TRAILER_BYTES))
 
     def drop(self) -> None:
