@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import os
 
@@ -302,6 +303,13 @@ def test_async_twins(tmp_path):
 
     with three_tier(tmp_path) as store:
         asyncio.run(main(store))
+
+
+@pytest.mark.parametrize("twin", ["aput", "aget", "alookup", "aremove"])
+def test_each_async_twin_takes_every_argument_its_twin_takes(twin):
+    sync = inspect.signature(getattr(TieredStore, twin[1:]))
+    awaitable = inspect.signature(getattr(TieredStore, twin))
+    assert list(awaitable.parameters.values()) == list(sync.parameters.values())
 
 
 # -- misuse gets clear errors ------------------------------------------------------------------

@@ -3,6 +3,7 @@ usage and hits per tenant are exact, and a store with no tenants is unchanged (`
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -77,6 +78,14 @@ def test_a_cap_is_never_exceeded_and_makes_room_among_the_tenants_own(policy):
         assert s.locate(bob) == ["hbm"] * 6  # -> alice at her cap took none of bob's room
         assert used(s, "alice", "hbm") == 2 * CHUNK
         assert used(s, "alice", "dram") == 8 * CHUNK  # (the rest were demoted: dram has no cap for her)
+
+
+def test_aput_files_the_chunks_under_its_tenant():
+    with store({"alice": {"hbm": {"share": 0.5}}}) as s:
+        mine = keys(2, "alice")
+        assert asyncio.run(s.aput(mine, [chunk(0), chunk(1)], tenant="alice")) == [True, True]
+        assert used(s, "alice", "hbm") == 2 * CHUNK
+        assert used(s, "other", "hbm") == 0
 
 
 def test_a_chunk_larger_than_the_tenants_cap_is_refused_there():

@@ -492,9 +492,9 @@ class TieredStore:
             raise StoreClosedError("the store is closed") from None
         return await asyncio.wrap_future(fut)
 
-    async def aput(self, keys: Sequence[str], values: Sequence[Value]) -> list[bool]:
+    async def aput(self, keys: Sequence[str], values: Sequence[Value], tenant: Optional[str] = None) -> list[bool]:
         """``put`` on the store's I/O threads, awaitable."""
-        return await self._run(self.put, keys, values)
+        return await self._run(self.put, keys, values, tenant)
 
     async def aget(self, keys: Sequence[str], outs: Sequence[Value]) -> list[bool]:
         """``get`` on the store's I/O threads, awaitable."""
