@@ -9,8 +9,9 @@ keeps its name and changes every byte of its KV.  :func:`weights_identity` names
   file's name, size and the SHA-256 of :data:`SAMPLES` blocks of :data:`SAMPLE_BYTES` (head, tail and
   evenly spread offsets; a file no larger than their sum is hashed whole).  About 1 MiB read per file,
   whatever its size (``bench/bench_weights.py`` measures it);
-* a hub name (``org/model``): the commit its revision resolves to in the local Hugging Face cache
-  (``<cache>/models--org--model/refs/<revision>``, or a commit named directly); no network is asked;
+* a hub name (``org/model``): the commit its revision resolves to: a commit named directly, the commit a
+  ``huggingface_hub`` ``ResolvedRevision`` carries, else the local cache's
+  ``<cache>/models--org--model/refs/<revision>``; no network is asked;
 * LoRA adapters (``lora_paths``), each named as above and mixed in, in order.
 
 The digest depends on content only: not on the directory's path, its mtimes or its inodes, so two
@@ -201,18 +202,28 @@ def hub_cache_dir(download_dir: str | None = None) -> str:
 
 
 def _hub_commit(name: str, revision: str | None, download_dir: str | None) -> str | None:
-    """The commit ``name`` at ``revision`` resolves to in the local hub cache, or None if it is not there."""
+    """The commit ``name`` at ``revision`` resolves to, or None if neither it nor the local hub cache says.
+
+    A revision that is a commit, or that carries the commit it was resolved to (``huggingface_hub``'s
+    ``ResolvedRevision``, what vLLM loads by), is that commit; a branch or tag is read from the cache's
+    ``refs/`` (``download_dir`` first, then Hugging Face's own cache).
+    """
     if name.count("/") > 1 or name.startswith(("/", ".", "~")):
         return None
-    repo = os.path.join(hub_cache_dir(download_dir), "models--" + name.replace("/", "--"))
-    rev = revision or "main"
+    resolved = getattr(revision, "resolved", None)
+    if isinstance(resolved, str) and _COMMIT.match(resolved):
+        return resolved
+    rev = str(revision) if revision is not None else "main"
     if _COMMIT.match(rev):
-        return rev if os.path.isdir(os.path.join(repo, "snapshots", rev)) else None
-    try:
-        with open(os.path.join(repo, "refs", rev), encoding="ascii") as f:
-            commit = f.read().strip()
-    except (OSError, UnicodeDecodeError):
-        return None
-    if not _COMMIT.match(commit) or not os.path.isdir(os.path.join(repo, "snapshots", commit)):
-        return None
-    return commit
+        return rev
+    caches = [hub_cache_dir(download_dir)] + ([hub_cache_dir()] if download_dir else [])
+    for cache in caches:
+        try:
+            with open(os.path.join(cache, "models--" + name.replace("/", "--"), "refs", rev),
+                      encoding="ascii") as f:
+                commit = f.read().strip()
+        except (OSError, UnicodeDecodeError):
+            continue
+        if _COMMIT.match(commit):
+            return commit
+    return None
