@@ -209,30 +209,45 @@ def test_a_chunk_in_a_write_behind_copy_is_never_in_no_tier(fail):
 
 LEFT_OPEN = textwrap.dedent("""
     import atexit, json, sys, threading
-    # registered before tierkv is imported, so it runs after tierkv's own exit callbacks
+    import torch
+    # registered before tierkv is imported; atexit callbacks run after tierkv's own exit hook
     atexit.register(lambda: print("ALIVE", json.dumps(sorted(
         t.name for t in threading.enumerate() if t.name.startswith("tierkv"))), flush=True))
     from tierkv import TieredStore
-    sys.path.insert(0, {testdir!r})
-    from test_persistence import chain, chunk, keys_for
-    store = TieredStore.from_config(chain({path!r}))
-    keys = keys_for(40)
-    print("put", store.put(keys, [chunk(i) for i in range(40)]) == [True] * 40, flush=True)
+    tiers = [{{"medium": "ssd", "path": {path!r}, "capacity": "256MiB"}}]
+    if {over_dram!r}:
+        tiers.insert(0, {{"medium": "dram", "capacity": "256MiB", "prefault": False}})
+    store = TieredStore.from_config({{"tiers": tiers, "promotion": "never"}})
+    keys = ["big-%03d" % i for i in range(80)]
+    ok = store.put(keys, [torch.full((1 << 20,), i, dtype=torch.uint8) for i in range(80)])
+    print("put", ok == [True] * 80, flush=True)
+    {ending}
 """)
+
+ENDINGS = {"end of script": "pass", "sys.exit": "sys.exit(0)", "uncaught exception": "raise RuntimeError('left')"}
 
 
 @pytest.mark.slow
-def test_a_store_left_open_at_exit_is_closed_and_its_copies_kept(tmp_path):
-    """No close, no flush: the exit closes the store as close() would (write-behind copies made, no
-    thread of the store left running while the interpreter finalizes)."""
-    code = LEFT_OPEN.format(testdir=os.path.dirname(__file__), path=str(tmp_path / "ssd"))
+@pytest.mark.parametrize("over_dram", [True, False], ids=["dram-over-ssd", "ssd-only"])
+@pytest.mark.parametrize("ending", list(ENDINGS))
+def test_a_store_left_open_at_exit_is_closed_and_its_copies_kept(tmp_path, ending, over_dram):
+    """No close, no flush: however the program ends, the exit closes the store as close() would (every
+    write-behind copy made, the ssd's checkpoint written, nothing said about a failure, no thread of the
+    store left running while the interpreter finalizes).  80 chunks of 1 MiB: the write-behind queue is
+    far from drained when the script ends."""
+    path = str(tmp_path / "ssd")
+    code = LEFT_OPEN.format(path=path, over_dram=over_dram, ending=ENDINGS[ending])
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.returncode == (1 if ending == "uncaught exception" else 0), p.stderr[-2000:]
     assert "put True" in p.stdout
     assert "ALIVE []" in p.stdout, p.stdout
-    keys = keys_for(40)
-    with TieredStore.from_config(ssd_only(tmp_path / "ssd")) as store:
-        assert read_all(store, keys) == list(range(40))
+    assert "fail" not in p.stderr.lower(), p.stderr[-2000:]
+    with TieredStore.from_config({"tiers": [{"medium": "ssd", "path": path, "capacity": "256MiB"}]}) as store:
+        assert store.stats()["ssd"]["recovered_from"] == "checkpoint"  # (closed, not recovered from a crash)
+        keys = [f"big-{i:03d}" for i in range(80)]
+        outs = [torch.empty(1 << 20, dtype=torch.uint8) for _ in keys]
+        assert store.get(keys, outs) == [True] * 80
+        assert all(bool((o == i).all()) for i, o in enumerate(outs))
 
 
 FORKS = textwrap.dedent("""

@@ -1,26 +1,35 @@
 """Orderly shutdown at interpreter exit: open stores first, then the media's backend clients.
 
-Python finalizes the interpreter after its ``atexit`` callbacks.  A thread still
-running then dies at its next attempt to take the interpreter lock, and if a native
-destructor is on its stack at that moment (the last reference to caller memory, a
-Mooncake client) the process aborts ("terminate called without an active
-exception") after its work was done.  So, before finalization:
+At a normal end (the script's end, ``sys.exit``, an uncaught exception) Python runs, in
+order: the hooks registered with ``threading._register_atexit`` (last registered first;
+``concurrent.futures`` registers the one that stops every thread pool from taking new
+work), then it joins the non-daemon threads, then runs the ``atexit`` callbacks, then
+finalizes the interpreter.  tierkv's hook is registered after the thread pools' own, so
+it runs first, while the pools its tiers write through still take work:
 
 1. ``STORES``: every store still open is closed, as ``close()`` would (copies in
-   flight finish, persistent tiers are flushed, every tier is closed);
+   flight finish, persistent tiers are flushed and checkpointed, every tier is closed);
 2. ``CLIENTS``: every backend client still open is closed and its worker threads
    joined (``tierkv.tiers.remote.session``).
 
+So no thread of tierkv's is left running while the interpreter finalizes (a native
+destructor on a dying thread's stack would abort the process after its work was done).
+A thread of the program's own that still calls a store after this gets
+``StoreClosedError``, as it would after ``close()``.
+
 Callbacks run in phase order, then in the order they were added; one that raises is
-logged and the rest still run.  A process killed by a signal runs none of this.  Only
-what this process made is closed: a forked child that exits normally leaves its
-parent's stores and clients alone (its copies have none of their threads).
+logged and the rest still run.  A process killed by a signal, or ended by ``os._exit``,
+runs none of this.  Only what this process made is closed: a forked child that exits
+normally leaves its parent's stores and clients alone (its copies have none of their
+threads).
 """
 
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook is registered first, so it runs after ours
 import logging
+import threading
 from collections.abc import Callable
 
 log = logging.getLogger("tierkv")
@@ -36,10 +45,17 @@ def at_exit(phase: int, fn: Callable[[], None]) -> None:
     _callbacks.append((phase, len(_callbacks), fn))
 
 
-@atexit.register
 def _run() -> None:
     for _, _, fn in sorted(_callbacks, key=lambda c: c[:2]):
         try:
             fn()
         except Exception as e:  # noqa: BLE001 - one failing callback must not skip the rest
             log.warning("tierkv: shutting down at exit: %s failed: %r", getattr(fn, "__qualname__", fn), e)
+
+
+# (CPython 3.9 and later have the hook; ``atexit`` is the fallback of an interpreter without it, or of an
+# import while the program is already exiting)
+try:
+    threading._register_atexit(_run)  # type: ignore[attr-defined]
+except (AttributeError, RuntimeError):  # pragma: no cover - (no such hook, or imported while exiting)
+    atexit.register(_run)

@@ -86,9 +86,11 @@ Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.p
    plain ``remove(keys)`` is a deliberate forgetting, not a miss reason: the memory forgets the
    keys too (a later miss is ``never_stored``).  Inside the engine, ``Chain.departed(keys,
    reason, level)`` records without removing (``TierIO``'s corrupt drops).
-11. **A store left open is closed at exit.**  At interpreter exit every store still open is
-   closed as ``close()`` would, then every backend client (``tierkv.shutdown``): no thread of
-   the store's is left running while the interpreter finalizes.
+11. **A store left open is closed at exit.**  At a normal exit (the script's end, ``sys.exit``,
+   an uncaught exception) every store still open is closed as ``close()`` would, then every
+   backend client (``tierkv.shutdown``), before Python stops its thread pools: every
+   write-behind copy lands, the persistent tiers are flushed, and no thread of the store's
+   is left running while the interpreter finalizes.
 
 Normal outcomes (miss, no room, backend down) are values and counters; misuse
 raises an error that names the problem.
