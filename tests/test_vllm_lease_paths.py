@@ -45,6 +45,15 @@ class _Gets:
     def __getattr__(self, name):
         return getattr(self._store, name)
 
+    #: keys removed (as evicted) just before the next lease: an eviction between a probe's locate and its lease
+    evict_before_lease: list[str] = []
+
+    def lease(self, keys, ttl_s):
+        gone, self.evict_before_lease = self.evict_before_lease, []
+        if gone:
+            self._store.remove(gone, reason="evicted")
+        return self._store.lease(keys, ttl_s)
+
     def get(self, keys, outs):
         assert self.gate.wait(10)
         if self.raise_next:
@@ -282,3 +291,55 @@ def test_lease_timeout_s_is_typed(value):
         parse_options({"lease_timeout_s": value})
     assert parse_options({}).lease_timeout_s == 30.0
     assert parse_options({"lease_timeout_s": 0}).lease_timeout_s == 0.0
+
+
+def test_a_chunk_evicted_between_the_probes_locate_and_its_lease_ends_the_reach():
+    # the prefix is stored in both layers; block 2 of the second layer is evicted after the probe located it and
+    # before its lease: the hit ends at block 2, the leases of blocks 2..3 are let go, and the load reads only
+    # what the lease holds (no block fails)
+    r = _rig(load_async=False)
+    try:
+        req = _request("r")
+        _store_prefix(r, req)
+        hashes = [bytes(h) for h in req.block_hashes]
+        r.gets.evict_before_lease = r.w.keys.keys_of(1, hashes[2:3], None)
+        ans = r.w.probe(ProbeRequest(hashes, 0, None, "r"))
+        assert ans.reach == 2 and ans.leased == 2 * len(LAYERS) and len(ans.where) == 2
+        # blocks 2 and 3 cut (evicted), block 4 never stored
+        assert ans.missed == {"evicted": 2, "never_stored": 1}
+        want = {k for li in range(len(LAYERS)) for k in r.w.keys.keys_of(li, hashes[:2], None)}
+        assert set(r.store.levels[0].pinned) == want
+        # through the scheduler: the hit is the two blocks the lease holds, and its load fails none
+        # (block 1 of the first layer goes this time)
+        r.gets.evict_before_lease = r.w.keys.keys_of(0, hashes[1:2], None)
+        hit, _ = r.s.get_num_new_matched_tokens(req, 0)
+        assert hit == BS and _active(r) == 1
+        _alloc(r, req, ids=(5,), tokens=hit)
+        scheduled = SimpleNamespace(req_id="r", block_ids=([5],), num_computed_tokens=hit)
+        _, _, errors = _step(r, _sched_output(new=[scheduled]))
+        assert errors == set() and _active(r) == 0
+        for name in LAYERS:
+            assert torch.equal(r.caches[name][5], r.ref[name][0])
+        t = r.w.totals.data
+        assert t["lease_cuts"] == 2 and t["load_errors"] == 0
+    finally:
+        r.w.shutdown()
+        r.store.close()
+
+
+def test_a_chunk_only_a_lease_cannot_pin_but_the_store_still_holds_stays_in_the_reach(rig):
+    # a key the lease leaves unheld that the store still holds (a shared pool's, or one being written) is no
+    # eviction: the reach stands
+    req = _request("r")
+    _store_prefix(rig, req)
+    hashes = [bytes(h) for h in req.block_hashes]
+    real = rig.store.lease
+
+    def lease(keys, ttl_s):
+        got = real(keys, ttl_s)
+        got.unheld = list(keys[:1])  # (as a pool's object would be)
+        return got
+
+    rig.gets.lease = lease
+    ans = rig.w.probe(ProbeRequest(hashes, 0, None, "r"))
+    assert ans.reach == N and rig.w.totals.data.get("lease_cuts", 0) == 0

@@ -103,6 +103,10 @@ class WorkerCounters:
             logger.warning("TierKVConnector: %d lease(s) expired before their load (lease_timeout_s); their chunks "
                            "could be evicted", expired)
 
+    def add_probe_cut(self, gone: int) -> None:
+        """A lookup's reach cut at objects the store lost between the probe's ``locate`` and its lease."""
+        self._add(lease_cuts=gone)
+
     def add_events(self, dropped: int, unmapped: int) -> None:
         """KV event records dropped (a full queue, or a failed ``locate``), and removed keys no chunk this worker
         wrote maps to."""

@@ -24,7 +24,7 @@ COUNTERS = (
     "load_requests", "load_blocks", "load_tokens", "load_bytes", "load_s", "load_errors",
     "save_blocks", "save_bytes", "save_s", "save_errors", "save_refused",
     "audits", "audit_mismatches", "audit_skipped", "audit_s", "leases", "lease_expired",
-    "events_stored", "events_removed", "events_dropped", "events_unmapped",
+    "lease_cuts", "events_stored", "events_removed", "events_dropped", "events_unmapped",
 )
 
 
@@ -68,6 +68,7 @@ class TierKVConnectorStats(KVConnectorStats):
             "audit_ms": round(d.get("audit_s", 0.0) * 1e3, 3),
             "leases": d.get("leases", 0),
             "lease_expired": d.get("lease_expired", 0),
+            "lease_cuts": d.get("lease_cuts", 0),
             "events_stored": d.get("events_stored", 0),
             "events_removed": d.get("events_removed", 0),
             "events_dropped": d.get("events_dropped", 0),

@@ -206,6 +206,50 @@ class _Pass:
         return None, settled
 
 
+class ReachKeys(NamedTuple):
+    """The keys of the objects a probe's reach counts on, and the block each one's chunk ends on.
+
+    ``ends[i]`` is the last block of the chunk of ``keys[i]`` (a recurrent state's: its boundary block);
+    chunks start on multiples of ``G``.  ``local`` is the probe's first block; ``state``: the reach ends
+    on a recurrent state (the state at a shorter reach's boundary was not asked about).
+    """
+
+    keys: list[str]
+    ends: list[int]
+    local: int
+    G: int
+    state: bool
+
+    def cut_at(self, gone: Sequence[str]) -> int | None:
+        """Blocks of the reach from ``local`` that precede the first chunk of ``gone`` (keys of it the store no
+        longer holds); None when no key of ``gone`` is one of these.  A reach ending on a recurrent state is cut
+        to 0 (no state is known at an earlier boundary)."""
+        lost = set(gone)
+        first = min((e for k, e in zip(self.keys, self.ends) if k in lost), default=None)
+        if first is None:
+            return None
+        return 0 if self.state else max(0, first - first % self.G - self.local)
+
+    def before(self, reach: int) -> ReachKeys:
+        """The keys of the chunks wholly inside the first ``reach`` blocks of the reach (a chunk ending past
+        them is dropped, whatever it started on)."""
+        top = self.local + reach
+        if reach <= 0:
+            return ReachKeys([], [], self.local, self.G, self.state)
+        keep = [e < top for e in self.ends]
+        return ReachKeys(list(compress(self.keys, keep)), list(compress(self.ends, keep)), self.local, self.G,
+                         self.state)
+
+
+def cut_answer(answer: ProbeAnswer, reach: int, reason: str) -> ProbeAnswer:
+    """``answer`` with its reach ended after ``reach`` blocks, the blocks cut counted as missed for ``reason``."""
+    if reach >= answer.reach:
+        return answer
+    missed = dict(answer.missed)
+    missed[reason] = missed.get(reason, 0) + answer.reach - reach
+    return ProbeAnswer(reach, answer.held, answer.where[:reach], answer.leased, missed)
+
+
 class Prober:
     """Answers a worker's questions about its store, each in one pass.
 
@@ -243,9 +287,9 @@ class Prober:
         """The scheduler's question about one request (service.py), answered in one pass."""
         return self.probe_keys(request)[0]
 
-    def probe_keys(self, request: ProbeRequest, count_misses: bool = True) -> tuple[ProbeAnswer, list[str]]:
+    def probe_keys(self, request: ProbeRequest, count_misses: bool = True) -> tuple[ProbeAnswer, ReachKeys]:
         """:meth:`probe`, and the keys of every layer's object of the chunks its reach counts on (what a
-        lease for the request's load holds), from the same pass.
+        lease for the request's load holds, :class:`ReachKeys`), from the same pass.
 
         The blocks past the reach are explained (``ProbeAnswer.missed``) from the chunks the pass found
         absent, by one ``why_missing`` call (counted in the store's ``misses_by_reason`` with
@@ -275,17 +319,21 @@ class Prober:
             ends.add(last)
         if not ends:
             keys: list[str] = []
+            key_ends: list[int] = []
         elif ends.issuperset(p.asked_ends):  # (every key asked about is of a chunk found: the usual hit)
-            keys = p.asked_keys + state_keys
+            keys, key_ends = p.asked_keys + state_keys, p.asked_ends + [lo + reach - 1] * len(state_keys)
         else:
-            keys = list(compress(p.asked_keys, map(ends.__contains__, p.asked_ends))) + state_keys
+            mine = list(map(ends.__contains__, p.asked_ends))
+            keys = list(compress(p.asked_keys, mine)) + state_keys
+            key_ends = list(compress(p.asked_ends, mine)) + [lo + reach - 1] * len(state_keys)
         missed = self._explain(p, store, lo + reach + cut, hi, count_misses) if lo + reach + cut < hi else {}
         if cut:  # stored in every attention layer, but no state saved at a boundary past the hit
             word = MissReason.NEVER_STORED.value
             missed[word] = missed.get(word, 0) + cut
             if count_misses and hasattr(store, "count_misses"):
                 store.count_misses(MissReason.NEVER_STORED, cut)
-        return ProbeAnswer(reach, held, where, missed=missed), keys
+        return ProbeAnswer(reach, held, where, missed=missed), ReachKeys(keys, key_ends, lo, self._G,
+                                                                        bool(self._state_layers))
 
     def _state_reach(self, store: Any, hashes: Sequence[bytes], lo: int, reach: int,
                      salt: str | None) -> tuple[int, list[str]]:

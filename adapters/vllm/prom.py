@@ -7,7 +7,7 @@ with each interval's aggregated ``KVConnectorStats.data``.  Two things ride in i
 * the connector's own interval counters (``load_tokens``, ``load_bytes``,
   ``load_s``, ``load_errors``, ``save_blocks``, ``save_bytes``, ``save_s``,
   ``save_errors``, ``save_refused``, the audit's ``audits``, ``audit_mismatches``,
-  ``audit_skipped``, ``audit_s``, ``leases``, ``lease_expired``, ``hit_tokens`` by tier) -> counters
+  ``audit_skipped``, ``audit_s``, ``leases``, ``lease_expired``, ``lease_cuts``, ``hit_tokens`` by tier) -> counters
   ``tierkv_connector_loaded_tokens_total`` … and ``tierkv_connector_hit_tokens_total{tier}``;
 * each worker's store as ``tierkv.tools.metrics.snapshot`` reads it, under ``"tierkv_store"``
   by rank (put there by ``attach_store_snapshot``, merged across workers by
@@ -52,6 +52,8 @@ CONNECTOR_COUNTERS = {
     "leases": ("tierkv_connector_leases", "Lookups whose chunks were held for their load (a lease each)"),
     "lease_expired": ("tierkv_connector_lease_expired", "Leases that ran past lease_timeout_s before their load "
                       "(their chunks could be evicted)"),
+    "lease_cuts": ("tierkv_connector_lease_cuts", "Objects a lookup found that were gone when it leased them "
+                   "(the hit ends before the first of them)"),
     "events_stored": ("tierkv_connector_events_stored", "BlockStored KV events published for chunks tierkv stored"),
     "events_removed": ("tierkv_connector_events_removed",
                        "BlockRemoved KV events published for chunks that left every tier"),

@@ -54,6 +54,8 @@ from typing import Any
 
 import torch
 
+from tierkv.outcome import MissReason
+
 from .accounting import WorkerCounters
 from .async_loading import AsyncLoads
 from .audit import Auditor
@@ -67,7 +69,7 @@ from .loading import Loader, LoadJob
 from .lookup import ChannelServer, endpoint, sweep_stale_sockets
 from .metadata import LoadSpec, TierKVConnectorMetadata
 from .paged import PagedLayer, split_heads
-from .probe import Prober
+from .probe import Prober, ReachKeys, cut_answer
 from .prom import SnapshotClock, attach_store_snapshot, watch_store
 from .saving import Saver
 from .service import Channel, ProbeAnswer, ProbeRequest, ShutdownRequest
@@ -200,15 +202,38 @@ class TierKVWorker:
         ttl = self.options.lease_timeout_s
         # a request's misses are counted by reason once, at its first lookup (the scheduler asks again while
         # the request waits)
-        answer, keys = self.prober.probe_keys(request, count_misses=self._first_lookup(request.req_id))
+        answer, reach_keys = self.prober.probe_keys(request, count_misses=self._first_lookup(request.req_id))
         if request.req_id is None or not ttl:
             return answer
-        if not keys:
+        answer, lease = self._lease_reach(answer, reach_keys, ttl)
+        if lease is None:
             self.leases.release([request.req_id])  # (an earlier lookup's lease holds nothing of use now)
             return answer
-        lease = self.store.lease(keys, ttl)
         self.leases.hold(request.req_id, lease)
         return ProbeAnswer(answer.reach, answer.held, answer.where, lease.held, answer.missed)
+
+    def _lease_reach(self, answer: ProbeAnswer, reach_keys: ReachKeys, ttl: float) -> tuple[ProbeAnswer, Any]:
+        """Lease the objects ``answer``'s reach counts on; the reach ends at the first chunk (of any layer) the
+        lease could not hold because the store lost it since the probe looked (an eviction in between), and
+        what was leased past that is let go.  Keys a lease leaves unheld but the store still holds (a shared
+        pool's) stay in the reach.  Returns the answer and its lease (None: nothing to hold)."""
+        store = self.store
+        while reach_keys.keys:
+            lease = store.lease(reach_keys.keys, ttl)
+            if not lease.unheld:
+                return answer, lease
+            unheld = list(lease.unheld)
+            gone = [k for k, t in zip(unheld, store.locate(unheld)) if t is None]
+            cut = reach_keys.cut_at(gone) if gone else None
+            if cut is None:
+                return answer, lease
+            lease.release()
+            reason = str(store.why_missing(gone[:1], count=False)[0]) if hasattr(store, "why_missing") \
+                else str(MissReason.EVICTED)
+            answer = cut_answer(answer, cut, reason)
+            self.counters.add_probe_cut(len(gone))
+            reach_keys = reach_keys.before(cut)
+        return answer, None
 
     def _first_lookup(self, req_id: str | None) -> bool:
         """Whether no lookup of ``req_id`` was seen yet (bounded memory; a request without an id: yes)."""
