@@ -537,6 +537,8 @@ def _step(llm, step: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
 
         # connectors that serve nothing, and why (a model whose KV cache groups they cannot serve)
         res["idle"] = [c.idle_reason for c in live_connectors() if getattr(c, "idle_reason", None)]
+        # what each connector's key root names the model by (the weights' digest, or model_id)
+        res["weights"] = [getattr(c, "weights_identity", None) for c in live_connectors()]
     else:
         raise ValueError(f"unknown op {op!r}")
     return res

@@ -15,6 +15,7 @@ from typing import Any
 
 from tierkv.errors import ConfigError
 from tierkv.options import check_float, pop_bool, pop_choice, pop_float, pop_int, pop_size, pop_str, short
+from tierkv.weights import resolve_weights
 
 from .groups import GroupGeometry, GroupKind
 
@@ -200,6 +201,9 @@ class EngineInfo:
     #: the KV heads this rank holds in a layer of each KV cache group (what a layer is split along when it
     #: holds several stored shards); empty: unknown
     rank_kv_heads: tuple[int, ...] = ()
+    #: what the model part of the key root rests on (:func:`model_key`): the weights' digest and how it was
+    #: taken, ``unverified (model name only)``, or the ``model_id`` asserted
+    weights: str = ""
 
     @property
     def layer_index(self) -> dict[str, int]:
@@ -372,6 +376,27 @@ def base_namespace(
             _clean(hash_algo or "-"),
         ]
     )
+
+
+def model_key(model: str, revision: str | None = None, download_dir: str | None = None, *,
+              model_id: str | None = None, namespace: str | None = None) -> tuple[str, str]:
+    """The model part of the key root, and what it rests on (for logs and records).
+
+    With ``model_id``, that name as given: the operator asserts that every engine given it serves the same
+    weights, and nothing is read.  Otherwise the weights actually loaded (``tierkv.weights``): a digest of
+    the local weight files or of the resolved hub commit, so KV of other weights under the same name or
+    path is never found; when they cannot be verified, the name and revision (a warning is logged and
+    the description says ``unverified``).  A configured ``namespace`` is appended.
+    """
+    if model_id:
+        key, how = model_id, f"model_id {model_id!r} (asserted, not fingerprinted)"
+    else:
+        ident = resolve_weights(model, revision=revision, download_dir=download_dir)
+        how = ident.describe()
+        key = f"weights:{ident.digest}" if ident.verified else model + (f"@{revision}" if revision else "")
+    if namespace is not None:  # a configured namespace: its keys are its own
+        key += "#ns:" + namespace
+    return key, how
 
 
 def layer_namespace(base: str, layer: str, cache_salt: str | None = None) -> str:

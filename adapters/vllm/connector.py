@@ -39,6 +39,7 @@ from .config import (
     EngineInfo,
     base_namespace,
     kv_shard,
+    model_key,
     parse_options,
     shard_from_replicas,
     stored_kv_head_shards,
@@ -191,12 +192,11 @@ def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config:
         logger.info("TierKVConnector: MLA keeps one copy of its latent KV for every rank: kv_head_shards %d "
                     "does not apply", options.kv_head_shards)
     slices = stored // shard.num_shards
-    model_id = options.model_id or str(mc.model)
-    revision = getattr(mc, "revision", None)
-    if revision and not options.model_id:
-        model_id += "@" + str(revision)
-    if options.namespace is not None:  # a configured namespace: its keys are its own
-        model_id += "#ns:" + options.namespace
+    # the weights actually loaded (a fingerprint of the files or the resolved hub commit), unless model_id
+    # asserts them: scheduler and workers read the same files, so they derive the same root
+    model_id, weights = model_key(str(mc.model), getattr(mc, "revision", None),
+                                  getattr(getattr(vllm_config, "load_config", None), "download_dir", None),
+                                  model_id=options.model_id, namespace=options.namespace)
     layout = _layout_descriptor(vllm_config, kv_cache_config, slices)
     hash_algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
     dtype = str(mc.dtype).replace("torch.", "")
@@ -215,7 +215,7 @@ def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config:
                       engine_id=str(vllm_config.kv_transfer_config.engine_id),  # type: ignore[union-attr]  # (set for a connector)
                       dp_rank=int(getattr(pc, "data_parallel_rank", 0) or 0),
                       layer_groups=layer_groups, groups=groups, kv_head_shards=stored,
-                      rank_kv_heads=rank_heads,
+                      rank_kv_heads=rank_heads, weights=weights,
                       kv_events=bool(getattr(vllm_config.kv_events_config, "enable_kv_cache_events", False)))
 
 
@@ -258,6 +258,8 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
                         options.chunk_tokens, geoms[0].block_size)
             self.options = options = dataclasses.replace(options, chunk_tokens=geoms[0].block_size)
         info = engine_info(vllm_config, role, kv_cache_config, options, geoms)
+        #: what the key root's model part rests on: the weights' digest, "unverified (model name only)" or model_id
+        self.weights_identity: str = info.weights
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = TierKVScheduler(options, info)
             # hash-only request traces (option trace_path), for `tierkv simulate`
@@ -280,11 +282,11 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             lifecycle.on_engine_signal(self.worker.shutdown)
             self._finalizer = lifecycle.on_exit(self, self.worker.shutdown)
         _LIVE.add(self)
-        logger.info("TierKVConnector (%s) ready: store=%s shard=%s stored as %d KV-head shard(s)%s namespace=%s",
-                    role.name.lower(),
+        logger.info("TierKVConnector (%s) ready: store=%s shard=%s stored as %d KV-head shard(s)%s weights=%s "
+                    "namespace=%s", role.name.lower(),
                     "file " + options.store_config if isinstance(options.store_config, str) else "inline",
                     info.shard, info.stored_shards, "" if options.kv_head_shards else " (kv_head_shards unset)",
-                    info.namespaces.get(info.slice_shard(0)))
+                    info.weights, info.namespaces.get(info.slice_shard(0)))
 
     @staticmethod
     def _watch(worker: TierKVWorker) -> None:
