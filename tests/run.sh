@@ -46,6 +46,13 @@ if [ "${TIERKV_SKIP_VLLM:-0}" != 1 ]; then
   fi
 fi
 
+# --- SGLang (the `sglang` tests): its own venv, .venv-sglang, beside .venv (SGLang 0.5.23 needs torch 2.14.1);
+# TIERKV_SKIP_SGLANG=1 leaves it out (the tests then skip, naming the reason)
+if [ "${TIERKV_SKIP_SGLANG:-0}" != 1 ]; then
+  PYTHON="$PY" bash tests/sglang_cpu/build_venv.sh
+fi
+# --- end SGLang
+
 # lint and types before the tests: ruff on everything, mypy on the library (config in pyproject.toml)
 if [ "${TIERKV_SKIP_LINT:-0}" != 1 ]; then
   "${VPIP[@]}" install "${PIP_QUIET[@]}" "ruff==0.17.6" "mypy==2.4.1"
