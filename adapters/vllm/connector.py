@@ -251,11 +251,14 @@ class TierKVConnector(KVConnectorBase_V1, SupportsHMA):
             self.idle_reason = str(e)
             _LIVE.add(self)
             return
-        if any(g.kind is GroupKind.STATE for g in geoms) and options.chunk_tokens != geoms[0].block_size:
-            # a recurrent state exists at block boundaries only: one object per block, so that every boundary
-            # whose state was saved names an object of its own
-            logger.info("TierKVConnector: recurrent-state groups: chunk_tokens %d -> %d (one block per object)",
-                        options.chunk_tokens, geoms[0].block_size)
+        per_block = [k.value for k in (GroupKind.STATE, GroupKind.SLIDING_WINDOW) if any(g.kind is k for g in geoms)]
+        if per_block and options.chunk_tokens != geoms[0].block_size:
+            # one object per block: a recurrent state exists at block boundaries only (every boundary whose state
+            # was saved names an object of its own), and a sliding-window group holds only its window's blocks
+            # (vLLM's null block takes the others' place as the window moves, and in a prompt continued from
+            # vLLM's own prefix cache), so a chunk of several blocks would not be whole in its layers
+            logger.info("TierKVConnector: %s groups: chunk_tokens %d -> %d (one block per object)",
+                        " and ".join(per_block), options.chunk_tokens, geoms[0].block_size)
             self.options = options = dataclasses.replace(options, chunk_tokens=geoms[0].block_size)
         info = engine_info(vllm_config, role, kv_cache_config, options, geoms)
         #: what the key root's model part rests on: the weights' digest, "unverified (model name only)" or model_id
