@@ -206,15 +206,19 @@ class TieredStore:
         self._observers = Observers()
         self._lost_seen: dict[int, int] = {}  # persistent level -> its medium's lost objects so far (``_count_lost``)
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
-        recover(self.levels)
+        trimmed = recover(self.levels)
         self._pid = os.getpid()
         _open_stores.add(self)  # closed at exit if its owner does not (``tierkv.shutdown``)
         for k, lvl in enumerate(self.levels):  # (after recovery: what opening counted is no write's fault)
             if lvl.tier.persistent:
+                # what the medium lost before this open (found lost, damaged or trimmed there, or trimmed by the
+                # recovery) is reported by the first flush: nothing of it seen yet
+                self._lost_seen[k] = 0
+                if trimmed.get(k):
+                    chain.drops.record_count(trimmed[k], DropReason.LOST)
                 try:
                     extra = lvl.tier.extra_stats()
                     chain.faults_seen[k] = fault_counts(extra)
-                    self._lost_seen[k] = lost_count(extra)
                 except Exception:  # noqa: BLE001 - a medium's stats never cost the construction
                     pass
 

@@ -399,6 +399,48 @@ def model_key(model: str, revision: str | None = None, download_dir: str | None 
     return key, how
 
 
+#: how a LoRA adapter's identity starts the salt a request's keys are made under (see :class:`RequestSalts`)
+LORA_SALT = "\x00lora:"
+#: adapters whose identity a scheduler keeps; beyond it they are fingerprinted again
+LORA_IDENTITIES_MAX = 1024
+
+
+class RequestSalts:
+    """The salt each request's keys are made under: its ``cache_salt`` and, with a LoRA adapter, the adapter's.
+
+    vLLM's block hashes carry the adapter's name and path; the identity of its files (``tierkv.weights``) is
+    added here, so an adapter rewritten at the same path never finds the KV of its former self.  A request
+    without an adapter keeps its ``cache_salt`` as is (keys unchanged).  Each adapter is fingerprinted once
+    per (name, path) for the engine's life, as vLLM loads it once.
+    """
+
+    def __init__(self) -> None:
+        self._ids: dict[tuple[str, str], str] = {}
+
+    def of(self, request: Any) -> str | None:
+        """The key salt of ``request`` (a vLLM ``Request``: ``cache_salt``, ``lora_request``)."""
+        salt = getattr(request, "cache_salt", None)
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return salt
+        name, path = str(getattr(lora, "lora_name", "")), str(getattr(lora, "lora_path", "") or "")
+        ident = self._ids.get((name, path))
+        if ident is None:
+            ident = resolve_weights(path or name).digest
+            if len(self._ids) >= LORA_IDENTITIES_MAX:
+                self._ids.clear()
+            self._ids[(name, path)] = ident
+        return LORA_SALT + ident + ("" if salt is None else "\x00" + salt)
+
+
+def salt_tenant(salt: str | None) -> str | None:
+    """The ``cache_salt`` part of a key salt (:class:`RequestSalts`): the tenant it names, None if none."""
+    if salt is None or not salt.startswith(LORA_SALT):
+        return salt
+    _, sep, rest = salt[len(LORA_SALT):].partition("\x00")
+    return rest if sep else None
+
+
 def layer_namespace(base: str, layer: str, cache_salt: str | None = None) -> str:
     """Namespace of one layer's blocks; requests with different salts never share keys."""
     salt = "-" if cache_salt is None else "salt:" + _clean(cache_salt)

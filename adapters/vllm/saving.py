@@ -34,7 +34,7 @@ from tierkv.outcome import PutOutcome
 from .accounting import WorkerCounters
 from .audit import Auditor, AuditTally
 from .chunks import Chunk
-from .config import ShardInfo, block_hash_bytes
+from .config import ShardInfo, block_hash_bytes, salt_tenant
 from .connector_stats import SaveTally
 from .kv_events import ChunkEvents
 from .layer_keys import LayerKeys
@@ -263,7 +263,8 @@ class Saver:
                     cuts = cuts if keep is None else Cuts([cuts.objects[j] for j in keep])
                     values = self._paged[self._layers[layer]].read_cut(cuts)
                 # a request's cache_salt names its tenant, else the engine's namespace (``tierkv.tenants``)
-                tenant = spec.cache_salt if spec.cache_salt is not None else self._tenant
+                salt = salt_tenant(spec.cache_salt)  # (the key salt less the LoRA adapter's identity)
+                tenant = salt if salt is not None else self._tenant
                 outcomes: list[PutOutcome] = self._store().put_detailed(keys, values, tenant=tenant)
             except Exception as e:  # noqa: BLE001 - a broken backend loses a save, nothing else
                 logger.warning("TierKVConnector: put failed for %s layer %d: %s", spec.req_id, layer, e)

@@ -48,7 +48,7 @@ from vllm.distributed.kv_events import KVCacheEvent
 from tierkv.outcome import MissReason
 
 from .chunks import plan_saves
-from .config import ConnectorOptions, EngineInfo
+from .config import ConnectorOptions, EngineInfo, RequestSalts
 from .connector_stats import TierKVConnectorStats
 from .groups import GroupKind
 from .kv_events import BlockEvents
@@ -167,6 +167,8 @@ class TierKVScheduler:
         #: request id -> whether its hits are audited (drawn at its first lookup that hits, kept until it ends)
         self._audit_draws: dict[str, bool] = {}
         self._audit_pace = AuditPace(options.audit_rate)
+        #: each request's key salt: its cache_salt and its LoRA adapter's identity (config.py)
+        self._salts = RequestSalts()
         #: the block hashes of planned chunks, for vLLM's KV events (None: vLLM publishes no events)
         self.block_events: BlockEvents | None = BlockEvents(info.block_size) if info.kv_events else None
         #: requests whose last lookup leased chunks in the workers and no load was planned for yet
@@ -207,7 +209,7 @@ class TierKVScheduler:
         objects held, over the shards)."""
         hashes = [bytes(h) for h in request.block_hashes[:limit]]
         rid = request.request_id if self.options.lease_timeout_s else None
-        ask = ProbeRequest(hashes, local, request.cache_salt, str(request.request_id))
+        ask = ProbeRequest(hashes, local, self._salts.of(request), str(request.request_id))
         reach, held, where, leased = max(0, len(hashes) - local), local, [], 0
         missed: dict[str, int] = {}
         try:
@@ -441,7 +443,7 @@ class TierKVScheduler:
                 per_group[0],
                 [bytes(req.block_hashes[b]) for _, b in chunks],
                 [b for ids in st.block_ids for b in ids[:end]] if self._multi else list(st.block_ids[0][:end]),
-                req.cache_salt,
+                self._salts.of(req),
                 per_group if self._multi else None,
                 audit=st.audit,
                 state_chunks=state_chunks,
@@ -469,7 +471,7 @@ class TierKVScheduler:
         for g in self._state_groups:
             # (id 0, vLLM's null block, is never written: the blocks before the boundary are not loaded)
             per_group[g] = [0] * (len(per_group[g]) - 1) + per_group[g][-1:]
-        return LoadSpec(st.request.request_id, lo, per_group[0], hashes, st.request.cache_salt, base,
+        return LoadSpec(st.request.request_id, lo, per_group[0], hashes, self._salts.of(st.request), base,
                         per_group if self._multi else None)
 
     def _savable(self, st: RequestState, chunks: list[tuple[int, int]], num_computed: int) -> list[tuple[int, int]]:

@@ -16,15 +16,18 @@ from tierkv.engine.level import Level
 log = logging.getLogger("tierkv")
 
 
-def recover(levels: list[Level]) -> None:
-    """Index what persistent media kept from an earlier process: the newest that fit.
+def recover(levels: list[Level]) -> dict[int, int]:
+    """Index what persistent media kept from an earlier process: the newest that fit.  Returns, per level
+    position, how many chunks the medium listed that did not fit and were deleted (trimmed: lost to the
+    store; the store reports them at its first ``flush``).
 
     Bulk from end to end (nothing here runs per object in Python): the tier hands its objects over as
     columns (``recover_columns``), ``plan_recovery`` picks the newest version of each key and the
     newest keys whose footprints fit, and ``Level.adopt`` loads them, READY, into the index and the
     eviction policy.  Keys that do not fit are deleted from the medium.
     """
-    for lvl in levels:
+    trims: dict[int, int] = {}
+    for k, lvl in enumerate(levels):
         if not (lvl.managed and lvl.tier.persistent):
             continue
         keys, sizes = lvl.tier.recover_columns()  # oldest first
@@ -35,12 +38,18 @@ def recover(levels: list[Level]) -> None:
         if trimmed:
             lvl.tier.delete(trimmed)  # the configured capacity shrank: the oldest go
         if not lvl.adopt(keep, sizes_kept):  # some key listed twice: its newest entry counts
-            keep, sizes_kept, trimmed = plan_recovery(keys, sizes, lvl.footprint, room, distinct=True)
-            if trimmed:
-                lvl.tier.delete(trimmed)
+            keep, sizes_kept, more = plan_recovery(keys, sizes, lvl.footprint, room, distinct=True)
+            if more:
+                lvl.tier.delete(more)
+            trimmed = [*trimmed, *more]
             lvl.adopt(keep, sizes_kept)
+        if trimmed:
+            trims[k] = len(set(trimmed).difference(keep))  # (a key listed twice, trimmed once and kept: kept)
+            log.warning("tierkv: tier %s: %d chunks it kept did not fit its capacity and were deleted",
+                        lvl.name, trims[k])
         log.info("tierkv: tier %s recovered %d chunks (%d bytes); dropped %d", lvl.name, len(keep), lvl.used,
                  len(keys) - len(keep))
+    return trims
 
 
 def plan_recovery(keys: list[str], sizes: Any, footprint: Any, room: int,

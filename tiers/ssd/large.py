@@ -175,15 +175,16 @@ def _parse_hex(cols: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return v, ok
 
 
-def orphans(digest: np.ndarray, raw_len: np.ndarray, key_start: np.ndarray, key_len: np.ndarray, keys,
-            geom: Geometry, alive: "np.ndarray | None" = None) -> np.ndarray:
-    """Which candidates are pieces that no manifest among them claims (its digest, an index below its
-    count); ``alive`` restricts the manifests to those it marks.  Vectorised."""
+def claims(digest: np.ndarray, raw_len: np.ndarray, key_start: np.ndarray, key_len: np.ndarray, keys,
+            geom: Geometry, alive: "np.ndarray | None"):
+    """(pieces mask, the pieces' positions, the position of the manifest among them that claims each or -1):
+    a piece is claimed by a manifest (``alive``: one it marks) of its owner's digest when its index is
+    below the manifest's count.  Vectorised."""
     pieces = piece_mask(key_len, key_start, keys)
-    out = np.zeros(len(digest), dtype=bool)
     at = np.flatnonzero(pieces)
+    claim = np.full(len(at), -1, dtype=np.int64)
     if not len(at):
-        return out
+        return pieces, at, claim
     kb = np.frombuffer(keys, dtype=np.uint8)
     rows = kb[key_start[at][:, None] + np.arange(1, PIECE_KEY_LEN)]
     owner, ok1 = _parse_hex(rows[:, :16])
@@ -191,16 +192,36 @@ def orphans(digest: np.ndarray, raw_len: np.ndarray, key_start: np.ndarray, key_
     man = (~pieces) & (raw_len > geom.single)
     if alive is not None:
         man &= alive
-    m_dig = digest[man].astype(np.uint64)
-    m_raw = raw_len[man].astype(np.int64)
+    m_at = np.flatnonzero(man)
+    m_dig = digest[m_at].astype(np.uint64)
     order = np.argsort(m_dig, kind="stable")
-    m_dig, m_raw = m_dig[order], m_raw[order]
+    m_dig = m_dig[order]
     if len(m_dig):
         pos = np.minimum(np.searchsorted(m_dig, owner), len(m_dig) - 1)
-        found = m_dig[pos] == owner
-        count = -(-m_raw[pos] // geom.piece)
-        claimed = found & (index.astype(np.int64) < count) & ok1 & ok2
-    else:
-        claimed = np.zeros(len(at), dtype=bool)
-    out[at] = ~claimed
+        count = -(-raw_len[m_at[order]].astype(np.int64)[pos] // geom.piece)
+        claimed = (m_dig[pos] == owner) & (index.astype(np.int64) < count) & ok1 & ok2
+        claim[claimed] = m_at[order][pos[claimed]]
+    return pieces, at, claim
+
+
+def orphans(digest: np.ndarray, raw_len: np.ndarray, key_start: np.ndarray, key_len: np.ndarray, keys,
+            geom: Geometry, alive: "np.ndarray | None" = None) -> np.ndarray:
+    """Which candidates are pieces that no manifest among them claims (its digest, an index below its
+    count); ``alive`` restricts the manifests to those it marks.  Vectorised."""
+    _, at, claim = claims(digest, raw_len, key_start, key_len, keys, geom, alive)
+    out = np.zeros(len(digest), dtype=bool)
+    out[at] = claim < 0
     return out
+
+
+def incomplete(digest: np.ndarray, raw_len: np.ndarray, key_start: np.ndarray, key_len: np.ndarray, keys,
+               geom: Geometry, alive: "np.ndarray | None" = None) -> np.ndarray:
+    """Which candidates are manifests missing a piece among them (``alive``: among those it marks): a
+    large object that can never read whole (its pieces' file lost or damaged).  Vectorised."""
+    pieces, at, claim = claims(digest, raw_len, key_start, key_len, keys, geom, None)
+    man = (~pieces) & (raw_len > geom.single)
+    if alive is not None:
+        man &= alive
+        claim = claim[alive[at]]
+    have = np.bincount(claim[claim >= 0], minlength=len(digest))  # (each piece key once: candidates are resolved)
+    return man & (have < -(-raw_len.astype(np.int64) // geom.piece))

@@ -55,6 +55,16 @@ _PAD_AT = F.RECORD_CHECK_AT + 8
 _PAD = bytes(F.REC_HDR - _PAD_AT)
 
 
+def _count_lost(st: EngineState, key: str) -> None:
+    """A chunk dropped as corrupt (``corrupt``, ``objects_lost``): a large object once, by its manifest, never
+    by its piece (``key`` a piece's: its object is dropped, and counted, by ``_drop_large``).  Caller holds
+    the state's ``lock``."""
+    if len(key) == L.PIECE_KEY_LEN and key[0] == "\x00":
+        return
+    st.counters["corrupt"] += 1
+    st.counters["objects_lost"] += 1
+
+
 def _loc(t: tuple, kbs: list, digs: list) -> tuple:
     """A record to read as ``_read_one`` takes it: (key bytes, digest, region, offset, rec_len, raw_len,
     seq, image or None), from a batch's entry (region index, offset, i, rec_len, raw_len, region, seq)."""
@@ -339,7 +349,7 @@ class RecordReader:
             st.index.remove(d)
             st.unlive(r.index, rec_len)
             st.dead.add(r.index, off, loc[6])
-            st.counters["corrupt"] += 1
+            _count_lost(st, key)
         return res == _OK
 
     def _locate(self, kb: bytes):
@@ -384,7 +394,7 @@ class RecordReader:
                     st.dead.add(loc[2].index, loc[3], loc[6])
                     st.changed = True
                     now = None
-                    st.counters["corrupt"] += 1
+                    _count_lost(st, key)
             if now is None or attempt:
                 return False
             loc = now
@@ -549,7 +559,7 @@ class RecordReader:
             st.dead.add(e[0], e[1], place[2])
             st.drop_pieces(d, 0, count)
             st.changed = True
-            st.counters["corrupt"] += 1
+            _count_lost(st, "")
 
     def _direct_into(self, fd: int, off: int, rec_len: int, kb: bytes, seq: int, raw_len: int, parts: Parts) -> int:
         """One preadv: header and key into a small buffer, the payload into the caller's parts."""

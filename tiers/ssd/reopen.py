@@ -23,6 +23,7 @@ import numpy as np
 from . import checkpoint as C
 from . import format as F
 from . import region as R
+from .deadlog import dead_keys
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,9 @@ class Loaded(NamedTuple):
     scanned: dict  # region index -> Scanned (unsealed regions)
     torn: int  # regions whose records stopped at a bad record before their end
     tombstones: dict  # region index -> tombstones it holds (among those read)
+    #: objects the checkpoint lists, named in no dead log, in a region file gone or begun again (another seq)
+    #: since: lost with it unless a later record of the key was found (then in ``cands``)
+    unreached: Optional[Candidates] = None
 
 
 def _empty() -> dict:
@@ -65,6 +69,7 @@ def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Opti
          dead: Optional[np.ndarray] = None) -> Loaded:
     """Collect and resolve candidates.  ``regions``: index -> Region with fd and seq set (valid headers only)."""
     parts = _empty()
+    unreached: Optional[Candidates] = None
     blobs: list = []
     base = 0
     covered: set[int] = set()
@@ -85,6 +90,16 @@ def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Opti
                     cur[idx] = r.seq
             ok = (cur[reg] == seqs[np.minimum(reg, len(seqs) - 1)]) & (reg < len(seqs))
         sel: slice | np.ndarray = slice(None) if ok.all() else np.flatnonzero(ok)  # (a slice copies nothing)
+        if not isinstance(sel, slice):
+            out = np.flatnonzero(~ok)
+            unreached = Candidates(
+                cols["digest"][out].astype(np.uint64), reg[out], seqs[np.minimum(reg[out], len(seqs) - 1)],
+                cols["offset"][out].astype(np.int64), cols["rec_len"][out].astype(np.int64),
+                cols["raw_len"][out].astype(np.int64), np.zeros(len(out), dtype=np.uint8),
+                ckpt.key_offs[:-1][out].astype(np.int64), cols["key_len"][out].astype(np.int64), ckpt.keys)
+            if dead is not None and len(dead):
+                unreached = take(unreached, np.flatnonzero(~np.isin(
+                    dead_keys(unreached.region, unreached.offset, unreached.seq), dead)))
         parts["digest"].append(cols["digest"][sel])
         parts["region"].append(reg[sel])
         parts["seq"].append(seqs[reg[sel]])
@@ -144,11 +159,9 @@ def load(dirpath: str, regions: dict, region_size: int, direct: bool, ckpt: Opti
         cat["flags"].astype(np.uint8, copy=False), cat["key_start"].astype(np.int64, copy=False),
         cat["key_len"].astype(np.int64, copy=False), keys)
     if dead is not None and len(dead) and len(cands.digest):  # records that died after they were written
-        from .deadlog import dead_keys
-
         alive = ~np.isin(dead_keys(cands.region, cands.offset, cands.seq), dead)
         cands = take(cands, np.flatnonzero(alive))
-    return Loaded(cands if in_order else resolve(cands), source, read_regions, scanned, torn, tombstones)
+    return Loaded(cands if in_order else resolve(cands), source, read_regions, scanned, torn, tombstones, unreached)
 
 
 def _looks_torn(r, end: int, direct: bool) -> bool:

@@ -215,7 +215,7 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
                             "reason": f"region size {sizes[idx]}, the others' {region_size}"})
         ckpt = C.read(path)
         ckpt_info = {"present": os.path.exists(os.path.join(path, C.NAME)), "valid": ckpt is not None,
-                     "objects": len(ckpt.cols["digest"]) if ckpt is not None else 0,
+                     "objects": int(np.count_nonzero(~_pieces_of(ckpt))) if ckpt is not None else 0,
                      "covered_seq": ckpt.covered_seq if ckpt is not None else None}
         if ckpt is not None and ckpt.region_size != region_size and regions:
             ckpt = None
@@ -240,13 +240,17 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
         if loaded is not None and loaded.scanned:
             checked.append(f"every record of {len(loaded.scanned)} unsealed region(s)")
         unverified = 0
-        if verify and c is not None:
+        large = _Large(c, region_size) if c is not None else None
+        if verify and c is not None and large is not None:
             keys = reopen.key_list(c)
             for i, k in enumerate(keys):
                 if progress is not None and not i % 4096:
                     progress(i, len(keys))
                 idx, off, n = int(c.region[i]), int(c.offset[i]), int(c.rec_len[i])
-                why = _check_record(regions[idx].fd, off, n, regions[idx].seq, k.encode())
+                head: list = []
+                why = _check_record(regions[idx].fd, off, n, regions[idx].seq, k.encode(), head)
+                if large.part(i, k, why, head):  # a piece or a manifest: judged with its object below
+                    continue
                 if why is None:
                     continue
                 if why == _CANNOT_TELL:
@@ -258,6 +262,18 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
             if progress is not None:
                 progress(len(keys), len(keys))
             checked.append("every object's record: header, key, seq, length, payload sum")
+        if large is not None and large.any and judge:  # (a large object is whole or damaged: all its pieces)
+            keys_of = reopen.key_list(c)
+            damaged = large.damaged()
+            unverified += len(large.unverified)
+            for m, why in sorted(damaged.items()):
+                corrupt.append({"key": keys_of[m], "region": int(c.region[m]), "offset": int(c.offset[m]),
+                                "reason": why})
+                if bad_out is not None:
+                    bad_out += [(int(c.region[j]), int(c.offset[j]), regions[int(c.region[j])].seq)
+                                for j in large.records_of(m)]
+            if verify:
+                checked.append("every large object's pieces: present, intact, of its manifest's put")
         if judge:
             corrupt = bad_files + corrupt
         else:
@@ -296,13 +312,19 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
 _CANNOT_TELL = "cannot tell"
 
 
+def _pieces_of(ckpt: C.Checkpoint) -> np.ndarray:
+    """Which entries of a checkpoint are pieces of large objects (no objects of their own, ``large.py``)."""
+    return L.piece_mask(ckpt.cols["key_len"].astype(np.int64), ckpt.key_offs[:-1].astype(np.int64), ckpt.keys)
+
+
 def _listed_alive(ckpt: C.Checkpoint, dead: np.ndarray) -> np.ndarray:
-    """Per region index: how many objects the checkpoint lists there that the dead log does not name."""
+    """Per region index: how many objects the checkpoint lists there that the dead log does not name (a
+    large object by its manifest; one whose pieces alone are there is reported by its key)."""
     reg = ckpt.cols["region"].astype(np.int64)
     if not len(reg):
         return np.zeros(0, dtype=np.int64)
     seqs = ckpt.region_seqs
-    ok = reg < len(seqs)
+    ok = (reg < len(seqs)) & ~_pieces_of(ckpt)
     reg = reg[ok]
     alive = np.ones(len(reg), dtype=bool)
     if len(dead):
@@ -310,8 +332,10 @@ def _listed_alive(ckpt: C.Checkpoint, dead: np.ndarray) -> np.ndarray:
     return np.bincount(reg[alive], minlength=int(reg.max()) + 1 if len(reg) else 0)
 
 
-def _check_record(fd: int, offset: int, rec_len: int, seq: int, key: bytes) -> Optional[str]:
-    """None when the record at ``offset`` is ``key``'s, intact; else why not."""
+def _check_record(fd: int, offset: int, rec_len: int, seq: int, key: bytes,
+                  head: Optional[list] = None) -> Optional[str]:
+    """None when the record at ``offset`` is ``key``'s, intact; else why not.  ``head`` receives the first
+    ``TABLE.size`` bytes of an intact record's payload (a manifest's table, a piece's nonce; ``large.py``)."""
     try:
         data = R.read_span(fd, offset, rec_len, False)
     except OSError as e:
@@ -332,10 +356,96 @@ def _check_record(fd: int, offset: int, rec_len: int, seq: int, key: bytes) -> O
         return "record length differs from the index"
     if h.flags & F.FLAG_TOMB:
         return None
-    s = F.payload_sum([data[h.body_at:h.rec_len]], h.flags)
+    body = data[h.body_at:h.rec_len]
+    s = F.payload_sum([body], h.flags)
     if s is None:
         return _CANNOT_TELL
-    return None if s == h.psum else "payload sum mismatch"
+    if s != h.psum:
+        return "payload sum mismatch"
+    if head is not None:
+        head.append(_payload_head(body, h))
+    return None
+
+
+def _payload_head(body, h: F.RecordHeader) -> Optional[bytes]:
+    """The first ``L.TABLE.size`` bytes of a record's payload as stored by the put (decompressed); None when
+    they cannot be had here (lz4 missing)."""
+    n = L.TABLE.size
+    if not h.flags & F.FLAG_LZ4:
+        return bytes(body[:n])
+    try:
+        import lz4.block
+
+        return lz4.block.decompress(bytes(body), uncompressed_size=h.raw_len)[:n]
+    except Exception:  # noqa: BLE001 - (no lz4 here, or a payload that does not decompress: not judged)
+        return None
+
+
+class _Large:
+    """The large objects among the objects found (``large.py``): which records are their parts, and what
+    ails each (a part that fails its check, a piece missing, a piece of another put).  A large object is
+    reported, and repaired, whole, under the key its user stored."""
+
+    def __init__(self, c: reopen.Candidates, region_size: int) -> None:
+        self.geom = L.Geometry.of(region_size)
+        self.cols = (c.digest, c.raw_len, c.key_start, c.key_len, c.keys, self.geom)
+        self.pieces, at, claim = L.claims(*self.cols, None)
+        self.owner = np.full(len(c.digest), -1, dtype=np.int64)  # the manifest of each piece claimed
+        self.owner[at] = claim
+        self.manifest = ~self.pieces & (c.raw_len > self.geom.single)
+        self.raw_len = c.raw_len
+        self.any = bool(self.manifest.any()) or bool(len(at))
+        self.why: dict[int, str] = {}  # manifest position -> the first fault found
+        self.nonce: dict[int, Optional[bytes]] = {}  # manifest -> its put's nonce; piece -> the nonce it carries
+        self.unverified: set[int] = set()  # manifests one of whose parts could not be checked here
+
+    def part(self, i: int, key: str, why: Optional[str], head: list) -> bool:
+        """Take the check of record ``i`` (key ``key``): True when it is part of a large object (or a piece no
+        manifest claims, no object: the tier drops it at open)."""
+        if self.pieces[i]:
+            m = int(self.owner[i])
+            if m >= 0:
+                self._judge(m, f"piece {int(key[17:], 16)} of {self.count(m)}", why)
+                self.nonce[i] = head[0][:L.NONCE] if head and head[0] is not None else None
+            return True
+        if not self.manifest[i]:
+            return False
+        self._judge(i, "manifest", why)
+        if head and head[0] is not None:
+            t = L.parse_table(head[0], self.geom)
+            if t is None or t.total != int(self.raw_len[i]):
+                self.why.setdefault(i, "manifest: not a table of this object")
+            else:
+                self.nonce[i] = t.nonce.to_bytes(L.NONCE, "little")
+        return True
+
+    def _judge(self, m: int, what: str, why: Optional[str]) -> None:
+        if why == _CANNOT_TELL:
+            self.unverified.add(m)
+        elif why is not None:
+            self.why.setdefault(m, f"{what}: {why}")
+
+    def count(self, m: int) -> int:
+        return self.geom.layout(int(self.raw_len[m]))[0]
+
+    def damaged(self) -> dict[int, str]:
+        """Manifest position -> why, for every large object that cannot read whole."""
+        out = dict(self.why)
+        for m in np.flatnonzero(L.incomplete(*self.cols)).tolist():
+            have = int(np.count_nonzero(self.owner == m))
+            out.setdefault(m, f"{self.count(m) - have} of its {self.count(m)} pieces missing")
+        for i in np.flatnonzero(self.owner >= 0).tolist():
+            m = int(self.owner[i])
+            mine, seen = self.nonce.get(m), self.nonce.get(i)
+            if mine is not None and seen is not None and seen != mine:
+                out.setdefault(m, "a piece of another put of the key (a put cut short)")
+        for m in out:
+            self.unverified.discard(m)
+        return out
+
+    def records_of(self, m: int) -> list[int]:
+        """Positions of a large object's records: its manifest and every piece found."""
+        return [m, *np.flatnonzero(self.owner == m).tolist()]
 
 
 # -- repair -------------------------------------------------------------------------------
