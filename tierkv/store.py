@@ -448,17 +448,26 @@ class TieredStore:
                 chain.departures.forget(keys)
             else:
                 chain.departed(keys, reason)
+            left: dict[str, None] = {}  # the keys some tier held: they leave now (the listeners hear them)
             with chain.lock:
                 for j in chain.managed:
                     lvl = self.levels[j]
-                    for key in keys:
-                        if lvl.holds(key):
+                    here = [key for key in keys if lvl.holds(key)]
+                    if here:
+                        chain.leases.let_go(lvl, here)  # (a lease holding them says it no longer does)
+                        for key in here:
                             lvl.drop(key)
+                        left.update(dict.fromkeys(here))
                 self._copier.promotion.removed(keys)
             for j in chain.shared:
-                if self.levels[j].tier.available:
-                    self._io.delete(self.levels[j], keys)
-            chain.removed(keys)
+                pool = self.levels[j]
+                if pool.tier.available:
+                    rest = [key for key in dict.fromkeys(keys) if key not in left]
+                    found = self._io.contains(pool, rest) if rest else None
+                    if self._io.delete(pool, keys) and found:
+                        left.update(dict.fromkeys(k for k, f in zip(rest, found) if f))
+            if left:
+                chain.removed([key for key in dict.fromkeys(keys) if key in left])
         finally:
             chain.leave()
 
@@ -527,9 +536,11 @@ class TieredStore:
         self._observers.remove(observer)
 
     def add_removal_listener(self, listener: Callable[[list[str]], None]) -> None:
-        """Call ``listener(keys)`` with chunks that left every managed tier: the last copy evicted (or its
-        lease expired) or ``remove``d.  It may run under the store's lock, on any thread: keep it short, and
-        never call the store from it.  A listener that raises is logged, never reaches the caller."""
+        """Call ``listener(keys)`` with chunks that left the store, each once per departure: the last copy
+        in a managed tier evicted (or its lease expired) with no copy taken below, or ``remove``d while some
+        tier held it (a shared pool is asked).  A key never stored, or removed again, is not heard.  It may
+        run under the store's lock, on any thread: keep it short, and never call the store from it.  A
+        listener that raises is logged, never reaches the caller."""
         self._chain.removal_listeners = [*self._chain.removal_listeners, listener]
 
     def remove_removal_listener(self, listener: Callable[[list[str]], None]) -> None:

@@ -121,7 +121,8 @@ class Chain:
         self.departures.record(keys, reason, None if lvl is None else lvl.name, policy)
 
     def removed(self, keys: list[str]) -> None:
-        """Tell the removal listeners that ``keys`` left every tier (evicted from the last copy, or removed)."""
+        """Tell the removal listeners that ``keys`` left every tier (evicted from the last copy, or removed):
+        only keys that were there and are gone now, each once (the caller checks)."""
         for fn in self.removal_listeners:
             try:
                 fn(keys)

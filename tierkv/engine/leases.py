@@ -3,9 +3,19 @@
 A :class:`Lease` pins each chunk it holds in the fastest managed level holding
 it READY, as a reader's pin does (``Level.pin_many``): a leased chunk is never
 named as a victim, and a level whose chunks are all pinned refuses new chunks
-rather than exceed its capacity.  It holds until :meth:`Lease.release` (every path
+rather than exceed its capacity.  A chunk already chosen as a victim, whose
+demotion is in flight when the lease is granted, is held too: the eviction, finding
+it leased when it would drop it, leaves it where it is (``leased``) and the put that
+needed the room looks for other victims, or is refused for lack of room.  So a
+lease either holds a chunk — READY and readable until the lease ends — or lists it
+in ``unheld``, never both.  It holds until :meth:`Lease.release` (every path
 out of the caller's work: done, failed, abandoned), until its ``ttl_s`` runs out,
 or until the store closes, whichever comes first, exactly once.
+
+A chunk removed from the level a lease holds it in (``TieredStore.remove``, a copy
+dropped as corrupt) is let go at once (``let_go``): it leaves the lease's pins for
+its ``unheld``, and its space is free for the next put of the key; a lease left
+holding nothing is released by that.
 
 A lease past its deadline is released by the store the next time it needs room
 (a reservation that would evict, a batch's ``make_room``), when a lease is taken
@@ -38,9 +48,9 @@ class Lease:
     """Chunks pinned for a caller until :meth:`release`, the deadline, or the store's close.
 
     ``held``: how many keys are pinned; ``unheld``: the keys that are not (in no
-    managed level: absent, being written, or in a shared pool only).  ``expired``:
-    the deadline released it (the chunks could then be evicted); ``released``: it
-    holds nothing any more, by whatever path.
+    managed level: absent, being written, or in a shared pool only; or removed since,
+    see ``LeaseBook.let_go``).  ``expired``: the deadline released it (the chunks could
+    then be evicted); ``released``: it holds nothing any more, by whatever path.
     """
 
     __slots__ = ("_book", "_late", "_pins", "deadline", "expired", "held", "released", "ttl_s", "unheld")
@@ -59,7 +69,8 @@ class Lease:
 
     def release(self) -> bool:
         """Unpin every chunk still held; True when this call released them, False when the lease held
-        nothing any more (released before, expired, or the store closed).  Idempotent, thread-safe."""
+        nothing any more (released before, expired, its chunks removed, or the store closed).  Idempotent,
+        thread-safe."""
         book = self._book
         if book is None:
             return False
@@ -86,6 +97,8 @@ class LeaseBook:
     def __init__(self, chain: Any) -> None:
         self._chain = chain
         self._heap: list[tuple[float, int, Lease]] = []
+        #: level -> key -> how many live leases pin it there (the pins an eviction leaves alone)
+        self._held: dict[Level, dict[str, int]] = {}
         self._seq = itertools.count()
         #: leases holding chunks now
         self.active = 0
@@ -111,6 +124,7 @@ class LeaseBook:
                 rest = [k for k, c in zip(rest, codes) if c is None]
             if here:
                 lvl.pin_many(here)
+                self._count(lvl, here)
                 pins.append((lvl, here))
         lease = Lease(self, pins, list(rest), ttl_s, now + ttl_s)
         if self.expired_keys and pins:  # (held again: an earlier lease's expiry no longer explains them)
@@ -139,6 +153,64 @@ class LeaseBook:
         self.active -= 1
         for lvl, keys in pins:
             lvl.unpin_many(keys)
+            self._uncount(lvl, keys)
+
+    def _count(self, lvl: Level, keys: list[str]) -> None:
+        held = self._held.get(lvl)
+        if held is None:
+            held = self._held[lvl] = {}
+        get = held.get
+        for k in keys:
+            held[k] = get(k, 0) + 1
+
+    def _uncount(self, lvl: Level, keys: list[str]) -> None:
+        held = self._held[lvl]
+        if len(held) == len(keys) and set(map(held.get, keys)) == {1}:
+            held.clear()  # exactly these keys, each leased once
+            return
+        for k in keys:
+            n = held[k] - 1
+            if n:
+                held[k] = n
+            else:
+                del held[k]
+
+    def leased(self, lvl: Level, keys: list[str]) -> set[str]:
+        """The keys of ``keys`` some live lease holds in ``lvl`` (an eviction leaves them there).  Lock held."""
+        held = self._held.get(lvl)
+        return held.keys() & keys if held else set()
+
+    def let_go(self, lvl: Level, keys: list[str]) -> None:
+        """``keys`` leave ``lvl`` (removed, or dropped as corrupt): every lease holding one of them there
+        unpins it and lists it in ``unheld``; a lease left holding nothing is released.  Lock held; cheap
+        while none of them is leased there."""
+        held = self._held.get(lvl)
+        if not held:
+            return
+        going = held.keys() & keys
+        if not going:
+            return
+        for _, _, lease in self._heap:
+            if lease.released:
+                continue
+            lost: list[str] = []
+            pins: list[tuple[Level, list[str]]] = []
+            for where, ks in lease._pins:
+                if where is lvl and not going.isdisjoint(ks):
+                    lost += [k for k in ks if k in going]
+                    ks = [k for k in ks if k not in going]
+                if ks:
+                    pins.append((where, ks))
+            if not lost:
+                continue
+            lvl.unpin_many(lost)
+            self._uncount(lvl, lost)
+            lease._pins = pins
+            lease.held -= len(lost)
+            lease.unheld.extend(lost)
+            if not pins:
+                lease.released = True
+                self.active -= 1
 
     def due(self) -> bool:
         """Whether some lease is past its deadline (cheap when none is live).  Lock held."""
@@ -199,3 +271,4 @@ class LeaseBook:
         for _, _, lease in heap:
             if not lease.released:
                 self._unpin(lease)
+        self._held.clear()

@@ -213,10 +213,19 @@ class Placer:
                 below = self.demote(j, victims[at:end], sizes[at:end]) if not last else set()
                 with self._lock:
                     batch = victims[at:end]
-                    gone = [key for key in batch if key not in below] if below else batch
+                    leases = chain.leases
+                    if leases.due():
+                        leases.expire()
+                    kept = leases.leased(lvl, batch)
+                    at = end  # the pins of the batch are released below (evict_many: raising or not)
+                    if kept:  # leased while their demotion was in flight: the lease holds them here
+                        for key in kept:
+                            lvl.unpin(key)  # (the eviction's pin; the lease's stays)
+                        batch = [key for key in batch if key not in kept]
+                    # (a victim removed meanwhile left then, and was heard then)
+                    gone = [key for key in batch if key not in below and lvl.holds(key)]
                     if gone and chain.behind and chain.behind[-1] > j:
                         chain.note_evicted(j, gone)
-                    at = end  # evict_many releases every pin of the batch, raising or not
                     lvl.counters.evictions += len(batch)
                     lvl.counters.demotions += len(below)
                     lvl.evict_many(batch)

@@ -191,6 +191,7 @@ class Reader:
                         else:  # lost, torn or corrupt: drop this copy, try the next level
                             if not ok:
                                 lvl.counters.errors += 1
+                                self.chain.leases.let_go(lvl, [key])  # (a lease cannot hold it any more)
                                 lvl.drop(key)
                             call.pending.append(i)
                     lvl.counters.bytes_read += got
