@@ -23,7 +23,6 @@ bytes it got, with no state of the writer's.
 from __future__ import annotations
 
 import ctypes
-import enum
 import logging
 import struct
 import threading
@@ -34,6 +33,7 @@ from typing import Any, Optional
 import torch
 
 from tierkv import xxh3
+from tierkv.enums import StrEnum
 from tierkv.errors import ConfigError
 
 log = logging.getLogger("tierkv")
@@ -45,7 +45,7 @@ TRAILER_MAGIC = b"TKVC"
 TRAILER_VERSION = 1
 
 
-class Verify(enum.StrEnum):
+class Verify(StrEnum):
     """When the engine checks a level's reads against the chunk's sum."""
 
     #: only tiers whose bytes can change outside this process (pooled, remote, disk): the default

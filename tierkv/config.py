@@ -38,6 +38,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import sys
 from typing import Any
 
 from tierkv.checksum import parse_verify
@@ -107,7 +108,10 @@ def _read_file(path: str) -> Any:
                 raise ConfigError(f"config file {path} is YAML but PyYAML is not installed (pip install pyyaml)") from e
             return yaml.safe_load(raw)
         if ext == ".toml":
-            import tomllib
+            if sys.version_info >= (3, 11):
+                import tomllib
+            else:  # the backport, a dependency on Python 3.10
+                import tomli as tomllib
 
             return tomllib.loads(raw.decode())
     except ConfigError:

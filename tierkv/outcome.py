@@ -3,14 +3,16 @@ and why a chunk a lookup asked for was not there (``MissReason``).
 
 ``PutOutcome`` and ``Admission`` are enums whose values are the words stats and logs print; both are true
 only for the yes (``PutOutcome.STORED`` / ``PRESENT``, ``Admission.ADMIT``), so a refusal or a throttled
-answer is never mistaken for a success.  ``MissReason`` is a ``StrEnum``: its members are the words of
-``stats()["total"]["misses_by_reason"]``, of the exporter's ``reason`` label and of traces.
+answer is never mistaken for a success.  ``MissReason`` is a ``StrEnum`` (``tierkv.enums``): its members are
+the words of ``stats()["total"]["misses_by_reason"]``, of the exporter's ``reason`` label and of traces.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass
+
+from tierkv.enums import StrEnum
 
 
 class PutOutcome(enum.Enum):
@@ -26,7 +28,7 @@ class PutOutcome(enum.Enum):
         return self is PutOutcome.STORED or self is PutOutcome.PRESENT
 
 
-class MissReason(enum.StrEnum):
+class MissReason(StrEnum):
     """Why a chunk was not served (``TieredStore.why_missing``); the label set of every miss counter.
 
     The answer comes from the store's bounded memory of recent departures (``miss_memory`` entries):

@@ -9,16 +9,16 @@ and serialises (stats, JSON) as that spelling.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import MutableMapping
 from typing import Any, Optional
 
+from tierkv.enums import StrEnum
 from tierkv.errors import ConfigError
 from tierkv.options import check_enum, pop_enum
 from tierkv.tiers.base import Tier
 
 
-class PersistMode(enum.StrEnum):
+class PersistMode(StrEnum):
     """How a level receives chunks stored above it (the tier option ``"persist"``)."""
 
     WRITE_BEHIND = "write_behind"  #: a background queue copies in every chunk stored above that it admits

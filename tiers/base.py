@@ -67,6 +67,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from tierkv.checksum import ReadSums
+from tierkv.enums import StrEnum
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.units import parse_size
 
@@ -94,7 +95,7 @@ class _Corrupt(enum.Enum):
 CORRUPT = _Corrupt.CORRUPT
 
 
-class Locality(enum.StrEnum):
+class Locality(StrEnum):
     """Where a tier's bytes live, as the engine sees it (``Tier.locality``); the values are the words stats print."""
 
     DEVICE = "device"  #: this device's memory

@@ -21,7 +21,6 @@ Every function works on whole arrays (numpy): no per-block Python loop, whatever
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,8 +28,10 @@ from typing import Any
 
 import numpy as np
 
+from tierkv.enums import StrEnum
 
-class GroupKind(str, enum.Enum):
+
+class GroupKind(StrEnum):
     """What a KV cache group's blocks hold, as far as a hit is concerned."""
 
     FULL = "full"  #: full attention: K/V of every token

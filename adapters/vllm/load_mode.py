@@ -8,10 +8,10 @@ the words the worker's counters and logs print (``load_counts``).  Which mode a 
 
 from __future__ import annotations
 
-import enum
+from tierkv.enums import StrEnum
 
 
-class LoadMode(enum.StrEnum):
+class LoadMode(StrEnum):
     """Where a load job runs."""
 
     SYNC = "sync"  #: in the engine's step
