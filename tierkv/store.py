@@ -70,8 +70,12 @@ Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.p
    eviction it held back then proceeds, and a chunk of it evicted before its
    holder let go departs as ``MissReason.LEASE_EXPIRED``) or by ``close()``.  A level whose chunks
    are all pinned refuses a new chunk (``rejected``, the put's ``NO_ROOM``)
-   rather than exceed its capacity (1).  A chunk only a shared pool holds is not
-   held (``Lease.unheld``): the pool evicts by its own rules.
+   rather than exceed its capacity (1).  A lease holds a chunk (READY, readable
+   until the lease ends) or lists it in ``Lease.unheld``, never both: a victim
+   whose demotion is in flight when it is leased stays (the put takes other room,
+   or answers ``NO_ROOM``).  A chunk only a shared pool holds is not held
+   (``Lease.unheld``): the pool evicts by its own rules.  ``remove`` ends a
+   lease's hold on the chunks it removes (then in ``unheld``; their room is free).
 10. **Every miss has a reason.**  The store remembers the last ``miss_memory`` departures
    (``tierkv.engine.departures``; default ``DEFAULT_MISS_MEMORY``): chunks evicted from the last
    tier holding them (with that tier, its eviction policy and the time), puts no tier took
@@ -414,7 +418,10 @@ class TieredStore:
         the load that follows it): each is pinned in the fastest managed tier holding it.  ``release()`` the
         answer on every path out; a lease not released by its deadline is released then and counted
         (``stats()["total"]["lease_expired"]``).  Keys in no managed tier (absent, being written, or only in a
-        shared pool) are not held: ``Lease.unheld`` lists them.  A closed store raises ``StoreClosedError``.
+        shared pool) are not held: ``Lease.unheld`` lists them.  A chunk whose eviction is in flight is held: the
+        eviction leaves it where it is.  ``remove`` of a leased key (by anyone) ends the hold on it: the lease
+        lists it in ``unheld`` from then on, and a new put of the key finds its room free.  A closed store
+        raises ``StoreClosedError``.
         """
         keys = check_keys(keys)
         if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not ttl_s > 0 or ttl_s == float("inf"):
