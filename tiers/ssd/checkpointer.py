@@ -181,7 +181,8 @@ class Checkpointer:
             return
         self._io.wait_seals()
         dirty = set(st.dirty_fds)
-        recreated, lost = [], 0
+        recreated: list = []
+        gone: list = []  # (digests, raw lengths) of the objects lost with the removed files
         for r in list(st.regions.values()):
             if r.foreign or not self._gone(r):
                 continue
@@ -195,9 +196,9 @@ class Checkpointer:
             with st.lock:
                 slots = st.index.in_region(r.index)
                 if len(slots):
+                    gone.append((st.index.digest[slots].copy(), st.index.raw_len[slots].copy()))
                     st.index.digest[slots] = F.TOMB
                     st.index.count -= len(slots)
-                    lost += len(slots)
                 st.live_total -= r.live_bytes
                 r.live_bytes = r.live_count = 0
                 if r is st.active:  # (no more writes into the removed file: the next begins a new region)
@@ -208,6 +209,8 @@ class Checkpointer:
                     st.active = None
                 r.state = R.FREE
             self._io.close_region_fd(r)  # (reused later as a new file)
+        with st.lock:  # (counted as chunks stored: a large object once, whatever became of its pieces)
+            lost = st.lose(np.concatenate([g[0] for g in gone]), np.concatenate([g[1] for g in gone])) if gone else 0
         for r in recreated:  # records that died before the removal are named again
             self._name_dead(r)
         st.counters["objects_lost"] += lost
@@ -329,6 +332,8 @@ class Checkpointer:
         if not have.all():  # objects no summary or record names any more: dropped, and counted
             self._drop_lost(cols["digest"][~have], cols["region"][~have], cols["offset"][~have],
                             cols["rec_len"][~have])
+            with st.lock:  # (a large object went whole: its other parts are no objects either)
+                have &= st.index.find_many(cols["digest"]) >= 0
         return reopen.take(c, np.flatnonzero(have))
 
     def _rescan(self, r: R.Region):
@@ -349,18 +354,24 @@ class Checkpointer:
         return entries, keys, offs
 
     def _drop_lost(self, digest, region, offset, rec_len) -> None:
-        """Index entries whose records can no longer be found: counted (``corrupt``), removed, named dead."""
+        """Index entries whose records can no longer be found: removed, named dead, and counted (``corrupt``,
+        ``objects_lost``) as the chunks stored they were (a large object once, its other parts with it)."""
         st = self._state
         with st.lock:
+            gone, sizes = [], []
             for d, rg, off, ln in zip(digest.tolist(), region.tolist(), offset.tolist(), rec_len.tolist()):
                 slot = st.index.find(d)
                 if slot < 0 or st.index.region.item(slot) != rg or st.index.offset.item(slot) != off:
                     continue
+                gone.append(d)
+                sizes.append(st.index.raw_len.item(slot))
                 st.index.remove(d)
                 st.unlive(rg, ln)
                 st.dead.add(rg, off, st.regions[rg].seq)
-                st.counters["corrupt"] += 1
                 st.changed = True
+            lost = st.lose(np.array(gone, dtype=np.uint64), np.array(sizes, dtype=np.int64))
+            st.counters["corrupt"] += lost
+            st.counters["objects_lost"] += lost
         log.warning("%s: %d objects whose records could not be found were dropped", st.what, len(digest))
 
     def write(self, cands: Optional[reopen.Candidates] = None, durable: bool = True) -> None:

@@ -303,7 +303,8 @@ class RegionChanger:
             dropped += self._drop_region(min(held, key=lambda r: r.seq))
 
     def _drop_region(self, r: R.Region) -> int:
-        """Drop every object of region ``r`` (named in the dead log, counted ``trimmed``)."""
+        """Drop every object of region ``r`` (named in the dead log; counted ``trimmed`` and ``objects_lost`` as
+        the chunks stored they were: a large object once, its parts elsewhere with it)."""
         st = self._state
         with st.lock:
             slots = st.index.in_region(r.index)
@@ -311,13 +312,16 @@ class RegionChanger:
             for off, ln in zip(offs, st.index.rec_len[slots].tolist()):
                 st.unlive(r.index, ln)
                 st.dead.add(r.index, off, r.seq)
+            gone = st.index.digest[slots].copy(), st.index.raw_len[slots].copy()
             st.index.digest[slots] = F.TOMB
             st.index.count -= len(slots)
-            st.counters["trimmed"] += len(slots)
+            n = st.lose(*gone)
+            st.counters["trimmed"] += n
+            st.counters["objects_lost"] += n
             r.state = R.FREE
             r.live_bytes = r.live_count = 0
             st.changed = True
-        log.warning("ssd %s: no free region at open: dropped the %d objects of %s", st.path, len(slots), r.path)
+        log.warning("ssd %s: no free region at open: dropped the %d objects of %s", st.path, n, r.path)
         return len(slots)
 
     def remove_surplus(self) -> None:

@@ -17,6 +17,8 @@ import threading
 import time
 from typing import Optional
 
+import numpy as np
+
 from . import checkpoint as C
 from . import deadlog
 from . import format as F
@@ -162,6 +164,36 @@ class EngineState:
             old = self.index.remove(F.key_digest(k.encode()))
             if old is not None:
                 self.retire(old)
+
+    def lose(self, digest, raw_len) -> int:
+        """Objects of digests ``digest`` (raw lengths ``raw_len``, numpy arrays) left the index as lost (their
+        file removed or damaged; the caller removed them): what is left of each large object one of them
+        belonged to goes too (its manifest and every piece, ``large.py``: it can never read whole).  Returns
+        how many chunks a user stored that makes: a large object counts once, its pieces never.  Caller
+        holds ``lock``."""
+        n = len(digest)
+        if not n or not self.has_large:
+            return n
+        geom = self.geometry()
+        ix = self.index
+        gone = set(digest.tolist())
+        at = np.flatnonzero((ix.raw_len > geom.single) & (ix.digest > F.TOMB))
+        big = raw_len > geom.single
+        manifests = [*zip(ix.digest[at].tolist(), ix.raw_len[at].tolist()),
+                     *zip(digest[big].tolist(), raw_len[big].tolist())]
+        for d, total in manifests:  # (a few: a large object is an eighth of a region or more)
+            count = geom.layout(total)[0]
+            pieces = sum(F.key_digest(k.encode()) in gone for k in L.piece_keys(d, 0, count))
+            if d not in gone:
+                if not pieces:
+                    continue
+                n += 1  # (its pieces count as the one chunk below)
+                old = ix.remove(d)
+                if old is not None:
+                    self.retire(old)
+            n -= pieces
+            self.drop_pieces(d, 0, count)
+        return n
 
     def space_reserve(self) -> int:
         """Bytes of the file system kept for a checkpoint (a new one is written beside the old) and the dead

@@ -259,13 +259,19 @@ class SSDTier(Tier):
         if ckpt is not None:
             seqs += [ckpt.covered_seq, int(ckpt.region_seqs.max()) if len(ckpt.region_seqs) else 0]
         st.next_seq = max([*seqs, deadlog.high_water(dead)], default=0) + 1
-        c, dropped = self._keep(loaded.cands)
+        c, dropped, trimmed, broken = self._keep(loaded.cands)
         self._index_objects(c, valid, ckpt if not loaded.read_regions and not len(dropped.digest) else None)
         st.covered = ckpt.covered_seq if ckpt is not None else 0
         if len(dropped.digest):
-            st.counters["trimmed"] = len(dropped.digest)
             for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
                 st.dead.add(rg, off, sq)
+        unreached = self._unreached(loaded)
+        st.counters["trimmed"] += trimmed
+        st.counters["objects_lost"] += unreached + broken + trimmed
+        if unreached or broken:
+            log.warning("%s: %d objects lost since the last open (%d listed in region files removed, emptied or "
+                        "unreadable; %d large objects missing a piece)", st.what, unreached + broken, unreached,
+                        broken)
         resume, lost, moved = self._settle(valid, loaded.scanned, dead)
         if lost:
             c = reopen.take(c, np.flatnonzero(st.index.find_many(c.digest) >= 0))
@@ -342,21 +348,41 @@ class SSDTier(Tier):
             valid[idx] = r
         return valid
 
-    def _keep(self, c: reopen.Candidates) -> tuple[reopen.Candidates, reopen.Candidates]:
-        """(kept, dropped) of the objects found: pieces no manifest claims (a process killed before the
-        manifest was written) go (``large.py``), and a smaller capacity keeps the newest that fit (a large
-        object's footprint is its manifest's)."""
+    def _keep(self, c: reopen.Candidates) -> tuple[reopen.Candidates, reopen.Candidates, int, int]:
+        """(kept, dropped, chunks trimmed, chunks lost) of the objects found (``large.py``): pieces no manifest
+        claims (a process killed before the manifest was written: never acknowledged) go; a large object
+        missing a piece (its file removed or damaged) goes whole, lost; and a smaller capacity keeps the
+        newest that fit (a large object's footprint is its manifest's), the others trimmed.  The counts are
+        of chunks stored: a large object once, never its pieces."""
         st = self._state
         geom = st.geometry()
-        keep = ~L.orphans(c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom)
+        cols = (c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom)
+        broken = L.incomplete(*cols)
+        keep = ~(L.orphans(*cols) | broken)
+        if broken.any():  # (the pieces it still has are no object's now)
+            keep &= ~L.orphans(*cols, alive=keep)
         pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
         fps = np.where(pieces, 0, geom.footprint(c.raw_len))
+        trimmed = 0
         if int(fps[keep].sum()) > st.capacity_bytes:
-            keep &= (np.cumsum(np.where(keep, fps, 0)[::-1])[::-1] <= st.capacity_bytes) | pieces
-            keep &= ~L.orphans(c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom, alive=keep)
+            fit = (np.cumsum(np.where(keep, fps, 0)[::-1])[::-1] <= st.capacity_bytes) | pieces
+            trimmed = int(np.count_nonzero(keep & ~fit))
+            keep &= fit
+            keep &= ~L.orphans(*cols, alive=keep)
+        lost = int(np.count_nonzero(broken))
         if keep.all():  # (nothing to select)
-            return c, reopen.take(c, np.zeros(0, dtype=np.int64))
-        return reopen.take(c, np.flatnonzero(keep)), reopen.take(c, np.flatnonzero(~keep))
+            return c, reopen.take(c, np.zeros(0, dtype=np.int64)), trimmed, lost
+        return reopen.take(c, np.flatnonzero(keep)), reopen.take(c, np.flatnonzero(~keep)), trimmed, lost
+
+    @staticmethod
+    def _unreached(loaded: reopen.Loaded) -> int:
+        """Chunks the checkpoint lists in region files removed, emptied or unreadable since, found nowhere
+        else (``reopen.Loaded.unreached``): lost.  A large object counts once, by its manifest."""
+        u = loaded.unreached
+        if u is None or not len(u.digest):
+            return 0
+        mine = ~L.piece_mask(u.key_len, u.key_start, u.keys) & ~np.isin(u.digest, loaded.cands.digest)
+        return int(np.count_nonzero(mine))
 
     def _index_objects(self, c: reopen.Candidates, valid: dict[int, R.Region], ckpt: Optional[C.Checkpoint]) -> None:
         """The index of the objects kept, and each region's live bytes and count (a region holding none is
@@ -475,7 +501,7 @@ class SSDTier(Tier):
         with st.lock:
             regions = [r for r in st.regions.values() if not r.foreign]
             large, pieces = self._large_count()
-            return {"path": st.path, "objects": len(st.index) - pieces, "large_objects": large,
+            return {"path": st.path, "objects": max(0, len(st.index) - pieces), "large_objects": large,
                     "compression": st.compression or "none",
                     "checksum": st.checksum, "direct_io": st.direct_io, "region_size": st.region_size,
                     "regions": len(regions), "regions_free": sum(r.state == R.FREE for r in regions),
