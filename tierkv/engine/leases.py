@@ -159,6 +159,9 @@ class LeaseBook:
         held = self._held.get(lvl)
         if held is None:
             held = self._held[lvl] = {}
+        if not held and len(set(keys)) == len(keys):  # (the common case, in C passes)
+            held.update(dict.fromkeys(keys, 1))
+            return
         get = held.get
         for k in keys:
             held[k] = get(k, 0) + 1
