@@ -14,6 +14,7 @@ import torch
 from tier_conformance import blob, fail_nth, key
 
 from tierkv import TieredStore
+from tierkv.durability import TierFlushError
 from tierkv.tiers.ssd import SSDTier
 
 MiB = 1 << 20
@@ -271,7 +272,8 @@ def test_io_errors_on_write_out_refuse_the_write_and_never_raise(tmp_path, monke
     big = [key(i) for i in range(1, 4)]
     assert t.write(big, [[blob(i, 3 * MiB)] for i in range(1, 4)]) == [False, False, False]
     assert t.extra_stats()["io_errors"] >= 1
-    t.flush()  # counted, not raised
+    with pytest.raises(TierFlushError):  # counted, and reported to the store (its flush is false)
+        t.flush()
     monkeypatch.setattr(os, "pwrite", real)
     assert t.contains(big) == [False] * 3
     assert t.write(big[:1], [[blob(1, 3 * MiB)]]) == [True]

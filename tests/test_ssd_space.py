@@ -16,6 +16,7 @@ import pytest
 import torch
 from tier_conformance import blob, key
 
+from tierkv.durability import TierFlushError
 from tierkv.errors import ConfigError
 from tierkv.tiers.ssd import SSDTier
 
@@ -459,7 +460,8 @@ def test_a_lock_taken_by_another_opener_meanwhile_stops_every_write(tmp_path, mo
         assert t.write([key(2)], [[blob(2, SIZE)]]) == [True]  # (found after this one: it is in the old file)
         assert t.write([key(3)], [[blob(3, SIZE)]]) == [False]
         assert t.extra_stats()["lock_lost"] == 1
-        t.flush()
+        with pytest.raises(TierFlushError, match="lock_lost"):  # (nothing it holds can be made durable)
+            t.flush()
         t.close()
         assert os.listdir(d) == ["LOCK"]  # nothing written into the other's directory
     finally:

@@ -48,6 +48,16 @@ class DropReason(enum.Enum):
     LOST = "lost"  #: the persistent tier lost chunks it had acknowledged (its files removed behind it, damage)
 
 
+class TierFlushError(OSError):
+    """A persistent tier's ``flush`` could not make everything it acknowledged durable (an fsync or a write
+    failed).  Raised by ``Tier.flush``; ``TieredStore.flush`` names the tier in ``tier_errors`` and counts
+    ``not_durable`` chunks (the tier's count of those written since its last good flush) as ``write_failed``."""
+
+    def __init__(self, message: str, not_durable: int = 0) -> None:
+        super().__init__(message)
+        self.not_durable = not_durable
+
+
 @dataclass(frozen=True)
 class FlushResult:
     """What ``flush`` made durable; true only when everything acknowledged before it is durable.

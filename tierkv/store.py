@@ -117,12 +117,13 @@ import torch
 from tierkv import shutdown
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
-from tierkv.durability import DropReason, FlushResult, fault_counts, lost_count
+from tierkv.durability import DropReason, FlushResult, TierFlushError, fault_counts, lost_count
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
 from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departure
 from tierkv.engine.leases import Lease
 from tierkv.engine.level import Level
+from tierkv.engine.losses import Losses
 from tierkv.engine.observers import Observers, attach_from_config
 from tierkv.engine.placer import Placer
 from tierkv.engine.reader import Reader
@@ -211,6 +212,7 @@ class TieredStore:
         self._lost_seen: dict[int, int] = {}  # persistent level -> its medium's lost objects so far (``_count_lost``)
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
         trimmed = recover(self.levels)
+        self._losses = Losses(chain, self._io)  # (after recovery: the index holds what the media hold)
         self._pid = os.getpid()
         _open_stores.add(self)  # closed at exit if its owner does not (``tierkv.shutdown``)
         for k, lvl in enumerate(self.levels):  # (after recovery: what opening counted is no write's fault)
@@ -302,6 +304,10 @@ class TieredStore:
                 except Exception as e:  # noqa: BLE001 - a tier that cannot sync is reported, not raised
                     errors[lvl.name] = str(e)[:300] or type(e).__name__
                     log.warning("tierkv: tier %s flush failed: %s", lvl.name, errors[lvl.name])
+                    if isinstance(e, TierFlushError) and e.not_durable > 0:  # (chunks it cannot call durable)
+                        with chain.lock:
+                            chain.drops.record_count(e.not_durable, DropReason.WRITE_FAILED)
+            self._losses.notice()
             self._count_lost()
             with chain.lock:
                 n, reasons, keys = chain.drops.take()
@@ -356,6 +362,7 @@ class TieredStore:
         t0 = time.perf_counter()
         try:
             res = self._writer.put(keys, prepared, ptrs, tenant)
+            self._losses.notice()
         finally:
             self._chain.leave()
         if self._observers.attached:

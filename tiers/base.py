@@ -312,7 +312,15 @@ class Tier:
         return list(keys), sizes
 
     def flush(self) -> None:
-        """Make everything written so far durable (persistent media)."""
+        """Make everything written so far durable (persistent media).  A medium that could not raises
+        ``tierkv.durability.TierFlushError`` (the store reports it, never raises it)."""
+
+    @property
+    def objects_lost(self) -> int:
+        """Acknowledged objects this medium lost on its own since it opened (its files removed behind it,
+        damage): when it rises, the store forgets the keys the medium no longer holds.  0 for media that
+        never lose what they took."""
+        return 0
 
     @property
     def used_bytes(self) -> int:

@@ -23,6 +23,8 @@ from typing import Optional, cast
 
 import numpy as np
 
+from tierkv.durability import TierFlushError
+
 from . import checkpoint as C
 from . import format as F
 from . import region as R
@@ -43,9 +45,15 @@ class Checkpointer:
         self._rebuilding = False  # (``_after_removal`` is running: its own flush does not look again)
 
     def flush(self) -> None:
-        """``SSDTier.flush``: ``flush_locked``, with a checkpoint only when one is due (``due``)."""
-        with self._state.wlock:
-            self.flush_locked(checkpoint=self.due())
+        """``SSDTier.flush``: ``flush_locked``, with a checkpoint only when one is due (``due``).  Raises
+        ``TierFlushError`` naming what failed, with the objects written since the last good flush, when
+        anything it owes could not be made durable (counted and logged as well)."""
+        st = self._state
+        with st.wlock:
+            failed = self.flush_locked(checkpoint=self.due())
+            n, st.unsynced = st.unsynced, 0  # (each is reported by one flush: the next starts afresh)
+        if failed:
+            raise TierFlushError(f"{st.what}: not durable: {'; '.join(failed)}"[:300], n)
 
     def checkpoint(self) -> None:
         """``SSDTier.checkpoint``: ``flush_locked`` with a checkpoint if the index changed since the last."""
@@ -61,30 +69,35 @@ class Checkpointer:
         return st.changed and (st.sealed_since_ckpt >= self.every()
                                or st.dead.size() > max(1 << 16, 4 * st.dead.compacted))
 
-    def flush_locked(self, checkpoint: bool) -> None:
+    def flush_locked(self, checkpoint: bool) -> list[str]:
         """Everything acknowledged to the file and, with ``fsync`` other than ``"never"``, the disk; then a
         checkpoint if ``checkpoint`` and the index changed since the last one.  A checkpoint a writer took on
         its own (not fsynced) is made durable here without being written again.  Files removed behind the
-        tier are found first (``check_removed``): what was acknowledged is in files under the directory."""
+        tier are found first (``check_removed``): what was acknowledged is in files under the directory.
+        Returns what could not be made durable (each also counted and logged); empty when all was.  A file
+        whose fsync failed is synced again by the next flush."""
         st = self._state
         if self.lock_lost():
-            return
+            return [cast(str, st.fault())]
+        failed: list[str] = []
         self.check_removed(dirty=True)
         r = st.active
-        if r is not None:
-            self._io.write_out(r, F.align_up(r.pos), r.pos)
-        self._io.wait_seals()
+        if r is not None and not self._io.write_out(r, F.align_up(r.pos), r.pos):
+            failed.append(f"writing {r.path}")
+        self._io.wait_seals()  # (a summary that failed is no loss: its region is scanned at the next open)
         if st.fsync != "never":  # the regions first: an entry of the dead log may name a record whose new
             for fd in list(st.dirty_fds):  # copy (reclamation) is among what these write out
                 try:
                     os.fdatasync(fd)  # (the files keep their size: data and allocation are what matter)
+                    st.dirty_fds.discard(fd)
                 except OSError as e:
                     st.io_error(e, "fsync")
-            st.dirty_fds.clear()
+                    failed.append(f"fsync of a region file: {e.strerror or e}")
         try:
             st.dead.write(st.fsync != "never")
         except OSError as e:
             st.io_error(e, "writing the dead log")
+            failed.append(f"writing the dead log: {e.strerror or e}")
         if checkpoint and st.changed:
             self.write()
         elif st.ckpt_unsynced and st.fsync != "never":
@@ -93,8 +106,9 @@ class Checkpointer:
                 st.ckpt_unsynced = False
             except FileNotFoundError:  # (removed behind the tier: the next checkpoint writes it again)
                 st.ckpt_unsynced = False
-            except OSError as e:
+            except OSError as e:  # (not a loss: a reopen without it reads the summaries)
                 st.io_error(e, "fsync of the checkpoint")
+        return failed
 
     # -- files removed behind the tier ----------------------------------------------------------------
     def lock_lost(self) -> bool:
@@ -109,23 +123,25 @@ class Checkpointer:
 
     def _dir_ids(self) -> tuple[int, int, int]:
         """(inode of the directory, of ``regions``, the time ``regions`` last changed): other inodes mean they
-        were removed and made again; another time, that a file in ``regions`` may have been removed."""
+        were removed and made again; another time, that a file in ``regions`` may have been removed.  Raises
+        ``OSError`` when that cannot be told (a permission error: a fault, not a removal)."""
         try:
             st = os.stat(os.path.join(self._state.path, "regions"))
             return os.stat(self._state.path).st_ino, st.st_ino, st.st_mtime_ns
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             return 0, 0, 0
 
     @staticmethod
     def _gone(r: R.Region, deep: bool = True) -> bool:
-        """Whether a region's file was removed (``deep``: or replaced) behind the tier."""
+        """Whether a region's file was removed (``deep``: or replaced) behind the tier; raises ``OSError``
+        when that cannot be told."""
         if r.fd < 0:
             return False
+        if os.fstat(r.fd).st_nlink == 0:
+            return True
         try:
-            if os.fstat(r.fd).st_nlink == 0:
-                return True
             return deep and os.stat(r.path).st_ino != r.ino
-        except OSError:
+        except (FileNotFoundError, NotADirectoryError):
             return True
 
     def check_removed(self, dirty: bool = False) -> bool:
@@ -136,13 +152,23 @@ class Checkpointer:
         st = self._state
         if self._rebuilding:
             return False
+        try:
+            found = self._removed(dirty)
+        except OSError as e:  # (it cannot be told now: a passing fault, probed until it passes)
+            st.health.failed(f"cannot reach {e.filename or st.path}: {e.strerror or e}")
+            return False
+        if found and not self.lock_lost():
+            self._after_removal()
+        return found
+
+    def _removed(self, dirty: bool) -> bool:
+        """Whether files were removed behind the tier (``check_removed``); raises ``OSError`` when that
+        cannot be told."""
+        st = self._state
         r = st.active
         found = r is not None and self._gone(r, deep=dirty)
         if not found and dirty:
-            try:
-                found = any(os.fstat(fd).st_nlink == 0 for fd in st.dirty_fds)
-            except OSError:
-                found = True
+            found = any(os.fstat(fd).st_nlink == 0 for fd in st.dirty_fds)
             now = self._dir_ids()
             if not found and now != self._dir_id:
                 # (a region file made or removed changes ``regions``: one look at every file, rarely)
@@ -150,8 +176,6 @@ class Checkpointer:
                     self._gone(r, deep=False) for r in st.regions.values() if not r.foreign)
                 if not found:
                     self._dir_id = now
-        if found and not self.lock_lost():
-            self._after_removal()
         return found
 
     def _after_removal(self) -> None:

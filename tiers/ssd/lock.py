@@ -9,8 +9,12 @@ The lock holds for the holder's whole life, even when the directory is removed b
 checks every ``WATCH_INTERVAL`` seconds that ``LOCK`` is still the file it holds and, if not,
 recreates the directory and ``LOCK`` and takes the lock again (``retake``).  Within this
 process the paths held are also registered, so a second opener here is refused even before
-the watcher has run.  If another process took the recreated lock first, the lock is *lost*
-(``lost``): the tier then refuses every write (the directory is someone else's).
+the watcher has run.  If another live process holds the recreated lock, the lock is *lost*
+(``lost``, its pid in ``holder`` and the log): the tier then refuses every write for good (the
+directory is someone else's).  Anything else that keeps the watcher from seeing or taking ``LOCK``
+(a permission error, an I/O error, a directory it cannot make again) is a *fault* (``fault``, its
+cause) that lasts only as long as its cause: the watcher looks again at every interval and clears it
+once ``LOCK`` is the file held again.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import logging
 import os
 import stat
 import threading
+from collections.abc import Callable
 from typing import Optional
 
 from tierkv.errors import ConfigError
@@ -42,9 +47,17 @@ def holder_pid(path: str) -> Optional[int]:
         return None
 
 
-def _in_use(what: str, path: str, lock_path: str, pid: Optional[int]) -> ConfigError:
+class LockHeld(ConfigError):
+    """The directory's lock is held by another writer (``pid``: its pid, when ``LOCK`` names one)."""
+
+    def __init__(self, message: str, pid: Optional[int]) -> None:
+        super().__init__(message)
+        self.pid = pid
+
+
+def _in_use(what: str, path: str, lock_path: str, pid: Optional[int]) -> LockHeld:
     who = f"process {pid}" if pid is not None else "another process"
-    return ConfigError(f"{what}: directory {path} is in use by {who} (lock {lock_path}); one writer per directory")
+    return LockHeld(f"{what}: directory {path} is in use by {who} (lock {lock_path}); one writer per directory", pid)
 
 
 class DirLock:
@@ -54,7 +67,9 @@ class DirLock:
         self.dir = path
         self.path = os.path.join(path, LOCK_NAME)
         self.what = what
-        self.lost = False  # another process holds the directory's (recreated) lock
+        self.lost = False  # another process holds the directory's (recreated) lock: for good
+        self.holder: Optional[int] = None  # (its pid, once lost)
+        self.fault: Optional[str] = None  # why ``LOCK`` cannot be seen or taken now, while that lasts
         self.retaken = 0  # times the lock was taken again after ``LOCK`` was removed
         self._mu = threading.Lock()  # (``_fd`` between the owner and the watcher)
         self._stop = threading.Event()
@@ -91,54 +106,76 @@ class DirLock:
             raise
         return fd
 
-    def watch(self) -> None:
-        """Start the watcher thread (see the module docstring)."""
+    def watch(self, tick: Optional[Callable[[], None]] = None) -> None:
+        """Start the watcher thread (see the module docstring); it also calls ``tick`` at every interval."""
         if self._watcher is None:
-            self._watcher = threading.Thread(target=self._watch, name=f"tierkv-lock-{os.path.basename(self.dir)}",
-                                             daemon=True)
+            self._watcher = threading.Thread(target=self._watch, args=(tick,),
+                                             name=f"tierkv-lock-{os.path.basename(self.dir)}", daemon=True)
             self._watcher.start()
 
-    def _watch(self) -> None:
+    def _watch(self, tick: Optional[Callable[[], None]]) -> None:
         while not self._stop.wait(WATCH_INTERVAL):
-            if not self.lost and not self.intact():
+            if not self.lost:
                 self.retake()
+            if tick is not None:
+                try:
+                    tick()
+                except Exception as e:  # noqa: BLE001 - the watcher outlives any one look
+                    log.warning("%s: %s", self.what, e)
 
     def intact(self) -> bool:
-        """Whether ``LOCK`` is still the file this lock holds (not removed, not replaced)."""
+        """Whether ``LOCK`` is still the file this lock holds (not removed, not replaced); raises ``OSError``
+        when that cannot be told (a permission error, an I/O error)."""
         with self._mu:
             return self._intact()
 
     def _intact(self) -> bool:
         if self._fd < 0:
             return True
+        st = os.fstat(self._fd)
+        if st.st_nlink == 0:
+            return False
         try:
-            st = os.fstat(self._fd)
-            return st.st_nlink > 0 and os.stat(self.path).st_ino == st.st_ino
-        except OSError:
+            return os.stat(self.path).st_ino == st.st_ino
+        except (FileNotFoundError, NotADirectoryError):
             return False
 
+    def _fail(self, cause: str) -> None:
+        if self.fault is None:
+            log.warning("%s: %s; writes are refused until it passes", self.what, cause)
+        self.fault = cause
+
     def retake(self) -> bool:
-        """Recreate the directory and ``LOCK`` and take the lock again, if ``LOCK`` is not the file held.
-        False (and ``lost`` set, logged) if another process holds it now."""
+        """Whether the lock holds: ``LOCK`` is the file held, or the directory and ``LOCK`` were made again
+        and locked again.  False while that cannot be done (``fault``, tried again at the watcher's next
+        look) and for good once another process holds the lock (``lost``, ``holder``; logged)."""
         with self._mu:
             if self._fd < 0 or self.lost:
                 return False
-            if self._intact():
-                return True
             try:
+                if self._intact():
+                    return self._cleared()
                 os.makedirs(self.dir, mode=0o700, exist_ok=True)
                 fd = self._take()
+            except LockHeld as e:
+                self.lost, self.holder = True, e.pid
+                log.error("%s: %s was removed and process %s took the directory meanwhile: no more writes to "
+                          "this directory", self.what, self.path, e.pid if e.pid is not None else "(unknown)")
+                return False
             except (OSError, ConfigError) as e:
-                if not self.lost:
-                    log.error("%s: %s was removed and the lock could not be taken again: %s; "
-                              "no more writes to this directory", self.what, self.path, e)
-                self.lost = True
+                self._fail(f"cannot reach or lock {self.path}: {getattr(e, 'strerror', None) or e}")
                 return False
             os.close(self._fd)
             self._fd = fd
             self.retaken += 1
             log.warning("%s: %s was removed behind the tier; recreated and locked again", self.what, self.path)
-            return True
+            return self._cleared()
+
+    def _cleared(self) -> bool:
+        if self.fault is not None:
+            log.warning("%s: %s reachable and held again (%s passed)", self.what, self.path, self.fault)
+            self.fault = None
+        return True
 
     def release(self) -> None:
         self._stop.set()

@@ -51,7 +51,7 @@ class RegionChanger:
         try:
             r = self.rotate()
         except OSError as e:
-            st.io_error(e, "starting a region")
+            st.write_failed(e, "starting a region")
             return None
         if r is None or not r.fits(rec_len, key_len, st.region_size):
             st.no_space("no region has room: the write is refused")

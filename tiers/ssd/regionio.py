@@ -82,7 +82,7 @@ class RegionIO:
             else:
                 R.pwrite_all(r.fd, memoryview(buf)[r.written:end], r.written)
         except OSError as e:
-            st.io_error(e, f"writing {r.path}")
+            st.write_failed(e, f"writing {r.path}")
             return False
         st.dirty_fds.add(r.fd)
         r.written = min(end, F.align_down(data_end)) if st.direct_io else end

@@ -218,7 +218,7 @@ class Segment:
             try:
                 f.result()
             except OSError as e:
-                state.io_error(e, f"writing {cast(R.Region, self.region).path}")
+                state.write_failed(e, f"writing {cast(R.Region, self.region).path}")
                 ok = False
         if self.futures and ok:
             state.dirty_fds.add(cast(R.Region, self.region).fd)

@@ -113,6 +113,10 @@ class SegmentWriter:
             if self._checkpointer.lock_lost():  # (the directory is another process's now: see ``lock.py``)
                 st.count("lock_lost", len(keys))
                 return [False] * len(keys)
+            lf = st.lock_file
+            if lf is not None and lf.fault is not None:  # (the directory cannot be seen: refused until it can)
+                st.count("not_writable", len(keys))
+                return [False] * len(keys)
             prior = self._large_before(keys) if st.has_large else None
             out, one_by_one, large = self.append(keys, srcs)
             for i in large:
@@ -134,6 +138,8 @@ class SegmentWriter:
                     for i, k in enumerate(keys):
                         if out[i] and st.index.find(F.key_digest(k.encode())) < 0:
                             out[i] = False
+            if st.health.fault is not None and True in out:  # (a write that went through: the fault passed;
+                st.health.passed()  # the store sends none while the tier says it is not writable)
         return out
 
     def _write_reserved(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
@@ -395,7 +401,7 @@ class SegmentWriter:
                 try:  # (beside the writer's piece in flight)
                     R.pwritev_all(r.fd, seg.iov, seg.submitted)
                 except OSError as e:
-                    st.io_error(e, f"writing {r.path}")
+                    st.write_failed(e, f"writing {r.path}")
                     ok = False
             ok = seg.wait(st) and ok
             if ok:
@@ -427,6 +433,7 @@ class SegmentWriter:
         cast(bytearray, r.entries).extend(b"".join(seg.entries))
         cast(bytearray, r.keys).extend(b"".join(seg.keys))
         r.count += n
+        st.unsynced += n
         for i in seg.idx:
             out[i] = True
         seg.reset()
@@ -500,6 +507,7 @@ class SegmentWriter:
             r.pos = end
             st.changed = True
         r.add_entry(d, pos, rec_len, raw_len, kb, flags)
+        st.unsynced += 1
         return True
 
     # -- large objects (``large.py``) -------------------------------------------------------
@@ -521,11 +529,14 @@ class SegmentWriter:
         d = F.key_digest(kb)
         tag = torch.frombuffer(bytearray(nonce.to_bytes(L.NONCE, "little")), dtype=torch.uint8)
         srcs = [[tag, *L.slices(parts, i * piece, min(total, (i + 1) * piece))] for i in range(count)]
+        unsynced = st.unsynced
         res, _, _ = self.append(L.piece_keys(d, 0, count), srcs)
         table = torch.frombuffer(bytearray(L.pack_table(count, piece, total, nonce)), dtype=torch.uint8)
         if all(res) and self._put_one(key, [table], large_total=total):
             st.has_large = True
+            st.unsynced = unsynced + 1  # (one chunk stored, whatever its pieces)
             return True
+        st.unsynced = unsynced
         with st.lock:
             st.drop_pieces(d, 0, count)
         return False

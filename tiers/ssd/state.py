@@ -25,6 +25,7 @@ from . import format as F
 from . import large as L
 from . import region as R
 from .deadlog import DeadLog
+from .health import Health
 from .index import DigestIndex
 from .lock import DirLock
 
@@ -35,7 +36,7 @@ REGIONS_DIR = "regions"
 COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
             "gc_relocated", "gc_dropped", "gc_disk_full", "gc_in_place", "checkpoints", "checkpoint_errors",
             "torn_regions", "skipped_files", "partial_files_removed", "dir_removed", "objects_lost", "lock_lost",
-            "trimmed", "direct_writes", "summaries_rebuilt", "regions_removed")
+            "trimmed", "direct_writes", "summaries_rebuilt", "regions_removed", "not_writable")
 #: a lack of room is logged at most once in this many seconds (every one is counted: ``enospc``)
 NO_SPACE_LOG_EVERY = 10.0
 #: room a full file system keeps beyond a checkpoint's and the dead log's (see ``space_reserve``)
@@ -62,6 +63,7 @@ class EngineState:
         self.lock = threading.Lock()
         self.wlock = threading.Lock()
         self.lock_file: Optional[DirLock] = None
+        self.health = Health(what)  # (a passing fault: ``health.py``)
         self.counters = dict.fromkeys(COUNTERS, 0)
         self.regions: dict[int, R.Region] = {}
         self.active: Optional[R.Region] = None
@@ -71,6 +73,7 @@ class EngineState:
         self.covered = 0  # the checkpoint covers regions of seq below this
         self.sealed_since_ckpt = 0
         self.ckpt_unsynced = False  # the checkpoint file was written without fsync (``Checkpointer.write``)
+        self.unsynced = 0  # objects written since the last flush (what a failed one cannot call durable)
         self.next_seq = 1
         self.dirty_fds: set[int] = set()  # region files written since the last fsync
         self.image_addr = 0  # the address of the active region's image
@@ -121,6 +124,23 @@ class EngineState:
             return
         self.count("io_errors")
         log.warning("%s: %s failed: %s", self.what, what, e)
+
+    def write_failed(self, e: OSError, what: str) -> None:
+        """A write the tier owes failed: counted and logged (``io_error``), and the tier is not writable
+        until a probe finds the cause gone (``health.py``)."""
+        self.io_error(e, what)
+        self.health.failed(f"{what} failed: {e.strerror or e}")
+
+    def fault(self) -> Optional[str]:
+        """Why the tier cannot write now, None when it can: another process took the directory (for good),
+        or a passing fault (the lock's, ``lock.py``, or a write's, ``health.py``)."""
+        lf = self.lock_file
+        if lf is not None and lf.lost:
+            who = f"process {lf.holder}" if lf.holder is not None else "another process"
+            return f"lock_lost: {who} took {self.path}"
+        if lf is not None and lf.fault is not None:
+            return lf.fault
+        return self.health.fault
 
     def no_space(self, what: str) -> None:
         """Count a lack of room (``enospc``: a refused write, or the file system's ENOSPC, EDQUOT or EFBIG)

@@ -178,7 +178,7 @@ class SSDTier(Tier):
             lock_file.release()
             raise
         self.region_size = st.region_size  # (the directory's, once open)
-        lock_file.watch()
+        lock_file.watch(self._tick)
         self._reader = RecordReader(st, io_threads or min(4, max(2, os.cpu_count() or 2)))
 
     @classmethod
@@ -493,11 +493,59 @@ class SSDTier(Tier):
         return self._state.live_total
 
     @property
+    def objects_lost(self) -> int:
+        return self._state.counters["objects_lost"]
+
+    @property
+    def available(self) -> bool:
+        """False while the tier cannot write (``EngineState.fault``: a passing fault, or the directory taken
+        by another process): the store places nothing here meanwhile; what the tier holds is still read."""
+        return not self._closed and self._state.fault() is None
+
+    # -- a passing fault's end (``health.py``) ----------------------------------------------------
+    def _tick(self) -> None:
+        """The lock watcher's call at every interval: a probe when one is due; skipped while a writer holds
+        the files (it finds the fault's end itself, or the next tick does)."""
+        st = self._state
+        if not st.health.due() or self._closed or not st.wlock.acquire(blocking=False):
+            return
+        try:
+            if not self._closed and not self._checkpointer.lock_lost():
+                self._probe()
+        finally:
+            st.wlock.release()
+
+    def _probe(self) -> None:
+        """Try again what a write needs: the directory and ``regions`` reachable (what a removal took is made
+        again, ``Checkpointer.check_removed``) and the active region's header written again (the same
+        bytes: a write the device must take).  Success ends the fault; a failure waits longer.  Caller
+        holds ``wlock``."""
+        st = self._state
+        try:
+            self._checkpointer.check_removed(dirty=True)
+            os.stat(os.path.join(st.regions_dir, "."))  # (still missing, or unreachable: not yet)
+            r = st.active
+            if r is not None and r.buf is not None and r.fd >= 0:
+                if r.written >= F.BLOCK:
+                    R.pwrite_all(r.fd, memoryview(r.buf)[:F.BLOCK], 0)
+                elif not self._io.header_out():
+                    raise OSError(f"writing the header of {r.path} failed")
+            elif not os.access(st.regions_dir, os.W_OK | os.X_OK):
+                raise PermissionError(f"{st.regions_dir} is not writable")
+        except OSError as e:
+            st.health.failed(f"probe: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+            return
+        if st.lock_file is None or st.lock_file.fault is None:
+            st.health.passed()
+
+    @property
     def index_bytes(self) -> int:
         return self._state.index.nbytes
 
     def extra_stats(self) -> dict[str, Any]:
         st = self._state
+        fault = st.fault()
+        holder = st.lock_file.holder if st.lock_file is not None else None
         with st.lock:
             regions = [r for r in st.regions.values() if not r.foreign]
             large, pieces = self._large_count()
@@ -506,6 +554,7 @@ class SSDTier(Tier):
                     "checksum": st.checksum, "direct_io": st.direct_io, "region_size": st.region_size,
                     "regions": len(regions), "regions_free": sum(r.state == R.FREE for r in regions),
                     "index_bytes": st.index.nbytes, "recovered_from": self.recovered_from,
+                    "writable": fault is None, "last_error": fault or "", "lock_holder": holder,
                     **st.counters}
 
     def _large_count(self) -> tuple[int, int]:
