@@ -152,34 +152,54 @@ def test_qwen3_next_style_model_keeps_its_groups_and_hits_its_saved_states_from_
     assert t["audits"] == hit[0] // bs + 3 and t.get("audit_mismatches", 0) == 0
 
 
-def test_gemma3_style_model_hits_from_a_new_process_what_vllm_caches_sent_together_or_one_by_one(tmp_path):
-    """The connector's defaults (chunks of 256 tokens) on sliding-window layers: engine 1 stores four prompts
-    sharing a 201-token prefix, sent together (one batch: the later prompts hit the first one's blocks inside
-    vLLM, whose sliding-window groups then hold only the blocks of the window) and sent one by one; a new
-    engine process gets from the tiers as many cached tokens as vLLM's own prefix cache gives the same prompts
-    in one process, and vLLM's tokens without a connector."""
-    model = H.make_gemma3_model(tmp_path / "gemma3")
-    prompts = _prompts(201, (30, 47, 64, 81))  # 231, 248, 265 and 282 tokens
+def _hits_what_vllm_caches(model: str, dtype: str, prompts: list[list[int]], tmp_path) -> tuple[list, list]:
+    """Engine 1 (the connector's defaults over DRAM -> SSD) stores ``prompts`` sent together and one by one
+    (two phases under two cache salts, so that neither finds the other's prefix in vLLM's cache); a new
+    engine process asks them again: its cached tokens equal what vLLM's own prefix cache gives the same prompts
+    again in one process, and its tokens vLLM's without a connector. Returns vLLM's own cached tokens (sent
+    together, one by one)."""
     cache = tmp_path / "c"
-    # two phases under two cache salts, so that neither prefix is found in vLLM's cache from the other
-    together = {"op": "generate", "prompts": prompts, "salts": ["together"] * 4}
-    one_by_one = {"op": "generate", "prompts": prompts, "salts": ["one-by-one"] * 4, "one_by_one": True}
-    base = U.run_engine({"model": model, "kv_transfer_config": None,
-                         "steps": [together, together, one_by_one, one_by_one]}, cache)["steps"]
+    together = {"op": "generate", "prompts": prompts, "salts": ["together"] * len(prompts)}
+    one_by_one = {"op": "generate", "prompts": prompts, "salts": ["one-by-one"] * len(prompts), "one_by_one": True}
+    spec = {"model": model, "dtype": dtype}
+    base = U.run_engine({**spec, "kv_transfer_config": None, "steps": [together, together, one_by_one, one_by_one]},
+                        cache, timeout=600)["steps"]
     assert base[0]["tokens"] == base[2]["tokens"]
     expected = base[0]["tokens"]
-    # vLLM's own cache, asked the same prompts again: every whole block but the one holding the last token
-    vllm_hits = [(len(p) - 1) // 32 * 32 for p in prompts]
-    assert base[1]["num_cached_tokens"] == base[3]["num_cached_tokens"] == vllm_hits == [224, 224, 256, 256]
     kv = U.connector_config(_store(tmp_path / "ssd"))
-    one = U.run_engine({"model": model, "kv_transfer_config": kv, "steps": [together, one_by_one]}, cache)
+    one = U.run_engine({**spec, "kv_transfer_config": kv, "steps": [together, one_by_one]}, cache, timeout=600)
     assert [s["tokens"] for s in one["steps"]] == [expected, expected]
-    two = U.run_engine({"model": model, "kv_transfer_config": kv,
-                        "steps": [together, one_by_one, {"op": "records"}]}, cache)
+    two = U.run_engine({**spec, "kv_transfer_config": kv, "steps": [together, one_by_one, {"op": "records"}]},
+                       cache, timeout=600)
     gen_together, gen_one, rec = two["steps"]
-    assert gen_together["num_cached_tokens"] == vllm_hits
-    assert gen_one["num_cached_tokens"] == vllm_hits
+    assert gen_together["num_cached_tokens"] == base[1]["num_cached_tokens"]
+    assert gen_one["num_cached_tokens"] == base[3]["num_cached_tokens"]
     assert gen_together["tokens"] == gen_one["tokens"] == expected
     assert rec["idle"] == []
     # the first prompt of each phase came from the tiers in full (the others may add vLLM's own hits of it)
-    assert rec["scheduler"][0]["hit_tokens"] >= 2 * vllm_hits[0]
+    assert rec["scheduler"][0]["hit_tokens"] >= base[1]["num_cached_tokens"][0] + base[3]["num_cached_tokens"][0]
+    return base[1]["num_cached_tokens"], base[3]["num_cached_tokens"]
+
+
+def test_gemma3_style_model_hits_from_a_new_process_what_vllm_caches_sent_together_or_one_by_one(tmp_path):
+    """The connector's defaults on sliding-window layers: four prompts sharing a 201-token prefix, sent together
+    (one batch: the later prompts continue from the first one's blocks inside vLLM, whose sliding-window groups
+    then hold only the blocks of the window) and one by one; a new engine process gets from the tiers what vLLM's
+    own prefix cache gives."""
+    model = H.make_gemma3_model(tmp_path / "gemma3")
+    prompts = _prompts(201, (30, 47, 64, 81))  # 231, 248, 265 and 282 tokens
+    together, one_by_one = _hits_what_vllm_caches(model, "float32", prompts, tmp_path)
+    # vLLM's own cache: every whole block but the one holding the last token
+    assert together == one_by_one == [(len(p) - 1) // 32 * 32 for p in prompts] == [224, 224, 256, 256]
+
+
+@pytest.mark.parametrize("kind", ["full", "state"])
+def test_other_group_kinds_hit_from_a_new_process_what_vllm_caches_sent_together_or_one_by_one(tmp_path, kind):
+    """The same for a full-attention model (one group) and a Qwen3-Next-style one (recurrent-state groups)."""
+    if kind == "full":
+        model, dtype, head = U.make_tiny_model(tmp_path / "llama"), "float32", 201
+    else:
+        model, dtype, head = H.make_qwen3_next_model(tmp_path / "qwen3n"), "bfloat16", 401
+    prompts = _prompts(head, (30, 47, 64, 81))
+    together, one_by_one = _hits_what_vllm_caches(model, dtype, prompts, tmp_path)
+    assert min(together) > 0 and min(one_by_one) > 0
