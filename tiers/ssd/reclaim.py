@@ -74,13 +74,16 @@ class Reclaimer:
             h = F.parse_record(data, victim.seq)
             klen = len(h.key) if h is not None else 0
             if h is None or not dest.fits(ln, klen, st.region_size):
-                st.count("corrupt" if h is None else "gc_dropped")
                 with st.lock:
+                    gone = ix.digest[slot:slot + 1].copy(), ix.raw_len[slot:slot + 1].copy()
                     ix.digest[slot] = F.TOMB
                     ix.count -= 1
                     st.unlive(victim.index, ln)
                     st.dead.add(victim.index, off, victim.seq)
                     st.changed = True
+                    n = st.lose(*gone)  # (a large object goes whole, counted once)
+                    st.counters["corrupt" if h is None else "gc_dropped"] += n
+                    st.counters["objects_lost"] += n
                 continue
             pos = dest.pos
             buf = cast(mmap.mmap, dest.buf)  # (the active image)
@@ -178,9 +181,12 @@ class Reclaimer:
                     st.dead.add(victim.index, off, old_seq)
                 if new < 0 or not live:
                     if live:  # (its bytes were bad)
+                        gone = ix.digest[slot:slot + 1].copy(), ix.raw_len[slot:slot + 1].copy()
                         ix.digest[slot] = F.TOMB
                         ix.count -= 1
-                        st.counters["corrupt"] += 1
+                        n = st.lose(*gone, drop=False)  # (a piece: its object is dropped, and counted, when read)
+                        st.counters["corrupt"] += n
+                        st.counters["objects_lost"] += n
                     elif new >= 0:  # (dropped by a reader meanwhile: its new copy is no object either)
                         victim.add_entry(F.key_digest(key), new, ln, raw_len, key, flags)
                         st.dead.add(victim.index, new, new_seq)

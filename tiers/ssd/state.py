@@ -185,12 +185,13 @@ class EngineState:
             if old is not None:
                 self.retire(old)
 
-    def lose(self, digest, raw_len) -> int:
+    def lose(self, digest, raw_len, drop: bool = True) -> int:
         """Objects of digests ``digest`` (raw lengths ``raw_len``, numpy arrays) left the index as lost (their
         file removed or damaged; the caller removed them): what is left of each large object one of them
         belonged to goes too (its manifest and every piece, ``large.py``: it can never read whole).  Returns
-        how many chunks a user stored that makes: a large object counts once, its pieces never.  Caller
-        holds ``lock``."""
+        how many chunks a user stored that makes: a large object counts once, its pieces never.  With
+        ``drop`` false nothing more is removed, and a piece whose manifest stays counts nothing (the read that
+        finds the manifest short drops it and counts it).  Caller holds ``lock``."""
         n = len(digest)
         if not n or not self.has_large:
             return n
@@ -207,12 +208,16 @@ class EngineState:
             if d not in gone:
                 if not pieces:
                     continue
+                if not drop:
+                    n -= pieces
+                    continue
                 n += 1  # (its pieces count as the one chunk below)
                 old = ix.remove(d)
                 if old is not None:
                     self.retire(old)
             n -= pieces
-            self.drop_pieces(d, 0, count)
+            if drop:
+                self.drop_pieces(d, 0, count)
         return n
 
     def space_reserve(self) -> int:

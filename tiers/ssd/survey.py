@@ -247,9 +247,9 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
                 if progress is not None and not i % 4096:
                     progress(i, len(keys))
                 idx, off, n = int(c.region[i]), int(c.offset[i]), int(c.rec_len[i])
-                head: list = []
-                why = _check_record(regions[idx].fd, off, n, regions[idx].seq, k.encode(), head)
-                if large.part(i, k, why, head):  # a piece or a manifest: judged with its object below
+                start: list = []
+                why = _check_record(regions[idx].fd, off, n, regions[idx].seq, k.encode(), start)
+                if large.part(i, k, why, start):  # a piece or a manifest: judged with its object below
                     continue
                 if why is None:
                     continue
@@ -262,7 +262,7 @@ def _scan(path: str, verify: bool, live: Optional[int], bad_out: Optional[list] 
             if progress is not None:
                 progress(len(keys), len(keys))
             checked.append("every object's record: header, key, seq, length, payload sum")
-        if large is not None and large.any and judge:  # (a large object is whole or damaged: all its pieces)
+        if c is not None and large is not None and large.any and judge:  # (whole or damaged: all its pieces)
             keys_of = reopen.key_list(c)
             damaged = large.damaged()
             unverified += len(large.unverified)

@@ -19,10 +19,11 @@ region's records; it takes no lock and writes nothing, so it may run beside a li
 writer (then nothing is judged corrupt: the directory changes as it is read).
 --verify: also reads every object's record and checks its header, key, length and
 payload sum, holding a shared lock on DIR/LOCK (a directory in use by a writer is
-refused, exit 2, naming its pid).  --repair: under the writer lock, verifies and
-removes exactly the corrupt objects (nothing else: no capacity applies), lists them
-and reports the directory afterwards.  Exit 1 when corruption was found (after
---repair: when some remains).
+refused, exit 2, naming its pid).  A large object (pieces and a manifest) is judged
+whole and named by the key it was stored under.  --repair: under the writer lock,
+verifies and removes exactly the corrupt objects (a large object with all its pieces;
+nothing else: no capacity applies), lists them and reports the directory afterwards.
+Exit 1 while corruption remains (after --repair: when some remains).
 
 With --master HOST:PORT (and no PATH): a Mooncake pool's view, as far as the
 Mooncake client API allows: it has no listing call, so the master's HTTP endpoint
