@@ -136,11 +136,22 @@ def test_status_says_unhealthy_when_the_write_behind_queue_drops(tmp_path):
         assert e.value.code == 503
         status = json.loads(e.value.read())
         assert not status["healthy"]
-        assert status["problems"] == ["the write-behind queue dropped 3 acknowledged chunks (too_large 3)"]
+        assert status["problems"] == ["3 acknowledged chunks are not durable in their persistent tier "
+                                      "(flush() names them)"]
         assert status["warnings"] == ["tier ssd: medium faults: too_large 3"]
         doc = live.read_store(exporter.url)
         assert doc["problems"] == status["problems"] and doc["write_behind"]["dropped_by_reason"] == {"too_large": 3}
+        assert doc["write_behind"]["not_durable"] == 3
         assert "UNHEALTHY" in describe.render(doc)
+        store.remove(keys[1:])  # 2 of the 3 are gone on purpose: 1 left not durable
+        assert store.flush().keys == (keys[0],)
+        assert live.read_store(exporter.url)["problems"] == ["1 acknowledged chunks are not durable in their "
+                                                             "persistent tier (flush() names them)"]
+        store.remove(keys[:1])  # health follows what is not durable now, not the lifetime counter
+        with urllib.request.urlopen(exporter.status_url, timeout=5) as r:
+            status = json.loads(r.read())
+        assert status["healthy"] and status["problems"] == []
+        assert status["snapshot"]["total"]["write_behind_dropped"] == 3
     finally:
         exporter.stop()
         store.close()

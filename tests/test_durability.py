@@ -59,8 +59,9 @@ def test_flush_reports_chunks_too_large_for_the_ssd_tier(tmp_path, caplog):
         assert total["write_behind_dropped_by_reason"]["too_large"] == 6
         assert "will not be durable" in caplog.text
         assert "not durable" in str(res)
-        assert store.flush(), "each drop is reported by one flush, then the window starts again"
-        assert store.stats()["total"]["write_behind_dropped"] == 6  # the counter stays
+        again = store.flush()
+        assert set(again.keys) == set(keys), "still held only in dram: not durable, named again"
+        assert store.stats()["total"]["write_behind_dropped"] == 6  # the lifetime counter counts each once
 
 
 def test_flush_reports_a_full_queue():
@@ -74,12 +75,48 @@ def test_flush_reports_a_full_queue():
         dropped = store.stats()["total"]["write_behind_dropped_by_reason"]["queue_full"]
         assert dropped > 0
         slow.gate.set()
-        res = store.flush()
-        assert not res and res.not_durable == dropped and res.reasons == {"queue_full": dropped}
+        res = store.flush()  # (it queues the given-up copies again: those the queue takes land)
+        assert not res and 0 < res.not_durable <= dropped and res.reasons == {"queue_full": res.not_durable}
         assert set(res.keys) == set(keys) - set(slow.data)  # exactly the ones that did not land
     finally:
         slow.gate.set()
         store.close()
+
+
+def test_flush_names_exactly_the_chunks_not_on_disk_now(tmp_path):
+    # dram of 16 chunks over an ssd, no write-behind queue: each put's copy is given up (queue_full), yet the
+    # 24 chunks dram evicts are demoted onto the ssd: flush names the 16 that are only in dram, nothing more
+    cfg = chain(tmp_path / "ssd", dram_chunks=16)
+    cfg["write_behind_queue"] = 0
+    keys = keys_for(40)
+    with TieredStore.from_config(cfg) as store:
+        ssd = store.levels[1].tier
+        for i, k in enumerate(keys):
+            assert store.put([k], [chunk(i)]) == [True]
+        res = store.flush()
+        on_disk = {k for k, there in zip(keys, ssd.contains(keys)) if there}
+        assert len(on_disk) == 24
+        assert not res and set(res.keys) == set(keys) - on_disk
+        assert res.not_durable == 16 and res.reasons == {"queue_full": 16}
+        total = store.stats()["total"]
+        assert total["write_behind_not_durable"] == 16  # now, what health follows
+        assert total["write_behind_dropped"] == 40  # over the store's life
+        # remove 2 of them, put 8 more: the 6 dram evicts go down to the ssd, the 8 new ones stay in dram
+        removed = [k for k in keys if k not in on_disk][:2]
+        store.remove(removed)
+        more = keys_for(8, "more")
+        assert store.put(more, [chunk(40 + i) for i in range(8)]) == [True] * 8
+        res = store.flush()
+        everything = keys + more
+        on_disk = {k for k, there in zip(everything, ssd.contains(everything)) if there}
+        assert len(on_disk) == 30
+        assert set(res.keys) == set(everything) - on_disk - set(removed) and res.not_durable == 16
+        assert store.stats()["total"]["write_behind_not_durable"] == 16
+        assert store.flush().keys == res.keys, "still not durable: named again"
+        store.remove(list(res.keys))
+        assert store.flush(), "nothing acknowledged is left undurable"
+        assert store.stats()["total"]["write_behind_not_durable"] == 0
+        assert store.stats()["total"]["write_behind_dropped"] == 48
 
 
 def test_flush_reports_an_injected_write_fault():

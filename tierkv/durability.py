@@ -3,16 +3,18 @@
 The contract (``docs/ssd.md``, "What survives, and what it costs"): after ``flush()`` returns, every chunk
 acknowledged before the call is durable in every persistent ``write_behind`` tier whose
 admission policy accepts it, **or the answer says which are not**.  A chunk is
-*undurable* when the store gave up on its copy into such a tier: the queue was full,
-the tier refused it (too large for it, no room, disk full), a read or a write failed, the
-tier was unavailable, or the chunk left the fast tiers before its copy landed and its
-demotion failed too.  A chunk removed by ``remove`` is not undurable: it is gone on
-purpose.
+*undurable* when the store gave up on its copy into such a tier (the queue was full,
+the tier refused it: too large for it, no room, disk full; a read or a write failed, the
+tier was unavailable) and no persistent tier holds it *now*, or it left the fast tiers
+before its copy landed and its demotion failed too.  A chunk whose copy was given up but
+that reached a persistent tier since (a demotion, a later copy, a put again) is durable;
+a chunk removed by ``remove`` is not undurable: it is gone on purpose.
 
-``DropLedger`` gathers those events under the store's lock: cumulative counts per
-reason (``stats()``, the exporter), and the chunks since the last ``flush`` (each one
-reported by exactly one ``flush``: the first to return after it), with one warning log
-line at most every ``LOG_EVERY`` seconds.
+``DropLedger`` gathers those events under the store's lock: lifetime counts per reason
+(``stats()``'s ``write_behind_dropped``, the exporter's counter), and the chunks not
+durable now (``settle`` forgets those that became durable; ``flush`` names the rest, each
+one by every ``flush`` until it is durable, and a chunk that left every tier by the first
+``flush`` after it left), with one warning log line at most every ``LOG_EVERY`` seconds.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -101,14 +103,14 @@ class FlushResult:
 
 
 class DropLedger:
-    """Undurable chunks: cumulative counts per reason, and those since the last ``take``.
+    """Undurable chunks: lifetime counts per reason, and the chunks not durable now.
 
     Not thread safe: the store calls it under its lock.
     """
 
     def __init__(self) -> None:
         self.totals: dict[DropReason, int] = dict.fromkeys(DropReason, 0)
-        self._since: dict[str, DropReason] = {}  # key -> reason, since the last take (first reason wins)
+        self._since: dict[str, DropReason] = {}  # key -> reason, not durable when last settled (first reason wins)
         self._left_out: dict[DropReason, int] = {}  # counted since the last take, keys not kept
         self._unlogged: dict[DropReason, int] = {}
         self._logged_at = 0.0
@@ -118,7 +120,7 @@ class DropLedger:
         return sum(self.totals.values())
 
     def record(self, keys: Iterable[str], reason: DropReason) -> int:
-        """Note ``keys`` as undurable for ``reason`` (a key already noted since the last take counts once);
+        """Note ``keys`` as undurable for ``reason`` (a key already noted and not durable since counts once);
         returns how many were new."""
         since = self._since
         n = 0
@@ -156,10 +158,41 @@ class DropLedger:
                     "flush() reports them", sum(self._unlogged.values()), why)
         self._unlogged = {}
 
-    def take(self) -> tuple[int, dict[str, int], tuple[str, ...]]:
-        """(count, reason -> count, keys) since the last take; starts a new window."""
+    def forget(self, keys: Iterable[str]) -> None:
+        """``keys`` were removed: gone on purpose, no longer undurable."""
+        since = self._since
+        if since:
+            for key in keys:
+                since.pop(key, None)
+
+    def settle(self, owed: Callable[[str], bool], present: Callable[[str], bool]) -> list[str]:
+        """Forget the chunks durable now; returns those still held only in volatile tiers (``owed``: a later
+        copy may still make them durable).  A chunk held nowhere (``present`` false) stays until the next
+        ``take`` reports it."""
+        still: list[str] = []
+        durable: list[str] = []
+        for key in self._since:
+            if owed(key):
+                still.append(key)
+            elif present(key):
+                durable.append(key)  # (a demotion, a later copy or a put again reached a persistent tier)
+        for key in durable:
+            del self._since[key]
+        return still
+
+    def not_durable(self, owed: Callable[[str], bool], present: Callable[[str], bool]) -> int:
+        """How many acknowledged chunks are not durable now (what the next ``take`` would count)."""
+        self.settle(owed, present)
+        return len(self._since) + sum(self._left_out.values())
+
+    def take(self, owed: Callable[[str], bool],
+             present: Callable[[str], bool]) -> tuple[int, dict[str, int], tuple[str, ...]]:
+        """(count, reason -> count, keys) of the chunks not durable now.  Those held nowhere any more, and
+        those counted without a key, are reported by this take only; the others until they are durable."""
+        self.settle(owed, present)
         since, left = self._since, self._left_out
-        self._since, self._left_out = {}, {}
+        self._since = {key: r for key, r in since.items() if present(key)}
+        self._left_out = {}
         reasons: dict[str, int] = {}
         for r in since.values():
             reasons[r.value] = reasons.get(r.value, 0) + 1
@@ -168,7 +201,7 @@ class DropLedger:
         return sum(reasons.values()), reasons, tuple(since)
 
     def by_reason(self) -> dict[str, int]:
-        """Cumulative counts per reason (every reason, zeros included)."""
+        """Lifetime counts per reason (every reason, zeros included)."""
         return {r.value: n for r, n in self.totals.items()}
 
 

@@ -287,15 +287,22 @@ class TieredStore:
         The durability contract: after it returns, every chunk acknowledged before the
         call is durable in every persistent ``write_behind`` tier that admits it, **or
         the answer says which are not**.  The ``FlushResult`` is true only when all of
-        it is durable; otherwise it counts the chunks given up since the last ``flush``
-        (``not_durable``, per reason in ``reasons``, and their ``keys``), the copies
-        still queued when ``timeout`` seconds ran out (``pending``) and the tiers whose
-        own flush failed (``tier_errors``).  The same events are counted in ``stats()``
-        (``write_behind_dropped``, ``write_behind_dropped_by_reason``) and logged.
+        it is durable; otherwise it counts the chunks not durable now (``not_durable``,
+        per reason in ``reasons``, and their ``keys``: a chunk whose copy was given up
+        but that reached a persistent tier since, by a demotion, a later copy or a put
+        again, is durable; a removed one is not counted), the copies still queued when
+        ``timeout`` seconds ran out (``pending``) and the tiers whose own flush failed
+        (``tier_errors``).  The copies given up for chunks still held above are queued
+        again first.  ``stats()`` says how many are not durable now
+        (``write_behind_not_durable``; health follows it) and counts every copy given
+        up over the store's life (``write_behind_dropped``, by reason); both are logged.
         """
         chain = self._chain
         chain.enter()
         try:
+            with chain.lock:
+                retry = chain.undurable()
+            self._copier.retry_behind(retry)  # (a fault that has passed, a queue that has room again)
             drained = self._copier.drain(timeout)
             errors: dict[str, str] = {}
             for lvl in self.levels:
@@ -310,7 +317,7 @@ class TieredStore:
             self._losses.notice()
             self._count_lost()
             with chain.lock:
-                n, reasons, keys = chain.drops.take()
+                n, reasons, keys = chain.take_undurable()
             pending = self._copier.pending() if not drained else 0
             result = FlushResult(n, reasons, keys, pending, errors)
             if not result:
@@ -473,6 +480,7 @@ class TieredStore:
                             lvl.drop(key)
                         left.update(dict.fromkeys(here))
                 self._copier.promotion.removed(keys)
+                chain.drops.forget(keys)  # (gone on purpose: no flush calls them not durable)
             for j in chain.shared:
                 pool = self.levels[j]
                 if pool.tier.available:

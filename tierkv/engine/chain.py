@@ -71,6 +71,8 @@ class Chain:
         self.managed = [i for i, lvl in enumerate(self.levels) if lvl.managed]
         self.shared = [i for i, lvl in enumerate(self.levels) if not lvl.managed]
         self.behind = [i for i, lvl in enumerate(self.levels) if lvl.write_behind]
+        #: positions of the managed persistent levels (a chunk one of them holds is durable)
+        self.persistent = [i for i in self.managed if self.levels[i].tier.persistent]
         self.any_write_through = any(lvl.write_through for lvl in self.levels)
         # only admission policies that observe demand are told about accesses (each once)
         self.observing = [a for a in {id(lvl.admission): lvl.admit for lvl in self.levels}.values() if a.observes]
@@ -259,6 +261,25 @@ class Chain:
         nbytes = self.levels[j].ready_nbytes(key)
         down: list[str] = []
         return nbytes >= 0 and (bool(self.wanted_below(j, mask, key, nbytes, down)) or bool(down))
+
+    def owed(self, key: str) -> bool:
+        """Whether ``key`` is held (or being written) in some managed level and READY in no persistent one:
+        a chunk whose copy was given up is durable again once a persistent level holds it.  Lock held."""
+        levels = self.levels
+        return self.busy(key) and not any(levels[k].holds(key) for k in self.persistent)
+
+    def undurable(self) -> list[str]:
+        """Settle the drop ledger against what the levels hold now (those that reached a persistent level
+        since are forgotten); returns those still held only in volatile levels.  Lock held."""
+        return self.drops.settle(self.owed, self.busy)
+
+    def take_undurable(self) -> tuple[int, dict[str, int], tuple[str, ...]]:
+        """What ``flush`` reports: the chunks not durable now (``DropLedger.take``).  Lock held."""
+        return self.drops.take(self.owed, self.busy)
+
+    def not_durable(self) -> int:
+        """How many acknowledged chunks are not durable now (``stats()``, health).  Lock held."""
+        return self.drops.not_durable(self.owed, self.busy)
 
     def note_evicted(self, j: int, keys: list[str]) -> None:
         """Victims of level ``j`` about to leave it without a demotion: note as undurable those a write-behind

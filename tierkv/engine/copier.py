@@ -80,6 +80,15 @@ class Copier:
         with self._lock:
             self.chain.counters.write_behind_queued += len(keys) - dropped
 
+    def retry_behind(self, keys: list[str]) -> None:
+        """Queue again the write-behind copies given up for chunks still held only above (``flush``); one
+        given up again is noted once (``DropLedger.record``)."""
+        if not keys or self.queue is None:
+            return
+        dropped = self.queue.submit(keys)
+        with self._lock:
+            self.chain.counters.write_behind_queued += len(keys) - dropped
+
     def promote_later(self, keys: list[str], prepared: list[tuple[Parts, int]], served: list[Optional[int]]) -> None:
         """Queue a promotion of each hit served below the top managed level (never on the caller's thread)."""
         if not self.promotes or self.queue is None:

@@ -39,6 +39,7 @@ def collect_stats(chain: Chain, write_behind_pending: Callable[[], int]
         total["leases_active"] = chain.leases.active
         total["write_behind_pending"] = write_behind_pending()
         total["write_behind_dropped"] = chain.drops.total
+        total["write_behind_not_durable"] = chain.not_durable()
         total["write_behind_dropped_by_reason"] = chain.drops.by_reason()
         total["misses_by_reason"] = chain.departures.counts_by_reason()
         total["miss_memory"] = chain.departures.capacity

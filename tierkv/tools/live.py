@@ -361,11 +361,13 @@ def describe_store(snap: dict[str, Any], url: str = "", extras: Optional[dict[st
             "pending": _n(total.get("write_behind_pending")),
             "queued": _n(total.get("write_behind_queued")),
             "persisted": _n(total.get("persisted")),
+            "not_durable": _n(total.get("write_behind_not_durable")),
             "dropped": _n(total.get("write_behind_dropped")),
             "dropped_by_reason": {r: _n(n) for r, n in dropped.items() if n},
         },
     }
-    shown = {*doc["total"], "write_behind_pending", "write_behind_queued", "persisted", "write_behind_dropped"}
+    shown = {*doc["total"], "write_behind_pending", "write_behind_queued", "persisted", "write_behind_dropped",
+             "write_behind_not_durable"}
     doc["total"]["figures"] = {k: _n(x) for k, x in total.items() if k not in shown}  # every other store figure
     if snap.get("tenants"):  # (per tenant: its figures summed over the tiers, and per tier)
         doc["tenants"] = [{"tenant": label,

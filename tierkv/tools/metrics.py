@@ -143,8 +143,8 @@ STORE_COUNTER_HELP = {
     "leased_chunks": "Chunks those leases pinned",
     "leases_released": "Leases their holder released",
     "lease_expired": "Leases their deadline released (their chunks could be evicted again)",
-    "write_behind_dropped": "Acknowledged chunks whose copy into a persistent tier was given up, by reason "
-                            "(flush() names them)",
+    "write_behind_dropped": "Write-behind copies of acknowledged chunks given up over the store's life, by reason "
+                            "(write_behind_not_durable: those not durable now)",
     "misses_by_reason": "Misses explained, by reason (tierkv.outcome.MissReason: never_stored, evicted, rejected, "
                         "corrupt, audit_failed, lease_expired, unavailable, other_namespace)",
 }
@@ -157,6 +157,8 @@ STORE_GAUGE_HELP = {
     "miss_memory": "Departures the store remembers at most to explain misses (config miss_memory)",
     "miss_memory_used": "Departures remembered now",
     "write_behind_pending": "Chunks waiting in the write-behind queue (its depth)",
+    "write_behind_not_durable": "Acknowledged chunks not durable now in a persistent tier that admits them "
+                                "(flush() names them)",
 }
 _STORE_COUNTERS = {f.name for f in fields(StoreCounters)}
 STORE_COUNTER_NAMES = frozenset(_STORE_COUNTERS)  # (a split of one of these is exported as ``<name>_by_reason``)
@@ -348,8 +350,9 @@ def latency_help(name: str) -> str:
 def health(snap: dict[str, Any]) -> tuple[list[str], list[str]]:
     """``(problems, warnings)`` of one snapshot: healthy means no problem.
 
-    Problems: the store is closed, a tier reports itself unavailable, or the write-behind queue gave up
-    acknowledged chunks (``write_behind_dropped`` above 0, cumulative: they never reached their persistent tier).
+    Problems: the store is closed, a tier reports itself unavailable, or acknowledged chunks are not durable
+    now (``write_behind_not_durable`` above 0: their copy was given up and no persistent tier holds them;
+    the lifetime counter ``write_behind_dropped`` is no problem by itself).
     Warnings: faults that cost a miss or a refused put and nothing else (a tier's errors, its medium's faults)."""
     problems: list[str] = []
     warnings: list[str] = []
@@ -369,12 +372,10 @@ def health(snap: dict[str, Any]) -> tuple[list[str], list[str]]:
             said.append("medium faults: " + ", ".join(f"{reason} {n:.0f}" for reason, n in faults.items()))
         if said:
             warnings.append(f"tier {name}: " + "; ".join(said))
-    dropped = (snap.get("total") or {}).get("write_behind_dropped", 0.0)
-    if dropped:
-        reasons = {r: n for r, n in ((snap.get("by_reason") or {}).get("write_behind_dropped") or {}).items() if n}
-        detail = ", ".join(f"{r} {n:.0f}" for r, n in reasons.items())
-        problems.append(f"the write-behind queue dropped {dropped:.0f} acknowledged chunks"
-                        + (f" ({detail})" if detail else ""))
+    undurable = (snap.get("total") or {}).get("write_behind_not_durable", 0.0)
+    if undurable:
+        problems.append(f"{undurable:.0f} acknowledged chunks are not durable in their persistent tier "
+                        "(flush() names them)")
     return problems, warnings
 
 

@@ -26,8 +26,8 @@ tierkv describe --master HOST:PORT [--metrics-port P]
     failed requests.  ('tierkv inspect --master' lists tierkv's own objects.)
 
 Healthy: the endpoint answered with its figures and reports no problem.  A store is
-unhealthy when it is closed, a tier reports itself unavailable, or its write-behind
-queue dropped acknowledged chunks; a pool when its master does not answer, says it
+unhealthy when it is closed, a tier reports itself unavailable, or acknowledged
+chunks are not durable now in their persistent tier; a pool when its master does not answer, says it
 is not serving, or has no memory mounted.  Errors that cost only a miss are warnings.
 Exit 0 healthy, 1 unhealthy or unreachable (one line on stderr says why), 2 bad input."""
 
@@ -142,7 +142,8 @@ def _render_store(doc: dict[str, Any], lines: list[str]) -> None:
     wb = doc["write_behind"]
     reasons = ", ".join(f"{r} {n}" for r, n in wb["dropped_by_reason"].items())
     lines.append(f"write-behind: {_num(wb['pending'])} pending, {_num(wb['queued'])} queued, {_num(wb['persisted'])} "
-                 f"persisted, {_num(wb['dropped'])} dropped" + (f" ({reasons})" if reasons else ""))
+                 f"persisted, {_num(wb.get('not_durable'))} not durable now, {_num(wb['dropped'])} dropped ever"
+                 + (f" ({reasons})" if reasons else ""))
     if doc.get("tenants"):
         lines += _table([[r["tenant"], fmt_bytes(r["used_bytes"]), _num(r["hits"]),
                           ", ".join(f"{tier} {fmt_bytes(d.get('used_bytes'))}" for tier, d in r["tiers"].items())]
