@@ -218,10 +218,13 @@ def incomplete(digest: np.ndarray, raw_len: np.ndarray, key_start: np.ndarray, k
                geom: Geometry, alive: "np.ndarray | None" = None) -> np.ndarray:
     """Which candidates are manifests missing a piece among them (``alive``: among those it marks): a
     large object that can never read whole (its pieces' file lost or damaged).  Vectorised."""
-    pieces, at, claim = claims(digest, raw_len, key_start, key_len, keys, geom, None)
-    man = (~pieces) & (raw_len > geom.single)
+    man = ~piece_mask(key_len, key_start, keys) & (raw_len > geom.single)
     if alive is not None:
         man &= alive
+    if not man.any():  # (no large object: nothing more to look at)
+        return man
+    _, at, claim = claims(digest, raw_len, key_start, key_len, keys, geom, None)
+    if alive is not None:
         claim = claim[alive[at]]
     have = np.bincount(claim[claim >= 0], minlength=len(digest))  # (each piece key once: candidates are resolved)
     return man & (have < -(-raw_len.astype(np.int64) // geom.piece))
