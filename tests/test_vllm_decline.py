@@ -1,0 +1,143 @@
+"""The decline rule (adapters/vllm/decline.py): a hit that would load slower than computing it is declined."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from tierkv.adapters.vllm.decline import Decliner, Rate, Verdict  # noqa: E402
+
+BS = 16
+
+
+def _warm(d: Decliner, compute_s_per_token: float = 1e-3, **tiers: float) -> None:
+    """Three steps at ``compute_s_per_token`` and three loads per tier at its seconds per token."""
+    for n in (64, 128, 256):
+        d.observe_step(n, n * compute_s_per_token)
+        for tier, spt in tiers.items():
+            d.observe_load(tier, n, n * spt)
+
+
+def test_rate_fits_latency_and_per_unit():
+    r = Rate()
+    for n in (10, 100, 1000, 50, 500):
+        r.add(n, 0.002 + n * 1e-5)
+    lat, per = r.fit()
+    assert lat == pytest.approx(0.002, rel=1e-6)
+    assert per == pytest.approx(1e-5, rel=1e-6)
+    assert r.seconds(200) == pytest.approx(0.004, rel=1e-6)
+
+
+def test_rate_without_spread_is_seconds_over_units():
+    r = Rate()
+    for _ in range(4):
+        r.add(100, 0.5)
+    assert r.fit() == (0.0, pytest.approx(0.005))
+    r2 = Rate()
+    r2.add(100, 1.0, calls=4)  # four calls of 25 units
+    assert r2.per_unit() == pytest.approx(0.01)
+
+
+def test_rate_decays_old_samples():
+    r = Rate(decay=0.5)
+    r.add(100, 10.0)  # slow
+    for _ in range(8):
+        r.add(100, 0.1)
+    assert r.per_unit() < 0.002  # the slow sample weighs 0.5**8 of a fresh one
+
+
+def test_rate_ignores_empty_samples():
+    r = Rate()
+    r.add(0, 1.0)
+    r.add(10, -1.0)
+    r.add(10, 1.0, calls=0)
+    assert r.samples == 0 and r.fit() == (0.0, 0.0)
+
+
+def test_no_decline_without_evidence():
+    d = Decliner()
+    assert d.decide(["ssd"] * 4, BS) == Verdict(4)
+    # a slow tier, but no compute samples yet: claimed
+    for _ in range(3):
+        d.observe_load("ssd", 64, 10.0)
+    assert d.decide(["ssd"] * 4, BS) == Verdict(4)
+    # compute known, a tier with two samples only: claimed
+    d2 = Decliner()
+    _warm(d2)
+    d2.observe_load("ssd", 64, 10.0)
+    d2.observe_load("ssd", 64, 10.0)
+    assert d2.decide(["ssd"] * 4, BS) == Verdict(4)
+    d2.observe_load("ssd", 64, 10.0)
+    assert d2.decide(["ssd"] * 4, BS).declined == "ssd"
+
+
+def test_slow_tier_declined_at_its_first_block_fast_tier_kept():
+    d = Decliner(probe_share=0.0)
+    _warm(d, 1e-3, dram=1e-5, ssd=1e-2)
+    v = d.decide(["dram", "dram", "ssd", "ssd", "dram"], BS)
+    assert v == Verdict(2, "ssd", (), 3 * BS)
+    assert d.decide(["dram"] * 5, BS) == Verdict(5)
+    assert d.decide(["ssd", "dram"], BS) == Verdict(0, "ssd", (), 2 * BS)
+    assert d.decide([None, "dram"], BS) == Verdict(2)  # an unknown tier is claimed
+
+
+def test_bias_keeps_more_hits():
+    d = Decliner(probe_share=0.0)
+    _warm(d, 1e-3, ssd=2e-3)  # loads at twice the compute time
+    assert d.decide(["ssd"] * 4, BS).declined == "ssd"
+    d.bias = 3.0
+    assert d.decide(["ssd"] * 4, BS) == Verdict(4)
+
+
+def test_latency_counts_against_short_hits():
+    d = Decliner(probe_share=0.0)
+    for n in (64, 128, 256):
+        d.observe_step(n, n * 1e-3)
+        d.observe_load("remote", n, 0.05 + n * 1e-5)  # 50 ms a call, fast after that
+    assert d.decide(["remote"] * 2, BS).declined == "remote"  # 32 tokens: 32 ms to compute, 50 to load
+    assert d.decide(["remote"] * 16, BS) == Verdict(16)  # 256 tokens: 256 ms to compute, 53 to load
+
+
+def test_probe_share_paces_probes():
+    d = Decliner(probe_share=0.25)
+    _warm(d, 1e-3, ssd=1e-2)
+    got = [d.decide(["ssd"] * 2, BS) for _ in range(8)]
+    assert [v.declined is None for v in got] == [False, False, False, True] * 2
+    assert all(v.probed == ("ssd",) for v in got if v.declined is None)
+    d0 = Decliner(probe_share=0.0)
+    _warm(d0, 1e-3, ssd=1e-2)
+    assert all(d0.decide(["ssd"], BS).declined == "ssd" for _ in range(50))
+    d1 = Decliner(probe_share=1.0)
+    _warm(d1, 1e-3, ssd=1e-2)
+    assert d1.decide(["ssd"], BS) == Verdict(1, None, ("ssd",))
+
+
+def test_slowdown_then_recovery_through_probes():
+    d = Decliner(probe_share=0.5)
+    _warm(d, 1e-3, dram=1e-5, ssd=1e-4)
+    assert d.decide(["ssd"] * 4, BS) == Verdict(4)  # fast: claimed
+    d.observe_load("ssd", 64, 2.0)  # one slow load: the next hit is declined
+    assert d.decide(["ssd"] * 4, BS).declined == "ssd"
+    assert d.decide(["dram"] * 4, BS) == Verdict(4)  # the fast tier is kept
+    # the tier recovers: only the probes load from it, and their samples bring it back
+    back = None
+    for i in range(40):
+        v = d.decide(["ssd"] * 4, BS)
+        if v.declined is None:
+            assert v.probed == ("ssd",)
+            d.observe_load("ssd", 64, 64 * 1e-4)
+            if not d.slow("ssd", 64):
+                back = i
+                break
+    assert back is not None and back < 30
+    assert d.decide(["ssd"] * 4, BS) == Verdict(4)
+
+
+def test_bad_parameters():
+    with pytest.raises(ValueError, match="bias"):
+        Decliner(bias=0.0)
+    with pytest.raises(ValueError, match="probe_share"):
+        Decliner(probe_share=1.5)
+    with pytest.raises(ValueError, match="decay"):
+        Rate(decay=1.0)
