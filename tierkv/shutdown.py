@@ -14,6 +14,8 @@ it runs first, while the pools its tiers write through still take work:
 
 So no thread of tierkv's is left running while the interpreter finalizes (a native
 destructor on a dying thread's stack would abort the process after its work was done).
+(CPython 3.12.0 to 3.12.2 refuse to start a thread at exit even this early: there, a
+close that needs a new thread fails and is logged.)
 A thread of the program's own that still calls a store after this gets
 ``StoreClosedError``, as it would after ``close()``.
 
