@@ -152,16 +152,17 @@ def test_qwen3_next_style_model_keeps_its_groups_and_hits_its_saved_states_from_
     assert t["audits"] == hit[0] // bs + 3 and t.get("audit_mismatches", 0) == 0
 
 
-def _hits_what_vllm_caches(model: str, dtype: str, prompts: list[list[int]], tmp_path) -> tuple[list, list]:
+def _hits_what_vllm_caches(model: str, dtype: str, prompts: list[list[int]], tmp_path,
+                           **engine) -> tuple[list, list]:
     """Engine 1 (the connector's defaults over DRAM -> SSD) stores ``prompts`` sent together and one by one
     (two phases under two cache salts, so that neither finds the other's prefix in vLLM's cache); a new
     engine process asks them again: its cached tokens equal what vLLM's own prefix cache gives the same prompts
-    again in one process, and its tokens vLLM's without a connector. Returns vLLM's own cached tokens (sent
-    together, one by one)."""
+    again in one process, and its tokens vLLM's without a connector (``engine``: more engine options). Returns
+    vLLM's own cached tokens (sent together, one by one)."""
     cache = tmp_path / "c"
     together = {"op": "generate", "prompts": prompts, "salts": ["together"] * len(prompts)}
     one_by_one = {"op": "generate", "prompts": prompts, "salts": ["one-by-one"] * len(prompts), "one_by_one": True}
-    spec = {"model": model, "dtype": dtype}
+    spec = {"model": model, "dtype": dtype, **engine}
     base = U.run_engine({**spec, "kv_transfer_config": None, "steps": [together, together, one_by_one, one_by_one]},
                         cache, timeout=600)["steps"]
     assert base[0]["tokens"] == base[2]["tokens"]
@@ -185,10 +186,11 @@ def test_gemma3_style_model_hits_from_a_new_process_what_vllm_caches_sent_togeth
     """The connector's defaults on sliding-window layers: four prompts sharing a 201-token prefix, sent together
     (one batch: the later prompts continue from the first one's blocks inside vLLM, whose sliding-window groups
     then hold only the blocks of the window) and one by one; a new engine process gets from the tiers what vLLM's
-    own prefix cache gives."""
+    own prefix cache gives. 256 tokens a step: the batch's first step computes the first prompt and continues the
+    second from it, the second step the rest (prefills chunked across steps)."""
     model = H.make_gemma3_model(tmp_path / "gemma3")
     prompts = _prompts(201, (30, 47, 64, 81))  # 231, 248, 265 and 282 tokens
-    together, one_by_one = _hits_what_vllm_caches(model, "float32", prompts, tmp_path)
+    together, one_by_one = _hits_what_vllm_caches(model, "float32", prompts, tmp_path, max_num_batched_tokens=256)
     # vLLM's own cache: every whole block but the one holding the last token
     assert together == one_by_one == [(len(p) - 1) // 32 * 32 for p in prompts] == [224, 224, 256, 256]
 
