@@ -154,8 +154,8 @@ class DropLedger:
             return
         self._logged_at = now
         why = ", ".join(f"{n} {r.value}" for r, n in self._unlogged.items())
-        log.warning("tierkv: %d acknowledged chunks will not be durable in a persistent tier (%s); "
-                    "flush() reports them", sum(self._unlogged.values()), why)
+        log.warning("tierkv: the copy into a persistent tier of %d acknowledged chunks was given up (%s); "
+                    "flush() names those still not durable", sum(self._unlogged.values()), why)
         self._unlogged = {}
 
     def forget(self, keys: Iterable[str]) -> None:
