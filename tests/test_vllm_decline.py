@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from tierkv.adapters.vllm.decline import Decliner, Rate, Verdict  # noqa: E402
+from tierkv.adapters.vllm.decline import Decliner, Rate, Verdict
 
 BS = 16
 
@@ -141,3 +141,82 @@ def test_bad_parameters():
         Decliner(probe_share=1.5)
     with pytest.raises(ValueError, match="decay"):
         Rate(decay=1.0)
+
+
+def test_book_counts_verdicts_and_reads_the_workers_stats():
+    from tierkv.adapters.vllm.connector_stats import TierKVConnectorStats, add_tier_load
+    from tierkv.adapters.vllm.decline import DeclineBook
+
+    totals: dict[str, dict[str, int]] = {"declined_slow": {}, "declined_slow_tokens": {}, "decline_probes": {}}
+    book = DeclineBook(Decliner(probe_share=0.5), totals)
+    for n in (64, 128, 256):
+        stats = TierKVConnectorStats()
+        stats.data.update(steps=1, step_tokens=n, step_s=n * 1e-3)
+        add_tier_load(stats.data, "ssd", n, n * 1e-2, 1)
+        # two workers' stats of one step, aggregated as vLLM does: the rates are unchanged
+        book.observe(stats.aggregate(TierKVConnectorStats.from_payload(dict(stats.data))))
+    assert book.decliner.tiers["ssd"].samples == 3 and book.decliner.compute.samples == 3
+    v1 = book.decliner.decide(["ssd"] * 2, BS)
+    v2 = book.decliner.decide(["ssd"] * 2, BS)
+    assert v1 == Verdict(0, "ssd", (), 2 * BS) and v2 == Verdict(2, None, ("ssd",))
+    book.count(v1)
+    book.count(v2)
+    assert totals == {"declined_slow": {"ssd": 1}, "declined_slow_tokens": {"ssd": 2 * BS},
+                      "decline_probes": {"ssd": 1}}
+    interval = book.take()
+    assert interval == totals and book.take() == {}
+    # as connector stats: aggregated by tier, reduced under their tier's name
+    s = TierKVConnectorStats()
+    s.data.update(interval)
+    assert not s.is_empty()
+    s.aggregate(TierKVConnectorStats.from_payload(interval))
+    red = s.reduce()
+    assert red["declined_slow[ssd]"] == 2 and red["declined_slow_tokens[ssd]"] == 4 * BS
+    assert red["decline_probes[ssd]"] == 2
+    book.observe(None)  # nothing from the workers this step
+    book.observe({"tier_loads": {}})
+
+
+def test_decline_options_are_checked():
+    from tierkv.adapters.vllm.config import parse_options
+    from tierkv.errors import ConfigError
+
+    o = parse_options({})
+    assert (o.decline_slow_hits, o.decline_bias, o.decline_probe_share) == (True, 1.0, 1.0 / 16)
+    o = parse_options({"decline_slow_hits": False, "decline_bias": 2, "decline_probe_share": 0})
+    assert (o.decline_slow_hits, o.decline_bias, o.decline_probe_share) == (False, 2.0, 0.0)
+    for extra, name in (({"decline_slow_hits": "yes"}, "decline_slow_hits"),
+                        ({"decline_bias": 0}, "decline_bias"), ({"decline_bias": -1.0}, "decline_bias"),
+                        ({"decline_bias": "2"}, "decline_bias"),
+                        ({"decline_probe_share": 1.5}, "decline_probe_share"),
+                        ({"decline_probe_share": True}, "decline_probe_share"),
+                        ({"decline_probe_share": -0.1}, "decline_probe_share")):
+        with pytest.raises(ConfigError, match=name):
+            parse_options(extra)
+
+
+def test_worker_counters_report_steps_and_loads_by_tier():
+    from tierkv.adapters.vllm.accounting import WorkerCounters
+    from tierkv.adapters.vllm.load_mode import LoadMode
+    from tierkv.adapters.vllm.loading import LoadJob
+
+    c = WorkerCounters()
+    c.add_step(100, 0.5)
+    job = LoadJob.new(1)
+    job.end[0] = job.submit_t + 0.3
+    job.per_req["r"] = {"tokens": 48, "bytes": 0, "hit_tokens": {}}
+    job.count_hits("r", "dram", 16)
+    job.count_hits("r", "ssd", 32)
+    c.add_load(job, LoadMode.ASYNC)
+    d = c.take_interval(False).data
+    assert (d["steps"], d["step_tokens"], d["step_s"]) == (1, 100, 0.5)
+    assert d["tier_loads"]["dram"] == [16, pytest.approx(0.1), 1]
+    assert d["tier_loads"]["ssd"] == [32, pytest.approx(0.2), 1]
+    # a job with a failed block says nothing about its tiers' speed
+    bad = LoadJob.new(1)
+    bad.end[0] = bad.submit_t + 0.3
+    bad.per_req["r"] = {"tokens": 16, "bytes": 0, "hit_tokens": {}}
+    bad.count_hits("r", "ssd", 16)
+    bad.failed_blocks.add(7)
+    c.add_load(bad, LoadMode.ASYNC)
+    assert "tier_loads" not in c.take_interval(False).data

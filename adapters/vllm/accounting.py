@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from .audit import AuditTally
-from .connector_stats import RequestRecords, SaveTally, TierKVConnectorStats
+from .connector_stats import RequestRecords, SaveTally, TierKVConnectorStats, add_tier_load
 from .load_mode import LoadMode
 from .loading import LoadJob
 
@@ -59,6 +59,10 @@ class WorkerCounters:
         at the step's end (an ``ASYNC`` one's go with its request: :meth:`add_load_errors`)."""
         elapsed = max(job.end) - job.submit_t if job.end else 0.0
         failed = set(job.failed_blocks)
+        # each tier's share of the job's time, by its share of the tokens (the decline rule's samples;
+        # a job that failed says nothing about a tier's speed)
+        served = {t: n for t, n in job.hit_tokens.items() if t != "miss" and n > 0}
+        total = sum(served.values())
         with self._lock:
             self.load_counts[mode] += 1
             if mode is LoadMode.SYNC:
@@ -74,6 +78,9 @@ class WorkerCounters:
                 hits = d.setdefault("hit_tokens", {})
                 for tier, n in job.hit_tokens.items():
                     hits[tier] = hits.get(tier, 0) + n
+                if total and not failed and elapsed > 0:
+                    for tier, n in served.items():
+                        add_tier_load(d, tier, n, elapsed * n / total, 1)
             for rid, pr in job.per_req.items():
                 rec = self.request_records.record(rid)
                 rec["load_tokens"] += pr["tokens"]
@@ -87,7 +94,11 @@ class WorkerCounters:
         if failed:
             logger.warning("TierKVConnector: %d block(s) failed to load; vLLM recomputes them", len(failed))
 
-    def _add(self, **counts: int) -> None:
+    def add_step(self, tokens: int, seconds: float) -> None:
+        """One engine step: ``tokens`` scheduled, computed in ``seconds`` (the decline rule's compute samples)."""
+        self._add(steps=1, step_tokens=tokens, step_s=seconds)
+
+    def _add(self, **counts: float) -> None:
         """Add ``counts`` to this interval's figures and the totals."""
         with self._lock:
             for s in (self.interval, self.totals):

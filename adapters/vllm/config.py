@@ -68,6 +68,7 @@ OPTION_NAMES = (
     "full_hit_recompute", "load_failure_policy", "load_async", "load_inline_max_tokens", "save_wait",
     "shutdown_timeout_s", "audit_rate", "audit_tolerance", "lease_timeout_s",
     "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt", "kv_head_shards",
+    "decline_slow_hits", "decline_bias", "decline_probe_share",
 )
 
 
@@ -111,6 +112,12 @@ class ConnectorOptions:
     #: the KV-head shards every layer's chunk is stored under, fleet-wide, whatever the engine's tensor-parallel
     #: size (a multiple of every TP size sharing the store); None: as many as the engine's own KV-head shards
     kv_head_shards: int | None = None
+    #: a hit (or its part on a tier) that would load slower than the engine computes it is not claimed
+    #: (decline.py); ``decline_bias`` multiplies the compute estimate (above 1 keeps more hits), and a share
+    #: ``decline_probe_share`` of the hits a slow tier would lose is claimed anyway, to see it recover
+    decline_slow_hits: bool = True
+    decline_bias: float = 1.0
+    decline_probe_share: float = 1.0 / 16
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -151,6 +158,9 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     audit_tolerance = None if at == "auto" else check_float(at, f"{_WHAT} option 'audit_tolerance'", min_value=0.0)
     lease_timeout = pop_float(opts, "lease_timeout_s", 30.0, _WHAT, min_value=0.0, max_value=3600.0)
     kv_head_shards = pop_int(opts, "kv_head_shards", None, _WHAT, min_value=1)
+    decline = pop_bool(opts, "decline_slow_hits", True, _WHAT)
+    decline_bias = pop_float(opts, "decline_bias", 1.0, _WHAT, min_value=0.0, min_exclusive=True)
+    probe_share = pop_float(opts, "decline_probe_share", 1.0 / 16, _WHAT, min_value=0.0, max_value=1.0)
     trace: dict[str, Any] = {}
     path = pop_str(opts, "trace_path", None, _WHAT)
     if path is not None:
@@ -167,7 +177,8 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     return ConnectorOptions(store, model_id, load, save, chunk_tokens, layerwise, full_hit, policy, load_async,
                             save_wait, shutdown_timeout, trace, inline_max,
                             audit_rate=audit_rate, audit_tolerance=audit_tolerance, lease_timeout_s=lease_timeout,
-                            namespace=namespace, kv_head_shards=kv_head_shards)
+                            namespace=namespace, kv_head_shards=kv_head_shards, decline_slow_hits=decline,
+                            decline_bias=decline_bias, decline_probe_share=probe_share)
 
 
 @dataclass(frozen=True)

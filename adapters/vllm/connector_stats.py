@@ -25,7 +25,13 @@ COUNTERS = (
     "save_blocks", "save_bytes", "save_s", "save_errors", "save_refused",
     "audits", "audit_mismatches", "audit_skipped", "audit_s", "leases", "lease_expired",
     "lease_cuts", "events_stored", "events_removed", "events_dropped", "events_unmapped",
+    "steps", "step_tokens", "step_s",
 )
+#: counters by tier: hits the decline rule did not claim (decline.py), their tokens, and the slow hits claimed
+#: anyway as probes
+BY_TIER = ("declined_slow", "declined_slow_tokens", "decline_probes")
+#: loads by tier, for the decline rule: tier -> [tokens, seconds, load jobs]
+TIER_LOADS = "tier_loads"
 
 
 @dataclass
@@ -44,9 +50,13 @@ class TierKVConnectorStats(KVConnectorStats):
         od = other.data or {}
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + od.get(k, 0)
-        hits = self.data.setdefault("hit_tokens", {})
-        for tier, n in (od.get("hit_tokens") or {}).items():
-            hits[tier] = hits.get(tier, 0) + n
+        for key in ("hit_tokens", *BY_TIER):
+            if od.get(key):
+                mine = self.data.setdefault(key, {})
+                for tier, n in od[key].items():
+                    mine[tier] = mine.get(tier, 0) + n
+        for tier, sample in (od.get(TIER_LOADS) or {}).items():
+            add_tier_load(self.data, tier, *sample)
         merge_store_snapshots(self.data, od)
         return self
 
@@ -74,12 +84,14 @@ class TierKVConnectorStats(KVConnectorStats):
             "events_dropped": d.get("events_dropped", 0),
             "events_unmapped": d.get("events_unmapped", 0),
         }
-        for tier, n in sorted((d.get("hit_tokens") or {}).items()):
-            out[f"hit_tokens[{tier}]"] = n
+        for key in ("hit_tokens", *BY_TIER):
+            for tier, n in sorted((d.get(key) or {}).items()):
+                out[f"{key}[{tier}]"] = n
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data.get(k, 0) for k in COUNTERS) and not self.data.get("hit_tokens")
+        return not any(self.data.get(k, 0) for k in COUNTERS) and not any(
+            self.data.get(k) for k in ("hit_tokens", *BY_TIER))
 
     @classmethod
     def from_payload(cls, data: dict[str, Any] | None) -> TierKVConnectorStats:
@@ -87,6 +99,14 @@ class TierKVConnectorStats(KVConnectorStats):
         if not data:
             return cls()
         return cls(data={k: dict(v) if isinstance(v, dict) else v for k, v in data.items()})
+
+
+def add_tier_load(data: dict[str, Any], tier: str, tokens: float, seconds: float, jobs: int) -> None:
+    """Add a load sample of ``tier`` to a stats payload's ``tier_loads``."""
+    got = data.setdefault(TIER_LOADS, {}).setdefault(tier, [0, 0.0, 0])
+    got[0] += tokens
+    got[1] += seconds
+    got[2] += jobs
 
 
 # ---------------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 #: samples a rate needs before it decides anything
 MIN_SAMPLES = 3
@@ -32,7 +33,7 @@ _FLAT = 0.05
 class Rate:
     """``seconds = latency + units * per_unit``, fitted by least squares over exponentially decayed samples."""
 
-    __slots__ = ("decay", "samples", "_w", "_x", "_y", "_xx", "_xy")
+    __slots__ = ("_w", "_x", "_xx", "_xy", "_y", "decay", "samples")
 
     def __init__(self, decay: float = DECAY) -> None:
         if not 0.0 < decay < 1.0:
@@ -164,3 +165,44 @@ class Decliner:
                 continue
             return Verdict(i, t, tuple(probed), (len(tiers) - i) * block_tokens)
         return Verdict(len(tiers), None, tuple(probed))
+
+
+#: the counters a verdict adds to, by tier (the connector's stats and the scheduler's totals)
+COUNTERS = ("declined_slow", "declined_slow_tokens", "decline_probes")
+
+
+class DeclineBook:
+    """The scheduler's side of the rule: fed the workers' step and load timings (their stats payload), it
+    judges each hit and counts the verdicts: in ``totals`` (since the start) and the interval's counts (for
+    the connector's stats), by tier."""
+
+    def __init__(self, decliner: Decliner, totals: dict[str, dict[str, int]] | None = None) -> None:
+        self.decliner = decliner
+        #: each of COUNTERS -> counts by tier (``totals``: the caller's dicts, counted into)
+        self.totals = totals if totals is not None else {k: {} for k in COUNTERS}
+        self._interval: dict[str, dict[str, int]] = {}
+
+    def observe(self, data: Any) -> None:
+        """A step's stats payload from the workers: ``steps``, ``step_tokens``, ``step_s`` and ``tier_loads``
+        (tier -> [tokens, seconds, load jobs])."""
+        data = getattr(data, "data", data)
+        if not isinstance(data, dict):
+            return
+        if data.get("steps"):
+            self.decliner.observe_step(data.get("step_tokens", 0), data.get("step_s", 0.0), data["steps"])
+        for tier, (tokens, seconds, jobs) in (data.get("tier_loads") or {}).items():
+            self.decliner.observe_load(tier, tokens, seconds, jobs)
+
+    def count(self, v: Verdict) -> None:
+        """Count a verdict (once per admitted request)."""
+        counts = [("decline_probes", t, 1) for t in v.probed]
+        if v.declined is not None:
+            counts += [("declined_slow", v.declined, 1), ("declined_slow_tokens", v.declined, v.declined_tokens)]
+        for key, tier, n in counts:
+            for book in (self.totals[key], self._interval.setdefault(key, {})):
+                book[tier] = book.get(tier, 0) + n
+
+    def take(self) -> dict[str, dict[str, int]]:
+        """The counts since the last call."""
+        out, self._interval = self._interval, {}
+        return out

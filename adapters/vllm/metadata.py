@@ -83,3 +83,5 @@ class TierKVConnectorMetadata(KVConnectorMetadata):
     preempted: set[str] = field(default_factory=set)
     #: requests whose lookup leased chunks that no load of this step or a later one will read (leases.py)
     lease_releases: set[str] = field(default_factory=set)
+    #: tokens this step computes (the workers time the step: the decline rule's compute samples, decline.py)
+    step_tokens: int = 0

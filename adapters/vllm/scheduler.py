@@ -50,6 +50,8 @@ from tierkv.outcome import MissReason
 from .chunks import plan_saves
 from .config import ConnectorOptions, EngineInfo, RequestSalts
 from .connector_stats import TierKVConnectorStats
+from .decline import COUNTERS as DECLINE_COUNTERS
+from .decline import DeclineBook, Decliner, Verdict
 from .groups import GroupKind
 from .kv_events import BlockEvents
 from .lookup import ChannelClient, endpoint
@@ -100,6 +102,8 @@ class Lookup:
     where: list[TierPlace | None]
     #: blocks past ``local`` that would have hit, served as a miss for an audit (0: no audit)
     audit: int = 0
+    #: the decline rule's verdict on the hit (None: not asked)
+    verdict: Verdict | None = None
 
 
 @dataclass
@@ -134,6 +138,11 @@ class SchedulerTotals:
     #: hits served as misses for an audit (``audit_rate``), and their tokens (recomputed instead of loaded)
     audited_requests: int = 0
     audited_tokens: int = 0
+    #: hits (and their tokens) not claimed because their tier loads slower than vLLM computes, by the tier that
+    #: cut them, and slow hits claimed anyway as probes (decline.py: its DeclineBook counts into these)
+    declined_slow: dict[str, int] = field(default_factory=dict)
+    declined_slow_tokens: dict[str, int] = field(default_factory=dict)
+    decline_probes: dict[str, int] = field(default_factory=dict)
 
 
 class TierKVScheduler:
@@ -176,6 +185,10 @@ class TierKVScheduler:
         #: of those, the ones no load will read: released in the next step's metadata
         self._lease_releases: set[str] = set()
         self.totals = SchedulerTotals()
+        #: load time against compute time, from the workers' reports (None: every hit is claimed)
+        self.declines = DeclineBook(Decliner(options.decline_bias, options.decline_probe_share),
+                                    {k: getattr(self.totals, k) for k in DECLINE_COUNTERS}) \
+            if options.decline_slow_hits else None
         #: (request id, tokens its last lookup found not stored, by ``MissReason``): what a trace records
         self.last_missed: tuple[Any, dict[str, int]] = (None, {})
 
@@ -269,6 +282,12 @@ class TierKVScheduler:
             # and save what it computes
             self._async_failed.discard(request.request_id)
             hits, stored = 0, min(stored, local)
+        verdict = None
+        if hits and self.declines is not None:
+            # a hit that loads slower than vLLM computes it is not claimed, from its slow tier's first block on
+            tiers = [p.tier if p is not None else None for p in _padded(where, hits)]
+            verdict = self.declines.decliner.decide(tiers, bs)
+            hits = verdict.blocks
         audit = 0
         if hits and self._audited(request.request_id):
             # served as a miss: vLLM computes these blocks, the workers save them, and each save that
@@ -283,7 +302,7 @@ class TierKVScheduler:
         # (vLLM: never async with nothing to load; a block whose tier is unknown counts as a slow one)
         # several groups: vLLM takes a failed load back per request only from a load between steps
         is_async = ext > 0 and (self._multi or self._loads_between_steps(ext, _padded(where, hits)))
-        self._lookups[request.request_id] = Lookup(local, hits, stored, is_async, where, audit)
+        self._lookups[request.request_id] = Lookup(local, hits, stored, is_async, where, audit, verdict)
         return ext, is_async
 
     def _audited(self, rid: str) -> bool:
@@ -329,6 +348,8 @@ class TierKVScheduler:
         st.load_async = False
         st.hit_sources = {}
         st.audit = (local, local + look.audit) if look.audit else None
+        if look.verdict is not None and self.declines is not None:
+            self.declines.count(look.verdict)
         if look.audit:
             self.totals.audited_requests += 1
             self.totals.audited_tokens += look.audit * bs
@@ -372,6 +393,7 @@ class TierKVScheduler:
         if meta.preempted and self._leased:  # (the workers let go of a preempted request's leases themselves)
             self._leased -= meta.preempted
         self._inline_this_step = 0  # (called once per schedule(): the next lookups are the next step's)
+        meta.step_tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         bs = self._bs
         computed: dict[str, int] = {}
         for nr in scheduler_output.scheduled_new_reqs:
@@ -505,21 +527,23 @@ class TierKVScheduler:
             self._async_in_flight.pop(rid, None)
         if self.block_events is not None:
             self.block_events.add(getattr(output, "kv_cache_events", None))
+        if self.declines is not None:
+            self.declines.observe(getattr(output, "kv_connector_stats", None))
 
     def take_events(self) -> list[KVCacheEvent]:
         """vLLM's KV events for the chunks the workers reported stored or removed since the last call."""
         return self.block_events.take() if self.block_events is not None else []
 
     def take_event_stats(self) -> TierKVConnectorStats | None:
-        """The events published and dropped since the last call, as connector stats (None: none)."""
-        if self.block_events is None:
-            return None
-        n = self.block_events.take_counts()
-        if not (n.stored or n.removed or n.dropped):
-            return None
+        """The events published and dropped and the hits declined since the last call, as connector stats (None:
+        none)."""
         stats = TierKVConnectorStats()
-        stats.data.update(events_stored=n.stored, events_removed=n.removed, events_dropped=n.dropped)
-        return stats
+        if self.declines is not None:
+            stats.data.update(self.declines.take())
+        n = self.block_events.take_counts() if self.block_events is not None else None
+        if n is not None and (n.stored or n.removed or n.dropped):
+            stats.data.update(events_stored=n.stored, events_removed=n.removed, events_dropped=n.dropped)
+        return None if stats.is_empty() else stats
 
     def request_finished(self, request: Any) -> tuple[bool, None]:
         """``(delay_free, None)``: blocks stay allocated until every worker reports the request's saves done.

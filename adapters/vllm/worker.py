@@ -152,6 +152,8 @@ class TierKVWorker:
         self._async_loader = loader()
         self._async = AsyncLoads(self._async_loader.start, on_done=self._count_async_load)
         self._metadata: TierKVConnectorMetadata | None = None
+        #: when the step's metadata came, and the tokens the step computes
+        self._step_began: tuple[float, int] = (0.0, 0)
         self.load_job: LoadJob | None = None
         #: requests whose load failed, to report in vLLM's failed_recving (several KV cache groups)
         self.failed_recving: set[str] = set()
@@ -278,6 +280,8 @@ class TierKVWorker:
 
     def bind_metadata(self, meta: Any) -> None:
         self._metadata = meta if isinstance(meta, TierKVConnectorMetadata) else None
+        # the step's forward runs from here to wait_for_save: its time per token is the decline rule's compute
+        self._step_began = (time.perf_counter(), self._metadata.step_tokens if self._metadata is not None else 0)
         if self._metadata is not None and (self._metadata.lease_releases or self._metadata.preempted):
             # lookups the scheduler will not load (no blocks for the hit, finished or aborted first), and
             # preempted requests: what they held goes back now
@@ -361,6 +365,10 @@ class TierKVWorker:
         self.saver.release_held(job.failed_blocks if job is not None else set())
 
     def wait_for_save(self) -> None:
+        began, tokens = self._step_began
+        if tokens > 0:
+            self._step_began = (0.0, 0)
+            self.counters.add_step(tokens, time.perf_counter() - began)
         for name in self._state_layers:
             self.save_kv_layer(name)
         # the step's loads are over once the forward is; settle them, then release saves
