@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from tierkv import TieredStore
+from tierkv.tools import metrics
 
 SIZE = 16 << 10
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -140,9 +141,13 @@ def test_an_injected_permission_error_lasts_only_as_long_as_its_cause(tmp_path, 
     assert s.put(["k2"], [val(2)]) == [False]
     st = tier_stats(s)
     assert st["available"] is False and st["writable"] is False and "Permission denied" in st["last_error"]
+    doc = metrics.status_document(metrics.snapshot(s))  # (what the exporter's /status serves)
+    assert not doc["healthy"] and any("tier ssd is unavailable" in p and "Permission denied" in p
+                                      for p in doc["problems"])
     assert readable(s, ["k1"]) == [True]
     denied[0] = False
     wait_until(lambda: s.levels[0].tier.available, "the tier did not write again")
+    assert metrics.status_document(metrics.snapshot(s))["healthy"]
     assert s.put(["k2"], [val(2)]) == [True]
     assert readable(s, ["k1", "k2"]) == [True, True]
     st = tier_stats(s)
