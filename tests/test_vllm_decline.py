@@ -220,3 +220,30 @@ def test_worker_counters_report_steps_and_loads_by_tier():
     bad.failed_blocks.add(7)
     c.add_load(bad, LoadMode.ASYNC)
     assert "tier_loads" not in c.take_interval(False).data
+
+
+def test_declines_on_prometheus():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+    from tierkv.adapters.vllm.prom import build_prom_metrics
+
+    reg = CollectorRegistry()
+
+    def bound(cls):
+        class C(cls):
+            def __init__(self, *a, **k):
+                super().__init__(*a, registry=reg, **k)
+        return C
+
+    import types
+
+    prom = build_prom_metrics(types.SimpleNamespace(kv_transfer_config=None),
+                              {Gauge: bound(Gauge), Counter: bound(Counter), Histogram: bound(Histogram)},
+                              ["model_name", "engine"], {0: ["tiny", "0"]})
+    prom.observe({"declined_slow": {"ssd": 2}, "declined_slow_tokens": {"ssd": 512}, "decline_probes": {"ssd": 1}})
+    prom.observe({"declined_slow": {"ssd": 1}})
+    text = generate_latest(reg).decode()
+    labels = 'engine="0",model_name="tiny",tier="ssd"'
+    assert f"tierkv_connector_declined_slow_total{{{labels}}} 3.0" in text
+    assert f"tierkv_connector_declined_slow_tokens_total{{{labels}}} 512.0" in text
+    assert f"tierkv_connector_decline_probes_total{{{labels}}} 1.0" in text

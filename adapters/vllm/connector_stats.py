@@ -103,10 +103,9 @@ class TierKVConnectorStats(KVConnectorStats):
 
 def add_tier_load(data: dict[str, Any], tier: str, tokens: float, seconds: float, jobs: int) -> None:
     """Add a load sample of ``tier`` to a stats payload's ``tier_loads``."""
-    got = data.setdefault(TIER_LOADS, {}).setdefault(tier, [0, 0.0, 0])
-    got[0] += tokens
-    got[1] += seconds
-    got[2] += jobs
+    loads = data.setdefault(TIER_LOADS, {})
+    t, s, n = loads.get(tier, (0, 0.0, 0))
+    loads[tier] = [t + tokens, s + seconds, n + jobs]  # (a new list: a payload's copy may share the old one)
 
 
 # ---------------------------------------------------------------------------------------

@@ -8,7 +8,9 @@ with each interval's aggregated ``KVConnectorStats.data``.  Two things ride in i
   ``load_s``, ``load_errors``, ``save_blocks``, ``save_bytes``, ``save_s``,
   ``save_errors``, ``save_refused``, the audit's ``audits``, ``audit_mismatches``,
   ``audit_skipped``, ``audit_s``, ``leases``, ``lease_expired``, ``lease_cuts``, ``hit_tokens`` by tier) -> counters
-  ``tierkv_connector_loaded_tokens_total`` … and ``tierkv_connector_hit_tokens_total{tier}``;
+  ``tierkv_connector_loaded_tokens_total`` … and ``tierkv_connector_hit_tokens_total{tier}``; the hits the
+  decline rule did not claim (``declined_slow``, ``declined_slow_tokens``, ``decline_probes``, by tier) ->
+  ``tierkv_connector_declined_slow_total{tier}`` and the two others (decline.py);
 * each worker's store as ``tierkv.tools.metrics.snapshot`` reads it, under ``"tierkv_store"``
   by rank (put there by ``attach_store_snapshot``, merged across workers by
   ``merge_store_snapshots``) -> every family ``tierkv.tools.metrics.families`` makes, under
@@ -62,6 +64,16 @@ CONNECTOR_COUNTERS = {
                        "forgotten)"),
     "events_unmapped": ("tierkv_connector_events_unmapped",
                         "Removed keys no chunk this worker stored maps to (no KV event)"),
+}
+
+#: counters by tier (the decline rule's, decline.py): stats key -> (metric name, help)
+CONNECTOR_TIER_COUNTERS = {
+    "declined_slow": ("tierkv_connector_declined_slow",
+                      "Hits not claimed because their tier loads slower than vLLM computes them, by that tier"),
+    "declined_slow_tokens": ("tierkv_connector_declined_slow_tokens",
+                             "Tokens of hits not claimed (computed instead) because a tier was slow, by that tier"),
+    "decline_probes": ("tierkv_connector_decline_probes",
+                       "Hits of a slow tier claimed anyway to measure it again (decline_probe_share), by tier"),
 }
 
 
@@ -156,6 +168,8 @@ def _prom_class():
             self._hit_tokens = self._counter_cls(name="tierkv_connector_hit_tokens",
                                                  documentation="Prompt tokens found in tierkv, by the tier serving them",
                                                  labelnames=[*self._names, "tier"])
+            self._by_tier = {k: self._counter_cls(name=n, documentation=d, labelnames=[*self._names, "tier"])
+                             for k, (n, d) in CONNECTOR_TIER_COUNTERS.items()}
             for values in per_engine_labelvalues.values():  # every series shows from the start, at 0
                 for c in self._conn.values():
                     c.labels(*[str(v) for v in values])
@@ -189,6 +203,10 @@ def _prom_class():
             for tier, n in (d.get("hit_tokens") or {}).items():
                 if n > 0:
                     self._hit_tokens.labels(*labels, tier).inc(n)
+            for k, c in self._by_tier.items():
+                for tier, n in (d.get(k) or {}).items():
+                    if n > 0:
+                        c.labels(*labels, tier).inc(n)
             touched = set()
             for rank, snap in (d.get(SNAPSHOT_KEY) or {}).items():
                 for fam in families(snap):
