@@ -32,7 +32,7 @@ VLLM_MISSING = None if _importable("vllm") and _importable("transformers") else 
 
 
 # the sglang tests run SGLang in a venv of its own (tests/sglang_util.py), never in this one
-from sglang_util import SGLANG_MISSING  # noqa: E402
+from sglang_util import SGLANG_MISSING
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects: a skip added here is seen whatever the selection

@@ -62,8 +62,8 @@ def test_not_a_mapping():
 
 def test_namespaces_differ_in_every_part_that_changes_a_page():
     g = Geometry(tp_rank=0, tp_size=2)
-    base = dict(model="m", geometry=g, pool="kv", dtype="bfloat16", layout="layer_first", page_size=16,
-                layers=(0, 2), page_shape=(2, 2, 16, 1, 64))
+    base = {"model": "m", "geometry": g, "pool": "kv", "dtype": "bfloat16", "layout": "layer_first", "page_size": 16,
+            "layers": (0, 2), "page_shape": (2, 2, 16, 1, 64)}
     ns = page_namespace(**base)
     changes = [{"model": "m2"}, {"geometry": Geometry(tp_rank=1, tp_size=2)}, {"geometry": Geometry(pp_rank=1, pp_size=2,
                tp_size=2)}, {"pool": "mamba"}, {"dtype": "float16"}, {"layout": "page_first"}, {"page_size": 32},

@@ -238,6 +238,48 @@ def leases() -> None:
     b.close()
 
 
+def mla_page_first() -> None:
+    pool = mla_pool("page_first")
+    b = backend(pool, mla=True)
+    keys, src, dst = hashes(3, "mla-pf"), [1, 2, 3], [5, 6, 7]
+    fill(pool, src, 8)
+    want = [page_bytes(pool, p) for p in src]
+    assert b.batch_set_v1(keys, indices(pool, src)) == [True] * 3
+    zero(pool, dst)
+    assert b.batch_exists(keys) == 3 and b.batch_get_v1(keys, indices(pool, dst)) == [True] * 3
+    assert [page_bytes(pool, p) for p in dst] == want
+    b.close()
+
+
+def v2() -> None:
+    """A hybrid model's extra pool (register_mem_host_pool_v2): its pages under its own name, SGLang's hit policies."""
+    from sglang.srt.mem_cache.hicache_storage import PoolHitPolicy, PoolName, PoolTransfer
+
+    kv, extra = mha_pool(), mha_pool("page_first")
+    b = backend(kv)
+    b.register_mem_host_pool_v2(extra, PoolName.MAMBA)
+    assert b.namespaces["mamba"] != b.namespaces["kv"]
+    keys, src, dst = hashes(4, "v2"), [1, 2, 3, 4], [9, 10]
+    fill(kv, src, 9)
+    fill(extra, src, 10)
+    want = [page_bytes(extra, p) for p in src[:2]]
+    assert b.batch_set_v1(keys, indices(kv, src)) == [True] * 4
+    done = b.batch_set_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=indices(extra, src[:2]), keys=keys[:2])])
+    assert done == {"mamba": [True, True]}, done
+    r = b.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys)])
+    assert (r.kv_hit_pages, r.extra_pool_hit_pages) == (2, {"kv": 4, "mamba": 2}), r
+    r = b.batch_exists_v2(keys, [PoolTransfer(name=PoolName.MAMBA, keys=keys[:1],
+                                              hit_policy=PoolHitPolicy.TRAILING_PAGES)])
+    assert r.kv_hit_pages == 2 and r.restorable_prefix_pages == [1, 2], r
+    zero(extra, dst)
+    got = b.batch_get_v2([PoolTransfer(name=PoolName.MAMBA, host_indices=indices(extra, dst), keys=keys[:2])])
+    assert got == {"mamba": [True, True]} and [page_bytes(extra, p) for p in dst] == want
+    # a pool nobody registered: a miss, not an exception
+    assert b.batch_get_v2([PoolTransfer(name=PoolName.SWA, host_indices=indices(extra, dst), keys=keys[:2])]) \
+        == {"swa": [False, False]}
+    b.close()
+
+
 CHECKS = {
     "roundtrip_layer_first": lambda: roundtrip("layer_first"),
     "roundtrip_page_first": lambda: roundtrip("page_first"),
@@ -245,6 +287,8 @@ CHECKS = {
     "roundtrip_page_head": lambda: roundtrip("page_head"),
     "hole": hole,
     "mla": mla,
+    "mla_page_first": mla_page_first,
+    "v2": v2,
     "isolation": isolation,
     "corrupt_ssd": corrupt_ssd,
     "faults": faults,
