@@ -65,6 +65,17 @@ if [ "${TIERKV_SKIP_LINT:-0}" != 1 ]; then
   fi
 fi
 
+# ---- other Pythons (tests/pyversions.sh): import + the core store tests on 3.10, 3.12 and 3.13 --------------
+# Venvs kept under ~/.cache/tierkv/pyversions: ~4 min for the three once built; 3 to 6 min and ~4.9 GB more per
+# Python on a machine's first run (torch from the package index).  A Python not found or not installable fails
+# the run.
+if [ "${TIERKV_SKIP_PYVERSIONS:-0}" = 1 ]; then
+  echo "pyversions: SKIPPED (TIERKV_SKIP_PYVERSIONS=1): only this venv's Python is tested in this run"
+else
+  bash tests/pyversions.sh
+fi
+# ---- end of other Pythons -----------------------------------------------------------------------------------
+
 export PYTHONDONTWRITEBYTECODE=1
 # Mooncake's master and clients log every connection at INFO: keep the test output readable.
 export GLOG_minloglevel="${GLOG_minloglevel:-2}" MC_LOG_LEVEL="${MC_LOG_LEVEL:-ERROR}"
