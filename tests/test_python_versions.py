@@ -174,3 +174,36 @@ def test_the_floor_is_said_once_and_every_claimed_python_is_run():
     assert classified[0] == "3.10", classified
     # the main suite runs on 3.11; tests/pyversions.sh on every other Python the classifiers claim
     assert sorted({*_run_sh_versions(), "3.11"}, key=lambda v: int(v[2:])) == classified
+
+
+# -- one enum style: word-valued enums derive from tierkv.enums.StrEnum ---------------------------------------
+def test_word_valued_enums_have_one_base():
+    bad = []
+    for name, (path, _) in sorted(modules().items()):
+        if name == "tierkv.enums":
+            continue
+        for node in ast.walk(ast.parse(_read(path), path)):
+            if isinstance(node, ast.ClassDef):
+                bases = {ast.unparse(b) for b in node.bases}
+                if ("str" in bases and bases & {"enum.Enum", "Enum"}) or bases & {"enum.StrEnum"}:
+                    bad.append(f"{os.path.relpath(path, ROOT)}:{node.lineno}: class {node.name}({', '.join(sorted(bases))})")
+    assert not bad, "a word-valued enum not derived from tierkv.enums.StrEnum:\n" + "\n".join(bad)
+
+
+def test_strenum_prints_compares_and_serialises_as_its_value():
+    import enum
+    import json
+
+    from tierkv.enums import StrEnum
+
+    class Mode(StrEnum):
+        FAST = "fast"
+        SAFE_MODE = enum.auto()
+
+    assert Mode.SAFE_MODE.value == "safe_mode"  # auto() gives the lower-case name, as enum.StrEnum does
+    m = Mode.FAST
+    assert isinstance(m, str) and m == "fast" and Mode("fast") is m
+    assert str(m) == f"{m}" == "%s" % m == "{}".format(m) == "fast"  # noqa: UP031, UP032 (each way of printing)
+    assert f"{m:>6}|" == "  fast|"
+    assert json.dumps({m: [m]}) == '{"fast": ["fast"]}'
+    assert repr(m) == "<Mode.FAST: 'fast'>"
