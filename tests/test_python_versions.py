@@ -7,8 +7,8 @@ these checks run in the main suite, on any Python, and name the line that would 
 2. no module uses a standard-library name newer than 3.10 (``enum.StrEnum``, ``typing.Self``, ``tomllib``,
    ``asyncio.TaskGroup``, ...) unless under ``if sys.version_info >= ...`` or in a ``try`` whose handler
    catches the ``ImportError`` / ``AttributeError`` of an older Python;
-3. the floor is said once: ``requires-python``, ruff's ``target-version``, mypy's ``python_version``, the
-   classifiers and the Pythons ``tests/pyversions.sh`` runs all agree.
+3. the range is said once: ``requires-python`` (3.10 to 3.13), ruff's ``target-version``, mypy's
+   ``python_version``, the classifiers and the Pythons ``tests/pyversions.sh`` runs all agree.
 """
 
 from __future__ import annotations
@@ -167,11 +167,12 @@ def _run_sh_versions() -> list[str]:
 
 def test_the_floor_is_said_once_and_every_claimed_python_is_run():
     project = _pyproject()
-    assert project["project"]["requires-python"] == ">=3.10"
+    # the range admits exactly the Pythons CI runs: no upper bound would claim every Python to come
+    assert project["project"]["requires-python"] == ">=3.10,<3.14"
     assert project["tool"]["ruff"]["target-version"] == "py310"
     assert project["tool"]["mypy"]["python_version"] == "3.10"
     classified = _classified()
-    assert classified[0] == "3.10", classified
+    assert classified[0] == "3.10" and classified[-1] == "3.13", classified
     # the main suite runs on 3.11; tests/pyversions.sh on every other Python the classifiers claim
     assert sorted({*_run_sh_versions(), "3.11"}, key=lambda v: int(v[2:])) == classified
 
