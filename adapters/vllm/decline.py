@@ -3,9 +3,12 @@
 A hit is worth claiming only if loading it is faster than computing it.  Both sides
 are measured from what the connector sees (:class:`Rate`): each tier's loads
 (tokens, seconds, calls: ``seconds = latency + tokens * per_token``) and the
-engine's steps (tokens scheduled, seconds of the step: the slope is the marginal
-time to compute one more token).  Each new sample halves the weight of the older
-ones of its rate (``decay``): a tier that slows down is seen at its next load.
+engine's steps of at least ``MIN_STEP_TOKENS`` tokens (tokens scheduled, seconds of
+the step: the slope is the marginal time to compute one more token; with steps of
+one size, their seconds per token).  Each new sample halves the weight of the older
+ones of its rate (``decay``): a tier that slows down is seen at its next load, and a
+tier's newest load, where it is faster than the fit, stands for the tier (one fast
+load after a slow spell brings it back).
 
 :meth:`Decliner.decide` walks a hit's blocks tier by tier, in order (a hit is a
 prefix: declining a tier cuts it at that tier's first block).  A tier whose part of
@@ -24,6 +27,8 @@ from typing import Any
 
 #: samples a rate needs before it decides anything
 MIN_SAMPLES = 3
+#: a step's tokens below which it is not a compute sample (a decode step's time is mostly fixed costs)
+MIN_STEP_TOKENS = 64
 #: the weight an older sample keeps when a new one arrives
 DECAY = 0.5
 #: below this relative spread of the samples' sizes, a rate has no slope of its own: seconds / tokens
@@ -33,7 +38,7 @@ _FLAT = 0.05
 class Rate:
     """``seconds = latency + units * per_unit``, fitted by least squares over exponentially decayed samples."""
 
-    __slots__ = ("_w", "_x", "_xx", "_xy", "_y", "decay", "samples")
+    __slots__ = ("_w", "_x", "_xx", "_xy", "_y", "decay", "last", "samples")
 
     def __init__(self, decay: float = DECAY) -> None:
         if not 0.0 < decay < 1.0:
@@ -41,6 +46,8 @@ class Rate:
         self.decay = decay
         #: samples seen (undecayed)
         self.samples = 0
+        #: the newest sample: (units, seconds) per call
+        self.last = (0.0, 0.0)
         self._w = self._x = self._y = self._xx = self._xy = 0.0
 
     def add(self, units: float, seconds: float, calls: int = 1) -> None:
@@ -55,6 +62,7 @@ class Rate:
         self._xx = self._xx * d + w * x * x
         self._xy = self._xy * d + w * x * y
         self.samples += 1
+        self.last = (x, y)
 
     def fit(self) -> tuple[float, float]:
         """``(latency, per_unit)`` in seconds; ``(0, 0)`` without samples."""
@@ -115,14 +123,22 @@ class Decliner:
         rate.add(tokens, seconds, calls)
 
     def observe_step(self, tokens: float, seconds: float, steps: int = 1) -> None:
-        self.compute.add(tokens, seconds, steps)
+        """``steps`` engine steps computed ``tokens`` in ``seconds``; steps of under ``MIN_STEP_TOKENS`` tokens
+        each (decodes) say little about a prefill's rate and are left out."""
+        if tokens >= MIN_STEP_TOKENS * steps:
+            self.compute.add(tokens, seconds, steps)
 
     def load_seconds(self, tier: str, tokens: float) -> float | None:
-        """The time ``tokens`` of ``tier`` would take to load (None: too few samples)."""
+        """The time ``tokens`` of ``tier`` would take to load (None: too few samples): the fit over the decayed
+        samples, or the newest sample's rate where that is faster (a tier that recovered is claimed again after
+        one fast load)."""
         rate = self.tiers.get(tier)
         if rate is None or rate.samples < self.min_samples:
             return None
-        return rate.seconds(tokens)
+        fit = rate.seconds(tokens)
+        x, y = rate.last
+        at_last = rate.seconds(x)
+        return fit * min(1.0, y / at_last) if at_last > 0 else fit
 
     def compute_seconds(self, tokens: float) -> float | None:
         """The time the engine would take to compute ``tokens`` (None: too few samples)."""

@@ -281,7 +281,9 @@ class TierKVWorker:
     def bind_metadata(self, meta: Any) -> None:
         self._metadata = meta if isinstance(meta, TierKVConnectorMetadata) else None
         # the step's forward runs from here to wait_for_save: its time per token is the decline rule's compute
-        self._step_began = (time.perf_counter(), self._metadata.step_tokens if self._metadata is not None else 0)
+        # (a step that loads in it is not timed: its load is no compute)
+        m = self._metadata
+        self._step_began = (time.perf_counter(), m.step_tokens if m is not None and not m.loads else 0)
         if self._metadata is not None and (self._metadata.lease_releases or self._metadata.preempted):
             # lookups the scheduler will not load (no blocks for the hit, finished or aborted first), and
             # preempted requests: what they held goes back now
