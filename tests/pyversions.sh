@@ -9,7 +9,7 @@
 # Each Python gets a venv kept between runs under $TIERKV_PYVERSIONS_HOME (default ~/.cache/tierkv/pyversions):
 # torch there is the package index's build (a CPU torch wheel exists here for 3.11 only), 0.5 GB of wheel plus
 # CUDA libraries, ~4.9 GB installed per Python, downloaded on a machine's first run and reused after.  Cost
-# (docs/history.md, 2026-12-06): ~4 min for the three Pythons once their venvs exist; 3 to 6 min more per
+# (docs/history.md, 2026-12-06): 4 to 6 min for the three Pythons once their venvs exist; 3 to 6 min more per
 # Python on a machine's first run.
 # A Python that cannot be found, or whose install fails (after one retry), is a failure: one line names it, the
 # summary counts it, and the script exits 1.  Nothing is skipped in silence.

@@ -66,7 +66,7 @@ if [ "${TIERKV_SKIP_LINT:-0}" != 1 ]; then
 fi
 
 # ---- other Pythons (tests/pyversions.sh): import + the core store tests on 3.10, 3.12 and 3.13 --------------
-# Venvs kept under ~/.cache/tierkv/pyversions: ~4 min for the three once built; 3 to 6 min and ~4.9 GB more per
+# Venvs kept under ~/.cache/tierkv/pyversions: 4 to 6 min for the three once built; 3 to 6 min and ~4.9 GB more per
 # Python on a machine's first run (torch from the package index).  A Python not found or not installable fails
 # the run.
 if [ "${TIERKV_SKIP_PYVERSIONS:-0}" = 1 ]; then
