@@ -248,6 +248,26 @@ def test_declines_on_prometheus():
     assert f"tierkv_connector_declined_slow_tokens_total{{{labels}}} 512.0" in text
     assert f"tierkv_connector_decline_probes_total{{{labels}}} 1.0" in text
 
+    # tierkv describe on that endpoint: the declines by tier, beside the store
+    from tierkv import TieredStore
+    from tierkv.adapters.vllm.prom import attach_store_snapshot
+    from tierkv.tools.cli.describe import render
+    from tierkv.tools.live import describe_store, snapshot_from_text
+
+    store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": 4096}]})
+    try:
+        data = {"hit_tokens": {"dram": 64}}
+        attach_store_snapshot(data, store, 0)
+        prom.observe(data)
+    finally:
+        store.close()
+    snap, extras = snapshot_from_text(generate_latest(reg).decode())
+    assert extras["connector"]["declined_slow"] == {"ssd": 3.0}
+    assert extras["connector"]["hit_tokens"] == {"dram": 64.0}
+    doc = describe_store(snap, "http://x/metrics", extras)
+    out = render(doc)
+    assert "declined (tier slower than computing): ssd 3 hits (512 tokens), 1 probes" in out, out
+
 
 def test_decode_steps_are_no_compute_samples():
     d = Decliner()

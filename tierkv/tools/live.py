@@ -185,7 +185,7 @@ def snapshot_from_text(text: str) -> tuple[Optional[dict[str, Any]], dict[str, A
     acc: dict[tuple, dict[tuple, float]] = defaultdict(dict)
     sources: list[dict[str, str]] = []
     connector: dict[str, Any] = {}
-    hit_tokens: dict[str, float] = defaultdict(float)
+    by_tier: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for fam in text_string_to_metric_families(text):
         if not fam.name.startswith("tierkv_") or fam.type == "histogram":
             continue
@@ -197,8 +197,8 @@ def snapshot_from_text(text: str) -> tuple[Optional[dict[str, Any]], dict[str, A
             src = {k: v for k, v in s.labels.items() if k not in _OWN_LABELS}
             if src not in sources:
                 sources.append(src)
-            if name == "tierkv_connector_hit_tokens":
-                hit_tokens[own.get("tier", "")] += s.value
+            if name.startswith("tierkv_connector_") and "tier" in own:  # (hit tokens, declined hits: by tier)
+                by_tier[name[len("tierkv_connector_"):]][own["tier"]] += s.value
             elif name.startswith("tierkv_connector_"):
                 key = name[len("tierkv_connector_"):]
                 connector[key] = connector.get(key, 0.0) + s.value
@@ -231,8 +231,8 @@ def snapshot_from_text(text: str) -> tuple[Optional[dict[str, Any]], dict[str, A
     outcomes = [snap["total"][f] for f, (op, _) in metrics.CHUNK_OUTCOMES.items() if op == "put" and f in snap["total"]]
     if outcomes:  # (the exporters leave out the sum of the put outcomes)
         snap["total"]["chunks_put"] = sum(outcomes)
-    if hit_tokens:
-        connector["hit_tokens"] = dict(hit_tokens)
+    for key, counts in by_tier.items():
+        connector[key] = dict(counts)
     return (snap if found else None), {"sources": [s for s in sources if s], "connector": connector}
 
 
