@@ -232,11 +232,14 @@ ENDINGS = {"end of script": "pass", "sys.exit": "sys.exit(0)", "uncaught excepti
 @pytest.mark.slow
 @pytest.mark.parametrize("over_dram", [True, False], ids=["dram-over-ssd", "ssd-only"])
 @pytest.mark.parametrize("ending", list(ENDINGS))
-def test_a_store_left_open_at_exit_is_closed_and_its_copies_kept(tmp_path, ending, over_dram):
+def test_a_store_left_open_at_exit_is_closed_and_its_copies_kept(request, tmp_path, ending, over_dram):
     """No close, no flush: however the program ends, the exit closes the store as close() would (every
     write-behind copy made, the ssd's checkpoint written, nothing said about a failure, no thread of the
     store left running while the interpreter finalizes).  80 chunks of 1 MiB: the write-behind queue is
     far from drained when the script ends."""
+    if over_dram and (3, 12, 0) <= sys.version_info[:3] < (3, 12, 3):
+        # (the copies below need the ssd tier's write pool to start threads: docs/architecture.md)
+        request.applymarker(pytest.mark.xfail(strict=True, reason="CPython 3.12.0 to 3.12.2 start no thread at exit"))
     path = str(tmp_path / "ssd")
     code = LEFT_OPEN.format(path=path, over_dram=over_dram, ending=ENDINGS[ending])
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
