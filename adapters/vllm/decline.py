@@ -21,7 +21,7 @@ steps, nothing is declined.  Pure: no clock, no I/O, no vLLM.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -166,21 +166,34 @@ class Decliner:
     def decide(self, tiers: Sequence[str | None], block_tokens: int) -> Verdict:
         """How much of a hit of ``len(tiers)`` blocks (``block_tokens`` each, served from ``tiers[i]``; None:
         unknown, always claimed) to claim."""
-        tokens: dict[str, int] = {}
-        first: dict[str, int] = {}
-        for i, t in enumerate(tiers):
-            if t is not None:
-                tokens[t] = tokens.get(t, 0) + block_tokens
-                first.setdefault(t, i)
         probed: list[str] = []
-        for t, i in first.items():  # (in the order the hit reaches them)
-            if not self.slow(t, tokens[t]):
-                continue
-            if self._probe(t):
-                probed.append(t)
-                continue
-            return Verdict(i, t, tuple(probed), (len(tiers) - i) * block_tokens)
-        return Verdict(len(tiers), None, tuple(probed))
+
+        def declines(tier: str, tokens: int) -> bool:
+            if not self.slow(tier, tokens):
+                return False
+            if self._probe(tier):
+                probed.append(tier)
+                return False
+            return True
+
+        v = cut(tiers, block_tokens, declines)
+        return Verdict(v.blocks, v.declined, tuple(probed), v.declined_tokens)
+
+
+def cut(tiers: Sequence[str | None], block_tokens: int, declines: Callable[[str, int], bool]) -> Verdict:
+    """The rule's walk over a hit: each tier in the order the hit reaches it, with its tokens in the hit;
+    the first tier ``declines(tier, tokens)`` says is slow cuts the hit at its first block (``tierkv simulate``
+    asks it with fixed bandwidths and a fixed prefill rate)."""
+    tokens: dict[str, int] = {}
+    first: dict[str, int] = {}
+    for i, t in enumerate(tiers):
+        if t is not None:
+            tokens[t] = tokens.get(t, 0) + block_tokens
+            first.setdefault(t, i)
+    for t, i in first.items():
+        if declines(t, tokens[t]):
+            return Verdict(i, t, (), (len(tiers) - i) * block_tokens)
+    return Verdict(len(tiers))
 
 
 #: the counters a verdict adds to, by tier (the connector's stats and the scheduler's totals)

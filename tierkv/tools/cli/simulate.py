@@ -32,7 +32,9 @@ swapped for a payload-free one at the same capacity and footprint rule (eviction
 admission and promotion policies kept).  Reports per tier hits, bytes moved and
 evictions, the token hit rate (a block counts only if every block before it hit)
 and prefill tokens saved; with bandwidths (--bench-json or --bandwidth) and
---prefill-tokens-per-s, the load time against the recompute time it replaces.
+--prefill-tokens-per-s, the load time against the recompute time it replaces, and
+the vLLM connector's decline rule: a hit's part on a tier that reads slower than
+the prefill computes is not read (declined, by tier; --no-decline reads it).
 
 Trace formats (auto-detected): mooncake (timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks), bailian (chat_id, parent_chat_id, timestamp s, ...,
@@ -84,6 +86,9 @@ def add_parser(sub) -> None:
     p.add_argument("--bandwidth", action="append", default=[], metavar="TIER=BYTES_PER_S",
                    help="read bandwidth of a tier, e.g. --bandwidth ssd=2GiB (per second); overrides --bench-json")
     p.add_argument("--prefill-tokens-per-s", type=float, help="the engine's prefill throughput, to price recompute")
+    p.add_argument("--no-decline", action="store_true",
+                   help="read every hit, even from a tier slower than the prefill (the connector's decline_slow_hits "
+                        "false)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout, nothing else")
     g = p.add_argument_group("sweep")
     g.add_argument("--sweep", metavar="TIER=LO..HI[:N]", help="vary TIER's capacity over N geometric points")
@@ -225,7 +230,7 @@ def run(args) -> int:
     with progress(len(reqs), "replay", "requests", command="simulate") as bar:
         res = simulate(reqs, cfg, bytes_per_token=bpt, bandwidths=bws,
                        prefill_tokens_per_s=args.prefill_tokens_per_s, capacities=capacities, evictions=evictions,
-                       progress=bar.update)
+                       progress=bar.update, decline=not args.no_decline)
     out = res.as_dict()
     if bws is not None:
         unpriced = [n for n, t in out["tiers"].items() if t["hits"] and not bws.get(n)]
@@ -296,6 +301,9 @@ def _print_result(out: dict[str, Any]) -> None:
         print(f"recompute time saved: {out['recompute_s']:.1f} s (give bandwidths to compare load time)")
     elif out.get("load_s") is not None:
         print(f"load time: {out['load_s']:.1f} s (give --prefill-tokens-per-s to compare with recompute)")
+    if out.get("declined_hits"):
+        print("declined (tier slower than the prefill): " + ", ".join(
+            f"{t} {n} hits ({out['declined_tokens'].get(t, 0)} tokens)" for t, n in sorted(out["declined_hits"].items())))
     rps = out.get("requests_per_s")
     print(f"replayed in {out['wall_s']:.2f} s ({fmt_num(rps, 0)} requests/s; {out['cpu_s']:.2f} s of CPU)")
 

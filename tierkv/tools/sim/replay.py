@@ -17,7 +17,10 @@ Reported:
 * ``chunk_hit_rate``: blocks present anywhere in the store when requested
   (leading or not) over all blocks requested;
 * with bandwidths per tier (bytes/s) and a prefill throughput (tokens/s): the
-  time spent loading against the recompute time those loads replace.
+  time spent loading against the recompute time those loads replace; and the vLLM
+  connector's decline rule (``adapters/vllm/decline.py``) applies: a hit's part on
+  a tier that reads slower than the engine computes is not read (``declined``, by
+  tier), vLLM would compute it.
 """
 
 from __future__ import annotations
@@ -126,6 +129,10 @@ class SimResult:
     block_bytes: int = 0
     load_s: Optional[float] = None
     recompute_s: Optional[float] = None
+    #: hits not read because their tier reads slower than the prefill computes (bandwidths and a prefill rate
+    #: given): hits and tokens by the tier that cut them
+    declined_hits: dict[str, int] = field(default_factory=dict)
+    declined_tokens: dict[str, int] = field(default_factory=dict)
 
     @property
     def token_hit_rate(self) -> float:
@@ -140,6 +147,7 @@ class SimResult:
                 "prefill_tokens_saved": self.hit_tokens, "token_hit_rate": self.token_hit_rate,
                 "chunk_hit_rate": self.chunk_hit_rate, "leading_hits": self.leading_hits,
                 "block_bytes": self.block_bytes, "load_s": self.load_s, "recompute_s": self.recompute_s,
+                "declined_hits": self.declined_hits, "declined_tokens": self.declined_tokens,
                 "wall_s": self.wall_s, "cpu_s": self.cpu_s,
                 "requests_per_s": self.requests / self.wall_s if self.wall_s else None,
                 "tiers": self.tiers}
@@ -151,17 +159,20 @@ TIER_FIELDS = ("capacity_bytes", "used_bytes", "entries", "hits", "misses", "byt
 
 def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Optional[int] = DEFAULT_BYTES_PER_TOKEN,
            bandwidths: Optional[dict[str, float]] = None, prefill_tokens_per_s: Optional[float] = None,
-           progress=None) -> SimResult:
+           progress=None, decline: bool = True) -> SimResult:
     """Drive ``store`` with ``requests`` (lookup, get of the leading hits, put of the rest; one batch each).
 
     Every block is ``bytes_per_token * block_tokens`` bytes; with ``bytes_per_token=None``, the request's
     own ``block_bytes`` (a trace that carries sizes), else ``DEFAULT_BYTES_PER_TOKEN`` per token.  ``bandwidths`` maps a
     tier name to its read bandwidth in bytes/s; with ``prefill_tokens_per_s`` the
     result carries ``load_s`` (time to read every hit) and ``recompute_s`` (time to
-    prefill the tokens those hits saved).  ``progress(n)`` is called every 1000 requests and once at the end
-    for the rest, so the counts add up to the requests replayed.
+    prefill the tokens those hits saved).  With both (and ``decline``), the vLLM connector's rule applies: the
+    hit is cut at the first block of a tier whose read of the hit's tokens on it takes longer than their prefill
+    (``declined_hits``, ``declined_tokens``); a tier without a bandwidth is never declined.  ``progress(n)`` is
+    called every 1000 requests and once at the end for the rest, so the counts add up to the requests replayed.
     """
     res = SimResult()
+    rule = (bandwidths, float(prefill_tokens_per_s)) if decline and bandwidths and prefill_tokens_per_s else None
     bufs: dict[int, torch.Tensor] = {}  # one never-touched buffer per block size: null media keep no bytes
     t0, c0 = time.perf_counter(), time.process_time()
     lookup, get, put, drain = store.lookup, store.get, store.put, store.drain_write_behind
@@ -183,6 +194,8 @@ def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Opt
         res.blocks += nb
         n = lookup(keys)
         lead = 0
+        if n and rule is not None:
+            n = _claimed(res, store.locate(keys[:n]), r.block_tokens, size, *rule)
         if n:
             for ok in get(keys[:n], [buf] * n):
                 if not ok:
@@ -214,6 +227,25 @@ def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Opt
         check_float(prefill_tokens_per_s, "prefill tokens per second", min_value=0, min_exclusive=True)
         res.recompute_s = res.hit_tokens / prefill_tokens_per_s
     return res
+
+
+def _claimed(res: SimResult, where: list[Optional[str]], block_tokens: int, block_bytes: int,
+             bandwidths: dict[str, float], prefill_tokens_per_s: float) -> int:
+    """The blocks of a hit the connector's rule claims (``where``: each block's tier); its declines counted.
+    A tier is slow where reading a token takes longer than computing one (fixed rates: no latency, no probe)."""
+    from tierkv.adapters.vllm.decline import cut  # (pure: no vLLM)
+
+    def slow(tier: str, tokens: int) -> bool:
+        bw = bandwidths.get(tier)
+        if not bw:
+            return False
+        return tokens * block_bytes / block_tokens / bw > tokens / prefill_tokens_per_s
+
+    v = cut(where, block_tokens, slow)
+    if v.declined is not None:
+        res.declined_hits[v.declined] = res.declined_hits.get(v.declined, 0) + 1
+        res.declined_tokens[v.declined] = res.declined_tokens.get(v.declined, 0) + v.declined_tokens
+    return v.blocks
 
 
 def tune_allocator() -> bool:
