@@ -202,6 +202,10 @@ def test_worker_counters_report_steps_and_loads_by_tier():
 
     c = WorkerCounters()
     c.add_step(100, 0.5)
+    alone = c.take_interval(False)  # a step's timing goes every step, but alone is no news (no snapshot)
+    assert alone is not None and alone.data["steps"] == 1 and alone.is_empty()
+    assert c.take_interval(False) is None
+    c.add_step(100, 0.5)
     job = LoadJob.new(1)
     job.end[0] = job.submit_t + 0.3
     job.per_req["r"] = {"tokens": 48, "bytes": 0, "hit_tokens": {}}

@@ -146,9 +146,10 @@ class WorkerCounters:
         return out
 
     def take_interval(self, due: bool) -> TierKVConnectorStats | None:
-        """The interval's counters (a fresh interval starts), or None when it moved nothing and ``due`` is false."""
+        """The interval's counters (a fresh interval starts), or None when it moved nothing, timed no step and
+        ``due`` is false."""
         with self._lock:
-            if self.interval.is_empty() and not due:
+            if self.interval.is_empty() and not due and not self.interval.data.get("steps"):
                 return None
             out, self.interval = self.interval, TierKVConnectorStats()
         return out

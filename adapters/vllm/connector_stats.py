@@ -25,8 +25,10 @@ COUNTERS = (
     "save_blocks", "save_bytes", "save_s", "save_errors", "save_refused",
     "audits", "audit_mismatches", "audit_skipped", "audit_s", "leases", "lease_expired",
     "lease_cuts", "events_stored", "events_removed", "events_dropped", "events_unmapped",
-    "steps", "step_tokens", "step_s",
 )
+#: the engine's steps as the workers timed them (the decline rule's compute samples): sent with every step's
+#: stats, but a step alone is no news (``is_empty``)
+STEP_COUNTERS = ("steps", "step_tokens", "step_s")
 #: counters by tier: hits the decline rule did not claim (decline.py), their tokens, and the slow hits claimed
 #: anyway as probes
 BY_TIER = ("declined_slow", "declined_slow_tokens", "decline_probes")
@@ -50,6 +52,9 @@ class TierKVConnectorStats(KVConnectorStats):
         od = other.data or {}
         for k in COUNTERS:
             self.data[k] = self.data.get(k, 0) + od.get(k, 0)
+        for k in STEP_COUNTERS:
+            if od.get(k):
+                self.data[k] = self.data.get(k, 0) + od[k]
         for key in ("hit_tokens", *BY_TIER):
             if od.get(key):
                 mine = self.data.setdefault(key, {})

@@ -430,9 +430,10 @@ class TierKVWorker:
     def get_stats(self) -> TierKVConnectorStats | None:
         if self.events is not None:  # (counted here too where nothing collects the events: a full queue drops)
             self.counters.add_events(*self.events.take_counts())
-        out = self.counters.take_interval(self._snapshots.due())
-        if out is None:
-            return None
+        due = self._snapshots.due()
+        out = self.counters.take_interval(due)
+        if out is None or (out.is_empty() and not due):  # (a step's timing alone carries no snapshot)
+            return out
         try:  # the store's cumulative numbers ride along (at least once a second), for vLLM's /metrics
             attach_store_snapshot(out.data, self.store, self.tp_rank)
             self._snapshots.sent()
