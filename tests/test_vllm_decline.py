@@ -265,12 +265,15 @@ def test_declines_on_prometheus():
         prom.observe(data)
     finally:
         store.close()
-    snap, extras = snapshot_from_text(generate_latest(reg).decode())
-    assert extras["connector"]["declined_slow"] == {"ssd": 3.0}
+    text = generate_latest(reg).decode()
+    # every tier of the store shows its series from its first snapshot on, at 0 too
+    assert 'tierkv_connector_declined_slow_total{engine="0",model_name="tiny",tier="dram"} 0.0' in text
+    snap, extras = snapshot_from_text(text)
+    assert extras["connector"]["declined_slow"] == {"ssd": 3.0, "dram": 0.0}
     assert extras["connector"]["hit_tokens"] == {"dram": 64.0}
     doc = describe_store(snap, "http://x/metrics", extras)
     out = render(doc)
-    assert "declined (tier slower than computing): ssd 3 hits (512 tokens), 1 probes" in out, out
+    assert "declined (tier slower than computing): ssd 3 hits (512 tokens), 1 probes\n" in out, out
 
 
 def test_decode_steps_are_no_compute_samples():

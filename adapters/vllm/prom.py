@@ -236,8 +236,10 @@ def _prom_class():
                     child = m.labels(*labels)
                     if any(grow):
                         _add_to_histogram(child, grow, max(0.0, total - prev_sum))
-                for tier in snap.get("tiers") or {}:
+                for tier in snap.get("tiers") or {}:  # (every tier's series shows, at 0 too)
                     self._hit_tokens.labels(*labels, tier)
+                    for c in self._by_tier.values():
+                        c.labels(*labels, tier)
             for level in touched:
                 _, name, lv = level
                 value = _combine(self._merge[name], list(self._levels[level].values()))

@@ -154,12 +154,13 @@ def _render_store(doc: dict[str, Any], lines: list[str]) -> None:
         lines.append(f"connector: {_num(conn.get('loaded_tokens'))} tokens loaded, {_num(conn.get('saved_blocks'))} "
                      f"blocks saved, {_num(conn.get('load_errors'))} load errors, {_num(conn.get('save_errors'))} "
                      "save errors" + (("  hit tokens: " + ", ".join(f"{k} {v}" for k, v in hit.items())) if hit else ""))
-        declined = conn.get("declined_slow") or {}
-        if declined or conn.get("decline_probes"):  # hits a slow tier did not serve (they were computed)
-            tokens, probes = conn.get("declined_slow_tokens") or {}, conn.get("decline_probes") or {}
+        declined, probes = conn.get("declined_slow") or {}, conn.get("decline_probes") or {}
+        slow = sorted(t for t in {*declined, *probes} if declined.get(t) or probes.get(t))
+        if slow:  # hits a slow tier did not serve (they were computed), and its probes
+            tokens = conn.get("declined_slow_tokens") or {}
             lines.append("declined (tier slower than computing): " + ", ".join(
                 f"{t} {_num(declined.get(t, 0))} hits ({_num(tokens.get(t, 0))} tokens), {_num(probes.get(t, 0))} "
-                "probes" for t in sorted({*declined, *probes})))
+                "probes" for t in slow))
 
 
 def _render_pool(doc: dict[str, Any], lines: list[str]) -> None:
