@@ -9,7 +9,7 @@ import pytest
 from tierkv.adapters.sglang.options import (
     DEFAULT_STORE_CONFIG,
     SGLANG_KEYS,
-    Geometry,
+    EngineRanks,
     page_namespace,
     parse_options,
 )
@@ -61,11 +61,11 @@ def test_not_a_mapping():
 
 
 def test_namespaces_differ_in_every_part_that_changes_a_page():
-    g = Geometry(tp_rank=0, tp_size=2)
-    base = {"model": "m", "geometry": g, "pool": "kv", "dtype": "bfloat16", "layout": "layer_first", "page_size": 16,
+    g = EngineRanks(tp_rank=0, tp_size=2)
+    base = {"model": "m", "ranks": g, "pool": "kv", "dtype": "bfloat16", "layout": "layer_first", "page_size": 16,
             "layers": (0, 2), "page_shape": (2, 2, 16, 1, 64)}
     ns = page_namespace(**base)
-    changes = [{"model": "m2"}, {"geometry": Geometry(tp_rank=1, tp_size=2)}, {"geometry": Geometry(pp_rank=1, pp_size=2,
+    changes = [{"model": "m2"}, {"ranks": EngineRanks(tp_rank=1, tp_size=2)}, {"ranks": EngineRanks(pp_rank=1, pp_size=2,
                tp_size=2)}, {"pool": "mamba"}, {"dtype": "float16"}, {"layout": "page_first"}, {"page_size": 32},
                {"layers": (2, 4)}, {"page_shape": (2, 16, 2, 1, 64)}, {"tenant": "a"}]
     seen = {ns}
@@ -76,8 +76,8 @@ def test_namespaces_differ_in_every_part_that_changes_a_page():
 
 
 def test_mla_ranks_share_one_namespace():
-    a = page_namespace("m", Geometry(tp_rank=0, tp_size=4, mla=True), "kv", "bfloat16", "layer_first", 16, (0, 2),
+    a = page_namespace("m", EngineRanks(tp_rank=0, tp_size=4, mla=True), "kv", "bfloat16", "layer_first", 16, (0, 2),
                        (2, 16, 1, 576))
-    b = page_namespace("m", Geometry(tp_rank=3, tp_size=4, mla=True), "kv", "bfloat16", "layer_first", 16, (0, 2),
+    b = page_namespace("m", EngineRanks(tp_rank=3, tp_size=4, mla=True), "kv", "bfloat16", "layer_first", 16, (0, 2),
                        (2, 16, 1, 576))
     assert a == b and "/mla/" in a

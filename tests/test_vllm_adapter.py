@@ -22,8 +22,8 @@ from tierkv.adapters.vllm.config import (
     store_config_from_extra,
 )
 from tierkv.adapters.vllm.paged import Cuts, PagedLayer, find_block_dim
-from tierkv.adapters.vllm.registry import StoreRegistry
 from tierkv.errors import ConfigError
+from tierkv.stores import StoreRegistry
 
 
 # ---------------------------------------------------------------- paged layouts

@@ -10,6 +10,8 @@ how sizes are written).  ``what`` names the option in the message, e.g.
 from __future__ import annotations
 
 import enum
+import json
+import os
 from collections.abc import Collection, MutableMapping
 from typing import Any, Optional, TypeVar
 
@@ -142,3 +144,31 @@ def pop_size(options: MutableMapping[str, Any], key: str, default: Any, what: st
     if v is _MISSING or (v is None and default is None):
         return default
     return parse_size(v, f"{what} option {key!r}")
+
+
+def pop_store_config(options: MutableMapping[str, Any], what: str, default: Any) -> Any:
+    """An engine adapter's store config: inline under ``"tierkv"`` (a mapping, or a JSON string, which
+    survives shell quoting) or a file path under ``"tierkv_config_file"``; with neither, ``default``.
+    Both keys are removed from ``options``; giving both is an error."""
+    inline = options.pop("tierkv", None)
+    path = options.pop("tierkv_config_file", None)
+    if inline is not None and path is not None:
+        raise ConfigError(f"{what}: give either 'tierkv' or 'tierkv_config_file', not both")
+    if inline is not None:
+        if isinstance(inline, str):
+            try:
+                inline = json.loads(inline)
+            except ValueError as e:
+                raise ConfigError(f"{what} option 'tierkv' is not valid JSON: {e}") from e
+        if not isinstance(inline, dict):
+            raise ConfigError(f"{what} option 'tierkv': expected a store config (a mapping), "
+                              f"got {type(inline).__name__}")
+        return inline
+    if path is not None:
+        if not isinstance(path, str) or not path:
+            raise ConfigError(f"{what} option 'tierkv_config_file': expected a file path, got {short(path)}")
+        path = os.path.expanduser(path)
+        if not os.path.isfile(path):
+            raise ConfigError(f"{what} option 'tierkv_config_file': {path!r} does not exist")
+        return path
+    return default

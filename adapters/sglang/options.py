@@ -10,13 +10,11 @@ page's bytes (weights, dtype, layout, page size, layers, KV heads or MLA, pipeli
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.options import pop_float, pop_int, pop_str
+from tierkv.options import pop_float, pop_int, pop_store_config, pop_str
 
 WHAT = "hicache-storage-backend-extra-config"
 
@@ -53,29 +51,6 @@ class BackendOptions:
     metrics_addr: str = "127.0.0.1"
 
 
-def _store_config(inline: Any, path: Any) -> dict[str, Any] | str:
-    if inline is not None and path is not None:
-        raise ConfigError(f"{WHAT}: give either 'tierkv' or 'tierkv_config_file', not both")
-    if inline is not None:
-        if isinstance(inline, str):  # a JSON string survives shell quoting
-            try:
-                inline = json.loads(inline)
-            except ValueError as e:
-                raise ConfigError(f"{WHAT} option 'tierkv' is not valid JSON: {e}") from e
-        if not isinstance(inline, dict):
-            raise ConfigError(f"{WHAT} option 'tierkv': expected a store config (a mapping), "
-                              f"got {type(inline).__name__}")
-        return inline
-    if path is not None:
-        if not isinstance(path, str) or not path:
-            raise ConfigError(f"{WHAT} option 'tierkv_config_file': expected a file path, got {type(path).__name__}")
-        path = os.path.expanduser(path)
-        if not os.path.isfile(path):
-            raise ConfigError(f"{WHAT} option 'tierkv_config_file': {path!r} does not exist")
-        return path
-    return DEFAULT_STORE_CONFIG
-
-
 def parse_options(extra: Any) -> BackendOptions:
     """Check the extra-config; a ``ConfigError`` names the first bad option, or every unknown one."""
     if extra is None:
@@ -83,7 +58,7 @@ def parse_options(extra: Any) -> BackendOptions:
     if not isinstance(extra, dict):
         raise ConfigError(f"{WHAT} must be a mapping, got {type(extra).__name__}")
     opts = {k: v for k, v in extra.items() if k not in SGLANG_KEYS}
-    store = _store_config(opts.pop("tierkv", None), opts.pop("tierkv_config_file", None))
+    store = pop_store_config(opts, WHAT, DEFAULT_STORE_CONFIG)
     model_id = pop_str(opts, "model_id", None, WHAT)
     namespace = pop_str(opts, "namespace", None, WHAT)
     if namespace is not None and not namespace.strip():
@@ -102,7 +77,7 @@ def _clean(part: object) -> str:
 
 
 @dataclass(frozen=True)
-class Geometry:
+class EngineRanks:
     """What SGLang tells a backend about its place in the engine (``HiCacheStorageConfig``)."""
 
     tp_rank: int = 0
@@ -116,7 +91,7 @@ class Geometry:
     dcp_size: int = 1
 
     @classmethod
-    def of(cls, storage_config: Any) -> Geometry:
+    def of(cls, storage_config: Any) -> EngineRanks:
         g = storage_config
         return cls(int(g.tp_rank), int(g.tp_size), int(g.pp_rank), int(g.pp_size), bool(g.is_mla_model),
                    int(getattr(g, "attn_cp_rank", 0) or 0), int(getattr(g, "attn_cp_size", 1) or 1),
@@ -131,7 +106,7 @@ class Geometry:
         return s + (f"-cp{self.cp_rank}-of-{self.cp_size}" if self.cp_size > 1 else "")
 
 
-def page_namespace(model: str, geometry: Geometry, pool: str, dtype: str, layout: str, page_size: int,
+def page_namespace(model: str, ranks: EngineRanks, pool: str, dtype: str, layout: str, page_size: int,
                    layers: tuple[int, int], page_shape: tuple[int, ...], tenant: str | None = None) -> str:
     """The namespace a pool's pages are keyed under.
 
@@ -140,6 +115,6 @@ def page_namespace(model: str, geometry: Geometry, pool: str, dtype: str, layout
     """
     return "/".join([
         "sglang", _clean(model), _clean(pool), _clean(dtype), _clean(layout), f"ps{int(page_size)}",
-        f"layers{int(layers[0])}-{int(layers[1])}", "x".join(str(int(d)) for d in page_shape), geometry.shard(),
-        f"pp{geometry.pp_rank}-of-{geometry.pp_size}", "tenant:" + _clean(tenant) if tenant is not None else "-",
+        f"layers{int(layers[0])}-{int(layers[1])}", "x".join(str(int(d)) for d in page_shape), ranks.shard(),
+        f"pp{ranks.pp_rank}-of-{ranks.pp_size}", "tenant:" + _clean(tenant) if tenant is not None else "-",
     ])

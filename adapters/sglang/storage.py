@@ -34,10 +34,10 @@ from sglang.srt.mem_cache.hicache_storage import (
     PoolTransferResult,
 )
 
-from tierkv.adapters.vllm.registry import STORES
 from tierkv.keys import block_hash_root, keys_from_root
+from tierkv.stores import STORES
 
-from .options import Geometry, page_namespace, parse_options
+from .options import EngineRanks, page_namespace, parse_options
 from .pages import PoolPages
 
 logger = logging.getLogger("sglang.tierkv")
@@ -53,7 +53,7 @@ class TierKVStorage(HiCacheStorage):
     def __init__(self, storage_config: Any, kwargs: Any = None) -> None:
         self.options = parse_options(getattr(storage_config, "extra_config", None))
         self.storage_config = storage_config
-        self.geometry = Geometry.of(storage_config)
+        self.ranks = EngineRanks.of(storage_config)
         self.is_writer = bool(getattr(storage_config, "is_storage_writer", True))
         self._model = self.options.model_id
         self._model_name = getattr(storage_config, "model_name", None) or ""
@@ -74,7 +74,7 @@ class TierKVStorage(HiCacheStorage):
             try:
                 from tierkv.tools.metrics import serve
 
-                g = self.geometry
+                g = self.ranks
                 rank = g.pp_rank * g.tp_size + g.tp_rank
                 self.exporter = serve(self.store, port + rank if port else 0, self.options.metrics_addr)
                 logger.info("tierkv: store metrics at %s (status: %s)", self.exporter.url, self.exporter.status_url)
@@ -107,7 +107,7 @@ class TierKVStorage(HiCacheStorage):
     def _add_pool(self, name: str, pool: Any) -> None:
         pages = PoolPages(pool)
         tag = getattr(pool, "storage_format_tag", None)
-        ns = page_namespace(self._model_part(pool), self.geometry, name + (f"-{tag}" if tag else ""), pages.dtype,
+        ns = page_namespace(self._model_part(pool), self.ranks, name + (f"-{tag}" if tag else ""), pages.dtype,
                             pages.layout, pages.page_size, pages.layers, pages.page_shape, self.options.namespace)
         self._pools[name] = pages
         self.namespaces[name] = ns

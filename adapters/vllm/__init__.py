@@ -31,7 +31,6 @@ _LAZY = {
     "ProbeRequest": "service",
     "ProbeAnswer": "service",
     "TierPlace": "service",
-    "STORES": "registry",
 }
 
 __all__ = sorted(_LAZY)

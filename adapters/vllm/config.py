@@ -8,13 +8,21 @@ never true) and an option it does not know is an error that names it.
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from tierkv.errors import ConfigError
-from tierkv.options import check_float, pop_bool, pop_choice, pop_float, pop_int, pop_size, pop_str, short
+from tierkv.options import (
+    check_float,
+    pop_bool,
+    pop_choice,
+    pop_float,
+    pop_int,
+    pop_size,
+    pop_store_config,
+    pop_str,
+    short,
+)
 from tierkv.weights import resolve_weights
 
 from .groups import GroupGeometry, GroupKind
@@ -34,26 +42,7 @@ def store_config_from_extra(extra: dict[str, Any] | None) -> dict[str, Any] | st
     ``{"tierkv": {...}}`` gives it inline, ``{"tierkv_config_file": path}`` names
     a JSON/YAML/TOML file; with neither, :data:`DEFAULT_STORE_CONFIG`.
     """
-    extra = extra or {}
-    inline = extra.get("tierkv")
-    path = extra.get("tierkv_config_file")
-    if inline is not None and path is not None:
-        raise ConfigError("kv_connector_extra_config: give either 'tierkv' or 'tierkv_config_file', not both")
-    if inline is not None:
-        if isinstance(inline, str):  # a JSON string survives CLI quoting
-            try:
-                inline = json.loads(inline)
-            except ValueError as e:
-                raise ConfigError(f"kv_connector_extra_config['tierkv'] is not valid JSON: {e}") from e
-        if not isinstance(inline, dict):
-            raise ConfigError(f"kv_connector_extra_config['tierkv'] must be a dict, got {type(inline).__name__}")
-        return inline
-    if path is not None:
-        path = os.path.expanduser(str(path))
-        if not os.path.isfile(path):
-            raise ConfigError(f"tierkv_config_file {path!r} does not exist")
-        return path
-    return DEFAULT_STORE_CONFIG
+    return pop_store_config(dict(extra or {}), "kv_connector_extra_config", DEFAULT_STORE_CONFIG)
 
 
 # -- connector options ------------------------------------------------------------

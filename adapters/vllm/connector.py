@@ -33,6 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
+from tierkv.stores import STORES
+
 from . import lifecycle
 from .config import (
     ConnectorOptions,
@@ -47,7 +49,6 @@ from .config import (
 from .connector_stats import TierKVConnectorStats
 from .groups import GroupGeometry, GroupKind, UnsupportedGroup, geometry_of_spec
 from .metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
-from .registry import STORES
 from .scheduler import TierKVScheduler
 from .trace_hook import RequestTracer
 from .worker import TierKVWorker

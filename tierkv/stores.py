@@ -1,4 +1,4 @@
-"""The process's stores: one per store config, shared by the connectors of one process, leased.
+"""The process's stores: one per store config, shared by the engine adapters of one process, leased.
 
 The scheduler-side and worker-side connectors of one engine often share a process
 (and a test or a script may build several engines in one); connectors with the same
@@ -28,7 +28,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger("vllm.tierkv.registry")
+logger = logging.getLogger("tierkv.stores")
 
 
 def config_identity(config: dict[str, Any] | str) -> str:
