@@ -16,7 +16,8 @@ the hit would load slower than ``bias`` times its compute time is declined, exce
 for a share ``probe_share`` of those hits (one in ``1 / probe_share``, paced, never
 at random), claimed anyway so that its estimate stays fresh and a tier that
 recovers is seen.  Without ``min_samples`` samples of a tier, or of the engine's
-steps, nothing is declined.  Pure: no clock, no I/O, no vLLM.
+steps, nothing is declined.  :class:`DeclineBook` is the scheduler's side: it feeds
+the rule the workers' stats and counts its verdicts.  Pure: no clock, no I/O, no vLLM.
 """
 
 from __future__ import annotations
