@@ -255,6 +255,56 @@ def test_a_store_left_open_at_exit_is_closed_and_its_copies_kept(request, tmp_pa
         assert all(bool((o == i).all()) for i, o in enumerate(outs))
 
 
+TERMINATED = """
+from tierkv.shutdown import close_on_terminate
+print("installed", close_on_terminate(), flush=True)
+print("ready", flush=True)
+sys.stdin.readline()  # until the test's SIGTERM ends the process
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("over_dram", [True, False], ids=["dram-over-ssd", "ssd-only"])
+def test_a_sigterm_under_the_default_disposition_closes_the_store_first(tmp_path, over_dram):
+    """close_on_terminate(): where SIGTERM would end the process at once (an engine's worker process under
+    Python's default disposition), the stores are closed first, then the signal ends the process as before."""
+    path = str(tmp_path / "ssd")
+    code = LEFT_OPEN.format(path=path, over_dram=over_dram, ending="") + TERMINATED
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        while not lines or lines[-1] != "ready":  # the handshake: the puts are done and the handler is in place
+            line = p.stdout.readline()
+            assert line, p.stderr.read()[-2000:]
+            lines.append(line.strip())
+        assert "put True" in lines and "installed True" in lines, lines
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == -signal.SIGTERM, err[-2000:]  # still ended by the signal
+    assert "closing the stores still open" in err
+    with TieredStore.from_config({"tiers": [{"medium": "ssd", "path": path, "capacity": "256MiB"}]}) as store:
+        assert store.stats()["ssd"]["recovered_from"] == "checkpoint"  # closed, not recovered from a crash
+        keys = [f"big-{i:03d}" for i in range(80)]
+        outs = [torch.empty(1 << 20, dtype=torch.uint8) for _ in keys]
+        assert store.get(keys, outs) == [True] * 80
+        assert all(bool((o == i).all()) for i, o in enumerate(outs))
+
+
+def test_close_on_terminate_leaves_a_handler_the_program_set_alone():
+    code = textwrap.dedent("""
+        import signal
+        signal.signal(signal.SIGTERM, lambda *a: None)
+        from tierkv.shutdown import close_on_terminate
+        print(close_on_terminate())
+    """)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and p.stdout.strip() == "False", p.stdout + p.stderr
+
+
 FORKS = textwrap.dedent("""
     import os, sys
     from tierkv import TieredStore

@@ -84,7 +84,7 @@ def compute_flush_again(server: SGLangServer, port: int, ssd: bool = False) -> d
 @pytest.fixture(scope="module")
 def ssd_run(tmp_path_factory, model):
     d = tmp_path_factory.mktemp("sglang-ssd")
-    store = ssd_store(str(d / "ssd"))
+    store = {**ssd_store(str(d / "ssd")), "trace_path": str(d / "trace.jsonl")}
     port = free_port()
     with SGLangServer(model, d / "server1.log", extra_config=backend_config(store, port)) as s:
         out = compute_flush_again(s, port, ssd=True)
@@ -92,6 +92,13 @@ def ssd_run(tmp_path_factory, model):
         # the operator's view of an SGLang-hosted store: the same command as for vLLM's
         out["describe"] = subprocess.run([sys.executable, "-m", "tierkv", "describe", f"http://127.0.0.1:{port}/metrics"],
                                          capture_output=True, text=True, timeout=60)
+        out["ping"] = subprocess.run([sys.executable, "-m", "tierkv", "ping", f"127.0.0.1:{port}"],
+                                     capture_output=True, text=True, timeout=60)
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as r:
+            out["metrics"] = r.read().decode()
+    # the store's hash-only trace, written by the store inside SGLang's process and closed with it
+    out["trace"] = subprocess.run([sys.executable, "-m", "tierkv", "trace", "show", "--json", store["trace_path"]],
+                                  capture_output=True, text=True, timeout=60)
     out.update(store=store, dir=d, model=model)
     return out
 
@@ -110,6 +117,19 @@ def test_tierkv_describe_reads_the_sglang_hosted_store(ssd_run):
     d = ssd_run["describe"]
     assert d.returncode == 0, d.stdout + d.stderr
     assert "ssd" in d.stdout and "dram" in d.stdout, d.stdout
+
+
+def test_tierkv_ping_metrics_and_trace_work_for_the_sglang_hosted_store(ssd_run):
+    p = ssd_run["ping"]
+    assert p.returncode == 0, p.stdout + p.stderr
+    # the same metric families as a vLLM-hosted store's, counting this run's hits
+    hits = [line for line in ssd_run["metrics"].splitlines()
+            if line.startswith("tierkv_hits_total") and not line.endswith(" 0.0")]
+    assert hits, ssd_run["metrics"][:2000]
+    t = ssd_run["trace"]
+    assert t.returncode == 0, t.stdout + t.stderr
+    summary = json.loads(t.stdout)
+    assert summary["requests"] > 0 and summary["blocks"] > 0, summary
 
 
 def test_restart_on_the_same_ssd_serves_the_prompt(ssd_run):

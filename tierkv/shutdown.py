@@ -31,6 +31,8 @@ from __future__ import annotations
 import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook is registered first, so it runs after ours
 import logging
+import os
+import signal
 import threading
 from collections.abc import Callable
 
@@ -61,3 +63,43 @@ try:
     threading._register_atexit(_run)  # type: ignore[attr-defined]
 except (AttributeError, RuntimeError):  # pragma: no cover - (no such hook, or imported while exiting)
     atexit.register(_run)
+
+
+#: how long a SIGTERM waits for the stores to close before the process ends anyway (seconds)
+TERMINATE_WAIT_S = 10.0
+_terminate_installed = False
+
+
+def _terminate(signum: int, frame: object) -> None:
+    # The default action comes back first: a second SIGTERM ends the process at once.  The stores are
+    # closed on a thread of their own, so a lock the interrupted main thread holds costs the wait, not a hang.
+    signal.signal(signum, signal.SIG_DFL)
+    log.warning("tierkv: signal %d: closing the stores still open (at most %.0f s), then ending", signum,
+                TERMINATE_WAIT_S)
+    t = threading.Thread(target=_run, name="tierkv-terminate", daemon=True)
+    t.start()
+    t.join(TERMINATE_WAIT_S)
+    if t.is_alive():
+        log.error("tierkv: the stores did not close within %.0f s of signal %d: ending without", TERMINATE_WAIT_S,
+                  signum)
+    os.kill(os.getpid(), signum)
+
+
+def close_on_terminate() -> bool:
+    """Close every open store (as at a normal exit) before a SIGTERM ends this process.
+
+    For processes an engine ends with SIGTERM while Python's default disposition is in place (which ends
+    the process at once, running no exit hook: SGLang's scheduler processes, for one).  Installed only from
+    the main thread and only over that default, never over a handler the program set itself; returns
+    whether the handler is in place.  A process killed by SIGKILL still runs nothing.
+    """
+    global _terminate_installed
+    if _terminate_installed:
+        return True
+    if threading.current_thread() is not threading.main_thread():
+        return False
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return False
+    signal.signal(signal.SIGTERM, _terminate)
+    _terminate_installed = True
+    return True

@@ -35,6 +35,7 @@ from sglang.srt.mem_cache.hicache_storage import (
 )
 
 from tierkv.keys import block_hash_root, keys_from_root
+from tierkv.shutdown import close_on_terminate
 from tierkv.stores import STORES
 
 from .options import EngineRanks, page_namespace, parse_options
@@ -59,6 +60,9 @@ class TierKVStorage(HiCacheStorage):
         self._model_name = getattr(storage_config, "model_name", None) or ""
         self._lease = STORES.acquire(self.options.store_config)
         self.store = self._lease.store
+        # SGLang ends its scheduler processes with SIGTERM under Python's default disposition (no exit hook
+        # runs): the store is closed first (write-behind copies made, the SSD checkpoint and the trace written)
+        self.closes_on_terminate = close_on_terminate()
         self._pools: dict[str, PoolPages] = {}
         self._roots: dict[str, bytes] = {}
         self.namespaces: dict[str, str] = {}
