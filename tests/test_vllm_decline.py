@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
-
 from tierkv.adapters.vllm.decline import Decliner, Rate, Verdict
 
 BS = 16
@@ -143,6 +141,7 @@ def test_bad_parameters():
         Rate(decay=1.0)
 
 
+@pytest.mark.vllm
 def test_book_counts_verdicts_and_reads_the_workers_stats():
     from tierkv.adapters.vllm.connector_stats import TierKVConnectorStats, add_tier_load
     from tierkv.adapters.vllm.decline import DeclineBook
@@ -195,6 +194,7 @@ def test_decline_options_are_checked():
             parse_options(extra)
 
 
+@pytest.mark.vllm
 def test_worker_counters_report_steps_and_loads_by_tier():
     from tierkv.adapters.vllm.accounting import WorkerCounters
     from tierkv.adapters.vllm.load_mode import LoadMode
@@ -226,6 +226,7 @@ def test_worker_counters_report_steps_and_loads_by_tier():
     assert "tier_loads" not in c.take_interval(False).data
 
 
+@pytest.mark.vllm
 def test_declines_on_prometheus():
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
