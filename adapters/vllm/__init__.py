@@ -9,7 +9,7 @@ Use it from vLLM with::
 
 The connector class is imported on first use, so the engine-free helpers in
 ``tierkv.adapters.vllm.config``, ``.chunks`` and ``.paged`` work without vLLM
-installed.  See ``docs/vllm.md`` for the options and the shutdown behaviour.
+installed.  See ``docs/vllm.md`` for the options and ``docs/vllm-shutdown.md`` for the shutdown behaviour.
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def store_config_from_extra(extra: dict[str, Any] | None) -> dict[str, Any] | st
 # -- connector options ------------------------------------------------------------
 _WHAT = "kv_connector_extra_config"
 
-#: ``audit_rate``'s default: one hit in a hundred is recomputed and compared (docs/vllm.md, "Audits")
+#: ``audit_rate``'s default: one hit in a hundred is recomputed and compared (docs/vllm-audits.md)
 DEFAULT_AUDIT_RATE = 0.01
 
 #: every option ``kv_connector_extra_config`` may hold (see :class:`ConnectorOptions`)

@@ -1,7 +1,7 @@
 """Hits across KV cache groups (hybrid models): the arithmetic, with no vLLM import.
 
 vLLM's hybrid KV cache manager gives each kind of layer a KV cache group of its own, each with its own block
-table (docs/vllm.md, "Hybrid models"). A prefix of ``H`` tokens is a hit only when every group can rebuild
+table (docs/vllm-hybrid.md). A prefix of ``H`` tokens is a hit only when every group can rebuild
 its state at token ``H`` from stored blocks, and what that takes depends on the group's kind:
 
 * full attention and MLA: every block of the prefix, ``[0, H)``;
