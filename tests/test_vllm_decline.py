@@ -54,14 +54,14 @@ def test_rate_ignores_empty_samples():
 
 
 def test_no_decline_without_evidence():
-    d = Decliner()
+    d = Decliner(margin_s=0.0)
     assert d.decide(["ssd"] * 4, BS) == Verdict(4)
     # a slow tier, but no compute samples yet: claimed
     for _ in range(3):
         d.observe_load("ssd", 64, 10.0)
     assert d.decide(["ssd"] * 4, BS) == Verdict(4)
     # compute known, a tier with two samples only: claimed
-    d2 = Decliner()
+    d2 = Decliner(margin_s=0.0)
     _warm(d2)
     d2.observe_load("ssd", 64, 10.0)
     d2.observe_load("ssd", 64, 10.0)
@@ -71,7 +71,7 @@ def test_no_decline_without_evidence():
 
 
 def test_slow_tier_declined_at_its_first_block_fast_tier_kept():
-    d = Decliner(probe_share=0.0)
+    d = Decliner(probe_share=0.0, margin_s=0.0)
     _warm(d, 1e-3, dram=1e-5, ssd=1e-2)
     v = d.decide(["dram", "dram", "ssd", "ssd", "dram"], BS)
     assert v == Verdict(2, "ssd", (), 3 * BS)
@@ -81,7 +81,7 @@ def test_slow_tier_declined_at_its_first_block_fast_tier_kept():
 
 
 def test_bias_keeps_more_hits():
-    d = Decliner(probe_share=0.0)
+    d = Decliner(probe_share=0.0, margin_s=0.0)
     _warm(d, 1e-3, ssd=2e-3)  # loads at twice the compute time
     assert d.decide(["ssd"] * 4, BS).declined == "ssd"
     d.bias = 3.0
@@ -89,7 +89,7 @@ def test_bias_keeps_more_hits():
 
 
 def test_latency_counts_against_short_hits():
-    d = Decliner(probe_share=0.0)
+    d = Decliner(probe_share=0.0, margin_s=0.0)
     for n in (64, 128, 256):
         d.observe_step(n, n * 1e-3)
         d.observe_load("remote", n, 0.05 + n * 1e-5)  # 50 ms a call, fast after that
@@ -98,21 +98,21 @@ def test_latency_counts_against_short_hits():
 
 
 def test_probe_share_paces_probes():
-    d = Decliner(probe_share=0.25)
+    d = Decliner(probe_share=0.25, margin_s=0.0)
     _warm(d, 1e-3, ssd=1e-2)
     got = [d.decide(["ssd"] * 2, BS) for _ in range(8)]
     assert [v.declined is None for v in got] == [False, False, False, True] * 2
     assert all(v.probed == ("ssd",) for v in got if v.declined is None)
-    d0 = Decliner(probe_share=0.0)
+    d0 = Decliner(probe_share=0.0, margin_s=0.0)
     _warm(d0, 1e-3, ssd=1e-2)
     assert all(d0.decide(["ssd"], BS).declined == "ssd" for _ in range(50))
-    d1 = Decliner(probe_share=1.0)
+    d1 = Decliner(probe_share=1.0, margin_s=0.0)
     _warm(d1, 1e-3, ssd=1e-2)
     assert d1.decide(["ssd"], BS) == Verdict(1, None, ("ssd",))
 
 
 def test_slowdown_then_recovery_through_probes():
-    d = Decliner(probe_share=0.5)
+    d = Decliner(probe_share=0.5, margin_s=0.0)
     _warm(d, 1e-3, dram=1e-5, ssd=1e-4)
     assert d.decide(["ssd"] * 4, BS) == Verdict(4)  # fast: claimed
     d.observe_load("ssd", 64, 2.0)  # one slow load: the next hit is declined
@@ -136,9 +136,25 @@ def test_bad_parameters():
     with pytest.raises(ValueError, match="bias"):
         Decliner(bias=0.0)
     with pytest.raises(ValueError, match="probe_share"):
-        Decliner(probe_share=1.5)
+        Decliner(probe_share=1.5, margin_s=0.0)
     with pytest.raises(ValueError, match="decay"):
         Rate(decay=1.0)
+    with pytest.raises(ValueError, match="margin_s"):
+        Decliner(margin_s=-0.001)
+
+
+def test_margin_keeps_a_hit_that_loses_little_and_declines_one_that_loses_more():
+    """A part that loads slower than it computes is declined only where it loses more than the margin (50 ms by
+    default): below it, timing noise decides and declining would recompute what was there to load."""
+    d = Decliner(probe_share=0.0)
+    assert d.margin_s == pytest.approx(0.05)
+    _warm(d, 1e-4, ssd=3e-4)  # loads at three times the compute time: 0.2 ms a token lost
+    assert d.decide(["ssd"] * 4, BS) == Verdict(4)  # 64 tokens: 12.8 ms lost, claimed
+    assert d.decide(["ssd"] * 12, BS) == Verdict(12)  # 192 tokens: 38.4 ms lost, claimed
+    assert d.decide(["ssd"] * 24, BS).declined == "ssd"  # 384 tokens: 76.8 ms lost: declined
+    strict = Decliner(probe_share=0.0, margin_s=0.0)
+    _warm(strict, 1e-4, ssd=3e-4)
+    assert strict.decide(["ssd"] * 4, BS).declined == "ssd"
 
 
 @pytest.mark.vllm
@@ -147,7 +163,7 @@ def test_book_counts_verdicts_and_reads_the_workers_stats():
     from tierkv.adapters.vllm.decline import DeclineBook
 
     totals: dict[str, dict[str, int]] = {"declined_slow": {}, "declined_slow_tokens": {}, "decline_probes": {}}
-    book = DeclineBook(Decliner(probe_share=0.5), totals)
+    book = DeclineBook(Decliner(probe_share=0.5, margin_s=0.0), totals)
     for n in (64, 128, 256):
         stats = TierKVConnectorStats()
         stats.data.update(steps=1, step_tokens=n, step_s=n * 1e-3)
@@ -181,13 +197,17 @@ def test_decline_options_are_checked():
     from tierkv.errors import ConfigError
 
     o = parse_options({})
-    assert (o.decline_slow_hits, o.decline_bias, o.decline_probe_share) == (True, 1.0, 1.0 / 16)
-    o = parse_options({"decline_slow_hits": False, "decline_bias": 2, "decline_probe_share": 0})
-    assert (o.decline_slow_hits, o.decline_bias, o.decline_probe_share) == (False, 2.0, 0.0)
+    assert (o.decline_slow_hits, o.decline_bias, o.decline_probe_share, o.decline_margin_ms) == (True, 1.0, 1.0 / 16,
+                                                                                                50.0)
+    o = parse_options({"decline_slow_hits": False, "decline_bias": 2, "decline_probe_share": 0,
+                       "decline_margin_ms": 0})
+    assert (o.decline_slow_hits, o.decline_bias, o.decline_probe_share, o.decline_margin_ms) == (False, 2.0, 0.0, 0.0)
     for extra, name in (({"decline_slow_hits": "yes"}, "decline_slow_hits"),
                         ({"decline_bias": 0}, "decline_bias"), ({"decline_bias": -1.0}, "decline_bias"),
                         ({"decline_bias": "2"}, "decline_bias"),
                         ({"decline_probe_share": 1.5}, "decline_probe_share"),
+                        ({"decline_margin_ms": -1}, "decline_margin_ms"),
+                        ({"decline_margin_ms": "50"}, "decline_margin_ms"),
                         ({"decline_probe_share": True}, "decline_probe_share"),
                         ({"decline_probe_share": -0.1}, "decline_probe_share")):
         with pytest.raises(ConfigError, match=name):
@@ -278,7 +298,7 @@ def test_declines_on_prometheus():
 
 
 def test_decode_steps_are_no_compute_samples():
-    d = Decliner()
+    d = Decliner(margin_s=0.0)
     for _ in range(10):
         d.observe_step(4, 0.5)  # decodes: fixed costs, no prefill rate
     assert d.compute.samples == 0 and d.compute_seconds(512) is None
@@ -287,7 +307,7 @@ def test_decode_steps_are_no_compute_samples():
 
 
 def test_one_fast_sample_among_slow_ones_does_not_hide_a_slow_fit_forever():
-    d = Decliner(probe_share=0.0)
+    d = Decliner(probe_share=0.0, margin_s=0.0)
     _warm(d, 1e-3, ssd=1e-2)
     d.observe_load("ssd", 64, 64 * 1e-5)  # one fast load: the tier is claimed again
     assert d.decide(["ssd"] * 4, BS) == Verdict(4)

@@ -57,7 +57,7 @@ OPTION_NAMES = (
     "full_hit_recompute", "load_failure_policy", "load_async", "load_inline_max_tokens", "save_wait",
     "shutdown_timeout_s", "audit_rate", "audit_tolerance", "lease_timeout_s",
     "trace_path", "trace_max_bytes", "trace_max_files", "trace_salt", "kv_head_shards",
-    "decline_slow_hits", "decline_bias", "decline_probe_share",
+    "decline_slow_hits", "decline_bias", "decline_probe_share", "decline_margin_ms",
 )
 
 
@@ -103,10 +103,12 @@ class ConnectorOptions:
     kv_head_shards: int | None = None
     #: a hit (or its part on a tier) that would load slower than the engine computes it is not claimed
     #: (decline.py); ``decline_bias`` multiplies the compute estimate (above 1 keeps more hits), and a share
-    #: ``decline_probe_share`` of the hits a slow tier would lose is claimed anyway, to see it recover
+    #: ``decline_probe_share`` of the hits a slow tier would lose is claimed anyway, to see it recover; a part
+    #: that loses less than ``decline_margin_ms`` against computing it is claimed (timing noise)
     decline_slow_hits: bool = True
     decline_bias: float = 1.0
     decline_probe_share: float = 1.0 / 16
+    decline_margin_ms: float = 50.0
 
 
 def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
@@ -150,6 +152,7 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
     decline = pop_bool(opts, "decline_slow_hits", True, _WHAT)
     decline_bias = pop_float(opts, "decline_bias", 1.0, _WHAT, min_value=0.0, min_exclusive=True)
     probe_share = pop_float(opts, "decline_probe_share", 1.0 / 16, _WHAT, min_value=0.0, max_value=1.0)
+    margin_ms = pop_float(opts, "decline_margin_ms", 50.0, _WHAT, min_value=0.0, max_value=3_600_000.0)
     trace: dict[str, Any] = {}
     path = pop_str(opts, "trace_path", None, _WHAT)
     if path is not None:
@@ -167,7 +170,8 @@ def parse_options(extra: dict[str, Any] | None) -> ConnectorOptions:
                             save_wait, shutdown_timeout, trace, inline_max,
                             audit_rate=audit_rate, audit_tolerance=audit_tolerance, lease_timeout_s=lease_timeout,
                             namespace=namespace, kv_head_shards=kv_head_shards, decline_slow_hits=decline,
-                            decline_bias=decline_bias, decline_probe_share=probe_share)
+                            decline_bias=decline_bias, decline_probe_share=probe_share,
+                            decline_margin_ms=margin_ms)
 
 
 @dataclass(frozen=True)

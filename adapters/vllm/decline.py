@@ -12,7 +12,8 @@ load after a slow spell brings it back).
 
 :meth:`Decliner.decide` walks a hit's blocks tier by tier, in order (a hit is a
 prefix: declining a tier cuts it at that tier's first block).  A tier whose part of
-the hit would load slower than ``bias`` times its compute time is declined, except
+the hit would load slower than ``bias`` times its compute time, by more than
+``margin_s``, is declined, except
 for a share ``probe_share`` of those hits (one in ``1 / probe_share``, paced, never
 at random), claimed anyway so that its estimate stays fresh and a tier that
 recovers is seen.  Without ``min_samples`` samples of a tier, or of the engine's
@@ -32,6 +33,10 @@ MIN_SAMPLES = 3
 MIN_STEP_TOKENS = 64
 #: the weight an older sample keeps when a new one arrives
 DECAY = 0.5
+#: the seconds a hit's part must lose against computing it before it is declined: below this, the timings'
+#: noise decides (a thread scheduled late on a busy machine, a tiny model that computes a block in a
+#: millisecond), and a wrong decline recomputes what was there to load
+MARGIN_S = 0.05
 #: below this relative spread of the samples' sizes, a rate has no slope of its own: seconds / tokens
 _FLAT = 0.05
 
@@ -104,6 +109,7 @@ class Decliner:
 
     bias: float = 1.0
     probe_share: float = 1.0 / 16
+    margin_s: float = MARGIN_S
     min_samples: int = MIN_SAMPLES
     decay: float = DECAY
     tiers: dict[str, Rate] = field(default_factory=dict)
@@ -115,6 +121,8 @@ class Decliner:
             raise ValueError(f"bias must be above 0, got {self.bias}")
         if not 0.0 <= self.probe_share <= 1.0:
             raise ValueError(f"probe_share must be in [0, 1], got {self.probe_share}")
+        if not self.margin_s >= 0:
+            raise ValueError(f"margin_s must be 0 or more, got {self.margin_s}")
         self.compute = Rate(max(self.decay, 0.9))  # (steps come many a second: a longer memory)
 
     def observe_load(self, tier: str, tokens: float, seconds: float, calls: int = 1) -> None:
@@ -148,10 +156,11 @@ class Decliner:
         return self.compute.per_unit() * tokens
 
     def slow(self, tier: str, tokens: float) -> bool:
-        """Whether ``tokens`` of ``tier`` load slower than ``bias`` times their compute (False without evidence)."""
+        """Whether ``tokens`` of ``tier`` load slower than ``bias`` times their compute, by more than ``margin_s``
+        (False without evidence)."""
         load = self.load_seconds(tier, tokens)
         compute = self.compute_seconds(tokens)
-        return load is not None and compute is not None and load > self.bias * compute
+        return load is not None and compute is not None and load > self.bias * compute + self.margin_s
 
     def _probe(self, tier: str) -> bool:
         """Whether this slow hit of ``tier`` is claimed anyway (one in ``1 / probe_share``, paced)."""

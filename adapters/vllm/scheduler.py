@@ -186,7 +186,8 @@ class TierKVScheduler:
         self._lease_releases: set[str] = set()
         self.totals = SchedulerTotals()
         #: load time against compute time, from the workers' reports (None: every hit is claimed)
-        self.declines = DeclineBook(Decliner(options.decline_bias, options.decline_probe_share),
+        self.declines = DeclineBook(Decliner(options.decline_bias, options.decline_probe_share,
+                                             options.decline_margin_ms / 1000.0),
                                     {k: getattr(self.totals, k) for k in DECLINE_COUNTERS}) \
             if options.decline_slow_hits else None
         #: (request id, tokens its last lookup found not stored, by ``MissReason``): what a trace records

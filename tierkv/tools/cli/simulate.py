@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import sys
 import time
@@ -34,7 +35,8 @@ evictions, the token hit rate (a block counts only if every block before it hit)
 and prefill tokens saved; with bandwidths (--bench-json or --bandwidth) and
 --prefill-tokens-per-s, the load time against the recompute time it replaces, and
 the vLLM connector's decline rule: a hit's part on a tier that reads slower than
-the prefill computes is not read (declined, by tier; --no-decline reads it).
+the prefill computes, by more than --decline-margin-ms, is not read (declined, by
+tier; --no-decline reads it).
 
 Trace formats (auto-detected): mooncake (timestamp ms, input_length, output_length,
 hash_ids of 512-token blocks), bailian (chat_id, parent_chat_id, timestamp s, ...,
@@ -89,6 +91,9 @@ def add_parser(sub) -> None:
     p.add_argument("--no-decline", action="store_true",
                    help="read every hit, even from a tier slower than the prefill (the connector's decline_slow_hits "
                         "false)")
+    p.add_argument("--decline-margin-ms", type=float, default=50.0, metavar="MS",
+                   help="decline a tier's part of a hit only where reading it loses more than MS milliseconds against "
+                        "computing it (the connector's decline_margin_ms; default 50)")
     p.add_argument("--json", action="store_true", help="print the results as one JSON document on stdout, nothing else")
     g = p.add_argument_group("sweep")
     g.add_argument("--sweep", metavar="TIER=LO..HI[:N]", help="vary TIER's capacity over N geometric points")
@@ -186,6 +191,8 @@ def run(args) -> int:
     positive(args.block_tokens, "--block-tokens", integer=True)
     positive(args.bytes_per_token, "--bytes-per-token", integer=True)
     positive(args.prefill_tokens_per_s, "--prefill-tokens-per-s")
+    if not (math.isfinite(args.decline_margin_ms) and args.decline_margin_ms >= 0):
+        raise CommandError(f"--decline-margin-ms must be 0 or more milliseconds, got {args.decline_margin_ms!r}")
     positive(args.limit, "--limit", integer=True)
     if args.generate:
         if args.trace:
@@ -230,7 +237,8 @@ def run(args) -> int:
     with progress(len(reqs), "replay", "requests", command="simulate") as bar:
         res = simulate(reqs, cfg, bytes_per_token=bpt, bandwidths=bws,
                        prefill_tokens_per_s=args.prefill_tokens_per_s, capacities=capacities, evictions=evictions,
-                       progress=bar.update, decline=not args.no_decline)
+                       progress=bar.update, decline=not args.no_decline,
+                       decline_margin_s=args.decline_margin_ms / 1000.0)
     out = res.as_dict()
     if bws is not None:
         unpriced = [n for n, t in out["tiers"].items() if t["hits"] and not bws.get(n)]
@@ -333,7 +341,8 @@ def _run_sweep(args, reqs, cfg, bpt, bws, capacities, evictions, warnings) -> in
     with progress(runs * len(reqs), f"sweep of {tier}", "requests replayed", command="simulate") as bar:
         rows = sweep(reqs, cfg, tier, caps, policies, progress=bar.update, bytes_per_token=bpt, bandwidths=bws,
                      prefill_tokens_per_s=args.prefill_tokens_per_s, other_capacities=capacities,
-                     other_evictions=evictions)
+                     other_evictions=evictions, decline=not args.no_decline,
+                     decline_margin_s=args.decline_margin_ms / 1000.0)
     csv_path = os.path.join(args.out, "sweep.csv")
     png_path = os.path.join(args.out, "sweep.png")
     try:

@@ -159,7 +159,7 @@ TIER_FIELDS = ("capacity_bytes", "used_bytes", "entries", "hits", "misses", "byt
 
 def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Optional[int] = DEFAULT_BYTES_PER_TOKEN,
            bandwidths: Optional[dict[str, float]] = None, prefill_tokens_per_s: Optional[float] = None,
-           progress=None, decline: bool = True) -> SimResult:
+           progress=None, decline: bool = True, decline_margin_s: float = 0.05) -> SimResult:
     """Drive ``store`` with ``requests`` (lookup, get of the leading hits, put of the rest; one batch each).
 
     Every block is ``bytes_per_token * block_tokens`` bytes; with ``bytes_per_token=None``, the request's
@@ -167,12 +167,16 @@ def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Opt
     tier name to its read bandwidth in bytes/s; with ``prefill_tokens_per_s`` the
     result carries ``load_s`` (time to read every hit) and ``recompute_s`` (time to
     prefill the tokens those hits saved).  With both (and ``decline``), the vLLM connector's rule applies: the
-    hit is cut at the first block of a tier whose read of the hit's tokens on it takes longer than their prefill
-    (``declined_hits``, ``declined_tokens``); a tier without a bandwidth is never declined.  ``progress(n)`` is
+    hit is cut at the first block of a tier whose read of the hit's tokens on it takes longer than their prefill,
+    by more than ``decline_margin_s`` (the connector's ``decline_margin_ms``) (``declined_hits``,
+    ``declined_tokens``); a tier without a bandwidth is never declined.  ``progress(n)`` is
     called every 1000 requests and once at the end for the rest, so the counts add up to the requests replayed.
     """
     res = SimResult()
-    rule = (bandwidths, float(prefill_tokens_per_s)) if decline and bandwidths and prefill_tokens_per_s else None
+    if decline_margin_s < 0:
+        raise ValueError(f"decline margin must be 0 seconds or more, got {decline_margin_s}")
+    rule = (bandwidths, float(prefill_tokens_per_s), float(decline_margin_s)) \
+        if decline and bandwidths and prefill_tokens_per_s else None
     bufs: dict[int, torch.Tensor] = {}  # one never-touched buffer per block size: null media keep no bytes
     t0, c0 = time.perf_counter(), time.process_time()
     lookup, get, put, drain = store.lookup, store.get, store.put, store.drain_write_behind
@@ -230,16 +234,17 @@ def replay(requests: Iterable[Request], store: TieredStore, bytes_per_token: Opt
 
 
 def _claimed(res: SimResult, where: list[Optional[str]], block_tokens: int, block_bytes: int,
-             bandwidths: dict[str, float], prefill_tokens_per_s: float) -> int:
+             bandwidths: dict[str, float], prefill_tokens_per_s: float, margin_s: float) -> int:
     """The blocks of a hit the connector's rule claims (``where``: each block's tier); its declines counted.
-    A tier is slow where reading a token takes longer than computing one (fixed rates: no latency, no probe)."""
+    A tier is slow where reading its tokens of the hit takes longer than computing them, by more than
+    ``margin_s`` (fixed rates: no latency, no probe)."""
     from tierkv.adapters.vllm.decline import cut  # (pure: no vLLM)
 
     def slow(tier: str, tokens: int) -> bool:
         bw = bandwidths.get(tier)
         if not bw:
             return False
-        return tokens * block_bytes / block_tokens / bw > tokens / prefill_tokens_per_s
+        return tokens * block_bytes / block_tokens / bw > tokens / prefill_tokens_per_s + margin_s
 
     v = cut(where, block_tokens, slow)
     if v.declined is not None:
