@@ -306,7 +306,7 @@ class Level(LevelIndex):
     def adopt(self, keys: list[str], sizes: np.ndarray) -> bool:
         """Enter chunks the persistent medium recovered as READY, oldest first, in bulk (a store's open).
 
-        ``sizes``: their nbytes, an int array.  The caller (``TieredStore._recover``) chose them: keys none
+        ``sizes``: their nbytes, an int array.  The caller (``tierkv.engine.recovery.recover``) chose them: keys none
         of which is in the index, footprints that fit in the room left.  The index is loaded by C-level
         operations (one footprint and one shared value per distinct size, spread by numpy), and the
         eviction policy is told once, by ``on_adopt`` (``EvictionPolicy``'s default: ``on_insert_many``).
