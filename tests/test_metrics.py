@@ -127,13 +127,13 @@ def test_register_into_an_engines_registry(store):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# the catalogue: every name docs/tools.md lists, and nothing it does not
+# the catalogue: every name docs/metrics.md lists, and nothing it does not
 # ---------------------------------------------------------------------------------------------------------
-DOCS = Path(__file__).resolve().parent.parent / "docs" / "tools.md"
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 
 def documented_metrics() -> dict[str, str]:
-    """``{name: type}`` of every row of docs/tools.md's metric tables."""
+    """``{name: type}`` of every row of docs/metrics.md's metric tables."""
     out = {}
     for line in DOCS.read_text().splitlines():
         m = re.match(r"\| `(tierkv_[a-z_]+)` \| (counter|gauge|histogram) \|", line)

