@@ -1,5 +1,5 @@
 """Integrity from put to load: each chunk's checksum, computed once at the put, travels with it and is checked on
-reads (docs/architecture.md, "Integrity").  The pooled cases, over a real ``mooncake_master``, are in
+reads (docs/architecture.md, "Invariants", 10).  The pooled cases, over a real ``mooncake_master``, are in
 tests/test_mooncake_integrity.py."""
 
 from __future__ import annotations
