@@ -173,8 +173,9 @@ def _hits_what_vllm_caches(model: str, dtype: str, prompts: list[list[int]], tmp
     two = U.run_engine({**spec, "kv_transfer_config": kv, "steps": [together, one_by_one, {"op": "records"}]},
                        cache, timeout=600)
     gen_together, gen_one, rec = two["steps"]
-    assert gen_together["num_cached_tokens"] == base[1]["num_cached_tokens"]
-    assert gen_one["num_cached_tokens"] == base[3]["num_cached_tokens"]
+    why = {k: rec["scheduler"][0].get(k) for k in ("declined_slow", "decline_probes", "hit_tokens")}
+    assert gen_together["num_cached_tokens"] == base[1]["num_cached_tokens"], why
+    assert gen_one["num_cached_tokens"] == base[3]["num_cached_tokens"], why
     assert gen_together["tokens"] == gen_one["tokens"] == expected
     assert rec["idle"] == []
     # the first prompt of each phase came from the tiers in full (the others may add vLLM's own hits of it)
