@@ -36,7 +36,7 @@ def _handoff(pool: ThreadPoolExecutor, wait: bool, fn, *args):
     interval, where the writer needs microseconds to start.  The caller is ahead of the device, so
     waiting for the start costs nothing the device would have used.  Buffered pieces are not worth the
     wait: a batch of small records would pay it once per batch, a large share of its work, and the page
-    cache takes a piece in microseconds (docs/history.md, 2026-12-02)."""
+    cache takes a piece in microseconds (docs/history-2026-12-01-to-03.md, 2026-12-02)."""
     if not wait:
         return pool.submit(fn, *args)
     started = _thread.allocate_lock()
