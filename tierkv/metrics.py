@@ -20,7 +20,7 @@ Generic by construction: every field of ``TierCounters`` and ``StoreCounters``
 counter added there appears without touching this module.  After ``close()`` the
 standalone exporter keeps serving the store's final figures (taken as it closed),
 with ``tierkv_open`` 0 and every ``tierkv_tier_available`` 0.  The list of metrics
-and their meaning is in docs/tools.md.
+and their meaning is in docs/metrics.md.
 """
 
 from __future__ import annotations
