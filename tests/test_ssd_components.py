@@ -51,7 +51,7 @@ def test_a_writer_and_a_reader_built_alone_round_trip_and_a_tier_reopens_what_th
     outs = [[torch.empty(sum(p.numel() for p in v), dtype=torch.uint8)] for v in vals]
     assert reader.read(keys, outs) == [True] * 40
     assert all(torch.equal(o[0], torch.cat(v)) for o, v in zip(outs, vals))
-    assert len(st.index) == 40 and st.live_total > 0 and st.counters["io_errors"] == 0
+    assert len(st.index) == 40 and st.live_total > 0 and st.counters.io_errors == 0
     checkpointer.checkpoint()  # (flush and a checkpoint: what a reopen reads)
     reader.shutdown()
     io.shutdown()

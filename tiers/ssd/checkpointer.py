@@ -189,7 +189,8 @@ class Checkpointer:
         st = self._state
         if st.lock_file is not None and not st.lock_file.retake():
             return  # (another process holds the directory now: ``lock_lost``)
-        st.count("dir_removed")
+        with st.lock:
+            st.counters.dir_removed += 1
         self._rebuilding = True
         try:
             self._rebuild()
@@ -237,7 +238,7 @@ class Checkpointer:
             lost = st.lose(np.concatenate([g[0] for g in gone]), np.concatenate([g[1] for g in gone])) if gone else 0
         for r in recreated:  # records that died before the removal are named again
             self._name_dead(r)
-        st.counters["objects_lost"] += lost
+        st.counters.objects_lost += lost
         st.dead.reserve()
         st.dead.mark(st.next_seq - 1)  # (the removed log's mark of the seqs handed out)
         self._dir_id = self._dir_ids()
@@ -371,7 +372,8 @@ class Checkpointer:
             return None
         entries, keys, offs, end = R.scan(data, r.seq)
         del data
-        st.count("summaries_rebuilt")
+        with st.lock:
+            st.counters.summaries_rebuilt += 1
         log.warning("%s: the summary of %s could not be read; rebuilt from its %d records", st.what, r.path,
                     len(entries))
         self._io.seal_scanned(r, reopen.Scanned(entries, keys, end))
@@ -394,8 +396,8 @@ class Checkpointer:
                 st.dead.add(rg, off, st.regions[rg].seq)
                 st.changed = True
             lost = st.lose(np.array(gone, dtype=np.uint64), np.array(sizes, dtype=np.int64))
-            st.counters["corrupt"] += lost
-            st.counters["objects_lost"] += lost
+            st.counters.corrupt += lost
+            st.counters.objects_lost += lost
         log.warning("%s: %d objects whose records could not be found were dropped", st.what, len(digest))
 
     def write(self, cands: Optional[reopen.Candidates] = None, durable: bool = True) -> None:
@@ -417,7 +419,8 @@ class Checkpointer:
         sync = durable and st.fsync != "never"
         # (it reads the summaries; it names the active region's seq, and may compact the dead log)
         if not self._io.wait_seals() or not self._io.header_out():
-            st.count("checkpoint_errors")
+            with st.lock:
+                st.counters.checkpoint_errors += 1
             return
         try:
             tables: list = []
@@ -446,10 +449,12 @@ class Checkpointer:
                 st.dirty_fds.clear()
             C.write(st.path, C.encode(covered, st.region_size, seqs, cols, blob, table), sync)
         except OSError as e:
-            st.count("checkpoint_errors")
+            with st.lock:
+                st.counters.checkpoint_errors += 1
             log.warning("%s: checkpoint failed: %s", st.what, e)
             return
-        st.count("checkpoints")
+        with st.lock:
+            st.counters.checkpoints += 1
         st.changed = False
         st.ckpt_unsynced = not sync and st.fsync != "never"  # the next flush makes it durable
         try:

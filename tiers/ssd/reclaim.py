@@ -54,7 +54,8 @@ class Reclaimer:
     def reclaim(self, victim: R.Region, dest: R.Region) -> None:
         """Re-append the victim's live objects into ``dest``, then free the victim."""
         st = self._state
-        st.count("gc_runs")
+        with st.lock:
+            st.counters.gc_runs += 1
         ix = st.index
         slots, offs, lens = self._live_records(victim)
         whole = None
@@ -82,8 +83,11 @@ class Reclaimer:
                     st.dead.add(victim.index, off, victim.seq)
                     st.changed = True
                     n = st.lose(*gone)  # (a large object goes whole, counted once)
-                    st.counters["corrupt" if h is None else "gc_dropped"] += n
-                    st.counters["objects_lost"] += n
+                    if h is None:
+                        st.counters.corrupt += n
+                    else:
+                        st.counters.gc_dropped += n
+                    st.counters.objects_lost += n
                 continue
             pos = dest.pos
             buf = cast(mmap.mmap, dest.buf)  # (the active image)
@@ -101,7 +105,8 @@ class Reclaimer:
                 dest.pos = end
                 st.changed = True
             dest.add_entry(d, pos, ln, h.raw_len, h.key, h.flags)
-            st.count("gc_relocated")
+            with st.lock:
+                st.counters.gc_relocated += 1
             if end - dest.written >= WRITE_UNIT:
                 self._io.write_out(dest, F.align_down(end), end)
         with st.lock:
@@ -163,9 +168,10 @@ class Reclaimer:
             moved.append((slot, off, pos, ln, h.raw_len, h.key, h.flags))
             pos = F.align_up(pos + ln, F.ALIGN)
         del whole
-        st.count("gc_runs")
-        st.count("gc_in_place")
-        st.count("gc_disk_full")
+        with st.lock:
+            st.counters.gc_runs += 1
+            st.counters.gc_in_place += 1
+            st.counters.gc_disk_full += 1
         with st.lock:  # (readers find each object where it was until the region changes here, at once)
             st.image_addr = self._io.address_of(image)
             victim.start(new_seq, st.region_size, image)
@@ -185,8 +191,8 @@ class Reclaimer:
                         ix.digest[slot] = F.TOMB
                         ix.count -= 1
                         n = st.lose(*gone, drop=False)  # (a piece: its object is dropped, and counted, when read)
-                        st.counters["corrupt"] += n
-                        st.counters["objects_lost"] += n
+                        st.counters.corrupt += n
+                        st.counters.objects_lost += n
                     elif new >= 0:  # (dropped by a reader meanwhile: its new copy is no object either)
                         victim.add_entry(F.key_digest(key), new, ln, raw_len, key, flags)
                         st.dead.add(victim.index, new, new_seq)
@@ -195,7 +201,7 @@ class Reclaimer:
                 victim.add_entry(F.key_digest(key), new, ln, raw_len, key, flags)
                 st.enliven(victim, ln)
                 relocated += 1
-            st.counters["gc_relocated"] += relocated
+            st.counters.gc_relocated += relocated
             victim.pos = pos
             st.active = victim
             st.changed = True

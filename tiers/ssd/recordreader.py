@@ -61,8 +61,8 @@ def _count_lost(st: EngineState, key: str) -> None:
     the state's ``lock``."""
     if len(key) == L.PIECE_KEY_LEN and key[0] == "\x00":
         return
-    st.counters["corrupt"] += 1
-    st.counters["objects_lost"] += 1
+    st.counters.corrupt += 1
+    st.counters.objects_lost += 1
 
 
 def _loc(t: tuple, kbs: list, digs: list) -> tuple:
@@ -311,7 +311,8 @@ class RecordReader:
             out[i] = True
             return True
         if res == _OTHER:
-            self._state.count("collisions")
+            with self._state.lock:
+                self._state.counters.collisions += 1
             return True
         return res == _SIZE
 
@@ -344,7 +345,7 @@ class RecordReader:
         kb, d, r, off, rec_len = loc[:5]
         res = self._from_view(memoryview(loc[7])[off:off + rec_len], kb, loc[6], parts, st.image_addr + off)
         if res == _OTHER:
-            st.counters["collisions"] += 1
+            st.counters.collisions += 1
         elif res == _BAD:  # an image is never torn: memory went bad, or a bug; never serve it
             st.index.remove(d)
             st.unlive(r.index, rec_len)
@@ -379,7 +380,8 @@ class RecordReader:
             if res == _OK:
                 return True
             if res == _OTHER:
-                st.count("collisions")
+                with st.lock:
+                    st.counters.collisions += 1
                 return False
             if res == _SIZE:
                 return False
@@ -528,7 +530,8 @@ class RecordReader:
                     return None
             h = F.parse_record(view, seq)
             if h is not None and h.key != kb:
-                st.count("collisions")
+                with st.lock:
+                    st.counters.collisions += 1
                 return None
             if h is not None:
                 if not h.flags & F.FLAG_LARGE:
@@ -588,7 +591,8 @@ class RecordReader:
             data = bytearray(raw_len)
             if os.preadv(fd, [data], off + len(head)) != raw_len or F.payload_sum([data], h.flags) != h.psum:
                 return _BAD
-            self._state.count("rereads")
+            with self._state.lock:
+                self._state.counters.rereads += 1
             scatter(memoryview(data), parts)
             return _OK
         for p, hp in host:

@@ -130,7 +130,8 @@ class RegionChanger:
             return None
         if victim is not None:
             if limited:
-                st.count("gc_disk_full")
+                with st.lock:
+                    st.counters.gc_disk_full += 1
             self._reclaimer.reclaim(victim, new)
         if st.sealed_since_ckpt >= self._checkpointer.every():
             self._checkpointer.write(durable=st.fsync == "always")
@@ -163,7 +164,8 @@ class RegionChanger:
                 if not existed:  # (a file without a header would be skipped as foreign, and kept, forever)
                     try:
                         os.unlink(r.path)
-                        st.count("partial_files_removed")
+                        with st.lock:
+                            st.counters.partial_files_removed += 1
                     except OSError:
                         pass
                 raise
@@ -316,8 +318,8 @@ class RegionChanger:
             st.index.digest[slots] = F.TOMB
             st.index.count -= len(slots)
             n = st.lose(*gone)
-            st.counters["trimmed"] += n
-            st.counters["objects_lost"] += n
+            st.counters.trimmed += n
+            st.counters.objects_lost += n
             r.state = R.FREE
             r.live_bytes = r.live_count = 0
             st.changed = True
@@ -347,5 +349,5 @@ class RegionChanger:
             with st.lock:
                 del st.regions[i]
             mine.remove(i)
-            st.counters["regions_removed"] += 1
+            st.counters.regions_removed += 1
             st.changed = True

@@ -111,11 +111,13 @@ class SegmentWriter:
             return self._write_reserved(keys, srcs)
         with st.wlock:
             if self._checkpointer.lock_lost():  # (the directory is another process's now: see ``lock.py``)
-                st.count("lock_lost", len(keys))
+                with st.lock:
+                    st.counters.lock_lost += len(keys)
                 return [False] * len(keys)
             lf = st.lock_file
             if lf is not None and lf.fault is not None:  # (the directory cannot be seen: refused until it can)
-                st.count("not_writable", len(keys))
+                with st.lock:
+                    st.counters.not_writable += len(keys)
                 return [False] * len(keys)
             prior = self._large_before(keys) if st.has_large else None
             out, one_by_one, large = self.append(keys, srcs)
@@ -146,7 +148,8 @@ class SegmentWriter:
         """A batch holding keys that are empty or start with NUL (the names of pieces, ``large.py``):
         those are refused (``bad_key``), the others written."""
         good = [i for i, k in enumerate(keys) if k[:1] > "\x00"]
-        self._state.count("bad_key", len(keys) - len(good))
+        with self._state.lock:
+            self._state.counters.bad_key += len(keys) - len(good)
         out = [False] * len(keys)
         if good:
             for i, ok in zip(good, self.write([keys[i] for i in good], [srcs[i] for i in good])):
@@ -199,7 +202,8 @@ class SegmentWriter:
             kb = key.encode()
             klen = len(kb)
             if klen > max_key:
-                st.count("bad_key")
+                with st.lock:
+                    st.counters.bad_key += 1
                 continue
             direct = False
             if len(parts) == 1:
@@ -228,7 +232,8 @@ class SegmentWriter:
             # room for the most)
             rec_len = head + klen + raw_len + (block - 1 if direct else 0)
             if ((rec_len + align - 1) & -align) + per_entry + max_key > max_slot or raw_len >= 1 << 32:
-                st.count("too_large")  # (``F.measure``)
+                with st.lock:
+                    st.counters.too_large += 1  # (``F.measure``)
                 continue
             n = seg.n
             pos = seg.end if n else (r.pos if r is not None else 0)
@@ -428,7 +433,7 @@ class SegmentWriter:
             r.pos = seg.end
             if seg.direct:
                 r.direct.update(seg.direct)
-                st.counters["direct_writes"] += len(seg.direct)
+                st.counters.direct_writes += len(seg.direct)
             st.changed = True
         cast(bytearray, r.entries).extend(b"".join(seg.entries))
         cast(bytearray, r.keys).extend(b"".join(seg.keys))
@@ -445,7 +450,8 @@ class SegmentWriter:
         st = self._state
         kb = key.encode()
         if len(kb) > F.MAX_KEY:
-            st.count("bad_key")
+            with st.lock:
+                st.counters.bad_key += 1
             return False
         raw_len = 0
         hosts: list[Optional[tuple[int, int]]] = []  # (address, nbytes) of host parts copied with one memmove each
@@ -475,7 +481,8 @@ class SegmentWriter:
             raw_len = large_total
         rec_len = F.record_len(len(kb), stored)
         if F.measure(rec_len) > st.max_slot or raw_len >= 1 << 32:
-            st.count("too_large")
+            with st.lock:
+                st.counters.too_large += 1
             return False
         r = self._changer.room(rec_len, len(kb))
         if r is None:
@@ -517,7 +524,8 @@ class SegmentWriter:
         st = self._state
         kb = key.encode()
         if len(kb) > F.MAX_KEY:
-            st.count("bad_key")
+            with st.lock:
+                st.counters.bad_key += 1
             return False
         total = sum(p.numel() for p in parts)
         geom = st.geometry()
@@ -566,11 +574,12 @@ class SegmentWriter:
     def _refuse_large(self, nbytes: int) -> None:
         """An object larger than the whole tier: counted (``too_large``), logged at most once a minute."""
         st = self._state
-        st.count("too_large")
+        with st.lock:
+            st.counters.too_large += 1
         now = time.monotonic()
         if now >= self._too_large_quiet:
             self._too_large_quiet = now + 60.0
             log.warning("%s: refused an object of %d bytes: larger than the tier (capacity %d bytes, the object "
                         "takes %s); too_large: %d so far", st.what, nbytes, st.capacity_bytes,
                         st.geometry().footprint(nbytes) if nbytes <= L.MAX_OBJECT else "4 GiB or more: too long",
-                        st.counters["too_large"])
+                        st.counters.too_large)

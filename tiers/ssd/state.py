@@ -24,6 +24,7 @@ from . import deadlog
 from . import format as F
 from . import large as L
 from . import region as R
+from .counters import SSDCounters
 from .deadlog import DeadLog
 from .health import Health
 from .index import DigestIndex
@@ -32,11 +33,6 @@ from .lock import DirLock
 log = logging.getLogger(__name__)
 
 REGIONS_DIR = "regions"
-#: the counters of ``extra_stats`` (each an event the tier refused, dropped, repaired or did)
-COUNTERS = ("io_errors", "corrupt", "enospc", "too_large", "bad_key", "collisions", "rereads", "gc_runs",
-            "gc_relocated", "gc_dropped", "gc_disk_full", "gc_in_place", "checkpoints", "checkpoint_errors",
-            "torn_regions", "skipped_files", "partial_files_removed", "dir_removed", "objects_lost", "lock_lost",
-            "trimmed", "direct_writes", "summaries_rebuilt", "regions_removed", "not_writable")
 #: a lack of room is logged at most once in this many seconds (every one is counted: ``enospc``)
 NO_SPACE_LOG_EVERY = 10.0
 #: room a full file system keeps beyond a checkpoint's and the dead log's (see ``space_reserve``)
@@ -64,7 +60,7 @@ class EngineState:
         self.wlock = threading.Lock()
         self.lock_file: Optional[DirLock] = None
         self.health = Health(what)  # (a passing fault: ``health.py``)
-        self.counters = dict.fromkeys(COUNTERS, 0)
+        self.counters = SSDCounters()  # (``counters.py``; changed under ``lock``)
         self.regions: dict[int, R.Region] = {}
         self.active: Optional[R.Region] = None
         self.index = DigestIndex()
@@ -113,16 +109,13 @@ class EngineState:
         os.makedirs(self.regions_dir, mode=0o700, exist_ok=True)
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def count(self, what: str, n: int = 1) -> None:
-        with self.lock:
-            self.counters[what] += n
-
     def io_error(self, e: OSError, what: str) -> None:
         """An I/O error: counted (``io_errors``; a lack of room: ``enospc``) and logged, never raised."""
         if R.no_space(e):
             self.no_space(f"{what} failed: {e}")
             return
-        self.count("io_errors")
+        with self.lock:
+            self.counters.io_errors += 1
         log.warning("%s: %s failed: %s", self.what, what, e)
 
     def write_failed(self, e: OSError, what: str) -> None:
@@ -147,13 +140,13 @@ class EngineState:
         and log it, at most once every ``NO_SPACE_LOG_EVERY`` seconds (with how many since the last line)."""
         now = time.monotonic()
         with self.lock:
-            self.counters["enospc"] += 1
+            self.counters.enospc += 1
             self._no_space_unlogged += 1
             if now - self._no_space_logged < NO_SPACE_LOG_EVERY:
                 return
             n, self._no_space_unlogged, self._no_space_logged = self._no_space_unlogged, 0, now
         log.warning("%s: no space: %s (%d such events since the last line, %d in all)", self.what, what, n,
-                    self.counters["enospc"])
+                    self.counters.enospc)
 
     def enliven(self, r: R.Region, rec_len: int) -> None:
         """An object of ``rec_len`` bytes entered region ``r``.  Caller holds ``lock``."""

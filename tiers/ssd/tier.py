@@ -251,7 +251,7 @@ class SSDTier(Tier):
         st.dead.reserve()  # (removals are recorded even once the file system is full)
         dead = deadlog.read(st.path)
         loaded = reopen.load(st.path, valid, st.region_size, st.direct_io, ckpt, dead)
-        st.counters["torn_regions"] = loaded.torn
+        st.counters.torn_regions = loaded.torn
         self.recovered_from = loaded.source if valid else "empty"
         # above every seq ever handed out: the regions' headers, the checkpoint's, the dead log's marks (a
         # region file lost or damaged since took its seq with it, and the dead log may name its records)
@@ -266,8 +266,8 @@ class SSDTier(Tier):
             for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
                 st.dead.add(rg, off, sq)
         unreached = self._unreached(loaded)
-        st.counters["trimmed"] += trimmed
-        st.counters["objects_lost"] += unreached + broken + trimmed
+        st.counters.trimmed += trimmed
+        st.counters.objects_lost += unreached + broken + trimmed
         if unreached or broken:
             log.warning("%s: %d objects lost since the last open (%d listed in region files removed, emptied or "
                         "unreadable; %d large objects missing a piece)", st.what, unreached + broken, unreached,
@@ -277,7 +277,7 @@ class SSDTier(Tier):
             c = reopen.take(c, np.flatnonzero(st.index.find_many(c.digest) >= 0))
         self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
         if (any(valid[i].seq >= st.covered for i in loaded.read_regions) or len(dropped.digest) or lost
-                or moved or resume is not None or st.counters["regions_removed"]):
+                or moved or resume is not None or st.counters.regions_removed):
             with st.wlock:  # the keys are at hand unless objects moved: then the summaries say where
                 self._checkpointer.flush_locked(checkpoint=False)
                 self._checkpointer.write(None if moved or resume is not None else c)
@@ -299,7 +299,7 @@ class SSDTier(Tier):
             except OSError as e:
                 log.warning("%s: cannot open %s: %s; skipped", st.what, r.path, e)
                 r.foreign = True
-                st.counters["skipped_files"] += 1
+                st.counters.skipped_files += 1
                 st.regions[idx] = r
                 continue
             h, ours = R.read_header(r.fd, st.direct_io)
@@ -308,17 +308,17 @@ class SSDTier(Tier):
                 os.close(r.fd)
                 try:
                     os.unlink(r.path)
-                    st.counters["partial_files_removed"] += 1
+                    st.counters.partial_files_removed += 1
                     log.info("%s: removed %s, a region file never begun (no header, no data)", st.what, r.path)
                 except OSError as e:
                     log.warning("%s: cannot remove %s, a region file never begun: %s", st.what, r.path, e)
                 continue
             if h is None and not ours:
                 r.foreign = True  # not a region of ours: never reused, never deleted
-                st.counters["skipped_files"] += 1
+                st.counters.skipped_files += 1
             elif h is not None and h.index != idx:
                 r.foreign = True
-                st.counters["skipped_files"] += 1
+                st.counters.skipped_files += 1
             headers[idx] = h
             st.regions[idx] = r
         return headers
@@ -341,7 +341,7 @@ class SSDTier(Tier):
                 continue
             if h.region_size != st.region_size:
                 r.foreign = True
-                st.counters["skipped_files"] += 1
+                st.counters.skipped_files += 1
                 continue
             r.seq = h.seq
             r.state = R.SEALED
@@ -425,9 +425,9 @@ class SSDTier(Tier):
                 except OSError as e:
                     st.io_error(e, f"reopening {valid[resume].path}")
                     self._io.seal_scanned(valid[resume], sc)
-            gc_before = st.counters["gc_runs"]
+            gc_before = st.counters.gc_runs
             lost = self._changer.settle()  # never every region holding objects
-            moved = st.counters["gc_runs"] - gc_before
+            moved = st.counters.gc_runs - gc_before
             self._changer.remove_surplus()  # never more region files than the capacity provisions
         return resume, lost, moved
 
@@ -494,7 +494,7 @@ class SSDTier(Tier):
 
     @property
     def objects_lost(self) -> int:
-        return self._state.counters["objects_lost"]
+        return self._state.counters.objects_lost
 
     @property
     def available(self) -> bool:
@@ -555,7 +555,7 @@ class SSDTier(Tier):
                     "regions": len(regions), "regions_free": sum(r.state == R.FREE for r in regions),
                     "index_bytes": st.index.nbytes, "recovered_from": self.recovered_from,
                     "writable": fault is None, "last_error": fault or "", "lock_holder": holder,
-                    **st.counters}
+                    **st.counters.as_dict()}
 
     def _large_count(self) -> tuple[int, int]:
         """(large objects, their pieces) in the index (``large.py``).  Caller holds the state's ``lock``."""
