@@ -77,9 +77,10 @@ def test_threads_hammering_the_store_see_no_wrong_bytes(tmp_path):
         assert not lvl.pinned
         assert lvl.used == sum(e.footprint for _, e in lvl.items())
         assert all(e.ready for _, e in lvl.items()), "a reservation leaked"
-        assert lvl.ready_count == len(lvl._index) and lvl.ready_bytes == lvl.used
+        assert lvl.ready_count == len(lvl.keys()) and lvl.ready_bytes == lvl.used
         assert lvl.tier.used_bytes <= lvl.capacity
-        assert len(lvl.eviction) == len(lvl._index)
+        assert len(lvl.eviction) == len(lvl.keys())
+        lvl.check()
     # every key the index claims is readable with the right bytes
     present = [i for i in range(N_KEYS) if store.contains([keys[i]])[0]]
     outs = [torch.empty(size_of(i), dtype=torch.uint8) for i in present]

@@ -205,7 +205,7 @@ def test_a_chunk_in_a_write_behind_copy_is_never_in_no_tier(fail):
     assert store.drain_write_behind(timeout=30)  # the later puts' own copies hold their pins until done
     for lvl in store.levels:
         assert not lvl.pinned, "a pin outlived the copy"
-        assert not [k for k, v in lvl._index.items() if type(v) is int and v < 0], "a reservation leaked"
+        assert not [k for k, e in lvl.items() if not e.ready], "a reservation leaked"
     store.close()
 
 

@@ -166,12 +166,12 @@ def test_a_policy_ordering_the_level_index_evicts_as_one_with_its_own_dict(share
     a_pol, b_pol = shared_cls(), own_cls()
     a = TieredStore([Level(DRAMTier("d", 4096, prefault=False), eviction=a_pol)], promotion="never")
     b = TieredStore([Level(DRAMTier("d", 4096, prefault=False), eviction=b_pol)], promotion="never")
-    assert a_pol._index is a.levels[0]._index and b_pol._index is None
+    assert a_pol._index is a.levels[0].index._slots and b_pol._index is None
     sizes: dict[str, int] = {}
     try:
         for kind, arg in trace:
             _step_both(a, b, kind, arg, sizes)
-            held_a = [k for k, v in a.levels[0]._index.items() if type(v) is int and v > 0]
+            held_a = [k for k, v in a.levels[0].index._slots.items() if type(v) is int and v > 0]
             held_b = set(b_pol._od)
             assert set(held_a) == held_b
             assert held_a == list(b_pol._od)  # the same order: the next victims are the same
@@ -197,7 +197,7 @@ class _OwnARC(ARCPolicy):
 
 
 def _ready_not_in(level, others) -> list:
-    return [k for k, v in level._index.items() if type(v) is int and v > 0 and k not in others]
+    return [k for k, v in level.index._slots.items() if type(v) is int and v > 0 and k not in others]
 
 
 def _s3fifo_state(level, p):
@@ -247,7 +247,7 @@ def test_a_policy_queueing_on_the_level_index_evicts_as_one_with_its_own_dicts(s
     a_pol, b_pol = shared_cls(), own_cls()
     a = TieredStore([Level(DRAMTier("d", capacity, prefault=False), eviction=a_pol)], promotion="never")
     b = TieredStore([Level(DRAMTier("d", capacity, prefault=False), eviction=b_pol)], promotion="never")
-    assert a_pol._index is a.levels[0]._index and b_pol._index is None
+    assert a_pol._index is a.levels[0].index._slots and b_pol._index is None
     sizes: dict[str, int] = {}
     try:
         for kind, arg in trace:
@@ -272,7 +272,7 @@ def test_the_store_differential_test_can_fail():
             for k in ("x", "y"):
                 assert lvl.reserve(k, 16)
                 lvl.commit(k)  # (no bytes needed: the index and the policy are what is compared)
-        a._index["x"] = a._index.pop("x")  # small is now y, x in the shared one
+        a.index._slots["x"] = a.index._slots.pop("x")  # small is now y, x in the shared one
         assert _s3fifo_state(a, a.eviction) != _s3fifo_state(b, b.eviction)
     finally:
         a.tier.close()

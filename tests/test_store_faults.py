@@ -48,7 +48,8 @@ def assert_clean(store: TieredStore) -> None:
             assert lvl.ready_count == len(ready), f"{lvl.name}: ready count drifted"
             assert lvl.ready_bytes == sum(e.footprint for e in ready), f"{lvl.name}: ready bytes drifted"
             assert lvl.used <= lvl.capacity
-            assert len(lvl.eviction) == len(lvl._index), f"{lvl.name}: policy and index disagree"
+            assert len(lvl.eviction) == len(lvl.keys()), f"{lvl.name}: policy and index disagree"
+            lvl.check()
 
 
 # -- 1. promotion copies only bytes verified for that key ---------------------------------------

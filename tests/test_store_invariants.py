@@ -66,11 +66,11 @@ def test_pinned_chunk_survives_a_put_that_needs_room():
     assert store.put(["c"], [val(3)]) == [True]
     assert store.locate(["a", "b", "c"]) == ["top", "top", "low"]  # no victim possible: c went lower
     with store._chain.lock:
-        lvl.unpin("a", lvl._index["a"])
+        lvl.unpin("a")
     assert store.put(["d"], [val(4)]) == [True]
     assert store.locate(["a", "d"]) == ["low", "top"]  # a, unpinned, was demoted for d
     with store._chain.lock:
-        lvl.unpin("b", lvl._index["b"])
+        lvl.unpin("b")
     store.close()
 
 
@@ -92,7 +92,8 @@ def test_removed_while_read_is_freed_after_the_read():
     assert store.put(["a"], [val(1)]) == [False]  # cannot reuse the slot while it is read
     top.gate.set()
     t.join()
-    assert lvl.used == 0 and "a" not in lvl._index
+    assert lvl.used == 0 and not lvl.knows("a")
+    lvl.check()
     assert torch.equal(out, val(1))
     store.close()
 
@@ -201,11 +202,12 @@ def test_level_index_holds_ints_and_an_entry_only_for_a_doomed_chunk_still_read(
     lvl = Level(DRAMTier("d", 8 * C))
     assert lvl.reserve_many(["a", "b", "c"], [C, C, 8 * C]) == [0, 0, 2]  # "c" does not fit beside them
     assert lvl.reserve_many(["a"], [C]) == [1]  # reserved already
-    assert lvl.entry("a").ready is False and type(lvl._index["a"]) is int and lvl._index["a"] < 0
+    assert lvl.entry("a").ready is False and lvl.reserved("a") and lvl.busy("a")
     assert not lvl.holds("a") and lvl.ready_nbytes("a") == -1
     lvl.tier.write_at(lvl.codes(["a", "b"]), [[val(1)], [val(2)]])
     lvl.commit_many(["a", "b"])
-    assert lvl._index["a"] != lvl._index["b"] and lvl._index["a"] > 0  # each its slab location
+    assert lvl.codes(["a"]) != lvl.codes(["b"]) and lvl.ready_codes(["a"]) == lvl.codes(["a"])  # each its slab location
+    lvl.check()
     assert lvl.tier.extra_stats()["objects"] == 2 and not lvl.tier._objects  # the slab keeps no entry
     assert lvl.holds("a") and lvl.ready_nbytes("a") == C and lvl.entries() == 2
     assert lvl.used == 2 * lvl.tier.footprint(C)
@@ -218,15 +220,17 @@ def test_level_index_holds_ints_and_an_entry_only_for_a_doomed_chunk_still_read(
     assert e.doomed and not e.ready and not lvl.holds("a") and lvl.entries() == 1
     assert lvl.used == 2 * lvl.tier.footprint(C)
     lvl.unpin_many(["a", "b"])
-    assert lvl.pinned == {"a": 1} and "a" in lvl._index
+    assert lvl.pinned == {"a": 1} and lvl.knows("a")
+    lvl.check()
     lvl.unpin("a")  # the last reader frees it
-    assert "a" not in lvl._index and lvl.used == lvl.tier.footprint(C) and not lvl.pinned
+    assert not lvl.knows("a") and lvl.used == lvl.tier.footprint(C) and not lvl.pinned
     assert lvl.tier.contains(["a", "b"]) == [False, True]
     with pytest.raises(PolicyError, match="no reservation"):
         lvl.commit_many(["b"])  # READY, not reserved
-    assert lvl.reserve("z", C) and lvl._index["z"] < 0
+    assert lvl.reserve("z", C) and lvl.reserved("z")
     lvl.abort("z")
-    assert "z" not in lvl._index and lvl.used == lvl.tier.footprint(C)
+    assert not lvl.knows("z") and lvl.used == lvl.tier.footprint(C)
+    lvl.check()
 
 
 def test_a_chain_of_shared_pools_alone_serves_gets():
@@ -269,7 +273,8 @@ def test_chunks_too_large_for_an_index_int_field_keep_exact_sizes_and_accounting
     assert store.lookup(["b0"]) == 0 and store.lookup(["b1", "b2", "s"]) == 3
     assert lvl.used == tier.footprint(small.numel()) + sum(tier.footprint(vals[k].numel()) for k in ("b1", "b2"))
     store.remove(["b1", "b2", "s"])
-    assert lvl.used == 0 and not lvl._index
+    assert lvl.used == 0 and not lvl.keys()
+    lvl.check()
     if medium == "dram":
         assert tier.used_bytes == 0 and not tier._odd
     store.close()

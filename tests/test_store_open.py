@@ -15,7 +15,6 @@ import torch
 from fake_media import FakeTier
 
 from tierkv import Level, TieredStore
-from tierkv.engine.level import size_value
 from tierkv.engine.recovery import plan_recovery
 from tierkv.errors import PolicyError
 from tierkv.policies import EvictionPolicy
@@ -70,9 +69,10 @@ def random_listing(rng: random.Random, n: int, repeat_share: float, sizes: list[
 
 
 def check_level(lvl: Level, want: list[tuple[str, int]]) -> None:
-    assert list(lvl._index) == [k for k, _ in want], "keys or their order differ from the reference"
-    assert [lvl.ready_nbytes(k) for k in lvl._index] == [nb for _, nb in want]
-    assert all(v == size_value(nb) for v, (_, nb) in zip(lvl._index.values(), want))
+    held = lvl.keys()
+    assert held == [k for k, _ in want], "keys or their order differ from the reference"
+    assert [lvl.ready_nbytes(k) for k in held] == [nb for _, nb in want]
+    lvl.check()  # (each value the shared one of its size, the counts, the policy's)
     fps = sum(lvl.footprint(nb) for _, nb in want)
     assert (lvl.used, lvl.ready_bytes, lvl.ready_count) == (fps, fps, len(want))
     assert not lvl.pinned

@@ -29,7 +29,9 @@ Located tiers (``located = True``, the slab under ``hbm`` and ``dram``):
     tier keeps no entry per object and the level's index holds the code.  A code
     is a positive ``int``: ``X << CODE_SHIFT | f << 1 | 1``, where ``f`` is the
     object's nbytes when below ``NB_FIELD`` and ``NB_FIELD`` otherwise (then
-    ``code_nbytes`` tells it); ``X`` is the tier's own.  The key-based methods
+    ``code_nbytes`` tells it); ``X`` is the tier's own.  The level's index is the
+    code's owner: ``CODE_SHIFT`` and ``NB_FIELD`` are defined with its encoding
+    (``tierkv.engine.levelindex``), and a located tier builds its codes from them.  The key-based methods
     still work on a tier nobody attached; once a level ``attach``-es it, ``read``
     and ``contains`` look keys up through the level, and ``write`` / ``delete`` by
     key are refused (the level alone places objects there).
@@ -67,6 +69,7 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from tierkv.checksum import ReadSums
+from tierkv.engine.levelindex import NB_FIELD
 from tierkv.enums import StrEnum
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.units import parse_size
@@ -75,11 +78,6 @@ Parts = list[torch.Tensor]
 
 _STR = {str}
 _LISTS = {list, tuple}
-
-#: a location code (see "Located tiers"): ``X << CODE_SHIFT | f << 1 | 1``
-CODE_SHIFT = 25
-#: the largest nbytes a code's ``f`` field holds; all ones: ask ``code_nbytes``
-NB_FIELD = (1 << 24) - 1
 
 
 class _Corrupt(enum.Enum):

@@ -39,11 +39,12 @@ import torch
 
 from tierkv.buffers import PARALLEL_COPY_MIN, _memmove, copy_many, memmove_many
 from tierkv.checksum import ReadSums
+from tierkv.engine.levelindex import CODE_SHIFT, NB_FIELD
 from tierkv.errors import ConfigError
 from tierkv.hostmem import advise_huge, unregister
 from tierkv.xxh3 import copy_and_sum
 
-from .base import CODE_SHIFT, NB_FIELD, Parts, Tier
+from .base import Parts, Tier
 from .slab_alloc import ALIGN, ExtentAllocator, Location, SlabAllocator, align_up
 
 __all__ = ["ALIGN", "ExtentAllocator", "SlabAllocator", "SlabTier", "align_up"]
