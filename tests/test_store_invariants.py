@@ -278,3 +278,108 @@ def test_chunks_too_large_for_an_index_int_field_keep_exact_sizes_and_accounting
     if medium == "dram":
         assert tier.used_bytes == 0 and not tier._odd
     store.close()
+
+
+# -- the index's fast paths against its per-key paths -------------------------------------------------------
+def _index_workload(lvl: Level, seed: int, steps: int = 400) -> list:
+    """A random workload of the index's mutators on ``lvl`` (as the store drives them: reserve, commit, read
+    pins, drops, evictions of pinned victims, aborts); every answer and the whole state after each step."""
+    import random
+
+    rng = random.Random(seed)
+    sizes = [16, 100, C, 3 * C + 5, (1 << 24) + 3]  # (the last: past an index int's nbytes field)
+    names = [f"k{i}" for i in range(40)]
+    seen: list = []
+    for _ in range(steps):
+        op = rng.choice(["reserve", "reserve", "commit", "pin", "unpin", "drop", "evict", "abort"])
+        ready = lvl.ready_keys()
+        if op == "reserve":
+            ks = rng.sample(names, rng.randint(1, 8))  # distinct: the fast path's case, when all are new
+            got: object = lvl.reserve_many(ks, [rng.choice(sizes[:4]) if rng.random() < 0.95 else sizes[4]
+                                                for _ in ks])
+        elif op == "commit":
+            ks = [k for k, e in lvl.items() if not e.ready and not e.doomed]
+            ks = rng.sample(ks, min(len(ks), rng.randint(1, 6)))
+            lvl.commit_many(ks)
+            got = ks
+        elif op == "pin":
+            ks = [rng.choice(ready) for _ in range(rng.randint(1, 4))] if ready else []
+            if rng.random() < 0.5:
+                ks = list(dict.fromkeys(ks))
+            lvl.pin_many(ks)
+            got = ks
+        elif op == "unpin":
+            pinned = [k for k, n in lvl.pinned.items() for _ in range(n)]
+            ks = rng.sample(pinned, min(len(pinned), rng.randint(1, 4)))
+            if rng.random() < 0.3:
+                ks = list(lvl.pinned)  # each once: all of them (the fast path's case)
+            lvl.unpin_many(ks)
+            got = ks
+        elif op == "drop":
+            k = rng.choice(names)
+            lvl.drop(k)
+            got = k
+        elif op == "evict":
+            got = lvl.victims(rng.choice([1, C, 4 * C, 9 * C]))
+            if got is not None:
+                lvl.pin_many(got)  # (the placer pins its victims, then evicts them)
+                lvl.evict_many(got)
+        else:
+            ks = [k for k, e in lvl.items() if not e.ready and not e.doomed]
+            got = ks[:1]
+            for k in got:
+                lvl.abort(k)
+        lvl.check()
+        seen.append((op, got, lvl.used, lvl.ready_count, lvl.ready_bytes, dict(lvl.pinned),
+                     [(k, e.nbytes, e.footprint, e.ready, e.pins, e.doomed) for k, e in lvl.items()],
+                     sorted(lvl.tier.contains(names)) if not lvl.located else lvl.tier.extra_stats()["objects"]))
+    return seen
+
+
+@pytest.mark.parametrize("medium", ["dram", "fake"])
+@pytest.mark.parametrize("policy", ["lru", "s3fifo", "lfu", "arc"])
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_the_index_fast_paths_mean_what_the_per_key_paths_do(monkeypatch, medium, policy, seed):
+    """Each batched mutator's fast path, switched off (``levelindex.FAST``), gives the same answers and
+    leaves the same index, pins, counts, policy order and medium, step by step, on a random workload."""
+    from tierkv.engine import levelindex
+
+    def run() -> list:
+        cap = 3 * (1 << 24) + 64 * C
+        tier = DRAMTier("t", cap, prefault=False) if medium == "dram" else FakeTier("t", cap)
+        lvl = Level(tier, eviction=policy)
+        try:
+            return _index_workload(lvl, seed)
+        finally:
+            tier.close()
+
+    fast = run()
+    for name in levelindex.FAST:
+        monkeypatch.setitem(levelindex.FAST, name, False)
+    slow = run()
+    assert len(fast) == len(slow)
+    for i, (a, b) in enumerate(zip(fast, slow)):
+        assert a == b, f"step {i} ({a[0]}) differs with the fast paths off"
+    assert {s[0] for s in fast} >= {"reserve", "commit", "pin", "unpin", "evict"}
+
+
+def test_check_names_a_broken_invariant():
+    """``check`` is no formality: an index whose counts drifted, or whose pinned key is gone, fails it."""
+    from tierkv.engine.levelindex import IndexInvariantError
+
+    lvl = Level(FakeTier("t", 8 * C))
+    assert lvl.reserve_many(["a", "b"], [C, C]) == [0, 0]
+    lvl.commit_many(["a", "b"])
+    lvl.check()
+    lvl.index.used += 1  # (as a bug would)
+    with pytest.raises(IndexInvariantError, match="used is"):
+        lvl.check()
+    lvl.index.used -= 1
+    lvl.index._pins["zz"] = 1
+    with pytest.raises(IndexInvariantError, match="'zz': pinned"):
+        lvl.check()
+    del lvl.index._pins["zz"]
+    lvl.index._pins["a"] = 1
+    lvl.index.ready_count -= 1
+    with pytest.raises(IndexInvariantError, match="ready_count"):
+        lvl.check()
