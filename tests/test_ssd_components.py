@@ -15,6 +15,7 @@ from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd import region as R
 from tierkv.tiers.ssd.checkpointer import Checkpointer
 from tierkv.tiers.ssd.deadlog import DeadLog
+from tierkv.tiers.ssd.health import Health
 from tierkv.tiers.ssd.reclaim import Reclaimer
 from tierkv.tiers.ssd.recordreader import RecordReader
 from tierkv.tiers.ssd.regionchange import RegionChanger
@@ -32,12 +33,14 @@ def build(path: pathlib.Path, capacity: int = 8 * MiB) -> tuple:
     st = EngineState("ssd", "tier 'ssd' (ssd)", str(path), capacity, MiB, None, "xxh3", "flush")
     st.ensure_dirs()
     st.dead = DeadLog(st.path)
-    io = RegionIO(st)
-    checkpointer = Checkpointer(st, io)
+    health = Health(st.what, st.path, st.counters, st.lock)
+    io = RegionIO(st, health)
+    checkpointer = Checkpointer(st, health, io)
     checkpointer.note_dir()
-    reclaimer = Reclaimer(st, io)
-    changer = RegionChanger(st, io, reclaimer, checkpointer)
-    return st, io, checkpointer, reclaimer, changer, SegmentWriter(st, io, changer, checkpointer), RecordReader(st, 2)
+    reclaimer = Reclaimer(st, health, io)
+    changer = RegionChanger(st, health, io, reclaimer, checkpointer)
+    return (st, io, checkpointer, reclaimer, changer, SegmentWriter(st, health, io, changer, checkpointer),
+            RecordReader(st, health, 2))
 
 
 def test_a_writer_and_a_reader_built_alone_round_trip_and_a_tier_reopens_what_they_wrote(tmp_path):

@@ -616,7 +616,7 @@ def test_a_reopen_takes_the_checkpointed_index_when_every_object_is_current(tmp_
     assert t.contains([key(1000)]) == [False]
     t.delete(keys[:10])  # named in the dead log; the checkpoint is rewritten only by a flush or close
     t._state.dead.write(True)
-    t._state.lock_file.release()  # (as a killed process would leave it)
+    t._health.lock_file.release()  # (as a killed process would leave it)
     t2 = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
     assert built == [290] and len(t2._state.index) == 290
     assert sorted(k for k, _ in t2.recover()) == sorted(keys[10:])

@@ -403,7 +403,7 @@ def test_torn_ssd_region_tail_is_skipped_on_open(tmp_path):
         f.seek(at + 64 + len(keys[1]) + 100)
         f.write(bytes(CHUNK - 200))  # the second record's payload never fully landed
     for lvl in store.levels:  # abandon the store without closing it (no seal, no checkpoint)
-        lvl.tier._state.lock_file.release()
+        lvl.tier._health.lock_file.release()
     ckpt = os.path.join(tmp_path / "s", "checkpoint")
     if os.path.exists(ckpt):  # (a flush writes one only when it is due)
         os.unlink(ckpt)

@@ -11,6 +11,15 @@ with ``segment.py``), ``RecordReader`` (``recordreader.py``), ``RegionChanger`` 
 (``regionio.py``); ``reopen.py`` reads a directory at open, ``index.py`` is the compact index,
 ``lock.py`` one writer per directory.
 
+Who owns what.  ``Health`` (``health.py``) owns the tier's fault, the directory's lock and the
+reporting of I/O errors: every component that meets an error tells it (``io_error``,
+``write_failed``, ``no_space``) and asks it whether the tier may write (``refusal``); only the probe
+and a write that went through end a fault.  ``SSDCounters`` (``counters.py``) is the tier's typed
+counters, one attribute per event, added to under ``EngineState.lock`` and named as strings only in
+``extra_stats``.  What is still shared in ``EngineState`` (the region table and space accounting,
+the index, the dead log, the checkpoint's bookkeeping, the dirty descriptors, the locks) is read and
+changed by the components under the locks its docstring names.
+
 A directory in the former one-file-per-object layout is refused with a ``ConfigError``.
 """
 

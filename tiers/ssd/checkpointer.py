@@ -29,6 +29,7 @@ from . import checkpoint as C
 from . import format as F
 from . import region as R
 from . import reopen
+from .health import Health
 from .regionio import RegionIO
 from .state import EngineState
 
@@ -38,8 +39,9 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     """Flush, checkpoints and files removed behind the tier (see the module docstring)."""
 
-    def __init__(self, state: EngineState, io: RegionIO) -> None:
+    def __init__(self, state: EngineState, health: Health, io: RegionIO) -> None:
         self._state = state
+        self._health = health
         self._io = io
         self._dir_id = (0, 0, 0)  # (``_dir_ids``) as of the open, or the last rebuild after a removal
         self._rebuilding = False  # (``_after_removal`` is running: its own flush does not look again)
@@ -78,7 +80,7 @@ class Checkpointer:
         whose fsync failed is synced again by the next flush."""
         st = self._state
         if self.lock_lost():
-            return [cast(str, st.fault())]
+            return [cast(str, self._health.refusal())]
         failed: list[str] = []
         self.check_removed(dirty=True)
         r = st.active
@@ -91,12 +93,12 @@ class Checkpointer:
                     os.fdatasync(fd)  # (the files keep their size: data and allocation are what matter)
                     st.dirty_fds.discard(fd)
                 except OSError as e:
-                    st.io_error(e, "fsync")
+                    self._health.io_error(e, "fsync")
                     failed.append(f"fsync of a region file: {e.strerror or e}")
         try:
             st.dead.write(st.fsync != "never")
         except OSError as e:
-            st.io_error(e, "writing the dead log")
+            self._health.io_error(e, "writing the dead log")
             failed.append(f"writing the dead log: {e.strerror or e}")
         if checkpoint and st.changed:
             self.write()
@@ -107,15 +109,14 @@ class Checkpointer:
             except FileNotFoundError:  # (removed behind the tier: the next checkpoint writes it again)
                 st.ckpt_unsynced = False
             except OSError as e:  # (not a loss: a reopen without it reads the summaries)
-                st.io_error(e, "fsync of the checkpoint")
+                self._health.io_error(e, "fsync of the checkpoint")
         return failed
 
     # -- files removed behind the tier ----------------------------------------------------------------
     def lock_lost(self) -> bool:
         """Whether another process holds the directory now (its ``LOCK`` was removed and taken by another
         opener before this tier took it again): nothing more is written there."""
-        st = self._state
-        return st.lock_file is not None and st.lock_file.lost
+        return self._health.lock_lost()
 
     def note_dir(self) -> None:
         """Remember the directory's identity as it is now (at open): ``check_removed`` compares with it."""
@@ -155,7 +156,7 @@ class Checkpointer:
         try:
             found = self._removed(dirty)
         except OSError as e:  # (it cannot be told now: a passing fault, probed until it passes)
-            st.health.failed(f"cannot reach {e.filename or st.path}: {e.strerror or e}")
+            self._health.failed(f"cannot reach {e.filename or st.path}: {e.strerror or e}")
             return False
         if found and not self.lock_lost():
             self._after_removal()
@@ -187,7 +188,7 @@ class Checkpointer:
         a reopen finds exactly what the index holds.  Counted (``dir_removed``) and logged.  Caller holds
         ``_wlock``."""
         st = self._state
-        if st.lock_file is not None and not st.lock_file.retake():
+        if self._health.lock_file is not None and not self._health.lock_file.retake():
             return  # (another process holds the directory now: ``lock_lost``)
         with st.lock:
             st.counters.dir_removed += 1
@@ -202,7 +203,7 @@ class Checkpointer:
         try:
             st.ensure_dirs()
         except OSError as e:
-            st.io_error(e, f"recreating {st.path}")
+            self._health.io_error(e, f"recreating {st.path}")
             return
         self._io.wait_seals()
         dirty = set(st.dirty_fds)
@@ -217,7 +218,7 @@ class Checkpointer:
                     recreated.append(r)
                     continue
                 except OSError as e:  # (its objects go as the others' do: acknowledged, they are reported)
-                    st.io_error(e, f"recreating {r.path}")
+                    self._health.io_error(e, f"recreating {r.path}")
             with st.lock:
                 slots = st.index.in_region(r.index)
                 if len(slots):
@@ -368,7 +369,7 @@ class Checkpointer:
         try:
             data = R.read_span(r.fd, 0, st.region_size, st.direct_io)
         except OSError as e:
-            st.io_error(e, f"reading {r.path}")
+            self._health.io_error(e, f"reading {r.path}")
             return None
         entries, keys, offs, end = R.scan(data, r.seq)
         del data
@@ -463,7 +464,7 @@ class Checkpointer:
                 st.dead.compact({i: r.seq for i, r in st.regions.items() if not r.foreign},
                                 st.fsync != "never", st.next_seq - 1)
         except OSError as e:
-            st.io_error(e, "compacting the dead log")
+            self._health.io_error(e, "compacting the dead log")
         st.covered = covered
         st.sealed_since_ckpt = 0
 

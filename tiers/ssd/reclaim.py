@@ -21,6 +21,7 @@ import numpy as np
 from . import format as F
 from . import region as R
 from .format import WRITE_UNIT
+from .health import Health
 from .regionio import RegionIO
 from .state import EngineState
 
@@ -31,8 +32,9 @@ class Reclaimer:
     """Chooses a victim region and moves its live objects: into the spare (``reclaim``) or within its own
     file (``compact_in_place``)."""
 
-    def __init__(self, state: EngineState, io: RegionIO) -> None:
+    def __init__(self, state: EngineState, health: Health, io: RegionIO) -> None:
         self._state = state
+        self._health = health
         self._io = io
 
     def _live_records(self, victim: R.Region) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -63,14 +65,14 @@ class Reclaimer:
             try:
                 whole = R.read_span(victim.fd, 0, st.region_size, st.direct_io)
             except OSError as e:
-                st.io_error(e, f"reading {victim.path}")
+                self._health.io_error(e, f"reading {victim.path}")
         data: memoryview | bytes
         for slot, off, ln in zip(slots.tolist(), offs.tolist(), lens.tolist()):
             try:
                 data = whole[off:off + ln] if whole is not None else R.read_span(victim.fd, off, ln,
                                                                                  st.direct_io)
             except OSError as e:
-                st.io_error(e, f"reading {victim.path}")
+                self._health.io_error(e, f"reading {victim.path}")
                 data = b""
             h = F.parse_record(data, victim.seq)
             klen = len(h.key) if h is not None else 0
@@ -128,7 +130,7 @@ class Reclaimer:
                 st.dirty_fds.discard(dest.fd)
             st.dead.write(False)
         except OSError as e:
-            st.io_error(e, "writing the dead log after a reclamation")
+            self._health.io_error(e, "writing the dead log after a reclamation")
 
     def worth_reclaiming(self, victim: R.Region) -> bool:
         """Whether moving the victim's live objects leaves room for the largest object (always, when the
@@ -209,7 +211,7 @@ class Reclaimer:
             try:
                 os.fdatasync(victim.fd)
             except OSError as e:
-                st.io_error(e, f"fsync of {victim.path}")
+                self._health.io_error(e, f"fsync of {victim.path}")
         log.warning("%s: the file system is full: region %s compacted in place (%d objects moved); "
                     "writes go on in the room that leaves", st.what, victim.path, relocated)
         return victim

@@ -31,6 +31,7 @@ from ..base import Parts
 from . import format as F
 from . import large as L
 from . import region as R
+from .health import Health
 from .hostbuf import cbuffer, ctype_of, scatter
 from .state import EngineState
 
@@ -75,8 +76,9 @@ def _loc(t: tuple, kbs: list, digs: list) -> tuple:
 class RecordReader:
     """Reads records (see the module docstring); ``threads`` readers share a batch of long runs."""
 
-    def __init__(self, state: EngineState, threads: int) -> None:
+    def __init__(self, state: EngineState, health: Health, threads: int) -> None:
         self._state = state
+        self._health = health
         self._threads = threads
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"tierkv-{state.name}")
 
@@ -375,7 +377,7 @@ class RecordReader:
             try:
                 res = self._fetch(loc, parts)
             except OSError as e:
-                st.io_error(e, f"reading {key[:16]}")
+                self._health.io_error(e, f"reading {key[:16]}")
                 return False
             if res == _OK:
                 return True
@@ -526,7 +528,7 @@ class RecordReader:
                 try:
                     view = R.read_span(r.fd, off, rec_len, st.direct_io)
                 except OSError as e:
-                    st.io_error(e, f"reading the manifest of {kb[:16]!r}")
+                    self._health.io_error(e, f"reading the manifest of {kb[:16]!r}")
                     return None
             h = F.parse_record(view, seq)
             if h is not None and h.key != kb:

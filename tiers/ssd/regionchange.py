@@ -24,6 +24,7 @@ from typing import Optional, cast
 from . import format as F
 from . import region as R
 from .checkpointer import Checkpointer
+from .health import Health
 from .reclaim import Reclaimer
 from .regionio import RegionIO
 from .state import EngineState
@@ -35,8 +36,10 @@ class RegionChanger:
     """Seals the active region and begins the next (``room``, ``rotate``); at open, resumes or settles the
     regions an earlier process left (``resume``, ``settle``, ``remove_surplus``)."""
 
-    def __init__(self, state: EngineState, io: RegionIO, reclaimer: Reclaimer, checkpointer: Checkpointer) -> None:
+    def __init__(self, state: EngineState, health: Health, io: RegionIO, reclaimer: Reclaimer,
+                 checkpointer: Checkpointer) -> None:
         self._state = state
+        self._health = health
         self._io = io
         self._reclaimer = reclaimer
         self._checkpointer = checkpointer
@@ -51,10 +54,10 @@ class RegionChanger:
         try:
             r = self.rotate()
         except OSError as e:
-            st.write_failed(e, "starting a region")
+            self._health.write_failed(e, "starting a region")
             return None
         if r is None or not r.fits(rec_len, key_len, st.region_size):
-            st.no_space("no region has room: the write is refused")
+            self._health.no_space("no region has room: the write is refused")
             return None
         return r
 
@@ -123,7 +126,7 @@ class RegionChanger:
             except OSError as e:
                 if not allow_new or not R.no_space(e):
                     raise
-                st.io_error(e, f"creating region file {R.region_name(free[0])}")
+                self._health.io_error(e, f"creating region file {R.region_name(free[0])}")
                 continue  # (the file system was fuller than it said: the files there are)
             break
         else:  # pragma: no cover  (the second pass raises or breaks)
@@ -292,7 +295,7 @@ class RegionChanger:
                         if self._reclaimer.compact_in_place() is not None:
                             continue
             except OSError as e:
-                st.io_error(e, "making room at open")
+                self._health.io_error(e, "making room at open")
                 dest = st.active
             if dest is not None and victim.live_bytes <= self._room_left(dest):
                 self._reclaimer.reclaim(victim, dest)
@@ -344,7 +347,7 @@ class RegionChanger:
             except FileNotFoundError:
                 pass
             except OSError as e:
-                st.io_error(e, f"removing {r.path}")
+                self._health.io_error(e, f"removing {r.path}")
                 continue
             with st.lock:
                 del st.regions[i]

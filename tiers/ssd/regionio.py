@@ -17,6 +17,7 @@ from typing import Optional, cast
 from . import format as F
 from . import region as R
 from . import reopen, segment
+from .health import Health
 from .hostbuf import image_address
 from .segment import Segment
 from .state import EngineState
@@ -25,8 +26,9 @@ from .state import EngineState
 class RegionIO:
     """Write-outs, summaries behind a seal, region images and file handles of one tier's regions."""
 
-    def __init__(self, state: EngineState) -> None:
+    def __init__(self, state: EngineState, health: Health) -> None:
         self._state = state
+        self._health = health
         self._writer: Optional[ThreadPoolExecutor] = None  # write-outs overlapping a batch's copies
         #: (region, future or None, summary buffer, its offset) of summaries on their way (``write_summary``)
         self._seals: list = []
@@ -82,7 +84,7 @@ class RegionIO:
             else:
                 R.pwrite_all(r.fd, memoryview(buf)[r.written:end], r.written)
         except OSError as e:
-            st.write_failed(e, f"writing {r.path}")
+            self._health.write_failed(e, f"writing {r.path}")
             return False
         st.dirty_fds.add(r.fd)
         r.written = min(end, F.align_down(data_end)) if st.direct_io else end
@@ -114,7 +116,6 @@ class RegionIO:
         it reads).  ``drop``: a region whose file is going away or being reused: its summary is no longer
         due.  Called before anything that needs them in the file: a flush, a checkpoint, closing or reusing
         a region's file, the next seal."""
-        st = self._state
         kept = []
         for r, fut, summary, start in self._seals:
             if fut is not None:
@@ -123,7 +124,7 @@ class RegionIO:
                     summary.close()
                     continue
                 except OSError as e:
-                    st.io_error(e, f"writing the summary of {r.path} (tried again)")
+                    self._health.io_error(e, f"writing the summary of {r.path} (tried again)")
             if r is drop or r.state != R.SEALED:
                 summary.close()
                 continue
@@ -131,7 +132,7 @@ class RegionIO:
                 R.pwrite_all(r.fd, summary, start)
                 summary.close()
             except OSError as e:
-                st.io_error(e, f"writing the summary of {r.path}")
+                self._health.io_error(e, f"writing the summary of {r.path}")
                 kept.append((r, None, summary, start))
         self._seals = kept
         return not kept
@@ -152,7 +153,7 @@ class RegionIO:
             st.dirty_fds.add(r.fd)
             r.sum_start = start
         except OSError as e:
-            st.io_error(e, f"sealing {r.path}")
+            self._health.io_error(e, f"sealing {r.path}")
 
     # -- file handles --------------------------------------------------------------------------
     def close_region_fd(self, r: R.Region) -> None:

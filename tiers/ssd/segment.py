@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, cast
 
 from . import region as R
+from .health import Health
 from .hostbuf import ctype_of
 from .state import EngineState
 
@@ -211,14 +212,14 @@ class Segment:
             out.append((run_at, cur))
         return out
 
-    def wait(self, state: EngineState) -> bool:
-        """Wait for the submitted writes; False (counted in ``state``) if any failed."""
+    def wait(self, state: EngineState, health: Health) -> bool:
+        """Wait for the submitted writes; False (reported to ``health``) if any failed."""
         ok = True
         for f in self.futures:
             try:
                 f.result()
             except OSError as e:
-                state.write_failed(e, f"writing {cast(R.Region, self.region).path}")
+                health.write_failed(e, f"writing {cast(R.Region, self.region).path}")
                 ok = False
         if self.futures and ok:
             state.dirty_fds.add(cast(R.Region, self.region).fd)

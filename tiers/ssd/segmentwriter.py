@@ -36,6 +36,7 @@ from . import large as L
 from . import region as R
 from .checkpointer import Checkpointer
 from .format import WRITE_UNIT
+from .health import Health
 from .hostbuf import _host_view, cbuffer, ctype_of
 from .regionchange import RegionChanger
 from .regionio import RegionIO
@@ -97,8 +98,10 @@ class _Appending:
 class SegmentWriter:
     """Appends batches to the active region (see the module docstring)."""
 
-    def __init__(self, state: EngineState, io: RegionIO, changer: RegionChanger, checkpointer: Checkpointer) -> None:
+    def __init__(self, state: EngineState, health: Health, io: RegionIO, changer: RegionChanger,
+                 checkpointer: Checkpointer) -> None:
         self._state = state
+        self._health = health
         self._io = io
         self._changer = changer
         self._checkpointer = checkpointer
@@ -114,7 +117,7 @@ class SegmentWriter:
                 with st.lock:
                     st.counters.lock_lost += len(keys)
                 return [False] * len(keys)
-            lf = st.lock_file
+            lf = self._health.lock_file
             if lf is not None and lf.fault is not None:  # (the directory cannot be seen: refused until it can)
                 with st.lock:
                     st.counters.not_writable += len(keys)
@@ -140,8 +143,8 @@ class SegmentWriter:
                     for i, k in enumerate(keys):
                         if out[i] and st.index.find(F.key_digest(k.encode())) < 0:
                             out[i] = False
-            if st.health.fault is not None and True in out:  # (a write that went through: the fault passed;
-                st.health.passed()  # the store sends none while the tier says it is not writable)
+            if self._health.fault is not None and True in out:  # (a write that went through: the fault passed;
+                self._health.passed()  # the store sends none while the tier says it is not writable)
         return out
 
     def _write_reserved(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
@@ -406,16 +409,16 @@ class SegmentWriter:
                 try:  # (beside the writer's piece in flight)
                     R.pwritev_all(r.fd, seg.iov, seg.submitted)
                 except OSError as e:
-                    st.write_failed(e, f"writing {r.path}")
+                    self._health.write_failed(e, f"writing {r.path}")
                     ok = False
-            ok = seg.wait(st) and ok
+            ok = seg.wait(st, self._health) and ok
             if ok:
                 r.written = seg.end
                 st.dirty_fds.add(r.fd)
         else:
             r.written = max(r.written, seg.claim_rest())
             ok = self._io.write_out(r, F.align_up(seg.end), seg.end, seg)  # (beside the writer's piece in flight)
-            ok = seg.wait(st) and ok
+            ok = seg.wait(st, self._health) and ok
         if not ok:  # (buffered, the file holds exactly ``written`` bytes; O_DIRECT rewrites a partial block)
             r.written = min(r.written, F.align_down(seg.start) if st.direct_io else seg.start)
             seg.reset()

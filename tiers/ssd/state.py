@@ -1,8 +1,11 @@
-"""``EngineState``: what the SSD engine's components share — regions, index, dead log, counters, locks.
+"""``EngineState``: what the SSD engine's components still share — regions, index, dead log, locks.
 
 Every component of ``SSDTier`` (``tier.py``) holds the one ``EngineState`` of its tier and reads and
-changes it directly; the bookkeeping every component does alike (counting, an I/O error, an object
-leaving a region, a large object's pieces dropped) is here, once.
+changes it directly; the bookkeeping every component does alike (an object leaving a region, a large
+object's pieces dropped) is here, once.  Parts with an owner of their own are not here: the fault and
+the reporting of I/O errors are ``Health``'s (``health.py``, handed to each component that meets
+one); ``counters`` is the tier's ``SSDCounters`` (``counters.py``), held here so that the components
+add to it under ``lock``.
 
 Locks: ``wlock`` serialises appends, region changes, reclamation and checkpoints (a component that
 writes to the files holds it); ``lock`` guards the index, the regions' states and counters and
@@ -14,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from typing import Optional
 
 import numpy as np
@@ -26,15 +28,11 @@ from . import large as L
 from . import region as R
 from .counters import SSDCounters
 from .deadlog import DeadLog
-from .health import Health
 from .index import DigestIndex
-from .lock import DirLock
 
 log = logging.getLogger(__name__)
 
 REGIONS_DIR = "regions"
-#: a lack of room is logged at most once in this many seconds (every one is counted: ``enospc``)
-NO_SPACE_LOG_EVERY = 10.0
 #: room a full file system keeps beyond a checkpoint's and the dead log's (see ``space_reserve``)
 SPACE_SLACK = 256 << 10
 
@@ -58,8 +56,6 @@ class EngineState:
         self.direct_io = False  # (probed by ``SSDTier`` before the open)
         self.lock = threading.Lock()
         self.wlock = threading.Lock()
-        self.lock_file: Optional[DirLock] = None
-        self.health = Health(what)  # (a passing fault: ``health.py``)
         self.counters = SSDCounters()  # (``counters.py``; changed under ``lock``)
         self.regions: dict[int, R.Region] = {}
         self.active: Optional[R.Region] = None
@@ -75,8 +71,6 @@ class EngineState:
         self.image_addr = 0  # the address of the active region's image
         self.has_large = False  # a large object was stored or found (``large.py``): writes look for them
         self._geom: Optional[L.Geometry] = None
-        self._no_space_logged = -NO_SPACE_LOG_EVERY  # (monotonic time of the last line about it)
-        self._no_space_unlogged = 0
 
     # -- geometry ------------------------------------------------------------------------------
     @property
@@ -109,45 +103,6 @@ class EngineState:
         os.makedirs(self.regions_dir, mode=0o700, exist_ok=True)
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def io_error(self, e: OSError, what: str) -> None:
-        """An I/O error: counted (``io_errors``; a lack of room: ``enospc``) and logged, never raised."""
-        if R.no_space(e):
-            self.no_space(f"{what} failed: {e}")
-            return
-        with self.lock:
-            self.counters.io_errors += 1
-        log.warning("%s: %s failed: %s", self.what, what, e)
-
-    def write_failed(self, e: OSError, what: str) -> None:
-        """A write the tier owes failed: counted and logged (``io_error``), and the tier is not writable
-        until a probe finds the cause gone (``health.py``)."""
-        self.io_error(e, what)
-        self.health.failed(f"{what} failed: {e.strerror or e}")
-
-    def fault(self) -> Optional[str]:
-        """Why the tier cannot write now, None when it can: another process took the directory (for good),
-        or a passing fault (the lock's, ``lock.py``, or a write's, ``health.py``)."""
-        lf = self.lock_file
-        if lf is not None and lf.lost:
-            who = f"process {lf.holder}" if lf.holder is not None else "another process"
-            return f"lock_lost: {who} took {self.path}"
-        if lf is not None and lf.fault is not None:
-            return lf.fault
-        return self.health.fault
-
-    def no_space(self, what: str) -> None:
-        """Count a lack of room (``enospc``: a refused write, or the file system's ENOSPC, EDQUOT or EFBIG)
-        and log it, at most once every ``NO_SPACE_LOG_EVERY`` seconds (with how many since the last line)."""
-        now = time.monotonic()
-        with self.lock:
-            self.counters.enospc += 1
-            self._no_space_unlogged += 1
-            if now - self._no_space_logged < NO_SPACE_LOG_EVERY:
-                return
-            n, self._no_space_unlogged, self._no_space_logged = self._no_space_unlogged, 0, now
-        log.warning("%s: no space: %s (%d such events since the last line, %d in all)", self.what, what, n,
-                    self.counters.enospc)
-
     def enliven(self, r: R.Region, rec_len: int) -> None:
         """An object of ``rec_len`` bytes entered region ``r``.  Caller holds ``lock``."""
         m = F.measure(rec_len)

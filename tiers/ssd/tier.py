@@ -47,8 +47,9 @@ Invariants:
 
 Structure.  ``SSDTier`` is a facade: it checks the options, opens the directory, and delegates each
 ``Tier`` call to the component that owns it.  The components share one ``EngineState``
-(``state.py``: regions, index, dead log, counters, the two locks) and call one another by name;
-the graph has no cycle (each is built from those below it):
+(``state.py``: regions, index, dead log, the counters, the two locks), report faults and I/O
+errors to the tier's ``Health`` (``health.py``, which owns the fault and the directory's lock) and
+call one another by name; the graph has no cycle (each is built from those below it):
 
     SSDTier ─ write ──▶ SegmentWriter (segmentwriter.py; a batch on its way: Segment, segment.py)
        │                  ├─▶ RegionChanger.room (regionchange.py: seal, begin, resume/settle at open)
@@ -59,7 +60,8 @@ the graph has no cycle (each is built from those below it):
        ├─ flush, checkpoint ─▶ Checkpointer (flush, checkpoints, files removed behind the tier)
        └─ open, recover, delete, close: here (the directory checked first: directory.py)
     every component ─▶ RegionIO (regionio.py: write-outs, summaries behind a seal, images, fds)
-                     ─▶ EngineState (state.py: counters, ``io_error``, ``retire``, ``drop_pieces``)
+                     ─▶ Health (health.py: ``io_error``, ``write_failed``, ``no_space``, ``refusal``)
+                     ─▶ EngineState (state.py: ``retire``, ``drop_pieces``, ``lose``; SSDCounters)
 
 Thread safety: ``EngineState.wlock`` serialises appends, region changes, reclamation and
 checkpoints (the writer, the changer, the reclaimer and the checkpointer run under it);
@@ -101,13 +103,14 @@ from . import region as R
 from .checkpointer import Checkpointer
 from .deadlog import DeadLog
 from .directory import prepare_dir, probe_direct
+from .health import NO_SPACE_LOG_EVERY, Health  # noqa: F401  (NO_SPACE_LOG_EVERY: tests, tools)
 from .lock import DirLock
 from .reclaim import Reclaimer
 from .recordreader import RecordReader
 from .regionchange import RegionChanger
 from .regionio import RegionIO
 from .segmentwriter import PIPE_UNIT, SegmentWriter  # noqa: F401  (PIPE_UNIT: tests)
-from .state import NO_SPACE_LOG_EVERY, REGIONS_DIR, SPACE_SLACK, EngineState  # noqa: F401  (tests, tools)
+from .state import REGIONS_DIR, SPACE_SLACK, EngineState  # noqa: F401  (tests, tools)
 
 log = logging.getLogger(__name__)
 
@@ -160,13 +163,15 @@ class SSDTier(Tier):
         # the engine: its shared state, and its components, each holding the state and those it calls
         st = self._state = EngineState(name, what, self.path, capacity_bytes, rs, self.compression,
                                        self.checksum, self.fsync)
-        self._io = RegionIO(st)
-        self._checkpointer = Checkpointer(st, self._io)
-        self._reclaimer = Reclaimer(st, self._io)
-        self._changer = RegionChanger(st, self._io, self._reclaimer, self._checkpointer)
-        self._writer = SegmentWriter(st, self._io, self._changer, self._checkpointer)
+        health = self._health = Health(what, self.path, st.counters, st.lock)
+        self._io = RegionIO(st, health)
+        self._checkpointer = Checkpointer(st, health, self._io)
+        self._reclaimer = Reclaimer(st, health, self._io)
+        self._changer = RegionChanger(st, health, self._io, self._reclaimer, self._checkpointer)
+        self._writer = SegmentWriter(st, health, self._io, self._changer, self._checkpointer)
         prepare_dir(self.path, what)
-        st.lock_file = lock_file = DirLock(self.path, what)
+        lock_file = DirLock(self.path, what)
+        health.attach(lock_file)
         try:
             self.direct_io = st.direct_io = probe_direct(self.path, what, direct_io)
             try:
@@ -179,7 +184,7 @@ class SSDTier(Tier):
             raise
         self.region_size = st.region_size  # (the directory's, once open)
         lock_file.watch(self._tick)
-        self._reader = RecordReader(st, io_threads or min(4, max(2, os.cpu_count() or 2)))
+        self._reader = RecordReader(st, health, io_threads or min(4, max(2, os.cpu_count() or 2)))
 
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "SSDTier":
@@ -423,7 +428,7 @@ class SSDTier(Tier):
                 try:
                     self._changer.resume(valid[resume], sc.end, sc.entries.tobytes(), sc.keys)
                 except OSError as e:
-                    st.io_error(e, f"reopening {valid[resume].path}")
+                    self._health.io_error(e, f"reopening {valid[resume].path}")
                     self._io.seal_scanned(valid[resume], sc)
             gc_before = st.counters.gc_runs
             lost = self._changer.settle()  # never every region holding objects
@@ -500,14 +505,14 @@ class SSDTier(Tier):
     def available(self) -> bool:
         """False while the tier cannot write (``EngineState.fault``: a passing fault, or the directory taken
         by another process): the store places nothing here meanwhile; what the tier holds is still read."""
-        return not self._closed and self._state.fault() is None
+        return not self._closed and self._health.refusal() is None
 
     # -- a passing fault's end (``health.py``) ----------------------------------------------------
     def _tick(self) -> None:
         """The lock watcher's call at every interval: a probe when one is due; skipped while a writer holds
         the files (it finds the fault's end itself, or the next tick does)."""
         st = self._state
-        if not st.health.due() or self._closed or not st.wlock.acquire(blocking=False):
+        if not self._health.due() or self._closed or not st.wlock.acquire(blocking=False):
             return
         try:
             if not self._closed and not self._checkpointer.lock_lost():
@@ -533,10 +538,10 @@ class SSDTier(Tier):
             elif not os.access(st.regions_dir, os.W_OK | os.X_OK):
                 raise PermissionError(f"{st.regions_dir} is not writable")
         except OSError as e:
-            st.health.failed(f"probe: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
+            self._health.failed(f"probe: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
             return
-        if st.lock_file is None or st.lock_file.fault is None:
-            st.health.passed()
+        if self._health.lock_file is None or self._health.lock_file.fault is None:
+            self._health.passed()
 
     @property
     def index_bytes(self) -> int:
@@ -544,8 +549,8 @@ class SSDTier(Tier):
 
     def extra_stats(self) -> dict[str, Any]:
         st = self._state
-        fault = st.fault()
-        holder = st.lock_file.holder if st.lock_file is not None else None
+        fault = self._health.refusal()
+        holder = self._health.lock_file.holder if self._health.lock_file is not None else None
         with st.lock:
             regions = [r for r in st.regions.values() if not r.foreign]
             large, pieces = self._large_count()
@@ -578,7 +583,7 @@ class SSDTier(Tier):
                         self._checkpointer.check_removed()
                         self._changer.seal(st.active)
                     except OSError as e:
-                        st.io_error(e, "sealing at close")
+                        self._health.io_error(e, "sealing at close")
                 self._checkpointer.flush_locked(checkpoint=True)
         finally:
             self._reader.shutdown()
@@ -587,8 +592,8 @@ class SSDTier(Tier):
             with st.wlock:
                 self._io.close_fds()
                 st.active = None
-                if st.lock_file is not None:
-                    st.lock_file.release()
+                if self._health.lock_file is not None:
+                    self._health.lock_file.release()
 
     # -- deletes ----------------------------------------------------------------------------
     def _delete(self, keys: Sequence[str]) -> None:
@@ -603,7 +608,7 @@ class SSDTier(Tier):
             try:
                 st.dead.write(st.fsync == "always", start=first)
             except OSError as e:
-                st.io_error(e, "writing the dead log")
+                self._health.io_error(e, "writing the dead log")
 
     def _unindex(self, keys: Sequence[str]) -> int:
         """Remove ``keys`` from the index (the dead log names their records, in ``pending``); returns where
