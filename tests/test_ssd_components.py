@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import pathlib
 
+import pytest
 import torch
 from tier_conformance import blob, key
 
@@ -14,6 +15,7 @@ from tierkv.tiers.base import Tier
 from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd import region as R
 from tierkv.tiers.ssd.checkpointer import Checkpointer
+from tierkv.tiers.ssd.counters import SSDCounters
 from tierkv.tiers.ssd.deadlog import DeadLog
 from tierkv.tiers.ssd.health import Health
 from tierkv.tiers.ssd.reclaim import Reclaimer
@@ -112,3 +114,22 @@ def test_no_class_or_module_of_the_engine_shares_a_name_with_the_rest_of_the_pro
             assert path.stem not in ssd_modules, f"{path.relative_to(ROOT)} repeats a module name of tiers/ssd"
             clash = ssd_classes & {c.name for c in _classes(path)}
             assert not clash, f"{path.relative_to(ROOT)} defines {clash}, as tiers/ssd does"
+
+
+def test_the_counters_are_typed_and_exported_under_their_names(tmp_path):
+    """One attribute per counter (``SSDCounters``); ``extra_stats`` exports each under its name, and no
+    module of the engine names a counter by a string (``counters["..."]``)."""
+    t = SSDTier("ssd", 8 * MiB, str(tmp_path / "s"), region_size="1MiB")
+    try:
+        assert t.write([key(1)], [[blob(1, 3000)]]) == [True]
+        stats = t.extra_stats()
+        assert set(SSDCounters.names()) <= set(stats)
+        assert {n: stats[n] for n in SSDCounters.names()} == t._state.counters.as_dict()
+        with pytest.raises(AttributeError):
+            t._state.counters.no_such_counter = 1  # (slots: a misspelt counter fails, never counts apart)
+    finally:
+        t.close()
+    for path in sorted(SSD.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Subscript) and "counters" in ast.unparse(node.value):
+                raise AssertionError(f"{path.name}:{node.lineno}: a counter named by a subscript")
