@@ -8,7 +8,13 @@ when as many regions were sealed since the last as make a writer take one on its
 the dead log wants compacting.  A flush therefore costs what was written since the last,
 never O(objects); close always checkpoints.  ``check_removed`` (called by the writer after
 each batch, by ``RegionChanger`` before a seal and by every flush) finds files removed behind the
-tier and rebuilds what it owes.  Uses the shared state and ``RegionIO``; calls no other component.
+tier and rebuilds what it owes.  Uses the shared state and ``RegionIO``, reports errors to
+``Health``; calls no other component.
+
+Owns the checkpoint's bookkeeping: what the last checkpoint covers (``covered``), the regions sealed
+since (``note_sealed``, asked by ``RegionChanger``: ``sealed_enough``), whether the checkpoint file
+still wants an fsync, and the objects written since the last flush (``note_written``, told by
+``SegmentWriter``): the others tell it and ask it, never change these themselves.
 
 A checkpoint holds every live object's location and key.  Key strings are not kept in
 memory, so writing one gathers them from the regions' summaries (one read per region
@@ -43,6 +49,10 @@ class Checkpointer:
         self._state = state
         self._health = health
         self._io = io
+        self.covered = 0  # the last checkpoint covers regions of seq below this (read by the open)
+        self._sealed_since = 0  # regions sealed since the last checkpoint (``note_sealed``)
+        self._ckpt_unsynced = False  # the checkpoint file was written without fsync (``write``)
+        self._unsynced = 0  # objects written since the last flush (what a failed one cannot call durable)
         self._dir_id = (0, 0, 0)  # (``_dir_ids``) as of the open, or the last rebuild after a removal
         self._rebuilding = False  # (``_after_removal`` is running: its own flush does not look again)
 
@@ -53,7 +63,7 @@ class Checkpointer:
         st = self._state
         with st.wlock:
             failed = self.flush_locked(checkpoint=self.due())
-            n, st.unsynced = st.unsynced, 0  # (each is reported by one flush: the next starts afresh)
+            n, self._unsynced = self._unsynced, 0  # (each is reported by one flush: the next starts afresh)
         if failed:
             raise TierFlushError(f"{st.what}: not durable: {'; '.join(failed)}"[:300], n)
 
@@ -62,13 +72,39 @@ class Checkpointer:
         with self._state.wlock:
             self.flush_locked(checkpoint=True)
 
+    # -- what the writer and the changer report ----------------------------------------------------
+    def note_written(self, n: int) -> None:
+        """``n`` more objects were written since the last flush.  Caller holds ``wlock``."""
+        self._unsynced += n
+
+    def written(self) -> int:
+        """Objects written since the last flush (a failed flush reports them).  Caller holds ``wlock``."""
+        return self._unsynced
+
+    def set_written(self, n: int) -> None:
+        """Correct the count of objects written since the last flush (a large object counts once, its
+        pieces never, ``SegmentWriter._put_large``).  Caller holds ``wlock``."""
+        self._unsynced = n
+
+    def note_sealed(self) -> None:
+        """A region was sealed.  Caller holds ``wlock``."""
+        self._sealed_since += 1
+
+    def sealed_enough(self) -> bool:
+        """Enough regions were sealed since the last checkpoint that a writer takes one (``every``)."""
+        return self._sealed_since >= self.every()
+
+    def note_opened(self, covered: int) -> None:
+        """The open read a checkpoint covering regions of seq below ``covered`` (0: none)."""
+        self.covered = covered
+
     def every(self) -> int:
         """Regions sealed after which a writer checkpoints on its own (reopen reads at most these summaries)."""
         return max(8, len(self._state.regions) // 2)
 
     def due(self) -> bool:
         st = self._state
-        return st.changed and (st.sealed_since_ckpt >= self.every()
+        return st.changed and (self._sealed_since >= self.every()
                                or st.dead.size() > max(1 << 16, 4 * st.dead.compacted))
 
     def flush_locked(self, checkpoint: bool) -> list[str]:
@@ -102,12 +138,12 @@ class Checkpointer:
             failed.append(f"writing the dead log: {e.strerror or e}")
         if checkpoint and st.changed:
             self.write()
-        elif st.ckpt_unsynced and st.fsync != "never":
+        elif self._ckpt_unsynced and st.fsync != "never":
             try:
                 C.sync(st.path)
-                st.ckpt_unsynced = False
+                self._ckpt_unsynced = False
             except FileNotFoundError:  # (removed behind the tier: the next checkpoint writes it again)
-                st.ckpt_unsynced = False
+                self._ckpt_unsynced = False
             except OSError as e:  # (not a loss: a reopen without it reads the summaries)
                 self._health.io_error(e, "fsync of the checkpoint")
         return failed
@@ -457,7 +493,7 @@ class Checkpointer:
         with st.lock:
             st.counters.checkpoints += 1
         st.changed = False
-        st.ckpt_unsynced = not sync and st.fsync != "never"  # the next flush makes it durable
+        self._ckpt_unsynced = not sync and st.fsync != "never"  # the next flush makes it durable
         try:
             if st.dead.size() > max(1 << 16, 4 * st.dead.compacted):
                 st.dead.write(st.fsync != "never")
@@ -465,8 +501,8 @@ class Checkpointer:
                                 st.fsync != "never", st.next_seq - 1)
         except OSError as e:
             self._health.io_error(e, "compacting the dead log")
-        st.covered = covered
-        st.sealed_since_ckpt = 0
+        self.covered = covered
+        self._sealed_since = 0
 
 
 def _gather_keys(c: reopen.Candidates) -> "bytes | memoryview":

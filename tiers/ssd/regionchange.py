@@ -136,7 +136,7 @@ class RegionChanger:
                 with st.lock:
                     st.counters.gc_disk_full += 1
             self._reclaimer.reclaim(victim, new)
-        if st.sealed_since_ckpt >= self._checkpointer.every():
+        if self._checkpointer.sealed_enough():
             self._checkpointer.write(durable=st.fsync == "always")
         return new
 
@@ -223,7 +223,7 @@ class RegionChanger:
             r.direct = set()
             st.active = None
             st.changed = True
-        st.sealed_since_ckpt += 1
+        self._checkpointer.note_sealed()
 
     def resume(self, r: R.Region, end: int, entries: bytes, keys: bytes) -> None:
         """Make region ``r``, unsealed with its records up to ``end`` (a scan at open), the active region

@@ -441,7 +441,7 @@ class SegmentWriter:
         cast(bytearray, r.entries).extend(b"".join(seg.entries))
         cast(bytearray, r.keys).extend(b"".join(seg.keys))
         r.count += n
-        st.unsynced += n
+        self._checkpointer.note_written(n)
         for i in seg.idx:
             out[i] = True
         seg.reset()
@@ -517,7 +517,7 @@ class SegmentWriter:
             r.pos = end
             st.changed = True
         r.add_entry(d, pos, rec_len, raw_len, kb, flags)
-        st.unsynced += 1
+        self._checkpointer.note_written(1)
         return True
 
     # -- large objects (``large.py``) -------------------------------------------------------
@@ -540,14 +540,14 @@ class SegmentWriter:
         d = F.key_digest(kb)
         tag = torch.frombuffer(bytearray(nonce.to_bytes(L.NONCE, "little")), dtype=torch.uint8)
         srcs = [[tag, *L.slices(parts, i * piece, min(total, (i + 1) * piece))] for i in range(count)]
-        unsynced = st.unsynced
+        unsynced = self._checkpointer.written()
         res, _, _ = self.append(L.piece_keys(d, 0, count), srcs)
         table = torch.frombuffer(bytearray(L.pack_table(count, piece, total, nonce)), dtype=torch.uint8)
         if all(res) and self._put_one(key, [table], large_total=total):
             st.has_large = True
-            st.unsynced = unsynced + 1  # (one chunk stored, whatever its pieces)
+            self._checkpointer.set_written(unsynced + 1)  # (one chunk stored, whatever its pieces)
             return True
-        st.unsynced = unsynced
+        self._checkpointer.set_written(unsynced)
         with st.lock:
             st.drop_pieces(d, 0, count)
         return False

@@ -62,10 +62,6 @@ class EngineState:
         self.index = DigestIndex()
         self.live_total = 0  # ``F.measure`` of every live object
         self.changed = False  # the index changed since the last checkpoint
-        self.covered = 0  # the checkpoint covers regions of seq below this
-        self.sealed_since_ckpt = 0
-        self.ckpt_unsynced = False  # the checkpoint file was written without fsync (``Checkpointer.write``)
-        self.unsynced = 0  # objects written since the last flush (what a failed one cannot call durable)
         self.next_seq = 1
         self.dirty_fds: set[int] = set()  # region files written since the last fsync
         self.image_addr = 0  # the address of the active region's image

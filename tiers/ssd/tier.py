@@ -266,7 +266,7 @@ class SSDTier(Tier):
         st.next_seq = max([*seqs, deadlog.high_water(dead)], default=0) + 1
         c, dropped, trimmed, broken = self._keep(loaded.cands)
         self._index_objects(c, valid, ckpt if not loaded.read_regions and not len(dropped.digest) else None)
-        st.covered = ckpt.covered_seq if ckpt is not None else 0
+        self._checkpointer.note_opened(ckpt.covered_seq if ckpt is not None else 0)
         if len(dropped.digest):
             for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
                 st.dead.add(rg, off, sq)
@@ -281,7 +281,7 @@ class SSDTier(Tier):
         if lost:
             c = reopen.take(c, np.flatnonzero(st.index.find_many(c.digest) >= 0))
         self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
-        if (any(valid[i].seq >= st.covered for i in loaded.read_regions) or len(dropped.digest) or lost
+        if (any(valid[i].seq >= self._checkpointer.covered for i in loaded.read_regions) or len(dropped.digest) or lost
                 or moved or resume is not None or st.counters.regions_removed):
             with st.wlock:  # the keys are at hand unless objects moved: then the summaries say where
                 self._checkpointer.flush_locked(checkpoint=False)
