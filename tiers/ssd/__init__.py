@@ -16,9 +16,12 @@ reporting of I/O errors: every component that meets an error tells it (``io_erro
 ``write_failed``, ``no_space``) and asks it whether the tier may write (``refusal``); only the probe
 and a write that went through end a fault.  ``SSDCounters`` (``counters.py``) is the tier's typed
 counters, one attribute per event, added to under ``EngineState.lock`` and named as strings only in
-``extra_stats``.  What is still shared in ``EngineState`` (the region table and space accounting,
-the index, the dead log, the checkpoint's bookkeeping, the dirty descriptors, the locks) is read and
-changed by the components under the locks its docstring names.
+``extra_stats``.  ``Checkpointer`` owns the checkpoint's bookkeeping (what the last one covers, the
+regions sealed since, the objects written since the last flush): ``SegmentWriter`` and
+``RegionChanger`` tell it (``note_written``, ``note_sealed``) and ask it (``sealed_enough``).  What is
+still shared in ``EngineState`` (the region table and space accounting, the index, the dead log, the
+dirty descriptors, the locks) is read and changed by the components under the locks its docstring
+names.
 
 A directory in the former one-file-per-object layout is refused with a ``ConfigError``.
 """
