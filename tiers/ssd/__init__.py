@@ -18,10 +18,11 @@ and a write that went through end a fault.  ``SSDCounters`` (``counters.py``) is
 counters, one attribute per event, added to under ``EngineState.lock`` and named as strings only in
 ``extra_stats``.  ``Checkpointer`` owns the checkpoint's bookkeeping (what the last one covers, the
 regions sealed since, the objects written since the last flush): ``SegmentWriter`` and
-``RegionChanger`` tell it (``note_written``, ``note_sealed``) and ask it (``sealed_enough``).  What is
-still shared in ``EngineState`` (the region table and space accounting, the index, the dead log, the
-dirty descriptors, the locks) is read and changed by the components under the locks its docstring
-names.
+``RegionChanger`` tell it (``note_written``, ``note_sealed``) and ask it (``sealed_enough``).
+``RegionIO`` owns the set of region files that owe an fsync: the others tell it (``note_dirty``,
+``clean``) and ask it (``dirty``).  What is still shared in ``EngineState`` (the region table and
+space accounting, the index, the dead log, the locks) is read and changed by the components under
+the locks its docstring names.
 
 A directory in the former one-file-per-object layout is refused with a ``ConfigError``.
 """

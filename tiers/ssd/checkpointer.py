@@ -124,10 +124,10 @@ class Checkpointer:
             failed.append(f"writing {r.path}")
         self._io.wait_seals()  # (a summary that failed is no loss: its region is scanned at the next open)
         if st.fsync != "never":  # the regions first: an entry of the dead log may name a record whose new
-            for fd in list(st.dirty_fds):  # copy (reclamation) is among what these write out
+            for fd in self._io.dirty():  # copy (reclamation) is among what these write out
                 try:
                     os.fdatasync(fd)  # (the files keep their size: data and allocation are what matter)
-                    st.dirty_fds.discard(fd)
+                    self._io.clean(fd)
                 except OSError as e:
                     self._health.io_error(e, "fsync")
                     failed.append(f"fsync of a region file: {e.strerror or e}")
@@ -205,7 +205,7 @@ class Checkpointer:
         r = st.active
         found = r is not None and self._gone(r, deep=dirty)
         if not found and dirty:
-            found = any(os.fstat(fd).st_nlink == 0 for fd in st.dirty_fds)
+            found = any(os.fstat(fd).st_nlink == 0 for fd in self._io.dirty())
             now = self._dir_ids()
             if not found and now != self._dir_id:
                 # (a region file made or removed changes ``regions``: one look at every file, rarely)
@@ -242,7 +242,7 @@ class Checkpointer:
             self._health.io_error(e, f"recreating {st.path}")
             return
         self._io.wait_seals()
-        dirty = set(st.dirty_fds)
+        dirty = set(self._io.dirty())
         recreated: list = []
         gone: list = []  # (digests, raw lengths) of the objects lost with the removed files
         for r in list(st.regions.values()):
@@ -332,7 +332,7 @@ class Checkpointer:
             raise
         self._io.close_region_fd(r)
         r.fd, r.ino = fd, os.fstat(fd).st_ino
-        st.dirty_fds.add(fd)
+        self._io.note_dirty(fd)
         if r.state == R.ACTIVE:
             r.tail = (0, 0)  # (the new file holds ``written`` bytes, not the partial block after them)
 
@@ -481,9 +481,9 @@ class Checkpointer:
             cols = {"digest": c.digest, "region": c.region, "offset": c.offset, "rec_len": c.rec_len,
                     "raw_len": c.raw_len, "key_len": c.key_len}
             if sync:
-                for fd in list(st.dirty_fds):  # the records the checkpoint points at reach the disk first
+                for fd in self._io.dirty():  # the records the checkpoint points at reach the disk first
                     os.fsync(fd)
-                st.dirty_fds.clear()
+                self._io.all_clean()
             C.write(st.path, C.encode(covered, st.region_size, seqs, cols, blob, table), sync)
         except OSError as e:
             with st.lock:

@@ -127,7 +127,7 @@ class Reclaimer:
         try:
             if st.fsync != "never":
                 os.fdatasync(dest.fd)
-                st.dirty_fds.discard(dest.fd)
+                self._io.clean(dest.fd)
             st.dead.write(False)
         except OSError as e:
             self._health.io_error(e, "writing the dead log after a reclamation")

@@ -181,7 +181,7 @@ class RegionChanger:
         st.dead.mark(st.next_seq)  # (a seq is never handed out again, even if this file is lost)
         if fresh:
             r.written = F.BLOCK
-            st.dirty_fds.add(r.fd)
+            self._io.note_dirty(r.fd)
         # else the new header leaves with the region's first write-out (``written`` 0): until then the file
         # is what it was, a region of the old seq whose records are all dead (the dead log names them until
         # a compaction, which a checkpoint runs only once the new header is out: ``RegionIO.header_out``)
@@ -213,7 +213,7 @@ class RegionChanger:
         summary = F.aligned_buffer(st.region_size - start)
         summary[:] = mv[start:st.region_size]
         self._io.write_summary(r, summary, start)
-        st.dirty_fds.add(r.fd)
+        self._io.note_dirty(r.fd)
         with st.lock:  # readers copy from the image under this lock: none is using it now
             r.sum_start = start
             r.state = R.SEALED
@@ -239,7 +239,7 @@ class RegionChanger:
         mv[start:end] = R.read_span(r.fd, start, end - start, st.direct_io)
         mv[end:st.region_size] = bytes(st.region_size - end)
         R.pwrite_all(r.fd, mv[start:st.region_size], start)
-        st.dirty_fds.add(r.fd)
+        self._io.note_dirty(r.fd)
         st.image_addr = self._io.address_of(image)
         with st.lock:
             r.buf = image

@@ -34,6 +34,7 @@ class RegionIO:
         self._seals: list = []
         self._spare_image: Optional[mmap.mmap] = None  # the last sealed region's image, reused by the next
         self._image_addrs: dict[int, tuple] = {}  # id(image) -> (address, keeper)
+        self._dirty: set[int] = set()  # region files written since their last fsync (``note_dirty``)
 
     # -- images --------------------------------------------------------------------------------
     def take_image(self) -> mmap.mmap:
@@ -86,7 +87,7 @@ class RegionIO:
         except OSError as e:
             self._health.write_failed(e, f"writing {r.path}")
             return False
-        st.dirty_fds.add(r.fd)
+        self.note_dirty(r.fd)
         r.written = min(end, F.align_down(data_end)) if st.direct_io else end
         r.tail = (data_end, end)
         return True
@@ -150,16 +151,33 @@ class RegionIO:
         start = F.pack_summary(img, st.region_size, r.seq, sc.entries.tobytes(), sc.keys, count)
         try:
             R.pwrite_all(r.fd, memoryview(img)[start:st.region_size], start)
-            st.dirty_fds.add(r.fd)
+            self.note_dirty(r.fd)
             r.sum_start = start
         except OSError as e:
             self._health.io_error(e, f"sealing {r.path}")
+
+    # -- what owes an fsync: RegionIO's own writes, and those the others tell it of ----------------
+    def note_dirty(self, fd: int) -> None:
+        """Region file ``fd`` was written: it owes an fsync.  Caller holds ``wlock``."""
+        self._dirty.add(fd)
+
+    def clean(self, fd: int) -> None:
+        """Region file ``fd`` owes nothing more (synced, or being closed).  Caller holds ``wlock``."""
+        self._dirty.discard(fd)
+
+    def all_clean(self) -> None:
+        """Every region file was synced.  Caller holds ``wlock``."""
+        self._dirty.clear()
+
+    def dirty(self) -> list[int]:
+        """The region files written since their last fsync (a copy)."""
+        return list(self._dirty)
 
     # -- file handles --------------------------------------------------------------------------
     def close_region_fd(self, r: R.Region) -> None:
         if r.fd >= 0:
             self.wait_seals(drop=r)  # (none may be writing to it)
-            self._state.dirty_fds.discard(r.fd)
+            self.clean(r.fd)
             try:
                 os.close(r.fd)
             except OSError:

@@ -3,8 +3,8 @@
 ``SegmentWriter.append`` (``segmentwriter.py``) appends a batch's records to the active image and hands
 the segment's bytes to the writer threads piece by piece (with O_DIRECT they pump what is ready:
 ``Segment.offer``); ``SegmentWriter.commit`` writes the rest, waits for the pieces, and only then
-indexes the segment's records.  This module knows no component: ``wait`` reports to the engine's
-shared state (``state.py``).
+indexes the segment's records.  This module knows no component: ``wait`` reports a failed write to
+``Health`` (``health.py``) and a written file to the callable it is given (``RegionIO.note_dirty``).
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import _thread
 import mmap
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Optional, cast
 
 from . import region as R
 from .health import Health
 from .hostbuf import ctype_of
-from .state import EngineState
 
 #: writes of one segment in flight at most, and the backlog that starts the second (two in flight keep a
 #: device busier than one when the caller is ahead of it)
@@ -212,8 +212,9 @@ class Segment:
             out.append((run_at, cur))
         return out
 
-    def wait(self, state: EngineState, health: Health) -> bool:
-        """Wait for the submitted writes; False (reported to ``health``) if any failed."""
+    def wait(self, health: Health, dirty: Callable[[int], None]) -> bool:
+        """Wait for the submitted writes; False (reported to ``health``) if any failed, else the region's
+        file is ``dirty`` (``RegionIO.note_dirty``: it owes an fsync)."""
         ok = True
         for f in self.futures:
             try:
@@ -222,6 +223,6 @@ class Segment:
                 health.write_failed(e, f"writing {cast(R.Region, self.region).path}")
                 ok = False
         if self.futures and ok:
-            state.dirty_fds.add(cast(R.Region, self.region).fd)
+            dirty(cast(R.Region, self.region).fd)
         self.futures = []
         return ok

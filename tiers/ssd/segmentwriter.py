@@ -411,14 +411,14 @@ class SegmentWriter:
                 except OSError as e:
                     self._health.write_failed(e, f"writing {r.path}")
                     ok = False
-            ok = seg.wait(st, self._health) and ok
+            ok = seg.wait(self._health, self._io.note_dirty) and ok
             if ok:
                 r.written = seg.end
-                st.dirty_fds.add(r.fd)
+                self._io.note_dirty(r.fd)
         else:
             r.written = max(r.written, seg.claim_rest())
             ok = self._io.write_out(r, F.align_up(seg.end), seg.end, seg)  # (beside the writer's piece in flight)
-            ok = seg.wait(st, self._health) and ok
+            ok = seg.wait(self._health, self._io.note_dirty) and ok
         if not ok:  # (buffered, the file holds exactly ``written`` bytes; O_DIRECT rewrites a partial block)
             r.written = min(r.written, F.align_down(seg.start) if st.direct_io else seg.start)
             seg.reset()

@@ -63,7 +63,6 @@ class EngineState:
         self.live_total = 0  # ``F.measure`` of every live object
         self.changed = False  # the index changed since the last checkpoint
         self.next_seq = 1
-        self.dirty_fds: set[int] = set()  # region files written since the last fsync
         self.image_addr = 0  # the address of the active region's image
         self.has_large = False  # a large object was stored or found (``large.py``): writes look for them
         self._geom: Optional[L.Geometry] = None
