@@ -241,11 +241,12 @@ def test_probe_needs_every_layer_and_asks_each_key_once(layers, G, nblocks, data
 
     # the chunks a load reads: by the last layer, each with its key there and its tier
     counting.calls, counting.asked = 0, []
-    chunks = c.prober.chunks(hashes, 0, 0, nblocks, None)
+    plan = c.prober.locate(hashes, 0, 0, nblocks, None)
     fp, tp, _ = _resolver(last_layer, G)
-    assert [(ch.first, ch.last) for ch in chunks] == resolve(0, nblocks, nblocks, G, fp, tp)
-    for ch in chunks:
-        assert ch.key == c.keys.keys(layers - 1, [hashes[ch.last]], None)[0] and ch.tier == "dram"
+    assert plan.chunks == resolve(0, nblocks, nblocks, G, fp, tp)
+    for i, (_, last) in enumerate(plan.chunks):
+        assert plan.keys[layers - 1][i] == c.keys.keys(layers - 1, [hashes[last]], None)[0]
+        assert plan.tiers[i] == "dram" and plan.hashes[i] == hashes[last]
     assert len(counting.asked) == len(set(counting.asked)) and counting.calls <= 2
     with pytest.raises(ValueError, match="local"):
         ProbeRequest(hashes, -1, None)

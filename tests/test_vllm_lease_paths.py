@@ -343,3 +343,132 @@ def test_a_chunk_only_a_lease_cannot_pin_but_the_store_still_holds_stays_in_the_
     rig.gets.lease = lease
     ans = rig.w.probe(ProbeRequest(hashes, 0, None, "r"))
     assert ans.reach == N and rig.w.totals.data.get("lease_cuts", 0) == 0
+
+
+# ---- one resolve per hit: the load reads the probe's plan -------------------------------------------------
+class _CountingLocates:
+    """Counts the store's ``locate`` calls (everything else is the rig's store)."""
+
+    def __init__(self, inner):
+        self._inner = inner
+        self.locates = 0
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def locate(self, keys):
+        self.locates += 1
+        return self._inner.locate(keys)
+
+
+@pytest.mark.parametrize("load_async", [False, True])
+def test_a_load_reads_its_probes_plan_and_locates_nothing(load_async):
+    r = _rig(load_async=load_async)
+    try:
+        req = _lookup(r)
+        plan = r.w.leases.plans(["r"])["r"]
+        assert plan.chunks == [(b, b) for b in range(N)]
+        assert set(plan.lease_keys()) == set(r.store.levels[0].pinned)
+        _alloc(r, req)
+        counting = _CountingLocates(r.w.store)
+        r.w.store = counting
+        if load_async:
+            errors = _until_reported(r, "r")
+        else:
+            _, _, errors = _step(r, _sched_output(new=[_scheduled(req)]))
+        assert errors == set() and counting.locates == 0 and _active(r) == 0
+        for name in LAYERS:
+            assert torch.equal(r.caches[name][5:9], r.ref[name][0:4])
+    finally:
+        r.w.shutdown()
+        r.store.close()
+
+
+def test_a_load_no_plan_fits_locates_its_chunks():
+    # the request was looked up again from another block: the plan held is not the load's, which locates once
+    r = _rig(load_async=False)
+    try:
+        req = _lookup(r)
+        _alloc(r, req)
+        hashes = [bytes(h) for h in req.block_hashes]
+        r.w.probe(ProbeRequest(hashes, 1, None, "r"))  # (a plan from block 1: the load starts at 0)
+        counting = _CountingLocates(r.w.store)
+        r.w.store = counting
+        _, _, errors = _step(r, _sched_output(new=[_scheduled(req)]))
+        assert errors == set() and counting.locates == 1 and _active(r) == 0
+        for name in LAYERS:
+            assert torch.equal(r.caches[name][5:9], r.ref[name][0:4])
+    finally:
+        r.w.shutdown()
+        r.store.close()
+
+
+# ---- one owner, one release path: every exit, faults injected, ends the lease -----------------------------
+def _broken_plan(*args, **kwargs):
+    raise RuntimeError("injected")
+
+
+def _exit_loaded(r, req):
+    _alloc(r, req)
+    _step(r, _sched_output(new=[_scheduled(req)]))
+
+
+def _exit_load_raises(r, req):
+    # the loader itself breaks (not the store): the job still settles and lets go
+    _alloc(r, req)
+    r.w._loader.plan = _broken_plan
+    with pytest.raises(RuntimeError, match="injected"):
+        _step(r, _sched_output(new=[_scheduled(req)]))
+
+
+def _exit_async_load_raises(r, req):
+    r.w._async_loader.start = _broken_plan
+    _alloc(r, req)
+    assert _until_reported(r, "r") == {5, 6, 7, 8}
+
+
+def _exit_not_loaded(r, req):
+    _alloc(r, req, tokens=0)
+    _step(r)
+
+
+def _exit_finished(r, req):
+    r.w.get_finished({"r"})
+
+
+def _exit_preempted(r, req):
+    _alloc(r, req)
+    _step(r, _sched_output(preempted=["r"]))
+
+
+def _exit_replaced(r, req):
+    r.w.probe(ProbeRequest([bytes(h) for h in req.block_hashes], N + 1, None, "r"))  # (finds nothing more)
+
+
+def _exit_shutdown(r, req):
+    r.w.shutdown()
+
+
+@pytest.mark.parametrize("load_async,path,why", [
+    (False, _exit_loaded, "loaded"),
+    (False, _exit_load_raises, "loaded"),
+    (True, _exit_async_load_raises, "loaded"),
+    (False, _exit_not_loaded, "not_loaded"),
+    (False, _exit_finished, "finished"),
+    (False, _exit_preempted, "preempted"),
+    (False, _exit_replaced, "replaced"),
+    (True, _exit_shutdown, "shutdown"),
+])
+def test_every_exit_ends_the_lease_through_its_owner(load_async, path, why):
+    from tierkv.adapters.vllm.leases import LeaseEnd
+
+    r = _rig(load_async=load_async)
+    try:
+        req = _lookup(r)
+        path(r, req)
+        assert _active(r) == 0 and r.w.leases.held() == set()
+        assert r.w.leases.ends == {LeaseEnd(why): 1}
+        assert r.store.stats()["total"]["leases_released"] == 1  # (released by the worker, once)
+    finally:
+        r.w.shutdown()
+        r.store.close()

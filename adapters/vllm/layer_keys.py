@@ -29,7 +29,7 @@ class LayerKeys:
         self._roots: dict[tuple[int, str | None], bytes] = {}
 
     @property
-    def num_layers(self) -> int:
+    def num_slices(self) -> int:
         """The slices (one per layer unless a rank holds several stored KV-head shards of a layer)."""
         return self._num
 

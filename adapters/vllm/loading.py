@@ -1,7 +1,10 @@
 """The worker's load path: fill planned blocks from the store, every layer at once or layer by layer.
 
-A :class:`LoadJob` is one step's loads.  ``Loader.start`` plans the stored chunks
-that cover each request's blocks (a block none covers fails at once) and reads
+A :class:`LoadJob` is one step's loads.  ``Loader.start`` takes each request's
+:class:`~.probe.LoadPlan` (the chunks its probe found and leased, their keys and
+tiers: read as they are, nothing is located again; a request no probe planned on
+this rank is located once, by the last slice), maps the chunks that cover the
+request's blocks to its block ids (a block none covers fails at once) and reads
 them, in the engine's thread (whole step) or on one background thread (layer by
 layer: ``wait(layer)`` returns as soon as that layer is in place).  A block that
 fails to load is recorded in the job; the worker reports it to vLLM, which
@@ -15,10 +18,10 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +29,10 @@ from tierkv.buffers import HostViews
 
 from .metadata import LoadSpec
 from .paged import Cuts, PagedLayer
-from .probe import StoredChunk
+from .probe import LoadPlan
+
+if TYPE_CHECKING:
+    from tierkv.store import TieredStore
 
 logger = logging.getLogger("vllm.tierkv.loading")
 
@@ -35,8 +41,8 @@ logger = logging.getLogger("vllm.tierkv.loading")
 class LoadObj:
     """One stored chunk to read: ``targets[i]`` receives block ``first+i`` (None: read and dropped).
 
-    ``last_key`` is its key in the last layer (from the lookup that found it) and
-    ``tier`` the tier that lookup found it in.
+    ``keys[s][at]`` is its key in slice ``s``, as its plan holds it (None: not planned, derived from
+    ``key_hash``); ``tier`` the tier its plan found it in.
     """
 
     req_id: str
@@ -44,7 +50,8 @@ class LoadObj:
     key_hash: bytes
     first: int
     targets: list[int | None]
-    last_key: str
+    keys: list[list[str | None]]
+    at: int
     tier: str | None
     #: several KV cache groups: each group's targets (``targets`` is group 0's); None with one group
     group_targets: list[list[int | None]] | None = None
@@ -103,22 +110,22 @@ class _Batch:
         m = self.members[group]
         return self.objs if m is None else [self.objs[i] for i in m]
 
-    def last_keys(self) -> list[str]:
-        """The chunks' keys in the last layer, as the lookup that found them made them (hashed once)."""
-        return [o.last_key for o in self.objs]
-
-    def keys(self, layer_keys: Callable[[int, list[bytes], str | None], list[str]], layer: int,
+    def keys(self, slice_keys: Callable[[int, list[bytes], str | None], list[str]], s: int,
              group: int = 0) -> list[str]:
-        """The keys of ``layer``'s objects (of those its group reads)."""
-        m = self.members[group]
-        if m is not None:
-            return [layer_keys(layer, [o.key_hash], o.salt)[0] for o in self.objs_of(group)]
+        """The keys of slice ``s``'s objects (of those its group reads): their plans' (the usual case), or
+        derived from the chunks' hashes where a plan lacks one."""
+        objs = self.objs_of(group)
+        planned = [o.keys[s][o.at] for o in objs]
+        if None not in planned:
+            return planned  # type: ignore[return-value]  # (no None)
+        if self.members[group] is not None:
+            return [slice_keys(s, [o.key_hash], o.salt)[0] for o in objs]
         if len(self.by_salt) == 1:
             salt, _, hs = self.by_salt[0]
-            return layer_keys(layer, hs, salt)
+            return slice_keys(s, hs, salt)
         out: list[str] = [""] * len(self.objs)
         for salt, pos, hs in self.by_salt:
-            for i, k in zip(pos, layer_keys(layer, hs, salt)):  # type: ignore[arg-type]
+            for i, k in zip(pos, slice_keys(s, hs, salt)):  # type: ignore[arg-type]
                 out[i] = k
         return out
 
@@ -141,6 +148,10 @@ class LoadJob:
     ntokens: int = 0
     hit_tokens: dict[str, int] = field(default_factory=dict)
     per_req: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: the requests the job loads (from its start, whatever then happens to it)
+    req_ids: set[str] = field(default_factory=set)
+    #: requests whose chunks had to be located (no plan of theirs fits the load)
+    located: set[str] = field(default_factory=set)
 
     @classmethod
     def new(cls, num_layers: int) -> LoadJob:
@@ -161,42 +172,52 @@ class LoadJob:
 class Loader:
     """Runs load jobs for one worker.
 
-    ``stored(hashes, base, lo, hi, salt)`` names the stored chunks (the worker's
-    prober, last layer only: ``StoredChunk`` s with their last-layer keys and
-    tiers); ``layer_keys(layer, hashes, salt)`` the keys of chunks named by their
-    hashes (bytes); ``store()`` the store to read (looked up on each job, so a test
-    may wrap it).
+    ``locate(hashes, base, lo, hi, salt)`` plans a load no probe planned (the
+    worker's prober: one batched locate of the last slice); ``layer_keys(slice,
+    hashes, salt)`` the keys of chunks named by their hashes (bytes), for a key a
+    plan lacks; ``store()`` the store to read (looked up on each job, so a test may
+    wrap it).
     """
 
     def __init__(self, *, layers: list[str], paged: dict[str, PagedLayer], block_size: int,
-                 store: Callable[[], Any], stored: Callable[[list[bytes], int, int, int, str | None], list[StoredChunk]],
+                 store: Callable[[], TieredStore | None],
+                 locate: Callable[[list[bytes], int, int, int, str | None], LoadPlan],
                  layer_keys: Callable[[int, list[bytes], str | None], list[str]],
                  tp_rank: int = 0, tp_size: int = 1, group_of: Callable[[int], int] = lambda layer: 0,
                  num_groups: int = 1, state_groups: frozenset[int] = frozenset()) -> None:
         self._layers = layers
         self._state_groups = state_groups
-        # the lookup's keys are the last layer's (a recurrent-state layer is never the one looked up)
-        self._last_is_looked_up = group_of(len(layers) - 1) not in state_groups
         self._group_of = group_of
         self._num_groups = num_groups
         self._paged = paged
         self._bs = block_size
         self._store = store
-        self._stored = stored
+        self._locate = locate
         self._layer_keys = layer_keys
         self._tp_rank, self._tp_size = tp_rank, tp_size
         self._discard: dict = {}  # buffers for bytes read and dropped (one job at a time uses them)
         self._pool: ThreadPoolExecutor | None = None
         self.layerwise = False
 
-    def start(self, specs: list[LoadSpec]) -> LoadJob:
+    def start(self, specs: list[LoadSpec], plans: Mapping[str, LoadPlan] | None = None) -> LoadJob:
+        """Load the specs' blocks, each request's from its plan in ``plans`` (by request id) where one fits
+        the spec (see :func:`planned`), else located."""
         job = LoadJob.new(len(self._layers))
+        job.req_ids = {s.req_id for s in specs}
+        plans = plans or {}
         if self.layerwise:
             if self._pool is None:
                 self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierkv-load")
-            job.future = self._pool.submit(self._run, job, specs)
+            job.future = self._pool.submit(self._run, job, specs, plans)
         else:
-            self._run(job, specs)
+            # (in this thread; what it raises is the job's, as a background run's is: the caller settles the
+            # job, and lets go of what the load held, whatever happened)
+            job.future = Future()
+            try:
+                self._run(job, specs, plans)
+                job.future.set_result(None)
+            except BaseException as e:  # noqa: BLE001 - raised again where the job is settled
+                job.future.set_exception(e)
         return job
 
     def close(self) -> None:
@@ -205,8 +226,9 @@ class Loader:
             self._pool = None
 
     # ---- planning -------------------------------------------------------------------
-    def plan(self, job: LoadJob, specs: list[LoadSpec]) -> list[LoadObj]:
-        """The stored chunks that fill the specs' blocks; blocks none covers fail at once."""
+    def plan(self, job: LoadJob, specs: list[LoadSpec], plans: Mapping[str, LoadPlan]) -> list[LoadObj]:
+        """The stored chunks that fill the specs' blocks (their plans', else located); blocks none covers fail
+        at once."""
         objs: list[LoadObj] = []
         for spec in specs:
             lo, hi = spec.start, spec.start + len(spec.block_ids)
@@ -220,20 +242,25 @@ class Loader:
                 job.failed_reqs.add(spec.req_id)
                 job.count_hits(spec.req_id, "miss", (hi - lo) * self._bs)
                 continue
-            try:
-                chunks = self._stored(spec.block_hashes, spec.hash_base, lo, hi, spec.cache_salt)
-            except Exception as e:  # noqa: BLE001 - a broken backend is a miss
-                logger.warning("TierKVConnector: lookup failed for %s: %s", spec.req_id, e)
-                chunks = []
+            plan = planned(plans.get(spec.req_id), spec)
+            if plan is None:
+                job.located.add(spec.req_id)
+                try:
+                    plan = self._locate(spec.block_hashes, spec.hash_base, lo, hi, spec.cache_salt)
+                except Exception as e:  # noqa: BLE001 - a broken backend is a miss
+                    logger.warning("TierKVConnector: lookup failed for %s: %s", spec.req_id, e)
+                    plan = None
             reach = lo
-            for first, last, key, tier in chunks:
+            for i, (first, last) in enumerate(plan.chunks if plan is not None else ()):
+                if first >= hi:
+                    break  # (a plan may reach past the blocks the scheduler loads)
                 if spec.group_block_ids is None:
                     per_group = [[spec.block_ids[b - lo] if lo <= b < hi else None for b in range(first, last + 1)]]
                 else:
                     per_group = [[_target(ids, b - lo) if lo <= b < hi else None for b in range(first, last + 1)]
                                  for ids in spec.group_block_ids]
-                objs.append(LoadObj(spec.req_id, spec.cache_salt, spec.block_hashes[last - spec.hash_base],
-                                    first, per_group[0], key, tier,
+                objs.append(LoadObj(spec.req_id, spec.cache_salt, plan.hashes[i], first, per_group[0],  # type: ignore[union-attr]
+                                    plan.keys, i, plan.tiers[i],  # type: ignore[union-attr]
                                     per_group if spec.group_block_ids is not None else None))
                 reach = last + 1
             lost = [b for g in range(self._num_groups) for b in spec.ids_of(g)[max(0, reach - lo):]
@@ -247,32 +274,30 @@ class Loader:
         return objs[off:] + objs[:off]
 
     # ---- reading --------------------------------------------------------------------
-    def _run(self, job: LoadJob, specs: list[LoadSpec]) -> None:
+    def _run(self, job: LoadJob, specs: list[LoadSpec], plans: Mapping[str, LoadPlan]) -> None:
         # the engine runs its forward in inference mode, where views of the cache are made;
         # in-place writes through such views are allowed only in inference mode (per thread)
         with torch.inference_mode():
             try:
-                self._run_inner(job, specs)
+                self._run_inner(job, specs, plans)
             finally:
                 for ev in job.events:  # never leave a waiter hanging
                     ev.set()
                 job.ntokens = job.nblocks * self._bs
 
-    def _run_inner(self, job: LoadJob, specs: list[LoadSpec]) -> None:
-        objs = self.plan(job, specs)
+    def _run_inner(self, job: LoadJob, specs: list[LoadSpec], plans: Mapping[str, LoadPlan]) -> None:
+        objs = self.plan(job, specs, plans)
         batch = _Batch(objs, self._num_groups, self._state_groups) if objs else None
-        last_keys: list[str] = []
         if batch is not None:
-            # which tier serves each chunk (for stats; the load itself does not depend on it),
-            # as the plan's lookup found it; the lookup's keys are the last layer's load keys too
-            last_keys = batch.last_keys()
+            # which tier serves each chunk (for stats; the load itself does not depend on it), as the probe
+            # (or the locate) that planned it found it
             for o in objs:
                 job.count_hits(o.req_id, o.tier or "miss", o.num_targets * self._bs)
         if not self.layerwise:
             t = time.perf_counter()
             try:
                 if batch is not None:
-                    self._load_all_layers(job, batch, last_keys)
+                    self._load_all_layers(job, batch)
             finally:
                 for layer in range(job.num_layers):
                     job.begin[layer], job.end[layer] = t, time.perf_counter()
@@ -282,17 +307,12 @@ class Loader:
             job.begin[layer] = time.perf_counter()
             try:
                 if batch is not None:
-                    keys = self._keys_of(batch, layer, last_keys)
+                    keys = batch.keys(self._layer_keys, layer, self._group_of(layer))
                     outs, copies, _ = self._prepare_layer(layer, batch, 0)
                     self._finish_layer(job, layer, batch, self._get(keys, outs, f"layer {layer}"), copies)
             finally:
                 job.end[layer] = time.perf_counter()
                 job.events[layer].set()
-
-    def _keys_of(self, batch: _Batch, layer: int, last_keys: list[str]) -> list[str]:
-        if layer == len(self._layers) - 1 and self._last_is_looked_up:
-            return last_keys
-        return batch.keys(self._layer_keys, layer, self._group_of(layer))
 
     def _prepare_layer(self, layer: int, batch: _Batch, spare: int) -> tuple[list, list | None, int]:
         """Destination buffers of one layer's chunks, and their pending copies (None: none).
@@ -311,8 +331,11 @@ class Loader:
         return outs, copies, n
 
     def _get(self, keys: list[str], outs: list, what: str) -> list[bool]:
+        store = self._store()
+        if store is None:  # (shut down meanwhile: nothing is read)
+            return [False] * len(keys)
         try:
-            return self._store().get(keys, outs)
+            return store.get(keys, outs)
         except Exception as e:  # noqa: BLE001 - a broken backend is a miss
             logger.warning("TierKVConnector: get failed for %s: %s", what, e)
             return [False] * len(keys)
@@ -338,7 +361,7 @@ class Loader:
                 job.failed_blocks.update(b for b in o.all_targets() if b is not None)
                 job.failed_reqs.add(o.req_id)
 
-    def _load_all_layers(self, job: LoadJob, batch: _Batch, last_keys: list[str]) -> None:
+    def _load_all_layers(self, job: LoadJob, batch: _Batch) -> None:
         """Every layer in one get: the tiers batch it as a whole (one round trip, one I/O queue)."""
         L = job.num_layers
         keys: list[str] = []
@@ -346,7 +369,7 @@ class Loader:
         copies: list = []
         spare = 0
         for layer in range(L):
-            keys += self._keys_of(batch, layer, last_keys)
+            keys += batch.keys(self._layer_keys, layer, self._group_of(layer))
             o, c, used = self._prepare_layer(layer, batch, spare)
             spare += used
             per_layer.append(o)
@@ -361,6 +384,26 @@ class Loader:
             n = len(batch.objs_of(self._group_of(layer)))
             self._finish_layer(job, layer, batch, ok[at:at + n], copies[layer])
             at += n
+
+
+def planned(plan: LoadPlan | None, spec: LoadSpec) -> LoadPlan | None:
+    """``plan`` when it is the plan of ``spec``'s load, else None (the load locates its chunks).
+
+    It is when its probe started where the load starts, under the same salt, and every chunk of it
+    the load reaches is named by the spec's hash of that chunk's last block: equal hashes name equal
+    prefixes, so the plan's keys are the load's keys (a request looked up again since, at another
+    point, has another plan or none).
+    """
+    if plan is None or plan.local != spec.start or plan.salt != spec.cache_salt:
+        return None
+    hi, base, hashes = spec.start + len(spec.block_ids), spec.hash_base, spec.block_hashes
+    for (first, last), h in zip(plan.chunks, plan.hashes):
+        if first >= hi:
+            break
+        at = last - base
+        if not 0 <= at < len(hashes) or hashes[at] != h:
+            return None
+    return plan
 
 
 def _target(ids: list[int], i: int) -> int | None:

@@ -27,9 +27,10 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import chain, compress, groupby, repeat
 from operator import itemgetter, not_
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from tierkv.outcome import MissReason
 
@@ -37,16 +38,10 @@ from .chunks import Chunk, covered, resolve, tail_candidates
 from .layer_keys import LayerKeys
 from .service import ProbeAnswer, ProbeRequest, TierPlace
 
+if TYPE_CHECKING:
+    from tierkv.store import TieredStore
+
 _UNKNOWN: Any = object()  # not asked yet (an answer is a tier name, or None: absent)
-
-
-class StoredChunk(NamedTuple):
-    """A stored chunk of blocks ``first .. last``, its last layer's key and the tier holding that object."""
-
-    first: int
-    last: int
-    key: str
-    tier: str | None
 
 
 def _index(values: list, target: Any, stop: int) -> int:
@@ -77,13 +72,13 @@ class _Pass:
     level, the others together in the second.
     """
 
-    def __init__(self, keys: LayerKeys, store: Any, hashes: Sequence[bytes], base: int, salt: str | None,
-                 layers: list[int], G: int) -> None:
+    def __init__(self, keys: LayerKeys, store: TieredStore, hashes: Sequence[bytes], base: int, salt: str | None,
+                 slices: list[int], chunk_blocks: int) -> None:
         self._keys, self._store = keys, store
         self._hashes, self._base, self._salt = hashes, base, salt
-        self.G = G
+        self.chunk_blocks = chunk_blocks
         self.known = base + len(hashes)  # blocks with a hash: an object ending past them cannot be named
-        self._first, self._others = layers[0], layers[1:]
+        self._first, self._others = slices[0], slices[1:]
         #: chunk end -> the tier holding the first layer's object (None: none)
         self.first: dict[int, str | None] = {}
         #: chunk end -> whether every other layer holds its object
@@ -93,9 +88,8 @@ class _Pass:
         self._ask_first: list[list[int]] = []
         self._ask_others: list[list[int]] = []
         self.calls = 0
-        #: every key asked about, and the chunk end each names (what a lease of found chunks holds)
-        self.asked_keys: list[str] = []
-        self.asked_ends: list[int] = []
+        #: every key asked about, by batch: ``(slice, chunk ends, keys)`` (a plan's keys come from them)
+        self.asked: list[tuple[int, list[int], list[str]]] = []
 
     def fetch(self) -> bool:
         """Ask the store about every key wanted since the last call, in one call; False when none is."""
@@ -107,16 +101,18 @@ class _Pass:
         hashes, base, salt = self._hashes, self._base, self._salt
         keys = self._keys.keys(self._first, [hashes[e - base] for e in first], salt) if first else []
         self.first_keys.update(zip(first, keys))
+        if first:
+            self.asked.append((self._first, first, keys))
         if others:
-            hs = [hashes[e - base] for e in others]  # (one conversion for every layer)
-            for layer in self._others:
-                keys += self._keys.keys(layer, hs, salt)
+            hs = [hashes[e - base] for e in others]  # (one conversion for every slice)
+            parts = [keys]
+            for s in self._others:
+                got = self._keys.keys(s, hs, salt)
+                self.asked.append((s, others, got))
+                parts.append(got)
+            keys = list(chain.from_iterable(parts))
         tiers = self._store.locate(keys)
         self.calls += 1
-        self.asked_keys += keys
-        self.asked_ends += first
-        if others:
-            self.asked_ends += others * len(self._others)
         n = len(first)
         self.first.update(zip(first, tiers[:n]))
         if others:
@@ -141,7 +137,8 @@ class _Pass:
             nonlocal settled
             if self.first.get(ends[0], _UNKNOWN) is _UNKNOWN:
                 # the first level: also ask the tails of the first chunk, so that a miss costs one call
-                self._ask_first.append(tail_candidates(lo // self.G, lo, hi, self.known, self.G))
+                self._ask_first.append(tail_candidates(lo // self.chunk_blocks, lo, hi, self.known,
+                                                                self.chunk_blocks))
             n, done = self._leading(ends)
             settled = settled and done
             return n
@@ -152,7 +149,7 @@ class _Pass:
             settled = settled and done
             return j
 
-        found = resolve(lo, hi, self.known, self.G, full_present, tail_present)
+        found = resolve(lo, hi, self.known, self.chunk_blocks, full_present, tail_present)
         return found if settled else None
 
     def _leading(self, ends: list[int]) -> tuple[int, bool]:
@@ -206,39 +203,50 @@ class _Pass:
         return None, settled
 
 
-class ReachKeys(NamedTuple):
-    """The keys of the objects a probe's reach counts on, and the block each one's chunk ends on.
+@dataclass(frozen=True)
+class LoadPlan:
+    """The stored chunks a load of a request reads, in order, with what the probe that found them learned.
 
-    ``ends[i]`` is the last block of the chunk of ``keys[i]`` (a recurrent state's: its boundary block);
-    chunks start on multiples of ``G``.  ``local`` is the probe's first block; ``state``: the reach ends
-    on a recurrent state (the state at a shorter reach's boundary was not asked about).
+    ``chunks[i]`` = ``(first, last)`` blocks (chunks start on multiples of ``chunk_blocks``; the first one
+    holds block ``local``, the probe's first); ``hashes[i]`` is vLLM's hash of block ``last`` (it names the
+    chunk's objects); ``tiers[i]`` the tier holding the chunk's object in the last slice written when the
+    probe looked (statistics: the load does not depend on it); ``keys[s][i]`` the key of the chunk's object
+    in slice ``s`` (None: not planned, the loader derives it from the hash; a recurrent-state slice's key is
+    planned for the last chunk alone).  ``state``: the reach ends on a recurrent state.  Never changed once
+    made: :meth:`before` makes a shorter one.  A probe's plan is what its lease holds (leases.py).
     """
 
-    keys: list[str]
-    ends: list[int]
     local: int
-    G: int
-    state: bool
+    salt: str | None
+    chunk_blocks: int
+    chunks: list[Chunk]
+    hashes: list[bytes]
+    tiers: list[str | None]
+    keys: list[list[str | None]]
+    state: bool = False
+
+    def lease_keys(self) -> list[str]:
+        """Every planned key (what a lease for the load holds)."""
+        flat = list(chain.from_iterable(self.keys))
+        return [k for k in flat if k is not None] if None in flat else flat  # type: ignore[return-value]
 
     def cut_at(self, gone: Sequence[str]) -> int | None:
-        """Blocks of the reach from ``local`` that precede the first chunk of ``gone`` (keys of it the store no
-        longer holds); None when no key of ``gone`` is one of these.  A reach ending on a recurrent state is cut
-        to 0 (no state is known at an earlier boundary)."""
+        """Blocks of the reach from ``local`` that precede the first chunk with a key in ``gone`` (keys the
+        store no longer holds); None when no key of ``gone`` is planned.  A reach ending on a recurrent state
+        is cut to 0 (no state is known at an earlier boundary)."""
         lost = set(gone)
-        first = min((e for k, e in zip(self.keys, self.ends) if k in lost), default=None)
+        first = min((i for col in self.keys for i, k in enumerate(col) if k in lost), default=None)
         if first is None:
             return None
-        return 0 if self.state else max(0, first - first % self.G - self.local)
+        return 0 if self.state else max(0, self.chunks[first][0] - self.local)
 
-    def before(self, reach: int) -> ReachKeys:
-        """The keys of the chunks wholly inside the first ``reach`` blocks of the reach (a chunk ending past
+    def before(self, reach: int) -> LoadPlan:
+        """The plan of the chunks wholly inside the first ``reach`` blocks from ``local`` (a chunk ending past
         them is dropped, whatever it started on)."""
         top = self.local + reach
-        if reach <= 0:
-            return ReachKeys([], [], self.local, self.G, self.state)
-        keep = [e < top for e in self.ends]
-        return ReachKeys(list(compress(self.keys, keep)), list(compress(self.ends, keep)), self.local, self.G,
-                         self.state)
+        n = 0 if reach <= 0 else sum(1 for _, last in self.chunks if last < top)
+        return LoadPlan(self.local, self.salt, self.chunk_blocks, self.chunks[:n], self.hashes[:n], self.tiers[:n],
+                        [col[:n] for col in self.keys], self.state)
 
 
 def cut_answer(answer: ProbeAnswer, reach: int, reason: str) -> ProbeAnswer:
@@ -257,23 +265,23 @@ class Prober:
     it); ``locality`` the declared locality of each tier by name.
     """
 
-    def __init__(self, keys: LayerKeys, chunk_blocks: int, store: Callable[[], Any],
-                 locality: dict[str, str | None], state_layers: Sequence[int] = ()) -> None:
+    def __init__(self, keys: LayerKeys, chunk_blocks: int, store: Callable[[], TieredStore | None],
+                 locality: dict[str, str | None], state_slices: Sequence[int] = ()) -> None:
         self._keys = keys
-        self._G = chunk_blocks
+        self._chunk_blocks = chunk_blocks
         self._store = store
         self._locality = locality
         self._places: dict[str, TierPlace] = {}
-        #: layers of recurrent-state groups: one object per block boundary whose state was saved, asked
+        #: slices of recurrent-state groups: one object per block boundary whose state was saved, asked
         #: about apart (a prefix of them is not a run of stored chunks)
-        self._state_layers = list(state_layers)
-        if self._state_layers and chunk_blocks != 1:
-            raise ValueError("recurrent-state layers need one block per object (chunk_blocks 1)")
-        skip = set(self._state_layers)
-        prefix = [i for i in range(keys.num_layers) if i not in skip]
+        self._state_slices = list(state_slices)
+        if self._state_slices and chunk_blocks != 1:
+            raise ValueError("recurrent-state slices need one block per object (chunk_blocks 1)")
+        skip = set(self._state_slices)
+        prefix = [i for i in range(keys.num_slices) if i not in skip]
         # the last of them is written last (saves follow the forward's layer order): asked first
-        self._all_layers = [prefix[-1], *prefix[:-1]]
-        self._last_layer = [prefix[-1]]
+        self._all_slices = [prefix[-1], *prefix[:-1]]
+        self._last_slice = [prefix[-1]]
 
     def _run(self, p: _Pass, windows: list[tuple[int, int]]) -> list[list[Chunk]]:
         while True:
@@ -285,11 +293,13 @@ class Prober:
 
     def probe(self, request: ProbeRequest) -> ProbeAnswer:
         """The scheduler's question about one request (service.py), answered in one pass."""
-        return self.probe_keys(request)[0]
+        return self.probe_plan(request, plan=False)[0]
 
-    def probe_keys(self, request: ProbeRequest, count_misses: bool = True) -> tuple[ProbeAnswer, ReachKeys]:
-        """:meth:`probe`, and the keys of every layer's object of the chunks its reach counts on (what a
-        lease for the request's load holds, :class:`ReachKeys`), from the same pass.
+    def probe_plan(self, request: ProbeRequest, count_misses: bool = True,
+                   plan: bool = True) -> tuple[ProbeAnswer, LoadPlan | None]:
+        """:meth:`probe`, and (with ``plan``) the :class:`LoadPlan` of its reach: the chunks it counts on,
+        with every slice's key and the tier each was found in, from the same pass (what a lease for the
+        request's load holds, and what that load reads).
 
         The blocks past the reach are explained (``ProbeAnswer.missed``) from the chunks the pass found
         absent, by one ``why_missing`` call (counted in the store's ``misses_by_reason`` with
@@ -299,48 +309,71 @@ class Prober:
             raise RuntimeError("the connector's worker is shut down")
         hashes, lo = request.hashes, request.local
         hi = len(hashes)
-        p = _Pass(self._keys, store, hashes, 0, request.salt, self._all_layers, self._G)
+        p = _Pass(self._keys, store, hashes, 0, request.salt, self._all_slices, self._chunk_blocks)
         windows = [(lo, hi)] + ([(0, lo)] if lo else [])
         found = self._run(p, windows)
         reach = covered(found[0], lo, hi)
         held = covered(found[1], 0, lo) if lo else 0
         state_keys: list[str] = []
         cut = 0  # blocks of the prefix's reach past the last boundary whose state is stored
-        if self._state_layers and reach:
+        if self._state_slices and reach:
             reach, state_keys = self._state_reach(store, hashes, lo, reach, request.salt)
             cut = covered(found[0], lo, hi) - reach
             found[0] = [c for c in found[0] if c[1] < lo + reach]
         where: list[TierPlace | None] = []
         tiers = p.first
-        ends = set()
-        for first, last in found[0] if reach else ():
+        chunks = found[0] if reach else []
+        for first, last in chunks:
             n = min(last + 1, hi) - max(first, lo)
             where += [self._place(tiers.get(last))] * n
-            ends.add(last)
-        if not ends:
-            keys: list[str] = []
-            key_ends: list[int] = []
-        elif ends.issuperset(p.asked_ends):  # (every key asked about is of a chunk found: the usual hit)
-            keys, key_ends = p.asked_keys + state_keys, p.asked_ends + [lo + reach - 1] * len(state_keys)
-        else:
-            mine = list(map(ends.__contains__, p.asked_ends))
-            keys = list(compress(p.asked_keys, mine)) + state_keys
-            key_ends = list(compress(p.asked_ends, mine)) + [lo + reach - 1] * len(state_keys)
         missed = self._explain(p, store, lo + reach + cut, hi, count_misses) if lo + reach + cut < hi else {}
-        if cut:  # stored in every attention layer, but no state saved at a boundary past the hit
+        if cut:  # stored in every attention slice, but no state saved at a boundary past the hit
             word = MissReason.NEVER_STORED.value
             missed[word] = missed.get(word, 0) + cut
-            if count_misses and hasattr(store, "count_misses"):
+            if count_misses:
                 store.count_misses(MissReason.NEVER_STORED, cut)
-        return ProbeAnswer(reach, held, where, missed=missed), ReachKeys(keys, key_ends, lo, self._G,
-                                                                        bool(self._state_layers))
+        answer = ProbeAnswer(reach, held, where, missed=missed)
+        return answer, (self._plan(p, request, chunks, state_keys) if plan else None)
 
-    def _state_reach(self, store: Any, hashes: Sequence[bytes], lo: int, reach: int,
+    def _plan(self, p: _Pass, request: ProbeRequest, chunks: list[Chunk], state_keys: list[str]) -> LoadPlan:
+        """The plan of ``chunks`` (found by ``p``), its keys those ``p`` asked about (no key hashed twice)."""
+        ends = [last for _, last in chunks]
+        n = len(ends)
+        cols: list[list[str | None] | None] = [None] * self._keys.num_slices
+        borrowed: set[int] = set()  # (columns that are a batch's own list: copied before a write)
+        at: dict[int, int] | None = None
+        for s, asked, got in p.asked if n else ():
+            if cols[s] is None and asked == ends:  # (the usual batch: the chunks found, in order)
+                cols[s] = got  # type: ignore[assignment]
+                borrowed.add(s)
+                continue
+            if at is None:
+                at = {e: i for i, e in enumerate(ends)}
+            col = cols[s]
+            if col is None:
+                col = cols[s] = [None] * n
+            elif s in borrowed:
+                col = cols[s] = list(col)
+                borrowed.discard(s)
+            for e, k in zip(asked, got):
+                i = at.get(e)
+                if i is not None:
+                    col[i] = k
+        if state_keys:
+            for s, k in zip(self._state_slices, state_keys):
+                cols[s] = [None] * (n - 1) + [k]
+        none: list[str | None] = [None] * n
+        keys: list[list[str | None]] = [none if c is None else c for c in cols]
+        return LoadPlan(request.local, request.salt, self._chunk_blocks, list(chunks),
+                        [request.hashes[e] for e in ends], [p.first.get(e) for e in ends], keys,
+                        bool(self._state_slices))
+
+    def _state_reach(self, store: TieredStore, hashes: Sequence[bytes], lo: int, reach: int,
                      salt: str | None) -> tuple[int, list[str]]:
-        """The longest reach ``<= reach`` from ``lo`` whose last boundary's state every state layer holds, and
-        those objects' keys: one ``locate`` of every state layer's object of every block in the reach."""
+        """The longest reach ``<= reach`` from ``lo`` whose last boundary's state every state slice holds, and
+        those objects' keys: one ``locate`` of every state slice's object of every block in the reach."""
         hs = [hashes[b] for b in range(lo, lo + reach)]
-        keys = [self._keys.keys(layer, hs, salt) for layer in self._state_layers]
+        keys = [self._keys.keys(s, hs, salt) for s in self._state_slices]
         tiers = store.locate([k for ks in keys for k in ks])
         n = len(hs)
         for j in range(n - 1, -1, -1):
@@ -348,7 +381,7 @@ class Prober:
                 return j + 1, [ks[j] for ks in keys]
         return 0, []
 
-    def _explain(self, p: _Pass, store: Any, b0: int, hi: int, count: bool) -> dict[str, int]:
+    def _explain(self, p: _Pass, store: TieredStore, b0: int, hi: int, count: bool) -> dict[str, int]:
         """Blocks ``b0 .. hi-1`` (not served) by reason: the blocks of each absent chunk take its reason, and
         the blocks between absent chunks (stored, but past the break) the reason of the absent chunk before
         them; with no absent chunk asked about, ``never_stored``.
@@ -361,13 +394,12 @@ class Prober:
         ends += [e for e, ok in p.others.items() if not ok and first.get(e)]  # (rare: another layer lacks it)
         ends.sort()
         ends = ends[bisect_left(ends, b0):]
-        why = getattr(store, "why_missing", None)
-        if not ends or why is None:
+        if not ends:
             return {str(MissReason.NEVER_STORED): hi - b0}
-        reasons = why(list(map(p.first_keys.__getitem__, ends)), count=False)
+        reasons = store.why_missing(list(map(p.first_keys.__getitem__, ends)), count=False)
         if reasons[0] is MissReason.NEVER_STORED and p._salt is not None and self._unsalted(p, store, ends[0]):
             reasons[0] = MissReason.OTHER_NAMESPACE
-        if count and hasattr(store, "count_misses"):
+        if count:
             for r, n in Counter(reasons).items():
                 store.count_misses(r, n)
         if reasons.count(reasons[0]) == len(reasons):  # one reason for all (the common case)
@@ -382,7 +414,7 @@ class Prober:
             if last < at:
                 continue  # (tails inside a chunk counted already)
             word = reason.value
-            start = max(at, got[0][0] - p.G + 1)
+            start = max(at, got[0][0] - p.chunk_blocks + 1)
             if start > at:  # stored blocks past the break: the reason of the absent chunk before them
                 out[before] = out.get(before, 0) + start - at
             end = min(last, hi - 1)
@@ -394,20 +426,28 @@ class Prober:
             out[before] = out.get(before, 0) + hi - at
         return out
 
-    def _unsalted(self, p: _Pass, store: Any, end: int) -> bool:
-        """Whether the store holds the last layer's object of the chunk ending at ``end`` without a salt."""
-        key = self._keys.keys(self._last_layer[0], [p._hashes[end - p._base]], None)
+    def _unsalted(self, p: _Pass, store: TieredStore, end: int) -> bool:
+        """Whether the store holds the last slice's object of the chunk ending at ``end`` without a salt."""
+        key = self._keys.keys(self._last_slice[0], [p._hashes[end - p._base]], None)
         return store.locate(key)[0] is not None
 
-    def chunks(self, hashes: Sequence[bytes], base: int, lo: int, hi: int, salt: str | None) -> list[StoredChunk]:
-        """The chunks a load of blocks ``lo .. hi-1`` reads (``hashes[i]`` names block ``base+i``), by the last
-        layer only (the one written last), each with its key in that layer and the tier holding it."""
+    def locate(self, hashes: Sequence[bytes], base: int, lo: int, hi: int, salt: str | None) -> LoadPlan:
+        """The plan of a load of blocks ``lo .. hi-1`` that no probe planned (``hashes[i]`` names block
+        ``base+i``): the stored chunks by the last slice written alone (one batched ``locate``), each with its
+        key in that slice and the tier holding it; the other slices' keys are left to the loader.  A rank the
+        scheduler does not ask (a replica of a KV-head shard), or a lookup that leased nothing, loads so."""
         store = self._store()
         if store is None:
             raise RuntimeError("the connector's worker is shut down")
-        p = _Pass(self._keys, store, hashes, base, salt, self._last_layer, self._G)
+        p = _Pass(self._keys, store, hashes, base, salt, self._last_slice, self._chunk_blocks)
         (found,) = self._run(p, [(lo, hi)])
-        return [StoredChunk(first, last, p.first_keys[last], p.first.get(last)) for first, last in found]
+        ends = [last for _, last in found]
+        n = len(ends)
+        none: list[str | None] = [None] * n
+        keys = [none] * self._keys.num_slices
+        keys[self._last_slice[0]] = [p.first_keys[e] for e in ends]
+        return LoadPlan(lo, salt, self._chunk_blocks, found, [hashes[e - base] for e in ends],
+                        [p.first.get(e) for e in ends], keys)
 
     def _place(self, tier: str | None) -> TierPlace | None:
         if tier is None:

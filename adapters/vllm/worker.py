@@ -50,11 +50,9 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-
-from tierkv.outcome import MissReason
 
 from .accounting import WorkerCounters
 from .async_loading import AsyncLoads
@@ -63,16 +61,20 @@ from .config import ConnectorOptions, EngineInfo
 from .connector_stats import TierKVConnectorStats
 from .kv_events import ChunkEvents, TierKVEvents
 from .layer_keys import LayerKeys
-from .leases import RequestLeases
+from .leases import LeaseEnd, RequestLeases
 from .load_mode import LoadMode
 from .loading import Loader, LoadJob
 from .lookup import ChannelServer, endpoint, sweep_stale_sockets
 from .metadata import LoadSpec, TierKVConnectorMetadata
 from .paged import PagedLayer, split_heads
-from .probe import Prober, ReachKeys, cut_answer
+from .probe import LoadPlan, Prober, cut_answer
 from .prom import SnapshotClock, attach_store_snapshot, watch_store
 from .saving import Saver
 from .service import Channel, ProbeAnswer, ProbeRequest, ShutdownRequest
+
+if TYPE_CHECKING:
+    from tierkv.engine.leases import Lease
+    from tierkv.store import TieredStore
 
 #: requests whose first lookup a worker remembers (their misses are counted once)
 _LOOKED_UP_MAX = 1 << 16
@@ -89,19 +91,19 @@ class TierKVWorker:
     this rank's lookup and lifecycle channels.
     """
 
-    def __init__(self, options: ConnectorOptions, info: EngineInfo, store: Any, *,
-                 release: Callable[[Any], None] | None = None, serve: bool = True) -> None:
+    def __init__(self, options: ConnectorOptions, info: EngineInfo, store: TieredStore, *,
+                 release: Callable[[TieredStore], None] | None = None, serve: bool = True) -> None:
         self.options = options
         self.info = info
-        #: the store every part uses (read per call: a caller may wrap it)
-        self.store = store
-        self._owned = store
+        #: the store every part uses (read per call: a caller may wrap it); None once shut down
+        self.store: TieredStore | None = store
+        self._owned: TieredStore | None = store
         self._release = release or _flush_and_close
         watch_store(store)  # latency histograms for vLLM's /metrics
         self._snapshots = SnapshotClock()
         self.shard = info.shard
         self.tp_rank = info.tp_rank
-        G = max(1, options.chunk_tokens // info.block_size)
+        chunk_blocks = max(1, options.chunk_tokens // info.block_size)
         # the parts work on slices (one per layer, or per layer and stored KV-head shard this rank holds)
         layers = list(info.slice_names)
         n = info.slices_per_layer
@@ -117,12 +119,13 @@ class TierKVWorker:
         self.keys = LayerKeys(info)
         self._slice_names = layers
         self.counters = WorkerCounters()
-        self.prober = Prober(self.keys, G, lambda: self.store, {t["name"]: t["locality"] for t in tiers},
-                             state_layers=state_slices)
+        self.prober = Prober(self.keys, chunk_blocks, lambda: self.store, {t["name"]: t["locality"] for t in tiers},
+                             state_slices=state_slices)
         #: layers of recurrent-state groups: vLLM calls no per-layer hook for them, so their saves are
         #: copied out at the step's end (wait_for_save), before vLLM may hand their blocks to another request
         self._state_layers = [info.layers[i] for i in info.state_layers]
-        #: what lookups found, held for their loads (leases.py); off with lease_timeout_s 0
+        #: what lookups found and leased, and the plans their loads read (leases.py: the one owner of the
+        #: worker's leases); off with lease_timeout_s 0
         self.leases = RequestLeases()
         self._looked_up: OrderedDict[str, None] = OrderedDict()  # requests whose misses were counted
         self._paged: dict[str, PagedLayer] = {}
@@ -131,7 +134,7 @@ class TierKVWorker:
         split = self.shard.replicas > 1 and all(t["shared"] for t in tiers)
         #: chunks that became stored, for vLLM's KV events (None: vLLM publishes no events)
         self.events: ChunkEvents | None = ChunkEvents() if info.kv_events else None
-        self.saver = Saver(keys=self.keys, layers=layers, paged=self._paged, chunk_blocks=G, shard=self.shard,
+        self.saver = Saver(keys=self.keys, layers=layers, paged=self._paged, chunk_blocks=chunk_blocks, shard=self.shard,
                            split_writes=split, store=lambda: self.store, counters=self.counters,
                            group_of=group_of, num_groups=info.num_groups,
                            auditor=Auditor(options.audit_tolerance), state_groups=info.state_groups,
@@ -141,7 +144,7 @@ class TierKVWorker:
 
         def loader() -> Loader:
             return Loader(layers=layers, paged=self._paged, block_size=info.block_size, store=lambda: self.store,
-                          stored=self.prober.chunks, layer_keys=self.keys.keys, tp_rank=info.tp_rank,
+                          locate=self.prober.locate, layer_keys=self.keys.keys, tp_rank=info.tp_rank,
                           tp_size=info.tp_size, group_of=group_of, num_groups=info.num_groups,
                           state_groups=info.state_groups)
 
@@ -150,7 +153,7 @@ class TierKVWorker:
         # loads between steps (load_async): a loader of their own (its discard buffers are
         # not shared with the engine thread's loads), every layer in one get
         self._async_loader = loader()
-        self._async = AsyncLoads(self._async_loader.start, on_done=self._count_async_load)
+        self._async = AsyncLoads(self._start_async_job, on_done=self._count_async_load)
         self._metadata: TierKVConnectorMetadata | None = None
         #: when the step's metadata came, and the tokens the step computes
         self._step_began: tuple[float, int] = (0.0, 0)
@@ -202,40 +205,44 @@ class TierKVWorker:
         if self.closed:
             raise RuntimeError("the connector's worker is shut down")
         ttl = self.options.lease_timeout_s
+        leasing = request.req_id is not None and bool(ttl)
         # a request's misses are counted by reason once, at its first lookup (the scheduler asks again while
         # the request waits)
-        answer, reach_keys = self.prober.probe_keys(request, count_misses=self._first_lookup(request.req_id))
-        if request.req_id is None or not ttl:
+        answer, plan = self.prober.probe_plan(request, count_misses=self._first_lookup(request.req_id),
+                                              plan=leasing)
+        if not leasing or plan is None:
             return answer
-        answer, lease = self._lease_reach(answer, reach_keys, ttl)
+        answer, plan, lease = self._lease_reach(answer, plan, ttl)
+        # (held by the one owner of leases; a lookup holding nothing ends an earlier lookup's lease)
+        self.leases.hold(request.req_id, lease, plan)  # type: ignore[arg-type]  # (leasing: an id)
         if lease is None:
-            self.leases.release([request.req_id])  # (an earlier lookup's lease holds nothing of use now)
             return answer
-        self.leases.hold(request.req_id, lease)
         return ProbeAnswer(answer.reach, answer.held, answer.where, lease.held, answer.missed)
 
-    def _lease_reach(self, answer: ProbeAnswer, reach_keys: ReachKeys, ttl: float) -> tuple[ProbeAnswer, Any]:
-        """Lease the objects ``answer``'s reach counts on; the reach ends at the first chunk (of any layer) the
-        lease could not hold because the store lost it since the probe looked (an eviction in between), and
-        what was leased past that is let go.  Keys a lease leaves unheld but the store still holds (a shared
-        pool's) stay in the reach.  Returns the answer and its lease (None: nothing to hold)."""
+    def _lease_reach(self, answer: ProbeAnswer, plan: LoadPlan,
+                     ttl: float) -> tuple[ProbeAnswer, LoadPlan, Lease | None]:
+        """Lease the objects of ``plan`` (``answer``'s reach); the reach and the plan end at the first chunk (of
+        any slice) the lease could not hold because the store lost it since the probe looked (an eviction in
+        between), and what was leased past that is let go.  Keys a lease leaves unheld but the store still
+        holds (a shared pool's) stay in the reach.  Returns the answer, the plan its lease holds and the lease
+        (None: nothing to hold)."""
         store = self.store
-        while reach_keys.keys:
-            lease = store.lease(reach_keys.keys, ttl)
+        if store is None:
+            raise RuntimeError("the connector's worker is shut down")
+        while plan.chunks:
+            lease = store.lease(plan.lease_keys(), ttl)
             if not lease.unheld:
-                return answer, lease
+                return answer, plan, lease
             unheld = list(lease.unheld)
             gone = [k for k, t in zip(unheld, store.locate(unheld)) if t is None]
-            cut = reach_keys.cut_at(gone) if gone else None
+            cut = plan.cut_at(gone) if gone else None
             if cut is None:
-                return answer, lease
-            lease.release()
-            reason = str(store.why_missing(gone[:1], count=False)[0]) if hasattr(store, "why_missing") \
-                else str(MissReason.EVICTED)
-            answer = cut_answer(answer, cut, reason)
+                return answer, plan, lease
+            lease.release()  # (never held by the owner: this probe's own, cut short)
+            answer = cut_answer(answer, cut, str(store.why_missing(gone[:1], count=False)[0]))
             self.counters.add_probe_cut(len(gone))
-            reach_keys = reach_keys.before(cut)
-        return answer, None
+            plan = plan.before(cut)
+        return answer, plan, None
 
     def _first_lookup(self, req_id: str | None) -> bool:
         """Whether no lookup of ``req_id`` was seen yet (bounded memory; a request without an id: yes)."""
@@ -287,7 +294,8 @@ class TierKVWorker:
         if self._metadata is not None and (self._metadata.lease_releases or self._metadata.preempted):
             # lookups the scheduler will not load (no blocks for the hit, finished or aborted first), and
             # preempted requests: what they held goes back now
-            self.leases.release(self._metadata.lease_releases | self._metadata.preempted)
+            self.leases.release(self._metadata.lease_releases, LeaseEnd.NOT_LOADED)
+            self.leases.release(self._metadata.preempted, LeaseEnd.PREEMPTED)
         if self._metadata is not None and self._metadata.saves:
             # the scheduler holds the blocks of every request it planned a save for until
             # each worker reports it (get_finished), whether or not this worker saves any
@@ -309,9 +317,17 @@ class TierKVWorker:
             return
         specs = [spec for spec in meta.loads if spec.block_ids]
         if len(specs) < len(meta.loads):  # (nothing to fill: nothing to hold either)
-            self.leases.release(spec.req_id for spec in meta.loads if not spec.block_ids)
+            self.leases.release((spec.req_id for spec in meta.loads if not spec.block_ids), LeaseEnd.LOADED)
         if specs:
-            self.load_job = self._loader.start(specs)
+            # each request's plan, as its probe leased it (held until the job settles: _settle)
+            self.load_job = self._loader.start(specs, self.leases.plans(s.req_id for s in specs))
+
+    def _start_async_job(self, specs: list[LoadSpec]) -> LoadJob:
+        """Run a load between steps, from the plans its requests' probes leased (on the loading thread)."""
+        job = self._async_loader.start(specs, self.leases.plans(s.req_id for s in specs))
+        if job.future is not None:
+            job.future.result()  # (a load that broke fails every block of it: AsyncLoads reports them)
+        return job
 
     def _start_async_loads(self, specs: list[LoadSpec]) -> None:
         # saves of an earlier life of the request (before a preemption) are done (see
@@ -319,8 +335,8 @@ class TierKVWorker:
         # blocks for this load only, until get_finished reports it
         self.saver.forget_planned({s.req_id for s in specs})
         if self.closed or not self._paged:
-            self.leases.release(s.req_id for s in specs)
-            self._async.fail(specs)  # nothing written: vLLM recomputes every block
+            # nothing written: vLLM recomputes every block; reported (and its leases ended) by get_finished
+            self._async.fail(specs)
         else:
             self._async.submit(specs)
 
@@ -334,7 +350,7 @@ class TierKVWorker:
                 job.future.result()
         finally:
             # the load is over (every block read or failed): what its lookup held goes back
-            self.leases.release(job.per_req)
+            self.leases.release(job.req_ids, LeaseEnd.LOADED)
         self.counters.add_load(job, mode)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
@@ -388,10 +404,12 @@ class TierKVWorker:
         """``(finished_sending, finished_recving)``: saves done for finished requests, async loads done."""
         if finished_req_ids:
             self._async.cancel(finished_req_ids)
-            self.leases.release(finished_req_ids)  # finished or aborted: nothing of theirs is loaded now
+            # finished or aborted: nothing of theirs is loaded now
+            self.leases.release(finished_req_ids, LeaseEnd.FINISHED)
         recving, failed = self._async.take_finished()
         if recving:
-            self.leases.release(recving)  # (loads between steps over, skipped or failed)
+            # loads between steps over: read, failed, skipped, or never started (every one is reported once)
+            self.leases.release(recving, LeaseEnd.LOADED)
         self.counters.add_leases(*self.leases.take_counts())
         failed_reqs = self._async.take_failed_requests()
         if failed:
@@ -481,7 +499,7 @@ class TierKVWorker:
                     logger.warning("TierKVConnector: a background load still runs after %.1f s", timeout)
                 self.saver.close(timeout)
                 self._loader.close()
-                self.leases.release_all()
+                self.leases.release_all(LeaseEnd.SHUTDOWN)
                 self.counters.add_leases(*self.leases.take_counts())
                 logger.info("TierKVConnector totals: %s", self.counters.reduced_totals())
                 self._report("logged")
@@ -502,7 +520,7 @@ class TierKVWorker:
             self._closing.release()
 
 
-def _flush_and_close(store: Any) -> None:
+def _flush_and_close(store: TieredStore) -> None:
     try:
         store.flush()
     finally:
