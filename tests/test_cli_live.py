@@ -20,9 +20,9 @@ import torch
 from mooncake_util import mooncake_master  # noqa: F401  (fixture)
 from test_cli import tierkv
 
-from tierkv import TieredStore, chunk_keys
+from tierkv import TieredStore, chunk_keys, metrics
 from tierkv.errors import ConfigError
-from tierkv.tools import live, metrics
+from tierkv.tools import live
 from tierkv.tools.cli import describe
 
 CHUNK = 64 << 10

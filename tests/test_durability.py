@@ -172,7 +172,7 @@ def test_admission_refusal_is_no_loss(tmp_path):
 
 
 def test_the_exporter_counts_drops_by_reason():
-    from tierkv.tools.metrics import Exporter
+    from tierkv.metrics import Exporter
 
     slow = FakeTier("slow", 64 * CHUNK, persistent=True)
     slow.fail_writes = True

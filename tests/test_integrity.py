@@ -21,9 +21,9 @@ from tierkv.checksum import (
     trailers,
 )
 from tierkv.errors import ConfigError
+from tierkv.metrics import families, health, snapshot
 from tierkv.outcome import MissReason
 from tierkv.store import TieredStore
-from tierkv.tools.metrics import families, health, snapshot
 
 MiB = 1 << 20
 

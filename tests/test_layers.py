@@ -4,15 +4,14 @@ Layers, bottom to top:
 
 * **core**: every installed module outside the two below — the foundations flat in ``tierkv/``, the store
   engine, the media (``tierkv.tiers``) and the policies (``tierkv.policies``);
-* **adapters** (``tierkv.adapters``): the vLLM connector, over the core (it may use the exporter and the trace
-  writer of ``tierkv.tools``);
+* **adapters** (``tierkv.adapters``): the vLLM connector and the SGLang backend, over the core;
 * **tools** (``tierkv.tools``, and ``tierkv.__main__`` behind ``python -m tierkv``): the operator's command,
   simulator, benchmarks, demos, exporter, trace capture and inspection; they may import anything.
 
 Rules checked here:
 
 1. no core module imports ``tierkv.adapters`` or ``tierkv.tools``, at module level, inside a function or
-   under ``if TYPE_CHECKING:`` (the core reaches a tool a config turns on through ``tierkv.plugins``);
+   under ``if TYPE_CHECKING:`` (``tests/test_import_direction.py`` holds the finer layers and every direction);
 2. no import cycle among tierkv modules through module-level imports (a cycle through ``if TYPE_CHECKING:``
    counts too: two modules that need each other's names are one module in two files);
 3. no core module imports vLLM, and the ``tierkv`` command imports neither vLLM nor the adapter at module
@@ -96,7 +95,11 @@ def _is_type_checking(test: ast.expr) -> bool:
 @cache
 def imports(module: str) -> tuple[Import, ...]:
     """Every import statement of ``module``, with relative ones made absolute."""
-    is_pkg = modules()[module][1]
+    return imports_in(tree(module), module, modules()[module][1])
+
+
+def imports_in(node: ast.Module, module: str, is_pkg: bool) -> tuple[Import, ...]:
+    """Every import statement of ``node``, the source of ``module`` (a package's ``__init__`` when ``is_pkg``)."""
     found: list[Import] = []
 
     def walk(node: ast.AST, top: bool, type_only: bool) -> None:
@@ -120,7 +123,7 @@ def imports(module: str) -> tuple[Import, ...]:
                 inner = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
                 walk(child, top and not inner, type_only)
 
-    walk(tree(module), True, False)
+    walk(node, True, False)
     return tuple(found)
 
 

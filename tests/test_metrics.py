@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv import TieredStore
-from tierkv.tools.metrics import register, serve
+from tierkv.metrics import register, serve
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -239,7 +239,7 @@ def test_series_keep_their_final_values_after_close(tmp_path):
 def test_a_busy_port_leaves_the_store_as_it_was(store):
     import socket
 
-    from tierkv.tools.metrics import LatencyRecorder
+    from tierkv.metrics import LatencyRecorder
 
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
@@ -259,9 +259,9 @@ def test_a_busy_port_leaves_the_store_as_it_was(store):
                                         (0, None)])
 def test_a_bad_port_or_address_is_a_clear_error_that_leaves_the_store_as_it_was(store, port, addr):
     from tierkv.errors import ConfigError
-    from tierkv.tools.metrics import LatencyRecorder
+    from tierkv.metrics import LatencyRecorder
 
-    with pytest.raises(ConfigError, match="tierkv.tools.metrics: (port|addr)"):
+    with pytest.raises(ConfigError, match="tierkv.metrics: (port|addr)"):
         serve(store, port, addr)
     assert LatencyRecorder.find(store) is None
 

@@ -157,7 +157,7 @@ def test_a_get_miss_is_counted_by_reason():
 def test_metrics_exposition_has_the_reason_label():
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from tierkv.tools.metrics import register
+    from tierkv.metrics import register
 
     keys = keys_of(6)
     with dram_store() as store:
@@ -179,7 +179,7 @@ def test_trace_show_answers_why_a_request_recomputed(tmp_path):
     import sys
     from pathlib import Path
 
-    from tierkv.tools.trace import TraceWriter
+    from tierkv.trace import TraceWriter
 
     path = tmp_path / "t.jsonl"
     w = TraceWriter(str(path), block_tokens=16)

@@ -26,8 +26,7 @@ import time
 import pytest
 import torch
 
-from tierkv import TieredStore
-from tierkv.tools import metrics
+from tierkv import TieredStore, metrics
 
 SIZE = 16 << 10
 HERE = os.path.dirname(os.path.abspath(__file__))

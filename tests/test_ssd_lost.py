@@ -25,8 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tierkv import TieredStore
 from tierkv.durability import DropReason
+from tierkv.metrics import register
 from tierkv.tiers.ssd import SSDTier, inspect_dir
-from tierkv.tools.metrics import register
 
 MiB = 1 << 20
 CHUNK = 16 << 10

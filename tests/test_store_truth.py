@@ -494,7 +494,7 @@ def test_a_fractional_size_of_a_larger_unit_is_exact():
 def test_serve_on_a_busy_port_leaves_nothing_attached():
     import socket
 
-    from tierkv.tools import metrics
+    from tierkv import metrics
 
     with dram_store(4) as store, socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))

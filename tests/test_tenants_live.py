@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tierkv import TieredStore, chunk_keys
-from tierkv.tools import live, metrics
+from tierkv import TieredStore, chunk_keys, metrics
+from tierkv.tools import live
 from tierkv.tools.cli import describe
 
 CHUNK = 64 << 10

@@ -12,7 +12,7 @@ import torch
 from tierkv import TieredStore, chunk_keys
 from tierkv.errors import ConfigError
 from tierkv.tools.sim import read_trace, simulate
-from tierkv.tools.trace import TraceWriter
+from tierkv.trace import TraceWriter
 
 
 def test_rotation_keeps_at_most_max_files_in_order(tmp_path):

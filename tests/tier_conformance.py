@@ -23,8 +23,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule, run_state_machine_as_test
 
-from tierkv.engine.levelindex import CODE_SHIFT, NB_FIELD
 from tierkv.errors import StoreClosedError
+from tierkv.location_code import CODE_SHIFT, NB_FIELD
 from tierkv.tiers.base import Tier
 
 

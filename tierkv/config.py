@@ -12,7 +12,7 @@ Shape::
       "promotion": {"policy": "on-hit", "min_hits": 2},
       "io_workers": 4,
       "miss_memory": 65536,                        # recent departures remembered to explain misses
-      "trace_path": "/var/log/tierkv/trace",       # optional: hash-only request traces (tierkv.tools.trace)
+      "trace_path": "/var/log/tierkv/trace",       # optional: hash-only request traces (tierkv.trace)
       "trace": {"max_bytes": "64MiB", "max_files": 8},
       "shadow": {"rate": 0.05},                    # optional: what more capacity would buy (tierkv.shadow)
       "verify": "external",                        # optional: every tier's default 'verify'
@@ -49,7 +49,7 @@ from tierkv.persist import pop_persist
 from tierkv.tiers import medium_class
 
 TOP_KEYS = {"tiers", "promotion", "io_workers", "write_behind_queue", "miss_memory",
-            "trace_path", "trace", "shadow",  # these three: tierkv.engine.observers
+            "trace_path", "trace", "shadow",  # these three: tierkv.config_observers
             "verify", "tenants"}
 
 

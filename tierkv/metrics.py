@@ -477,13 +477,13 @@ class Exporter:
         """Listen on ``addr:port``; on failure (port in use…) the exporter is stopped and ``OSError`` raised
         (a port that is no integer of 0–65535, or an address that is no string: ``ConfigError``)."""
         try:
-            port = check_int(port, "tierkv.tools.metrics: port", min_value=0, max_value=65535)
-            addr = check_str(addr, "tierkv.tools.metrics: addr")
+            port = check_int(port, "tierkv.metrics: port", min_value=0, max_value=65535)
+            addr = check_str(addr, "tierkv.metrics: addr")
             self._server, self._thread = _start_server(port, addr, self._app)
         except OSError as e:
             self.stop()
             raise OSError(e.errno or errno.EADDRNOTAVAIL,
-                          f"tierkv.tools.metrics: cannot listen on {addr}:{port}: {e.strerror or e}") from e
+                          f"tierkv.metrics: cannot listen on {addr}:{port}: {e.strerror or e}") from e
         except BaseException:
             self.stop()
             raise

@@ -5,17 +5,20 @@ chunk down on a background writer; ``write_through`` writes it within the put;
 ``on_evict`` only receives demotions (the default otherwise).  The mode is a
 ``PersistMode``; its values are the config spellings, and being a ``str`` it prints
 and serialises (stats, JSON) as that spelling.
+
+A contract module: it names what it reads of a medium (``Medium``: its ``persistent`` and
+``managed`` flags, a tier's ``name``) as protocols and imports no medium, so the media,
+the engine and the tools may all depend on it (``tests/test_import_direction.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import MutableMapping
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from tierkv.enums import StrEnum
 from tierkv.errors import ConfigError
 from tierkv.options import check_enum, pop_enum
-from tierkv.tiers.base import Tier
 
 
 class PersistMode(StrEnum):
@@ -30,7 +33,24 @@ class PersistMode(StrEnum):
 PERSIST_MODES = tuple(m.value for m in PersistMode)
 
 
-def default_persist(medium: type[Tier] | Tier) -> PersistMode:
+class Medium(Protocol):
+    """What the default mode depends on: a medium's flags, read from a ``Tier`` or its class."""
+
+    @property
+    def persistent(self) -> bool: ...  #: its bytes survive the process
+
+    @property
+    def managed(self) -> bool: ...  #: the store does its accounting and eviction
+
+
+class NamedMedium(Medium, Protocol):
+    """A tier: its flags and its name (for the error a bad ``persist`` gets)."""
+
+    @property
+    def name(self) -> str: ...
+
+
+def default_persist(medium: Medium | type[Medium]) -> PersistMode:
     """The mode of a tier of ``medium`` that gives no ``persist``: write-behind into a persistent managed medium."""
     return PersistMode.WRITE_BEHIND if (medium.persistent and medium.managed) else PersistMode.ON_EVICT
 
@@ -43,7 +63,7 @@ def pop_persist(options: MutableMapping[str, Any], what: str) -> Optional[Persis
     return pop_enum(options, "persist", None, what, PersistMode)
 
 
-def resolve_persist(tier: Tier, persist: Optional[str], write_through: Optional[bool] = None) -> PersistMode:
+def resolve_persist(tier: NamedMedium, persist: Optional[str], write_through: Optional[bool] = None) -> PersistMode:
     """The level's persistence mode from its ``persist`` option (None: the medium's default).
 
     ``write_through`` is a removed option: giving it is a ``ConfigError`` naming ``"persist"``.

@@ -117,6 +117,7 @@ import torch
 from tierkv import shutdown
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
+from tierkv.config_observers import attach_from_config
 from tierkv.durability import DropReason, FlushResult, TierFlushError, fault_counts, lost_count
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
@@ -124,7 +125,7 @@ from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departure
 from tierkv.engine.leases import Lease
 from tierkv.engine.level import Level
 from tierkv.engine.losses import Losses
-from tierkv.engine.observers import Observers, attach_from_config
+from tierkv.engine.observers import Observers
 from tierkv.engine.placer import Placer
 from tierkv.engine.reader import Reader
 from tierkv.engine.recovery import recover

@@ -39,7 +39,7 @@ from tierkv.errors import ConfigError
 from tierkv.options import check_int, check_str
 from tierkv.units import parse_size
 
-log = logging.getLogger("tierkv.tools.trace")
+log = logging.getLogger("tierkv.trace")
 
 DEFAULT_SALT = b"tierkv-trace/v1"
 HEADER_FORMAT = "tierkv-trace"

@@ -30,8 +30,8 @@ Located tiers (``located = True``, the slab under ``hbm`` and ``dram``):
     is a positive ``int``: ``X << CODE_SHIFT | f << 1 | 1``, where ``f`` is the
     object's nbytes when below ``NB_FIELD`` and ``NB_FIELD`` otherwise (then
     ``code_nbytes`` tells it); ``X`` is the tier's own.  The level's index is the
-    code's owner: ``CODE_SHIFT`` and ``NB_FIELD`` are defined with its encoding
-    (``tierkv.engine.levelindex``), and a located tier builds its codes from them.  The key-based methods
+    code's keeper; ``CODE_SHIFT`` and ``NB_FIELD``, the layout both sides read, are
+    a contract (``tierkv.location_code``), and a located tier builds its codes from them.  The key-based methods
     still work on a tier nobody attached; once a level ``attach``-es it, ``read``
     and ``contains`` look keys up through the level, and ``write`` / ``delete`` by
     key are refused (the level alone places objects there).
@@ -69,9 +69,9 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from tierkv.checksum import ReadSums
-from tierkv.engine.levelindex import NB_FIELD
 from tierkv.enums import StrEnum
 from tierkv.errors import ConfigError, StoreClosedError
+from tierkv.location_code import NB_FIELD
 from tierkv.units import parse_size
 
 Parts = list[torch.Tensor]

@@ -39,9 +39,9 @@ import torch
 
 from tierkv.buffers import PARALLEL_COPY_MIN, _memmove, copy_many, memmove_many
 from tierkv.checksum import ReadSums
-from tierkv.engine.levelindex import CODE_SHIFT, NB_FIELD
 from tierkv.errors import ConfigError
 from tierkv.hostmem import advise_huge, unregister
+from tierkv.location_code import CODE_SHIFT, NB_FIELD
 from tierkv.xxh3 import copy_and_sum
 
 from .base import Parts, Tier

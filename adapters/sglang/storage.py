@@ -76,7 +76,7 @@ class TierKVStorage(HiCacheStorage):
         port = self.options.metrics_port
         if port is not None:
             try:
-                from tierkv.tools.metrics import serve
+                from tierkv.metrics import serve
 
                 g = self.ranks
                 rank = g.pp_rank * g.tp_size + g.tp_rank

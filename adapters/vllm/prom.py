@@ -11,9 +11,9 @@ with each interval's aggregated ``KVConnectorStats.data``.  Two things ride in i
   ``tierkv_connector_loaded_tokens_total`` … and ``tierkv_connector_hit_tokens_total{tier}``; the hits the
   decline rule did not claim (``declined_slow``, ``declined_slow_tokens``, ``decline_probes``, by tier) ->
   ``tierkv_connector_declined_slow_total{tier}`` and the two others (decline.py);
-* each worker's store as ``tierkv.tools.metrics.snapshot`` reads it, under ``"tierkv_store"``
+* each worker's store as ``tierkv.metrics.snapshot`` reads it, under ``"tierkv_store"``
   by rank (put there by ``attach_store_snapshot``, merged across workers by
-  ``merge_store_snapshots``) -> every family ``tierkv.tools.metrics.families`` makes, under
+  ``merge_store_snapshots``) -> every family ``tierkv.metrics.families`` makes, under
   the standalone exporter's names: counters advanced by each rank's growth since its
   last snapshot, gauges combined over ranks as the family says (sum; ``available`` and
   ``tierkv_open``: the minimum; shadow ratios: the mean), latency histograms advanced
@@ -29,8 +29,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from tierkv.tools.metrics import LATENCY_BUCKETS, Kind, LatencyRecorder, Merge, families, latency_families, latency_help
-from tierkv.tools.metrics import snapshot as read_snapshot
+from tierkv.metrics import LATENCY_BUCKETS, Kind, LatencyRecorder, Merge, families, latency_families, latency_help
+from tierkv.metrics import snapshot as read_snapshot
 
 SNAPSHOT_KEY = "tierkv_store"
 #: a worker sends a snapshot with every non-empty interval, and at least this often while the engine steps

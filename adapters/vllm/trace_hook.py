@@ -4,7 +4,7 @@
 unless ``"trace_path"`` is set; otherwise a tracer whose ``on_lookup(request)``
 records the request's block hashes once (the first lookup of a request id: the
 scheduler may ask again while a request waits), keyed-digested by
-``tierkv.tools.trace.TraceWriter`` — no token id and no raw block hash is written.
+``tierkv.trace.TraceWriter`` — no token id and no raw block hash is written.
 Each record also says why the store did not serve the rest of the prompt:
 ``request_id`` (vLLM's id), ``miss_tokens`` (tokens of full blocks past vLLM's own
 cache the store did not hold) and ``miss_reasons`` (those tokens by
@@ -27,7 +27,7 @@ from collections import OrderedDict
 from typing import Any, Optional
 
 from tierkv.options import pop_int, pop_size, pop_str
-from tierkv.tools.trace import TraceWriter
+from tierkv.trace import TraceWriter
 
 from .config import block_hash_bytes
 

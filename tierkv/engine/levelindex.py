@@ -45,15 +45,11 @@ from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
 
 from tierkv.errors import PolicyError
+from tierkv.location_code import CODE_SHIFT, NB_FIELD  # (the code layout, shared with located media)
 
 if TYPE_CHECKING:
     from tierkv.tenants import TenantLedger
     from tierkv.tiers.base import Tier
-
-#: a location code's shift: ``X << CODE_SHIFT | f << 1 | 1`` (the module docstring)
-CODE_SHIFT = 25
-#: the largest nbytes a code's ``f`` field holds; all ones: the size is elsewhere (``Tier.code_nbytes``)
-NB_FIELD = (1 << 24) - 1
 
 #: each batched mutator's fast path, on (True) or off: the per-key path then does every step
 FAST: dict[str, bool] = {"reserve": True, "commit": True, "pin": True, "unpin": True, "evict": True}

@@ -1,4 +1,4 @@
-"""Store observers: the hook ``TieredStore`` calls once per batch, and those a config turns on.
+"""Store observers: the hook ``TieredStore`` calls once per batch.
 
 ``Observers`` (held by ``TieredStore``) keeps the observers: after each
 ``put`` / ``get`` / ``lookup`` batch the store calls
@@ -8,13 +8,8 @@ is merged into ``stats()`` and its ``close()`` is called by ``close()``.  An
 observer that raises is logged once and never reaches the caller; observers that
 share state between threads lock it themselves.
 
-Config keys (``tierkv.config``):
-
-``"trace_path": PATH`` records every ``lookup`` as a hash-only request trace
-(``tierkv.tools.trace``); ``"trace": {"max_bytes": "64MiB", "max_files": 8,
-"block_tokens": 256, "salt": "..."}`` tunes it.  ``"shadow": true`` or
-``{"rate": 0.05, "factors": [0.5, 2, 4]}`` estimates hit rates at other
-capacities (``tierkv.shadow``).
+The observers a store config turns on (``trace_path``, ``shadow``) are attached by
+``tierkv.config_observers``, above the engine: this module imports no observer.
 """
 
 from __future__ import annotations
@@ -22,10 +17,6 @@ from __future__ import annotations
 import logging
 import time
 from typing import Any
-
-from tierkv.errors import ConfigError
-from tierkv.options import check_bool, check_str
-from tierkv.plugins import plugin
 
 log = logging.getLogger("tierkv")
 
@@ -78,34 +69,3 @@ class Observers:
         self._faults.add((id(obs), what))
         (log.warning if first else log.debug)("tierkv: observer %s %s failed: %s", type(obs).__name__, what, e)
 
-
-def attach_from_config(store: Any, cfg: dict[str, Any]) -> None:
-    """Attach the observers ``cfg`` asks for; on a bad value the store is closed and ``ConfigError`` raised."""
-    try:
-        path = cfg.get("trace_path")
-        if cfg.get("trace") is not None and path is None:
-            raise ConfigError("config key 'trace' needs 'trace_path'")
-        if path is not None:
-            StoreTracer, TraceWriter = plugin("store_tracer"), plugin("trace_writer")  # tierkv.tools.trace
-
-            opts = cfg.get("trace") or {}
-            if not isinstance(opts, dict):
-                raise ConfigError(f"config key 'trace' must be a mapping, got {opts!r}")
-            store.add_observer(StoreTracer(TraceWriter.from_options(check_str(path, "config key 'trace_path'"),
-                                                                    opts)))
-        shadow = cfg.get("shadow")
-        if shadow is not None and shadow is not False:
-            from tierkv.shadow import attach
-
-            if isinstance(shadow, dict):
-                opts = dict(shadow)
-                unknown = set(opts) - {"rate", "factors"}
-                if unknown:
-                    raise ConfigError(f"config key 'shadow': unknown option(s) {sorted(unknown)}; known: factors, rate")
-                attach(store, **opts)
-            else:
-                check_bool(shadow, "config key 'shadow'")
-                attach(store)
-    except Exception:
-        store.close()
-        raise

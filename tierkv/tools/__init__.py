@@ -1,9 +1,10 @@
 """Operator tools over the store: the ``tierkv`` command (``cli``), the trace simulator (``sim``),
-benchmark suites, demos, the Prometheus exporter (``metrics``), request traces (``trace``) and
-read-only inspection (``inspect``).
+benchmark suites, demos, live inspection of a running deployment (``live``) and read-only
+inspection of a store's files (``inspect``).
 
-Tools may import every other layer (foundations, the store engine, media, policies and,
-inside a function, the vLLM adapter).  No foundation, engine, medium or policy module
-imports a tool: the store reaches the tracer a config turns on through ``tierkv.plugins``.
-The vLLM adapter uses the exporter and the trace writer.  ``tests/test_layers.py`` checks it.
+Tools sit on top: they may import every other layer (contracts, the core store, media,
+policies and, inside a function, the engine adapters), and nothing below imports a tool.
+The Prometheus exporter (``tierkv.metrics``) and the request-trace writer (``tierkv.trace``)
+that the tools and the adapters share live in the core.  ``tests/test_import_direction.py``
+checks the direction.
 """

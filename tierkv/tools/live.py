@@ -1,12 +1,12 @@
 """Asking a running deployment what it holds: a store through its metrics endpoint, a pool through its master.
 
 * A store: ``read_store(url)`` scrapes an endpoint that carries tierkv's metrics — the
-  standalone exporter (``tierkv.tools.metrics.serve``: ``/metrics``, or ``/status``, its
+  standalone exporter (``tierkv.metrics.serve``: ``/metrics``, or ``/status``, its
   JSON) or vLLM's own ``/metrics`` under the connector — rebuilds the store's snapshot
   from it (``snapshot_from_text``; several engines on one vLLM endpoint are combined
   as the exporters combine ranks) and ``describe_store`` turns that into a report:
   tiers, usage, hit rates, faults, the write-behind backlog and health
-  (``tierkv.tools.metrics.health``, the rule ``/status`` applies too).
+  (``tierkv.metrics.health``, the rule ``/status`` applies too).
 * A pool: ``read_master(master, metrics_port)`` asks a ``mooncake_master``: its RPC
   port (does it accept a connection), its HTTP endpoint (the ``--metrics_port``:
   ``/health`` and ``/metrics``), and reports the pool as the master counts it:
@@ -34,10 +34,9 @@ from typing import Any, Optional
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tierkv import metrics
 from tierkv.errors import ConfigError
 from tierkv.stats import TierCounters
-
-from . import metrics
 
 MAX_BODY = 64 << 20  # a scrape larger than this is no metrics endpoint we know
 DEFAULT_MASTER_METRICS_PORT = 9003
@@ -174,7 +173,7 @@ _OWN_LABELS = {"tier", "reason", "field", "capacity_factor", "op", "outcome", "t
 def snapshot_from_text(text: str) -> tuple[Optional[dict[str, Any]], dict[str, Any]]:
     """``(snapshot or None, extras)`` from a Prometheus scrape.
 
-    The snapshot has the shape ``tierkv.tools.metrics.snapshot`` returns (no ``info``, no latency): None when the
+    The snapshot has the shape ``tierkv.metrics.snapshot`` returns (no ``info``, no latency): None when the
     text carries no store figures.  Samples under other labels than tierkv's own (vLLM's ``engine``,
     ``model_name``) are sources: counters and sizes add up over them, ``available`` and ``open`` take the
     minimum, shadow ratios the mean.  ``extras``: ``{"sources": [label dicts], "connector": {...}}``, the

@@ -13,7 +13,7 @@ Describe a running deployment without writing code.
 
 tierkv describe URL
     A store, through an endpoint that carries its metrics: the standalone exporter
-    (tierkv.tools.metrics.serve: http://HOST:PORT/metrics, or /status) or a vLLM
+    (tierkv.metrics.serve: http://HOST:PORT/metrics, or /status) or a vLLM
     server running TierKVConnector (its /metrics).  URL may be HOST:PORT (then
     /metrics is read).  Shows each tier (used / capacity, entries, hit rate, share
     of the store's hits, evictions, errors, the medium's faults), the store's

@@ -11,7 +11,7 @@ Formats (JSON lines, one request per line; ``.gz`` files are read as gzip):
 ``bailian``   The Qwen-Bailian traces: ``chat_id``, ``parent_chat_id``,
               ``timestamp`` (s), ``input_length``, ``output_length``, ``type``,
               ``turn``, ``hash_ids`` of 16-token blocks.
-``tierkv``    tierkv's capture format (``tierkv.tools.trace.TraceWriter``): Mooncake's
+``tierkv``    tierkv's capture format (``tierkv.trace.TraceWriter``): Mooncake's
               fields plus ``block_tokens``; a first line ``{"format": "tierkv-trace",
               ...}`` may carry defaults for the file.
 
