@@ -7,7 +7,8 @@
   token sequence survives a round trip
   (the ``prefix_repetition`` dataset relies on that for exact prompt lengths).
 * :class:`ApiServer` is one ``python -m vllm.entrypoints.openai.api_server``
-  process in a process group of its own; :meth:`ApiServer.stop` sends SIGINT,
+  process in a process group of its own (``tests/vllm_util.py``'s :class:`OpenAIServer`,
+  named, pinned to cores if asked); :meth:`ApiServer.stop` sends SIGINT,
   then SIGKILL to the whole group after a grace period, so the engine-core child
   never outlives it.
 * :class:`MooncakePool` is a loopback ``mooncake_master`` (and, in standalone
@@ -26,18 +27,17 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
 
-import mooncake_util  # tests/ helpers: loopback ports, the master binary
-
-HOST = "127.0.0.1"
-
+# tests/ helpers: loopback ports, process groups, the OpenAI server, the master binary
+import mooncake_util
+from netutil import HOST, free_port, wait_port
+from procgroup import stop_group
+from vllm_util import OpenAIServer
 
 #: word characters: 64 of them, so 4096 ids are two-character words.  The server caps a
 #: prompt's characters at (longest token's length) x (context length), so words are
@@ -78,64 +78,21 @@ def make_word_tokenizer(model_dir: str | os.PathLike, vocab: int) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=False).save_pretrained(str(model_dir))
 
 
-def _kill_group(proc: subprocess.Popen, sig: int) -> None:
-    try:
-        os.killpg(proc.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _stop_group(proc: subprocess.Popen, sig: int, grace: float) -> None:
-    """Send ``sig`` to the process group, wait ``grace`` seconds, then SIGKILL what is left."""
-    if proc.poll() is None:
-        _kill_group(proc, sig)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            pass
-    _kill_group(proc, signal.SIGKILL)  # children (engine core) that outlived the parent
-    try:
-        proc.wait(10)
-    except subprocess.TimeoutExpired:
-        pass
-
-
-class ApiServer:
-    """One vLLM OpenAI server on a free loopback port."""
+class ApiServer(OpenAIServer):
+    """One vLLM OpenAI server on a free loopback port, named for its back end, its log ``server-NAME.log``."""
 
     def __init__(self, name: str, model: str, args: list[str], env: dict[str, str], log_dir: Path,
                  cpus: set[int] | None = None) -> None:
         """``cpus``: the cores the server (and every process it starts) may run on; None: this process's."""
         self.name = name
-        self.model = model
-        self.port = mooncake_util.free_port()
-        self.log_path = log_dir / f"server-{name}.log"
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--host", HOST,
-               "--port", str(self.port), "--model", model, *args]
-        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
-            self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, start_new_session=True,
-                                         preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
-        self.started = time.monotonic()
+        super().__init__(model, args, env, log_dir / f"server-{name}.log", cpus=cpus)
 
-    @property
-    def base_url(self) -> str:
-        return f"http://{HOST}:{self.port}"
-
-    def wait_ready(self, timeout: float) -> float:
+    def wait_ready(self, timeout: float = 600) -> float:
         """Block until ``/health`` answers 200; returns the seconds it took.  Raises with the log tail."""
-        end = self.started + timeout
-        while time.monotonic() < end:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.name} exited (rc={self.proc.returncode}):\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(self.base_url + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        return time.monotonic() - self.started
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"server {self.name} not healthy after {timeout:.0f}s:\n{self.log_tail()}")
+        try:
+            return super().wait_ready(timeout)
+        except RuntimeError as e:
+            raise RuntimeError(f"server {self.name}: {e}") from None
 
     def engine_pids(self) -> list[int]:
         """The server's pid and its descendants' (the engine core runs in a child process)."""
@@ -151,14 +108,8 @@ class ApiServer:
                 frontier.append(int(k))
         return pids
 
-    def log_tail(self, n: int = 6000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def stop(self, grace: float = 30.0) -> None:
-        _stop_group(self.proc, signal.SIGINT, grace)
+    def stop(self, sig: int = signal.SIGINT, grace: float = 30.0) -> None:
+        super().stop(sig, grace)
 
 
 class MooncakePool:
@@ -200,7 +151,7 @@ class MooncakePool:
         binary = Path(self.master.binary).with_name("mooncake_client")
         if not binary.exists():
             raise RuntimeError(f"mooncake_client not found beside {self.master.binary}")
-        port = mooncake_util.free_port()
+        port = free_port()
         env = dict(os.environ, **mooncake_util.client_env())
         with open(self.work / "mooncake_client.log", "w") as log:
             self.client = subprocess.Popen(
@@ -209,7 +160,7 @@ class MooncakePool:
                  "--local_buffer_size=0", f"--host={HOST}", f"--port={port}", "--protocol=tcp"],
                 env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True)
-        if not mooncake_util._wait_port(port, 30):
+        if not wait_port(port, 30):
             raise RuntimeError("mooncake_client did not open its port")
         time.sleep(1.5)  # its segment is mounted about a second after the port opens
 
@@ -218,6 +169,6 @@ class MooncakePool:
 
     def stop(self) -> None:
         if self.client is not None:
-            _stop_group(self.client, signal.SIGTERM, 5)
+            stop_group(self.client, signal.SIGTERM, 5)
             self.client = None
         self.master.stop()

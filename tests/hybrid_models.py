@@ -12,7 +12,8 @@ few milliseconds on a CPU; tests/vllm_util.py runs them (``"dtype"`` in a spec p
 from __future__ import annotations
 
 import os
-from pathlib import Path
+
+from vllm_util import save_random_model
 
 #: layer kinds of the Gemma-3-style model: three sliding-window layers, then one full-attention layer
 GEMMA3_LAYER_TYPES = ["sliding_attention"] * 3 + ["full_attention"]
@@ -26,49 +27,21 @@ def make_gemma3_model(path: str | os.PathLike, hidden: int = 128, heads: int = 2
                       vocab: int = 1024, sliding_window: int = GEMMA3_SLIDING_WINDOW,
                       layer_types: list[str] | None = None, max_positions: int = 8192, seed: int = 0) -> str:
     """Save a random-weight Gemma-3-style text model to ``path`` (idempotent) and return the path."""
-    path = Path(path)
-    if (path / "config.json").exists():
-        return str(path)
-    import torch
-    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
-
     types = list(layer_types or GEMMA3_LAYER_TYPES)
-    torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=hidden * 2,
-        num_hidden_layers=len(types),
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=max_positions,
-        sliding_window=sliding_window,
-        layer_types=types,
-        # wide weights spread the logits, so greedy decoding has no near-ties
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    model = Gemma3ForCausalLM(cfg).to(torch.float32)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return str(path)
+    return save_random_model(path, "Gemma3TextConfig", "Gemma3ForCausalLM", seed=seed, vocab_size=vocab,
+                             hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=len(types),
+                             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=hidden // heads,
+                             max_position_embeddings=max_positions, sliding_window=sliding_window,
+                             layer_types=types)
 
 
 def make_qwen3_next_model(path: str | os.PathLike, hidden: int = 128, heads: int = 2, kv_heads: int = 1,
                           vocab: int = 1024, layer_types: list[str] | None = None,
                           max_positions: int = 8192, seed: int = 0) -> str:
     """Save a random-weight Qwen3-Next-style model (bfloat16) to ``path`` (idempotent) and return the path."""
-    path = Path(path)
-    if (path / "config.json").exists():
-        return str(path)
-    import torch
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
-
     types = list(layer_types or QWEN3_NEXT_LAYER_TYPES)
-    torch.manual_seed(seed)
-    cfg = Qwen3NextConfig(
+    return save_random_model(
+        path, "Qwen3NextConfig", "Qwen3NextForCausalLM", dtype="bfloat16", seed=seed,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=hidden * 2,
@@ -90,11 +63,4 @@ def make_qwen3_next_model(path: str | os.PathLike, hidden: int = 128, heads: int
         shared_expert_intermediate_size=hidden,
         layer_types=types,
         max_position_embeddings=max_positions,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        torch_dtype="bfloat16",
     )
-    model = Qwen3NextForCausalLM(cfg).to(torch.bfloat16)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return str(path)

@@ -23,7 +23,6 @@ import importlib.util
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -31,8 +30,7 @@ import time
 from typing import Any
 
 import pytest
-
-HOST = "127.0.0.1"
+from netutil import HOST, free_port, wait_port
 
 
 def client_env() -> dict[str, str]:
@@ -66,27 +64,23 @@ def missing_reason() -> str | None:
     return None
 
 
+def wait_for(pred, timeout: float, step: float = 0.05) -> bool:
+    """Whether ``pred()`` became true within ``timeout`` s (asked every ``step`` s, and once more at the end): a
+    pool's state settles in the master's own time."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
 def require_mooncake() -> None:
     reason = missing_reason()
     if reason:
         pytest.skip(reason)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _wait_port(port: int, timeout: float) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with socket.create_connection((HOST, port), timeout=0.2):
-                return True
-        except OSError:
-            time.sleep(0.05)
-    return False
 
 
 class MooncakeMaster:
@@ -145,7 +139,7 @@ class MooncakeMaster:
         env = dict(os.environ, GLOG_minloglevel="2")
         self.proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=self._log, stderr=self._log,
                                      start_new_session=True)
-        if not (_wait_port(self.rpc_port, 15) and _wait_port(self.http_port, 15)):
+        if not (wait_port(self.rpc_port, 15) and wait_port(self.http_port, 15)):
             self.stop()
             raise RuntimeError(f"mooncake_master did not open ports {self.rpc_port}/{self.http_port}; "
                                f"log: {self.log_tail()}")

@@ -272,6 +272,7 @@ class ARCPolicy(EvictionPolicy):
     def _cap(self):
         return self.capacity_bytes or max(1, self._t1_bytes + self._t2_bytes)
 
+    # same shape as S3FIFOPolicy.on_insert: each policy keeps its own lists (a reference model reads plainest whole)
     def on_insert(self, key, nbytes):
         self.on_remove(key)
         cap = self._cap()

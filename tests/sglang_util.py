@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
-import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from netutil import HOST, free_port
+from procgroup import stop_group, wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 SGLANG_PY = ROOT / ".venv-sglang" / "bin" / "python"
@@ -74,12 +74,6 @@ def make_tiny_model(path: str | os.PathLike, layers: int = 2, hidden: int = 128,
     return str(path)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def prompt_ids(n: int, seed: int = 0, vocab: int = 1024) -> list[int]:
     """``n`` token ids of a fixed pseudo-random prompt (no tokenizer: the server skips its own)."""
     import random
@@ -99,9 +93,9 @@ class SGLangServer:
                  extra_config: dict[str, Any] | None = None, env: dict[str, str] | None = None,
                  max_total_tokens: int = 2048, page_size: int = 16, startup_timeout: float = 300) -> None:
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{HOST}:{self.port}"
         self.log_path = Path(log_path)
-        args = [str(SGLANG_PY), "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+        args = [str(SGLANG_PY), "-m", "sglang.launch_server", "--model-path", model, "--host", HOST,
                 "--port", str(self.port), "--device", "cpu", "--dtype", "bfloat16", "--skip-tokenizer-init",
                 "--attention-backend", "torch_native", "--sampling-backend", "pytorch", "--disable-cuda-graph",
                 "--max-total-tokens", str(max_total_tokens), "--page-size", str(page_size),
@@ -122,18 +116,7 @@ class SGLangServer:
             raise
 
     def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"SGLang server exited (rc={self.proc.returncode}) during startup\n{self.log()}")
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(1)  # (polling a server that is starting: no handshake is offered)
-        raise RuntimeError(f"SGLang server not ready after {timeout} s\n{self.log()}")
+        wait_healthy(self.url + "/health", self.proc, timeout, "SGLang server", self.log, interval=1)
 
     def log(self, tail: int = 8000) -> str:
         try:
@@ -161,22 +144,7 @@ class SGLangServer:
         self.post("/flush_cache")
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, PermissionError):
-                pass
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
-                self.proc.wait()
-        try:  # leftovers of the group (its scheduler and detokenizer processes)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        stop_group(self.proc, grace=30)  # the server, then its scheduler and detokenizer processes
         self._log.close()
 
     def __enter__(self) -> SGLangServer:

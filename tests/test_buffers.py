@@ -284,6 +284,7 @@ def test_host_views_are_taken_on_trust_and_checked_where_they_are_made():
         HostViews.join([v, [flat]])  # type: ignore[list-item]
 
 
+# same spy shape as test_integrity's copy_and_sum spy: each test wraps a different function of a different module
 def test_the_store_hands_host_views_to_to_parts_ptrs_as_they_are(monkeypatch):
     """put and get pass a ``HostViews`` batch on unconverted (a plain list would lose its addresses)."""
     import tierkv.store as store_mod

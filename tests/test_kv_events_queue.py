@@ -108,6 +108,16 @@ class _Store:
         return ["dram"] * len(keys)
 
 
+def _save_layers(saver, meta, paged, layers: int = 2) -> None:
+    """Save each layer of ``meta``'s plans as the engine's layers pass, wait for the writes, close the saver."""
+    try:
+        for layer in range(layers):
+            saver.save_layer(meta, layer, paged, hold=False)
+        assert saver.wait_all(30)
+    finally:
+        saver.close(5)
+
+
 @pytest.mark.vllm
 @pytest.mark.parametrize("answers, published", [
     # layer 0 then layer 1 of two chunks
@@ -140,13 +150,7 @@ def test_the_save_path_reports_a_chunk_when_every_layer_is_saved(answers, publis
                   shard=ShardInfo(0, 1, 0, 1), split_writes=False, store=lambda: store, counters=WorkerCounters(),
                   events=events)
     spec = SaveSpec("r", [(0, 0), (1, 1)], [[0], [1]], [bytes([1]) * 32, bytes([2]) * 32], [0, 1])
-    meta = TierKVConnectorMetadata(saves=[spec])
-    try:
-        for layer in range(2):
-            saver.save_layer(meta, layer, paged, hold=False)
-        assert saver.wait_all(30)
-    finally:
-        saver.close(5)
+    _save_layers(saver, TierKVConnectorMetadata(saves=[spec]), paged)
     taken = events.take()
     assert (len(taken.get_all_events()) if taken else 0) == published
 
@@ -180,13 +184,7 @@ def test_a_state_group_counts_only_for_the_chunks_whose_state_the_step_offers(st
                   group_of=lambda layer: layer, num_groups=2, state_groups=frozenset({1}), events=events)
     spec = SaveSpec("r", [(0, 0), (1, 1)], [[0], [1]], [bytes([1]) * 32, bytes([2]) * 32], [0, 1],
                     group_block_ids=[[[0], [1]], [[5], [6]]], state_chunks=[1])
-    meta = TierKVConnectorMetadata(saves=[spec])
-    try:
-        for layer in range(2):
-            saver.save_layer(meta, layer, paged, hold=False)
-        assert saver.wait_all(30)
-    finally:
-        saver.close(5)
+    _save_layers(saver, TierKVConnectorMetadata(saves=[spec]), paged)
     taken = events.take()
     assert [r.last_hash[0] for r in (taken.get_all_events() if taken else [])] == published
 

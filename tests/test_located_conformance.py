@@ -53,6 +53,7 @@ class DevicePathSlab(HBMTier):
         self._host = False
 
 
+# same shape as TestHBMOnCPU: pytest collects one class per tier, each naming its tier twice (fixture and model)
 class TestHBMDevicePathOnCPU(LocatedTierConformance):
     @pytest.fixture
     def make_tier(self, factory):

@@ -88,6 +88,7 @@ def test_process_b_finds_and_reads_what_process_a_stored():
         assert res["absent"] == 0
 
 
+# same set-up as the test above (a pool, a writer holding it): the assertions that follow differ
 def test_a_process_that_leaves_its_store_open_exits_cleanly():
     """The pool client, its workers and the store's copier are shut down before the interpreter
     finalizes: no tierkv thread is alive in the last exit callback, and the exit code is 0 (a

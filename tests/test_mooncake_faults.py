@@ -16,7 +16,7 @@ import uuid
 
 import pytest
 import torch
-from mooncake_util import MooncakeMaster, missing_reason
+from mooncake_util import MooncakeMaster, missing_reason, wait_for
 from tier_conformance import blob
 
 from tierkv.store import TieredStore
@@ -30,15 +30,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 def k(i: int, tag: str = "f") -> str:
     return f"{tag}{i:063x}"
-
-
-def wait_for(pred, timeout: float, step: float = 0.05) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 def tier_opts(m: MooncakeMaster, **extra) -> dict:

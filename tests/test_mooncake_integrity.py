@@ -117,6 +117,7 @@ sys.stdin.read()
 store.close()
 """
 
+# (WRITER and READER open alike: each is a whole script run with ``python -c``, so each states its own imports)
 # Process B reads them: what was changed in the pool meanwhile is a miss, counted; the rest exact.
 READER = r"""
 import json, sys, torch

@@ -17,7 +17,7 @@ import uuid
 
 import pytest
 import torch
-from mooncake_util import MooncakeMaster, missing_reason
+from mooncake_util import MooncakeMaster, missing_reason, wait_for
 from tier_conformance import TierConformance, blob
 
 from tierkv.errors import ConfigError
@@ -37,15 +37,6 @@ BASE = {"master": "127.0.0.1:1", "metadata_server": "http://127.0.0.1:1/metadata
 
 def k(i: int, tag: str = "s") -> str:
     return f"{tag}{i:063x}"
-
-
-def wait_for(pred, timeout: float, step: float = 0.05) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 def opts_of(cfg: dict) -> dict:

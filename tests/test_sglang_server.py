@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from sglang_util import TIERKV_BACKEND, SGLangServer, free_port, make_tiny_model, prompt_ids, storage_tokens
+from netutil import free_port
+from sglang_util import TIERKV_BACKEND, SGLangServer, make_tiny_model, prompt_ids, storage_tokens
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 

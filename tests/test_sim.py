@@ -35,6 +35,25 @@ def random_trace(seed: int, n: int = 300, prefixes: int = 12) -> list[Request]:
     return out
 
 
+def _offered(keys: list, lead: int, cache) -> tuple[int, list, list]:
+    """The batch past the ``lead`` leading hits, as an engine offers it: how many of its keys are present (in
+    ``cache``, or earlier in the request), the cached ones and the missing ones (each once, first appearance
+    order)."""
+    seen = set(keys[:lead])
+    present = 0
+    held: list = []
+    missing: list = []
+    for k in keys[lead:]:
+        if k in seen or k in cache:
+            present += 1
+            if k in cache and k not in held:
+                held.append(k)
+        elif k not in missing:
+            missing.append(k)
+        seen.add(k)
+    return present, held, missing
+
+
 def reference_lru(requests, capacity_blocks: int) -> tuple[int, int]:
     """An independent LRU over blocks, as an engine drives a cache: (hit tokens, present blocks).
 
@@ -57,17 +76,8 @@ def reference_lru(requests, capacity_blocks: int) -> tuple[int, int]:
         hit_tokens += min(lead * r.block_tokens, r.input_length)
         present += lead
         new: list[int] = []
-        seen = set(r.hash_ids[:lead])
-        missing = []
-        held: list[int] = []  # present blocks of the batch, first appearance order
-        for h in r.hash_ids[lead:]:
-            if h in seen or h in cache:
-                present += 1
-                if h in cache and h not in held:
-                    held.append(h)
-            elif h not in missing:
-                missing.append(h)
-            seen.add(h)
+        more, held, missing = _offered(r.hash_ids, lead, cache)
+        present += more
         for h in held:
             cache.move_to_end(h)
         for h in missing:
@@ -98,17 +108,9 @@ def reference_policy(requests, capacity_bytes: int, block_bytes: int, policy) ->
             policy.on_access(k)
         hit_tokens += min(lead * r.block_tokens, r.input_length)
         present += lead
-        seen = set(keys[:lead])
-        missing = []
-        held: list[str] = []  # present keys of the batch: used now, protected while it makes room
-        for k in keys[lead:]:
-            if k in seen or k in cache:
-                present += 1
-                if k in cache and k not in held:
-                    held.append(k)
-            elif k not in missing:
-                missing.append(k)
-            seen.add(k)
+        # held: present keys of the batch, used now, protected while it makes room
+        more, held, missing = _offered(keys, lead, cache)
+        present += more
         for k in held:
             policy.on_access(k)
         used = sum(cache.values())

@@ -298,6 +298,7 @@ def test_a_replaced_value_never_comes_back_even_without_the_checkpoint(tmp_path)
     t.close()
 
 
+# same opening as the checkpoint test above: each test writes the objects its check needs, sizes included
 def test_a_flipped_dead_log_entry_is_ignored_never_misread(tmp_path):
     d = str(tmp_path / "s")
     t = SSDTier("ssd", 8 * MiB, d, region_size="1MiB")
@@ -339,6 +340,7 @@ def test_removals_survive_restart_after_the_region_was_reclaimed(tmp_path):
     t.close()
 
 
+# same opening as test_ssd_faults' flipped-header test: a tier filled for the check that follows
 def test_smaller_capacity_on_reopen_keeps_the_newest(tmp_path):
     d = str(tmp_path / "s")
     t = SSDTier("ssd", 8 * MiB, d, region_size="1MiB")

@@ -18,23 +18,15 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+from test_ssd_engine import direct_ok
 
 from tierkv import TieredStore
-from tierkv.errors import ConfigError
 from tierkv.outcome import PutOutcome
 from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd import large as L
 
 MiB = 1 << 20
 LLAMA3_8B_CHUNK = 256 * 2 * 32 * 8 * 128 * 2  # 256 tokens x (K, V) x 32 layers x 8 KV heads x 128 x bf16
-
-
-def direct_ok(path) -> bool:
-    try:
-        SSDTier("probe", MiB, str(path), direct_io=True).close()
-        return True
-    except ConfigError:
-        return False
 
 
 MODES = {"buffered": {"direct_io": False}, "o_direct": {"direct_io": True},

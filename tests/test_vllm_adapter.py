@@ -330,6 +330,7 @@ def test_byte_runs_match_block_by_block(shape):
 
 
 @pytest.mark.parametrize("shape", [(16, 2, 4, 8), (2, 16, 4, 2, 4)], ids=["cpu-layout", "kv-first"])
+# same set-up as test_byte_runs_match_block_by_block: a paged layer of each layout, a seeded draw of block ids
 def test_cuts_give_each_object_its_blocks_bytes(shape):
     import random
 

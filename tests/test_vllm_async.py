@@ -17,12 +17,7 @@ pytestmark = pytest.mark.vllm
 import vllm_util as U
 
 BS = 32
-HOST_STORE = {
-    "tiers": [
-        {"medium": "hbm", "device": "cpu", "capacity": "64MiB"},
-        {"medium": "dram", "capacity": "128MiB", "eviction": "lru"},
-    ]
-}
+HOST_STORE = U.HOST_STORE
 ASYNC = {"load_async": True}
 
 
@@ -38,17 +33,10 @@ def _prompts(seed: int = 3) -> list[list[int]]:
 
 
 def _full_block_prefix(n_tokens: int) -> int:
-    return (n_tokens - 1) // BS * BS
+    return U.full_block_prefix(n_tokens, BS)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-async")
-
-
-@pytest.fixture(scope="module")
-def model(workdir):
-    return U.make_tiny_model(workdir / "model", layers=4)
+workdir, model = U.engine_fixtures("vllm-async")
 
 
 @pytest.fixture(scope="module")

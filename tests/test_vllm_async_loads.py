@@ -111,9 +111,11 @@ def test_a_load_that_raises_fails_every_block_and_the_thread_goes_on():
     a.close(5)
 
 
-def test_cancelled_before_start_is_never_loaded_but_reported():
+def _gated_loads():
+    """Loads whose runs record their requests (in ``ran``), set ``started`` and wait for ``gate`` (10 s at most):
+    (the loads, gate, started, ran)."""
     gate, started = threading.Event(), threading.Event()
-    ran = []
+    ran: list[str] = []
 
     def run(specs):
         ran.extend(s.req_id for s in specs)
@@ -121,7 +123,11 @@ def test_cancelled_before_start_is_never_loaded_but_reported():
         gate.wait(10)
         return _Job()
 
-    a = AsyncLoads(run)
+    return AsyncLoads(run), gate, started, ran
+
+
+def test_cancelled_before_start_is_never_loaded_but_reported():
+    a, gate, started, ran = _gated_loads()
     a.submit([_spec("a", [1])])
     assert started.wait(5)
     a.submit([_spec("b", [2]), _spec("c", [3])])
@@ -138,16 +144,7 @@ def test_cancelled_before_start_is_never_loaded_but_reported():
 
 
 def test_close_skips_the_queued_waits_for_the_running_and_fails_later_ones():
-    gate, started = threading.Event(), threading.Event()
-    ran = []
-
-    def run(specs):
-        ran.extend(s.req_id for s in specs)
-        started.set()
-        gate.wait(10)
-        return _Job()
-
-    a = AsyncLoads(run)
+    a, gate, started, ran = _gated_loads()
     a.submit([_spec("a", [1]), _spec("d", [5])])
     assert started.wait(5)
     a.submit([_spec("b", [2, 3])])

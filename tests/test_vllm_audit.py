@@ -20,6 +20,7 @@ pytestmark = pytest.mark.vllm
 
 import torch
 import vllm_util as U
+from vllm_fakes import fake_request, new_request_output, worker_step
 
 from tierkv import ConfigError, TieredStore
 from tierkv.adapters.vllm.audit import Auditor
@@ -122,26 +123,14 @@ def test_default_tolerance_passes_batch_noise_and_catches_wrong_kv(dtype):
 
 # ---------------------------------------------------------------------------------- the two sides, no engine
 def _request(rid: str, blocks: int, tokens_over: int = 3):
-    return SimpleNamespace(request_id=rid, num_tokens=blocks * BS + tokens_over,
-                           num_prompt_tokens=blocks * BS + tokens_over,
-                           block_hashes=[bytes([i, 9]) * 16 for i in range(blocks)], cache_salt=None)
+    return fake_request(rid, blocks, BS, tokens_over, tag=9)
 
 
-def _output(rid: str, block_ids: list[int], computed: int, scheduled: int):
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    new = SimpleNamespace(req_id=rid, block_ids=(block_ids,), num_computed_tokens=computed)
-    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={rid: scheduled}, preempted_req_ids=set())
+_output = new_request_output
 
 
 def _step(worker: TierKVWorker, meta) -> None:
-    worker.bind_metadata(meta)
-    worker.start_load_kv()
-    for name in LAYERS:
-        worker.wait_for_layer_load(name)
-        worker.save_kv_layer(name)
-    worker.wait_for_save()
-    worker.clear_metadata()
+    worker_step(worker, meta, LAYERS)
 
 
 def _serve(s: TierKVScheduler, w: TierKVWorker, rid: str, ids: list[int]) -> int:
@@ -222,18 +211,10 @@ def test_no_audit_without_saves_and_none_at_rate_zero(sides):
 
 # ---------------------------------------------------------------------------------- a real engine
 EBS = 32
-STORE = {"tiers": [{"medium": "hbm", "device": "cpu", "capacity": "64MiB"},
-                   {"medium": "dram", "capacity": "128MiB", "eviction": "lru"}]}
+STORE = U.HOST_STORE
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-audit")
-
-
-@pytest.fixture(scope="module")
-def model(workdir):
-    return U.make_tiny_model(workdir / "model", layers=4)
+workdir, model = U.engine_fixtures("vllm-audit")
 
 
 def _prompt() -> list[int]:

@@ -19,14 +19,10 @@ import mooncake_util
 import vllm_util as U
 
 BS = 32
-HOST_STORE = {
-    "tiers": [
-        {"medium": "hbm", "device": "cpu", "capacity": "64MiB"},
-        {"medium": "dram", "capacity": "128MiB", "eviction": "lru"},
-    ]
-}
+HOST_STORE = U.HOST_STORE
 
 
+# same shape as test_vllm_async._prompts: each module draws the prompt set its tests are about
 def _prompts(seed: int = 1) -> list[list[int]]:
     """Prompts that share prefixes (a common 100-token head, one pair sharing 170 tokens)."""
     rng = random.Random(seed)
@@ -41,17 +37,10 @@ def _prompts(seed: int = 1) -> list[list[int]]:
 
 
 def _full_block_prefix(n_tokens: int) -> int:
-    return (n_tokens - 1) // BS * BS
+    return U.full_block_prefix(n_tokens, BS)
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm")
-
-
-@pytest.fixture(scope="module")
-def model(workdir):
-    return U.make_tiny_model(workdir / "model", layers=4)
+workdir, model = U.engine_fixtures("vllm")
 
 
 @pytest.fixture(scope="module")
@@ -471,6 +460,7 @@ def test_tensor_parallel_ranks_store_their_own_kv_head_shards(model, workdir):
     spec = {
         "model": model,
         "tensor_parallel_size": 2,
+        # (steps alike in several tests here: each spells out the script of engine steps its assertions read)
         "env": _tp2_env(),
         "kv_transfer_config": U.connector_config(HOST_STORE),
         "steps": [
@@ -538,14 +528,6 @@ def test_tensor_parallel_replicas_share_keys_and_split_writes(workdir, tmp_path)
 
 
 # ------------------------------------------------------------------ the OpenAI server, stopped
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _lookup_names_bound(engine_id: str) -> list[str]:
     """Channel sockets (lookup and lifecycle) of ``engine_id`` still bound (abstract names) or present as files."""
     from tierkv.adapters.vllm.lookup import endpoint
@@ -577,60 +559,29 @@ def test_openai_server_stopped_by_signal_keeps_saves_and_leaves_nothing(model, w
     over it holds them), the totals line is printed, and no lookup socket or watcher is left."""
     import json
     import signal
-    import subprocess
-    import sys
-    import time
-    import urllib.request
     import uuid
 
     ssd = tmp_path / "ssd"
     engine_id = f"test-{uuid.uuid4()}"
     kv = U.connector_config(_ssd_store(ssd))
     kv["engine_id"] = engine_id
-    port = _free_port()
     env = {**U.engine_env(workdir / "cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
            "VLLM_LOGGING_LEVEL": "INFO"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
-           "--enforce-eager", "--block-size", str(BS), "--kv-cache-memory-bytes", str(64 << 20), "--dtype", "float32",
-           "--max-model-len", "2048", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-transfer-config", json.dumps(kv)]
-    log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        # stdout is a pipe too: it reaches EOF only once every process holding it (the watcher too) is gone
-        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=out, text=True, start_new_session=True)
-    lines: list[str] = []
-    import threading
-
-    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)
-    reader.start()
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, "".join(lines)[-4000:] + log.read_text()[-4000:]
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not come up"
-                time.sleep(1)
+    args = [*U.engine_args(block_size=BS, max_model_len=2048), "--kv-transfer-config", json.dumps(kv)]
+    # stdout is a pipe: it reaches EOF only once every process holding it (the watcher too) is gone
+    with U.openai_server(model, args, env, tmp_path / "server.log", pipe_stdout=True) as srv:
         prompts = [p for p in _prompts() if len(p) >= BS]
         for p in prompts:
-            body = json.dumps({"model": model, "prompt": p, "max_tokens": 4, "temperature": 0}).encode()
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            assert json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"]
-        proc.send_signal(getattr(signal, signame))  # the server alone, as `kill` or a supervisor does
-        proc.wait(timeout=120)
-        reader.join(timeout=60)
-        assert not reader.is_alive(), "something still holds the server's output open (a watcher left behind?)"
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-    text = "".join(lines) + log.read_text()
-    totals = [x for x in text.splitlines() if "TierKVConnector totals:" in x]
-    assert len(totals) == 1, text[-6000:]
-    assert "'saved_blocks': 0," not in totals[0] and "'save_errors': 0" in totals[0]
-    assert _lookup_names_bound(engine_id) == []
+            assert srv.complete(p, max_tokens=4)["choices"]
+        srv.proc.send_signal(getattr(signal, signame))  # the server alone, as `kill` or a supervisor does
+        srv.proc.wait(timeout=120)
+        assert srv.output_closed(60), "something still holds the server's output open (a watcher left behind?)"
+        text = srv.output()
+        totals = [x for x in text.splitlines() if "TierKVConnector totals:" in x]
+        assert len(totals) == 1, text[-6000:]
+        assert "'saved_blocks': 0," not in totals[0] and "'save_errors': 0" in totals[0]
+        # (checked before the block ends: its exit sweeps the server's process group)
+        assert _lookup_names_bound(engine_id) == []
     # durable: every answered prompt's stored prefix is in the SSD tier (an object per chunk and layer)
     from tierkv import TieredStore
 

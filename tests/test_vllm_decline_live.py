@@ -22,14 +22,7 @@ SLOW_PROMPTS = 26
 WARM = 3  # hits of a tier the rule claims before it has the samples to judge it
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-decline")
-
-
-@pytest.fixture(scope="module")
-def model(workdir):
-    return U.make_tiny_model(workdir / "model", layers=4)
+workdir, model = U.engine_fixtures("vllm-decline")
 
 
 def _prompts() -> tuple[list[list[int]], list[int]]:

@@ -244,14 +244,20 @@ def test_tp1_writes_tp2_ranks_read_their_heads(store):
         reader.shutdown()
 
 
-@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
-def test_tp2_ranks_write_tp1_reads_every_head(store, layerwise):
+def _write_tp2(store) -> list:
+    """Both ranks of a TP=2 engine (half the heads each) save the step into ``store``; their source caches."""
     srcs = []
     for rank in (0, 1):
         writer, src = _worker(_info(rank, 2, stored=2), store, HEADS // 2, fill=True)
         _save(writer)
         srcs.append(src)
         writer.shutdown()
+    return srcs
+
+
+@pytest.mark.parametrize("layerwise", [False, True], ids=["whole-step", "layerwise"])
+def test_tp2_ranks_write_tp1_reads_every_head(store, layerwise):
+    srcs = _write_tp2(store)
     reader, dst = _worker(_info(0, 1, stored=2), store, HEADS, fill=False, layerwise=layerwise)
     assert reader.layerwise is layerwise
     _load(reader)
@@ -274,12 +280,7 @@ def test_tp2_ranks_write_tp1_reads_every_head(store, layerwise):
 def test_a_missing_head_shard_fails_its_blocks_for_recompute(store):
     """One head's object of one layer's second chunk gone between the lookup and the load: that chunk's
     blocks are reported failed (vLLM recomputes them), the first chunk's are loaded."""
-    srcs = []
-    for rank in (0, 1):
-        writer, src = _worker(_info(rank, 2, stored=2), store, HEADS // 2, fill=True)
-        _save(writer)
-        srcs.append(src)
-        writer.shutdown()
+    srcs = _write_tp2(store)
     reader, dst = _worker(_info(0, 1, stored=2), store, HEADS, fill=False)
     keys = LayerKeys(reader.info)
     store.remove(keys.keys(3, [HASHES[3]], None))  # layer 1, head shard 1, blocks 2..3

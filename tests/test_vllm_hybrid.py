@@ -61,6 +61,7 @@ def test_gemma3_style_model_makes_sliding_window_and_full_groups(tmp_path):
     assert groups["mamba_cache_mode"] == "none"
 
 
+# same shape as the Gemma-3 test above: each model's groups are asserted in its own words
 def test_qwen3_next_style_model_makes_mamba_align_and_full_groups(tmp_path):
     model = H.make_qwen3_next_model(tmp_path / "qwen3n")
     prompts = _prompts(400, (40, 75, 9))

@@ -7,25 +7,17 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+from netutil import free_port
+
 TOPIC = b"kv"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Subscriber:
@@ -122,59 +114,31 @@ def test_vllm_publishes_tierkv_stores_and_removals(tmp_path):
     # one chunk is one 32-token block; a layer's copy is 2 x 32 x 2 heads x 64 x 4 B = 32 KiB, so the
     # 384 KiB tier holds 6 chunks (12 keys): the second 4-chunk prompt evicts the first's, the third the second's
     store = {"tiers": [{"medium": "dram", "capacity": "384KiB", "eviction": "lru"}]}
-    port, ev_port, replay_port = _free_port(), _free_port(), _free_port()
+    ev_port, replay_port = free_port(), free_port()
     ctx = zmq.Context()
     sub = _Subscriber(ctx, f"tcp://127.0.0.1:{ev_port}", f"tcp://127.0.0.1:{replay_port}")
     events_cfg = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{ev_port}",
                   "replay_endpoint": f"tcp://127.0.0.1:{replay_port}", "topic": TOPIC.decode()}
     env = {**U.engine_env(tmp_path / "cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
-           "--enforce-eager", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20), "--dtype", "float32",
-           "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-events-config", json.dumps(events_cfg),
-           "--kv-transfer-config", json.dumps(U.connector_config(store, extra={"chunk_tokens": 32,
-                                                                               "audit_rate": 0}))]
-    base = f"http://127.0.0.1:{port}"
+    args = [*U.engine_args(max_model_len=1024), "--kv-events-config", json.dumps(events_cfg),
+            "--kv-transfer-config", json.dumps(U.connector_config(store, extra={"chunk_tokens": 32,
+                                                                                "audit_rate": 0}))]
     log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def complete(prompt: list[int]) -> None:
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
-        req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        assert json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"]
 
     def ours(events: list, kind: type) -> list:
         return [e for e in events if isinstance(e, kind) and e.medium == "dram"]
 
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not come up: " + log.read_text()[-4000:]
-                try:  # (waits a second for the server to exit; it must not)
-                    rc = proc.wait(timeout=1)
-                except subprocess.TimeoutExpired:
-                    continue
-                pytest.fail(f"the server exited (rc={rc}): {log.read_text()[-4000:]}")
-        rng = random.Random(5)
-        prompts = [[rng.randrange(1024) for _ in range(4 * 32 + 5)] for _ in range(3)]
-        for prompt in prompts:
-            complete(prompt)
-        got = sub.wait_for(lambda g: len(ours(g, BlockStored)) >= 12 and len(ours(g, BlockRemoved)) >= 8, 120)
-        # one more step, too short to save anything, carries the scheduler's counts of what it published
-        complete([1, 2, 3])
-        text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
+        with U.openai_server(model, args, env, log) as srv:
+            rng = random.Random(5)
+            prompts = [[rng.randrange(1024) for _ in range(4 * 32 + 5)] for _ in range(3)]
+            for prompt in prompts:
+                assert srv.complete(prompt)["choices"]
+            got = sub.wait_for(lambda g: len(ours(g, BlockStored)) >= 12 and len(ours(g, BlockRemoved)) >= 8, 120)
+            # one more step, too short to save anything, carries the scheduler's counts of what it published
+            assert srv.complete([1, 2, 3])["choices"]
+            text = srv.text("/metrics")
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
         sub.close()
         ctx.term()
 

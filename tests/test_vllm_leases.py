@@ -36,14 +36,7 @@ def _prompts(seed: int) -> tuple[list[list[int]], list[list[int]]]:
     return [[*h, 1] for h in heads], prompts
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-leases")
-
-
-@pytest.fixture(scope="module")
-def model(workdir):
-    return U.make_tiny_model(workdir / "model", layers=4)
+workdir, model = U.engine_fixtures("vllm-leases")
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 import torch
+from vllm_fakes import fake_request, new_request_output, worker_step
 
 from tierkv import TieredStore
 from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, RequestSalts, kv_shard, salt_tenant
@@ -35,30 +36,18 @@ def _adapter(path, seed: int) -> None:
 
 
 def _request(rid: str, lora, salt: str | None = None):
-    blocks = 4
-    return SimpleNamespace(request_id=rid, num_tokens=blocks * BS + 3, num_prompt_tokens=blocks * BS + 3,
-                           block_hashes=[bytes([i, 7]) * 16 for i in range(blocks)], cache_salt=salt,
-                           lora_request=lora)
+    return fake_request(rid, 4, BS, cache_salt=salt, lora_request=lora)
 
 
-def _output(rid: str, block_ids: list[int], computed: int, scheduled: int):
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    new = SimpleNamespace(req_id=rid, block_ids=(block_ids,), num_computed_tokens=computed)
-    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={rid: scheduled}, preempted_req_ids=set())
+_output = new_request_output
 
 
+# same shape as test_vllm_audit._serve: kept apart because each builds its own request (here a LoRA one)
 def _serve(s: TierKVScheduler, w: TierKVWorker, req, ids: list[int]) -> int:
     """One request from lookup to finish; the tokens the scheduler reported matched."""
     ext, _ = s.get_num_new_matched_tokens(req, 0)
     s.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: (ids,)), ext)
-    w.bind_metadata(s.build_connector_meta(_output(req.request_id, ids, ext, req.num_tokens - ext)))
-    w.start_load_kv()
-    for name in LAYERS:
-        w.wait_for_layer_load(name)
-        w.save_kv_layer(name)
-    w.wait_for_save()
-    w.clear_metadata()
+    worker_step(w, s.build_connector_meta(_output(req.request_id, ids, ext, req.num_tokens - ext)), LAYERS)
     s.request_finished(req)
     w.get_finished({req.request_id})
     return ext

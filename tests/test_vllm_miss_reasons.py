@@ -6,12 +6,9 @@ from __future__ import annotations
 import json
 import os
 import random
-import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
@@ -30,50 +27,25 @@ def test_server_counts_evicted_and_never_stored_misses(tmp_path):
     # a prompt's 4 chunks x 2 layers are 8: two prompts do not fit, and each new one evicts the oldest
     store = {"tiers": [{"medium": "dram", "capacity": "768KiB"}]}
     extra = {"chunk_tokens": 64, "trace_path": str(trace), "audit_rate": 0}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**U.engine_env(tmp_path / "cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
     # vLLM's own cache is small (512 tokens) so a repeated prompt is asked of the store, not served by vLLM
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
-           "--enforce-eager", "--block-size", "32", "--kv-cache-memory-bytes", str(1 << 20), "--dtype", "float32",
-           "--max-model-len", "384", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-transfer-config", json.dumps(U.connector_config(store, extra=extra))]
-    base = f"http://127.0.0.1:{port}"
-    log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    args = [*U.engine_args(kv_cache_bytes=1 << 20, max_model_len=384),
+            "--kv-transfer-config", json.dumps(U.connector_config(store, extra=extra))]
+    with U.openai_server(model, args, env, tmp_path / "server.log") as srv:
+        def reasons() -> dict[str, float]:
+            out: dict[str, float] = {}
+            for fam in text_string_to_metric_families(srv.text("/metrics")):
+                for smp in fam.samples:
+                    if smp.name == "tierkv_misses_by_reason_total":
+                        out[smp.labels["reason"]] = out.get(smp.labels["reason"], 0.0) + smp.value
+            return out
 
-    def complete(prompt: list[int]) -> None:
-        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
-        req = urllib.request.Request(f"{base}/v1/completions", data=body, headers={"Content-Type": "application/json"})
-        assert json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"]
-
-    def reasons() -> dict[str, float]:
-        text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
-        out: dict[str, float] = {}
-        for fam in text_string_to_metric_families(text):
-            for smp in fam.samples:
-                if smp.name == "tierkv_misses_by_reason_total":
-                    out[smp.labels["reason"]] = out.get(smp.labels["reason"], 0.0) + smp.value
-        return out
-
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log.read_text()[-6000:]
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not come up: " + log.read_text()[-4000:]
-                time.sleep(1)
         rng = random.Random(5)
         prompts = [[rng.randrange(1024) for _ in range(260)] for _ in range(4)]
         for p in prompts[:3]:  # A, B, C: each stored, each evicting the one before from the tier
-            complete(p)
-        complete(prompts[0])  # A again: its prefix was evicted
-        complete(prompts[3])  # D: never seen
+            assert srv.complete(p)["choices"]
+        assert srv.complete(prompts[0])["choices"]  # A again: its prefix was evicted
+        assert srv.complete(prompts[3])["choices"]  # D: never seen
         # the workers' snapshots ride on the engine's stats: wait for one taken after the last lookup
         deadline = time.monotonic() + 120
         while True:
@@ -82,13 +54,6 @@ def test_server_counts_evicted_and_never_stored_misses(tmp_path):
                 break
             assert time.monotonic() < deadline, got
             time.sleep(1)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
     # every reason is shown, zeros included; nothing was corrupt, refused or audited here
     assert got["corrupt"] == got["audit_failed"] == got["rejected"] == 0
 

@@ -20,14 +20,7 @@ BS = 32
 TINY = {"tiers": [{"medium": "dram", "capacity": "1MiB", "eviction": "lru"}]}
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm-misses")
-
-
-@pytest.fixture(scope="module")
-def model(workdir):
-    return U.make_tiny_model(workdir / "model", layers=4)
+workdir, model = U.engine_fixtures("vllm-misses")
 
 
 def _prompt(seed: int) -> list[int]:
@@ -45,6 +38,7 @@ def test_engine_counts_evicted_and_never_stored_misses(model, workdir):
             {"op": "reset"},
             {"op": "generate", "prompts": [b]},
             {"op": "reset"},
+            # (steps alike in the connector tests: each test spells out the script of engine steps it reads)
             {"op": "generate", "prompts": [c]},  # the tier is full: a's chunks (the least recent) go
             {"op": "reset"},
             {"op": "records"},

@@ -117,12 +117,8 @@ def test_vllm_metrics_endpoint_shows_every_tierkv_metric(tmp_path):
     import json
     import os
     import random
-    import signal
-    import socket
-    import subprocess
     import sys
     import time
-    import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -134,41 +130,18 @@ def test_vllm_metrics_endpoint_shows_every_tierkv_metric(tmp_path):
     store = {"tiers": [{"medium": "dram", "capacity": "8MiB"},
                        {"medium": "ssd", "path": str(tmp_path / "ssd"), "capacity": "64MiB", "region_size": "8MiB"}],
              "shadow": {"rate": 1.0}}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     env = {**U.engine_env(tmp_path / "cache"), "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--skip-tokenizer-init",
-           "--enforce-eager", "--block-size", "32", "--kv-cache-memory-bytes", str(64 << 20), "--dtype", "float32",
-           "--max-model-len", "1024", "--host", "127.0.0.1", "--port", str(port),
-           "--kv-transfer-config", json.dumps(U.connector_config(store))]
-    base = f"http://127.0.0.1:{port}"
-    log = tmp_path / "server.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, log.read_text()[-6000:]
-            try:
-                urllib.request.urlopen(f"{base}/health", timeout=2)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the server did not come up: " + log.read_text()[-4000:]
-                time.sleep(1)
+    args = [*U.engine_args(max_model_len=1024), "--kv-transfer-config", json.dumps(U.connector_config(store))]
+    with U.openai_server(model, args, env, tmp_path / "server.log") as srv:
         rng = random.Random(3)
         head = [rng.randrange(1024) for _ in range(96)]
         for i in range(4):  # prompts sharing a 3-block head: saves, and lookups that find it
             prompt = head + [rng.randrange(1024) for _ in range(40 + i)]
-            body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0}).encode()
-            req = urllib.request.Request(f"{base}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})
-            assert json.loads(urllib.request.urlopen(req, timeout=300).read())["choices"]
+            assert srv.complete(prompt, max_tokens=2)["choices"]
 
         def scrape() -> dict[str, list]:
-            text = urllib.request.urlopen(f"{base}/metrics", timeout=30).read().decode()
             out: dict[str, list] = {}
-            for fam in text_string_to_metric_families(text):
+            for fam in text_string_to_metric_families(srv.text("/metrics")):
                 for smp in fam.samples:
                     out.setdefault(smp.name, []).append(smp)
             return out
@@ -182,13 +155,6 @@ def test_vllm_metrics_endpoint_shows_every_tierkv_metric(tmp_path):
                 break
             assert time.monotonic() < deadline, sorted(n for n in seen if n.startswith("tierkv"))
             time.sleep(1)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
     # (the per-tenant families exist only where tenants are configured: tests/test_tenants_live.py shows them)
     missing = [n for n, k in documented_metrics().items()
                if not sample_names(n, k) <= set(seen) and not n.startswith("tierkv_tenant_")]

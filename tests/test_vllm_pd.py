@@ -127,6 +127,7 @@ def test_nixl_transfers_to_decode_and_both_sides_hit_the_pool(tmp_path):
                 d2 = dec.step({"op": "generate", "prompts": [later]})
                 dec.step({"op": "drain"})
                 drec2 = dec.step({"op": "records"})
+                # the prefill side's steps, the same as the decode side's above: one engine each, stepped in turn
                 pre.step({"op": "drain"})
                 prec1 = pre.step({"op": "records"})
                 pre.step({"op": "reset"})

@@ -17,6 +17,7 @@ import pytest
 pytestmark = pytest.mark.vllm
 
 import torch
+from vllm_fakes import fake_request, new_request_output, worker_step
 
 from tierkv import TieredStore
 from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, kv_shard
@@ -31,27 +32,15 @@ NB = 16
 
 
 def _request(rid: str, blocks: int, tokens_over: int = 3):
-    return SimpleNamespace(request_id=rid, num_tokens=blocks * BS + tokens_over,
-                           num_prompt_tokens=blocks * BS + tokens_over,
-                           block_hashes=[bytes([i, 7]) * 16 for i in range(blocks)], cache_salt=None)
+    return fake_request(rid, blocks, BS, tokens_over)
 
 
-def _output(rid: str, block_ids: list[int], computed: int, scheduled: int):
-    cached = SimpleNamespace(req_ids=[], new_block_ids=[], resumed_req_ids=set(), num_computed_tokens=[])
-    new = SimpleNamespace(req_id=rid, block_ids=(block_ids,), num_computed_tokens=computed)
-    return SimpleNamespace(scheduled_new_reqs=[new], scheduled_cached_reqs=cached,
-                           num_scheduled_tokens={rid: scheduled}, preempted_req_ids=set())
+_output = new_request_output
 
 
 def _step(worker: TierKVWorker, meta) -> set[int]:
     """One engine step on the worker side as vLLM runs it; the blocks that failed to load."""
-    worker.bind_metadata(meta)
-    worker.start_load_kv()
-    for name in LAYERS:
-        worker.wait_for_layer_load(name)
-        worker.save_kv_layer(name)
-    worker.wait_for_save()
-    worker.clear_metadata()
+    worker_step(worker, meta, LAYERS)
     return worker.get_block_ids_with_load_errors()
 
 

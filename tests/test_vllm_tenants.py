@@ -15,14 +15,7 @@ import vllm_util as U
 BS = 32
 
 
-@pytest.fixture(scope="module")
-def workdir(tmp_path_factory):
-    return tmp_path_factory.mktemp("vllm_tenants")
-
-
-@pytest.fixture(scope="module")
-def model(workdir):
-    return U.make_tiny_model(workdir / "model", layers=4)
+workdir, model = U.engine_fixtures("vllm_tenants")
 
 
 def _store(tenants):

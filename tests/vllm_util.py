@@ -1,6 +1,9 @@
 """Helpers for the vLLM connector tests and benchmark.
 
 * :func:`make_tiny_model` writes a random-weight Llama (no download).
+* :class:`OpenAIServer` / :func:`openai_server`: vLLM's OpenAI server (``vllm.entrypoints.openai.api_server``) on a
+  free loopback port, in a process group of its own, stopped (SIGTERM, then SIGKILL) by whoever started it;
+  its output goes to a log file that failure messages quote.
 * Run as a script, this module starts one in-process vLLM engine, plays a list
   of steps from a JSON spec and prints one JSON line of results, so each engine
   lives in its own process (true cross-process tests, and memory is returned).
@@ -10,49 +13,92 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from netutil import HOST, free_port
+from procgroup import kill_group, stop_group, wait_healthy
+
 RESULT_PREFIX = "TIERKV-RESULT "
+
+
+def save_random_model(path: str | os.PathLike, config_cls: str, model_cls: str, dtype: str = "float32",
+                      seed: int = 0, **config: Any) -> str:
+    """Save a random-weight ``transformers`` model to ``path`` (idempotent: a folder with a config.json is taken as
+    written) and return the path: ``config_cls(**config)`` (class names in ``transformers``) drawn with ``seed``.
+
+    Wide weights (``initializer_range=0.2``) spread the logits, so greedy decoding has no near-ties; the
+    embeddings are not tied; the weights are saved in ``dtype``.
+    """
+    path = Path(path)
+    if (path / "config.json").exists():
+        return str(path)
+    import torch
+    import transformers
+
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, config_cls)(**config, initializer_range=0.2, tie_word_embeddings=False,
+                                            torch_dtype=dtype)
+    model = getattr(transformers, model_cls)(cfg).to(getattr(torch, dtype))
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return str(path)
 
 
 def make_tiny_model(path: str | os.PathLike, layers: int = 4, hidden: int = 128, heads: int = 2,
                     kv_heads: int = 2, vocab: int = 1024, intermediate: int | None = None,
                     max_positions: int = 8192, seed: int = 0) -> str:
     """Save a random-weight Llama to ``path`` (idempotent) and return the path."""
-    path = Path(path)
-    if (path / "config.json").exists():
-        return str(path)
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    return save_random_model(path, "LlamaConfig", "LlamaForCausalLM", seed=seed, vocab_size=vocab,
+                             hidden_size=hidden, intermediate_size=intermediate or hidden * 2,
+                             num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                             head_dim=hidden // heads, max_position_embeddings=max_positions)
 
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate or hidden * 2,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=hidden // heads,
-        max_position_embeddings=max_positions,
-        # wide weights spread the logits, so greedy decoding has no near-ties
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        torch_dtype="float32",
-    )
-    model = LlamaForCausalLM(cfg).to(torch.float32)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(path), safe_serialization=True)
-    return str(path)
+
+#: the two-tier store most engine tests put under the connector: an ``hbm`` tier on the CPU, then LRU ``dram``
+HOST_STORE: dict[str, Any] = {
+    "tiers": [
+        {"medium": "hbm", "device": "cpu", "capacity": "64MiB"},
+        {"medium": "dram", "capacity": "128MiB", "eviction": "lru"},
+    ]
+}
+
+
+def full_block_prefix(n_tokens: int, block_size: int = 32) -> int:
+    """The tokens of an ``n_tokens`` prompt that a prefix cache can serve: its whole blocks, the last token
+    excluded (the engine always computes that one)."""
+    return (n_tokens - 1) // block_size * block_size
+
+
+def engine_fixtures(name: str, layers: int = 4) -> tuple[Any, Any]:
+    """Module-scoped pytest fixtures of a test module that runs engines: ``workdir``, a temporary folder named
+    after ``name`` that the module's tests share, and ``model``, a tiny Llama of ``layers`` layers in it.
+
+        workdir, model = U.engine_fixtures("vllm-async")
+    """
+    import pytest  # (this module also runs as the engine process's script, where pytest has no business)
+
+    @pytest.fixture(scope="module")
+    def workdir(tmp_path_factory):
+        return tmp_path_factory.mktemp(name)
+
+    @pytest.fixture(scope="module")
+    def model(workdir):
+        return make_tiny_model(workdir / "model", layers=layers)
+
+    return workdir, model
 
 
 def engine_env(cache_root: str | os.PathLike) -> dict[str, str]:
@@ -90,24 +136,15 @@ def start_engine(spec: dict[str, Any], cache_root: str | os.PathLike, stdin=None
     )
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def engine_result(proc: subprocess.Popen, timeout: float = 300) -> dict[str, Any]:
     """Wait for an engine process and return its JSON result (raises with its output on failure)."""
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
+        kill_group(proc)
         stdout, stderr = proc.communicate()
         raise RuntimeError(f"engine process timed out\n{stdout[-4000:]}\n{stderr[-8000:]}") from None
-    _kill_group(proc)  # leftovers of a crashed engine, if any
+    kill_group(proc)  # leftovers of a crashed engine, if any
     for line in stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
@@ -174,8 +211,106 @@ class EngineServer:
             self.proc.wait(timeout=60)
         except Exception:
             pass
-        _kill_group(self.proc)
+        kill_group(self.proc)
         self._log.close()
+
+
+def engine_args(block_size: int = 32, kv_cache_bytes: int = 64 << 20, max_model_len: int = 1024) -> list[str]:
+    """The OpenAI server's flags for a tiny test engine: no tokenizer (prompts are token ids), eager, float32,
+    a KV cache of ``kv_cache_bytes``."""
+    return ["--skip-tokenizer-init", "--enforce-eager", "--block-size", str(block_size),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes), "--dtype", "float32", "--max-model-len", str(max_model_len)]
+
+
+class OpenAIServer:
+    """One ``python -m vllm.entrypoints.openai.api_server`` for ``model`` on a free loopback port.
+
+    It runs in a process group of its own (the engine core is a child): :meth:`stop` ends the whole group.
+    Its stderr, and its stdout unless ``pipe_stdout``, go to ``log_path``; with ``pipe_stdout`` the stdout
+    is a pipe a thread of this object reads into :attr:`lines` (it reaches its end only once every process
+    holding it is gone: :meth:`output_closed`).  The object that starts it owns it: call :meth:`stop` on
+    every path (:func:`openai_server` does).
+    """
+
+    def __init__(self, model: str, args: Sequence[str], env: dict[str, str], log_path: str | os.PathLike, *,
+                 pipe_stdout: bool = False, cpus: set[int] | None = None) -> None:
+        """``args``: the server's flags besides model, host and port; ``env``: its whole environment;
+        ``cpus``: the cores it (and every process it starts) may run on, None for this process's."""
+        self.model = model
+        self.port = free_port()
+        self.log_path = Path(log_path)
+        self.lines: list[str] = []
+        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", HOST,
+               "--port", str(self.port), *args]
+        with open(self.log_path, "w") as log:  # the child keeps its own descriptor
+            self.proc = subprocess.Popen(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE if pipe_stdout else log,
+                stderr=log if pipe_stdout else subprocess.STDOUT, text=True, start_new_session=True,
+                preexec_fn=None if cpus is None else lambda: os.sched_setaffinity(0, cpus))
+        self.started = time.monotonic()
+        self._reader: threading.Thread | None = None
+        if pipe_stdout:
+            self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+            self._reader.start()
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def wait_ready(self, timeout: float = 600) -> float:
+        """Block until ``/health`` answers 200: the seconds since the start.  Raises with the log when the
+        server exits first or is not up ``timeout`` s after its start."""
+        return wait_healthy(self.base_url + "/health", self.proc, timeout, "the OpenAI server", self.log_tail,
+                            started=self.started)
+
+    def output(self) -> str:
+        """All the server wrote so far: its piped stdout (if any), then the log file."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            text = ""
+        return "".join(self.lines) + text
+
+    def log_tail(self, n: int = 6000) -> str:
+        return self.output()[-n:]
+
+    def complete(self, prompt: list[int], max_tokens: int = 1, timeout: float = 300) -> dict[str, Any]:
+        """A greedy ``/v1/completions`` of the token ids ``prompt``: the server's JSON answer."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(self.base_url + "/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def text(self, path: str, timeout: float = 30) -> str:
+        """The body of a GET of ``path`` (``"/metrics"``), decoded."""
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as r:
+            return r.read().decode()
+
+    def output_closed(self, timeout: float) -> bool:
+        """With ``pipe_stdout``: whether the stdout pipe reached its end (no process holds it) within ``timeout``."""
+        if self._reader is None:
+            raise ValueError("output_closed needs a server started with pipe_stdout=True")
+        self._reader.join(timeout)
+        return not self._reader.is_alive()
+
+    def stop(self, sig: int = signal.SIGTERM, grace: float = 60.0) -> None:
+        """``sig`` to the server's group, ``grace`` s for it to exit, then SIGKILL to what is left of the group."""
+        stop_group(self.proc, sig, grace)
+
+
+@contextlib.contextmanager
+def openai_server(model: str, args: Sequence[str], env: dict[str, str], log_path: str | os.PathLike, *,
+                  startup_timeout: float = 600, pipe_stdout: bool = False) -> Iterator[OpenAIServer]:
+    """An :class:`OpenAIServer`, healthy, for the ``with`` block; stopped (SIGTERM, then SIGKILL) when it ends,
+    failures included."""
+    server = OpenAIServer(model, args, env, log_path, pipe_stdout=pipe_stdout)
+    try:
+        server.wait_ready(startup_timeout)
+        yield server
+    finally:
+        server.stop()
 
 
 def connector_config(store: dict[str, Any] | str | None, name: str = "TierKVConnector",

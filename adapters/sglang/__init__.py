@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tierkv.lazy import load_export
+
 _LAZY = {
     "TierKVStorage": "storage",
     "BackendOptions": "options",
@@ -26,11 +28,4 @@ __all__ = list(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
-    return value
+    return load_export(__name__, _LAZY, globals(), name)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from tierkv.lazy import load_export
+
 _LAZY = {
     "TierKVConnector": "connector",
     "live_connectors": "connector",
@@ -37,11 +39,4 @@ __all__ = sorted(_LAZY)
 
 
 def __getattr__(name: str) -> Any:
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-
-    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
-    globals()[name] = value
-    return value
+    return load_export(__name__, _LAZY, globals(), name)
