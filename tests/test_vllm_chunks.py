@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tierkv.adapters.vllm.chunks import blocks_per_chunk, covered, plan_saves, resolve
 
 
-def _resolver(stored: set[tuple[int, int]], G: int):
+def _resolver(stored: set[tuple[int, int]], chunk_blocks: int):
     """full_present / tail_present over a set of stored (first, last) objects; records the calls."""
     calls = []
 
@@ -19,7 +19,7 @@ def _resolver(stored: set[tuple[int, int]], G: int):
         calls.append(("full", list(ends)))
         n = 0
         for e in ends:
-            if (e - G + 1, e) not in stored:
+            if (e - chunk_blocks + 1, e) not in stored:
                 break
             n += 1
         return n
@@ -27,24 +27,25 @@ def _resolver(stored: set[tuple[int, int]], G: int):
     def tail_present(ends):
         calls.append(("tail", list(ends)))
         for j in ends:
-            if (G * (j // G), j) in stored:
+            if (chunk_blocks * (j // chunk_blocks), j) in stored:
                 return j
         return None
 
     return full_present, tail_present, calls
 
 
-def _best_cover(stored, lo, hi, known, G):
+def _best_cover(stored, lo, hi, known, chunk_blocks):
     """Brute force: the most blocks of lo..hi-1 a chain of stored objects covers."""
     reach = lo
-    g = lo // G
-    while g * G < hi:
-        full = (g * G, g * G + G - 1)
+    g = lo // chunk_blocks
+    while g * chunk_blocks < hi:
+        full = (g * chunk_blocks, g * chunk_blocks + chunk_blocks - 1)
         if full[1] < known and full in stored:
             reach = full[1] + 1
             g += 1
             continue
-        tails = [j for j in range(max(lo, g * G), min(known, g * G + G - 1)) if (g * G, j) in stored]
+        start = g * chunk_blocks
+        tails = [j for j in range(max(lo, start), min(known, start + chunk_blocks - 1)) if (start, j) in stored]
         if tails:
             reach = max(reach, max(tails) + 1)
         break
@@ -62,67 +63,67 @@ def test_blocks_per_chunk():
 
 
 def test_resolve_examples():
-    G = 4
+    chunk_blocks = 4
     stored = {(0, 3), (4, 7), (8, 10)}
-    fp, tp, _ = _resolver(stored, G)
+    fp, tp, _ = _resolver(stored, chunk_blocks)
     # a 12-block request whose blocks 0..10 are stored (two chunks and a tail)
-    assert resolve(0, 11, 12, G, fp, tp) == [(0, 3), (4, 7), (8, 10)]
+    assert resolve(0, 11, 12, chunk_blocks, fp, tp) == [(0, 3), (4, 7), (8, 10)]
     # starting mid-chunk: the whole chunk is read
-    assert resolve(5, 11, 12, G, fp, tp) == [(4, 7), (8, 10)]
+    assert resolve(5, 11, 12, chunk_blocks, fp, tp) == [(4, 7), (8, 10)]
     assert covered([(4, 7), (8, 10)], 5, 11) == 6
     # a request that has only blocks 0..9 cannot name (8, 10): no tail of its own
-    assert resolve(0, 10, 10, G, fp, tp) == [(0, 3), (4, 7)]
+    assert resolve(0, 10, 10, chunk_blocks, fp, tp) == [(0, 3), (4, 7)]
     # nothing stored at the start: nothing after it is used
-    fp2, tp2, _ = _resolver({(4, 7)}, G)
-    assert resolve(0, 8, 8, G, fp2, tp2) == []
+    fp2, tp2, _ = _resolver({(4, 7)}, chunk_blocks)
+    assert resolve(0, 8, 8, chunk_blocks, fp2, tp2) == []
 
 
 def test_resolve_prefers_the_shortest_tail_that_reaches():
-    G = 8
+    chunk_blocks = 8
     stored = {(0, 4), (0, 5), (0, 6), (0, 2)}
-    fp, tp, calls = _resolver(stored, G)
+    fp, tp, calls = _resolver(stored, chunk_blocks)
     # need blocks 0..3: (0, 4) reaches and is the shortest that does
-    assert resolve(0, 4, 7, G, fp, tp) == [(0, 4)]
+    assert resolve(0, 4, 7, chunk_blocks, fp, tp) == [(0, 4)]
     # need 0..6 but block 6 is the last with a hash: (0, 6)
-    assert resolve(0, 7, 7, G, fp, tp) == [(0, 6)]
+    assert resolve(0, 7, 7, chunk_blocks, fp, tp) == [(0, 6)]
     # nothing reaches 7 (no hash past 6): the longest that falls short
-    assert resolve(0, 7, 7, G, *_resolver({(0, 2), (0, 4)}, G)[:2]) == [(0, 4)]
+    assert resolve(0, 7, 7, chunk_blocks, *_resolver({(0, 2), (0, 4)}, chunk_blocks)[:2]) == [(0, 4)]
 
 
 @settings(max_examples=300, deadline=None)
 @given(
-    G=st.integers(1, 6),
+    chunk_blocks=st.integers(1, 6),
     known=st.integers(0, 40),
     data=st.data(),
 )
-def test_resolve_is_maximal_and_only_names_stored_objects(G, known, data):
-    objs = [(G * (j // G), j) for j in range(known)]
+def test_resolve_is_maximal_and_only_names_stored_objects(chunk_blocks, known, data):
+    objs = [(chunk_blocks * (j // chunk_blocks), j) for j in range(known)]
     stored = set(data.draw(st.lists(st.sampled_from(objs), unique=True), "stored") if objs else [])
     lo = data.draw(st.integers(0, known), "lo")
     hi = data.draw(st.integers(lo, known), "hi")
-    fp, tp, calls = _resolver(stored, G)
-    chunks = resolve(lo, hi, known, G, fp, tp)
+    fp, tp, calls = _resolver(stored, chunk_blocks)
+    chunks = resolve(lo, hi, known, chunk_blocks, fp, tp)
     for first, last in chunks:
         assert (first, last) in stored
-        assert first % G == 0 and last - first < G and last < known
+        assert first % chunk_blocks == 0 and last - first < chunk_blocks and last < known
     for (_, a), (b, _) in itertools.pairwise(chunks):
         assert b == a + 1, "chunks are consecutive"
     if chunks:
-        assert chunks[0][0] == G * (lo // G)
-        assert all(last - first == G - 1 for first, last in chunks[:-1]), "only the last may be a tail"
-    assert covered(chunks, lo, hi) == _best_cover(stored, lo, hi, known, G)
+        assert chunks[0][0] == chunk_blocks * (lo // chunk_blocks)
+        assert all(last - first == chunk_blocks - 1 for first, last in chunks[:-1]), "only the last may be a tail"
+    assert covered(chunks, lo, hi) == _best_cover(stored, lo, hi, known, chunk_blocks)
     # never asks about an object the request cannot name
     for _, ends in calls:
         assert all(e < known for e in ends)
 
 
 @settings(max_examples=300, deadline=None)
-@given(G=st.integers(1, 6), prompt_blocks=st.integers(0, 30), data=st.data())
-def test_plan_saves_covers_each_block_once_per_object_kind(G, prompt_blocks, data):
+@given(chunk_blocks=st.integers(1, 6), prompt_blocks=st.integers(0, 30), data=st.data())
+def test_plan_saves_covers_each_block_once_per_object_kind(chunk_blocks, prompt_blocks, data):
     """Steps computing blocks up to a growing end: every full chunk saved once, and one tail at prefill end."""
     total = prompt_blocks + data.draw(st.integers(0, 10), "decode blocks")
     start = data.draw(st.integers(0, prompt_blocks), "blocks already stored")
-    next_chunk, tail_end = start // G, start
+    next_chunk, tail_end = start // chunk_blocks, start
     ends = sorted(set([*data.draw(st.lists(st.integers(0, total), max_size=8), "step ends"), total]))
     saved = []
     prefilled = False
@@ -131,37 +132,38 @@ def test_plan_saves_covers_each_block_once_per_object_kind(G, prompt_blocks, dat
             continue
         final = not prefilled and end >= prompt_blocks  # the step that completes the prefill
         prefilled = prefilled or final
-        chunks, next_chunk, tail_end = plan_saves(next_chunk, tail_end, end, final, G)
+        chunks, next_chunk, tail_end = plan_saves(next_chunk, tail_end, end, final, chunk_blocks)
         saved += chunks
     assert len(saved) == len(set(saved)), "nothing saved twice"
-    full = [c for c in saved if c[1] - c[0] == G - 1 and c[0] % G == 0]
+    full = [c for c in saved if c[1] - c[0] == chunk_blocks - 1 and c[0] % chunk_blocks == 0]
     tails = [c for c in saved if c not in full]
-    assert full == [(g * G, g * G + G - 1) for g in range(start // G, total // G)]
+    n = chunk_blocks
+    assert full == [(g * n, g * n + n - 1) for g in range(start // n, total // n)]
     assert len(tails) <= 1
     for first, last in tails:
-        assert first % G == 0 and last - first < G - 1
+        assert first % chunk_blocks == 0 and last - first < chunk_blocks - 1
     # everything from the first unsaved chunk to the prompt's last full block is in some object
     cover = set()
     for first, last in saved:
         cover.update(range(first, last + 1))
     first_end_at_prefill = min(e for e in ends if e >= max(prompt_blocks, start))
-    assert set(range(G * (start // G), first_end_at_prefill)) - set(range(start)) <= cover
+    assert set(range(chunk_blocks * (start // chunk_blocks), first_end_at_prefill)) - set(range(start)) <= cover
 
 
-def _info(layers: int, G: int, bs: int = 16):
+def _info(layers: int, chunk_blocks: int, bs: int = 16):
     from tierkv.adapters.vllm.config import EngineInfo, kv_shard
 
     return EngineInfo(block_size=bs, layers=tuple(f"model.layers.{i}.self_attn.attn" for i in range(layers)),
                       num_blocks=64, shard=kv_shard(0, 1, 2), namespaces={0: "test-ns"})
 
 
-def _worker(store, layers: int, G: int):
-    """A worker side over ``store`` with ``layers`` layers and chunks of ``G`` blocks (no engine, no socket)."""
+def _worker(store, layers: int, chunk_blocks: int):
+    """A worker side over ``store`` with ``layers`` layers and chunks of ``chunk_blocks`` blocks (no engine, no socket)."""
     from tierkv.adapters.vllm.config import ConnectorOptions
     from tierkv.adapters.vllm.worker import TierKVWorker
 
     bs = 16
-    return TierKVWorker(ConnectorOptions(chunk_tokens=G * bs), _info(layers, G, bs), store,
+    return TierKVWorker(ConnectorOptions(chunk_tokens=chunk_blocks * bs), _info(layers, chunk_blocks, bs), store,
                         release=lambda s: None, serve=False)
 
 
@@ -201,8 +203,8 @@ def hashed(monkeypatch):
 
 @pytest.mark.vllm
 @settings(max_examples=40, deadline=None)
-@given(layers=st.integers(1, 5), G=st.sampled_from([1, 2, 4]), nblocks=st.integers(1, 14), data=st.data())
-def test_probe_needs_every_layer_and_asks_each_key_once(layers, G, nblocks, data):
+@given(layers=st.integers(1, 5), chunk_blocks=st.sampled_from([1, 2, 4]), nblocks=st.integers(1, 14), data=st.data())
+def test_probe_needs_every_layer_and_asks_each_key_once(layers, chunk_blocks, nblocks, data):
     """Against a brute-force model: a chunk counts only when every layer holds it (the probe), or the
     last layer (the chunks a load reads); the tier of each reached block comes back with it; one pass
     hashes each key once and asks the store about each key once."""
@@ -213,10 +215,10 @@ def test_probe_needs_every_layer_and_asks_each_key_once(layers, G, nblocks, data
 
     store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "64MiB"}]})
     counting = _CountingStore(store)
-    c = _worker(counting, layers, G)
+    c = _worker(counting, layers, chunk_blocks)
     hashes = [bytes([i]) * 8 for i in range(nblocks)]
     # full chunks (and tails from each chunk start) that some subset of layers holds
-    candidates = [(f, last) for f in range(0, nblocks, G) for last in range(f, min(f + G, nblocks))]
+    candidates = [(f, last) for f in range(0, nblocks, chunk_blocks) for last in range(f, min(f + chunk_blocks, nblocks))]
     stored = {}
     for chunk in candidates:
         stored[chunk] = data.draw(st.sets(st.integers(0, layers - 1)), label=f"layers of {chunk}")
@@ -231,10 +233,10 @@ def test_probe_needs_every_layer_and_asks_each_key_once(layers, G, nblocks, data
     counting.calls, counting.asked = 0, []
     got = c.probe(ProbeRequest(hashes, local, None))
     assert len(counting.asked) == len(set(counting.asked))  # each key asked about once
-    fp, tp, _ = _resolver(complete, G)
-    assert got.reach == covered(resolve(local, nblocks, nblocks, G, fp, tp), local, nblocks)
-    assert got.held == (covered(resolve(0, local, nblocks, G, fp, tp), 0, local) if local else 0)
-    assert got.reach == _best_cover(complete, local, nblocks, nblocks, G)
+    fp, tp, _ = _resolver(complete, chunk_blocks)
+    assert got.reach == covered(resolve(local, nblocks, nblocks, chunk_blocks, fp, tp), local, nblocks)
+    assert got.held == (covered(resolve(0, local, nblocks, chunk_blocks, fp, tp), 0, local) if local else 0)
+    assert got.reach == _best_cover(complete, local, nblocks, nblocks, chunk_blocks)
     assert got.where == [TierPlace("dram", "host")] * got.reach
     if complete == last_layer:  # no layer lacks what the last layer holds: two stages at most
         assert counting.calls <= 2
@@ -242,8 +244,8 @@ def test_probe_needs_every_layer_and_asks_each_key_once(layers, G, nblocks, data
     # the chunks a load reads: by the last layer, each with its key there and its tier
     counting.calls, counting.asked = 0, []
     plan = c.prober.locate(hashes, 0, 0, nblocks, None)
-    fp, tp, _ = _resolver(last_layer, G)
-    assert plan.chunks == resolve(0, nblocks, nblocks, G, fp, tp)
+    fp, tp, _ = _resolver(last_layer, chunk_blocks)
+    assert plan.chunks == resolve(0, nblocks, nblocks, chunk_blocks, fp, tp)
     for i, (_, last) in enumerate(plan.chunks):
         assert plan.keys[layers - 1][i] == c.keys.keys(layers - 1, [hashes[last]], None)[0]
         assert plan.tiers[i] == "dram" and plan.hashes[i] == hashes[last]
@@ -255,20 +257,20 @@ def test_probe_needs_every_layer_and_asks_each_key_once(layers, G, nblocks, data
     store.close()
 
 
-def _stored_prompt(c, store, hashes, G, layers, tail=True):
+def _stored_prompt(c, store, hashes, chunk_blocks, layers, tail=True):
     """Save a prompt as the connector does: its full chunks and (``tail``) the tail after them, every layer."""
     import torch
 
     one = torch.zeros(1, dtype=torch.uint8)
     n = len(hashes)
-    ends = list(range(G - 1, n, G)) + ([n - 1] if tail and n % G else [])
+    ends = list(range(chunk_blocks - 1, n, chunk_blocks)) + ([n - 1] if tail and n % chunk_blocks else [])
     for layer in range(layers):
         store.put(c.keys.keys(layer, [hashes[e] for e in ends], None), [one] * len(ends))
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("layers,G", [(1, 1), (4, 1), (4, 4), (32, 16)])
-def test_a_probe_is_one_pass_one_presence_query_per_level(layers, G, hashed):
+@pytest.mark.parametrize("layers,chunk_blocks", [(1, 1), (4, 1), (4, 4), (32, 16)])
+def test_a_probe_is_one_pass_one_presence_query_per_level(layers, chunk_blocks, hashed):
     """One probe: one batched presence query for the last layer (written last: a miss stops there) and,
     as needed, one for the other layers of what the last layer holds; every key hashed once, each asked
     about once, whatever the question (reach and held at once)."""
@@ -277,8 +279,8 @@ def test_a_probe_is_one_pass_one_presence_query_per_level(layers, G, hashed):
 
     store = TieredStore.from_config({"tiers": [{"medium": "dram", "capacity": "64MiB"}]})
     counting = _CountingStore(store)
-    c = _worker(counting, layers, G)
-    nblocks = 10 * G + max(1, G // 2)  # ten full chunks and a tail
+    c = _worker(counting, layers, chunk_blocks)
+    nblocks = 10 * chunk_blocks + max(1, chunk_blocks // 2)  # ten full chunks and a tail
     hashes = [bytes([i % 256, i // 256]) * 8 for i in range(nblocks)]
     try:
         # a miss: one query, of the last layer only
@@ -286,8 +288,8 @@ def test_a_probe_is_one_pass_one_presence_query_per_level(layers, G, hashed):
         got = c.probe(ProbeRequest(hashes, 3, None))
         assert (got.reach, got.held, counting.calls) == (0, 0, 1)
         assert len(hashed) == len(set(hashed)) == len(counting.asked)
-        _stored_prompt(c, store, hashes, G, layers)
-        for local in (0, 3, 5 * G):
+        _stored_prompt(c, store, hashes, chunk_blocks, layers)
+        for local in (0, 3, 5 * chunk_blocks):
             counting.calls, counting.asked = 0, []
             hashed.clear()
             got = c.probe(ProbeRequest(hashes, local, None))

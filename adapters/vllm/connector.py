@@ -201,8 +201,8 @@ def engine_info(vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config:
     layout = _layout_descriptor(vllm_config, kv_cache_config, slices)
     hash_algo = str(getattr(vllm_config.cache_config, "prefix_caching_hash_algo", ""))
     dtype = str(mc.dtype).replace("torch.", "")
-    G = max(1, options.chunk_tokens // block_size)
-    namespaces = {j: base_namespace(model_id, dtype, layout, block_size, j, stored, hash_algo, G)
+    chunk_blocks = max(1, options.chunk_tokens // block_size)
+    namespaces = {j: base_namespace(model_id, dtype, layout, block_size, j, stored, hash_algo, chunk_blocks)
                   for j in range(stored)}
     kv_groups = kv_cache_config.kv_cache_groups if groups else kv_cache_config.kv_cache_groups[:1]
     rank_heads = tuple(int(getattr(g.kv_cache_spec, "num_kv_heads", 0) or 0) for g in kv_groups)

@@ -72,8 +72,8 @@ class LoadObj:
 
 
 class _Batch:
-    """What every layer of one job shares: its chunks' hashes by salt, where their blocks lie,
-    and the blocks each request fills.  Made once per job; each layer then costs its keys,
+    """What every slice of one job shares: its chunks' hashes by salt, where their blocks lie,
+    and the blocks each request fills.  Made once per job; each slice then costs its keys,
     its views and the store's get."""
 
     __slots__ = ("blocks", "by_salt", "cuts", "discards", "members", "objs", "req_blocks")
@@ -132,10 +132,10 @@ class _Batch:
 
 @dataclass
 class LoadJob:
-    """One step's loads: per-layer events and timestamps, and what was read or failed."""
+    """One step's loads: per-slice events and timestamps, and what was read or failed."""
 
     submit_t: float
-    num_layers: int
+    num_slices: int
     events: list[threading.Event]
     begin: list[float]
     end: list[float]
@@ -154,9 +154,9 @@ class LoadJob:
     located: set[str] = field(default_factory=set)
 
     @classmethod
-    def new(cls, num_layers: int) -> LoadJob:
-        return cls(time.perf_counter(), num_layers, [threading.Event() for _ in range(num_layers)],
-                   [0.0] * num_layers, [0.0] * num_layers, [0.0] * num_layers)
+    def new(cls, num_slices: int) -> LoadJob:
+        return cls(time.perf_counter(), num_slices, [threading.Event() for _ in range(num_slices)],
+                   [0.0] * num_slices, [0.0] * num_slices, [0.0] * num_slices)
 
     def count_hits(self, rid: str, tier: str, tokens: int) -> None:
         self.hit_tokens[tier] = self.hit_tokens.get(tier, 0) + tokens
@@ -173,19 +173,19 @@ class Loader:
     """Runs load jobs for one worker.
 
     ``locate(hashes, base, lo, hi, salt)`` plans a load no probe planned (the
-    worker's prober: one batched locate of the last slice); ``layer_keys(slice,
+    worker's prober: one batched locate of the last slice); ``slice_keys(slice,
     hashes, salt)`` the keys of chunks named by their hashes (bytes), for a key a
     plan lacks; ``store()`` the store to read (looked up on each job, so a test may
     wrap it).
     """
 
-    def __init__(self, *, layers: list[str], paged: dict[str, PagedLayer], block_size: int,
+    def __init__(self, *, slices: list[str], paged: dict[str, PagedLayer], block_size: int,
                  store: Callable[[], TieredStore | None],
                  locate: Callable[[list[bytes], int, int, int, str | None], LoadPlan],
-                 layer_keys: Callable[[int, list[bytes], str | None], list[str]],
-                 tp_rank: int = 0, tp_size: int = 1, group_of: Callable[[int], int] = lambda layer: 0,
+                 slice_keys: Callable[[int, list[bytes], str | None], list[str]],
+                 tp_rank: int = 0, tp_size: int = 1, group_of: Callable[[int], int] = lambda s: 0,
                  num_groups: int = 1, state_groups: frozenset[int] = frozenset()) -> None:
-        self._layers = layers
+        self._slices = slices
         self._state_groups = state_groups
         self._group_of = group_of
         self._num_groups = num_groups
@@ -193,7 +193,7 @@ class Loader:
         self._bs = block_size
         self._store = store
         self._locate = locate
-        self._layer_keys = layer_keys
+        self._slice_keys = slice_keys
         self._tp_rank, self._tp_size = tp_rank, tp_size
         self._discard: dict = {}  # buffers for bytes read and dropped (one job at a time uses them)
         self._pool: ThreadPoolExecutor | None = None
@@ -202,7 +202,7 @@ class Loader:
     def start(self, specs: list[LoadSpec], plans: Mapping[str, LoadPlan] | None = None) -> LoadJob:
         """Load the specs' blocks, each request's from its plan in ``plans`` (by request id) where one fits
         the spec (see :func:`planned`), else located."""
-        job = LoadJob.new(len(self._layers))
+        job = LoadJob.new(len(self._slices))
         job.req_ids = {s.req_id for s in specs}
         plans = plans or {}
         if self.layerwise:
@@ -299,29 +299,29 @@ class Loader:
                 if batch is not None:
                     self._load_all_layers(job, batch)
             finally:
-                for layer in range(job.num_layers):
-                    job.begin[layer], job.end[layer] = t, time.perf_counter()
-                    job.events[layer].set()
+                for sl in range(job.num_slices):
+                    job.begin[sl], job.end[sl] = t, time.perf_counter()
+                    job.events[sl].set()
             return
-        for layer in range(job.num_layers):
-            job.begin[layer] = time.perf_counter()
+        for sl in range(job.num_slices):
+            job.begin[sl] = time.perf_counter()
             try:
                 if batch is not None:
-                    keys = batch.keys(self._layer_keys, layer, self._group_of(layer))
-                    outs, copies, _ = self._prepare_layer(layer, batch, 0)
-                    self._finish_layer(job, layer, batch, self._get(keys, outs, f"layer {layer}"), copies)
+                    keys = batch.keys(self._slice_keys, sl, self._group_of(sl))
+                    outs, copies, _ = self._prepare_slice(sl, batch, 0)
+                    self._finish_slice(job, sl, batch, self._get(keys, outs, f"slice {sl}"), copies)
             finally:
-                job.end[layer] = time.perf_counter()
-                job.events[layer].set()
+                job.end[sl] = time.perf_counter()
+                job.events[sl].set()
 
-    def _prepare_layer(self, layer: int, batch: _Batch, spare: int) -> tuple[list, list | None, int]:
-        """Destination buffers of one layer's chunks, and their pending copies (None: none).
+    def _prepare_slice(self, sl: int, batch: _Batch, spare: int) -> tuple[list, list | None, int]:
+        """Destination buffers of one slice's chunks, and their pending copies (None: none).
 
         Blocks of a chunk this request has, or does not need, are read into discard
         buffers; ``spare`` of them are already taken by other layers of the same get.
         """
-        paged = self._paged[self._layers[layer]]
-        g = self._group_of(layer)
+        paged = self._paged[self._slices[sl]]
+        g = self._group_of(sl)
         n = batch.discards[g]
         if n:
             discard = iter(paged.discard_targets(spare + n, self._discard)[spare:])
@@ -340,9 +340,9 @@ class Loader:
             logger.warning("TierKVConnector: get failed for %s: %s", what, e)
             return [False] * len(keys)
 
-    def _finish_layer(self, job: LoadJob, layer: int, batch: _Batch, ok: list[bool], copies: list | None) -> None:
-        nb = self._paged[self._layers[layer]].block_nbytes
-        g = self._group_of(layer)
+    def _finish_slice(self, job: LoadJob, sl: int, batch: _Batch, ok: list[bool], copies: list | None) -> None:
+        nb = self._paged[self._slices[sl]].block_nbytes
+        g = self._group_of(sl)
         if copies is None and all(ok):  # the common case: every chunk in place, nothing to copy
             job.nbytes += nb * batch.blocks[g]
             for rid, n in batch.req_blocks[g].items():
@@ -362,15 +362,15 @@ class Loader:
                 job.failed_reqs.add(o.req_id)
 
     def _load_all_layers(self, job: LoadJob, batch: _Batch) -> None:
-        """Every layer in one get: the tiers batch it as a whole (one round trip, one I/O queue)."""
-        L = job.num_layers
+        """Every slice in one get: the tiers batch it as a whole (one round trip, one I/O queue)."""
+        L = job.num_slices
         keys: list[str] = []
         per_layer: list = []
         copies: list = []
         spare = 0
-        for layer in range(L):
-            keys += batch.keys(self._layer_keys, layer, self._group_of(layer))
-            o, c, used = self._prepare_layer(layer, batch, spare)
+        for sl in range(L):
+            keys += batch.keys(self._slice_keys, sl, self._group_of(sl))
+            o, c, used = self._prepare_slice(sl, batch, spare)
             spare += used
             per_layer.append(o)
             copies.append(c)
@@ -380,9 +380,9 @@ class Loader:
             outs = [v for o in per_layer for v in o]
         ok = self._get(keys, outs, "all layers")
         at = 0
-        for layer in range(L):
-            n = len(batch.objs_of(self._group_of(layer)))
-            self._finish_layer(job, layer, batch, ok[at:at + n], copies[layer])
+        for sl in range(L):
+            n = len(batch.objs_of(self._group_of(sl)))
+            self._finish_slice(job, sl, batch, ok[at:at + n], copies[sl])
             at += n
 
 

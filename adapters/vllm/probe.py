@@ -1,23 +1,26 @@
-"""What a worker's store holds of a request: the scheduler's probe, and the chunks a load reads.
+"""What a worker's store holds of a request: the scheduler's probe, and the plan its load reads.
 
+The parts index *slices* (a layer, or one stored KV-head shard of it: layer_keys.py).
 Both questions are answered in one pass over the store (see chunks.py for which
-objects hold which blocks).  A chunk is stored when every layer holds its object.
+objects hold which blocks).  A chunk is stored when every slice holds its object.
 A pass asks the store in two *levels*, each one batched ``locate`` of every key
 the level needs, and keeps the answers per chunk:
 
-1. the last layer's keys of every full chunk the question can reach, and of the
+1. the last slice's keys of every full chunk the question can reach, and of the
    tails that may end it (the first and the last chunk's), answered with the tier
-   holding each: the last layer is written last, so a chunk it lacks is not
+   holding each: the last slice is written last, so a chunk it lacks is not
    stored, and a miss costs this one call;
-2. the other layers' keys of the chunks the last layer holds, answered per chunk
-   (does every other layer hold it), with every layer's keys of the tails of a
-   chunk where the last layer's run broke early.
+2. the other slices' keys of the chunks the last slice holds, answered per chunk
+   (does every other slice hold it), with every slice's keys of the tails of a
+   chunk where the last slice's run broke early.
 
 A call after those is made only when an answer moved the end of the run to a chunk
-whose tails were not asked yet (a layer missing a chunk the last layer holds).
+whose tails were not asked yet (a slice missing a chunk the last slice holds).
 Each key is hashed once per pass and asked about once; the tier of each chunk
 comes from the same answers.  A probe answers both of its questions (the blocks
-held below ``local`` and the reach from it) from one pass.
+held below ``local`` and the reach from it) from one pass, and its
+:class:`LoadPlan` (the chunks of the reach, every slice's key, their tiers) is
+what its lease holds and its load reads: a hit is resolved once.
 
 Nothing here keeps state between passes: a pass is a question's scratch.
 """
@@ -67,8 +70,8 @@ def _merged(parts: list[list[int]]) -> list[int]:
 class _Pass:
     """One question's answers from the store, asked for in batches (one ``locate`` per level).
 
-    ``hashes[i]`` names block ``base + i``; ``layers`` are the layers that must
-    hold a chunk, the first of them (the last layer) asked alone in the first
+    ``hashes[i]`` names block ``base + i``; ``slices`` are the slices that must
+    hold a chunk, the first of them (the last slice) asked alone in the first
     level, the others together in the second.
     """
 
@@ -79,11 +82,11 @@ class _Pass:
         self.chunk_blocks = chunk_blocks
         self.known = base + len(hashes)  # blocks with a hash: an object ending past them cannot be named
         self._first, self._others = slices[0], slices[1:]
-        #: chunk end -> the tier holding the first layer's object (None: none)
+        #: chunk end -> the tier holding the first slice's object (None: none)
         self.first: dict[int, str | None] = {}
-        #: chunk end -> whether every other layer holds its object
+        #: chunk end -> whether every other slice holds its object
         self.others: dict[int, bool] = {}
-        #: the first layer's key of each chunk end asked about (the load reads by them)
+        #: the first slice's key of each chunk end asked about
         self.first_keys: dict[int, str] = {}
         self._ask_first: list[list[int]] = []
         self._ask_others: list[list[int]] = []
@@ -120,7 +123,7 @@ class _Pass:
             held = [True] * m
             for at in range(n, len(tiers), m):
                 row = tiers[at:at + m]
-                if None in row:  # (rare: a layer lost a chunk its last layer holds)
+                if None in row:  # (rare: a slice lost a chunk the last slice holds)
                     for i, t in enumerate(row):
                         if t is None:
                             held[i] = False
@@ -153,16 +156,16 @@ class _Pass:
         return found if settled else None
 
     def _leading(self, ends: list[int]) -> tuple[int, bool]:
-        """How many leading ``ends`` every layer holds, and whether that is settled (every answer in).
+        """How many leading ``ends`` every slice holds, and whether that is settled (every answer in).
 
         Unsettled, the count is what the answers so far allow (a chunk not yet
         asked about counts as held) and the missing answers are asked for: the
-        first layer's of every chunk, the others' where the first layer holds it.
+        first slice's of every chunk, the others' where the first slice holds it.
         """
         n = len(ends)
         vals = list(map(self.first.get, ends, repeat(_UNKNOWN, n)))
         n = _index(vals, None, n)
-        held = _index(vals, _UNKNOWN, n)  # ends[:held]: the first layer holds them
+        held = _index(vals, _UNKNOWN, n)  # ends[:held]: the first slice holds them
         settled = held == n
         if not settled:
             self._ask_first.append(_unknown(ends, vals, held, n))
@@ -177,7 +180,7 @@ class _Pass:
         return n, settled
 
     def _first_stored(self, cands: list[int]) -> tuple[int | None, bool]:
-        """The first of ``cands`` every layer holds (None: none), and whether that is settled."""
+        """The first of ``cands`` every slice holds (None: none), and whether that is settled."""
         settled = True
         for j in cands:
             v = self.first.get(j, _UNKNOWN)
@@ -186,7 +189,7 @@ class _Pass:
             if v is _UNKNOWN:
                 self._ask_first.append([j])
                 if self.calls and self._others:
-                    # past the first level, a tail's layers are asked together: a run that broke in the
+                    # past the first level, a tail's slices are asked together: a run that broke in the
                     # middle costs no third call
                     self._ask_others.append([j])
                 settled = False
@@ -390,8 +393,8 @@ class Prober:
         whose break the store never saw is ``other_namespace`` when the store holds that chunk unsalted (one
         more key and one more ``locate``).  Other namespaces (model, layout, KV-head shard) are not asked."""
         first = p.first
-        ends = list(compress(first, map(not_, first.values())))  # (absent from the first layer asked; in C)
-        ends += [e for e, ok in p.others.items() if not ok and first.get(e)]  # (rare: another layer lacks it)
+        ends = list(compress(first, map(not_, first.values())))  # (absent from the first slice asked; in C)
+        ends += [e for e, ok in p.others.items() if not ok and first.get(e)]  # (rare: another slice lacks it)
         ends.sort()
         ends = ends[bisect_left(ends, b0):]
         if not ends:

@@ -152,7 +152,7 @@ class TierKVScheduler:
         self.options = options
         self.info = info
         self._bs = info.block_size
-        self._G = max(1, options.chunk_tokens // info.block_size)
+        self._chunk_blocks = max(1, options.chunk_tokens // info.block_size)
         #: several KV cache groups (a hybrid model): block ids per group, loads between steps only
         self._multi = info.num_groups > 1
         #: a sliding-window group frees blocks before its window while the request runs: saves skip them
@@ -211,9 +211,9 @@ class TierKVScheduler:
 
     def hash_window(self, request: Any, lo: int, hi: int) -> tuple[list[bytes], int]:
         """The request's block hashes that name the chunks around ``lo..hi-1``, and the first one's index."""
-        G = self._G
-        base = (lo // G) * G
-        top = min(len(request.block_hashes), -(-hi // G) * G)
+        chunk_blocks = self._chunk_blocks
+        base = (lo // chunk_blocks) * chunk_blocks
+        top = min(len(request.block_hashes), -(-hi // chunk_blocks) * chunk_blocks)
         return [bytes(h) for h in request.block_hashes[base:top]], base
 
     def probe(self, request: Any, local: int, limit: int | None = None) -> ProbeAnswer:
@@ -341,7 +341,7 @@ class TierKVScheduler:
         local, stored = look.local, look.stored
         bs = self._bs
         num_external_tokens = max(0, int(num_external_tokens))
-        st.next_chunk, st.tail_end = stored // self._G, stored
+        st.next_chunk, st.tail_end = stored // self._chunk_blocks, stored
         # blocks complete once these tokens are in (a hit one token short of the
         # prompt's end leaves its last block incomplete until that token is computed)
         st.expect_done = local + num_external_tokens // bs
@@ -441,17 +441,17 @@ class TierKVScheduler:
                 self._leased.discard(rid)
             if not self.options.save:
                 continue
-            G = self._G
+            chunk_blocks = self._chunk_blocks
             done = num_computed // bs
             if done < st.expect_done:  # vLLM rolled back (a failed load, a preemption): save again from there
-                st.next_chunk = min(st.next_chunk, done // G)
+                st.next_chunk = min(st.next_chunk, done // chunk_blocks)
                 st.tail_end = min(st.tail_end, done)
             new_tokens = num_computed + scheduler_output.num_scheduled_tokens.get(rid, 0)
             st.expect_done = new_tokens // bs
             end = min(new_tokens // bs, len(req.block_hashes), *(len(ids) for ids in st.block_ids or [[]]))
             # the step that completes the prompt also saves its blocks after the last full chunk
             prefilled = num_computed < req.num_prompt_tokens <= new_tokens
-            chunks, st.next_chunk, st.tail_end = plan_saves(st.next_chunk, st.tail_end, end, prefilled, G)
+            chunks, st.next_chunk, st.tail_end = plan_saves(st.next_chunk, st.tail_end, end, prefilled, chunk_blocks)
             if chunks and self._windowed:
                 chunks = self._savable(st, chunks, num_computed)
             if not chunks:

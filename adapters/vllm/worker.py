@@ -143,8 +143,8 @@ class TierKVWorker:
             store.add_removal_listener(self.events.on_removed)
 
         def loader() -> Loader:
-            return Loader(layers=layers, paged=self._paged, block_size=info.block_size, store=lambda: self.store,
-                          locate=self.prober.locate, layer_keys=self.keys.keys, tp_rank=info.tp_rank,
+            return Loader(slices=layers, paged=self._paged, block_size=info.block_size, store=lambda: self.store,
+                          locate=self.prober.locate, slice_keys=self.keys.keys, tp_rank=info.tp_rank,
                           tp_size=info.tp_size, group_of=group_of, num_groups=info.num_groups,
                           state_groups=info.state_groups)
 
