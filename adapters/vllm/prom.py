@@ -27,10 +27,13 @@ here imports vLLM until ``build_prom_metrics`` is called.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tierkv.metrics import LATENCY_BUCKETS, Kind, LatencyRecorder, Merge, families, latency_families, latency_help
 from tierkv.metrics import snapshot as read_snapshot
+
+if TYPE_CHECKING:
+    from tierkv.store import TieredStore
 
 SNAPSHOT_KEY = "tierkv_store"
 #: a worker sends a snapshot with every non-empty interval, and at least this often while the engine steps
@@ -77,10 +80,9 @@ CONNECTOR_TIER_COUNTERS = {
 }
 
 
-def watch_store(store: Any) -> None:
+def watch_store(store: TieredStore) -> None:
     """Time ``store``'s batches for the latency histograms (a ``LatencyRecorder``, once)."""
-    if hasattr(store, "observers"):
-        LatencyRecorder.of(store)
+    LatencyRecorder.of(store)
 
 
 def attach_store_snapshot(data: dict[str, Any], store: Any, rank: Any = 0) -> None:
