@@ -6,7 +6,7 @@ Layers, bottom to top:
   engine, the media (``tierkv.tiers``) and the policies (``tierkv.policies``);
 * **adapters** (``tierkv.adapters``): the vLLM connector and the SGLang backend, over the core;
 * **tools** (``tierkv.tools``, and ``tierkv.__main__`` behind ``python -m tierkv``): the operator's command,
-  simulator, benchmarks, demos, exporter, trace capture and inspection; they may import anything.
+  simulator, benchmarks, demos and inspection; they may import anything.
 
 Rules checked here:
 
