@@ -6,10 +6,10 @@ simpler built-ins); ``tierkv.policies.ARCPolicy`` names it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
 from typing import Optional
 
-from .eviction import EvictionPolicy, Key, LevelOrder, _Sizes, _to_end, _trim_front
+from .eviction import EvictionPolicy, Key, LevelOrder, _Sizes, _trim_front
 
 
 class ARCPolicy(EvictionPolicy):
@@ -23,7 +23,7 @@ class ARCPolicy(EvictionPolicy):
     In a store it follows its level's order (``follow_order``): T1 is then the
     level's READY entries not in T2, in the level's order, so a chunk not read since
     it entered costs the policy nothing; T2 and the ghost lists stay its own.
-    Subclasses keep their own dicts unless they opt in too.
+    A subclass follows too unless it says ``follows_level_order = False``.
     """
 
     name = "arc"
@@ -33,27 +33,24 @@ class ARCPolicy(EvictionPolicy):
         super().__init__()
         # plain dicts, insertion order being list order: a re-read key is popped and put back at
         # the end; the ghost lists are trimmed from the front once per ``victims``
-        self._t1: dict[Key, int] = {}  # own T1 (unused while sharing an index)
+        self._t1: dict[Key, int] = {}  # own T1 (unused while following the level's order)
         self._t2: dict[Key, int] = {}
         self._b1: dict[Key, int] = {}
         self._b2: dict[Key, int] = {}
         self._t1_bytes = self._t2_bytes = self._b1_bytes = self._b2_bytes = 0
         self.p = 0.0  # target bytes for T1
         self._size = _Sizes()
-        self._index: Optional[dict] = None
-        self._fp_of: Callable[[int], int] = int
-        self._count: Callable[[], int] = int
-        self._ready_bytes: Callable[[], int] = int
+        #: the level's order, when this policy follows it: T1 is its READY entries not in T2
+        self._order: Optional[LevelOrder] = None
 
     def follow_order(self, order: LevelOrder) -> None:
         """Take the level's READY entries not in T2 as T1."""
         if len(self) or self._b1 or self._b2:
             raise RuntimeError(f"{type(self).__name__} already tracks keys: follow an order before first use")
-        self._index, self._fp_of = order.entries, order.footprint
-        self._count, self._ready_bytes = order.ready_count, order.ready_bytes
+        self._order = order
 
     def _t1b(self) -> int:
-        return self._t1_bytes if self._index is None else self._ready_bytes() - self._t2_bytes
+        return self._t1_bytes if self._order is None else self._order.ready_bytes() - self._t2_bytes
 
     def _cap(self):
         return self.capacity_bytes or max(1, self._t1b() + self._t2_bytes)
@@ -61,7 +58,7 @@ class ARCPolicy(EvictionPolicy):
     def on_insert(self, key, nbytes):
         self.on_remove(key)
         nbytes = self._size(nbytes)
-        shared = self._index is not None
+        shared = self._order is not None
         if key in self._b1:
             cap = self._cap() if not shared else self.capacity_bytes or max(1, self._t1b() - nbytes + self._t2_bytes)
             delta = max(1.0, self._b2_bytes / max(1, self._b1_bytes)) * nbytes
@@ -81,8 +78,8 @@ class ARCPolicy(EvictionPolicy):
 
     def on_insert_many(self, keys, sizes):
         t1, t2, b1, b2, size = self._t1, self._t2, self._b1, self._b2, self._size
-        if self._index is not None:
-            # the level entered the keys in its index (T1): only a return or a ghost hit is work
+        if self._order is not None:
+            # the level entered the keys in its order (T1): only a return or a ghost hit is work
             if (t2 and not t2.keys().isdisjoint(keys)) or (b1 and not b1.keys().isdisjoint(keys)) or \
                     (b2 and not b2.keys().isdisjoint(keys)):
                 for key, nbytes in zip(keys, sizes):
@@ -118,31 +115,27 @@ class ARCPolicy(EvictionPolicy):
         if key in t2:
             t2[key] = t2.pop(key)
             return
-        index = self._index
-        if index is None:
+        order = self._order
+        if order is None:
             if key in self._t1:
                 n = self._t1.pop(key)
                 self._t1_bytes -= n
                 t2[key] = n
                 self._t2_bytes += n
             return
-        v = index.get(key)
-        if type(v) is int and v > 0:  # READY, not in T2: from T1
-            n = self._size(self._fp_of(v))
+        fp = order.footprint(key)
+        if fp >= 0:  # READY, not in T2: from T1
+            n = self._size(fp)
             t2[key] = n
             self._t2_bytes += n
 
     def on_access_many(self, keys):
-        t2, access, index = self._t2, self.on_access, self._index
-        if index is not None and type(keys) is list and t2.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
-            vals = list(map(index.get, keys))
-            if set(map(type, vals)) == {int} and min(vals) > 0:
+        t2, access, order = self._t2, self.on_access, self._order
+        if order is not None and type(keys) is list and t2.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
+            fps = order.footprints(keys)
+            if fps is not None:
                 # first reads of distinct READY keys (the common case): from T1 to T2 by C loops
-                fps = list(map(self._fp_of, vals))
-                shared = list(map(self._size._d.get, fps))
-                if None in shared:
-                    shared = [self._size(n) for n in fps]
-                t2.update(zip(keys, shared))
+                t2.update(zip(keys, self._size.many(fps)))
                 self._t2_bytes += sum(fps)
                 return
         pop = t2.pop
@@ -155,12 +148,12 @@ class ARCPolicy(EvictionPolicy):
     def on_remove(self, key):
         if key in self._t2:
             self._t2_bytes -= self._t2.pop(key)
-        elif self._index is None and key in self._t1:
+        elif self._order is None and key in self._t1:
             self._t1_bytes -= self._t1.pop(key)
 
     def on_remove_many(self, keys):
         t2 = self._t2
-        if self._index is None:
+        if self._order is None:
             for key in keys:
                 self.on_remove(key)
         elif t2 and not t2.keys().isdisjoint(keys):
@@ -174,9 +167,9 @@ class ARCPolicy(EvictionPolicy):
         out, freed = [], 0
         t2 = self._t2
         t1_left, t2_left = self._t1b(), self._t2_bytes
-        index, fp_of, p = self._index, self._fp_of, self.p
-        moved: list[Key] = []  # (shared index) T2's keys met while walking T1
-        it1 = iter(self._t1.items()) if index is None else iter(index.items())
+        order, p = self._order, self.p
+        moved: list[Key] = []  # (level order) T2's keys met while walking T1
+        it1 = iter(self._t1.items()) if order is None else iter(order)
         it2 = ((k, t2[k]) for k in t2 if k not in protected)
         to_b1: list[tuple[Key, int]] = []
         to_b2: list[tuple[Key, int]] = []
@@ -186,13 +179,9 @@ class ARCPolicy(EvictionPolicy):
                 # each step takes from the preferred list, or from the other when that one is spent
                 if not t1_done and (t2_done or (t1_left > 0 and (t1_left > p or t2_left <= 0))):
                     for key, n in it1:  # a run of steps in T1
-                        if index is not None:
-                            if type(n) is not int or n <= 0:  # not READY (reserved, or doomed)
-                                continue
-                            if key in t2:
-                                moved.append(key)
-                                continue
-                            n = fp_of(n)
+                        if order is not None and key in t2:
+                            moved.append(key)
+                            continue
                         if key in protected:
                             continue
                         t1_left -= n
@@ -216,8 +205,8 @@ class ARCPolicy(EvictionPolicy):
                 to_b2.append((key, n))
                 freed += n
         finally:
-            if index is not None:
-                _to_end(index, moved)
+            if order is not None:
+                order.move_to_end(moved)
         if out:
             b1, b2 = self._b1, self._b2
             cap = self._cap()
@@ -242,6 +231,16 @@ class ARCPolicy(EvictionPolicy):
         return out
 
     def __len__(self):
-        if self._index is not None:
-            return self._count()
+        if self._order is not None:
+            return self._order.ready_count()
         return len(self._t1) + len(self._t2)
+
+    def memory_bytes(self) -> int:
+        return sum(sys.getsizeof(d) for d in (self._t1, self._t2, self._b1, self._b2, self._size._d))
+
+    def counters(self) -> dict[str, int]:
+        order = self._order
+        return {"tracked": len(self), "t1": len(self) - len(self._t2), "t1_bytes": self._t1b(),
+                "t2": len(self._t2), "t2_bytes": self._t2_bytes, "b1": len(self._b1), "b1_bytes": self._b1_bytes,
+                "b2": len(self._b2), "b2_bytes": self._b2_bytes, "p": int(self.p),
+                "follows_level_order": int(order is not None)}

@@ -25,28 +25,34 @@ its container entries only; LRU and FIFO keep one plain dict (insertion order is
 their eviction order); LFU keeps one insertion-ordered dict per frequency instead of
 a sorted list of tuples; S3-FIFO's queues and ARC's T1 and T2 are plain dicts too.
 
-The level order (opt-in, the same for built-in and user policies): a policy class that
-says ``follows_level_order = True`` in its own body is handed, before first use, the
-order of its level's entries (``LevelOrder``, through ``follow_order``) instead of
-keeping an order of its own.  The built-ins say so: LRU and FIFO then order the level's
-entries themselves, and S3-FIFO, LFU and ARC take its READY entries as their queue of
-keys not read since they entered (small, frequency 1, T1), keeping only read keys and
-ghosts themselves.  A subclass keeps its own metadata unless it says so too (the
-attribute is not inherited).  A policy given no order (outside a store, or a level
-whose policy already tracks keys) keeps its own, with the same answers
+The level order (one rule, the same for built-in and user policies): a policy whose class
+has ``follows_level_order = True`` is handed, before first use, a view of its level's order
+(``LevelOrder``, through ``follow_order``: an iterator of the READY entries and
+``move_to_end``, never the level's mapping) instead of keeping an order of its own.  The
+attribute is an ordinary class attribute: a subclass inherits its parent's mode and keeps it
+when it overrides a hook.  The built-ins say True: LRU and FIFO then order the level's
+entries themselves, and S3-FIFO, LFU and ARC take its READY entries as their queue of keys
+not read since they entered (small, frequency 1, T1), keeping only read keys and ghosts
+themselves.  A subclass that wants its own metadata (reads ``_od``, ``_small``, ``_t1``...)
+says ``follows_level_order = False`` in its body.  A policy given no order (outside a store,
+or a level whose policy already tracks keys) keeps its own, with the same answers
 (``tests/test_policy_differential.py``).
+
+Reporting: ``memory_bytes()`` is what the policy's own containers hold (keys shared with the
+level not counted), ``counters()`` its figures by name (queue lengths and bytes, ghosts); the
+store's ``stats()`` shows both per tier, under ``eviction_policy``.
 
 Subclass ``EvictionPolicy`` and implement the four hooks to customise eviction.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Hashable, Iterable, Iterator, Sequence
+import sys
+from collections.abc import Container, Hashable, Iterable, Iterator, Sequence
 from itertools import repeat
 from typing import Optional, Protocol
 
 Key = Hashable
-_INT = {int}
 
 
 class _Sizes:
@@ -68,27 +74,38 @@ class _Sizes:
             self._d[n] = n
         return n
 
+    def many(self, ns: list[int]) -> list[int]:
+        """``self(n)`` of each (one C loop when every size is known)."""
+        got = list(map(self._d.get, ns))
+        return got if None not in got else [self(n) for n in ns]  # type: ignore[return-value]
+
 
 class LevelOrder(Protocol):
-    """The order of a level's entries, as a level offers it to a policy that follows it.
+    """The order of a level's entries, as a level offers it to a policy that follows it (a view).
 
-    ``entries``: the level's mapping, key -> token, in the level's order: a key enters at the
-    end when room is reserved for it.  A policy may move a key to the end (pop its token and
-    put the same token back) and changes the mapping in no other way; it never changes while
-    the policy is not being called.  A token is READY (readable, known to the policy) when it
-    is a positive ``int``; a reservation or a chunk on its way out is any other value.  What
-    else a token encodes is the level's own: ``footprint(token)`` is a READY token's footprint.
-    ``ready_count()`` and ``ready_bytes()`` are how many READY entries there are and the sum of
-    their footprints.
+    A key enters the order at its end when room is reserved for it.  Iterating yields
+    ``(key, footprint)`` of each READY entry (readable, known to the policy), oldest first;
+    reservations and chunks on their way out are never yielded.  ``move_to_end(keys)`` is the
+    one change a policy may make (keys absent are skipped), and only once a walk is over; the
+    order never changes while the policy is not being called.  ``footprint(key)`` is a READY
+    key's footprint (-1 for any other key), ``footprints(keys)`` each one's when all are READY
+    (else None); ``ready_count()`` and ``ready_bytes()`` count the READY entries; ``settled()``
+    says no reservation or departing chunk is in the order.
     """
 
-    entries: dict
+    def __iter__(self) -> Iterator[tuple[str, int]]: ...
 
-    def footprint(self, token: int) -> int: ...
+    def footprint(self, key: Key) -> int: ...
+
+    def footprints(self, keys: list) -> Optional[list[int]]: ...
+
+    def move_to_end(self, keys: Sequence[Key]) -> None: ...
 
     def ready_count(self) -> int: ...
 
     def ready_bytes(self) -> int: ...
+
+    def settled(self) -> bool: ...
 
 
 class EvictionPolicy:
@@ -97,13 +114,8 @@ class EvictionPolicy:
     #: config name (``"eviction": "lru"``)
     name = "custom"
     #: this class orders its level's entries (``follow_order``) instead of keeping an order of its
-    #: own: a class opts in in its own body; a subclass does not inherit it (see the module docstring)
+    #: own; inherited like any class attribute: a subclass that wants its own metadata says False
     follows_level_order = False
-
-    def __init_subclass__(cls, **kwargs) -> None:
-        super().__init_subclass__(**kwargs)
-        if "follows_level_order" not in cls.__dict__:
-            cls.follows_level_order = False
 
     def follow_order(self, order: LevelOrder) -> None:
         """Take ``order`` (its level's) instead of an order of its own; called once, before first use, on a
@@ -155,6 +167,15 @@ class EvictionPolicy:
     def __len__(self) -> int:  # optional: how many chunks the policy tracks
         return 0
 
+    def memory_bytes(self) -> int:
+        """Bytes the policy's own metadata holds (its containers; keys shared with the level not counted).
+        The base answers 0: a policy with metadata of its own overrides it."""
+        return 0
+
+    def counters(self) -> dict[str, int]:
+        """The policy's figures by name (queue lengths, bytes, ghosts...); the base answers ``tracked``."""
+        return {"tracked": len(self)}
+
 
 def _take(order, sizes: dict, nbytes: int, protected: Container[Key]) -> Optional[list[Key]]:
     """Walk ``order`` collecting unprotected keys until ``nbytes`` are covered."""
@@ -177,15 +198,15 @@ class LRUPolicy(EvictionPolicy):
 
     One plain dict, key -> size, in recency order (oldest first): a read pops the
     key and puts it back at the end.  A dict entry costs about half of an
-    ``OrderedDict``'s (no linked-list node per key); subclasses may read ``_od``
-    as an ordered mapping (``iter``, ``reversed``, ``[key]``).
+    ``OrderedDict``'s (no linked-list node per key).
 
     In a store it follows its level's order (``follow_order``): it then keeps no dict
-    of its own and orders the level's entries itself, so a chunk costs one dict entry
-    for both.  A chunk's place in that order is its reservation (the level enters it
-    when it reserves room), then its last read; ``on_insert`` and ``on_remove`` are
-    then nothing to do, and ``victims`` skips entries that are not READY.  Subclasses
-    keep their own dict unless they opt in too.
+    of its own and orders the level's entries itself (``move_to_end``), so a chunk costs
+    one dict entry for both.  A chunk's place in that order is its reservation (the
+    level enters it when it reserves room), then its last read; ``on_insert`` and
+    ``on_remove`` are then nothing to do.  A subclass follows too; one that reads ``_od``
+    (an ordered mapping: ``iter``, ``reversed``, ``[key]``) says
+    ``follows_level_order = False``.
     """
 
     name = "lru"
@@ -195,36 +216,37 @@ class LRUPolicy(EvictionPolicy):
         super().__init__()
         self._od: dict[Key, int] = {}
         self._size = _Sizes()
-        self._index: Optional[dict] = None
-        self._fp_of: Callable[[int], int] = int
-        self._count: Callable[[], int] = int
+        #: the level's order, when this policy follows it (then ``_od`` stays empty)
+        self._order: Optional[LevelOrder] = None
 
     def follow_order(self, order: LevelOrder) -> None:
         """Order the level's entries instead of a dict of its own."""
         if self._od:
             raise RuntimeError(f"{type(self).__name__} already tracks keys: follow an order before first use")
-        self._index, self._fp_of, self._count = order.entries, order.footprint, order.ready_count
-        self._od = order.entries
+        self._order = order
 
     def on_insert(self, key, nbytes):
-        if self._index is not None:
+        if self._order is not None:
             return
         od = self._od
         od.pop(key, None)
         od[key] = self._size(nbytes)
 
     def on_access(self, key):
+        if self._order is not None:
+            self._order.move_to_end((key,))
+            return
         od = self._od
         n = od.pop(key, None)
         if n is not None:
             od[key] = n
 
     def on_remove(self, key):
-        if self._index is None:
+        if self._order is None:
             self._od.pop(key, None)
 
     def on_insert_many(self, keys, sizes):
-        if self._index is not None:
+        if self._order is not None:
             return
         od, size, pop, known = self._od, self._size, self._od.pop, self._size._d.get
         if type(keys) is list and od.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
@@ -241,6 +263,9 @@ class LRUPolicy(EvictionPolicy):
             od[key] = size(nbytes) if n is None else n
 
     def on_access_many(self, keys):
+        if self._order is not None:
+            self._order.move_to_end(keys if type(keys) is list else list(keys))
+            return
         od, pop = self._od, self._od.pop
         if type(keys) is list and len(set(keys)) == len(keys):
             # distinct keys: take out the present ones, put them back at the end in order (C loops)
@@ -253,30 +278,36 @@ class LRUPolicy(EvictionPolicy):
                 od[key] = n
 
     def on_remove_many(self, keys):
-        if self._index is not None:
+        if self._order is not None:
             return
         pop = self._od.pop
         for key in keys:
             pop(key, None)
 
     def victims(self, nbytes, protected):
-        if self._index is None:
+        if self._order is None:
             return _take(iter(self._od), self._od, nbytes, protected)
         out: list[Key] = []
         freed = 0
         if nbytes <= 0:
             return out
-        fp_of = self._fp_of
-        for key, v in self._index.items():
-            if type(v) is int and v > 0 and key not in protected:  # READY (not reserved, not doomed)
+        for key, fp in self._order:  # (READY entries only)
+            if key not in protected:
                 out.append(key)
-                freed += fp_of(v)
+                freed += fp
                 if freed >= nbytes:
                     return out
         return None
 
     def __len__(self):
-        return self._count() if self._index is not None else len(self._od)
+        return self._order.ready_count() if self._order is not None else len(self._od)
+
+    def memory_bytes(self) -> int:
+        return sys.getsizeof(self._od) + sys.getsizeof(self._size._d)
+
+    def counters(self) -> dict[str, int]:
+        return {"tracked": len(self), "own_entries": len(self._od),
+                "follows_level_order": int(self._order is not None)}
 
 
 class FIFOPolicy(LRUPolicy):
@@ -303,9 +334,8 @@ class LFUPolicy(EvictionPolicy):
 
     In a store it follows its level's order (``follow_order``): frequency 1 (never
     read since it entered) is then the level's READY entries not read, in the level's
-    order, so only read keys cost the policy a bucket entry (holding the level's own
-    token, whose footprint the order reads) and a frequency.  Subclasses keep their
-    own dicts unless they opt in too.
+    order, so only read keys cost the policy a bucket entry and a frequency.  A subclass
+    follows too unless it says ``follows_level_order = False``.
     """
 
     name = "lfu"
@@ -316,15 +346,14 @@ class LFUPolicy(EvictionPolicy):
         self._freq: dict[Key, int] = {}
         self._buckets: dict[int, dict[Key, int]] = {}  # plain dicts: insertion order is the order needed
         self._size = _Sizes()
-        self._index: Optional[dict] = None  # (shared) keys at frequency 1 are the READY entries not in _freq
-        self._fp_of: Callable[[int], int] = int
-        self._count: Callable[[], int] = int
+        #: the level's order, when this policy follows it: frequency 1 is its READY entries not in ``_freq``
+        self._order: Optional[LevelOrder] = None
 
     def follow_order(self, order: LevelOrder) -> None:
         """Take the level's READY entries not read as frequency 1."""
         if len(self):
             raise RuntimeError(f"{type(self).__name__} already tracks keys: follow an order before first use")
-        self._index, self._fp_of, self._count = order.entries, order.footprint, order.ready_count
+        self._order = order
 
     def _enter(self, key, freq, nbytes):
         bucket = self._buckets.get(freq)
@@ -344,7 +373,7 @@ class LFUPolicy(EvictionPolicy):
         freq = self._freq.get(key)
         if freq is not None:
             self._leave(key, freq)
-        if self._index is None:
+        if self._order is None:
             self._enter(key, 1, self._size(nbytes))
         elif freq is not None:
             del self._freq[key]
@@ -353,10 +382,10 @@ class LFUPolicy(EvictionPolicy):
         freq = self._freq.get(key)
         if freq is not None:
             self._enter(key, freq + 1, self._leave(key, freq))
-        elif self._index is not None:
-            v = self._index.get(key)
-            if type(v) is int and v > 0:  # READY: from frequency 1 (the index) to 2
-                self._enter(key, 2, v)  # (the index's own int: its footprint is read when needed)
+        elif self._order is not None:
+            fp = self._order.footprint(key)
+            if fp >= 0:  # READY: from frequency 1 (the level's order) to 2
+                self._enter(key, 2, self._size(fp))
 
     def on_remove(self, key):
         freq = self._freq.pop(key, None)
@@ -365,7 +394,7 @@ class LFUPolicy(EvictionPolicy):
 
     def on_insert_many(self, keys, sizes):
         get = self._freq.get
-        if self._index is not None:
+        if self._order is not None:
             if self._freq and not self._freq.keys().isdisjoint(keys):
                 for key in keys:
                     if get(key) is not None:
@@ -391,17 +420,17 @@ class LFUPolicy(EvictionPolicy):
             enter(key, 1, size(nbytes))
 
     def on_access_many(self, keys):
-        index = self._index
-        if index is not None:
+        order = self._order
+        if order is not None:
             freq = self._freq
             if type(keys) is list and freq.keys().isdisjoint(keys) and len(set(keys)) == len(keys):
-                vals = list(map(index.get, keys))
-                if set(map(type, vals)) == _INT and min(vals) > 0:
+                fps = order.footprints(keys)
+                if fps is not None:
                     # first reads of distinct READY keys (the common case): to frequency 2 by C loops
                     bucket = self._buckets.get(2)
                     if bucket is None:
                         bucket = self._buckets[2] = {}
-                    bucket.update(zip(keys, vals))
+                    bucket.update(zip(keys, self._size.many(fps)))
                     freq.update(dict.fromkeys(keys, 2))
                     return
             for key in keys:
@@ -427,12 +456,17 @@ class LFUPolicy(EvictionPolicy):
         out, freed = [], 0
         if nbytes <= 0:
             return out
-        index = self._index
-        if index is not None:
-            # frequency 1 first: the index's READY entries not read (read ones met go behind them)
+        order = self._order
+        if order is not None:
+            # frequency 1 first: the level's READY entries not read.  The read ones gather at the order's
+            # front; those met go behind the rest once the walk is over, so the next walk does not meet them
             moved: list[Key] = []
+            others = self._freq
             try:
-                for key, n in _index_queue(index, self._freq, self._fp_of, moved):
+                for key, n in order:
+                    if key in others:
+                        moved.append(key)
+                        continue
                     if key in protected:
                         continue
                     out.append(key)
@@ -440,38 +474,27 @@ class LFUPolicy(EvictionPolicy):
                     if freed >= nbytes:
                         return out
             finally:
-                _to_end(index, moved)
-        fp_of = self._fp_of if index is not None else None  # (shared: the buckets hold index ints)
+                order.move_to_end(moved)
         for freq in sorted(self._buckets):
             for key, n in self._buckets[freq].items():
                 if key in protected:
                     continue
                 out.append(key)
-                freed += n if fp_of is None else fp_of(n)
+                freed += n
                 if freed >= nbytes:
                     return out
         return None
 
     def __len__(self):
-        return self._count() if self._index is not None else len(self._freq)
+        return self._order.ready_count() if self._order is not None else len(self._freq)
 
+    def memory_bytes(self) -> int:
+        return (sys.getsizeof(self._freq) + sys.getsizeof(self._buckets) + sys.getsizeof(self._size._d)
+                + sum(sys.getsizeof(b) for b in self._buckets.values()))
 
-def _index_queue(index: dict, others: Container[Key], fp_of: Callable[[int], int],
-                 moved: list) -> Iterator[tuple[Key, int]]:
-    """(key, footprint) of a level index's READY entries not in ``others``, in index order; the
-    keys of ``others`` met on the way are appended to ``moved`` (for ``_to_end``).
-
-    A policy that keeps its never-read keys in the level's index walks them with this; the
-    read keys it keeps elsewhere gather at the index's front, so it moves those it met behind
-    the rest once the walk is over: the next walk does not meet them again.  The index must
-    not change while the walk runs.
-    """
-    for key, v in index.items():
-        if type(v) is int and v > 0:  # READY (not reserved, not doomed)
-            if key in others:
-                moved.append(key)
-            else:
-                yield key, fp_of(v)
+    def counters(self) -> dict[str, int]:
+        return {"tracked": len(self), "read_keys": len(self._freq), "frequencies": len(self._buckets),
+                "follows_level_order": int(self._order is not None)}
 
 
 def _trim_front(d: dict, total: int, limit: float) -> int:
@@ -490,9 +513,3 @@ def _trim_front(d: dict, total: int, limit: float) -> int:
     for key in drop:
         del d[key]
     return total
-
-
-def _to_end(index: dict, keys: list) -> None:
-    """Move ``keys`` (in the index) to its end, in order."""
-    if keys:
-        index.update([(k, index.pop(k)) for k in keys])

@@ -6,11 +6,11 @@ simpler built-ins); ``tierkv.policies.S3FIFOPolicy`` names it.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
 from itertools import repeat
 from typing import Optional
 
-from .eviction import EvictionPolicy, Key, LevelOrder, _Sizes, _to_end, _trim_front
+from .eviction import EvictionPolicy, Key, LevelOrder, _Sizes, _trim_front
 
 
 class S3FIFOPolicy(EvictionPolicy):
@@ -30,8 +30,8 @@ class S3FIFOPolicy(EvictionPolicy):
     chunk that was never read since it entered costs the policy nothing; only main, the
     read keys' frequencies and the ghost are the policy's own.  A chunk's place in small
     is then its reservation rather than its commit (the same whenever one writer at a time
-    commits what it reserved, as a store does under its lock).  Subclasses keep their own
-    dicts unless they opt in too.
+    commits what it reserved, as a store does under its lock).  A subclass follows too
+    unless it says ``follows_level_order = False``.
 
     ``victims`` walks each queue forward once and applies its moves after the walk,
     which leaves the same queues as moving each key as it is met.
@@ -45,17 +45,15 @@ class S3FIFOPolicy(EvictionPolicy):
         if not 0 < small_ratio < 1:
             raise ValueError(f"small_ratio must be in (0, 1), got {small_ratio}")
         self.small_ratio = small_ratio
-        self._small: dict[Key, int] = {}  # own small queue (unused while sharing an index)
+        self._small: dict[Key, int] = {}  # own small queue (unused while following the level's order)
         self._main: dict[Key, int] = {}
         self._ghost: dict[Key, int] = {}
         self._freq: dict[Key, int] = {}  # only keys read since they entered a queue (absent: 0)
         self._small_bytes = self._main_bytes = self._ghost_bytes = 0
         self._size = _Sizes()
-        self._index: Optional[dict] = None
-        self._fp_of: Callable[[int], int] = int
-        self._count: Callable[[], int] = int
-        self._ready_bytes: Callable[[], int] = int
-        #: (shared index) keys went to the index's end while reservations were out: a commit goes behind them
+        #: the level's order, when this policy follows it: the small queue is its READY entries not in main
+        self._order: Optional[LevelOrder] = None
+        #: (level order) keys went to the order's end while reservations were out: a commit goes behind them
         self._stale = False
 
     def follow_order(self, order: LevelOrder) -> None:
@@ -63,27 +61,25 @@ class S3FIFOPolicy(EvictionPolicy):
         the policy cannot look a key up once the level has let it go)."""
         if len(self) or self._ghost:
             raise RuntimeError(f"{type(self).__name__} already tracks keys: follow an order before first use")
-        self._index, self._fp_of = order.entries, order.footprint
-        self._count, self._ready_bytes = order.ready_count, order.ready_bytes
+        self._order = order
 
     # -- hooks -----------------------------------------------------------------------
     def _tracked(self, key) -> bool:
-        index = self._index
-        if index is None:
+        order = self._order
+        if order is None:
             return key in self._small or key in self._main
-        v = index.get(key)
-        return type(v) is int and v > 0
+        return order.footprint(key) >= 0
 
     def _commit_order(self, keys) -> None:
-        """(shared index) Put newly READY ``keys`` at the index's end if keys went there since they were reserved."""
-        index = self._index
-        if index is not None and self._stale:
-            _to_end(index, [k for k in dict.fromkeys(keys) if k in index])
-            if len(index) == self._count():  # no reservation left out
+        """(level order) Put newly READY ``keys`` at the order's end if keys went there since they were reserved."""
+        order = self._order
+        if order is not None and self._stale:
+            order.move_to_end(list(dict.fromkeys(keys)))
+            if order.settled():  # no reservation left out
                 self._stale = False
 
     def on_insert(self, key, nbytes):
-        if self._index is not None:
+        if self._order is not None:
             self._commit_order((key,))
             self._enter_shared(key, nbytes)
             return
@@ -98,7 +94,7 @@ class S3FIFOPolicy(EvictionPolicy):
             self._small_bytes += nbytes
 
     def _enter_shared(self, key, nbytes) -> None:
-        """(shared index) ``key`` is READY in the index, so in small unless it comes back from the ghost."""
+        """(level order) ``key`` is READY in the level's order, so in small unless it comes back from the ghost."""
         if key in self._main:
             self.on_remove(key)
         else:
@@ -111,8 +107,8 @@ class S3FIFOPolicy(EvictionPolicy):
             self._main_bytes += nbytes
 
     def on_insert_many(self, keys, sizes):
-        if self._index is not None:
-            # the level entered the keys in its index (the small queue); only a return to main is work
+        if self._order is not None:
+            # the level entered the keys in its order (the small queue); only a return to main is work
             self._commit_order(keys)
             if (self._ghost and not self._ghost.keys().isdisjoint(keys)) or \
                     (self._main and not self._main.keys().isdisjoint(keys)) or \
@@ -143,10 +139,9 @@ class S3FIFOPolicy(EvictionPolicy):
         freq = self._freq
         if type(keys) is list and len(set(keys)) == len(keys):
             # distinct keys, all tracked (the store's reads): one C loop each
-            index = self._index
-            if index is not None:
-                vals = list(map(index.get, keys))
-                ok = set(map(type, vals)) == {int} and min(vals) > 0
+            order = self._order
+            if order is not None:
+                ok = order.footprints(keys) is not None
             else:
                 small, main = self._small, self._main
                 ok = all(k in small or k in main for k in keys)
@@ -163,17 +158,17 @@ class S3FIFOPolicy(EvictionPolicy):
                     freq[key] = f + 1
 
     def on_remove(self, key):
-        if self._index is None and key in self._small:
+        if self._order is None and key in self._small:
             self._small_bytes -= self._small.pop(key)
         elif key in self._main:
             self._main_bytes -= self._main.pop(key)
-        elif self._index is None:
+        elif self._order is None:
             return
         self._freq.pop(key, None)
 
     def on_remove_many(self, keys):
         main, freq = self._main, self._freq
-        if self._index is None:
+        if self._order is None:
             small = self._small
             for key in keys:
                 if key in small:
@@ -195,12 +190,12 @@ class S3FIFOPolicy(EvictionPolicy):
         out: list[Key] = []
         if nbytes <= 0:
             return out
-        index, main, freq = self._index, self._main, self._freq
+        order, main, freq = self._order, self._main, self._freq
         main_bytes = self._main_bytes
-        if index is None:
+        if order is None:
             small_bytes, small_n = self._small_bytes, len(self._small)
         else:
-            small_bytes, small_n = self._ready_bytes() - main_bytes, self._count() - len(main)
+            small_bytes, small_n = order.ready_bytes() - main_bytes, order.ready_count() - len(main)
         small_target = self.small_ratio * (self.capacity_bytes or (small_bytes + main_bytes))
         small_left = small_bytes  # bytes in small not yet chosen
         main_n = len(main)
@@ -211,9 +206,8 @@ class S3FIFOPolicy(EvictionPolicy):
         # is applied after it.  A key the walk has chosen or skipped (protected) is closed:
         # counted per queue, so a queue is open while it holds a key not yet closed.
         closed_small = closed_main = 0
-        blockers: list[Key] = []  # (shared index) main's keys met in the index while walking small
-        small_it = iter(self._small.items()) if index is None else iter(index.items())
-        fp_of = self._fp_of
+        blockers: list[Key] = []  # (level order) main's keys met in the order while walking small
+        small_it = iter(self._small.items()) if order is None else iter(order)
         small_moved: list[Key] = []  # to small's tail, in order (skipped and chosen keys)
         skipped: list[Key] = []  # of those, the skipped (protected) ones
         graduated: list[Key] = []
@@ -231,15 +225,11 @@ class S3FIFOPolicy(EvictionPolicy):
             if not small_open and not main_open:
                 break
             if small_open and (small_left > small_target or not main_open):
-                # a run of steps in small (one item of a shared index may be no step: skipped)
+                # a run of steps in small (a key of main met in the level's order is no step: skipped)
                 for key, n in small_it:
-                    if index is not None:
-                        if type(n) is not int or n <= 0:  # not READY (reserved, or doomed)
-                            continue
-                        if key in main:
-                            blockers.append(key)
-                            continue
-                        n = fp_of(n)
+                    if order is not None and key in main:
+                        blockers.append(key)
+                        continue
                     small_left -= n
                     if key in protected:
                         small_moved.append(key)
@@ -302,7 +292,7 @@ class S3FIFOPolicy(EvictionPolicy):
                     pop(key, None)
                     main[key] = n
         self._main_bytes = main_bytes
-        if index is None:
+        if order is None:
             small = self._small
             for key in graduated:
                 del small[key]
@@ -314,9 +304,9 @@ class S3FIFOPolicy(EvictionPolicy):
             # again.  Small's keys the walk skipped go to its tail; the ones it chose too when it
             # fails (on success the level evicts them: where they stand no longer matters).
             moved = small_moved if freed < nbytes else skipped
-            if moved and len(index) != self._count():
+            if moved and not order.settled():
                 self._stale = True  # reservations are out: they commit behind these (``on_insert``)
-            _to_end(index, blockers + graduated + moved if blockers or graduated else moved)
+            order.move_to_end(blockers + graduated + moved if blockers or graduated else moved)
         if freed < nbytes:
             return None
         ghost = self._ghost
@@ -333,6 +323,17 @@ class S3FIFOPolicy(EvictionPolicy):
         return out
 
     def __len__(self):
-        if self._index is not None:
-            return self._count()
+        if self._order is not None:
+            return self._order.ready_count()
         return len(self._small) + len(self._main)
+
+    def memory_bytes(self) -> int:
+        return sum(sys.getsizeof(d) for d in (self._small, self._main, self._ghost, self._freq, self._size._d))
+
+    def counters(self) -> dict[str, int]:
+        order = self._order
+        small_n = len(self._small) if order is None else order.ready_count() - len(self._main)
+        small_b = self._small_bytes if order is None else order.ready_bytes() - self._main_bytes
+        return {"tracked": len(self), "small": small_n, "small_bytes": small_b, "main": len(self._main),
+                "main_bytes": self._main_bytes, "ghost": len(self._ghost), "ghost_bytes": self._ghost_bytes,
+                "read_keys": len(self._freq), "follows_level_order": int(order is not None)}

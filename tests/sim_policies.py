@@ -8,6 +8,7 @@ class MRUPolicy(LRUPolicy):
     """Most recently used first: the opposite of LRU, so a wrong hook order shows at once."""
 
     name = "mru"
+    follows_level_order = False  # (it reads its own ``_od``)
 
     def victims(self, nbytes, protected):
         return _take(reversed(self._od), self._od, nbytes, protected)

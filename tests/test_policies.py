@@ -447,3 +447,58 @@ def test_promotion_decide_passes_a_bool_through():
 def test_promotion_decide_names_the_policy_on_a_bad_answer(answer, match):
     with pytest.raises(PolicyError, match=match):
         Promoting(answer).decide("k", "ssd", "hbm")
+
+
+# -- what a policy reports: its own memory and counters (outside a store, and per tier in a store's stats) --
+@pytest.mark.parametrize("name", ["lru", "fifo", "lfu", "s3fifo", "arc"])
+def test_a_policy_reports_its_memory_and_counters(name):
+    from tierkv.policies import build_eviction
+
+    p = build_eviction(name)
+    p.capacity_bytes = 10_000
+    empty = p.memory_bytes()
+    p.on_insert_many([f"k{i}" for i in range(200)], [100] * 200)
+    p.on_access_many([f"k{i}" for i in range(0, 200, 3)])
+    assert p.memory_bytes() > empty  # (its own containers grew: outside a store it keeps its own metadata)
+    c = p.counters()
+    assert c["tracked"] == len(p) == 200 and c["follows_level_order"] == 0
+    assert all(type(v) is int for v in c.values())
+    if name == "s3fifo":
+        assert c["small"] + c["main"] == 200 and c["small_bytes"] + c["main_bytes"] == 20_000
+    if name == "arc":
+        assert c["t1"] + c["t2"] == 200 and c["t2"] > 0
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "s3fifo", "arc"])
+def test_the_store_stats_show_each_tiers_policy_report(name):
+    import torch
+
+    from tierkv import Level, TieredStore
+    from tierkv.tiers.dram import DRAMTier
+
+    store = TieredStore([Level(DRAMTier("d", 1 << 20, prefault=False), eviction=name)], promotion="never")
+    try:
+        keys = [f"k{i}" for i in range(50)]
+        store.put(keys, [torch.full((256,), i, dtype=torch.uint8) for i in range(50)])
+        store.get(keys[:10], [torch.empty(256, dtype=torch.uint8) for _ in range(10)])
+        rep = store.stats()["d"]["eviction_policy"]
+        assert rep["counters"]["tracked"] == 50 and rep["counters"]["follows_level_order"] == 1
+        assert type(rep["memory_bytes"]) is int and rep["memory_bytes"] > 0
+    finally:
+        store.close()
+
+
+def test_a_policy_whose_report_is_wrong_shows_an_error_and_stats_still_answer():
+    from tierkv import Level, TieredStore
+    from tierkv.tiers.dram import DRAMTier
+
+    class BadCounters(LRUPolicy):
+        def counters(self):
+            return {"tracked": "many"}
+
+    store = TieredStore([Level(DRAMTier("d", 1 << 20, prefault=False), eviction=BadCounters())])
+    try:
+        rep = store.stats()["d"]["eviction_policy"]
+        assert "dict of str -> int" in rep["error"]
+    finally:
+        store.close()

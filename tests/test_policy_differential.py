@@ -136,14 +136,15 @@ def test_s3fifo_zero_byte_victims():
     assert "z" in p._ghost
 
 
-# -- through a store: a built-in LRU / FIFO orders its level's own index (no dict of its own); a
-# subclass keeps its own dict.  The same trace of puts, gets and removes must leave the same chunks.
+# -- through a store: a built-in LRU / FIFO orders its level's entries (no dict of its own); a subclass
+# that says ``follows_level_order = False`` keeps its own dict.  The same trace of puts, gets and removes
+# must leave the same chunks.
 class _OwnLRU(LRUPolicy):
-    pass
+    follows_level_order = False  # (a subclass follows its parent's mode unless it says so)
 
 
 class _OwnFIFO(FIFOPolicy):
-    pass
+    follows_level_order = False
 
 
 store_op = st.one_of(
@@ -166,12 +167,13 @@ def test_a_policy_ordering_the_level_index_evicts_as_one_with_its_own_dict(share
     a_pol, b_pol = shared_cls(), own_cls()
     a = TieredStore([Level(DRAMTier("d", 4096, prefault=False), eviction=a_pol)], promotion="never")
     b = TieredStore([Level(DRAMTier("d", 4096, prefault=False), eviction=b_pol)], promotion="never")
-    assert a_pol._index is a.levels[0].index._slots and b_pol._index is None
+    assert a_pol._order is not None and b_pol._order is None
     sizes: dict[str, int] = {}
     try:
         for kind, arg in trace:
             _step_both(a, b, kind, arg, sizes)
-            held_a = [k for k, v in a.levels[0].index._slots.items() if type(v) is int and v > 0]
+            held_a = a.levels[0].ready_keys()
+            a.levels[0].check()
             held_b = set(b_pol._od)
             assert set(held_a) == held_b
             assert held_a == list(b_pol._od)  # the same order: the next victims are the same
@@ -182,26 +184,27 @@ def test_a_policy_ordering_the_level_index_evicts_as_one_with_its_own_dict(share
 
 
 # -- through a store: a built-in S3-FIFO, LFU or ARC takes its level's index as its queue of keys not read
-# since they entered (S3-FIFO's small, LFU's frequency 1, ARC's T1) and keeps only the rest; a subclass keeps
-# its own dicts.  The same trace of puts, gets and removes must leave the same queues, in the same order.
+# since they entered (S3-FIFO's small, LFU's frequency 1, ARC's T1) and keeps only the rest; a subclass that
+# says ``follows_level_order = False`` keeps its own dicts.  The same trace of puts, gets and removes must
+# leave the same queues, in the same order.
 class _OwnS3FIFO(S3FIFOPolicy):
-    pass
+    follows_level_order = False
 
 
 class _OwnLFU(LFUPolicy):
-    pass
+    follows_level_order = False
 
 
 class _OwnARC(ARCPolicy):
-    pass
+    follows_level_order = False
 
 
 def _ready_not_in(level, others) -> list:
-    return [k for k, v in level.index._slots.items() if type(v) is int and v > 0 and k not in others]
+    return [k for k in level.ready_keys() if k not in others]
 
 
 def _s3fifo_state(level, p):
-    if p._index is None:
+    if p._order is None:
         small, small_bytes = list(p._small), p._small_bytes
     else:
         small, small_bytes = _ready_not_in(level, p._main), level.ready_bytes - p._main_bytes
@@ -210,13 +213,13 @@ def _s3fifo_state(level, p):
 
 
 def _lfu_state(level, p):
-    order = [] if p._index is None else _ready_not_in(level, p._freq)
+    order = [] if p._order is None else _ready_not_in(level, p._freq)
     order += [k for f in sorted(p._buckets) for k in p._buckets[f]]
     return order, {k: f for k, f in p._freq.items() if f > 1}
 
 
 def _arc_state(level, p):
-    if p._index is None:
+    if p._order is None:
         t1, t1_bytes = list(p._t1), p._t1_bytes
     else:
         t1, t1_bytes = _ready_not_in(level, p._t2), level.ready_bytes - p._t2_bytes
@@ -247,7 +250,7 @@ def test_a_policy_queueing_on_the_level_index_evicts_as_one_with_its_own_dicts(s
     a_pol, b_pol = shared_cls(), own_cls()
     a = TieredStore([Level(DRAMTier("d", capacity, prefault=False), eviction=a_pol)], promotion="never")
     b = TieredStore([Level(DRAMTier("d", capacity, prefault=False), eviction=b_pol)], promotion="never")
-    assert a_pol._index is a.levels[0].index._slots and b_pol._index is None
+    assert a_pol._order is not None and b_pol._order is None
     sizes: dict[str, int] = {}
     try:
         for kind, arg in trace:
@@ -272,7 +275,7 @@ def test_the_store_differential_test_can_fail():
             for k in ("x", "y"):
                 assert lvl.reserve(k, 16)
                 lvl.commit(k)  # (no bytes needed: the index and the policy are what is compared)
-        a.index._slots["x"] = a.index._slots.pop("x")  # small is now y, x in the shared one
+        a.index.order().move_to_end(["x"])  # small is now y, x in the level-ordered one
         assert _s3fifo_state(a, a.eviction) != _s3fifo_state(b, b.eviction)
     finally:
         a.tier.close()
@@ -295,3 +298,63 @@ def _step_both(a, b, kind: str, arg, sizes: dict[str, int]) -> None:
     else:
         a.remove([f"k{i}" for i in arg])
         b.remove([f"k{i}" for i in arg])
+
+
+class _CountingLRU(LRUPolicy):
+    """A user subclass overriding one hook (and calling its parent's), saying nothing about its mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def on_access(self, key):
+        self.reads += 1
+        super().on_access(key)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_subclass_overriding_a_hook_keeps_its_parents_mode_and_answers(seed):
+    """The mode is an ordinary class attribute: a subclass of LRU follows the level as LRU does and evicts
+    the same chunks; one that wants its own dict says ``follows_level_order = False`` and gets it."""
+    import random
+
+    from tierkv import Level, TieredStore
+    from tierkv.tiers.dram import DRAMTier
+
+    rng = random.Random(seed)
+    pols = [LRUPolicy(), _CountingLRU(), _OwnLRU()]
+    stores = [TieredStore([Level(DRAMTier("d", 4096, prefault=False), eviction=p)], promotion="never")
+              for p in pols]
+    assert _CountingLRU.follows_level_order and not _OwnLRU.follows_level_order
+    assert pols[0]._order is not None and pols[1]._order is not None and pols[2]._order is None
+    sizes: dict[str, int] = {}
+    try:
+        for _ in range(60):
+            kind = rng.choice(["put", "put", "get", "remove"])
+            arg = ([(rng.randint(0, 30), rng.choice([16, 100, 512, 1500])) for _ in range(rng.randint(1, 6))]
+                   if kind == "put" else [rng.randint(0, 30) for _ in range(rng.randint(1, 4))])
+            _step_all(stores, kind, arg, sizes)
+            held = [s.levels[0].ready_keys() for s in stores]
+            assert held[0] == held[1] == list(pols[2]._od), "a subclass changed what is evicted"
+            for s in stores:
+                s.levels[0].check()
+        assert pols[1].reads > 0 and not pols[1]._od and pols[2]._od
+    finally:
+        for s in stores:
+            s.close()
+
+
+def _step_all(stores: list, kind: str, arg, sizes: dict[str, int]) -> None:
+    """One trace step on each store, which must all answer alike."""
+    import torch
+
+    if kind == "put":
+        ks = [f"k{i}" for i, _ in arg]
+        vals = [torch.full((sizes.setdefault(k, n),), i % 251, dtype=torch.uint8) for k, (i, n) in zip(ks, arg)]
+        answers = [s.put(ks, vals) for s in stores]
+    elif kind == "get":
+        ks = [f"k{i}" for i in arg if f"k{i}" in sizes]
+        answers = [s.get(ks, [torch.empty(sizes[k], dtype=torch.uint8) for k in ks]) for s in stores]
+    else:
+        answers = [s.remove([f"k{i}" for i in arg]) for s in stores]
+    assert all(x == answers[0] for x in answers)

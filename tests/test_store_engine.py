@@ -206,13 +206,12 @@ class _OrderedFIFO(EvictionPolicy):
 
     def victims(self, nbytes, protected):
         out, freed = [], 0
-        items = (((k, t) for k, t in self.order.entries.items() if type(t) is int and t > 0)
-                 if self.order is not None else self.own.items())
-        for key, t in items:
+        items = iter(self.order) if self.order is not None else self.own.items()  # (key, footprint)
+        for key, fp in items:
             if key in protected:
                 continue
             out.append(key)
-            freed += self.order.footprint(t) if self.order is not None else t
+            freed += fp
             if freed >= nbytes:
                 return out
         return None
@@ -222,7 +221,7 @@ class _OrderedFIFO(EvictionPolicy):
 
 
 class _OwnOrderedFIFO(_OrderedFIFO):
-    pass  # (the opt-in is not inherited: this one keeps its own dict)
+    follows_level_order = False  # (the mode is inherited: a subclass that keeps its own dict says so)
 
 
 def test_a_user_policy_opts_into_the_level_order_and_evicts_as_one_with_its_own_dict():
@@ -247,9 +246,10 @@ def test_a_user_policy_opts_into_the_level_order_and_evicts_as_one_with_its_own_
 # victims are checked key by key) must give the same answers, counters and level order.
 def _general_only(store: TieredStore) -> TieredStore:
     for lvl in store.levels:
-        lvl.probe_sized = lambda keys, sizes: None  # type: ignore[method-assign]
-        lvl.all_ready = lambda keys: False  # type: ignore[method-assign]
-        lvl.evictable_footprint = lambda keys: None  # type: ignore[method-assign]
+        for asked in (lvl, lvl.index):  # (the level hands out its index's questions; the index asks itself)
+            asked.probe_sized = lambda keys, sizes: None  # type: ignore[method-assign]
+            asked.all_ready = lambda keys: False  # type: ignore[method-assign]
+        lvl.index.evictable_footprint = lambda keys: None  # type: ignore[method-assign]
     store._writer._all_on_top_possible = lambda: False  # type: ignore[method-assign]
     return store
 

@@ -113,6 +113,18 @@ class CheckedEviction(Checked):
             for key in keys:
                 self._call("on_remove", p.on_remove, key)
 
+    def report(self) -> dict[str, Any]:
+        """The policy's ``memory_bytes()`` and ``counters()`` (a policy that is no ``EvictionPolicy`` subclass and
+        has neither reports nothing); an answer that is not an int, or not a dict of ints, is a ``PolicyError``."""
+        p = self.policy
+        mem = self._call("memory_bytes", p.memory_bytes) if hasattr(p, "memory_bytes") else 0
+        counters = self._call("counters", p.counters) if hasattr(p, "counters") else {}
+        if type(mem) is not int or not isinstance(counters, dict) or \
+                not all(isinstance(k, str) and type(v) is int for k, v in counters.items()):
+            raise PolicyError(f"eviction policy {self.pname} of tier {self.tier!r}: memory_bytes() must answer an "
+                              "int and counters() a dict of str -> int")
+        return {"memory_bytes": mem, "counters": dict(counters)}
+
     def forget_quietly(self, keys: list[str]) -> None:
         """``removed``, on a path already raising: the policy's own fault here is dropped."""
         for key in keys:

@@ -50,7 +50,7 @@ import numpy as np
 from tierkv.checksum import Verify, parse_verify
 from tierkv.engine.levelindex import Freed, LevelIndex
 from tierkv.engine.victims import choose_victims
-from tierkv.errors import ConfigError
+from tierkv.errors import ConfigError, PolicyError
 from tierkv.hooks import CheckedAdmission, CheckedEviction
 from tierkv.outcome import AdmissionCounts
 from tierkv.persist import PersistMode, resolve_persist
@@ -165,7 +165,7 @@ class Level:
         self._follows = bool(self.eviction is not None and self.eviction.follows_level_order
                              and not len(self.eviction))
         if self._follows:
-            self.eviction.follow_order(ix.level_order())  # type: ignore[union-attr]
+            self.eviction.follow_order(ix.order())  # type: ignore[union-attr]
 
     # -- what the index holds, read-only ---------------------------------------------
     @property
@@ -231,6 +231,16 @@ class Level:
     def policy_name(self) -> Optional[str]:
         """The eviction policy's name (None: an unmanaged level)."""
         return None if self.eviction is None else getattr(self.eviction, "name", type(self.eviction).__name__)
+
+    def policy_report(self) -> Optional[dict[str, Any]]:
+        """The eviction policy's own figures (None: an unmanaged level): ``memory_bytes`` and ``counters``, as the
+        policy answers them; a policy whose report fails gives ``{"error": ...}`` (stats never break on it)."""
+        if self._policy is None:
+            return None
+        try:
+            return self._policy.report()
+        except PolicyError as e:
+            return {"error": str(e)}
 
     # -- two-phase writes ------------------------------------------------------
     def reserve(self, key: str, nbytes: int) -> bool:

@@ -191,17 +191,6 @@ class LevelIndex:
         """key -> readers holding it, read-only."""
         return MappingProxyType(self._pins)
 
-    def level_order(self) -> Any:
-        """(transitional) The mapping itself, for policies not yet on ``order``."""
-        class _O:
-            pass
-        o = _O()
-        o.entries = self._slots  # type: ignore[attr-defined]
-        o.footprint = self._value_footprint  # type: ignore[attr-defined]
-        o.ready_count = lambda: self.ready_count  # type: ignore[attr-defined]
-        o.ready_bytes = lambda: self.ready_bytes  # type: ignore[attr-defined]
-        return o
-
     def order(self) -> OrderView:
         """The view of this index an eviction policy that follows the level's order is given."""
         return OrderView(self)

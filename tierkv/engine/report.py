@@ -63,6 +63,7 @@ def _tier_stats(lvl: Level) -> dict[str, Any]:
     }
     if lvl.eviction is not None:
         d["eviction"] = getattr(lvl.eviction, "name", type(lvl.eviction).__name__)
+        d["eviction_policy"] = lvl.policy_report()  # (its memory_bytes and counters)
     d["admission"] = lvl.admissions.as_dict()  # (each answer the store acted on)
     try:
         extra = lvl.tier.extra_stats()
