@@ -310,7 +310,7 @@ class Level:
             if policy is not None:
                 # (a policy following this level's order learns nothing from the sizes: no list made for it)
                 try:
-                    policy.adopted(keys, fps if self._follows else fps.tolist())
+                    policy.adopted(keys, fps if self._follows else fps.tolist())  # type: ignore[arg-type]
                 except BaseException:
                     policy.forget_quietly(keys)
                     raise

@@ -133,7 +133,7 @@ class OrderView:
         slots = self._slots
         pop = slots.pop
         if type(keys) is list and len(set(keys)) == len(keys):
-            got = list(map(pop, keys, repeat(None)))
+            got: list[Any] = list(map(pop, keys, repeat(None)))
             slots.update(zip(keys, got) if None not in got else [(k, v) for k, v in zip(keys, got) if v is not None])
             return
         for key in keys:
