@@ -232,7 +232,7 @@ def test_a_wrong_way_import_is_reported():
         found = wrong_way(_synthetic(module, source))
         assert len(found) == 1 and f"{module} " in found[0] and f"-> {target} " in found[0], (module, found)
     # the right way round is no finding
-    assert wrong_way(_synthetic("tierkv.tools.demo_vllm", "from tierkv.adapters.vllm import connector\n")) == []
+    assert wrong_way(_synthetic("tierkv.tools.demo_vllm", "from tierkv.adapters.sglang import options\n")) == []
     assert wrong_way(_synthetic("tierkv.store", "from tierkv.tiers import medium_class\n")) == []
     assert wrong_way(_synthetic("tierkv.tiers.ssd.tier", "from tierkv.errors import ConfigError\n")) == []
     # the engine reaching the shadow, even for typing only
