@@ -1,7 +1,7 @@
 """Benchmark suites of ``tierkv bench`` (and ``bench/bench_store.py``): every figure beside a baseline
 measured in the same run, and only figures of work that was done.
 
-* ``dram`` / ``hbm`` put and get vs a plain copy of the same bytes into preallocated tensors (memcpy);
+* ``dram`` / ``hbm`` put and get vs a plain copy of the same bytes into preallocated tensors (a torch copy);
 * ``ssd`` put and get vs raw file I/O (``os.writev`` / ``os.preadv``, one file per chunk) in the same directory
   and in the tier's own I/O mode (O_DIRECT where the directory takes it, as the tier does by default);
 * ``dram_pool`` put and get vs raw Mooncake calls (``batch_put_from`` / ``batch_get_into`` on registered
