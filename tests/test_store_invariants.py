@@ -365,7 +365,7 @@ def test_the_index_fast_paths_mean_what_the_per_key_paths_do(monkeypatch, medium
 
 def test_check_names_a_broken_invariant():
     """``check`` is no formality: an index whose counts drifted, or whose pinned key is gone, fails it."""
-    from tierkv.engine.levelindex import IndexInvariantError
+    from tierkv.engine.indexcheck import IndexInvariantError
 
     lvl = Level(FakeTier("t", 8 * C))
     assert lvl.reserve_many(["a", "b"], [C, C]) == [0, 0]

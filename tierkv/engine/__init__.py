@@ -3,7 +3,9 @@
 Each part is an object of its own module, built from a ``Chain`` and the parts it calls:
 
 * ``level``: ``Level``, one tier as the store sees it (index, reservations, pins, eviction), sealed;
-  its index is ``levelindex`` (``LevelIndex``), its victim search ``victims`` (``choose_victims``);
+  its index is ``levelindex`` (``LevelIndex``: the state and its mutators), whose questions are
+  ``indexqueries`` (``IndexQueries``), policy order view ``orderview`` (``OrderView``) and invariant
+  checker ``indexcheck`` (``check_index``); its victim search is ``victims`` (``choose_victims``);
 * ``chain``: ``Chain``, the levels fastest first and the state they share (lock, counters, drops);
 * ``tierio``: ``TierIO``, the one choke point for tier I/O (a medium fault is a miss);
 * ``placer``: ``Placer``, placement, eviction, demotion, write-through;

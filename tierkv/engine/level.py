@@ -48,6 +48,7 @@ from typing import Any, Optional, Union
 import numpy as np
 
 from tierkv.checksum import Verify, parse_verify
+from tierkv.engine.indexcheck import check_index
 from tierkv.engine.levelindex import Freed, LevelIndex
 from tierkv.engine.victims import choose_victims
 from tierkv.errors import ConfigError, PolicyError
@@ -199,9 +200,9 @@ class Level:
         self.index.set_quotas(ledger, label_of)
 
     def check(self) -> None:
-        """Verify the index's invariants (``LevelIndex.check``) and the level's own: a policy that follows the
+        """Verify the index's invariants (``check_index``) and the level's own: a policy that follows the
         level tracks exactly its READY chunks, and a sum is kept only for a chunk the index holds."""
-        self.index.check()
+        check_index(self.index)
         bad = []
         if self.eviction is not None and len(self.eviction) != self.index.ready_count:
             bad.append(f"the policy tracks {len(self.eviction)} chunks, the index holds {self.index.ready_count}")

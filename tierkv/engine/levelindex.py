@@ -7,9 +7,10 @@ batched mutators: ``reserve``, ``commit``, ``abort``, ``pin``, ``unpin``, ``drop
 (and ``adopt``, ``reserve`` and ``commit`` at once for the chunks a persistent medium
 recovered at a store's open).  A mutator never calls the medium: what it frees comes back as
 a ``Freed`` (keys, and a located tier's codes), which the level gives back to its tier.
-Everyone else asks typed, batched questions (``holds``, ``ready_sizes``, ``probe_sized``...),
-and an eviction policy that follows the level's order sees it through an ``OrderView`` (an
-iterator of READY entries and ``move_to_end``), never the mapping.  Every call is made under
+Everyone else asks typed, batched questions (``holds``, ``ready_sizes``, ``probe_sized``...: the
+base class ``IndexQueries``, ``indexqueries.py``), and an eviction policy that follows the level's
+order sees it through an ``OrderView`` (``orderview.py``: an iterator of READY entries and
+``move_to_end``), never the mapping.  Every call is made under
 the store's lock.
 
 The encoding: one ``int`` per chunk, READY > 0, RESERVED < 0 (the negation), and an ``Entry``
@@ -20,7 +21,7 @@ int is the tier's location code, built by the tier from the constants here, take
 ``reserve`` and given back when the chunk is freed; for any other tier ``X`` is 0 (or nbytes
 for a large chunk) and the value is one shared object per size.
 
-Invariants (``check`` verifies each of them):
+Invariants (``check_index``, ``indexcheck.py``, verifies each of them; ``Level.check`` calls it):
 
 * ``used`` is the sum of the footprints of every slot (READY, RESERVED and doomed) and never
   exceeds the tier's capacity; ``ready_count`` / ``ready_bytes`` count the READY slots;
@@ -38,14 +39,14 @@ one random workload both ways and compares every state and answer).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from itertools import repeat
 from operator import neg as _neg
-from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
+from tierkv.engine.indexqueries import _INT, _NB_MASK, Entry, IndexQueries, Slot, size_value
+from tierkv.engine.orderview import OrderView
 from tierkv.errors import PolicyError
-from tierkv.location_code import CODE_SHIFT, NB_FIELD  # (the code layout, shared with located media)
 
 if TYPE_CHECKING:
     from tierkv.tenants import TenantLedger
@@ -54,33 +55,7 @@ if TYPE_CHECKING:
 #: each batched mutator's fast path, on (True) or off: the per-key path then does every step
 FAST: dict[str, bool] = {"reserve": True, "commit": True, "pin": True, "unpin": True, "evict": True}
 
-_NB_MASK = NB_FIELD
-#: distinct sizes whose values are shared; past it, each entry keeps its own
-_CANON_LIMIT = 4096
-_INT = {int}
 _ONE = {1}
-_STR = {str}
-
-
-class Entry:
-    """A view of one object of a managed level (``LevelIndex.entry``); in the index, a doomed chunk still read.
-
-    An ``Entry`` stands in the index only for a chunk that was dropped while a reader holds it
-    (``doomed``), until the last ``unpin`` frees it; ``code`` is a located tier's code to give back then.
-    """
-
-    __slots__ = ("code", "doomed", "footprint", "nbytes", "pins", "ready")
-
-    def __init__(self, nbytes: int, footprint: int, ready: bool = False, code: int = 0) -> None:
-        self.nbytes = nbytes
-        self.footprint = footprint
-        self.ready = ready
-        self.pins = 0
-        self.doomed = False
-        self.code = code
-
-
-Slot = Union[int, Entry]
 
 
 class Freed(NamedTuple):
@@ -90,71 +65,7 @@ class Freed(NamedTuple):
     codes: list[int]
 
 
-class IndexInvariantError(AssertionError):
-    """An invariant of a level's index does not hold (``LevelIndex.check``)."""
-
-
-def size_value(nbytes: int) -> int:
-    """The READY value of a chunk of ``nbytes`` in a level whose tier is not located."""
-    return nbytes << 1 | 1 if nbytes < NB_FIELD else nbytes << CODE_SHIFT | NB_FIELD << 1 | 1
-
-
-class OrderView:
-    """The level's order as an eviction policy that follows it sees it (``policies/eviction.py``, ``LevelOrder``).
-
-    Iterating yields ``(key, footprint)`` of each READY entry, oldest first (a key enters the
-    order when room is reserved for it); ``move_to_end`` is the one change a policy may make.
-    The order never changes while the policy is not being called, and a policy changes it
-    only after a walk is over.
-    """
-
-    __slots__ = ("_index", "_slots")
-
-    def __init__(self, index: LevelIndex) -> None:
-        self._index = index
-        self._slots = index._slots
-
-    def __iter__(self) -> Iterator[tuple[str, int]]:
-        fp = self._index._value_footprint
-        for key, v in self._slots.items():
-            if type(v) is int and v > 0:  # READY (not reserved, not doomed)
-                yield key, fp(v)
-
-    def footprint(self, key: Any) -> int:
-        """The footprint of ``key`` if it is READY, else -1."""
-        return self._index.ready_footprint(key)
-
-    def footprints(self, keys: list) -> Optional[list[int]]:
-        """The footprint of each key when every one is READY, else None (C loops in the common case)."""
-        return self._index.ready_footprints(keys)
-
-    def move_to_end(self, keys: Sequence[Any]) -> None:
-        """Put each key present (in any state) at the end of the order, in the order given."""
-        slots = self._slots
-        pop = slots.pop
-        if type(keys) is list and len(set(keys)) == len(keys):
-            got: list[Any] = list(map(pop, keys, repeat(None)))
-            slots.update(zip(keys, got) if None not in got else [(k, v) for k, v in zip(keys, got) if v is not None])
-            return
-        for key in keys:
-            v = pop(key, None)
-            if v is not None:
-                slots[key] = v
-
-    def ready_count(self) -> int:
-        """How many READY entries the order holds."""
-        return self._index.ready_count
-
-    def ready_bytes(self) -> int:
-        """The sum of the READY entries' footprints."""
-        return self._index.ready_bytes
-
-    def settled(self) -> bool:
-        """Whether every entry is READY (no reservation out, no doomed chunk still read)."""
-        return len(self._slots) == self._index.ready_count
-
-
-class LevelIndex:
+class LevelIndex(IndexQueries):
     """The index of one level over ``tier`` (see the module docstring); ``located``: the int is the tier's code."""
 
     def __init__(self, tier: Tier, located: bool) -> None:
@@ -186,231 +97,9 @@ class LevelIndex:
         self.ledger = ledger
         self._label_of = label_of
 
-    @property
-    def pinned(self) -> MappingProxyType:
-        """key -> readers holding it, read-only."""
-        return MappingProxyType(self._pins)
-
     def order(self) -> OrderView:
         """The view of this index an eviction policy that follows the level's order is given."""
         return OrderView(self)
-
-    def entries(self) -> int:
-        """How many READY objects the level holds."""
-        return self.ready_count
-
-    # -- sizes and values ----------------------------------------------------------
-    def _shared(self, v: int) -> int:
-        """The one int object for the value ``v`` (bounded: past the limit, ``v`` itself)."""
-        got = self._canon.get(v)
-        if got is not None:
-            return got
-        if len(self._canon) < _CANON_LIMIT:
-            self._canon[v] = v
-        return v
-
-    def _size(self, nbytes: int) -> tuple[int, int]:
-        """(footprint, shared reservation value) of a chunk of ``nbytes``."""
-        c = self._fps.get(nbytes)
-        if c is None:
-            fp = self.tier.footprint(nbytes)
-            c = (fp, self._shared(-size_value(nbytes)))
-            if len(self._fps) < _CANON_LIMIT:
-                self._fps[nbytes] = c
-                self._fp_only[nbytes] = fp
-        return c
-
-    def footprint(self, nbytes: int) -> int:
-        """The tier's footprint of a chunk of ``nbytes`` (remembered per size)."""
-        fp = self._fp_only.get(nbytes)
-        return fp if fp is not None else self._size(nbytes)[0]
-
-    def _value_nbytes(self, v: int) -> int:
-        """nbytes of an index int (READY, or RESERVED: negative)."""
-        if v < 0:
-            v = -v
-        f = v >> 1 & NB_FIELD
-        if f != NB_FIELD:
-            return f
-        return self.tier.code_nbytes(v) if self.located else v >> CODE_SHIFT
-
-    def _value_footprint(self, v: int) -> int:
-        """The footprint of an index int that is READY (its size looked up once per size)."""
-        f = v >> 1 & NB_FIELD
-        fp = self._fp_only.get(f) if f != NB_FIELD else None  # (at the marker the size is elsewhere)
-        return fp if fp is not None else self._unpack(v)[1]
-
-    def _unpack(self, v: int) -> tuple[int, int]:
-        """(nbytes, footprint) of an index int (READY or RESERVED)."""
-        nb = self._value_nbytes(v)
-        return nb, self._size(nb)[0]
-
-    # -- typed questions, batched (C-level loops in the common case) ----------------
-    def ready_codes(self, keys: list[str]) -> list[Optional[int]]:
-        """A located tier's code of each READY key (None for any other); what ``tier.read`` by key uses."""
-        return [v if type(v) is int and v > 0 else None for v in map(self._slots.get, keys)]
-
-    def codes(self, keys: list[str]) -> list[int]:
-        """The located tier's code of each key, which the caller holds (pinned, or reserved by it)."""
-        vals: list[Any] = list(map(self._slots.__getitem__, keys))
-        if vals and set(map(type, vals)) == _INT:  # the common cases in C loops: all READY, or all RESERVED
-            if min(vals) > 0:
-                return vals
-            if max(vals) < 0:
-                return list(map(_neg, vals))
-        out = []
-        for key in keys:
-            v = self._slots[key]
-            out.append((v if v > 0 else -v) if type(v) is int else v.code)  # type: ignore[union-attr,operator]
-        return out
-
-    def holds(self, key: str) -> bool:
-        """Whether ``key`` is READY here."""
-        v = self._slots.get(key)
-        return type(v) is int and v > 0
-
-    def ready_nbytes(self, key: str) -> int:
-        """nbytes of ``key`` if it is READY here, else -1."""
-        v = self._slots.get(key)
-        if type(v) is int and v > 0:
-            return self._value_nbytes(v)
-        return -1
-
-    def entry(self, key: str) -> Optional[Entry]:
-        """A view of ``key``'s state (nbytes, footprint, ready, pins, doomed); None if absent."""
-        v = self._slots.get(key)
-        if v is None:
-            return None
-        if type(v) is int:
-            nb, fp = self._unpack(v)
-            e = Entry(nb, fp, ready=v > 0)
-        else:
-            e = Entry(v.nbytes, v.footprint)  # type: ignore[union-attr]
-            e.doomed = True
-        e.pins = self._pins.get(key, 0)
-        return e
-
-    def items(self) -> list[tuple[str, Entry]]:
-        """(key, ``entry(key)``) for every key in the index, in the level's order."""
-        return [(k, self.entry(k)) for k in list(self._slots)]  # type: ignore[misc]
-
-    def keys(self) -> list[str]:
-        """Every key in the index (RESERVED, READY or doomed), in the level's order."""
-        return list(self._slots)
-
-    def ready_keys(self) -> list[str]:
-        """The READY keys, in the level's order."""
-        return [k for k, v in self._slots.items() if type(v) is int and v > 0]
-
-    def knows(self, key: str) -> bool:
-        """Whether ``key`` is in the index in any state (READY, RESERVED, or doomed and still read)."""
-        return key in self._slots
-
-    def lacking(self, keys: list[str]) -> list[str]:
-        """The keys of ``keys`` that are not READY here, in order."""
-        get = self._slots.get
-        return [k for k in keys if not (type(v := get(k)) is int and v > 0)]  # type: ignore[operator]
-
-    def knows_none(self, keys: Any) -> bool:
-        """Whether none of ``keys`` is in the index, in any state."""
-        return self._slots.keys().isdisjoint(keys)
-
-    def busy(self, key: str) -> bool:
-        """Whether ``key`` is READY or RESERVED (being written) here; a doomed one is neither."""
-        return type(self._slots.get(key)) is int
-
-    def reserved(self, key: str) -> bool:
-        """Whether ``key`` is RESERVED (being written) here."""
-        v = self._slots.get(key)
-        return type(v) is int and v < 0
-
-    def not_dropped(self, key: str) -> bool:
-        """Whether a key the caller holds pinned is still READY (not dropped, doomed, meanwhile)."""
-        return type(self._slots.get(key)) is int
-
-    def none_dropped(self, keys: list[str]) -> bool:
-        """``not_dropped`` of every key."""
-        return set(map(type, map(self._slots.get, keys))) == _INT
-
-    def all_ready(self, keys: list[str]) -> bool:
-        """Whether every key (at least one) is READY here."""
-        vals: list[Any] = list(map(self._slots.get, keys))
-        try:
-            return bool(vals) and min(vals) > 0
-        except TypeError:  # (a miss, or a doomed chunk)
-            return False
-
-    def leading_ready(self, keys: list[str]) -> int:
-        """How many leading keys are READY here."""
-        if self.all_ready(keys):
-            return len(keys)
-        n = 0
-        for v in map(self._slots.get, keys):
-            if type(v) is not int or v < 0:
-                break
-            n += 1
-        return n
-
-    def ready_sizes(self, keys: list[str]) -> list[int]:
-        """nbytes of each key READY here, -1 for any other."""
-        vals: list[Any] = list(map(self._slots.get, keys))
-        if vals and set(map(type, vals)) == _INT and min(vals) > 0:
-            fields = [v >> 1 & _NB_MASK for v in vals]
-            if _NB_MASK not in fields:  # (at the marker: a large chunk, sized elsewhere)
-                return fields
-        return [self._value_nbytes(v) if type(v) is int and v > 0 else -1 for v in vals]
-
-    def probe_sized(self, keys: list[str], sizes: list[int]) -> Optional[list[int]]:
-        """When every key (at least one) is READY here with exactly its size in ``sizes``, their codes (what
-        ``read_at`` of a located tier takes; meaningless for any other); else None (ask ``ready_sizes``)."""
-        vals: list[Any] = list(map(self._slots.get, keys))
-        if (vals and set(map(type, vals)) == _INT and min(vals) > 0
-                and (fields := [v >> 1 & _NB_MASK for v in vals]) == sizes
-                and _NB_MASK not in fields):  # (a field at the marker: a large chunk, sized elsewhere)
-            return vals
-        return None
-
-    def footprints(self, sizes: list[int]) -> int:
-        """The sum of the footprints of chunks of these sizes (each size looked up once)."""
-        fps: list[Any] = list(map(self._fp_only.get, sizes))
-        return sum(fps) if None not in fps else sum([self.footprint(nb) for nb in sizes])
-
-    def nbytes_of(self, key: str) -> int:
-        """nbytes of ``key``, in any state (it must be in the index)."""
-        v = self._slots[key]
-        return self._value_nbytes(v) if type(v) is int else v.nbytes  # type: ignore[union-attr,arg-type]
-
-    def evictable_footprint(self, keys: list) -> Optional[int]:
-        """The footprint bytes of ``keys`` when they pass every check at once (distinct READY keys of
-        this level, none pinned, sizes remembered); None to check them one by one."""
-        if not keys or set(map(type, keys)) != _STR or len(set(keys)) != len(keys):
-            return None
-        vals: list[Any] = list(map(self._slots.get, keys))
-        if set(map(type, vals)) != _INT or min(vals) < 0 or not self._pins.keys().isdisjoint(keys):
-            return None
-        fields = [v >> 1 & _NB_MASK for v in vals]
-        if _NB_MASK in fields:  # a large chunk's size lives elsewhere: the per-key path
-            return None
-        fps: list[Any] = list(map(self._fp_only.get, fields))
-        return None if None in fps else sum(fps)
-
-    def ready_footprint(self, key: Any) -> int:
-        """The footprint of ``key`` if it is READY here (pinned or not), else -1 (also for a key not a str)."""
-        v = self._slots.get(key) if isinstance(key, str) else None
-        if type(v) is not int or v < 0:  # type: ignore[operator]
-            return -1
-        f = v >> 1 & NB_FIELD  # type: ignore[operator]
-        fp = self._fp_only.get(f) if f != NB_FIELD else None  # (at the marker the size is elsewhere)
-        return fp if fp is not None else self._unpack(v)[1]  # type: ignore[arg-type]
-
-    def ready_footprints(self, keys: list) -> Optional[list[int]]:
-        """The footprint of each key when every one (at least one) is READY here, else None."""
-        vals: list[Any] = list(map(self._slots.get, keys))
-        if not vals or set(map(type, vals)) != _INT or min(vals) < 0:
-            return None
-        fields = [v >> 1 & _NB_MASK for v in vals]
-        fps: list[Any] = list(map(self._fp_only.get, fields)) if _NB_MASK not in fields else [None]
-        return fps if None not in fps else [self._value_footprint(v) for v in vals]
 
     # -- the mutators ----------------------------------------------------------------
     def reserve(self, keys: list[str], sizes: list[int],
@@ -724,55 +413,3 @@ class LevelIndex:
         v = self._slots.get(key)
         if type(v) is Entry:
             self._free(key, v.footprint, v.code, freed)
-
-    # -- invariants ------------------------------------------------------------------
-    def check(self) -> None:
-        """Verify every invariant of the module docstring; ``IndexInvariantError`` (an ``AssertionError``) naming each
-        one that does not hold.  Walks the whole index: for tests and diagnostics, not the hot path."""
-        bad: list[str] = []
-        used = ready_bytes = ready_count = 0
-        codes: dict[int, str] = {}
-        for key, v in self._slots.items():
-            if type(v) is Entry:
-                used += v.footprint
-                if not v.doomed:
-                    bad.append(f"{key!r}: an Entry that is not doomed")
-                if self._pins.get(key, 0) < 1:
-                    bad.append(f"{key!r}: doomed but no reader holds it (never freed)")
-                continue
-            if type(v) is not int or v == 0:
-                bad.append(f"{key!r}: slot {v!r} is neither an int nor an Entry")
-                continue
-            nb, fp = self._unpack(v)
-            used += fp
-            if v > 0:
-                ready_count += 1
-                ready_bytes += fp
-            if self.located:
-                c = v if v > 0 else -v
-                if c in codes:
-                    bad.append(f"{key!r} and {codes[c]!r} hold one location code {c}")
-                codes[c] = key
-            elif abs(v) != size_value(nb):
-                bad.append(f"{key!r}: value {v} is not the shared value of its size {nb}")
-            if v < 0 and key in self._pins:
-                bad.append(f"{key!r}: a reservation is pinned")
-        for key, n in self._pins.items():
-            if n < 1 or key not in self._slots:
-                bad.append(f"{key!r}: pinned {n} times, slot {self._slots.get(key)!r}")
-            elif self.evictable_footprint([key]) is not None:
-                bad.append(f"{key!r}: pinned but offered for eviction")
-        if used != self.used:
-            bad.append(f"used is {self.used}, the slots add up to {used}")
-        if ready_count != self.ready_count or ready_bytes != self.ready_bytes:
-            bad.append(f"ready_count/ready_bytes are {self.ready_count}/{self.ready_bytes}, "
-                       f"the READY slots {ready_count}/{ready_bytes}")
-        if self.used > self.tier.capacity_bytes:
-            bad.append(f"used {self.used} exceeds the capacity {self.tier.capacity_bytes}")
-        walked = list(OrderView(self))
-        if len(walked) != ready_count or sum(fp for _, fp in walked) != ready_bytes:
-            bad.append(f"the order yields {len(walked)} READY entries, the index holds {ready_count}")
-        if self.ledger is not None and sum(self.ledger.usage.values()) != self.used:
-            bad.append(f"the tenant ledger holds {sum(self.ledger.usage.values())} bytes, the index {self.used}")
-        if bad:
-            raise IndexInvariantError(f"tier {self.name!r}: " + "; ".join(bad[:8]))
