@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MAX_LINES = 400
 #: pages held to another limit, each with its reason: architecture.md carries the one-line-per-module listing of
 #: the whole tree (95 lines), which grows with every module; it is the next candidate to move to a page of its own
-PAGE_LIMITS = {"docs/architecture.md": 420}
+PAGE_LIMITS: dict[str, int] = {}
 #: the longest a markdown table cell may be, in characters (trimmed of the spaces around it)
 MAX_CELL = 160
 
