@@ -383,3 +383,17 @@ def test_check_names_a_broken_invariant():
     lvl.index.ready_count -= 1
     with pytest.raises(IndexInvariantError, match="ready_count"):
         lvl.check()
+
+
+
+def test_the_index_checks_itself():
+    """``level.index.check()`` is the index's own check: quiet on a sound index, and it names a broken one."""
+    from tierkv.engine.indexcheck import IndexInvariantError
+
+    lvl = Level(FakeTier("t", 8 * C))
+    assert lvl.reserve_many(["a"], [C]) == [0]
+    lvl.commit_many(["a"])
+    lvl.index.check()
+    lvl.index.used += 1  # (as a bug would)
+    with pytest.raises(IndexInvariantError, match="used is"):
+        lvl.index.check()

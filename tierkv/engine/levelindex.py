@@ -44,6 +44,7 @@ from itertools import repeat
 from operator import neg as _neg
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
+from tierkv.engine.indexcheck import check_index
 from tierkv.engine.indexqueries import _INT, _NB_MASK, Entry, IndexQueries, Slot, size_value
 from tierkv.engine.orderview import OrderView
 from tierkv.errors import PolicyError
@@ -88,6 +89,11 @@ class LevelIndex(IndexQueries):
         #: per-tenant usage (None: no tenant configured), and the tenant of a key being reserved
         self.ledger: Optional[TenantLedger] = None
         self._label_of: Callable[[str], str] = str
+
+    def check(self) -> None:
+        """Verify every invariant of this index (``check_index``); raises ``IndexInvariantError`` naming the
+        first one broken.  Tests call it (or ``Level.check``) instead of reading the index's mappings."""
+        check_index(self)
 
     def set_quotas(self, ledger: TenantLedger, label_of: Callable[[str], str]) -> None:
         """Charge every reservation to ``label_of(key)`` in ``ledger`` and credit every freed slot (the index
