@@ -13,14 +13,14 @@ from tierkv.engine.indexqueries import Entry, size_value
 from tierkv.engine.orderview import OrderView
 
 if TYPE_CHECKING:
-    from tierkv.engine.levelindex import LevelIndex
+    from tierkv.engine.indexqueries import IndexQueries
 
 
 class IndexInvariantError(AssertionError):
     """An invariant of a level's index does not hold (``check_index``)."""
 
 
-def check_index(index: LevelIndex) -> None:
+def check_index(index: IndexQueries) -> None:
     """Verify every invariant of ``index`` (``levelindex``'s docstring); ``IndexInvariantError`` (an
     ``AssertionError``) naming each one that does not hold."""
     bad: list[str] = []
