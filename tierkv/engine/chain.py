@@ -85,8 +85,6 @@ class Chain:
         self.departures = Departures(miss_memory)
         #: the configured tenants (None: no quotas, nothing below is asked)
         self.tenants: Tenants | None = None
-        #: key -> the label of the tenant a put in flight stores it for (``Writer``)
-        self.putting: dict[str, str] = {}
         #: called with the keys that left every tier (``TieredStore.add_removal_listener``)
         self.removal_listeners: list[Callable[[list[str]], None]] = []
 
@@ -96,14 +94,12 @@ class Chain:
         self.tenants = tenants
         for lvl in self.levels:
             if lvl.managed:
-                lvl.set_quotas(TenantLedger(lvl.name, lvl.capacity, tenants), self.label_of)
+                lvl.set_quotas(TenantLedger(lvl.name, lvl.capacity, tenants))
 
     def label_of(self, key: str) -> str:
-        """The tenant label of ``key``: the one a put in flight gives it, else the one a level holding it
-        charged it to, else ``OTHER`` (a chunk recovered from disk or found only in a shared pool).  Lock held."""
-        label = self.putting.get(key)
-        if label is not None:
-            return label
+        """The tenant label a copy the store makes on its own (write-behind, demotion, promotion) charges
+        ``key`` to: the one a managed level holding it charged it to, else ``OTHER`` (a chunk recovered from
+        disk or found only in a shared pool).  A put names its tenant itself (``Placer.reserve``).  Lock held."""
         for j in self.managed:
             ledger = self.levels[j].ledger
             label = ledger.charged(key) if ledger is not None else None

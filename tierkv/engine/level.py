@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
 from types import MappingProxyType
 from typing import Any, Optional, Union
 
@@ -57,7 +56,7 @@ from tierkv.outcome import AdmissionCounts
 from tierkv.persist import PersistMode, resolve_persist
 from tierkv.policies import AdmissionPolicy, EvictionPolicy, build_admission, build_eviction
 from tierkv.stats import TierCounters
-from tierkv.tenants import TenantLedger
+from tierkv.tenants import OTHER, TenantLedger
 from tierkv.tiers.base import Locality, Tier
 
 log = logging.getLogger("tierkv")
@@ -102,6 +101,7 @@ class Level:
         self.located = tier.located and tier.managed
         #: this level's index: the only keeper of the per-chunk state (see the module docstring)
         self.index = ix = LevelIndex(tier, self.located)
+        self._tenant = OTHER  # the label of the reservation in progress (``reserve_many``; quotas only)
         # the index's typed questions, answered by the index itself (bound once: no forwarding cost)
         self.holds = ix.holds
         self.knows = ix.knows
@@ -194,10 +194,15 @@ class Level:
         """Per-tenant usage and the quota rules here (None: no tenant configured, nothing asked)."""
         return self.index.ledger
 
-    def set_quotas(self, ledger: TenantLedger, label_of: Callable[[str], str]) -> None:
-        """Account this level's chunks per tenant (``label_of(key)``: the tenant of a key being placed) and keep
-        their quotas: every reservation is charged, every freed chunk credited (the level is empty)."""
-        self.index.set_quotas(ledger, label_of)
+    def set_quotas(self, ledger: TenantLedger) -> None:
+        """Account this level's chunks per tenant and keep their quotas: every reservation is charged to the
+        tenant ``reserve_many`` is given, every freed chunk credited (the level is empty)."""
+        self.index.set_quotas(ledger, self._reserving_for)
+
+    def _reserving_for(self, key: str) -> str:
+        """The tenant label the reservation in progress is charged to: ``reserve_many``'s ``tenant``, asked by
+        the index only inside that call (lock held), so no label outlives the call that gave it."""
+        return self._tenant
 
     def check(self) -> None:
         """Verify the index's invariants (``check_index``) and the level's own: a policy that follows the
@@ -244,14 +249,18 @@ class Level:
             return {"error": str(e)}
 
     # -- two-phase writes ------------------------------------------------------
-    def reserve(self, key: str, nbytes: int) -> bool:
+    def reserve(self, key: str, nbytes: int, tenant: Optional[str] = None) -> bool:
         """Reserve room for ``key`` without evicting; False if it is there already or does not fit."""
-        return self.reserve_many([key], [nbytes]) == [0]
+        return self.reserve_many([key], [nbytes], tenant) == [0]
 
-    def reserve_many(self, keys: list[str], sizes: list[int]) -> list[int]:
+    def reserve_many(self, keys: list[str], sizes: list[int], tenant: Optional[str] = None) -> list[int]:
         """``LevelIndex.reserve`` for each (key, nbytes) in order: 0 reserved now, 1 already READY or reserved
         here, 2 not reserved.  For a located tier the space is taken here too (one ``allocate`` for the batch);
-        a tier that fails to allocate costs those keys their reservation, nothing more."""
+        a tier that fails to allocate costs those keys their reservation, nothing more.
+
+        ``tenant``: the label every reservation is charged to and held to the quota of, on a level with
+        quotas (None: ``OTHER``, as for a recovered chunk); ignored without quotas.  Lock held."""
+        self._tenant = OTHER if tenant is None else tenant
         return self.index.reserve(keys, sizes, self._allocate if self.located else None)
 
     def _allocate(self, sizes: list[int]) -> list[Optional[int]]:

@@ -47,7 +47,8 @@ class Placer:
         self.stager = stager
 
     # ------------------------------------------------------------------ placing one chunk
-    def place_fast(self, key: str, nbytes: int, start: int, held: Held) -> tuple[Optional[int], int]:
+    def place_fast(self, key: str, nbytes: int, start: int, held: Held,
+                   tenant: Optional[str] = None) -> tuple[Optional[int], int]:
         """``place`` for the common case, under the caller's lock: no eviction needed.
 
         Returns (level reserved or unmanaged level chosen, flags); (None, flags) when
@@ -65,17 +66,18 @@ class Placer:
                 continue
             if not lvl.managed:
                 return j, flags
-            if not lvl.reserve(key, nbytes):
+            if not lvl.reserve(key, nbytes, tenant):
                 return None, flags
             held[(j, key)] = None
             return j, flags
         return -1, flags
 
     def place(self, key: str, nbytes: int, start: int, stop: int, held: Held,
-              admitted: bool = False) -> tuple[Optional[int], int]:
+              admitted: bool = False, tenant: Optional[str] = None) -> tuple[Optional[int], int]:
         """The first level in [start, stop) that admits the chunk and has (or made) room; reserved there.
 
-        ``admitted``: the caller asked admission already (a write-behind copy): it is not asked again."""
+        ``admitted``: the caller asked admission already (a write-behind copy): it is not asked again.
+        ``tenant``: as for ``reserve``."""
         flags = 0
         for j in range(start, stop):
             lvl = self.levels[j]
@@ -88,24 +90,30 @@ class Placer:
                         continue
             if not lvl.managed:
                 return j, flags
-            if self.reserve(j, key, nbytes, held):
+            if self.reserve(j, key, nbytes, held, tenant):
                 return j, flags
             # (a chunk larger than the tier is a refusal there, not a lack of room)
             flags |= NO_ROOM if lvl.footprint(nbytes) <= lvl.capacity else TOO_LARGE
         return None, flags
 
-    def reserve(self, j: int, key: str, nbytes: int, held: Held) -> bool:
-        """Reserve room for ``key`` in managed level ``j``, evicting (demoting) as needed."""
+    def reserve(self, j: int, key: str, nbytes: int, held: Held, tenant: Optional[str] = None) -> bool:
+        """Reserve room for ``key`` in managed level ``j``, evicting (demoting) as needed.
+
+        ``tenant``: the label of the put this reservation serves, charged and held to its quota where the
+        level has quotas (``Writer.put`` passes it); None for a copy the store makes on its own, charged to
+        the tenant a level holding the key charged it to (``Chain.label_of``)."""
         lvl = self.levels[j]
         fp = lvl.tier.footprint(nbytes)
         if fp > lvl.capacity:
             self._too_large(lvl, nbytes, fp)
             return False
         ledger = lvl.ledger
-        tenant = None
-        if ledger is not None:
-            with self._lock:
-                tenant = self.chain.label_of(key)
+        if ledger is None:
+            tenant = None  # (no quotas here: no tenant is asked)
+        else:
+            if tenant is None:
+                with self._lock:
+                    tenant = self.chain.label_of(key)
             if ledger.exceeds_cap(tenant, fp):  # (larger than its tenant's whole cap here: a refusal)
                 with self._lock:
                     lvl.counters.rejected += 1
@@ -114,7 +122,7 @@ class Placer:
             with self._lock:
                 if lvl.knows(key):
                     return False  # already there, or a doomed copy still being read
-                if lvl.reserve(key, nbytes):
+                if lvl.reserve(key, nbytes, tenant):
                     held[(j, key)] = None
                     return True
                 leases = self.chain.leases
@@ -312,9 +320,9 @@ class Placer:
 
     # ------------------------------------------------------------------ write-through
     def write_through(self, j: int, key: str, prepared: tuple[Parts, int], held: Held,
-                      chunk_sum: Optional[int] = None) -> None:
+                      chunk_sum: Optional[int] = None, tenant: Optional[str] = None) -> None:
         """Copy a chunk just written into level ``j`` into every ``write_through`` level below, at once (with
-        its checksum, ``chunk_sum``, as the put computed it)."""
+        its checksum, ``chunk_sum``, as the put computed it; ``tenant``: the put's, as for ``reserve``)."""
         parts, nbytes = prepared
         chain = self.chain
         for k in range(j + 1, len(self.levels)):
@@ -324,7 +332,7 @@ class Placer:
             with self._lock:
                 if lvl.managed and lvl.holds(key):
                     continue
-            placed, flags = self.place(key, nbytes, k, k + 1, held)
+            placed, flags = self.place(key, nbytes, k, k + 1, held, tenant=tenant)
             if placed is None:
                 if flags and lvl.tier.persistent:  # (no flags: its admission said no, which is no loss)
                     chain.refused_below(lvl, key, nbytes, flags)

@@ -43,12 +43,15 @@ Prepared = list[tuple[Parts, int]]
 class _Put:
     """The state of one put call, handed from phase to phase."""
 
-    __slots__ = ("batch0", "behind", "first", "groups", "held", "holding", "inflight", "keys", "n", "out",
+    __slots__ = ("batch0", "behind", "first", "groups", "held", "holding", "inflight", "keys", "label", "n", "out",
                  "prepared", "ptrs", "slow", "start", "sums", "todo", "unique", "why")
 
-    def __init__(self, keys: list[str], prepared: Prepared, ptrs: Optional[list[int]]) -> None:
+    def __init__(self, keys: list[str], prepared: Prepared, ptrs: Optional[list[int]],
+                 label: Optional[str] = None) -> None:
         n = len(keys)
         self.keys, self.prepared, self.ptrs, self.n = keys, prepared, ptrs, n
+        #: the tenant label every reservation of the call is charged to (None: no tenants configured)
+        self.label = label
         self.out: list[Optional[PutOutcome]] = [None] * n
         self.first: dict[str, int] = {}  # key -> its first position (repeats take its result)
         self.todo: list[int] = []  # positions still to place
@@ -82,13 +85,10 @@ class Writer:
             tenant: Optional[str] = None) -> list[PutOutcome]:
         """Store ``prepared`` under ``keys`` (``ptrs``: their host addresses, see ``to_parts_ptrs``) for
         ``tenant`` (counted and held to its quotas when the store has tenants configured)."""
-        call = _Put(keys, prepared, ptrs)
         tenants = self.chain.tenants
-        label = tenants.label(tenant) if tenants is not None else None
+        call = _Put(keys, prepared, ptrs, tenants.label(tenant) if tenants is not None else None)
         try:
             with self._lock:
-                if label is not None:
-                    self.chain.putting.update(dict.fromkeys(keys, label))
                 self._count_call(call)
                 if call.unique and self._all_on_top_possible():
                     self._reserve_all_on_top(call)
@@ -104,12 +104,6 @@ class Writer:
                 self._write_groups(call)
         finally:
             self._release(call)
-            if label is not None:
-                with self._lock:
-                    putting = self.chain.putting
-                    for key in keys:  # (a concurrent put of the same key under another tenant keeps its own)
-                        if putting.get(key) == label:
-                            del putting[key]
         return self._end_call(call, tenant)
 
     # ------------------------------------------------------------------ phases
@@ -137,7 +131,7 @@ class Writer:
             if writing:
                 pos = {k: i for i, k in enumerate(keys)}
                 call.inflight = [pos[k] for k in writing]
-        codes = top.reserve_many(keys, [p[1] for p in prepared])
+        codes = top.reserve_many(keys, [p[1] for p in prepared], call.label)
         got0: list[int] = []
         present = 0
         for i, code in enumerate(codes):
@@ -184,7 +178,7 @@ class Writer:
         placer = self.placer
         with self._lock:  # fast path: the first level that admits has room without evicting
             for i in call.todo:
-                j, flags = placer.place_fast(keys[i], prepared[i][1], start[i], held)
+                j, flags = placer.place_fast(keys[i], prepared[i][1], start[i], held, call.label)
                 why[i] |= flags
                 if j is None:
                     call.slow.append(i)
@@ -199,7 +193,7 @@ class Writer:
             if top.managed and top.admits_all:  # (a top level that takes everything without asking)
                 slow = self._reserve_rest_on_top(call, slow)
         for i in slow:
-            j, flags = placer.place(keys[i], prepared[i][1], start[i], len(self.levels), held)
+            j, flags = placer.place(keys[i], prepared[i][1], start[i], len(self.levels), held, tenant=call.label)
             why[i] |= flags
             if j is None:
                 call.out[i] = refusal(why[i])
@@ -215,7 +209,7 @@ class Writer:
             return slow
         keys, prepared = call.keys, call.prepared
         with self._lock:
-            codes = top.reserve_many([keys[i] for i in at], [prepared[i][1] for i in at])
+            codes = top.reserve_many([keys[i] for i in at], [prepared[i][1] for i in at], call.label)
             got = [i for i, c in zip(at, codes) if c == 0]
             for i in got:
                 call.held[(0, keys[i])] = None
@@ -259,7 +253,7 @@ class Writer:
             if chain.any_write_through:
                 for i, ok in zip(idx, oks):
                     if ok:
-                        self.placer.write_through(j, keys[i], prepared[i], call.held, call.sums[i])
+                        self.placer.write_through(j, keys[i], prepared[i], call.held, call.sums[i], call.label)
 
     def _settle_writes(self, call: _Put, j: int, idx: list[int], oks: list[bool]) -> list[int]:
         """The positions whose write into level ``j`` went through; the failed ones aborted and sent on to
