@@ -118,7 +118,7 @@ from tierkv import shutdown
 from tierkv.buffers import HostViews, Value, to_parts_ptrs
 from tierkv.config import build_levels, load_config
 from tierkv.config_observers import attach_from_config
-from tierkv.durability import DropReason, FlushResult, TierFlushError, fault_counts, lost_count
+from tierkv.durability import DropReason, FlushResult, TierFlushError, lost_count
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
 from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departure
@@ -223,11 +223,7 @@ class TieredStore:
                 self._lost_seen[k] = 0
                 if trimmed.get(k):
                     chain.drops.record_count(trimmed[k], DropReason.LOST)
-                try:
-                    extra = lvl.tier.extra_stats()
-                    chain.faults_seen[k] = fault_counts(extra)
-                except Exception:  # noqa: BLE001 - a medium's stats never cost the construction
-                    pass
+                chain.baseline_faults(k)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -252,10 +248,8 @@ class TieredStore:
         every tier.  Idempotent."""
         chain = self._chain
         with chain.lock:
-            if chain.closed:
+            if not chain.shut(timeout=60):
                 return
-            chain.closed = True
-            chain.idle.wait_for(lambda: chain.in_flight == 0, timeout=60)
         try:
             self._copier.close(timeout=120)
         finally:
@@ -564,10 +558,10 @@ class TieredStore:
         tier held it (a shared pool is asked).  A key never stored, or removed again, is not heard.  It may
         run under the store's lock, on any thread: keep it short, and never call the store from it.  A
         listener that raises is logged, never reaches the caller."""
-        self._chain.removal_listeners = [*self._chain.removal_listeners, listener]
+        self._chain.removals.add(listener)
 
     def remove_removal_listener(self, listener: Callable[[list[str]], None]) -> None:
-        self._chain.removal_listeners = [fn for fn in self._chain.removal_listeners if fn != listener]
+        self._chain.removals.remove(listener)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

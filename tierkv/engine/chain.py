@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 from tierkv.durability import DropLedger, DropReason, fault_counts, reason_of_failed_write
@@ -31,6 +32,28 @@ NO_ROOM, UNAVAILABLE, FAILED, TOO_LARGE = 1, 2, 4, 8
 
 #: a call's reservations not yet finished: (level position, key)
 Held = dict[tuple[int, str], None]
+
+
+class RemovalListeners:
+    """The callables told of keys that left every tier (``TieredStore.add_removal_listener``): the one owner
+    of that list (copied on write, so a notification in progress keeps the list it started with)."""
+
+    def __init__(self) -> None:
+        self._fns: list[Callable[[list[str]], None]] = []
+
+    def add(self, fn: Callable[[list[str]], None]) -> None:
+        self._fns = [*self._fns, fn]
+
+    def remove(self, fn: Callable[[list[str]], None]) -> None:
+        self._fns = [f for f in self._fns if f != fn]
+
+    def tell(self, keys: list[str]) -> None:
+        """Call every listener with ``keys``; one that raises is logged and never reaches the store's caller."""
+        for fn in self._fns:
+            try:
+                fn(keys)
+            except Exception as e:  # noqa: BLE001 - a listener's fault never reaches the store's caller
+                logging.getLogger("tierkv").warning("tierkv: removal listener %r failed: %s", fn, e)
 
 
 class Chain:
@@ -85,8 +108,8 @@ class Chain:
         self.departures = Departures(miss_memory)
         #: the configured tenants (None: no quotas, nothing below is asked)
         self.tenants: Tenants | None = None
-        #: called with the keys that left every tier (``TieredStore.add_removal_listener``)
-        self.removal_listeners: list[Callable[[list[str]], None]] = []
+        #: told of the keys that left every tier (``TieredStore.add_removal_listener``)
+        self.removals = RemovalListeners()
 
     # ------------------------------------------------------------------ tenants
     def set_tenants(self, tenants: Tenants) -> None:
@@ -121,11 +144,7 @@ class Chain:
     def removed(self, keys: list[str]) -> None:
         """Tell the removal listeners that ``keys`` left every tier (evicted from the last copy, or removed):
         only keys that were there and are gone now, each once (the caller checks)."""
-        for fn in self.removal_listeners:
-            try:
-                fn(keys)
-            except Exception as e:  # noqa: BLE001 - a listener's fault never reaches the store's caller
-                logging.getLogger("tierkv").warning("tierkv: removal listener %r failed: %s", fn, e)
+        self.removals.tell(keys)
 
     # ------------------------------------------------------------------ calls in flight
     def enter(self) -> None:
@@ -134,6 +153,33 @@ class Chain:
             if self.closed:
                 raise StoreClosedError("the store is closed")
             self.in_flight += 1
+
+    def enter_held(self) -> None:
+        """A call begins, lock held, the caller having found the store open (``Reader.lookup``, before it asks
+        the shared levels outside the lock)."""
+        self.in_flight += 1
+
+    def shut(self, timeout: float) -> bool:
+        """Close the gate: no call begins from now on; wait up to ``timeout`` seconds for those in flight.
+        Returns False when it was closed already.  Lock held."""
+        if self.closed:
+            return False
+        self.closed = True
+        self.idle.wait_for(lambda: self.in_flight == 0, timeout=timeout)
+        return True
+
+    def wait_for_writes(self, pending: Callable[[], bool], deadline: float) -> None:
+        """Wait until ``pending()`` is false or ``time.monotonic()`` reaches ``deadline``, asking again each
+        time a call ends (``leave``) and at least every 50 ms.  Lock held (released while waiting)."""
+        self.settle_waiters += 1
+        try:
+            while pending():
+                wait = deadline - time.monotonic()
+                if wait <= 0:
+                    break
+                self.settled.wait(min(wait, 0.05))
+        finally:
+            self.settle_waiters -= 1
 
     def leave(self) -> None:
         """A call ends: wake ``close`` when none is left, and puts waiting for another call's write."""
@@ -222,6 +268,14 @@ class Chain:
         return ok
 
     # ------------------------------------------------------------------ undurable chunks
+    def baseline_faults(self, k: int) -> None:
+        """What level ``k``'s medium counted before now is no write's fault: keep its fault counters as the
+        base ``drop_reason`` compares with (a medium whose stats fail leaves none).  Lock held or not."""
+        try:
+            self.faults_seen[k] = fault_counts(self.levels[k].tier.extra_stats())
+        except Exception:  # noqa: BLE001 - a medium's stats never cost the bookkeeping
+            pass
+
     def drop_reason(self, k: int) -> DropReason:
         """Why level ``k`` failed a write just now, from its medium's fault counters.  Lock held."""
         try:

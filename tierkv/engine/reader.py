@@ -281,7 +281,7 @@ class Reader:
             if n == len(keys) or not chain.shared:
                 return n
             ask = [i for i in range(n, len(keys)) if not chain.mask(keys[i])]
-            chain.in_flight += 1  # (the shared levels are asked outside the lock: ``close`` waits)
+            chain.enter_held()  # (the shared levels are asked outside the lock: ``close`` waits)
         try:
             found = self._first_shared(keys, ask)
             with self._lock:

@@ -384,16 +384,9 @@ class Writer:
         keys, at, chain = call.keys, call.inflight, self.chain
         deadline = time.monotonic() + _SETTLE_S
         with self._lock:
-            chain.settle_waiters += 1
-            try:
-                while True:
-                    left = [i for i in at if chain.writing_elsewhere(keys[i])]
-                    wait = deadline - time.monotonic()
-                    if not left or wait <= 0:
-                        break
-                    chain.settled.wait(min(wait, 0.05))
-            finally:
-                chain.settle_waiters -= 1
+            writing = chain.writing_elsewhere
+            chain.wait_for_writes(lambda: any(writing(keys[i]) for i in at), deadline)
+            left = [i for i in at if writing(keys[i])]
             gone = [i for i in at if i not in left and not chain.mask(keys[i])]
             c = chain.counters
             c.chunks_deduped -= len(gone) + len(left)
