@@ -568,7 +568,8 @@ class TieredStore:
         """Counters per tier (under ``"tiers"`` and at the top level, by name), store totals (``"total"``) and,
         with tenants configured, each tenant's usage and hits (``"tenants"``: ``tierkv.tenants``); gathered by
         ``tierkv.engine.report``."""
-        tiers, total, tenants = collect_stats(self._chain, self._copier.pending)
+        tiers, total, tenants = collect_stats(self._chain, self._copier.pending,
+                                              (self._writer.counters, self._reader.counters, self._copier.counters))
         self._observers.merge_stats(tiers)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         if tenants is not None:

@@ -24,7 +24,6 @@ from tierkv.engine.leases import LeaseBook
 from tierkv.engine.level import Level
 from tierkv.errors import ConfigError, StoreClosedError
 from tierkv.outcome import Admission, MissReason
-from tierkv.stats import StoreCounters
 from tierkv.tenants import OTHER, TenantLedger, Tenants
 
 # why a chunk was not placed (bit flags gathered while scanning the chain)
@@ -89,7 +88,6 @@ class Chain:
         self.settle_waiters = 0
         self.in_flight = 0
         self.closed = False
-        self.counters = StoreCounters()
         #: positions of the managed levels (an index of their own) and of the shared pools
         self.managed = [i for i, lvl in enumerate(self.levels) if lvl.managed]
         self.shared = [i for i, lvl in enumerate(self.levels) if not lvl.managed]

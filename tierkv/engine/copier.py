@@ -35,6 +35,7 @@ from tierkv.engine.tierio import TierIO
 from tierkv.hooks import CheckedPromotion
 from tierkv.hostmem import StagingPool
 from tierkv.policies import NeverPromote, PromotionPolicy
+from tierkv.stats import CopyCounters
 
 log = logging.getLogger("tierkv")
 
@@ -61,6 +62,8 @@ class Copier:
         self.placer = placer
         self.stager = stager
         self.promotion = CheckedPromotion(promotion)
+        #: the background copies' counters (``stats()["total"]``), this part's alone
+        self.counters = CopyCounters()
         #: positions of the write-behind levels
         self.behind_levels = chain.behind
         #: promotion is possible: a policy that may say yes, and a managed level above another level
@@ -78,7 +81,7 @@ class Copier:
             return
         dropped = self.queue.submit(keys)  # (drops reach ``_dropped``)
         with self._lock:
-            self.chain.counters.write_behind_queued += len(keys) - dropped
+            self.counters.write_behind_queued += len(keys) - dropped
 
     def retry_behind(self, keys: list[str]) -> None:
         """Queue again the write-behind copies given up for chunks still held only above (``flush``); one
@@ -87,7 +90,7 @@ class Copier:
             return
         dropped = self.queue.submit(keys)
         with self._lock:
-            self.chain.counters.write_behind_queued += len(keys) - dropped
+            self.counters.write_behind_queued += len(keys) - dropped
 
     def promote_later(self, keys: list[str], prepared: list[tuple[Parts, int]], served: list[Optional[int]]) -> None:
         """Queue a promotion of each hit served below the top managed level (never on the caller's thread)."""
@@ -104,7 +107,7 @@ class Copier:
         keys = [job for job in jobs if type(job) is str]
         with self._lock:
             if len(keys) < len(jobs):
-                self.chain.counters.promotions_dropped += len(jobs) - len(keys)
+                self.counters.promotions_dropped += len(jobs) - len(keys)
             if keys:
                 self.chain.drops.record([key for key in keys if self.chain.still_wanted(key)], why)
 

@@ -39,6 +39,7 @@ import time
 from typing import Any
 
 from tierkv.engine.level import Level
+from tierkv.stats import LeaseCounters
 
 #: keys of expired leases remembered for their eviction's departure record (the oldest go first)
 EXPIRED_MEMORY = 1 << 16
@@ -104,6 +105,8 @@ class LeaseBook:
         self.active = 0
         #: keys of leases that expired, not yet evicted (insertion order: the oldest first)
         self.expired_keys: dict[str, None] = {}
+        #: the leases' counters (``stats()["total"]``), this book's alone
+        self.counters = LeaseCounters()
 
     def grant(self, keys: list[str], ttl_s: float) -> Lease:
         """Pin each key in the fastest managed level holding it READY.  Lock held."""
@@ -131,7 +134,7 @@ class LeaseBook:
             for _, keys in pins:
                 for k in keys:
                     self.expired_keys.pop(k, None)
-        c = chain.counters
+        c = self.counters
         c.leases += 1
         c.leased_chunks += lease.held
         if pins:
@@ -144,7 +147,7 @@ class LeaseBook:
             if lease.released:
                 return False
             self._unpin(lease)
-            self._chain.counters.leases_released += 1
+            self.counters.leases_released += 1
             return True
 
     def _unpin(self, lease: Lease) -> None:
@@ -237,7 +240,7 @@ class LeaseBook:
                 lease._late += keys
             self._unpin(lease)
             n += 1
-        self._chain.counters.lease_expired += n
+        self.counters.lease_expired += n
         over = len(self.expired_keys) - EXPIRED_MEMORY
         if over > 0:
             for key in list(itertools.islice(self.expired_keys, over)):

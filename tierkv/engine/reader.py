@@ -26,6 +26,7 @@ from tierkv.engine.copier import Copier
 from tierkv.engine.tierio import TierIO
 from tierkv.errors import StoreClosedError
 from tierkv.keys import check_key, check_keys
+from tierkv.stats import GetCounters
 
 Prepared = list[tuple[Parts, int]]
 
@@ -58,13 +59,15 @@ class Reader:
         self._lock = chain.lock
         self.io = io
         self.copier = copier
+        #: the read path's counters (``stats()["total"]``), this part's alone
+        self.counters = GetCounters()
 
     # ------------------------------------------------------------------ get
     def get(self, keys: list[str], prepared: Prepared, ptrs: Optional[list[int]] = None) -> list[bool]:
         """Read ``keys`` into ``prepared`` (``ptrs``: their host addresses, see ``to_parts_ptrs``)."""
         call = _Get(keys, prepared, ptrs)
         with self._lock:
-            self.chain.counters.get_calls += 1
+            self.counters.get_calls += 1
             self._find_and_pin(call)
             if self.chain.observing:
                 self.chain.accessed(keys)
@@ -231,7 +234,7 @@ class Reader:
                 if k < nlev and available[k]:
                     self.levels[k].counters.misses += below
                 below += missed_above[k]
-            c = self.chain.counters
+            c = self.counters
             c.misses += missed_above[nlev]
             c.hits += len(served) - missed_above[nlev]
             c.bytes_got += got
@@ -270,7 +273,7 @@ class Reader:
         with self._lock:  # (one lock hold in the common case: no call in flight to account for)
             if chain.closed:
                 raise StoreClosedError("the store is closed")
-            chain.counters.lookup_calls += 1
+            self.counters.lookup_calls += 1
             try:
                 n = self._leading_ready(keys)
             except TypeError:

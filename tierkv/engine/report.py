@@ -10,21 +10,24 @@ adds what its observers count (outside the lock) and shapes the answer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from tierkv.engine.chain import Chain
 from tierkv.engine.level import Level
+from tierkv.stats import StoreCounters
 
 #: the tiers' figures the store's totals are the sums of
 SUMMED = ("capacity_bytes", "used_bytes", "evictions", "promotions", "demotions", "errors", "corrupt",
           "rejected", "bytes_read", "bytes_written", "persisted")
 
 
-def collect_stats(chain: Chain, write_behind_pending: Callable[[], int]
+def collect_stats(chain: Chain, write_behind_pending: Callable[[], int], counters: Sequence[Any]
                   ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], Optional[dict[str, Any]]]:
     """(tier name -> its figures, the totals, label -> a tenant's figures or None without tenants).
 
+    ``counters``: the engine parts' own counters (``Writer``, ``Reader``, ``Copier``; the leases' are the
+    chain's ``LeaseBook``'s), gathered into the totals in the order ``StoreCounters`` names them.
     Takes the chain's lock; a lease past its deadline is expired first (and counted as such)."""
     tiers: dict[str, dict[str, Any]] = {}
     with chain.lock:
@@ -32,7 +35,7 @@ def collect_stats(chain: Chain, write_behind_pending: Callable[[], int]
             chain.leases.expire()  # (a lease past its deadline is counted as such when asked)
         for lvl in chain.levels:
             tiers[lvl.name] = _tier_stats(lvl)
-        total: dict[str, Any] = chain.counters.as_dict()
+        total: dict[str, Any] = StoreCounters.of(*counters, chain.leases.counters).as_dict()
         for field in SUMMED:
             total[field] = sum(t[field] for t in tiers.values())
         total["in_flight"] = chain.in_flight

@@ -33,6 +33,7 @@ from tierkv.engine.level import Level
 from tierkv.engine.placer import Placer, refusal
 from tierkv.engine.tierio import TierIO
 from tierkv.outcome import MissReason, PutOutcome
+from tierkv.stats import PutCounters
 
 #: how long a put waits for another call's write of a key it found being written
 _SETTLE_S = 30.0
@@ -80,6 +81,8 @@ class Writer:
         self.io = io
         self.placer = placer
         self.copier = copier
+        #: the put path's counters (``stats()["total"]``), this part's alone
+        self.counters = PutCounters()
 
     def put(self, keys: list[str], prepared: Prepared, ptrs: Optional[list[int]] = None,
             tenant: Optional[str] = None) -> list[PutOutcome]:
@@ -108,7 +111,7 @@ class Writer:
 
     # ------------------------------------------------------------------ phases
     def _count_call(self, call: _Put) -> None:
-        c = self.chain.counters
+        c = self.counters
         c.put_calls += 1
         c.chunks_put += call.n
         if self.chain.observing:
@@ -142,7 +145,7 @@ class Writer:
                 present += 1
             else:
                 call.slow.append(i)  # no room without evicting (or a doomed copy still read)
-        self.chain.counters.chunks_deduped += present
+        self.counters.chunks_deduped += present
         if got0:
             call.groups[0] = got0
             call.batch0 = dict.fromkeys([keys[i] for i in got0])
@@ -150,7 +153,7 @@ class Writer:
     def _sort_present(self, call: _Put) -> None:
         """Each key: a repeat inside the batch, present (READY or being written) somewhere, or to place
         (lock held)."""
-        c = self.chain.counters
+        c = self.counters
         busy = self.chain.busy
         found: list[str] = []
         found_sizes: list[int] = []
@@ -283,7 +286,7 @@ class Writer:
         nb = sum([call.prepared[i][1] for i in done])
         lvl.counters.puts += len(done)
         lvl.counters.bytes_written += nb
-        c = self.chain.counters
+        c = self.counters
         c.chunks_stored += len(done)
         c.bytes_put += nb
         stored = PutOutcome.STORED
@@ -324,7 +327,7 @@ class Writer:
         refused = call.n - out.count(PutOutcome.STORED) - out.count(PutOutcome.PRESENT)
         if refused:
             with self._lock:
-                self.chain.counters.chunks_rejected += refused
+                self.counters.chunks_rejected += refused
             self._note_refused(call)
         return out  # type: ignore[return-value]
 
@@ -388,7 +391,7 @@ class Writer:
             chain.wait_for_writes(lambda: any(writing(keys[i]) for i in at), deadline)
             left = [i for i in at if writing(keys[i])]
             gone = [i for i in at if i not in left and not chain.mask(keys[i])]
-            c = chain.counters
+            c = self.counters
             c.chunks_deduped -= len(gone) + len(left)
             if gone:  # (the put below counts them as part of this call)
                 c.put_calls -= 1
