@@ -192,11 +192,11 @@ class TieredStore:
         write_behind_queue = check_int(write_behind_queue, "write_behind_queue", min_value=0)
         miss_memory = check_int(miss_memory, "miss_memory", min_value=0)
         self._chain = chain = Chain([t if isinstance(t, Level) else Level(t) for t in tiers], miss_memory)
+        quotas: Optional[Tenants] = None
         if tenants is not None:  # (quotas per tenant per tier: ``tierkv.tenants``)
-            if not isinstance(tenants, Tenants):
-                tenants = parse_tenants(tenants, [lvl.name for lvl in chain.levels],
-                                        [lvl.name for lvl in chain.levels if lvl.managed])
-            chain.set_tenants(tenants)
+            quotas = tenants if isinstance(tenants, Tenants) else parse_tenants(
+                tenants, [lvl.name for lvl in chain.levels], [lvl.name for lvl in chain.levels if lvl.managed])
+            chain.set_tenants(quotas)
         #: the levels, fastest first (each: a tier, its policies, its index)
         self.levels: list[Level] = chain.levels
         self.promotion = build_promotion(promotion)
@@ -207,7 +207,7 @@ class TieredStore:
         self._placer = Placer(chain, self._io, self._stager)
         self._copier = Copier(chain, self._io, self._placer, self._stager, self.promotion,
                               max_queued=write_behind_queue)
-        self._writer = Writer(chain, self._io, self._placer, self._copier)
+        self._writer = Writer(chain, self._io, self._placer, self._copier, quotas)
         self._reader = Reader(chain, self._io, self._copier)
         self._observers = Observers()
         self._lost_seen: dict[int, int] = {}  # persistent level -> its medium's lost objects so far (``_count_lost``)
@@ -569,7 +569,8 @@ class TieredStore:
         with tenants configured, each tenant's usage and hits (``"tenants"``: ``tierkv.tenants``); gathered by
         ``tierkv.engine.report``."""
         tiers, total, tenants = collect_stats(self._chain, self._copier.pending,
-                                              (self._writer.counters, self._reader.counters, self._copier.counters))
+                                              (self._writer.counters, self._reader.counters, self._copier.counters),
+                                              self._writer.tenants is not None)
         self._observers.merge_stats(tiers)
         out: dict[str, Any] = {"tiers": tiers, "total": total}
         if tenants is not None:

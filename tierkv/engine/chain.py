@@ -104,15 +104,13 @@ class Chain:
         self.faults_seen: dict[int, dict[str, int]] = {}  # level -> its medium's fault counters (``drop_reason``)
         #: the last ``miss_memory`` chunks that left the store, and why (``departed``; ``TieredStore.why_missing``)
         self.departures = Departures(miss_memory)
-        #: the configured tenants (None: no quotas, nothing below is asked)
-        self.tenants: Tenants | None = None
         #: told of the keys that left every tier (``TieredStore.add_removal_listener``)
         self.removals = RemovalListeners()
 
     # ------------------------------------------------------------------ tenants
     def set_tenants(self, tenants: Tenants) -> None:
-        """Keep ``tenants``' quotas: every managed level accounts its chunks per tenant (levels still empty)."""
-        self.tenants = tenants
+        """Keep ``tenants``' quotas: every managed level accounts its chunks per tenant (levels still empty).
+        The tenants themselves are the ``Writer``'s (it names a put's label); the levels keep the ledgers."""
         for lvl in self.levels:
             if lvl.managed:
                 lvl.set_quotas(TenantLedger(lvl.name, lvl.capacity, tenants))

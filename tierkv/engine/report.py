@@ -22,12 +22,14 @@ SUMMED = ("capacity_bytes", "used_bytes", "evictions", "promotions", "demotions"
           "rejected", "bytes_read", "bytes_written", "persisted")
 
 
-def collect_stats(chain: Chain, write_behind_pending: Callable[[], int], counters: Sequence[Any]
+def collect_stats(chain: Chain, write_behind_pending: Callable[[], int], counters: Sequence[Any],
+                  with_tenants: bool = False
                   ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], Optional[dict[str, Any]]]:
     """(tier name -> its figures, the totals, label -> a tenant's figures or None without tenants).
 
     ``counters``: the engine parts' own counters (``Writer``, ``Reader``, ``Copier``; the leases' are the
-    chain's ``LeaseBook``'s), gathered into the totals in the order ``StoreCounters`` names them.
+    chain's ``LeaseBook``'s), gathered into the totals in the order ``StoreCounters`` names them;
+    ``with_tenants``: the store has tenants configured (each tenant's figures are answered).
     Takes the chain's lock; a lease past its deadline is expired first (and counted as such)."""
     tiers: dict[str, dict[str, Any]] = {}
     with chain.lock:
@@ -47,7 +49,7 @@ def collect_stats(chain: Chain, write_behind_pending: Callable[[], int], counter
         total["misses_by_reason"] = chain.departures.counts_by_reason()
         total["miss_memory"] = chain.departures.capacity
         total["miss_memory_used"] = len(chain.departures)
-        tenants = _tenant_stats(chain.levels) if chain.tenants is not None else None
+        tenants = _tenant_stats(chain.levels) if with_tenants else None
     return tiers, total, tenants
 
 

@@ -34,6 +34,7 @@ from tierkv.engine.placer import Placer, refusal
 from tierkv.engine.tierio import TierIO
 from tierkv.outcome import MissReason, PutOutcome
 from tierkv.stats import PutCounters
+from tierkv.tenants import Tenants
 
 #: how long a put waits for another call's write of a key it found being written
 _SETTLE_S = 30.0
@@ -74,13 +75,16 @@ class _Put:
 class Writer:
     """The batch put path (see the module docstring)."""
 
-    def __init__(self, chain: Chain, io: TierIO, placer: Placer, copier: Copier) -> None:
+    def __init__(self, chain: Chain, io: TierIO, placer: Placer, copier: Copier,
+                 tenants: Optional[Tenants] = None) -> None:
         self.chain = chain
         self.levels = chain.levels
         self._lock = chain.lock
         self.io = io
         self.placer = placer
         self.copier = copier
+        #: the configured tenants, whose labels a put is charged to (None: no quotas, no label asked)
+        self.tenants = tenants
         #: the put path's counters (``stats()["total"]``), this part's alone
         self.counters = PutCounters()
 
@@ -88,7 +92,7 @@ class Writer:
             tenant: Optional[str] = None) -> list[PutOutcome]:
         """Store ``prepared`` under ``keys`` (``ptrs``: their host addresses, see ``to_parts_ptrs``) for
         ``tenant`` (counted and held to its quotas when the store has tenants configured)."""
-        tenants = self.chain.tenants
+        tenants = self.tenants
         call = _Put(keys, prepared, ptrs, tenants.label(tenant) if tenants is not None else None)
         try:
             with self._lock:
