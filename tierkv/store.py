@@ -122,6 +122,7 @@ from tierkv.durability import DropReason, FlushResult, TierFlushError, lost_coun
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
 from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departure
+from tierkv.engine.durable import Durability
 from tierkv.engine.leases import Lease
 from tierkv.engine.level import Level
 from tierkv.engine.losses import Losses
@@ -204,7 +205,9 @@ class TieredStore:
         # is lent at once, and each stays mapped for the next cascade instead of being mapped again)
         self._stager = StagingPool(keep=max(2, len(chain.levels)))
         self._io = TierIO(chain)
-        self._placer = Placer(chain, self._io, self._stager)
+        #: the chunks acknowledged but not durable (``flush``), shared by the placer and the copier
+        self._durability = durability = Durability(chain)
+        self._placer = Placer(chain, self._io, self._stager, durability)
         self._copier = Copier(chain, self._io, self._placer, self._stager, self.promotion,
                               max_queued=write_behind_queue)
         self._writer = Writer(chain, self._io, self._placer, self._copier, quotas)
@@ -222,8 +225,8 @@ class TieredStore:
                 # recovery) is reported by the first flush: nothing of it seen yet
                 self._lost_seen[k] = 0
                 if trimmed.get(k):
-                    chain.drops.record_count(trimmed[k], DropReason.LOST)
-                chain.baseline_faults(k)
+                    self._durability.drops.record_count(trimmed[k], DropReason.LOST)
+                self._durability.baseline_faults(k)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -296,7 +299,7 @@ class TieredStore:
         chain.enter()
         try:
             with chain.lock:
-                retry = chain.undurable()
+                retry = self._durability.undurable()
             self._copier.retry_behind(retry)  # (a fault that has passed, a queue that has room again)
             drained = self._copier.drain(timeout)
             errors: dict[str, str] = {}
@@ -308,11 +311,11 @@ class TieredStore:
                     log.warning("tierkv: tier %s flush failed: %s", lvl.name, errors[lvl.name])
                     if isinstance(e, TierFlushError) and e.not_durable > 0:  # (chunks it cannot call durable)
                         with chain.lock:
-                            chain.drops.record_count(e.not_durable, DropReason.WRITE_FAILED)
+                            self._durability.drops.record_count(e.not_durable, DropReason.WRITE_FAILED)
             self._losses.notice()
             self._count_lost()
             with chain.lock:
-                n, reasons, keys = chain.take_undurable()
+                n, reasons, keys = self._durability.take_undurable()
             pending = self._copier.pending() if not drained else 0
             result = FlushResult(n, reasons, keys, pending, errors)
             if not result:
@@ -332,7 +335,7 @@ class TieredStore:
             if now > seen:
                 with self._chain.lock:
                     self._lost_seen[k] = now
-                    self._chain.drops.record_count(now - seen, DropReason.LOST)
+                    self._durability.drops.record_count(now - seen, DropReason.LOST)
 
     def drain_write_behind(self, timeout: Optional[float] = None) -> bool:
         """Wait until every background copy queued so far (write-behind and promotion) is done (without
@@ -475,7 +478,7 @@ class TieredStore:
                             lvl.drop(key)
                         left.update(dict.fromkeys(here))
                 self._copier.promotion.removed(keys)
-                chain.drops.forget(keys)  # (gone on purpose: no flush calls them not durable)
+                self._durability.drops.forget(keys)  # (gone on purpose: no flush calls them not durable)
             for j in chain.shared:
                 pool = self.levels[j]
                 if pool.tier.available:
@@ -568,7 +571,7 @@ class TieredStore:
         """Counters per tier (under ``"tiers"`` and at the top level, by name), store totals (``"total"``) and,
         with tenants configured, each tenant's usage and hits (``"tenants"``: ``tierkv.tenants``); gathered by
         ``tierkv.engine.report``."""
-        tiers, total, tenants = collect_stats(self._chain, self._copier.pending,
+        tiers, total, tenants = collect_stats(self._chain, self._durability, self._copier.pending,
                                               (self._writer.counters, self._reader.counters, self._copier.counters),
                                               self._writer.tenants is not None)
         self._observers.merge_stats(tiers)

@@ -18,7 +18,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tierkv.durability import DropLedger, DropReason, fault_counts, reason_of_failed_write
 from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departures
 from tierkv.engine.leases import LeaseBook
 from tierkv.engine.level import Level
@@ -97,11 +96,8 @@ class Chain:
         self.any_write_through = any(lvl.write_through for lvl in self.levels)
         # only admission policies that observe demand are told about accesses (each once)
         self.observing = [a for a in {id(lvl.admission): lvl.admit for lvl in self.levels}.values() if a.observes]
-        #: acknowledged chunks whose copy into a persistent level was given up (``flush`` reports them)
-        self.drops = DropLedger()
         #: chunks held from a lookup to its load (``TieredStore.lease``)
         self.leases = LeaseBook(self)
-        self.faults_seen: dict[int, dict[str, int]] = {}  # level -> its medium's fault counters (``drop_reason``)
         #: the last ``miss_memory`` chunks that left the store, and why (``departed``; ``TieredStore.why_missing``)
         self.departures = Departures(miss_memory)
         #: told of the keys that left every tier (``TieredStore.add_removal_listener``)
@@ -262,98 +258,3 @@ class Chain:
         elif count_error:
             lvl.counters.errors += 1
         return ok
-
-    # ------------------------------------------------------------------ undurable chunks
-    def baseline_faults(self, k: int) -> None:
-        """What level ``k``'s medium counted before now is no write's fault: keep its fault counters as the
-        base ``drop_reason`` compares with (a medium whose stats fail leaves none).  Lock held or not."""
-        try:
-            self.faults_seen[k] = fault_counts(self.levels[k].tier.extra_stats())
-        except Exception:  # noqa: BLE001 - a medium's stats never cost the bookkeeping
-            pass
-
-    def drop_reason(self, k: int) -> DropReason:
-        """Why level ``k`` failed a write just now, from its medium's fault counters.  Lock held."""
-        try:
-            now = fault_counts(self.levels[k].tier.extra_stats())
-        except Exception:  # noqa: BLE001 - a medium's stats never cost the bookkeeping
-            now = {}
-        seen = self.faults_seen.get(k)
-        self.faults_seen[k] = now
-        return reason_of_failed_write(seen if seen is not None else fault_counts(None), now)
-
-    def wanted_below(self, j: int, mask: int, key: str, nbytes: int, down: list[str]) -> int:
-        """The bits (``level.bit``) of the available write-behind levels below ``j`` that lack ``key`` and admit
-        it (0: none).  Lock held.
-
-        ``key`` is appended to ``down`` (once) when such a level would admit it but is unavailable.
-        """
-        wanted = 0
-        for k in self.behind:
-            lvl = self.levels[k]
-            if k > j and not mask & lvl.bit and self.admits(lvl, key, nbytes):
-                if lvl.tier.available:
-                    wanted |= lvl.bit
-                elif not down or down[-1] != key:
-                    down.append(key)
-        return wanted
-
-    def still_wanted(self, key: str) -> bool:
-        """Whether ``key`` is READY above some write-behind level that lacks and admits it.  Lock held."""
-        mask = self.mask(key)
-        if not mask:
-            return False  # removed (or gone) meanwhile: nothing to make durable
-        j = (mask & -mask).bit_length() - 1
-        nbytes = self.levels[j].ready_nbytes(key)
-        down: list[str] = []
-        return nbytes >= 0 and (bool(self.wanted_below(j, mask, key, nbytes, down)) or bool(down))
-
-    def owed(self, key: str) -> bool:
-        """Whether ``key`` is held (or being written) in some managed level and READY in no persistent one:
-        a chunk whose copy was given up is durable again once a persistent level holds it.  Lock held."""
-        levels = self.levels
-        return self.busy(key) and not any(levels[k].holds(key) for k in self.persistent)
-
-    def undurable(self) -> list[str]:
-        """Settle the drop ledger against what the levels hold now (those that reached a persistent level
-        since are forgotten); returns those still held only in volatile levels.  Lock held."""
-        return self.drops.settle(self.owed, self.busy)
-
-    def take_undurable(self) -> tuple[int, dict[str, int], tuple[str, ...]]:
-        """What ``flush`` reports: the chunks not durable now (``DropLedger.take``).  Lock held."""
-        return self.drops.take(self.owed, self.busy)
-
-    def not_durable(self) -> int:
-        """How many acknowledged chunks are not durable now (``stats()``, health).  Lock held."""
-        return self.drops.not_durable(self.owed, self.busy)
-
-    def note_evicted(self, j: int, keys: list[str]) -> None:
-        """Victims of level ``j`` about to leave it without a demotion: note as undurable those a write-behind
-        level below lacks and admits, and no level above holds.  Lock held."""
-        lvl = self.levels[j]
-        lost = []
-        for key in keys:
-            nbytes = lvl.ready_nbytes(key)
-            if nbytes < 0:
-                continue  # removed meanwhile
-            mask = self.mask(key)
-            if mask & (lvl.bit - 1):
-                continue  # still held above
-            down: list[str] = []
-            if self.wanted_below(j, mask, key, nbytes, down) or down:
-                lost.append(key)
-        if lost:
-            self.drops.record(lost, DropReason.EVICTED)
-
-    def refused_below(self, lvl: Level, key: str, nbytes: int, flags: int) -> None:
-        """Note why persistent level ``lvl`` took no copy of ``key`` (the placement's ``flags``)."""
-        with self.lock:
-            if lvl.knows(key):
-                return  # another writer holds it there (a demotion in flight): not lost
-            if lvl.footprint(nbytes) > lvl.capacity:
-                why = DropReason.TOO_LARGE
-            elif flags & UNAVAILABLE:
-                why = DropReason.UNAVAILABLE
-            else:
-                why = DropReason.NO_ROOM
-            self.drops.record([key], why)

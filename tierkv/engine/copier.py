@@ -60,6 +60,8 @@ class Copier:
         self._lock = chain.lock
         self.io = io
         self.placer = placer
+        #: the chunks acknowledged but not durable (the placer's)
+        self.durability = placer.durability
         self.stager = stager
         self.promotion = CheckedPromotion(promotion)
         #: the background copies' counters (``stats()["total"]``), this part's alone
@@ -109,7 +111,7 @@ class Copier:
             if len(keys) < len(jobs):
                 self.counters.promotions_dropped += len(jobs) - len(keys)
             if keys:
-                self.chain.drops.record([key for key in keys if self.chain.still_wanted(key)], why)
+                self.durability.drops.record([key for key in keys if self.durability.still_wanted(key)], why)
 
     def _run(self, jobs: list[Job]) -> None:
         """Background: one batch of jobs, write-behind first."""
@@ -153,11 +155,11 @@ class Copier:
                 nbytes = self.levels[j].ready_nbytes(key)
                 if nbytes < 0:
                     continue
-                wanted = chain.wanted_below(j, mask, key, nbytes, down)  # (admission asked once, here)
+                wanted = self.durability.wanted_below(j, mask, key, nbytes, down)  # (admission asked once, here)
                 if wanted:
                     todo.setdefault(j, []).append((key, nbytes, wanted))
             if down:
-                chain.drops.record(down, DropReason.UNAVAILABLE)
+                self.durability.drops.record(down, DropReason.UNAVAILABLE)
         for j, items in todo.items():
             limit = min(_COPY_BATCH_BYTES, self.levels[j].capacity // _COPY_PIN_SHARE)
             at = 0
@@ -181,7 +183,7 @@ class Copier:
             with self._source_bytes(src, keys, [item[1] for item in batch]) as (bufs, oks, sums):
                 if False in oks:
                     with self._lock:
-                        self.chain.drops.record([key for key, ok in zip(keys, oks) if not ok],
+                        self.durability.drops.record([key for key, ok in zip(keys, oks) if not ok],
                                                 DropReason.READ_FAILED)
                 for k in self.behind_levels:
                     if k > j:
@@ -213,7 +215,7 @@ class Copier:
                 if placed is not None:
                     go.append(i)
                 elif flags:
-                    chain.refused_below(lvl, key, nbytes, flags)
+                    self.durability.refused_below(lvl, key, nbytes, flags)
             if not go:
                 return
             wrote = self.io.write(lvl, [batch[i][0] for i in go], [bufs[i] for i in go],
@@ -228,7 +230,7 @@ class Copier:
                     elif not ok:
                         failed.append(key)
                 if failed:
-                    chain.drops.record(failed, chain.drop_reason(k))
+                    self.durability.drops.record(failed, self.durability.drop_reason(k))
         finally:
             chain.release(held)
 

@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from tierkv.buffers import Parts
 from tierkv.engine.chain import FAILED, NO_ROOM, TOO_LARGE, UNAVAILABLE, Chain, Held
+from tierkv.engine.durable import Durability
 from tierkv.engine.tierio import TierIO
 from tierkv.hostmem import StagingPool
 from tierkv.outcome import MissReason, PutOutcome
@@ -39,8 +40,10 @@ def refusal(flags: int) -> PutOutcome:
 class Placer:
     """Placement, eviction and demotion over a chain (see the module docstring)."""
 
-    def __init__(self, chain: Chain, io: TierIO, stager: StagingPool) -> None:
+    def __init__(self, chain: Chain, io: TierIO, stager: StagingPool, durability: Optional[Durability] = None) -> None:
         self.chain = chain
+        #: the chunks acknowledged but not durable (shared with the ``Copier``; built here when not given)
+        self.durability = durability if durability is not None else Durability(chain)
         self.levels = chain.levels
         self._lock = chain.lock
         self.io = io
@@ -233,7 +236,7 @@ class Placer:
                     # (a victim removed meanwhile left then, and was heard then)
                     gone = [key for key in batch if key not in below and lvl.holds(key)]
                     if gone and chain.behind and chain.behind[-1] > j:
-                        chain.note_evicted(j, gone)
+                        self.durability.note_evicted(j, gone)
                     lvl.counters.evictions += len(batch)
                     lvl.counters.demotions += len(below)
                     lvl.evict_many(batch)
@@ -335,11 +338,11 @@ class Placer:
             placed, flags = self.place(key, nbytes, k, k + 1, held, tenant=tenant)
             if placed is None:
                 if flags and lvl.tier.persistent:  # (no flags: its admission said no, which is no loss)
-                    chain.refused_below(lvl, key, nbytes, flags)
+                    self.durability.refused_below(lvl, key, nbytes, flags)
                 continue
             ok = self.io.write(lvl, [key], [parts], sums=[chunk_sum])[0]
             with self._lock:
                 held.pop((k, key), None)
                 chain.finish_write(lvl, key, nbytes, ok)
                 if not ok and lvl.tier.persistent:  # acknowledged above, not durable here: ``flush`` says so
-                    chain.drops.record([key], chain.drop_reason(k))
+                    self.durability.drops.record([key], self.durability.drop_reason(k))

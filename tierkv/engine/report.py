@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from tierkv.engine.chain import Chain
+from tierkv.engine.durable import Durability
 from tierkv.engine.level import Level
 from tierkv.stats import StoreCounters
 
@@ -22,12 +23,13 @@ SUMMED = ("capacity_bytes", "used_bytes", "evictions", "promotions", "demotions"
           "rejected", "bytes_read", "bytes_written", "persisted")
 
 
-def collect_stats(chain: Chain, write_behind_pending: Callable[[], int], counters: Sequence[Any],
-                  with_tenants: bool = False
+def collect_stats(chain: Chain, durability: Durability, write_behind_pending: Callable[[], int],
+                  counters: Sequence[Any], with_tenants: bool = False
                   ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], Optional[dict[str, Any]]]:
     """(tier name -> its figures, the totals, label -> a tenant's figures or None without tenants).
 
-    ``counters``: the engine parts' own counters (``Writer``, ``Reader``, ``Copier``; the leases' are the
+    ``durability``: the store's ledger of chunks not durable (``write_behind_*``).  ``counters``: the
+    engine parts' own counters (``Writer``, ``Reader``, ``Copier``; the leases' are the
     chain's ``LeaseBook``'s), gathered into the totals in the order ``StoreCounters`` names them;
     ``with_tenants``: the store has tenants configured (each tenant's figures are answered).
     Takes the chain's lock; a lease past its deadline is expired first (and counted as such)."""
@@ -43,9 +45,9 @@ def collect_stats(chain: Chain, write_behind_pending: Callable[[], int], counter
         total["in_flight"] = chain.in_flight
         total["leases_active"] = chain.leases.active
         total["write_behind_pending"] = write_behind_pending()
-        total["write_behind_dropped"] = chain.drops.total
-        total["write_behind_not_durable"] = chain.not_durable()
-        total["write_behind_dropped_by_reason"] = chain.drops.by_reason()
+        total["write_behind_dropped"] = durability.drops.total
+        total["write_behind_not_durable"] = durability.not_durable()
+        total["write_behind_dropped_by_reason"] = durability.drops.by_reason()
         total["misses_by_reason"] = chain.departures.counts_by_reason()
         total["miss_memory"] = chain.departures.capacity
         total["miss_memory_used"] = len(chain.departures)
