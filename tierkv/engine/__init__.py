@@ -6,7 +6,8 @@ Each part is an object of its own module, built from a ``Chain`` and the parts i
   its index is ``levelindex`` (``LevelIndex``: the state and its mutators), whose questions are
   ``indexqueries`` (``IndexQueries``), policy order view ``orderview`` (``OrderView``) and invariant
   checker ``indexcheck`` (``check_index``); its victim search is ``victims`` (``choose_victims``);
-* ``chain``: ``Chain``, the levels fastest first and the state they share (lock, counters, drops);
+* ``chain``: ``Chain``, the levels fastest first, the one lock and the call gate;
+* ``durable``: ``Durability``, the chunks acknowledged but not durable, and why;
 * ``tierio``: ``TierIO``, the one choke point for tier I/O (a medium fault is a miss);
 * ``placer``: ``Placer``, placement, eviction, demotion, write-through;
 * ``writer``: ``Writer``, the put path in named phases;

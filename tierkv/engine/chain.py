@@ -1,12 +1,20 @@
-"""``Chain``: the levels of a store, fastest first, and the state every part of the engine shares.
+"""``Chain``: the levels of a store, fastest first, the one lock and the call gate.
 
-The chain holds what the store's collaborators (``Writer``, ``Placer``, ``Reader``,
-``Copier``) read and change together: the levels, the one lock guarding all metadata,
-the counters, the calls in flight, and the ledger of chunks a persistent level was
-meant to receive but did not (``tierkv.durability``).  It answers the questions that
-span levels (where a key is READY, whether a write-behind level still wants it) and
-is the one place admission is asked (``admits``: every ``REJECT`` counted as ``rejected``, every
-``THROTTLED`` as ``throttled``).
+The chain holds what every part of the engine (``Writer``, ``Placer``, ``Reader``,
+``Copier``) shares: the levels and the positions derived from them once (managed,
+shared, write-behind, persistent), the one lock guarding all metadata, and the call
+gate (``enter`` / ``leave``, ``shut``, ``wait_for_writes``).  It answers the questions
+that span levels (where a key is READY, whether one is being written elsewhere) and is
+the one place admission is asked (``admits``: every ``REJECT`` counted as ``rejected``,
+every ``THROTTLED`` as ``throttled``).
+
+State with an owner of its own is not here: each part's counters are that part's
+(``Writer.counters`` ...), the tenants the ``Writer``'s (a put's tenant travels down the
+put path as an argument), the ledger of chunks not durable ``Durability``'s
+(``tierkv.engine.durable``).  Three shared books are still reached through the chain:
+the leases (``LeaseBook``), the miss memory (``departed``) and the removal listeners
+(``RemovalListeners``), each a typed object that alone changes its state.  Only this
+module assigns a ``Chain`` attribute.
 
 Every method whose docstring says "lock held" expects the caller to hold ``lock``.
 """
