@@ -328,3 +328,37 @@ def test_a_hit_in_a_shared_pool_is_promoted_into_the_managed_level_above():
     out.zero_()
     assert store.get(["p"], [out]) == [True] and torch.equal(out, val(7))
     store.close()
+
+
+def test_no_module_outside_chain_assigns_chain_state():
+    # the chain's state is changed by its own methods only: no `chain.x = ...`, `chain.x += ...` or
+    # `chain.x[k] = ...` anywhere else in the library
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    pattern = re.compile(r"\b_?chain\.[a-z_]+(\[[^\]]*\])?\s*(=|\+=|-=)[^=]")
+    found = []
+    for top in ("tierkv", "tiers", "policies", "adapters"):
+        for path in sorted((root / top).rglob("*.py")):
+            if path.name == "chain.py" and path.parent.name == "engine":
+                continue
+            for n, line in enumerate(path.read_text().splitlines(), 1):
+                if pattern.search(line):
+                    found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert pattern.search("self.chain.closed = True") and pattern.search("chain.seen[k] += 1")
+    assert not found, "\n".join(found)
+
+
+def test_store_counters_are_gathered_from_their_owners_each_field_once():
+    from dataclasses import fields
+
+    from tierkv.stats import CopyCounters, GetCounters, LeaseCounters, PutCounters, StoreCounters
+
+    parts = (PutCounters, GetCounters, CopyCounters, LeaseCounters)
+    owned = [f.name for part in parts for f in fields(part)]
+    assert sorted(owned) == sorted(f.name for f in fields(StoreCounters))  # each field one owner, none left out
+    put, got = PutCounters(put_calls=2, bytes_put=5), GetCounters(hits=3)
+    snap = StoreCounters.of(put, got, CopyCounters(), LeaseCounters(leases=1)).as_dict()
+    assert list(snap) == [f.name for f in fields(StoreCounters)]  # stats()' order, whoever owns the field
+    assert (snap["put_calls"], snap["bytes_put"], snap["hits"], snap["leases"], snap["misses"]) == (2, 5, 3, 1, 0)
