@@ -126,7 +126,7 @@ from tierkv.engine.durable import Durability
 from tierkv.engine.leases import Lease
 from tierkv.engine.level import Level
 from tierkv.engine.losses import Losses
-from tierkv.engine.observers import Observers
+from tierkv.engine.observers import Observers, RemovalListeners
 from tierkv.engine.placer import Placer
 from tierkv.engine.reader import Reader
 from tierkv.engine.recovery import recover
@@ -207,7 +207,9 @@ class TieredStore:
         self._io = TierIO(chain)
         #: the chunks acknowledged but not durable (``flush``), shared by the placer and the copier
         self._durability = durability = Durability(chain)
-        self._placer = Placer(chain, self._io, self._stager, durability)
+        #: told of the keys that left every tier (``add_removal_listener``), by the parts that remove them
+        self._removals = removals = RemovalListeners()
+        self._placer = Placer(chain, self._io, self._stager, durability, removals)
         self._copier = Copier(chain, self._io, self._placer, self._stager, self.promotion,
                               max_queued=write_behind_queue)
         self._writer = Writer(chain, self._io, self._placer, self._copier, quotas)
@@ -216,7 +218,7 @@ class TieredStore:
         self._lost_seen: dict[int, int] = {}  # persistent level -> its medium's lost objects so far (``_count_lost``)
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
         trimmed = recover(self.levels)
-        self._losses = Losses(chain, self._io)  # (after recovery: the index holds what the media hold)
+        self._losses = Losses(chain, self._io, self._removals)  # (after recovery: the index holds what the media hold)
         self._pid = os.getpid()
         _open_stores.add(self)  # closed at exit if its owner does not (``tierkv.shutdown``)
         for k, lvl in enumerate(self.levels):  # (after recovery: what opening counted is no write's fault)
@@ -487,7 +489,7 @@ class TieredStore:
                     if self._io.delete(pool, keys) and found:
                         left.update(dict.fromkeys(k for k, f in zip(rest, found) if f))
             if left:
-                chain.removed([key for key in dict.fromkeys(keys) if key in left])
+                self._removals.tell([key for key in dict.fromkeys(keys) if key in left])
         finally:
             chain.leave()
 
@@ -561,10 +563,10 @@ class TieredStore:
         tier held it (a shared pool is asked).  A key never stored, or removed again, is not heard.  It may
         run under the store's lock, on any thread: keep it short, and never call the store from it.  A
         listener that raises is logged, never reaches the caller."""
-        self._chain.removals.add(listener)
+        self._removals.add(listener)
 
     def remove_removal_listener(self, listener: Callable[[list[str]], None]) -> None:
-        self._chain.removals.remove(listener)
+        self._removals.remove(listener)
 
     # ------------------------------------------------------------------ stats
     def stats(self) -> dict[str, Any]:

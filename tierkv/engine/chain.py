@@ -11,9 +11,10 @@ every ``THROTTLED`` as ``throttled``).
 State with an owner of its own is not here: each part's counters are that part's
 (``Writer.counters`` ...), the tenants the ``Writer``'s (a put's tenant travels down the
 put path as an argument), the ledger of chunks not durable ``Durability``'s
-(``tierkv.engine.durable``).  Three shared books are still reached through the chain:
-the leases (``LeaseBook``), the miss memory (``departed``) and the removal listeners
-(``RemovalListeners``), each a typed object that alone changes its state.  Only this
+(``tierkv.engine.durable``), the removal listeners the store's (``RemovalListeners``, told
+by the parts that remove).  Two shared books are still reached through the chain: the
+leases (``LeaseBook``) and the miss memory (``departed``), each a typed object that alone
+changes its state.  Only this
 module assigns a ``Chain`` attribute.
 
 Every method whose docstring says "lock held" expects the caller to hold ``lock``.
@@ -21,7 +22,6 @@ Every method whose docstring says "lock held" expects the caller to hold ``lock`
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -38,28 +38,6 @@ NO_ROOM, UNAVAILABLE, FAILED, TOO_LARGE = 1, 2, 4, 8
 
 #: a call's reservations not yet finished: (level position, key)
 Held = dict[tuple[int, str], None]
-
-
-class RemovalListeners:
-    """The callables told of keys that left every tier (``TieredStore.add_removal_listener``): the one owner
-    of that list (copied on write, so a notification in progress keeps the list it started with)."""
-
-    def __init__(self) -> None:
-        self._fns: list[Callable[[list[str]], None]] = []
-
-    def add(self, fn: Callable[[list[str]], None]) -> None:
-        self._fns = [*self._fns, fn]
-
-    def remove(self, fn: Callable[[list[str]], None]) -> None:
-        self._fns = [f for f in self._fns if f != fn]
-
-    def tell(self, keys: list[str]) -> None:
-        """Call every listener with ``keys``; one that raises is logged and never reaches the store's caller."""
-        for fn in self._fns:
-            try:
-                fn(keys)
-            except Exception as e:  # noqa: BLE001 - a listener's fault never reaches the store's caller
-                logging.getLogger("tierkv").warning("tierkv: removal listener %r failed: %s", fn, e)
 
 
 class Chain:
@@ -108,8 +86,6 @@ class Chain:
         self.leases = LeaseBook(self)
         #: the last ``miss_memory`` chunks that left the store, and why (``departed``; ``TieredStore.why_missing``)
         self.departures = Departures(miss_memory)
-        #: told of the keys that left every tier (``TieredStore.add_removal_listener``)
-        self.removals = RemovalListeners()
 
     # ------------------------------------------------------------------ tenants
     def set_tenants(self, tenants: Tenants) -> None:
@@ -140,11 +116,6 @@ class Chain:
         the memory is asked only about keys that are missing, so a copy another tier still serves costs
         nothing but one of the ``miss_memory`` places."""
         self.departures.record(keys, reason, None if lvl is None else lvl.name, policy)
-
-    def removed(self, keys: list[str]) -> None:
-        """Tell the removal listeners that ``keys`` left every tier (evicted from the last copy, or removed):
-        only keys that were there and are gone now, each once (the caller checks)."""
-        self.removals.tell(keys)
 
     # ------------------------------------------------------------------ calls in flight
     def enter(self) -> None:

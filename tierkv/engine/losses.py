@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 
 from tierkv.engine.chain import Chain
+from tierkv.engine.observers import RemovalListeners
 from tierkv.engine.tierio import TierIO
 
 log = logging.getLogger("tierkv")
@@ -23,8 +24,9 @@ log = logging.getLogger("tierkv")
 class Losses:
     """Per persistent level, the medium's ``objects_lost`` as of the last look (see the module docstring)."""
 
-    def __init__(self, chain: Chain, io: TierIO) -> None:
+    def __init__(self, chain: Chain, io: TierIO, removals: RemovalListeners) -> None:
         self._chain = chain
+        self._removals = removals  # told of the chunks a loss took from every tier
         self._io = io
         self._seen: dict[int, int] = {}
         for k, lvl in enumerate(chain.levels):
@@ -65,6 +67,6 @@ class Losses:
                 lvl.drop(key)
             nowhere = [key for key in gone if not any(o.holds(key) for o in chain.levels if o.managed)]
         if nowhere:
-            chain.removed(nowhere)
+            self._removals.tell(nowhere)
         log.warning("tierkv: tier %s lost %d chunks on its own (objects_lost): dropped from its index",
                     lvl.name, len(gone))

@@ -10,12 +10,17 @@ share state between threads lock it themselves.
 
 The observers a store config turns on (``trace_path``, ``shadow``) are attached by
 ``tierkv.config_observers``, above the engine: this module imports no observer.
+
+``RemovalListeners`` (held by ``TieredStore``, handed to the parts that remove chunks: the
+``Placer`` evicting, ``Losses`` dropping what a medium lost, the store's ``remove``) keeps
+the callables told of keys that left every tier.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("tierkv")
@@ -69,3 +74,24 @@ class Observers:
         self._faults.add((id(obs), what))
         (log.warning if first else log.debug)("tierkv: observer %s %s failed: %s", type(obs).__name__, what, e)
 
+
+class RemovalListeners:
+    """The callables told of keys that left every tier (``TieredStore.add_removal_listener``): the one owner
+    of that list (copied on write, so a notification in progress keeps the list it started with)."""
+
+    def __init__(self) -> None:
+        self._fns: list[Callable[[list[str]], None]] = []
+
+    def add(self, fn: Callable[[list[str]], None]) -> None:
+        self._fns = [*self._fns, fn]
+
+    def remove(self, fn: Callable[[list[str]], None]) -> None:
+        self._fns = [f for f in self._fns if f != fn]
+
+    def tell(self, keys: list[str]) -> None:
+        """Call every listener with ``keys``; one that raises is logged and never reaches the store's caller."""
+        for fn in self._fns:
+            try:
+                fn(keys)
+            except Exception as e:  # noqa: BLE001 - a listener's fault never reaches the store's caller
+                log.warning("tierkv: removal listener %r failed: %s", fn, e)

@@ -18,6 +18,7 @@ from typing import Any, Optional
 from tierkv.buffers import Parts
 from tierkv.engine.chain import FAILED, NO_ROOM, TOO_LARGE, UNAVAILABLE, Chain, Held
 from tierkv.engine.durable import Durability
+from tierkv.engine.observers import RemovalListeners
 from tierkv.engine.tierio import TierIO
 from tierkv.hostmem import StagingPool
 from tierkv.outcome import MissReason, PutOutcome
@@ -40,10 +41,13 @@ def refusal(flags: int) -> PutOutcome:
 class Placer:
     """Placement, eviction and demotion over a chain (see the module docstring)."""
 
-    def __init__(self, chain: Chain, io: TierIO, stager: StagingPool, durability: Optional[Durability] = None) -> None:
+    def __init__(self, chain: Chain, io: TierIO, stager: StagingPool, durability: Optional[Durability] = None,
+                 removals: Optional[RemovalListeners] = None) -> None:
         self.chain = chain
         #: the chunks acknowledged but not durable (shared with the ``Copier``; built here when not given)
         self.durability = durability if durability is not None else Durability(chain)
+        #: told of the keys an eviction took from every tier (the store's; built here when not given)
+        self.removals = removals if removals is not None else RemovalListeners()
         self.levels = chain.levels
         self._lock = chain.lock
         self.io = io
@@ -249,10 +253,10 @@ class Placer:
                         late, gone = chain.leases.split_expired(gone)
                         if late:
                             chain.departed(late, MissReason.LEASE_EXPIRED, lvl, lvl.policy_name)
-                            chain.removed(late)
+                            self.removals.tell(late)
                     if gone:
                         chain.departed(gone, MissReason.EVICTED, lvl, lvl.policy_name)
-                        chain.removed(gone)
+                        self.removals.tell(gone)
         finally:
             if at < len(victims):
                 with self._lock:
