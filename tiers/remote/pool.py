@@ -1,8 +1,12 @@
 """``RemotePoolTier``: a tier over a distributed object store, whatever the backend.
 
 A backend (``backends.BACKENDS``) supplies a blocking ``RemoteClient``; this
-class supplies everything the remote media share: deadlines, availability,
-reconnection, presence caching, staging and the Tier operations.
+class supplies everything the remote media share: deadlines, presence caching,
+staging and the Tier operations.  Availability and reconnection are
+``PoolHealth``'s (``poolhealth.py``): it owns the session, the probe thread and
+the tier's availability; this class asks it for the session, reports failures
+to it (``fail``, ``pool_lost``) and owns only the data path's counters
+(``PoolCounters``) and the ``Presence`` cache it shares with the probe.
 
 Invariants
     * The caller's path never makes a blocking backend call it cannot abandon:
@@ -41,13 +45,13 @@ Invariants
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,6 +61,7 @@ from tierkv.checksum import ReadSums
 
 from ..base import CORRUPT, Parts, Tier
 from .client import Outcome
+from .poolhealth import PoolHealth, ProbeOptions
 from .presence import Presence
 from .session import HELD, LATE, REFUSED, TIMEOUT, Registration, Session
 from .staging import Staging
@@ -66,6 +71,24 @@ log = logging.getLogger("tierkv.tiers.remote")
 #: a read copied out of the local segment counts only if it ended this soon after the master granted
 #: its lease (Mooncake's read lease lasts several seconds; a copy takes milliseconds)
 LOCAL_LEASE_GUARD_S = 1.0
+
+
+@dataclass(slots=True)
+class PoolCounters:
+    """The data path's events of one tier (``PoolHealth.counters`` holds the availability ones)."""
+
+    refused: int = 0  #: objects a write did not store (no room, an error, no staging)
+    refused_unavailable: int = 0  #: objects refused at once while the tier was unavailable
+    misses_unavailable: int = 0  #: objects missed at once while the tier was unavailable
+    full_retries: int = 0  #: writes tried again after a full pool
+    local_reads: int = 0  #: objects copied out of this node's own segment
+    timeouts: int = 0  #: calls answered at their deadline (they may still touch their memory)
+    late_reads_waited: int = 0  #: of those, reads into the caller's memory waited out
+    late_reads_running: int = 0  #: of those, reads still running after that wait
+    transfer_errors: int = 0  #: calls that found a segment's owner unreachable
+    errors: int = 0  #: calls that raised
+    put_errors: int = 0  #: objects a write refused with an error code
+    misses: int = 0  #: objects a read did not find whole
 
 
 class RemotePoolTier(Tier):
@@ -91,8 +114,6 @@ class RemotePoolTier(Tier):
         super().__init__(name, capacity_bytes)
         if max_key_len is not None:
             self.max_key_len = max_key_len
-        self._open_client = open_client
-        self._reachable = reachable or (lambda: True)
         self._prefix = f"{namespace}/{self.key_tag}/"
         self.timeout, self.min_bandwidth = timeout, min_bandwidth
         self.connect_timeout, self.probe_interval = connect_timeout, probe_interval
@@ -100,160 +121,31 @@ class RemotePoolTier(Tier):
         self.late_read_wait = late_read_wait
         self.register_limit, self.workers = register_limit, workers
         self.description = description or type(self).__name__
-        self._sentinel = f"{namespace}/sentinel/{self.key_tag}/{os.getpid()}-{id(self):x}-{time.time_ns():x}"
-        self._session: Session | None = None
-        self._available = False
-        self._sentinel_ok = False  # the sentinel is known to be stored in the current pool
-        self._wake = threading.Event()
-        self._state_lock = threading.Lock()
+        sentinel = f"{namespace}/sentinel/{self.key_tag}/{os.getpid()}-{id(self):x}-{time.time_ns():x}"
+        self._sentinel = sentinel
         self._presence = Presence(presence_ttl)
         self._staging = Staging()
-        self._counters: collections.Counter[str] = collections.Counter()
-        self._last_error = ""
-        self._unavailable_since: float | None = time.monotonic()
-        self._prober = threading.Thread(target=self._probe_loop, name=f"tierkv-probe-{name}", daemon=True)
-        self._prober.start()
-        deadline = time.monotonic() + connect_wait
-        while not self._available and time.monotonic() < deadline:
-            time.sleep(0.01)
-        if not self._available:
+        self._counters = PoolCounters()
+        self._health = PoolHealth(name, self.description, sentinel, open_client, reachable or (lambda: True),
+                                  self._presence, ProbeOptions(timeout, connect_timeout, probe_interval, workers,
+                                                               register_limit),
+                                  closed=lambda: self._closed, on_probed=self._reap_tombstones)
+        if not self._health.start(connect_wait):
             log.warning("tier %r (%s): not connected after %.1fs (%s); serving misses while it keeps trying",
-                        name, self.description, connect_wait, self._last_error or "no answer")
+                        name, self.description, connect_wait, self._health.last_error or "no answer")
 
     # -- availability ---------------------------------------------------------
     @property
     def available(self) -> bool:
-        return self._available and not self._closed
+        return self._health.available and not self._closed
 
-    def _fail(self, why: str) -> None:
-        with self._state_lock:
-            was = self._available
-            self._available = False
-            self._last_error = why
-            if was:
-                self._counters["failures"] += 1
-                self._unavailable_since = time.monotonic()
-        if was:
-            log.warning("tier %r (%s) unavailable: %s", self.name, self.description, why)
-        self._wake.set()
-
-    def _pool_lost(self, wake: bool = True) -> None:
-        """The sentinel is gone: the pool this tier knew is gone (master restarted or sentinel evicted).
-
-        ``wake`` asks the prober to store a new sentinel now; the prober itself passes False."""
-        with self._state_lock:
-            if self._sentinel_ok:
-                self._counters["pool_lost"] += 1
-            self._sentinel_ok = False
-            self._presence.clear()
-        if wake:
-            self._wake.set()
+    @property
+    def _session(self) -> Session | None:
+        """The current session (``PoolHealth`` owns it; None while none is connected)."""
+        return self._health.session
 
     def _deadline(self, nbytes: int = 0) -> float:
         return self.timeout + nbytes / self.min_bandwidth
-
-    def _probe_call(self, session: Session, fn: Callable[[Any], Any]) -> Any:
-        try:
-            return session.call(fn, self.timeout)
-        except Exception as e:  # noqa: BLE001
-            return e
-
-    def _probe_once(self) -> bool:
-        """One step of (re)connection; True when the tier is available afterwards."""
-        if not self._reachable():
-            self._last_error = f"{self.description}: master not reachable"
-            return False
-        session = self._session
-        if session is None or session.retired:
-            client = self._connect()
-            if client is None:
-                return False
-            session = Session(client, self.workers, self.register_limit)
-            if self._closed:
-                session.retire()
-                return False
-            with self._state_lock:
-                self._session = session
-                self._sentinel_ok = False
-                self._presence.clear()
-        r = self._probe_call(session, lambda c: c.exists([self._sentinel]))
-        if not isinstance(r, list) or not r or r[0] < 0:
-            why = "timed out" if r is TIMEOUT else repr(r)
-            self._last_error = f"{self.description}: probe failed ({why})"
-            self._probe_failed(session)
-            return False
-        if r[0] != 1:
-            self._pool_lost(wake=False)
-            rc = self._probe_call(session, lambda c: c.put_sentinel(self._sentinel))
-            outcome = session.client.outcome(rc) if isinstance(rc, int) else None
-            if outcome not in (Outcome.OK, Outcome.EXISTS):
-                self._last_error = f"{self.description}: cannot store the sentinel key ({rc!r})"
-                if outcome is not Outcome.NO_SPACE:  # a pool without room is normal; a refusing client is not
-                    # a client without a segment of its own is cheap to replace: at once
-                    self._probe_failed(session, now=not getattr(session.client, "owns_segment", True))
-                return False
-            with self._state_lock:
-                self._sentinel_ok = True
-        self._counters["probe_failures"] = 0
-        self._reap_tombstones(session)
-        return True
-
-    def _probe_failed(self, session: Session, now: bool = False) -> None:
-        """Count a failed probe; every fifth in a row (or this one, ``now``) starts over with a fresh client."""
-        self._counters["probe_failures"] += 1
-        if (now or self._counters["probe_failures"] % 5 == 0) and session is self._session:
-            # the service answers but this client keeps failing.  A client that contributed a segment is
-            # left open (closing unmounts it, holding the interpreter lock for seconds); others are closed
-            session.retire(close=not getattr(session.client, "owns_segment", True))
-            self._counters["abandoned_clients"] += 1
-
-    def _connect(self) -> Any:
-        """A freshly set-up client, or None.  Setup that outlives ``connect_timeout`` is abandoned."""
-        box: dict[str, Any] = {}
-        done = threading.Event()
-
-        def run() -> None:
-            try:
-                box["client"] = self._open_client()
-            except Exception as e:  # noqa: BLE001
-                box["error"] = e
-            done.set()
-
-        threading.Thread(target=run, name=f"tierkv-connect-{self.name}", daemon=True).start()
-        if not done.wait(self.connect_timeout):
-            # an abandoned setup keeps running; whatever it builds is never used nor closed
-            self._last_error = f"{self.description}: setup did not finish in {self.connect_timeout:.0f}s"
-            return None
-        if "error" in box:
-            self._last_error = f"{self.description}: {box['error']}"
-            return None
-        return box["client"]
-
-    def _probe_loop(self) -> None:
-        backoff = 0.05
-        while not self._closed:
-            if self._available:
-                self._wake.wait(self.probe_interval)
-                self._wake.clear()
-                if self._closed:
-                    break
-                if self._available and not self._probe_once():
-                    self._fail(self._last_error)
-                backoff = 0.05
-                continue
-            if self._probe_once() and not self._closed:
-                with self._state_lock:
-                    recovered = self._unavailable_since is not None and self._counters["connects"] > 0
-                    self._available = True
-                    self._unavailable_since = None
-                    self._counters["connects"] += 1
-                    if recovered:
-                        self._counters["reconnects"] += 1
-                backoff = 0.05
-                continue
-            self._wake.wait(backoff)
-            self._wake.clear()
-            backoff = min(backoff * 2, 2.0)
 
     # -- helpers ----------------------------------------------------------------
     def _full_keys(self, keys: Sequence[str]) -> list[str]:
@@ -278,25 +170,25 @@ class RemotePoolTier(Tier):
         ``hold`` (a read into the caller's memory): past the deadline, wait that much
         longer for the call to end before answering (``Session.call``)."""
         session = session or self._session
-        if session is None or not self._available:
+        if session is None or not self._health.available:
             if after is not None:
                 after(None)
             return None
         try:
             r = session.call(fn, self._deadline(nbytes), after, hold)
         except Exception as e:  # noqa: BLE001 (a backend exception is a fault, not a caller error)
-            self._counters["errors"] += 1
-            self._fail(f"{what} raised {e!r}")
+            self._counters.errors += 1
+            self._health.fail(f"{what} raised {e!r}")
             return None
         if r is TIMEOUT or r is HELD or r is LATE:
-            self._counters["timeouts"] += 1
+            self._counters.timeouts += 1
             if r is HELD:
-                self._counters["late_reads_waited"] += 1
+                self._counters.late_reads_waited += 1
             elif r is LATE:
-                self._counters["late_reads_running"] += 1
+                self._counters.late_reads_running += 1
                 log.error("tierkv: tier %s: a %s into the caller's memory still runs %.0fs past its deadline; it "
                           "may write there after the miss was answered", self.name, what, hold)
-            self._fail(f"{what} did not answer within {self._deadline(nbytes):.2f}s")
+            self._health.fail(f"{what} did not answer within {self._deadline(nbytes):.2f}s")
             return None
         if r is REFUSED:
             if after is not None:
@@ -307,10 +199,10 @@ class RemotePoolTier(Tier):
     def _check_codes(self, client: Any, codes: Sequence[int], what: str) -> None:
         outcomes = {client.outcome(c) for c in codes}
         if Outcome.UNAVAILABLE in outcomes:
-            self._fail(f"{what}: master unreachable (codes {sorted(set(codes))})")
+            self._health.fail(f"{what}: master unreachable (codes {sorted(set(codes))})")
         elif Outcome.PEER_UNREACHABLE in outcomes:
-            self._counters["transfer_errors"] += 1
-            self._fail(f"{what}: segment owner unreachable (codes {sorted(set(codes))})")
+            self._counters.transfer_errors += 1
+            self._health.fail(f"{what}: segment owner unreachable (codes {sorted(set(codes))})")
 
     # -- the Tier interface ---------------------------------------------------
     def _write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
@@ -320,7 +212,7 @@ class RemotePoolTier(Tier):
         fkeys = self._full_keys(keys)
         ok = [False] * len(keys)
         if not self.available:
-            self._counters["refused_unavailable"] += len(keys)
+            self._counters.refused_unavailable += len(keys)
             return ok
         todo: list[int] = []
         seen: set[str] = set()
@@ -347,15 +239,15 @@ class RemotePoolTier(Tier):
         objs = [srcs[i] for i in todo]
         with self._staging.guard(session, objs) as live:
             if not live:
-                self._counters["refused"] += len(todo)
+                self._counters.refused += len(todo)
                 return
             pins: list[Registration] = []
             staged: list[tuple[int, int, int]] = []
             try:  # every exit releases what the layout pinned; a call that outlives us holds its own pins
                 layout = self._staging.layout(session, objs, pins, staged)
                 if layout is None:
-                    self._counters["refused"] += len(todo)
-                    self._last_error = "memory registration or staging failed"
+                    self._counters.refused += len(todo)
+                    self._health.note_error("memory registration or staging failed")
                     return
                 if staged:
                     buf = self._staging.buffer
@@ -400,17 +292,17 @@ class RemotePoolTier(Tier):
                         elif cls is Outcome.NO_SPACE:
                             full.append(k)
                         else:
-                            self._counters["put_errors"] += 1
-                            self._counters["refused"] += 1
+                            self._counters.put_errors += 1
+                            self._counters.refused += 1
                     self._check_codes(session.client, codes, "put")
                     if not full:
                         break
                     if attempt == 0 and self.available:
-                        self._counters["full_retries"] += 1
+                        self._counters.full_retries += 1
                         time.sleep(self.full_retry_delay)
                         pending = full
                         continue
-                    self._counters["refused"] += len(full)
+                    self._counters.refused += len(full)
             finally:
                 session.unpin(pins)
 
@@ -424,7 +316,7 @@ class RemotePoolTier(Tier):
         fkeys = self._full_keys(keys)
         ok: list[Any] = [False] * len(keys)
         if not self.available:
-            self._counters["misses_unavailable"] += len(keys)
+            self._counters.misses_unavailable += len(keys)
             return ok
         todo = [i for i, fk in enumerate(fkeys)
                 if not self._presence.buried(fk) and sum(p.numel() for p in dsts[i]) > 0]
@@ -451,7 +343,7 @@ class RemotePoolTier(Tier):
             try:
                 layout = self._staging.layout(session, objs, pins, staged)
                 if layout is None:
-                    self._last_error = "memory registration or staging failed"
+                    self._health.note_error("memory registration or staging failed")
                     return
                 ptrs, sizes = layout
                 devices = self._staging.devices(session, objs)
@@ -477,7 +369,7 @@ class RemotePoolTier(Tier):
                     self._presence.remember(fkeys[i], want[k])
                 else:
                     self._presence.forget(fkeys[i])
-                    self._counters["misses"] += 1
+                    self._counters.misses += 1
             if staged and any(ok):
                 buf = self._staging.buffer
                 for oi, pj, soff in staged:
@@ -506,7 +398,7 @@ class RemotePoolTier(Tier):
             if n == w:
                 ok[i] = True
                 self._presence.remember(fkeys[i], w)
-                self._counters["local_reads"] += 1
+                self._counters.local_reads += 1
                 if sums is not None and asked is not None:
                     sums.sums[i] = asked.sums[k]
             elif n < 0:  # present here with another size: not the object stored under this key
@@ -527,9 +419,9 @@ class RemotePoolTier(Tier):
             return out
         if codes[0] != 1:
             if codes[0] == 0:
-                self._pool_lost()
+                self._health.pool_lost()
             elif codes[0] < 0:
-                self._fail(f"exists: code {codes[0]}")
+                self._health.fail(f"exists: code {codes[0]}")
                 return out
         answers = dict(zip(ask, codes[1:]))
         for i, fk in enumerate(fkeys):
@@ -565,7 +457,7 @@ class RemotePoolTier(Tier):
         if not self._presence.tombstones:
             return
         keys = list(self._presence.tombstones)[:1024]
-        codes = self._probe_call(session, lambda c: c.remove(keys))
+        codes = self._health.call(session, lambda c: c.remove(keys))
         if isinstance(codes, list):
             for fk, code in zip(keys, codes):
                 if session.client.outcome(code) in (Outcome.OK, Outcome.NOT_FOUND):
@@ -593,7 +485,7 @@ class RemotePoolTier(Tier):
     @property
     def abandoned_calls(self) -> int:
         """Calls answered at their deadline so far (``timeouts``): such a call may still touch its memory."""
-        return self._counters["timeouts"]
+        return self._counters.timeouts
 
     @property
     def used_bytes(self) -> int:
@@ -601,30 +493,31 @@ class RemotePoolTier(Tier):
         return self._presence.used_bytes
 
     def extra_stats(self) -> dict[str, Any]:
-        c = self._counters
+        c, h = self._counters, self._health.counters
         session = self._session
         down_for = None
-        if self._unavailable_since is not None:
-            down_for = round(time.monotonic() - self._unavailable_since, 3)
+        since = self._health.unavailable_since
+        if since is not None:
+            down_for = round(time.monotonic() - since, 3)
         return {
             "backend": self.description,
             "available": self.available,
             "unavailable_for_s": down_for,
-            "last_error": self._last_error,
-            "refused": c["refused"],
-            "refused_unavailable": c["refused_unavailable"],
-            "misses_unavailable": c["misses_unavailable"],
-            "full_retries": c["full_retries"],
-            "local_reads": c["local_reads"],
-            "failures": c["failures"],
-            "timeouts": c["timeouts"],
-            "late_reads_waited": c["late_reads_waited"],
-            "late_reads_running": c["late_reads_running"],
-            "transfer_errors": c["transfer_errors"],
-            "reconnects": c["reconnects"],
-            "pool_lost": c["pool_lost"],
+            "last_error": self._health.last_error,
+            "refused": c.refused,
+            "refused_unavailable": c.refused_unavailable,
+            "misses_unavailable": c.misses_unavailable,
+            "full_retries": c.full_retries,
+            "local_reads": c.local_reads,
+            "failures": h.failures,
+            "timeouts": c.timeouts,
+            "late_reads_waited": c.late_reads_waited,
+            "late_reads_running": c.late_reads_running,
+            "transfer_errors": c.transfer_errors,
+            "reconnects": h.reconnects,
+            "pool_lost": h.pool_lost,
             "pending_deletes": len(self._presence.tombstones),
-            "abandoned_clients": c["abandoned_clients"],
+            "abandoned_clients": h.abandoned_clients,
             "registered_bytes": session.registered_bytes if session else 0,
             "external_regions": session.external_regions if session else 0,
         }
@@ -638,8 +531,6 @@ class RemotePoolTier(Tier):
         if self._closed:
             return
         super().close()
-        self._available = False
-        self._wake.set()
-        session, self._session = self._session, None
+        session = self._health.stop()
         if session is not None:
             session.retire()  # the client is closed once no call is in flight, never before
