@@ -497,7 +497,10 @@ def test_tensor_parallel_replicas_share_keys_and_split_writes(workdir, tmp_path)
         for k, v in mooncake_util.client_env().items():
             os.environ.setdefault(k, v)
         # one object per block, so consecutive blocks go to different ranks
-        kv = U.connector_config({"tiers": [master.tier_config(segment="128MiB")]}, extra={"chunk_tokens": BS})
+        # (a TP-2 engine's two workers spin on this machine's two cores: a pool call can outlast the default
+        # 1 s deadline, and the decline rule would rightly skip so slow a tier; neither is under test here)
+        kv = U.connector_config({"tiers": [master.tier_config(segment="128MiB", timeout=15.0)]},
+                                extra={"chunk_tokens": BS, "decline_slow_hits": False})
         # the objects live in the ranks' segments: engine 1 stays up while engine 2 reads
         one, two = _second_engine_while_first_is_up(
             {"model": model1, "tensor_parallel_size": 2, "env": _tp2_env(), "kv_transfer_config": kv,

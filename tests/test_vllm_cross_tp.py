@@ -64,7 +64,8 @@ def test_prefix_stored_at_one_tp_size_is_a_hit_at_the_other(tmp_path):
         # (a TP-2 engine's two workers spin on this machine's two cores: a pool read of a few hundred KiB can
         # take most of a second, past the pool's default 1 s deadline)
         store = {"tiers": [pool.tier_config(namespace=f"cross-tp-{uuid.uuid4().hex}", timeout=15.0)]}
-        kv = U.connector_config(store, extra={"kv_head_shards": 2})
+        # (the decline rule would rightly skip so slow a tier; it is not under test here)
+        kv = U.connector_config(store, extra={"kv_head_shards": 2, "decline_slow_hits": False})
         a = U.run_engine(_engine(model, 2, kv, [{**one_by_one, "prompts": p}, {"op": "drain"}, {"op": "records"}]),
                          cache)
         b = U.run_engine(_engine(model, 1, kv, [{**one_by_one, "prompts": p}, {"op": "records"},
