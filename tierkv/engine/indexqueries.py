@@ -13,7 +13,6 @@ case, with a per-key path that means the same.  Every call is made under the sto
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from operator import neg as _neg
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Optional, Union
@@ -73,7 +72,6 @@ class IndexQueries:
     _fps: dict[int, tuple[int, int]]
     _fp_only: dict[int, int]
     ledger: Optional[TenantLedger]
-    _label_of: Callable[[str], str]
 
     @property
     def pinned(self) -> MappingProxyType:

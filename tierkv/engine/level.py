@@ -101,7 +101,6 @@ class Level:
         self.located = tier.located and tier.managed
         #: this level's index: the only keeper of the per-chunk state (see the module docstring)
         self.index = ix = LevelIndex(tier, self.located)
-        self._tenant = OTHER  # the label of the reservation in progress (``reserve_many``; quotas only)
         # the index's typed questions, answered by the index itself (bound once: no forwarding cost)
         self.holds = ix.holds
         self.knows = ix.knows
@@ -197,12 +196,7 @@ class Level:
     def set_quotas(self, ledger: TenantLedger) -> None:
         """Account this level's chunks per tenant and keep their quotas: every reservation is charged to the
         tenant ``reserve_many`` is given, every freed chunk credited (the level is empty)."""
-        self.index.set_quotas(ledger, self._reserving_for)
-
-    def _reserving_for(self, key: str) -> str:
-        """The tenant label the reservation in progress is charged to: ``reserve_many``'s ``tenant``, asked by
-        the index only inside that call (lock held), so no label outlives the call that gave it."""
-        return self._tenant
+        self.index.set_quotas(ledger)
 
     def check(self) -> None:
         """Verify the index's invariants (``check_index``) and the level's own: a policy that follows the
@@ -260,8 +254,8 @@ class Level:
 
         ``tenant``: the label every reservation is charged to and held to the quota of, on a level with
         quotas (None: ``OTHER``, as for a recovered chunk); ignored without quotas.  Lock held."""
-        self._tenant = OTHER if tenant is None else tenant
-        return self.index.reserve(keys, sizes, self._allocate if self.located else None)
+        return self.index.reserve(keys, sizes, self._allocate if self.located else None,
+                                  OTHER if tenant is None else tenant)
 
     def _allocate(self, sizes: list[int]) -> list[Optional[int]]:
         """The located tier's codes for ``sizes`` (None where one was not placed; a fault is logged and places

@@ -48,6 +48,7 @@ from tierkv.engine.indexcheck import check_index
 from tierkv.engine.indexqueries import _INT, _NB_MASK, Entry, IndexQueries, Slot, size_value
 from tierkv.engine.orderview import OrderView
 from tierkv.errors import PolicyError
+from tierkv.tenants import OTHER
 
 if TYPE_CHECKING:
     from tierkv.tenants import TenantLedger
@@ -86,22 +87,20 @@ class LevelIndex(IndexQueries):
         #: nbytes -> (footprint, shared reservation value): a medium's footprint is a function of nbytes alone
         self._fps: dict[int, tuple[int, int]] = {}
         self._fp_only: dict[int, int] = {}  # nbytes -> footprint (the same sizes as ``_fps``)
-        #: per-tenant usage (None: no tenant configured), and the tenant of a key being reserved
+        #: per-tenant usage (None: no tenant configured)
         self.ledger: Optional[TenantLedger] = None
-        self._label_of: Callable[[str], str] = str
 
     def check(self) -> None:
         """Verify every invariant of this index (``check_index``); raises ``IndexInvariantError`` naming the
         first one broken.  Tests call it (or ``Level.check``) instead of reading the index's mappings."""
         check_index(self)
 
-    def set_quotas(self, ledger: TenantLedger, label_of: Callable[[str], str]) -> None:
-        """Charge every reservation to ``label_of(key)`` in ``ledger`` and credit every freed slot (the index
-        is empty)."""
+    def set_quotas(self, ledger: TenantLedger) -> None:
+        """Charge every reservation to the tenant ``reserve`` is given, in ``ledger``, and credit every freed
+        slot (the index is empty)."""
         if self._slots:
             raise RuntimeError(f"tier {self.name!r}: quotas are set on an empty level")
         self.ledger = ledger
-        self._label_of = label_of
 
     def order(self) -> OrderView:
         """The view of this index an eviction policy that follows the level's order is given."""
@@ -109,14 +108,20 @@ class LevelIndex(IndexQueries):
 
     # -- the mutators ----------------------------------------------------------------
     def reserve(self, keys: list[str], sizes: list[int],
-                allocate: Optional[Callable[[list[int]], list[Optional[int]]]] = None) -> list[int]:
+                allocate: Optional[Callable[[list[int]], list[Optional[int]]]] = None,
+                tenant: str = OTHER) -> list[int]:
         """Reserve room for each (key, nbytes) in order, without evicting; one code each: 0 reserved now,
         1 already READY or reserved here, 2 not reserved (no room, over the tenant's cap, a doomed copy
         still read, or the tier could not place it).
 
         A located tier's level passes ``allocate`` (its tier's codes for some sizes, None where one was
-        not placed; never raising): the codes are taken here.  A reservation is charged to its tenant.
+        not placed; never raising): the codes are taken here.  ``tenant``: the label every reservation of
+        the batch is charged to and held to the cap of, with a ledger (``OTHER``: a chunk of no tenant's,
+        as a recovered one); ignored without one.
         """
+        if type(tenant) is not str:
+            raise TypeError(f"tier {self.name!r}: a reservation's tenant is a label (str), "
+                            f"got {type(tenant).__name__}")
         slots, cap, size = self._slots, self.tier.capacity_bytes, self._size
         fps = self._fps
         used = self.used
@@ -154,11 +159,10 @@ class LevelIndex(IndexQueries):
                     append(2)
                     continue
                 if ledger is not None:
-                    label = self._label_of(key)
-                    if ledger.over_cap(label, fp):  # (room must come from the tenant's own chunks: evict first)
+                    if ledger.over_cap(tenant, fp):  # (room must come from the tenant's own chunks: evict first)
                         append(2)
                         continue
-                    ledger.charge(key, label, fp)
+                    ledger.charge(key, tenant, fp)
                 slots[key] = c[1]
                 used += fp
                 fresh.append(len(out))
@@ -256,8 +260,6 @@ class LevelIndex(IndexQueries):
         self.ready_bytes += total
         ledger = self.ledger
         if ledger is not None:  # (a recovered chunk's tenant is not known: it counts as OTHER's)
-            from tierkv.tenants import OTHER
-
             ledger.usage[OTHER] += total
         try:
             tell(fps)
