@@ -19,7 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import Union, final
 
-from tierkv.errors import ConfigError, PolicyError
+from tierkv.errors import ConfigError, PolicyError, call_policy_hook
 from tierkv.options import check_int, short
 from tierkv.outcome import Admission
 from tierkv.units import parse_size
@@ -58,13 +58,7 @@ class AdmissionPolicy:
     @final
     def decide(self, key: Hashable, nbytes: int, tier: str) -> Admission:
         """The answer for one chunk and tier: ``admit`` called and its answer checked (never override)."""
-        try:
-            answer = self.admit(key, nbytes, tier)
-        except PolicyError:
-            raise
-        except Exception as e:
-            raise PolicyError(f"{type(self).__name__}.admit raised for tier {tier!r}: "
-                              f"{type(e).__name__}: {str(e)[:200]}") from e
+        answer = call_policy_hook(self, "admit", tier, self.admit, key, nbytes, tier)
         if answer is True:
             return Admission.ADMIT
         if answer is False:

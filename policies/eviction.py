@@ -177,20 +177,26 @@ class EvictionPolicy:
         return {"tracked": len(self)}
 
 
-def _take(order, sizes: dict, nbytes: int, protected: Container[Key]) -> Optional[list[Key]]:
-    """Walk ``order`` collecting unprotected keys until ``nbytes`` are covered."""
-    out: list[Key] = []
-    freed = 0
-    if nbytes <= 0:
-        return out
-    for key in order:
+def _gather(pairs: Iterable[tuple[Key, int]], protected: Container[Key], nbytes: int, out: list[Key],
+            freed: int = 0) -> int:
+    """Append to ``out`` the unprotected keys of ``pairs`` ((key, size), in eviction order) until ``freed``
+    reaches ``nbytes``; returns the bytes freed so far (``>= nbytes``: enough)."""
+    for key, n in pairs:
         if key in protected:
             continue
         out.append(key)
-        freed += sizes[key]
+        freed += n
         if freed >= nbytes:
-            return out
-    return None
+            break
+    return freed
+
+
+def _take(pairs: Iterable[tuple[Key, int]], nbytes: int, protected: Container[Key]) -> Optional[list[Key]]:
+    """The unprotected keys of ``pairs``, in order, that cover ``nbytes``; None when they cannot."""
+    out: list[Key] = []
+    if nbytes <= 0:
+        return out
+    return out if _gather(pairs, protected, nbytes, out) >= nbytes else None
 
 
 class LRUPolicy(EvictionPolicy):
@@ -285,19 +291,8 @@ class LRUPolicy(EvictionPolicy):
             pop(key, None)
 
     def victims(self, nbytes, protected):
-        if self._order is None:
-            return _take(iter(self._od), self._od, nbytes, protected)
-        out: list[Key] = []
-        freed = 0
-        if nbytes <= 0:
-            return out
-        for key, fp in self._order:  # (READY entries only)
-            if key not in protected:
-                out.append(key)
-                freed += fp
-                if freed >= nbytes:
-                    return out
-        return None
+        # (following the level: its READY entries only)
+        return _take(self._od.items() if self._order is None else self._order, nbytes, protected)
 
     def __len__(self):
         return self._order.ready_count() if self._order is not None else len(self._od)
@@ -476,13 +471,9 @@ class LFUPolicy(EvictionPolicy):
             finally:
                 order.move_to_end(moved)
         for freq in sorted(self._buckets):
-            for key, n in self._buckets[freq].items():
-                if key in protected:
-                    continue
-                out.append(key)
-                freed += n
-                if freed >= nbytes:
-                    return out
+            freed = _gather(self._buckets[freq].items(), protected, nbytes, out, freed)
+            if freed >= nbytes:
+                return out
         return None
 
     def __len__(self):

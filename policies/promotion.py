@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Hashable
 from typing import final
 
-from tierkv.errors import PolicyError
+from tierkv.errors import PolicyError, call_policy_hook
 from tierkv.options import check_int, short
 
 
@@ -29,13 +29,7 @@ class PromotionPolicy:
     @final
     def decide(self, key: Hashable, src: str, dst: str) -> bool:
         """Whether to promote: ``should_promote`` called and its answer checked (never override)."""
-        try:
-            answer = self.should_promote(key, src, dst)
-        except PolicyError:
-            raise
-        except Exception as e:
-            raise PolicyError(f"{type(self).__name__}.should_promote raised for tier {src!r}: "
-                              f"{type(e).__name__}: {str(e)[:200]}") from e
+        answer = call_policy_hook(self, "should_promote", src, self.should_promote, key, src, dst)
         if answer is True or answer is False:
             return answer
         raise PolicyError(f"{type(self).__name__}.should_promote answered {short(answer)} for tier {src!r}: "

@@ -9,7 +9,9 @@ the problem.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 #: the name tierkv is published under on the package index (the import name stays ``tierkv``; the index's
 #: ``tierkv`` and ``tierkv-core`` are another project's)
@@ -34,6 +36,19 @@ class StoreClosedError(TierKVError, RuntimeError):
 
 class PolicyError(TierKVError, RuntimeError):
     """A policy broke its contract (for example named a protected key as victim)."""
+
+
+def call_policy_hook(policy: object, hook: str, tier: object, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, the hook ``hook`` of ``policy`` asked about tier ``tier``: a ``PolicyError`` passes
+    through; any other exception becomes a ``PolicyError`` naming the policy, the hook and the tier (a
+    user's policy class never crashes the store with an error that does not say whose it is)."""
+    try:
+        return fn(*args)
+    except PolicyError:
+        raise
+    except Exception as e:
+        raise PolicyError(f"{type(policy).__name__}.{hook} raised for tier {tier!r}: "
+                          f"{type(e).__name__}: {str(e)[:200]}") from e
 
 
 def checkout_root() -> str | None:
