@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -134,6 +134,28 @@ class TierKVStorage(HiCacheStorage):
             for k, v in inc.items():
                 self._stats[k] += v
 
+    def _reads(self, what: str, n: int, fn: Callable[[], list[bool]]) -> list[bool]:
+        """``fn()``, a read of ``n`` pages, counted; a fault is a miss of every page (counted, logged)."""
+        try:
+            res = fn()
+        except Exception as e:  # noqa: BLE001 - a fault is a miss for SGLang
+            self._fault(what, e)
+            res = [False] * n
+        hits = sum(res)
+        self._count(get_pages=n, get_hits=hits, get_misses=n - hits)
+        return res
+
+    def _writes(self, what: str, n: int, fn: Callable[[], list[bool]]) -> list[bool]:
+        """``fn()``, a write of ``n`` pages, counted; a fault fails every page (counted, logged)."""
+        try:
+            res = fn()
+        except Exception as e:  # noqa: BLE001 - a failed write is a page not stored, never an exception
+            self._fault(what, e)
+            res = [False] * n
+        ok = sum(res)
+        self._count(set_pages=n, set_stored=ok, set_failed=n - ok)
+        return res
+
     # ------------------------------------------------------------------ leases (exists -> get)
     def _hold(self, keys: list[str]) -> None:
         if not keys or self.options.lease_timeout_s <= 0:
@@ -197,14 +219,7 @@ class TierKVStorage(HiCacheStorage):
     def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
         """Read each page into the host pool at its host indices; False where it is not read."""
-        try:
-            res = self._get_pages(_KV, keys, host_indices)
-        except Exception as e:  # noqa: BLE001
-            self._fault("batch_get_v1", e)
-            res = [False] * len(keys)
-        hits = sum(res)
-        self._count(get_pages=len(keys), get_hits=hits, get_misses=len(keys) - hits)
-        return res
+        return self._reads("batch_get_v1", len(keys), lambda: self._get_pages(_KV, keys, host_indices))
 
     def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
                      extra_info: HiCacheStorageExtraInfo | None = None) -> list[bool]:
@@ -212,14 +227,7 @@ class TierKVStorage(HiCacheStorage):
         if not self.is_writer:
             self._count(writes_left_to_writer=len(keys))
             return [True] * len(keys)
-        try:
-            res = self._set_pages(_KV, keys, host_indices)
-        except Exception as e:  # noqa: BLE001
-            self._fault("batch_set_v1", e)
-            res = [False] * len(keys)
-        ok = sum(res)
-        self._count(set_pages=len(keys), set_stored=ok, set_failed=len(keys) - ok)
-        return res
+        return self._writes("batch_set_v1", len(keys), lambda: self._set_pages(_KV, keys, host_indices))
 
     # ------------------------------------------------------------------ the generic path (flat page copies)
     def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
@@ -228,19 +236,17 @@ class TierKVStorage(HiCacheStorage):
     def batch_get(self, keys: list[str], target_locations: Any = None,
                   target_sizes: Any = None) -> list[torch.Tensor | None]:
         """Read each page into its flat target (``get_dummy_flat_data_page``); None where not read."""
-        try:
+
+        def read() -> list[bool]:
             if target_locations is None or len(target_locations) != len(keys):
                 raise ValueError("the generic path needs one target tensor per key")
             tk = self.keys(keys)
             try:
-                res = self.store.get(tk, list(target_locations))
+                return self.store.get(tk, list(target_locations))
             finally:
                 self._let_go(tk)
-        except Exception as e:  # noqa: BLE001
-            self._fault("batch_get", e)
-            res = [False] * len(keys)
-        hits = sum(res)
-        self._count(get_pages=len(keys), get_hits=hits, get_misses=len(keys) - hits)
+
+        res = self._reads("batch_get", len(keys), read)
         return [t if ok else None for t, ok in zip(target_locations or [None] * len(keys), res)]
 
     def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
@@ -252,16 +258,13 @@ class TierKVStorage(HiCacheStorage):
         if not self.is_writer:
             self._count(writes_left_to_writer=len(keys))
             return True
-        try:
+
+        def write() -> list[bool]:
             if values is None or len(values) != len(keys):
                 raise ValueError("the generic path needs one value per key")
-            res = self.store.put(self.keys(keys), [v.contiguous() for v in values], tenant=self.options.namespace)
-        except Exception as e:  # noqa: BLE001
-            self._fault("batch_set", e)
-            res = [False] * len(keys)
-        ok = sum(res)
-        self._count(set_pages=len(keys), set_stored=ok, set_failed=len(keys) - ok)
-        return ok == len(keys)
+            return self.store.put(self.keys(keys), [v.contiguous() for v in values], tenant=self.options.namespace)
+
+        return all(self._writes("batch_set", len(keys), write))
 
     def exists(self, key: str) -> bool:
         try:
