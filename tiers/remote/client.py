@@ -17,6 +17,7 @@ the last call has returned.  Every client method may block for seconds.
 from __future__ import annotations
 
 import enum
+import ipaddress
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -98,6 +99,15 @@ class Backend:
     def configure(cls, tier: str, medium: str, options: dict[str, Any], *, device: str = "cpu") -> BackendSpec:
         """Pop this backend's options from ``options`` (the rest is the tier's) and check them."""
         raise NotImplementedError
+
+
+def is_ip_literal(host: str) -> bool:
+    """Whether ``host`` is an IPv4 or IPv6 address as written (not a name to resolve)."""
+    try:
+        ipaddress.ip_address(host)
+        return True
+    except ValueError:
+        return False
 
 
 def parse_host_port(value: Any, what: str) -> tuple[str, int]:

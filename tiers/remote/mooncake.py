@@ -32,7 +32,6 @@ Invariants this wrapper keeps (the client crashes or misbehaves otherwise):
 from __future__ import annotations
 
 import ctypes
-import ipaddress
 import os
 import time
 from collections.abc import Sequence
@@ -47,7 +46,7 @@ from tierkv.errors import ConfigError, install_hint
 from tierkv.options import pop_bool, pop_choice, pop_size, pop_str
 from tierkv.xxh3 import copy_and_sum
 
-from .client import Backend, BackendSpec, Outcome, parse_host_port, tcp_reachable
+from .client import Backend, BackendSpec, Outcome, is_ip_literal, parse_host_port, tcp_reachable
 from .options import pop_env_str, what
 
 #: Mooncake error codes this backend distinguishes (``mooncake-store`` ``ErrorCode``)
@@ -131,14 +130,6 @@ def import_mooncake() -> Any:
     return store
 
 
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
-
-
 class MooncakeClient:
     """One connected ``MooncakeDistributedStore``.  Every method blocks; callers run them off the caller's path."""
 
@@ -146,7 +137,7 @@ class MooncakeClient:
 
     def __init__(self, settings: MooncakeSettings) -> None:
         store = import_mooncake()
-        if settings.protocol == "tcp" and _is_ip_literal(settings.local_hostname):
+        if settings.protocol == "tcp" and is_ip_literal(settings.local_hostname):
             # The TCP transport must listen on the address it advertises to peers.
             os.environ.setdefault("MC_TCP_BIND_ADDRESS", settings.local_hostname)
         self._store = store.MooncakeDistributedStore()

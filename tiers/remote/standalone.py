@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import ipaddress
 import json
 import os
 import shutil
@@ -56,7 +55,7 @@ from tierkv.errors import ConfigError, install_hint
 from tierkv.options import check_choice, check_float, check_int, check_str
 from tierkv.units import parse_size
 
-from .client import parse_host_port, tcp_reachable
+from .client import is_ip_literal, parse_host_port, tcp_reachable
 
 DEFAULT_PORT = 50052
 DEFAULT_MASTER_HTTP_PORT = 9003
@@ -132,7 +131,7 @@ class StandalonePool:
         env = dict(os.environ)
         env.setdefault("MC_LOG_LEVEL", "ERROR")
         env.setdefault("GLOG_minloglevel", "2")
-        if self.protocol == "tcp" and _is_ip(self.host):
+        if self.protocol == "tcp" and is_ip_literal(self.host):
             env["MC_TCP_BIND_ADDRESS"] = self.host  # listen where the segment is advertised
         return env
 
@@ -235,7 +234,7 @@ class StandalonePool:
                                "protocol": self.protocol, "capacity": self.segment_bytes}
         if ipc:
             cfg["standalone_address"] = f"{self.host}:{self.port}"
-        if _is_ip(self.host):
+        if is_ip_literal(self.host):
             cfg["local_hostname"] = self.host
         cfg.update(extra)
         return cfg
@@ -250,14 +249,6 @@ class StandalonePool:
                 os.unlink(self.log_path)
             except OSError:
                 pass
-
-
-def _is_ip(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-        return True
-    except ValueError:
-        return False
 
 
 def start_pool(master: str, metadata_server: str, segment: int | str = "8GiB", **kwargs: Any) -> StandalonePool:
