@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(a.rounds):
             hs = hashes(10_000 + r, a.blocks)
             gone = rig.w.keys.keys(a.layers - 1, hs[:int(a.blocks * a.evicted)], None)
-            rig.store._chain.departed(gone, MissReason.EVICTED, rig.store.levels[0], "lru")
+            rig.store._departures.record(gone, MissReason.EVICTED, rig.store.levels[0].name, "lru")
             for side in (("with", "without") if r % 2 == 0 else ("without", "with")):
                 Prober._explain = explain if side == "with" else staticmethod(lambda *args: {})  # type: ignore
                 t0 = clock()

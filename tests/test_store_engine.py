@@ -13,13 +13,15 @@ from hypothesis import strategies as st
 from tierkv import Level, PolicyError, TieredStore
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
+from tierkv.engine.departures import Departures
+from tierkv.engine.leases import LeaseBook
 from tierkv.engine.placer import Placer
 from tierkv.engine.reader import Reader
 from tierkv.engine.tierio import TierIO
 from tierkv.engine.writer import Writer
 from tierkv.hooks import CheckedAdmission, CheckedEviction
 from tierkv.hostmem import StagingPool
-from tierkv.outcome import Admission, PutOutcome
+from tierkv.outcome import Admission, MissReason, PutOutcome
 from tierkv.policies import AdmissionPolicy, EvictionPolicy, LRUPolicy, build_promotion
 from tierkv.tiers.dram import DRAMTier
 from tierkv.tiers.slab import ALIGN
@@ -38,10 +40,11 @@ def dram(name: str, chunks: int) -> DRAMTier:
 def test_each_part_is_built_alone_and_a_put_and_get_run_through_them():
     # the parts a TieredStore holds, built by hand from one chain: no store, no mixin
     chain = Chain([Level(dram("top", 2)), Level(dram("low", 8))])
-    io, stager = TierIO(chain), StagingPool()
-    placer = Placer(chain, io, stager)
+    departures, leases = Departures(), LeaseBook(chain.lock, chain.levels)
+    io, stager = TierIO(chain, departures), StagingPool()
+    placer = Placer(chain, io, stager, leases, departures)
     copier = Copier(chain, io, placer, stager, build_promotion("never"))
-    writer, reader = Writer(chain, io, placer, copier), Reader(chain, io, copier)
+    writer, reader = Writer(chain, io, placer, copier, departures), Reader(chain, io, copier, leases)
     vals = [val(i) for i in range(4)]
     # put [k0, k1] then [k2, k3] into a 2-chunk top level -> k0, k1 are demoted to "low"
     for at in (0, 2):
@@ -348,6 +351,47 @@ def test_no_module_outside_chain_assigns_chain_state():
                     found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
     assert pattern.search("self.chain.closed = True") and pattern.search("chain.seen[k] += 1")
     assert not found, "\n".join(found)
+
+
+def test_the_chain_keeps_no_leases_nor_departures_and_each_part_gets_the_stores():
+    # the leases and the miss memory are the store's: built by it, handed to the parts that use them, and
+    # never reached through the chain (no attribute, no `chain.leases` / `chain.departures` in the library)
+    import pathlib
+    import re
+
+    store = TieredStore([Level(dram("top", 2)), Level(dram("low", 3))], miss_memory=7)
+    try:
+        chain = store._chain
+        for name in ("leases", "departures", "departed"):
+            assert not hasattr(chain, name), name
+        leases, departures = store._leases, store._departures
+        assert type(leases) is LeaseBook and type(departures) is Departures and departures.capacity == 7
+        assert store._placer.leases is leases and store._reader.leases is leases
+        assert store._placer.departures is departures and store._writer.departures is departures
+        assert store._io._departures is departures
+        # the book pins in the chain's managed levels, fastest first, under the chain's lock
+        assert leases._levels == tuple(chain.levels) and leases._lock is chain.lock
+        # and each owner is the one at work: a lease the store grants is the book's, an eviction its memory's
+        keys = [f"k{i}" for i in range(8)]
+        for i, key in enumerate(keys):
+            assert store.put([key], [val(i)]) == [True]
+        gone = [k for k, where in zip(keys, store.locate(keys)) if where is None]
+        assert gone and [d.reason for d in departures.recall(gone)] == [MissReason.EVICTED] * len(gone)
+        assert store.why_missing(gone) == [MissReason.EVICTED] * len(gone)
+        held = store.locate(keys).index("top")
+        lease = store.lease([keys[held]], 30.0)
+        assert lease.held == 1 and leases.active == store.stats()["total"]["leases_active"] == 1
+        assert leases.leased(chain.levels[0], keys) == {keys[held]}
+        assert lease.release() and leases.active == 0
+    finally:
+        store.close()
+    root = pathlib.Path(__file__).resolve().parents[1]
+    reach = re.compile(r"\b_?chain\.(leases|departures|departed)\b")
+    found = [f"{path.relative_to(root)}:{n}" for top in ("tierkv", "tiers", "policies", "adapters", "bench")
+             for path in sorted((root / top).rglob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1) if reach.search(line)]
+    assert reach.search("self._chain.departed(keys, r)") and not reach.search("chain.levels")
+    assert not found, found
 
 
 def test_store_counters_are_gathered_from_their_owners_each_field_once():

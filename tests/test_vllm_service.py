@@ -146,7 +146,7 @@ def test_a_lookup_says_why_the_blocks_past_its_hit_missed_and_a_trace_records_it
     # block 2's objects are evicted by the store (recorded as the dram tier's), block 3's refused at a put
     evicted = [w.keys.keys(layer, hashes[2:3], None)[0] for layer in range(len(LAYERS))]
     store.remove(evicted)
-    store._chain.departed(evicted, MissReason.EVICTED, store.levels[0], "lru")
+    store._departures.record(evicted, MissReason.EVICTED, store.levels[0].name, "lru")
     r = SimpleNamespace(request_id="x", num_tokens=6 * BS + 3, num_prompt_tokens=6 * BS + 3, block_hashes=hashes,
                         cache_salt=None, max_tokens=1)
     assert s.get_num_new_matched_tokens(r, 0) == (2 * BS, False)

@@ -5,11 +5,14 @@ level wraps one ``Tier`` (the medium) with the policies that steer it (eviction,
 admission) and, for *managed* media, the index of what the level holds.
 
 ``TieredStore`` is a thin facade over the store engine (``tierkv/engine/``), whose
-parts it builds and holds, each from a ``Chain`` (the levels, the lock, the counters):
+parts it builds and holds, each from a ``Chain`` (the levels, the lock, the call gate):
 ``Writer`` (``put``, in named phases), ``Reader`` (``get``, ``lookup``, ``locate``),
 ``Placer`` (placement, eviction, demotion), ``Copier`` (write-behind and promotion on
 one background queue), ``TierIO`` (the one choke point for tier I/O) and a
-``StagingPool`` (the one staging mechanism for copies between tiers).  Policies are
+``StagingPool`` (the one staging mechanism for copies between tiers).  It also builds
+the owners of the state those parts share and hands each to the parts that use it:
+the leases (``LeaseBook``), the miss memory (``Departures``), the ledger of chunks
+not durable (``Durability``) and the removal listeners (``RemovalListeners``).  Policies are
 called through ``tierkv.hooks`` (checked wrappers).  docs/architecture.md draws who
 calls whom.
 
@@ -88,8 +91,8 @@ Invariants (tested in ``tests/test_store_model.py``, ``tests/test_store_faults.p
    Recording a departure, the two ways: from outside the engine, ``remove(keys, reason=...)``
    (e.g. ``MissReason.AUDIT_FAILED``, ``LEASE_EXPIRED``) removes the chunks and records why; a
    plain ``remove(keys)`` is a deliberate forgetting, not a miss reason: the memory forgets the
-   keys too (a later miss is ``never_stored``).  Inside the engine, ``Chain.departed(keys,
-   reason, level)`` records without removing (``TierIO``'s corrupt drops).
+   keys too (a later miss is ``never_stored``).  Inside the engine, ``Departures.record(keys,
+   reason, tier)`` records without removing (``TierIO``'s corrupt drops).
 11. **A store left open is closed at exit.**  At a normal exit (the script's end, ``sys.exit``,
    an uncaught exception) every store still open is closed as ``close()`` would, then every
    backend client (``tierkv.shutdown``), before Python stops its thread pools: every
@@ -121,9 +124,9 @@ from tierkv.config_observers import attach_from_config
 from tierkv.durability import DropReason, FlushResult, TierFlushError, lost_count
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
-from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departure
+from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departure, Departures
 from tierkv.engine.durable import Durability
-from tierkv.engine.leases import Lease
+from tierkv.engine.leases import Lease, LeaseBook
 from tierkv.engine.level import Level
 from tierkv.engine.losses import Losses
 from tierkv.engine.observers import Observers, RemovalListeners
@@ -192,7 +195,7 @@ class TieredStore:
         io_workers = check_int(io_workers, "io_workers", min_value=1, max_value=256)
         write_behind_queue = check_int(write_behind_queue, "write_behind_queue", min_value=0)
         miss_memory = check_int(miss_memory, "miss_memory", min_value=0)
-        self._chain = chain = Chain([t if isinstance(t, Level) else Level(t) for t in tiers], miss_memory)
+        self._chain = chain = Chain([t if isinstance(t, Level) else Level(t) for t in tiers])
         quotas: Optional[Tenants] = None
         if tenants is not None:  # (quotas per tenant per tier: ``tierkv.tenants``)
             quotas = tenants if isinstance(tenants, Tenants) else parse_tenants(
@@ -204,16 +207,23 @@ class TieredStore:
         # (a copy that makes room demotes, which may make room further down: one arena per level at most
         # is lent at once, and each stays mapped for the next cascade instead of being mapped again)
         self._stager = StagingPool(keep=max(2, len(chain.levels)))
-        self._io = TierIO(chain)
+        #: the last ``miss_memory`` chunks that left the store, and why (``why_missing``), told by the parts
+        #: that drop or refuse them (``TierIO``, ``Placer``, ``Writer``) and by ``remove``
+        self._departures = departures = Departures(miss_memory)
+        #: chunks held from a lookup to its load (``lease``): pinned in the chain's managed levels under its lock,
+        #: let go by the parts that drop them (``Reader``, ``remove``), left in place by the ``Placer``'s evictions
+        self._leases = leases = LeaseBook(chain.lock, [chain.levels[j] for j in chain.managed])
+        self._io = TierIO(chain, departures)
         #: the chunks acknowledged but not durable (``flush``), shared by the placer and the copier
         self._durability = durability = Durability(chain)
         #: told of the keys that left every tier (``add_removal_listener``), by the parts that remove them
         self._removals = removals = RemovalListeners()
-        self._placer = Placer(chain, self._io, self._stager, durability, removals)
+        self._placer = Placer(chain, self._io, self._stager, leases=leases, departures=departures,
+                              durability=durability, removals=removals)
         self._copier = Copier(chain, self._io, self._placer, self._stager, self.promotion,
                               max_queued=write_behind_queue)
-        self._writer = Writer(chain, self._io, self._placer, self._copier, quotas)
-        self._reader = Reader(chain, self._io, self._copier)
+        self._writer = Writer(chain, self._io, self._placer, self._copier, departures, quotas)
+        self._reader = Reader(chain, self._io, self._copier, leases)
         self._observers = Observers()
         self._lost_seen: dict[int, int] = {}  # persistent level -> its medium's lost objects so far (``_count_lost``)
         self._executor = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="tierkv-store")
@@ -259,7 +269,7 @@ class TieredStore:
             self._copier.close(timeout=120)
         finally:
             with chain.lock:
-                chain.leases.close()  # (every lease still held: its holder's release is then a no-op)
+                self._leases.close()  # (every lease still held: its holder's release is then a no-op)
             self._stager.release()  # (an arena lent to a copy still running is let go when given back)
             self._executor.shutdown(wait=True)
             self._observers.close()
@@ -444,7 +454,7 @@ class TieredStore:
         chain.enter()
         try:
             with chain.lock:
-                return chain.leases.grant(keys, float(ttl_s))
+                return self._leases.grant(keys, float(ttl_s))
         finally:
             chain.leave()
 
@@ -466,16 +476,16 @@ class TieredStore:
         chain.enter()
         try:
             if reason is None:
-                chain.departures.forget(keys)
+                self._departures.forget(keys)
             else:
-                chain.departed(keys, reason)
+                self._departures.record(keys, reason)
             left: dict[str, None] = {}  # the keys some tier held: they leave now (the listeners hear them)
             with chain.lock:
                 for j in chain.managed:
                     lvl = self.levels[j]
                     here = [key for key in keys if lvl.holds(key)]
                     if here:
-                        chain.leases.let_go(lvl, here)  # (a lease holding them says it no longer does)
+                        self._leases.let_go(lvl, here)  # (a lease holding them says it no longer does)
                         for key in here:
                             lvl.drop(key)
                         left.update(dict.fromkeys(here))
@@ -507,17 +517,17 @@ class TieredStore:
     def _explain(self, keys: list[str], count: bool) -> list[MissReason]:
         down = any(not lvl.tier.available for lvl in self.levels)
         fallback = MissReason.UNAVAILABLE if down else MissReason.NEVER_STORED
-        return self._chain.departures.explain(keys, fallback, count)
+        return self._departures.explain(keys, fallback, count)
 
     def departures(self, keys: Sequence[str]) -> list[Optional[Departure]]:
         """The last remembered departure of each key (reason, tier, policy, monotonic time; ``age()``), or
         None.  Not counted."""
         keys = check_keys(keys, each=False)
-        return self._chain.departures.recall(keys)
+        return self._departures.recall(keys)
 
     def count_misses(self, reason: MissReason, n: int = 1) -> None:
         """Count ``n`` misses an adapter explained itself (e.g. ``OTHER_NAMESPACE``) in ``misses_by_reason``."""
-        self._chain.departures.count(reason, check_int(n, "n", min_value=0))
+        self._departures.count(reason, check_int(n, "n", min_value=0))
 
     # ------------------------------------------------------------------ async twins
     async def _run(self, fn, *args):
@@ -573,7 +583,8 @@ class TieredStore:
         """Counters per tier (under ``"tiers"`` and at the top level, by name), store totals (``"total"``) and,
         with tenants configured, each tenant's usage and hits (``"tenants"``: ``tierkv.tenants``); gathered by
         ``tierkv.engine.report``."""
-        tiers, total, tenants = collect_stats(self._chain, self._durability, self._copier.pending,
+        tiers, total, tenants = collect_stats(self._chain, self._durability, self._leases, self._departures,
+                                              self._copier.pending,
                                               (self._writer.counters, self._reader.counters, self._copier.counters),
                                               self._writer.tenants is not None)
         self._observers.merge_stats(tiers)

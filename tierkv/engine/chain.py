@@ -12,9 +12,9 @@ State with an owner of its own is not here: each part's counters are that part's
 (``Writer.counters`` ...), the tenants the ``Writer``'s (a put's tenant travels down the
 put path as an argument), the ledger of chunks not durable ``Durability``'s
 (``tierkv.engine.durable``), the removal listeners the store's (``RemovalListeners``, told
-by the parts that remove).  Two shared books are still reached through the chain: the
-leases (``LeaseBook``) and the miss memory (``departed``), each a typed object that alone
-changes its state.  Only this
+by the parts that remove), the leases the store's ``LeaseBook`` (``tierkv.engine.leases``,
+given this chain's lock and managed levels) and the miss memory the store's ``Departures``
+(``tierkv.engine.departures``), each handed by the store to the parts that use it.  Only this
 module assigns a ``Chain`` attribute.
 
 Every method whose docstring says "lock held" expects the caller to hold ``lock``.
@@ -26,11 +26,9 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
-from tierkv.engine.departures import DEFAULT_MISS_MEMORY, Departures
-from tierkv.engine.leases import LeaseBook
 from tierkv.engine.level import Level
 from tierkv.errors import ConfigError, StoreClosedError
-from tierkv.outcome import Admission, MissReason
+from tierkv.outcome import Admission
 from tierkv.tenants import OTHER, TenantLedger, Tenants
 
 # why a chunk was not placed (bit flags gathered while scanning the chain)
@@ -43,7 +41,7 @@ Held = dict[tuple[int, str], None]
 class Chain:
     """The levels, fastest first, and their shared state (see the module docstring)."""
 
-    def __init__(self, levels: Sequence[Level], miss_memory: int = DEFAULT_MISS_MEMORY) -> None:
+    def __init__(self, levels: Sequence[Level]) -> None:
         self.levels: list[Level] = list(levels)
         names = [lvl.name for lvl in self.levels]
         dup = {n for n in names if names.count(n) > 1}
@@ -82,10 +80,6 @@ class Chain:
         self.any_write_through = any(lvl.write_through for lvl in self.levels)
         # only admission policies that observe demand are told about accesses (each once)
         self.observing = [a for a in {id(lvl.admission): lvl.admit for lvl in self.levels}.values() if a.observes]
-        #: chunks held from a lookup to its load (``TieredStore.lease``)
-        self.leases = LeaseBook(self)
-        #: the last ``miss_memory`` chunks that left the store, and why (``departed``; ``TieredStore.why_missing``)
-        self.departures = Departures(miss_memory)
 
     # ------------------------------------------------------------------ tenants
     def set_tenants(self, tenants: Tenants) -> None:
@@ -105,17 +99,6 @@ class Chain:
             if label is not None:
                 return label
         return OTHER
-
-    # ------------------------------------------------------------------ departures
-    def departed(self, keys: Sequence[str], reason: MissReason, lvl: Level | None = None,
-                 policy: str | None = None) -> None:
-        """The one engine call that records chunks leaving for ``reason`` (from ``lvl``; None: every tier),
-        so a later miss of them is explained (``tierkv.engine.departures``).  Lock held or not.
-
-        Call it for every copy dropped for a reason a miss should name (a corrupt read, a failed audit):
-        the memory is asked only about keys that are missing, so a copy another tier still serves costs
-        nothing but one of the ``miss_memory`` places."""
-        self.departures.record(keys, reason, None if lvl is None else lvl.name, policy)
 
     # ------------------------------------------------------------------ calls in flight
     def enter(self) -> None:

@@ -14,6 +14,10 @@ places; the newer record is the answer.
 Cost: a batch shares one record object, so recording n keys is one C-level ``dict.update`` plus,
 when the memory is full, a trim that touches each pushed-out key once (amortized O(1) per departure).
 Nothing is done on a hit: the memory is asked only about keys already missed.  Thread-safe (its own lock).
+
+Ownership: the store builds one (``TieredStore(miss_memory=...)``) and hands it to the parts that record
+departures (``Placer``'s evictions, ``Writer``'s refusals, ``TierIO``'s corrupt drops) and answers from it
+(``why_missing``, ``departures``, ``stats()``); only its own methods change it.
 """
 
 from __future__ import annotations
@@ -76,7 +80,12 @@ class Departures:
 
     def record(self, keys: Sequence[str], reason: MissReason, tier: Optional[str] = None,
                policy: Optional[str] = None) -> None:
-        """Remember that ``keys`` departed for ``reason`` (from ``tier``, by ``policy``), now."""
+        """Remember that ``keys`` departed for ``reason`` (from ``tier``, by ``policy``), now.  ``tier`` None:
+        they left every tier.  Any thread, the store's lock held or not.
+
+        The engine records here every copy dropped for a reason a miss should name (a corrupt read, a
+        refusal, an eviction from the last tier holding it): the memory is asked only about keys that are
+        missing, so a copy another tier still serves costs nothing but one of the ``capacity`` places."""
         n = len(keys)
         if not n or not self.capacity:
             return

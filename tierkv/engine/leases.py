@@ -27,8 +27,11 @@ the lease that ran out (``TieredStore.why_missing``).  A chunk only a shared poo
 ``remote_npu``) is not held: the pool evicts by its own rules, and a lease says
 so (``unheld``).
 
-:class:`LeaseBook` keeps the live leases of one chain, ordered by deadline; every
-method but ``Lease.release`` runs under the chain's lock.
+:class:`LeaseBook` keeps the live leases of one store, ordered by deadline.  The store
+builds it and hands it to the parts that evict or drop chunks (``Placer``, ``Reader``);
+it is given the store's lock and its managed levels, fastest first, and knows nothing
+else of the chain.  Every method but ``release`` and ``forget_late`` (which take the
+lock themselves) runs with that lock held.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 from tierkv.engine.level import Level
@@ -93,10 +98,29 @@ class Lease:
 
 
 class LeaseBook:
-    """The live leases of one chain, by deadline (see the module docstring)."""
+    """The live leases of one store, by deadline, and the count of pins each holds (see the module docstring).
 
-    def __init__(self, chain: Any) -> None:
-        self._chain = chain
+    Invariants, each kept by this book alone (``tests/test_store_leases.py``):
+
+    * **A leased chunk is never evicted while held.**  Each key a lease holds is pinned in its level (a pin
+      no policy may name as a victim) and counted in ``_held``; an eviction already in flight asks
+      ``leased`` before it drops, and leaves those keys where they are.
+    * **Every lease is released exactly once**: by its holder (``release``), its deadline (``expire``),
+      the removal of all it holds (``let_go``) or the store's close (``close``), whichever comes first;
+      each unpins what the lease still holds and marks it ``released``, which every later path checks.
+    * **Nothing reserved outlives its call.**  ``grant`` takes pins only (never a reservation) and hands
+      them to the ``Lease`` it returns in the same lock hold; a lease's pins outlive the call that took
+      them by design, and end by the paths above.
+
+    ``lock``: the store's lock (``Chain.lock``), held by the callers of every method but ``release`` and
+    ``forget_late``; ``levels``: the managed levels, fastest first, a lease pins in.
+    """
+
+    def __init__(self, lock: AbstractContextManager[Any], levels: Sequence[Level]) -> None:
+        if any(not lvl.managed for lvl in levels):
+            raise ValueError("a lease pins chunks in managed levels only")
+        self._lock = lock
+        self._levels: tuple[Level, ...] = tuple(levels)
         self._heap: list[tuple[float, int, Lease]] = []
         #: level -> key -> how many live leases pin it there (the pins an eviction leaves alone)
         self._held: dict[Level, dict[str, int]] = {}
@@ -110,15 +134,13 @@ class LeaseBook:
 
     def grant(self, keys: list[str], ttl_s: float) -> Lease:
         """Pin each key in the fastest managed level holding it READY.  Lock held."""
-        chain = self._chain
         now = time.monotonic()
         self.expire(now)
         pins: list[tuple[Level, list[str]]] = []
         rest = keys
-        for j in chain.managed:
+        for lvl in self._levels:
             if not rest:
                 break
-            lvl = chain.levels[j]
             if lvl.all_ready(rest):  # (the common case, in C passes: every key READY in this level)
                 here, rest = rest, []
             else:
@@ -143,7 +165,7 @@ class LeaseBook:
         return lease
 
     def release(self, lease: Lease) -> bool:
-        with self._chain.lock:
+        with self._lock:
             if lease.released:
                 return False
             self._unpin(lease)
@@ -265,7 +287,7 @@ class LeaseBook:
     def forget_late(self, lease: Lease) -> None:
         """The holder of an expired lease let go (its load is over): an eviction of its chunks from now on is
         an ordinary one."""
-        with self._chain.lock:
+        with self._lock:
             keys, lease._late = lease._late, []
             exp = self.expired_keys
             for k in keys:

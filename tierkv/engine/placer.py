@@ -17,7 +17,9 @@ from typing import Any, Optional
 
 from tierkv.buffers import Parts
 from tierkv.engine.chain import FAILED, NO_ROOM, TOO_LARGE, UNAVAILABLE, Chain, Held
+from tierkv.engine.departures import Departures
 from tierkv.engine.durable import Durability
+from tierkv.engine.leases import LeaseBook
 from tierkv.engine.observers import RemovalListeners
 from tierkv.engine.tierio import TierIO
 from tierkv.hostmem import StagingPool
@@ -41,9 +43,13 @@ def refusal(flags: int) -> PutOutcome:
 class Placer:
     """Placement, eviction and demotion over a chain (see the module docstring)."""
 
-    def __init__(self, chain: Chain, io: TierIO, stager: StagingPool, durability: Optional[Durability] = None,
-                 removals: Optional[RemovalListeners] = None) -> None:
+    def __init__(self, chain: Chain, io: TierIO, stager: StagingPool, leases: LeaseBook, departures: Departures,
+                 durability: Optional[Durability] = None, removals: Optional[RemovalListeners] = None) -> None:
         self.chain = chain
+        #: the live leases (the store's): an eviction leaves what they hold, and expires those past due
+        self.leases = leases
+        #: the miss memory (the store's): what an eviction took from the last tier holding it, and why
+        self.departures = departures
         #: the chunks acknowledged but not durable (shared with the ``Copier``; built here when not given)
         self.durability = durability if durability is not None else Durability(chain)
         #: told of the keys an eviction took from every tier (the store's; built here when not given)
@@ -132,7 +138,7 @@ class Placer:
                 if lvl.reserve(key, nbytes, tenant):
                     held[(j, key)] = None
                     return True
-                leases = self.chain.leases
+                leases = self.leases
                 if leases.due():  # a lease past its deadline holds nothing back any more
                     leases.expire()
                 own = ledger.over_cap(tenant, fp) if ledger is not None and tenant is not None else 0
@@ -173,7 +179,7 @@ class Placer:
             short = min(need - (lvl.capacity - lvl.used), lvl.used)
             if short <= 0:
                 return
-            leases = self.chain.leases
+            leases = self.leases
             if leases.due():
                 leases.expire()
             victims = lvl.victims(short)
@@ -228,7 +234,7 @@ class Placer:
                 below = self.demote(j, victims[at:end], sizes[at:end]) if not last else set()
                 with self._lock:
                     batch = victims[at:end]
-                    leases = chain.leases
+                    leases = self.leases
                     if leases.due():
                         leases.expire()
                     kept = leases.leased(lvl, batch)
@@ -250,12 +256,12 @@ class Placer:
                         gone = self.levels[i].lacking(gone)
                     if gone:
                         # a chunk a lookup reported, whose lease ran out before its load: the miss names that
-                        late, gone = chain.leases.split_expired(gone)
+                        late, gone = leases.split_expired(gone)
                         if late:
-                            chain.departed(late, MissReason.LEASE_EXPIRED, lvl, lvl.policy_name)
+                            self.departures.record(late, MissReason.LEASE_EXPIRED, lvl.name, lvl.policy_name)
                             self.removals.tell(late)
                     if gone:
-                        chain.departed(gone, MissReason.EVICTED, lvl, lvl.policy_name)
+                        self.departures.record(gone, MissReason.EVICTED, lvl.name, lvl.policy_name)
                         self.removals.tell(gone)
         finally:
             if at < len(victims):

@@ -23,6 +23,7 @@ from typing import Optional
 from tierkv.buffers import Parts, check_size
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
+from tierkv.engine.leases import LeaseBook
 from tierkv.engine.tierio import TierIO
 from tierkv.errors import StoreClosedError
 from tierkv.keys import check_key, check_keys
@@ -53,8 +54,10 @@ class _Get:
 class Reader:
     """The read path, ``lookup`` and ``locate`` (see the module docstring)."""
 
-    def __init__(self, chain: Chain, io: TierIO, copier: Copier) -> None:
+    def __init__(self, chain: Chain, io: TierIO, copier: Copier, leases: LeaseBook) -> None:
         self.chain = chain
+        #: the live leases (the store's): a copy dropped as unreadable is let go by the lease holding it
+        self.leases = leases
         self.levels = chain.levels
         self._lock = chain.lock
         self.io = io
@@ -194,7 +197,7 @@ class Reader:
                         else:  # lost, torn or corrupt: drop this copy, try the next level
                             if not ok:
                                 lvl.counters.errors += 1
-                                self.chain.leases.let_go(lvl, [key])  # (a lease cannot hold it any more)
+                                self.leases.let_go(lvl, [key])  # (a lease cannot hold it any more)
                                 lvl.drop(key)
                             call.pending.append(i)
                     lvl.counters.bytes_read += got

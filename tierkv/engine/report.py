@@ -2,8 +2,9 @@
 
 ``collect_stats`` answers the figures of each tier (its level's counters, the
 medium's own ``extra_stats``, which never override the level's), the store's totals
-(sums over the tiers, and what the chain counts: calls in flight, leases, the
-write-behind queue and what it dropped, misses by reason) and, with tenants
+(sums over the tiers, and from their owners: the chain's calls in flight, the
+``LeaseBook``'s leases, the write-behind queue and what it dropped, the ``Departures``'
+misses by reason) and, with tenants
 configured, each tenant's usage and hits over the managed tiers.  The store then
 adds what its observers count (outside the lock) and shapes the answer.
 """
@@ -14,7 +15,9 @@ from collections.abc import Callable, Sequence
 from typing import Any, Optional
 
 from tierkv.engine.chain import Chain
+from tierkv.engine.departures import Departures
 from tierkv.engine.durable import Durability
+from tierkv.engine.leases import LeaseBook
 from tierkv.engine.level import Level
 from tierkv.stats import StoreCounters
 
@@ -23,34 +26,35 @@ SUMMED = ("capacity_bytes", "used_bytes", "evictions", "promotions", "demotions"
           "rejected", "bytes_read", "bytes_written", "persisted")
 
 
-def collect_stats(chain: Chain, durability: Durability, write_behind_pending: Callable[[], int],
-                  counters: Sequence[Any], with_tenants: bool = False
+def collect_stats(chain: Chain, durability: Durability, leases: LeaseBook, departures: Departures,
+                  write_behind_pending: Callable[[], int], counters: Sequence[Any], with_tenants: bool = False
                   ) -> tuple[dict[str, dict[str, Any]], dict[str, Any], Optional[dict[str, Any]]]:
     """(tier name -> its figures, the totals, label -> a tenant's figures or None without tenants).
 
-    ``durability``: the store's ledger of chunks not durable (``write_behind_*``).  ``counters``: the
-    engine parts' own counters (``Writer``, ``Reader``, ``Copier``; the leases' are the
-    chain's ``LeaseBook``'s), gathered into the totals in the order ``StoreCounters`` names them;
+    ``durability``: the store's ledger of chunks not durable (``write_behind_*``); ``leases``: the store's
+    ``LeaseBook`` (``leases_active`` and its counters); ``departures``: the store's miss memory
+    (``misses_by_reason``, ``miss_memory*``).  ``counters``: the engine parts' own counters (``Writer``,
+    ``Reader``, ``Copier``), gathered with the leases' into the totals in the order ``StoreCounters`` names them;
     ``with_tenants``: the store has tenants configured (each tenant's figures are answered).
     Takes the chain's lock; a lease past its deadline is expired first (and counted as such)."""
     tiers: dict[str, dict[str, Any]] = {}
     with chain.lock:
         if not chain.closed:
-            chain.leases.expire()  # (a lease past its deadline is counted as such when asked)
+            leases.expire()  # (a lease past its deadline is counted as such when asked)
         for lvl in chain.levels:
             tiers[lvl.name] = _tier_stats(lvl)
-        total: dict[str, Any] = StoreCounters.of(*counters, chain.leases.counters).as_dict()
+        total: dict[str, Any] = StoreCounters.of(*counters, leases.counters).as_dict()
         for field in SUMMED:
             total[field] = sum(t[field] for t in tiers.values())
         total["in_flight"] = chain.in_flight
-        total["leases_active"] = chain.leases.active
+        total["leases_active"] = leases.active
         total["write_behind_pending"] = write_behind_pending()
         total["write_behind_dropped"] = durability.drops.total
         total["write_behind_not_durable"] = durability.not_durable()
         total["write_behind_dropped_by_reason"] = durability.drops.by_reason()
-        total["misses_by_reason"] = chain.departures.counts_by_reason()
-        total["miss_memory"] = chain.departures.capacity
-        total["miss_memory_used"] = len(chain.departures)
+        total["misses_by_reason"] = departures.counts_by_reason()
+        total["miss_memory"] = departures.capacity
+        total["miss_memory_used"] = len(departures)
         tenants = _tenant_stats(chain.levels) if with_tenants else None
     return tiers, total, tenants
 

@@ -37,6 +37,7 @@ from typing import Any, Optional
 from tierkv.buffers import Parts, on_two_threads
 from tierkv.checksum import CorruptLog, ReadSums, TrailerArena, chunk_sum, chunk_sums, read_trailers
 from tierkv.engine.chain import Chain
+from tierkv.engine.departures import Departures
 from tierkv.engine.level import Level
 from tierkv.errors import StoreClosedError
 from tierkv.outcome import MissReason
@@ -57,9 +58,9 @@ class Op(enum.Enum):
 class TierIO:
     """The engine's typed calls into media (see the module docstring)."""
 
-    def __init__(self, chain: Chain) -> None:
+    def __init__(self, chain: Chain, departures: Departures) -> None:
         self._lock = chain.lock
-        self._chain = chain
+        self._departures = departures  # (the store's miss memory: a corrupt copy dropped is remembered)
         self._corrupt_log = CorruptLog()
         self._trailers = TrailerArena()
 
@@ -185,7 +186,7 @@ class TierIO:
         names = [keys[i] for i in at]
         with self._lock:
             lvl.counters.corrupt += len(at)
-        self._chain.departed(names, MissReason.CORRUPT, lvl)  # (a later miss of them says why)
+        self._departures.record(names, MissReason.CORRUPT, lvl.name)  # (a later miss of them says why)
         self._corrupt_log.found(lvl.name, names)
         if not lvl.managed:
             self.delete(lvl, names)

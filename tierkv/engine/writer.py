@@ -29,6 +29,7 @@ from tierkv.buffers import Parts, check_size
 from tierkv.checksum import chunk_sum
 from tierkv.engine.chain import FAILED, UNAVAILABLE, Chain, Held
 from tierkv.engine.copier import Copier
+from tierkv.engine.departures import Departures
 from tierkv.engine.level import Level
 from tierkv.engine.placer import Placer, refusal
 from tierkv.engine.tierio import TierIO
@@ -75,9 +76,11 @@ class _Put:
 class Writer:
     """The batch put path (see the module docstring)."""
 
-    def __init__(self, chain: Chain, io: TierIO, placer: Placer, copier: Copier,
+    def __init__(self, chain: Chain, io: TierIO, placer: Placer, copier: Copier, departures: Departures,
                  tenants: Optional[Tenants] = None) -> None:
         self.chain = chain
+        #: the miss memory (the store's): the chunks no tier took, and why
+        self.departures = departures
         self.levels = chain.levels
         self._lock = chain.lock
         self.io = io
@@ -342,9 +345,9 @@ class Writer:
         refused = [keys[i] for i in range(call.n) if out[i] is PutOutcome.REJECTED or out[i] is PutOutcome.NO_ROOM]
         down = [keys[i] for i in range(call.n) if out[i] is PutOutcome.ERROR and why[i] & UNAVAILABLE]
         if refused:
-            self.chain.departed(refused, MissReason.REJECTED)
+            self.departures.record(refused, MissReason.REJECTED)
         if down:
-            self.chain.departed(down, MissReason.UNAVAILABLE)
+            self.departures.record(down, MissReason.UNAVAILABLE)
 
     # ------------------------------------------------------------------ keys found present
     def _hold_present(self, keys: list[str], sizes: list[int], holding: list[tuple[Level, list[str]]]) -> list[str]:
