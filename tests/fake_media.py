@@ -22,6 +22,22 @@ import torch
 from tierkv.tiers.base import Tier
 
 
+def read_objects(find, keys, dsts) -> list[bool]:
+    """Each key's stored tensor (``find(key)``, None when absent) copied into its parts in order; False where
+    absent or of another size (a test medium never hands back bytes that do not fit)."""
+    out = []
+    for k, parts in zip(keys, dsts):
+        v = find(k)
+        if v is None or v.numel() != sum(p.numel() for p in parts):
+            out.append(False)
+            continue
+        pos = 0
+        for p in parts:
+            p.copy_(v[pos:pos + p.numel()])
+            pos += p.numel()
+        out.append(True)
+    return out
+
 class FakeTier(Tier):
     medium = "fake"
 
@@ -65,18 +81,7 @@ class FakeTier(Tier):
         self._wait()
         if self.fail_reads:
             raise OSError("fake medium: read failed")
-        out = []
-        for k, parts in zip(keys, dsts):
-            v = self.data.get(k) if self.up else None
-            if v is None or v.numel() != sum(p.numel() for p in parts):
-                out.append(False)
-                continue
-            pos = 0
-            for p in parts:
-                p.copy_(v[pos:pos + p.numel()])
-                pos += p.numel()
-            out.append(True)
-        return out
+        return read_objects(lambda k: self.data.get(k) if self.up else None, keys, dsts)
 
     def _delete(self, keys):
         for k in keys:
