@@ -190,11 +190,11 @@ def test_a_put_sums_each_chunk_once_and_a_copy_carries_it(tmp_path, monkeypatch)
         calls.append(1)
         return real(parts)
 
-    import tierkv.engine.tierio as tio
+    import tierkv.engine.integrity as integ
     import tierkv.engine.writer as w
 
     monkeypatch.setattr(w, "chunk_sum", counting)
-    monkeypatch.setattr(tio, "chunk_sum", counting)
+    monkeypatch.setattr(integ, "chunk_sum", counting)
     cfg = {"tiers": [{"medium": "hbm", "device": "cpu", "capacity": 2 * (64 << 10)},
                      {"medium": "dram", "capacity": "8MiB", "verify": "always"}]}
     with TieredStore.from_config(cfg) as s:

@@ -56,7 +56,9 @@ Checksums (``tierkv.checksum``):
     ``verify`` option says so.  A medium that copies the bytes itself may sum
     them as it copies (``sums_copies``): ``read`` is then handed a ``ReadSums``
     and answers each object's sum with it, so the check needs no second pass
-    over the bytes.
+    over the bytes.  A medium only declares these; the store reconciles them
+    with a level's ``verify`` in one place (``tierkv.engine.integrity.select``,
+    which picks the level's one integrity strategy) and nowhere else.
 """
 
 from __future__ import annotations

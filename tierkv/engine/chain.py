@@ -60,11 +60,10 @@ class Chain:
                                   f"({type(lvl.eviction).__name__}); give each tier its own instance")
         for i, lvl in enumerate(self.levels):
             lvl.bind(1 << i)
-        if len(self.levels) == 1 and self.levels[0].keeps_sums and not self.levels[0].checks_reads:
-            # one level read unchecked: its sums would serve neither a check nor a copy (none is made)
-            self.levels[0].keeps_sums = False
+        if len(self.levels) == 1:
+            self.levels[0].alone()  # (no copy is made out of it: its integrity is chosen knowing that)
         #: some level keeps sums or carries them in its objects: a put computes each chunk's sum
-        self.needs_sums = any(lvl.keeps_sums or lvl.tier.sum_inside for lvl in self.levels)
+        self.needs_sums = any(lvl.integrity.needs_sums for lvl in self.levels)
         self.lock = threading.RLock()
         self.idle = threading.Condition(self.lock)  # no call in flight (``close`` waits for it)
         self.settled = threading.Condition(self.lock)  # a put waiting for another call's write (``Writer``)

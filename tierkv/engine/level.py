@@ -1,8 +1,10 @@
 """``Level``: one tier in the chain as the store sees it — the medium, its policies, its index.
 
 Ownership: a level owns its index (``self.index``, a ``LevelIndex``,
-``tierkv/engine/levelindex.py``), its eviction and admission policies, the chunk sums it
-keeps beside a medium that keeps none (``sums``), and its counters.  The index alone knows
+``tierkv/engine/levelindex.py``), its eviction and admission policies, its integrity
+strategy (``self.integrity``, ``tierkv/engine/integrity.py``: chosen once, from the medium's
+declarations and the ``verify`` option; the chunk sums it keeps, if any, are its), and its
+counters.  The index alone knows
 the packed encoding and alone changes the per-chunk state (slots, pins, byte counts, tenant
 charges), through its batched mutators; the level calls them and does what they ask of the
 medium (a located tier's ``allocate`` / ``free_at``, any other tier's ``delete``) and of the
@@ -41,6 +43,8 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Mapping
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, Optional, Union
 
@@ -48,6 +52,7 @@ import numpy as np
 
 from tierkv.checksum import Verify, parse_verify
 from tierkv.engine.indexcheck import check_index
+from tierkv.engine.integrity import Integrity, select
 from tierkv.engine.levelindex import Freed, LevelIndex
 from tierkv.engine.victims import choose_victims
 from tierkv.errors import ConfigError, PolicyError
@@ -57,7 +62,7 @@ from tierkv.persist import PersistMode, resolve_persist
 from tierkv.policies import AdmissionPolicy, EvictionPolicy, build_admission, build_eviction
 from tierkv.stats import TierCounters
 from tierkv.tenants import OTHER, TenantLedger
-from tierkv.tiers.base import Locality, Tier
+from tierkv.tiers.base import Tier
 
 log = logging.getLogger("tierkv")
 
@@ -78,6 +83,12 @@ def _bind_policy(policy: Any, level: Level) -> None:
         for k in [k for k, r in _BOUND.items() if r() is None]:
             del _BOUND[k]
     _BOUND[id(policy)] = weakref.ref(level)
+
+
+def _read_through(path: str, doc: str) -> Any:
+    """A read-only property of the level that answers ``path`` (``"index.used"``) from the part that owns it
+    (one C-level ``attrgetter``: as fast as the attribute itself, and nobody can assign it on the level)."""
+    return property(attrgetter(path), doc=doc)
 
 
 class Level:
@@ -146,13 +157,8 @@ class Level:
                               "'write_through' or 'on_evict', not 'write_behind'")
         #: when reads are checked against the chunk's sum (``tierkv.checksum.Verify``)
         self.verify = parse_verify(Verify.EXTERNAL if verify is None else verify, f"tier {tier.name!r}")
-        #: the level keeps each chunk's sum beside it (``sums``): a medium that holds bytes and keeps no sum
-        self.keeps_sums = self.managed and tier.keeps_bytes and not tier.verifies_reads and not tier.sum_inside
-        #: the engine checks this level's reads against ``sums``: always, or when its bytes can change outside
-        self.checks_reads = self.keeps_sums and (self.verify is Verify.ALWAYS
-                                                 or tier.locality in (Locality.REMOTE, Locality.DISK))
-        #: key -> checksum of each chunk the level holds (a column beside the index; ``keeps_sums`` levels)
-        self.sums: dict[str, int] = {}
+        #: how this level keeps chunk sums and checks reads (``tierkv.engine.integrity``): chosen here, once
+        self.integrity: Integrity = select(tier, self.managed, self.verify)
         self.counters = TierCounters()
         #: chunks the store refused here (among ``counters.rejected``) as larger than the whole tier; ``stats()``
         #: adds the medium's own ``too_large`` (one fault reason of the medium's, in the exporter's terms)
@@ -167,36 +173,30 @@ class Level:
         if self._follows:
             self.eviction.follow_order(ix.order())  # type: ignore[union-attr]
 
-    # -- what the index holds, read-only ---------------------------------------------
-    @property
-    def used(self) -> int:
-        """Footprint bytes of every chunk here (READY, RESERVED, doomed)."""
-        return self.index.used
-
-    @property
-    def ready_count(self) -> int:
-        """How many READY chunks the level holds."""
-        return self.index.ready_count
-
-    @property
-    def ready_bytes(self) -> int:
-        """Footprint bytes of the READY chunks."""
-        return self.index.ready_bytes
-
-    @property
-    def pinned(self) -> MappingProxyType:
-        """key -> readers holding it, read-only."""
-        return self.index.pinned
-
-    @property
-    def ledger(self) -> Optional[TenantLedger]:
-        """Per-tenant usage and the quota rules here (None: no tenant configured, nothing asked)."""
-        return self.index.ledger
+    # -- what the index and the integrity strategy hold, read-only ---------------------------
+    used: int = _read_through("index.used", "Footprint bytes of every chunk here (READY, RESERVED, doomed).")
+    ready_count: int = _read_through("index.ready_count", "How many READY chunks the level holds.")
+    ready_bytes: int = _read_through("index.ready_bytes", "Footprint bytes of the READY chunks.")
+    pinned: MappingProxyType = _read_through("index.pinned", "key -> readers holding it, read-only.")
+    ledger: Optional[TenantLedger] = _read_through(
+        "index.ledger", "Per-tenant usage and the quota rules here (None: no tenant configured, nothing asked).")
+    keeps_sums: bool = _read_through(
+        "integrity.keeps_sums", "The level keeps each chunk's sum beside it (``sums``; its ``integrity`` says).")
+    checks_reads: bool = _read_through(
+        "integrity.checks_reads", "The engine checks every read of this level (its ``integrity`` says).")
+    sums: Mapping[str, int] = _read_through(
+        "integrity.sums", "key -> the sum kept of each chunk the level holds, read-only (empty unless ``keeps_sums``).")
 
     def set_quotas(self, ledger: TenantLedger) -> None:
         """Account this level's chunks per tenant and keep their quotas: every reservation is charged to the
         tenant ``reserve_many`` is given, every freed chunk credited (the level is empty)."""
         self.index.set_quotas(ledger)
+
+    def alone(self) -> None:
+        """This level is its chain's only one: no copy is ever made out of it, so sums kept for no check
+        would serve nothing; its integrity is chosen again knowing that (``select``'s ``alone``), once, when
+        the chain is built (any sum kept so far goes with the strategy that kept it)."""
+        self.integrity = select(self.tier, self.managed, self.verify, alone=True)
 
     def check(self) -> None:
         """Verify the index's invariants (``check_index``) and the level's own: a policy that follows the
@@ -342,10 +342,7 @@ class Level:
         keys = freed.keys
         if not keys:
             return
-        if self.sums:
-            pop = self.sums.pop
-            for key in keys:
-                pop(key, None)
+        self.integrity.forget(keys)
         try:
             if self.located:
                 self.tier.free_at(freed.codes)

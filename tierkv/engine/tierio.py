@@ -14,17 +14,15 @@ addresses of buffers it checked are one flat part of exactly each chunk's size
 
 Checksums (``tierkv.checksum``): every write is handed each chunk's sum, computed once
 where the put brought the bytes in and copied from level to level since, never
-recomputed from bytes nobody verified.  A level that keeps sums (``Level.keeps_sums``)
-gets them in its column; a pool that carries them inside the object
-(``Tier.sum_inside``) gets each object with a trailer after the chunk's bytes.  A read
-is checked here: from a pool, always (the trailer against the bytes); from a level that
-keeps sums, when ``Level.checks_reads``; a medium that verifies its own records
-(``Tier.verifies_reads``) is trusted, and a copy out of it is summed from the bytes it
-verified.  A copy that fails its check, or that the medium answers ``CORRUPT``, is
-counted ``corrupt`` for the level, recorded as a departure (``MissReason.CORRUPT``),
-logged (rate-limited, naming the tier and the key) and answered False: a miss, never
-bytes.  The caller drops it from a managed level (the
-reader does for every failed read); a pool's copy is deleted here.
+recomputed from bytes nobody verified.  What a level does with them is its integrity
+strategy's (``Level.integrity``, ``tierkv/engine/integrity.py``, chosen once when the
+level was built): this module asks it which sums a write goes with, how the objects are
+framed (a pool's trailers), what it records, and which reads fail their check; it never
+looks at a medium's declarations itself.  A copy that fails its check, or that the medium
+answers ``CORRUPT``, is counted ``corrupt`` for the level, recorded as a departure
+(``MissReason.CORRUPT``), logged (rate-limited, naming the tier and the key) and answered
+False: a miss, never bytes.  The caller drops it from a managed level (the reader does for
+every failed read); a pool's copy is deleted here.
 """
 
 from __future__ import annotations
@@ -32,12 +30,13 @@ from __future__ import annotations
 import enum
 import itertools
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 from tierkv.buffers import Parts, on_two_threads
-from tierkv.checksum import CorruptLog, ReadSums, TrailerArena, chunk_sum, chunk_sums, read_trailers
+from tierkv.checksum import CorruptLog, ReadSums, chunk_sums
 from tierkv.engine.chain import Chain
 from tierkv.engine.departures import Departures
+from tierkv.engine.integrity import mismatched
 from tierkv.engine.level import Level
 from tierkv.errors import StoreClosedError
 from tierkv.outcome import MissReason
@@ -62,7 +61,6 @@ class TierIO:
         self._lock = chain.lock
         self._departures = departures  # (the store's miss memory: a corrupt copy dropped is remembered)
         self._corrupt_log = CorruptLog()
-        self._trailers = TrailerArena()
 
     # ------------------------------------------------------------------ bytes
     def read(self, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]] = None,
@@ -70,9 +68,10 @@ class TierIO:
         """Read each chunk into its parts; one bool each (a medium fault or a failed check: False, never
         raised).  ``sums_out``, when given (a copy), receives each chunk's sum (None where none is known)."""
         n = len(keys)
+        integrity = lvl.integrity
         got: Optional[list[Optional[int]]] = None  # each chunk's sum, hashed right after its copy
-        if lvl.checks_reads and lvl.located:
-            if lvl.tier.sums_copies and ptrs is not None:  # the medium sums each chunk as it copies it
+        if integrity.checks_reads and lvl.located:
+            if integrity.medium_sums and ptrs is not None:  # the medium sums each chunk as it copies it
                 asked = ReadSums([sum([p.numel() for p in ps]) for ps in parts])
                 oks = self._bytes(Op.READ, lvl, keys, parts, ptrs, codes, asked)
                 got = asked.sums
@@ -84,8 +83,12 @@ class TierIO:
             oks = self._bytes(Op.READ, lvl, keys, parts, ptrs, codes)
         if CORRUPT in oks:
             oks = self._corrupt(lvl, keys, oks, [i for i, ok in enumerate(oks) if ok is CORRUPT])
-        if lvl.checks_reads or sums_out is not None:
-            self._check_level(lvl, keys, parts, oks, sums_out, got)
+        if integrity.checks_reads or sums_out is not None:
+            bad, sums = integrity.check_read(keys, parts, oks, got)
+            if bad:
+                self._corrupt(lvl, keys, oks, bad, in_place=True)
+            if sums_out is not None:
+                sums_out[:] = sums
         return oks
 
     def _read_groups(self, lvl: Level, keys: list[str], parts: list[Parts], ptrs: Optional[list[int]],
@@ -115,14 +118,12 @@ class TierIO:
 
         ``sums``: each chunk's checksum as it travels (a put's, or the copy's source's); one that is None
         (a chunk whose source kept none) is computed from the bytes here.  ``source``: the level a copy was
-        read from; when its read was not checked and ``lvl`` sums the bytes itself (``verifies_reads``), the
-        bytes are checked against the sums first (a corrupt copy is counted at the source, never stored)."""
-        inside = lvl.tier.sum_inside
-        if (inside or lvl.keeps_sums) and (sums is None or None in sums):
-            sums = [chunk_sum(p) if sums is None or sums[i] is None else sums[i]  # type: ignore[misc]
-                    for i, p in enumerate(parts)]
-        if (sums is not None and source is not None and lvl.tier.verifies_reads and source.keeps_sums
-                and not source.checks_reads):
+        read from; where ``lvl``'s integrity vets a copy from it (``vets_copy_from``: an unchecked read, into a
+        medium that vouches for what it stores), the bytes are checked against the sums first (a corrupt copy
+        is counted at the source, never stored)."""
+        integrity = lvl.integrity
+        sums = integrity.sums_for_write(parts, sums)
+        if sums is not None and source is not None and integrity.vets_copy_from(source.integrity):
             oks = self.check(source, keys, parts, sums)
             if False in oks:
                 go = [i for i, ok in enumerate(oks) if ok]
@@ -131,52 +132,26 @@ class TierIO:
                 for i, ok in zip(go, wrote):
                     oks[i] = ok
                 return oks
-        if inside:
-            before = _abandoned(lvl.tier)
-            tr = self._trailers.packed(sums, _device_of(parts))  # type: ignore[arg-type]
-            parts = [[*p, t] for p, t in zip(parts, tr)]
+        framed = integrity.frame_write(parts, sums)
+        if framed.objs is not parts:  # (framed objects are not the flat buffers ``ptrs`` vouched for)
             ptrs = None
-        oks = self._bytes(Op.WRITE, lvl, keys, parts, ptrs, None)
-        if inside and _abandoned(lvl.tier) != before:
-            self._trailers.drop()  # (an abandoned call may still read them)
-        if lvl.keeps_sums and sums is not None:
+        try:
+            oks = self._bytes(Op.WRITE, lvl, keys, framed.objs, ptrs, None)
+        finally:
+            integrity.write_done(framed.note)
+        if integrity.keeps_sums and sums is not None:
             with self._lock:
-                if False in oks:
-                    lvl.sums.update([(k, s) for k, s, ok in zip(keys, sums, oks) if ok])  # type: ignore[misc]
-                else:
-                    lvl.sums.update(zip(keys, sums))  # type: ignore[arg-type]
+                integrity.recorded(keys, sums, oks)
         return oks
 
     def check(self, lvl: Level, keys: list[str], parts: list[Parts], sums: list[Optional[int]]) -> list[bool]:
         """Check bytes held by ``lvl`` (views, or a copy) against ``sums``; one bool each (a failure is
         counted corrupt for ``lvl`` and logged; the caller drops it)."""
         oks = [True] * len(keys)
-        bad = [i for i, s in enumerate(sums) if s is not None and chunk_sum(parts[i]) != s]
+        bad = mismatched(parts, sums)
         if bad:
             self._corrupt(lvl, keys, oks, bad, in_place=True)
         return oks
-
-    def _check_level(self, lvl: Level, keys: list[str], parts: list[Parts], oks: list[bool],
-                     sums_out: Optional[list[Optional[int]]], got: Optional[list[Optional[int]]] = None) -> None:
-        """Check a managed level's reads against its sums (``checks_reads``; ``got``: the sums of the bytes
-        read, where already hashed); fill ``sums_out``."""
-        if lvl.keeps_sums:
-            get = lvl.sums.get
-            have = [get(k) for k in keys]
-            bad: list[int] = []
-            if lvl.checks_reads:
-                for i, ok in enumerate(oks):
-                    s = have[i]
-                    if ok and s is not None and (chunk_sum(parts[i]) if got is None or got[i] is None
-                                                 else got[i]) != s:
-                        bad.append(i)
-                if bad:
-                    self._corrupt(lvl, keys, oks, bad, in_place=True)
-            if sums_out is not None:
-                sums_out[:] = have
-        elif sums_out is not None:
-            # a medium that verified its own records (or keeps no bytes): the bytes it handed over are checked
-            sums_out[:] = [chunk_sum(p) if ok and lvl.tier.verifies_reads else None for p, ok in zip(parts, oks)]
 
     def _corrupt(self, lvl: Level, keys: list[str], oks: list, at: list[int], in_place: bool = False) -> list[bool]:
         """Count, log and answer False for the copies at ``at`` (a pool's are deleted from it)."""
@@ -257,43 +232,22 @@ class TierIO:
 
     def read_unmanaged(self, lvl: Level, keys: list[str], parts: list[Parts],
                        sums_out: Optional[list[Optional[int]]] = None) -> Optional[list[bool]]:
-        """A shared pool's read, each object's trailer checked (``sum_inside``); None when the medium failed
-        (then no key is asked alone: a pool is remote).  ``sums_out`` as for ``read``."""
+        """A shared pool's read, checked as its integrity says (``Trailers``: every object's trailer against its
+        bytes); None when the medium failed (then no key is asked alone: a pool is remote).  ``sums_out`` as for
+        ``read``."""
         tier = lvl.tier
-        inside = tier.sum_inside
-        objs = parts
-        copied: Optional[ReadSums] = None
-        if inside:
-            before = _abandoned(tier)
-            tr = self._trailers.views(len(keys), _device_of(parts))
-            objs = [[*p, t] for p, t in zip(parts, tr)]
-            if tier.sums_copies:  # (the medium sums each chunk's bytes as it copies them, the trailer left out)
-                copied = ReadSums([sum([p.numel() for p in ps]) for ps in parts])
+        framed = lvl.integrity.frame_read(parts)
+        objs, asked = framed.objs, framed.asked
         try:
-            res = _checked(tier.read(keys, objs, copied) if copied is not None else tier.read(keys, objs), len(keys))
+            res = _checked(tier.read(keys, objs, asked) if asked is not None else tier.read(keys, objs), len(keys))
         except StoreClosedError:
             raise
         except Exception as e:  # noqa: BLE001 - the choke point: a medium fault is a miss
             log.warning("tierkv: tier %s read failed: %s", lvl.name, str(e)[:300])
             return None
-        sums: list[Optional[int]] = [None] * len(keys)
         bad = [i for i, ok in enumerate(res) if ok is CORRUPT]
-        if inside and _abandoned(tier) != before:
-            # a call abandoned meanwhile may still write into the trailers: read these, then let them go
-            self._trailers.drop()
-        if inside:
-            got = [i for i, ok in enumerate(res) if ok is True]
-            have: list[Optional[int]] = copied.sums if copied is not None else [None] * len(keys)
-            left = [i for i in got if have[i] is None]  # what the medium did not sum: summed here
-            for i, h in zip(left, chunk_sums([parts[i] for i in left])):
-                have[i] = h
-            stored = read_trailers(tr)
-            for i in got:
-                s = stored[i]
-                if s is None or have[i] != s:
-                    bad.append(i)
-                else:
-                    sums[i] = s
+        checked, sums = lvl.integrity.check_pooled(parts, res, framed)
+        bad += checked
         if bad:
             res = self._corrupt(lvl, keys, res, bad)
         if sums_out is not None:
@@ -332,19 +286,6 @@ def _groups(objs: list[Parts], limit: int) -> list[int]:
         size += n
     cuts.append(len(objs))
     return cuts
-
-
-def _abandoned(tier: Any) -> int:
-    """How many calls the medium has abandoned at their deadline so far (0 for media without deadlines)."""
-    return getattr(tier, "abandoned_calls", 0)
-
-
-def _device_of(objs: list[Parts]) -> Any:
-    """The device of the first part of the first object (trailers go beside the chunk's bytes)."""
-    for parts in objs:
-        for p in parts:
-            return p.device
-    return None
 
 
 def _checked(res: Optional[list], n: int) -> list[bool]:
