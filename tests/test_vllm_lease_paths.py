@@ -11,6 +11,7 @@ store's close.  ``leases_active`` in the store's stats says what is still held.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from types import SimpleNamespace
@@ -75,12 +76,27 @@ def _rig(capacity="64MiB", **opts):
     return SimpleNamespace(w=w, s=s, store=store, gets=gets, caches=caches, ref=ref)
 
 
+@contextlib.contextmanager
+def _rigged(capacity="64MiB", **opts):
+    """A rig (``_rig``) shut down and closed however the test leaves it."""
+    r = _rig(capacity, **opts)
+    try:
+        yield r
+    finally:
+        r.w.shutdown()
+        r.store.close()
+
+
 @pytest.fixture
 def rig():
-    r = _rig()
-    yield r
-    r.w.shutdown()
-    r.store.close()
+    with _rigged() as r:
+        yield r
+
+
+def _assert_loaded(r) -> None:
+    """The four blocks stored from ``r.ref``'s blocks 0-3 were loaded into the cache's blocks 5-8, every layer."""
+    for name in LAYERS:
+        assert torch.equal(r.caches[name][5:9], r.ref[name][0:4])
 
 
 def _request(rid: str, blocks: int = N):
@@ -147,46 +163,33 @@ def _scheduled(req, ids=(5, 6, 7, 8, 9)):
 
 
 def test_a_load_in_the_step_releases_its_lease():
-    r = _rig(load_async=False)
-    try:
+    with _rigged(load_async=False) as r:
         req = _lookup(r)
         _alloc(r, req)
         _, _, errors = _step(r, _sched_output(new=[_scheduled(req)]))
         assert errors == set() and _active(r) == 0
-        for name in LAYERS:
-            assert torch.equal(r.caches[name][5:9], r.ref[name][0:4])
+        _assert_loaded(r)
         assert r.w.totals.data["leases"] == 1 and r.w.totals.data["lease_expired"] == 0
-    finally:
-        r.w.shutdown()
-        r.store.close()
 
 
 def test_a_load_in_the_step_that_fails_releases_its_lease():
-    r = _rig(load_async=False)
-    try:
+    with _rigged(load_async=False) as r:
         req = _lookup(r)
         _alloc(r, req)
         r.gets.raise_next = True
         _, _, errors = _step(r, _sched_output(new=[_scheduled(req)]))
         assert errors == {5, 6, 7, 8} and _active(r) == 0
-    finally:
-        r.w.shutdown()
-        r.store.close()
 
 
 @pytest.mark.parametrize("fail", [False, True])
 def test_a_load_between_steps_releases_its_lease_done_or_failed(fail):
-    r = _rig(load_async=True)
-    try:
+    with _rigged(load_async=True) as r:
         req = _lookup(r)
         _alloc(r, req)
         r.gets.raise_next = fail
         errors = _until_reported(r, "r")
         assert errors == ({5, 6, 7, 8} if fail else set())
         assert _active(r) == 0
-    finally:
-        r.w.shutdown()
-        r.store.close()
 
 
 def test_finished_or_aborted_before_its_load_the_scheduler_releases_it(rig):
@@ -225,8 +228,7 @@ def test_a_new_lookup_of_the_request_replaces_its_lease(rig):
 
 def test_a_lease_past_its_deadline_is_counted_and_its_load_fails_honestly():
     # a tier that holds the prefix and little more: a put after the deadline evicts the leased chunks
-    r = _rig(capacity="16KiB", load_async=True, lease_timeout_s=0.05)
-    try:
+    with _rigged(capacity="16KiB", load_async=True, lease_timeout_s=0.05) as r:
         req = _lookup(r)
         _alloc(r, req)
         deadline = time.monotonic() + 10
@@ -240,9 +242,6 @@ def test_a_lease_past_its_deadline_is_counted_and_its_load_fails_honestly():
         assert errors  # the chunks went: a counted failure, recomputed, never wrong bytes
         assert r.w.totals.data["lease_expired"] == 1 and r.w.totals.data["load_errors"] > 0
         assert _active(r) == 0
-    finally:
-        r.w.shutdown()
-        r.store.close()
 
 
 def test_the_workers_shutdown_releases_every_lease(rig):
@@ -261,17 +260,13 @@ def test_the_stores_close_releases_every_lease(rig):
 
 
 def test_leases_off_hold_nothing():
-    r = _rig(lease_timeout_s=0)
-    try:
+    with _rigged(lease_timeout_s=0) as r:
         req = _request("r")
         _store_prefix(r, req)
         assert r.s.get_num_new_matched_tokens(req, 0)[0] == N * BS
         assert _active(r) == 0 and r.store.stats()["total"]["leases"] == 0
         ans = r.w.probe(ProbeRequest([bytes(h) for h in req.block_hashes], 0, None, "r"))
         assert ans.reach == N and ans.leased == 0
-    finally:
-        r.w.shutdown()
-        r.store.close()
 
 
 def test_a_probe_leases_every_layer_of_the_chunks_it_reports(rig):
@@ -297,8 +292,7 @@ def test_a_chunk_evicted_between_the_probes_locate_and_its_lease_ends_the_reach(
     # the prefix is stored in both layers; block 2 of the second layer is evicted after the probe located it and
     # before its lease: the hit ends at block 2, the leases of blocks 2..3 are let go, and the load reads only
     # what the lease holds (no block fails)
-    r = _rig(load_async=False)
-    try:
+    with _rigged(load_async=False) as r:
         req = _request("r")
         _store_prefix(r, req)
         hashes = [bytes(h) for h in req.block_hashes]
@@ -322,9 +316,6 @@ def test_a_chunk_evicted_between_the_probes_locate_and_its_lease_ends_the_reach(
             assert torch.equal(r.caches[name][5], r.ref[name][0])
         t = r.w.totals.data
         assert t["lease_cuts"] == 2 and t["load_errors"] == 0
-    finally:
-        r.w.shutdown()
-        r.store.close()
 
 
 def test_a_chunk_only_a_lease_cannot_pin_but_the_store_still_holds_stays_in_the_reach(rig):
@@ -363,8 +354,7 @@ class _CountingLocates:
 
 @pytest.mark.parametrize("load_async", [False, True])
 def test_a_load_reads_its_probes_plan_and_locates_nothing(load_async):
-    r = _rig(load_async=load_async)
-    try:
+    with _rigged(load_async=load_async) as r:
         req = _lookup(r)
         plan = r.w.leases.plans(["r"])["r"]
         assert plan.chunks == [(b, b) for b in range(N)]
@@ -377,17 +367,12 @@ def test_a_load_reads_its_probes_plan_and_locates_nothing(load_async):
         else:
             _, _, errors = _step(r, _sched_output(new=[_scheduled(req)]))
         assert errors == set() and counting.locates == 0 and _active(r) == 0
-        for name in LAYERS:
-            assert torch.equal(r.caches[name][5:9], r.ref[name][0:4])
-    finally:
-        r.w.shutdown()
-        r.store.close()
+        _assert_loaded(r)
 
 
 def test_a_load_no_plan_fits_locates_its_chunks():
     # the request was looked up again from another block: the plan held is not the load's, which locates once
-    r = _rig(load_async=False)
-    try:
+    with _rigged(load_async=False) as r:
         req = _lookup(r)
         _alloc(r, req)
         hashes = [bytes(h) for h in req.block_hashes]
@@ -396,11 +381,7 @@ def test_a_load_no_plan_fits_locates_its_chunks():
         r.w.store = counting
         _, _, errors = _step(r, _sched_output(new=[_scheduled(req)]))
         assert errors == set() and counting.locates == 1 and _active(r) == 0
-        for name in LAYERS:
-            assert torch.equal(r.caches[name][5:9], r.ref[name][0:4])
-    finally:
-        r.w.shutdown()
-        r.store.close()
+        _assert_loaded(r)
 
 
 # ---- one owner, one release path: every exit, faults injected, ends the lease -----------------------------
@@ -462,13 +443,9 @@ def _exit_shutdown(r, req):
 def test_every_exit_ends_the_lease_through_its_owner(load_async, path, why):
     from tierkv.adapters.vllm.leases import LeaseEnd
 
-    r = _rig(load_async=load_async)
-    try:
+    with _rigged(load_async=load_async) as r:
         req = _lookup(r)
         path(r, req)
         assert _active(r) == 0 and r.w.leases.held() == set()
         assert r.w.leases.ends == {LeaseEnd(why): 1}
         assert r.store.stats()["total"]["leases_released"] == 1  # (released by the worker, once)
-    finally:
-        r.w.shutdown()
-        r.store.close()
