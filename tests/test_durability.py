@@ -11,15 +11,12 @@ from __future__ import annotations
 import errno
 import logging
 import os
-import signal
-import subprocess
-import sys
 import textwrap
 import threading
 
 import pytest
 from fake_media import FakeTier
-from test_persistence import CHUNK, chain, chunk, keys_for, ssd_only
+from test_persistence import CHUNK, chain, chunk, keys_for, run_killed_child, ssd_only
 
 from tierkv import Level, TieredStore
 from tierkv.durability import DropReason, FlushResult
@@ -290,9 +287,7 @@ REMOVE_CHILD = textwrap.dedent("""
 
 @pytest.mark.slow
 def test_put_then_remove_loop_finds_none_back_after_a_kill(tmp_path):
-    code = REMOVE_CHILD.format(testdir=os.path.dirname(__file__), path=str(tmp_path / "ssd"))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    p = run_killed_child(REMOVE_CHILD, tmp_path / "ssd", timeout=300)
     assert "flushed True" in p.stdout
     keys = keys_for(2000, "r")
     with TieredStore.from_config(ssd_only(tmp_path / "ssd", 4096)) as store:

@@ -146,11 +146,18 @@ CHILD = textwrap.dedent("""
 """)
 
 
+
+def run_killed_child(template: str, path, timeout: float) -> subprocess.CompletedProcess:
+    """Run ``template`` (formatted with ``testdir`` and ``path``) in a new interpreter that ends by killing
+    itself with SIGKILL (its last line); returns the finished process, checked to have died that way."""
+    code = template.format(testdir=os.path.dirname(__file__), path=str(path))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    return p
+
 @pytest.mark.slow
 def test_sigkill_keeps_everything_before_the_last_flush(tmp_path):
-    code = CHILD.format(testdir=os.path.dirname(__file__), path=str(tmp_path / "ssd"))
-    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert p.returncode == -signal.SIGKILL, p.stderr[-2000:]
+    p = run_killed_child(CHILD, tmp_path / "ssd", timeout=120)
     assert "flushed" in p.stdout
     keys = keys_for(60)
     with TieredStore.from_config(ssd_only(tmp_path / "ssd")) as store:
