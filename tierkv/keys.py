@@ -163,12 +163,15 @@ def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
     never be present, the caller checks the keys it does not find (cheaper on the
     hot path).
     """
-    if isinstance(keys, (str, bytes)):
-        raise TypeError(f"{what} must be a sequence of keys, not a single "
-                        f"{'string' if isinstance(keys, str) else 'bytes object'} (wrap it in a list)")
-    if not isinstance(keys, Sequence):
-        raise TypeError(f"{what} must be an ordered sequence (list or tuple) of strings, got {type(keys).__name__}"
-                        + (": a set has no order to pair results with" if isinstance(keys, (set, frozenset)) else ""))
+    if type(keys) is not list:  # (a list, the common case, is an ordered sequence and no single key)
+        if isinstance(keys, (str, bytes)):
+            raise TypeError(f"{what} must be a sequence of keys, not a single "
+                            f"{'string' if isinstance(keys, str) else 'bytes object'} (wrap it in a list)")
+        if not isinstance(keys, Sequence):
+            raise TypeError(f"{what} must be an ordered sequence (list or tuple) of strings, "
+                            f"got {type(keys).__name__}"
+                            + (": a set has no order to pair results with" if isinstance(keys, (set, frozenset))
+                               else ""))
     keys = list(keys)
     if each and keys:
         # C passes for the common case (ASCII, or short, strings without '/' or NUL); the exact check otherwise

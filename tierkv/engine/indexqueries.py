@@ -13,7 +13,13 @@ case, with a per-key path that means the same.  Every call is made under the sto
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
+from functools import reduce
+from itertools import repeat
+from operator import gt as _gt
+from operator import length_hint as _length_hint
 from operator import neg as _neg
+from operator import or_ as _or
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Optional, Union
 
@@ -28,6 +34,37 @@ _NB_MASK = NB_FIELD
 _CANON_LIMIT = 4096
 _INT = {int}
 _STR = {str}
+_ZERO = repeat(0)  # (an endless argument column of zeros: ``map`` stops at its shortest argument)
+
+#: each question's fast path, on (True) or off: the per-key path then answers alone.  ``leading``:
+#: ``leading_ready`` and ``ready_flags`` (the lookup's probes) in C loops that stop at the first miss
+#: (``tests/test_lookup_fast.py`` asks random key lists both ways and compares the answers)
+FAST: dict[str, bool] = {"leading": True}
+
+
+def leading_in_any(indexes: Sequence[IndexQueries], keys: list[str]) -> int:
+    """How many leading keys of ``keys`` are READY in at least one of ``indexes`` (the managed levels of a
+    chain, asked from the first key the top one lacks); a ``TypeError`` for an unhashable key met on the way.
+
+    The fast path (``FAST["leading"]``) asks every index at once, key by key in C loops (each index's
+    ``ready_flags`` over its own iterator of ``keys``, joined with ``or``), and stops at the first key
+    none holds; the per-key path below means the same.
+    """
+    if FAST["leading"] and indexes:
+        its = [iter(keys) for _ in indexes]
+        held = reduce(lambda a, b: map(_or, a, b), [ix.ready_flags(it) for ix, it in zip(indexes, its)])
+        try:
+            if all(held):
+                return len(keys)
+            return len(keys) - _length_hint(its[0]) - 1  # (every iterator took as many keys: the first miss too)
+        except TypeError:  # a doomed chunk (or an unhashable key: the path below raises it)
+            pass
+    n = 0
+    for key in keys:
+        if not any(ix.holds(key) for ix in indexes):
+            break
+        n += 1
+    return n
 
 
 class Entry:
@@ -224,7 +261,19 @@ class IndexQueries:
             return False
 
     def leading_ready(self, keys: list[str]) -> int:
-        """How many leading keys are READY here."""
+        """How many leading keys are READY here (a ``TypeError`` for an unhashable key met on the way).
+
+        The fast path (``FAST["leading"]``, a list of keys) walks the keys in one C loop that stops at the
+        first key not READY: the position comes from what is left of the list's iterator.
+        """
+        if FAST["leading"] and type(keys) is list:
+            it = iter(keys)
+            try:
+                if all(self.ready_flags(it)):
+                    return len(keys)
+                return len(keys) - _length_hint(it) - 1  # (``all`` took the first key not READY, too)
+            except TypeError:  # a doomed chunk (or an unhashable key: the path below raises it)
+                pass
         if self.all_ready(keys):
             return len(keys)
         n = 0
@@ -233,6 +282,19 @@ class IndexQueries:
                 break
             n += 1
         return n
+
+    def ready_flags(self, keys: Iterator[str]) -> Iterator[bool]:
+        """Lazily, whether each key of ``keys`` is READY here, in C loops; taking a flag takes its key.
+
+        Taking a flag raises a ``TypeError`` for an unhashable key, and for a key whose chunk is doomed (an
+        ``Entry``, neither READY nor an int): the caller then asks key by key (``holds``).  With every slot
+        READY (no write in flight, no doomed chunk) a key's presence is its readiness, and its value is not
+        read: at a million chunks each value is an int object of its own, a cache miss apiece.
+        """
+        slots = self._slots
+        if self.ready_count == len(slots):
+            return map(slots.__contains__, keys)
+        return map(_gt, map(slots.get, keys, _ZERO), _ZERO)  # (absent: 0; RESERVED < 0; doomed: TypeError)
 
     def ready_sizes(self, keys: list[str]) -> list[int]:
         """nbytes of each key READY here, -1 for any other."""

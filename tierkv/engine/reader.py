@@ -23,6 +23,7 @@ from typing import Optional
 from tierkv.buffers import Parts, check_size
 from tierkv.engine.chain import Chain
 from tierkv.engine.copier import Copier
+from tierkv.engine.indexqueries import leading_in_any
 from tierkv.engine.leases import LeaseBook
 from tierkv.engine.tierio import TierIO
 from tierkv.errors import StoreClosedError
@@ -308,12 +309,8 @@ class Reader:
         n = top.leading_ready(keys)  # (every key READY in the first managed level: probed in C)
         if n == len(keys) or len(managed) == 1:
             return n
-        others = [self.levels[j] for j in managed[1:]]
-        for key in keys[n:]:  # from the first key the top one lacks: the others asked too
-            if not (top.holds(key) or any(lvl.holds(key) for lvl in others)):
-                break
-            n += 1
-        return n
+        # from the first key the top one lacks, every managed level asked (the top one too)
+        return n + leading_in_any([self.levels[j].index for j in managed], keys[n:])
 
     def locate(self, keys: list[str]) -> list[Optional[str]]:
         """Name of the fastest tier holding each key (None where none does)."""
