@@ -11,4 +11,4 @@ class MRUPolicy(LRUPolicy):
     follows_level_order = False  # (it reads its own ``_od``)
 
     def victims(self, nbytes, protected):
-        return _take(reversed(self._od), self._od, nbytes, protected)
+        return _take(((k, self._od[k]) for k in reversed(self._od)), nbytes, protected)
