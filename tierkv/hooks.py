@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Container, Sequence
 from typing import Any, Optional
 
-from tierkv.errors import PolicyError
+from tierkv.errors import PolicyError, call_policy_hook
 from tierkv.outcome import Admission
 from tierkv.policies import AdmissionPolicy, EvictionPolicy, PromotionPolicy
 
@@ -57,14 +57,20 @@ class Checked:
         self.pname = type(policy).__name__
 
     def _call(self, hook: str, fn: Callable[..., Any], *args: Any) -> Any:
-        """``fn(*args)``, a hook of the policy; any exception becomes a ``PolicyError`` naming it."""
-        try:
-            return fn(*args)
-        except PolicyError:
-            raise
-        except Exception as e:
-            raise PolicyError(f"{self.pname}.{hook} raised for tier {self.tier!r}: "
-                              f"{type(e).__name__}: {str(e)[:200]}") from e
+        """``fn(*args)``, a hook of the policy; any exception becomes a ``PolicyError`` naming it
+        (``tierkv.errors.call_policy_hook``, the one place a user's hook is called)."""
+        return call_policy_hook(self.policy, hook, self.tier, fn, *args)
+
+    def _each(self, batched: bool, many: str, one: str, keys: list[str], *cols: Sequence[Any]) -> None:
+        """The hook ``many(keys, *cols)`` when the policy has its batch form (``batch_hook``), else ``one`` key by
+        key, with each key's item of every column."""
+        p = self.policy
+        if batched:
+            self._call(many, getattr(p, many), keys, *cols)
+        else:
+            fn = getattr(p, one)
+            for row in zip(keys, *cols):
+                self._call(one, fn, *row)
 
 
 class CheckedEviction(Checked):
@@ -80,12 +86,7 @@ class CheckedEviction(Checked):
 
     def inserted(self, keys: list[str], sizes: Sequence[int]) -> None:
         """These keys became READY, with these footprints."""
-        p = self.policy
-        if self._insert_many:
-            self._call("on_insert_many", p.on_insert_many, keys, sizes)
-        else:
-            for key, fp in zip(keys, sizes):
-                self._call("on_insert", p.on_insert, key, fp)
+        self._each(self._insert_many, "on_insert_many", "on_insert", keys, sizes)
 
     def adopted(self, keys: list[str], sizes: Sequence[int]) -> None:
         """These keys, recovered by a persistent medium, became READY (oldest first)."""
@@ -97,21 +98,11 @@ class CheckedEviction(Checked):
 
     def accessed(self, keys: list[str]) -> None:
         """These READY keys were read."""
-        p = self.policy
-        if self._access_many:
-            self._call("on_access_many", p.on_access_many, keys)
-        else:
-            for key in keys:
-                self._call("on_access", p.on_access, key)
+        self._each(self._access_many, "on_access_many", "on_access", keys)
 
     def removed(self, keys: list[str]) -> None:
         """These keys left the tier."""
-        p = self.policy
-        if self._remove_many:
-            self._call("on_remove_many", p.on_remove_many, keys)
-        else:
-            for key in keys:
-                self._call("on_remove", p.on_remove, key)
+        self._each(self._remove_many, "on_remove_many", "on_remove", keys)
 
     def report(self) -> dict[str, Any]:
         """The policy's ``memory_bytes()`` and ``counters()`` (a policy that is no ``EvictionPolicy`` subclass and

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 
+# (each counter class below is a plain dataclass of int fields, its own: the classes, and the tool's own
+# results such as ``tierkv.tools.sim.replay.SimResult``, are alike in shape only; there is no code to share)
 @dataclass
 class TierCounters:
     hits: int = 0

@@ -59,6 +59,8 @@ class Reader:
         self.chain = chain
         #: the live leases (the store's): a copy dropped as unreadable is let go by the lease holding it
         self.leases = leases
+        # (every part binds the chain's levels and lock as names of its own, read on its hot path without a
+        # hop: the ``Writer``'s first lines are alike in shape, and there is nothing more to share)
         self.levels = chain.levels
         self._lock = chain.lock
         self.io = io

@@ -81,6 +81,7 @@ class Writer:
         self.chain = chain
         #: the miss memory (the store's): the chunks no tier took, and why
         self.departures = departures
+        # (the chain's levels and lock bound as this part's own names, as the ``Reader`` does: alike in shape)
         self.levels = chain.levels
         self._lock = chain.lock
         self.io = io

@@ -464,31 +464,27 @@ def run_suites(suites, sizes_mib, rounds: int, root: str, batch: int = BATCH, lo
     results: dict[str, Any] = {}
     tick = progress or (lambda n: None)
     sizes = [max(1, int(s * 2**20)) for s in sizes_mib]
+
+    def per_size(suite: str, bench: Callable[[int], list[dict]]) -> None:
+        """Run ``bench(chunk_bytes)`` for each size, its rows gathered under ``suite``."""
+        results[suite] = []
+        for c in sizes:
+            results[suite] += bench(c)
+            tick(1)
+
     for medium in ("dram", "hbm"):
         if medium in suites:
-            results[medium] = []
-            for c in sizes:
-                results[medium] += bench_memory(medium, c, rounds, batch)
-                tick(1)
+            per_size(medium, functools.partial(bench_memory, medium, rounds=rounds, batch=batch))
     if "ssd" in suites:
-        results["ssd"] = []
-        for c in sizes:
-            results["ssd"] += bench_ssd(c, rounds, root, batch=batch)[0]
-            tick(1)
+        per_size("ssd", lambda c: bench_ssd(c, rounds, root, batch=batch)[0])
     if "dram_pool" in suites:
         if not master:
             raise ConfigError("the dram_pool suite needs --master HOST:PORT")
-        results["dram_pool"] = []
-        for c in sizes:
-            results["dram_pool"] += bench_dram_pool(master, metadata, c, rounds, batch)
-            tick(1)
+        per_size("dram_pool", lambda c: bench_dram_pool(master, metadata, c, rounds, batch))
     if "config" in suites:
         if config is None:
             raise ConfigError("the config suite needs --config FILE")
-        results["config"] = []
-        for c in sizes:
-            results["config"] += bench_config(config, c, rounds, root, batch)
-            tick(1)
+        per_size("config", lambda c: bench_config(config, c, rounds, root, batch))
     if "lookup" in suites:
         results["lookup"] = bench_lookup(lookup_keys, rounds)
         tick(1)
@@ -542,15 +538,26 @@ def bandwidths(results: dict) -> dict[str, float]:
     return out
 
 
-def read_bandwidths(path: str) -> dict[str, float]:
-    """Bandwidth per medium (bytes/s) from a ``tierkv bench --json`` document; a run that failed is refused."""
+def read_bench_json(path: str, option: str, field: str, kind: type, lacks: str,
+                    error: type[Exception] = ConfigError) -> dict[str, Any]:
+    """The ``tierkv bench --json`` document at ``path`` (given as ``option``), whose ``field`` must be a ``kind``.
+
+    A file that cannot be read, or that is no such document (``lacks`` says what is missing), raises ``error``
+    naming the option and the path.  The one reader of those documents (``--bench-json``: ``read_bandwidths``;
+    ``tierkv bench --compare``: ``load_old``); each then checks its own field's contents."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"--bench-json {path}: cannot read: {e}") from e
-    if not isinstance(data, dict) or not isinstance(data.get("bandwidth_Bps"), dict):
-        raise ConfigError(f"--bench-json {path}: not a 'tierkv bench --json' document (no bandwidth_Bps)")
+        raise error(f"{option} {path}: cannot read: {e}") from e
+    if not isinstance(data, dict) or not isinstance(data.get(field), kind):
+        raise error(f"{option} {path}: not a 'tierkv bench --json' document ({lacks})")
+    return data
+
+
+def read_bandwidths(path: str) -> dict[str, float]:
+    """Bandwidth per medium (bytes/s) from a ``tierkv bench --json`` document; a run that failed is refused."""
+    data = read_bench_json(path, "--bench-json", "bandwidth_Bps", dict, "no bandwidth_Bps")
     if data.get("failures"):
         raise ConfigError(f"--bench-json {path}: that run failed ({data['failures'][0]}); its figures are not "
                           "measurements")

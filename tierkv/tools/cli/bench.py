@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -68,13 +67,9 @@ def _number(v: Any) -> bool:
 
 def load_old(path: str) -> dict[str, dict]:
     """The rows of an earlier ``tierkv bench --json`` document, by bench name; anything malformed is an error."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            old = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CommandError(f"--compare {path}: cannot read: {e}") from e
-    if not isinstance(old, dict) or not isinstance(old.get("rows"), list):
-        raise CommandError(f"--compare {path}: not a 'tierkv bench --json' document (no list of rows)")
+    from tierkv.tools.benchmarks import read_bench_json
+
+    old = read_bench_json(path, "--compare", "rows", list, "no list of rows", CommandError)
     out = {}
     for i, r in enumerate(old["rows"]):
         if not isinstance(r, dict) or not isinstance(r.get("bench"), str):

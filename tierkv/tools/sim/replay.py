@@ -116,7 +116,7 @@ def null_store(config: Any, capacities: Optional[dict[str, int]] = None,
 
 
 @dataclass
-class SimResult:
+class SimResult:  # (a dataclass of figures, alike in shape only to ``tierkv.stats``' counters)
     requests: int = 0
     blocks: int = 0
     prompt_tokens: int = 0
