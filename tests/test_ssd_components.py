@@ -16,7 +16,6 @@ from tierkv.tiers.ssd import SSDTier
 from tierkv.tiers.ssd import region as R
 from tierkv.tiers.ssd.checkpointer import Checkpointer
 from tierkv.tiers.ssd.counters import SSDCounters
-from tierkv.tiers.ssd.deadlog import DeadLog
 from tierkv.tiers.ssd.health import Health
 from tierkv.tiers.ssd.reclaim import Reclaimer
 from tierkv.tiers.ssd.recordreader import RecordReader
@@ -33,16 +32,18 @@ SSD = ROOT / "tiers" / "ssd"
 def build(path: pathlib.Path, capacity: int = 8 * MiB) -> tuple:
     """The engine's components over a new directory, wired as ``SSDTier`` wires them (no open: nothing there)."""
     st = EngineState("ssd", "tier 'ssd' (ssd)", str(path), capacity, MiB, None, "xxh3", "flush")
-    st.ensure_dirs()
-    st.dead = DeadLog(st.path)
-    health = Health(st.what, st.path, st.counters, st.lock)
-    io = RegionIO(st, health)
-    checkpointer = Checkpointer(st, health, io)
+    cfg = st.config
+    cfg.ensure_dirs()
+    st.catalogue.open_dead()
+    owners = (cfg, st.table, st.catalogue, st.locks, st.counters)
+    health = Health(cfg.what, cfg.path, st.counters, st.locks.lock)
+    io = RegionIO(cfg, st.table, health)
+    checkpointer = Checkpointer(*owners, health, io)
     checkpointer.note_dir()
-    reclaimer = Reclaimer(st, health, io)
-    changer = RegionChanger(st, health, io, reclaimer, checkpointer)
-    return (st, io, checkpointer, reclaimer, changer, SegmentWriter(st, health, io, changer, checkpointer),
-            RecordReader(st, health, 2))
+    reclaimer = Reclaimer(*owners, health, io)
+    changer = RegionChanger(*owners, health, io, reclaimer, checkpointer)
+    return (st, io, checkpointer, reclaimer, changer, SegmentWriter(*owners, health, io, changer, checkpointer),
+            RecordReader(*owners, health, 2))
 
 
 def test_a_writer_and_a_reader_built_alone_round_trip_and_a_tier_reopens_what_they_wrote(tmp_path):
@@ -56,7 +57,7 @@ def test_a_writer_and_a_reader_built_alone_round_trip_and_a_tier_reopens_what_th
     outs = [[torch.empty(sum(p.numel() for p in v), dtype=torch.uint8)] for v in vals]
     assert reader.read(keys, outs) == [True] * 40
     assert all(torch.equal(o[0], torch.cat(v)) for o, v in zip(outs, vals))
-    assert len(st.index) == 40 and st.live_total > 0 and st.counters.io_errors == 0
+    assert len(st.catalogue.index) == 40 and st.table.live_total > 0 and st.counters.io_errors == 0
     checkpointer.checkpoint()  # (flush and a checkpoint: what a reopen reads)
     reader.shutdown()
     io.shutdown()
@@ -76,14 +77,15 @@ def test_the_reclaimer_picks_the_emptiest_sealed_region_and_the_oldest_among_equ
         r = R.Region(idx, str(tmp_path / f"r{idx}"))
         r.state, r.live_bytes, r.seq = state, live, seq
         regions[idx] = r
-    st.regions = regions
+    for r in regions.values():
+        st.table.add(r)
     assert reclaimer.pick_victim() is regions[2]  # 300 live bytes, seq 4 older than seq 7
     regions[2].foreign = True  # (a file not ours is never reclaimed)
     assert reclaimer.pick_victim() is regions[1]
     # moving a victim must leave room for the largest object (``max_slot``)
     assert reclaimer.worth_reclaiming(regions[1])
     full = R.Region(99, str(tmp_path / "full"))
-    full.live_bytes = st.usable - st.max_slot + 1
+    full.live_bytes = st.config.usable - st.config.max_slot + 1
     assert not reclaimer.worth_reclaiming(full)
 
 

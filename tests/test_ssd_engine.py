@@ -611,16 +611,16 @@ def test_a_reopen_takes_the_checkpointed_index_when_every_object_is_current(tmp_
     real = DigestIndex.bulk_load
     monkeypatch.setattr(DigestIndex, "bulk_load", lambda self, *a: (built.append(len(a[0])), real(self, *a))[1])
     t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
-    assert built == [] and len(t._state.index) == 300 and t.extra_stats()["recovered_from"] == "checkpoint"
+    assert built == [] and len(t._state.catalogue.index) == 300 and t.extra_stats()["recovered_from"] == "checkpoint"
     assert sorted(k for k, _ in t.recover()) == sorted(keys)
     ok, outs = read_all(t, keys, [1000 + i for i in range(300)])
     assert all(ok) and all(torch.equal(o, blob(i, 1000 + i)) for i, o in enumerate(outs))
     assert t.contains([key(1000)]) == [False]
     t.delete(keys[:10])  # named in the dead log; the checkpoint is rewritten only by a flush or close
-    t._state.dead.write(True)
+    t._state.catalogue.dead.write(True)
     t._health.lock_file.release()  # (as a killed process would leave it)
     t2 = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
-    assert built == [290] and len(t2._state.index) == 290
+    assert built == [290] and len(t2._state.catalogue.index) == 290
     assert sorted(k for k, _ in t2.recover()) == sorted(keys[10:])
     assert t2.contains(keys[:12]) == [False] * 10 + [True] * 2
     t2.close()

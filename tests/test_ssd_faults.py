@@ -539,7 +539,7 @@ def test_a_checkpoint_never_names_a_region_whose_new_header_is_not_in_its_file(t
     seen = []
 
     def check(dirpath, bufs, fsync):
-        r = t._state.active
+        r = t._state.table.active
         if r is not None:
             h, _ = R.read_header(r.fd, t.direct_io)
             seen.append((r.seq, h.seq if h is not None else None))
@@ -566,7 +566,7 @@ def test_a_crash_before_a_reused_regions_first_write_out_loses_nothing_flushed(t
     snaps = []
 
     def begin(self, idx):
-        regions = self._state.regions
+        regions = self._table.regions
         reused = idx in regions and regions[idx].fd >= 0
         r = real(self, idx)
         if reused and r.written == 0 and len(snaps) < 4:

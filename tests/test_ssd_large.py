@@ -301,12 +301,12 @@ CHILD = textwrap.dedent("""
         real_commit(self, seg, out)
         commits[0] += 1
         if commits[0] == 3 and where == "pieces":
-            r = self._state.active
+            r = self._table.active
             self._io.write_out(r, -(-r.pos // 4096) * 4096, r.pos)
             stop("mid-pieces")
     def put_one(self, key, parts, large_total=0):
         if large_total and where == "manifest":
-            r = self._state.active
+            r = self._table.active
             self._io.write_out(r, -(-r.pos // 4096) * 4096, r.pos)
             stop("before-manifest")
         return real_put_one(self, key, parts, large_total)

@@ -102,7 +102,7 @@ def test_a_copy_taken_right_after_a_reclamation_reopens_accepting_writes(tmp_pat
         found = [k for k, _ in u.recover()]
         assert all(read_exact(u, found, _fill))
         _accepts_writes(u, "new")
-        assert u.extra_stats()["regions_free"] + (u._state.active is not None) >= 1
+        assert u.extra_stats()["regions_free"] + (u._state.table.active is not None) >= 1
         u.close()
         assert disk_bytes(os.path.join(path, "regions")) <= region_bound(u)
 
@@ -161,8 +161,8 @@ def test_a_damaged_newest_region_never_costs_the_objects_written_after_it(tmp_pa
     t = SSDTier("ssd", 16 * MiB, live_dir, region_size="1MiB")
     for i in range(80):  # several regions; the newest holds some objects, and removals name them
         t.write([f"k{i}"], [[val(i)]])
-    newest = t._state.active
-    in_newest = [f"k{i}" for i in range(80) if t._state.index.get(key_digest(f"k{i}".encode()))[0] == newest.index]
+    newest = t._state.table.active
+    in_newest = [f"k{i}" for i in range(80) if t._state.catalogue.index.get(key_digest(f"k{i}".encode()))[0] == newest.index]
     assert len(in_newest) >= 10
     t.delete(in_newest[:len(in_newest) // 2])
     t.flush()
@@ -194,7 +194,7 @@ def test_an_object_in_a_region_whose_summary_was_cut_survives_the_next_checkpoin
     d = str(tmp_path / "s")
     t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
     t.write([key(i) for i in range(80)], [[blob(i, 40000)] for i in range(80)])
-    first = t._state.regions[0].path
+    first = t._state.table.regions[0].path
     t.close()
     size = os.path.getsize(first)
     with open(first, "r+b") as f:  # the summary's tail and footer cut (zeroed)
@@ -314,8 +314,8 @@ def test_a_region_cut_to_its_header_costs_its_objects_and_nothing_else(tmp_path,
     t = SSDTier("ssd", 16 * MiB, d, region_size="1MiB")
     names = [f"k{i}" for i in range(150)]  # several regions
     assert t.write(names, [[val(i)] for i in range(150)]) == [True] * 150
-    newest = t._state.active
-    in_newest = {k for k in names if t._state.index.get(key_digest(k.encode()))[0] == newest.index}
+    newest = t._state.table.active
+    in_newest = {k for k in names if t._state.catalogue.index.get(key_digest(k.encode()))[0] == newest.index}
     assert 0 < len(in_newest) < len(names)
     t.close()
     victim = os.path.join(d, "regions", os.path.basename(newest.path))

@@ -1,14 +1,14 @@
 """``Checkpointer``: the SSD engine's durability — flush, checkpoints, and files removed behind the tier.
 
-``flush()`` makes every acknowledged write and removal durable: the active image's tail,
-the dead log, an fsync of each file written since.  A reopen finds them without a
-checkpoint (it reads the summaries of the regions sealed since the last checkpoint and
-scans the active region's records), so a flush writes a checkpoint only when one is due:
-when as many regions were sealed since the last as make a writer take one on its own, or
-the dead log wants compacting.  A flush therefore costs what was written since the last,
-never O(objects); close always checkpoints.  ``check_removed`` (called by the writer after
-each batch, by ``RegionChanger`` before a seal and by every flush) finds files removed behind the
-tier and rebuilds what it owes.  Uses the shared state and ``RegionIO``, reports errors to
+``flush()`` makes every acknowledged write and removal durable: the active image's tail, the dead log, an
+fsync of each file written since.  A reopen finds them without a checkpoint (it reads the summaries of
+the regions sealed since the last checkpoint and scans the active region's records), so a flush writes a
+checkpoint only when one is due: when as many regions were sealed since the last as make a writer take
+one on its own, or the dead log wants compacting.  A flush therefore costs what was written since the
+last, never O(objects); close always checkpoints.  ``check_removed`` (called by the writer after each
+batch, by ``RegionChanger`` before a seal and by every flush) finds files removed behind the tier and
+rebuilds what it owes.  Uses the owners ``SSDTier`` hands it (``EngineConfig``, ``RegionTable``,
+``Catalogue``, ``EngineLocks``, ``SSDCounters``: ``state.py``) and ``RegionIO``, reports errors to
 ``Health``; calls no other component.
 
 Owns the checkpoint's bookkeeping: what the last checkpoint covers (``covered``), the regions sealed
@@ -35,9 +35,13 @@ from . import checkpoint as C
 from . import format as F
 from . import region as R
 from . import reopen
+from .catalogue import Catalogue
+from .counters import SSDCounters
+from .engineconfig import EngineConfig
 from .health import Health
 from .regionio import RegionIO
-from .state import EngineState
+from .regiontable import RegionTable
+from .state import EngineLocks
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +49,9 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     """Flush, checkpoints and files removed behind the tier (see the module docstring)."""
 
-    def __init__(self, state: EngineState, health: Health, io: RegionIO) -> None:
-        self._state = state
+    def __init__(self, cfg: EngineConfig, table: RegionTable, cat: Catalogue, locks: EngineLocks, counters: SSDCounters,
+                 health: Health, io: RegionIO) -> None:
+        self._cfg, self._table, self._cat, self._locks, self._counters = cfg, table, cat, locks, counters
         self._health = health
         self._io = io
         self.covered = 0  # the last checkpoint covers regions of seq below this (read by the open)
@@ -60,16 +65,15 @@ class Checkpointer:
         """``SSDTier.flush``: ``flush_locked``, with a checkpoint only when one is due (``due``).  Raises
         ``TierFlushError`` naming what failed, with the objects written since the last good flush, when
         anything it owes could not be made durable (counted and logged as well)."""
-        st = self._state
-        with st.wlock:
+        with self._locks.wlock:
             failed = self.flush_locked(checkpoint=self.due())
             n, self._unsynced = self._unsynced, 0  # (each is reported by one flush: the next starts afresh)
         if failed:
-            raise TierFlushError(f"{st.what}: not durable: {'; '.join(failed)}"[:300], n)
+            raise TierFlushError(f"{self._cfg.what}: not durable: {'; '.join(failed)}"[:300], n)
 
     def checkpoint(self) -> None:
         """``SSDTier.checkpoint``: ``flush_locked`` with a checkpoint if the index changed since the last."""
-        with self._state.wlock:
+        with self._locks.wlock:
             self.flush_locked(checkpoint=True)
 
     # -- what the writer and the changer report ----------------------------------------------------
@@ -100,12 +104,11 @@ class Checkpointer:
 
     def every(self) -> int:
         """Regions sealed after which a writer checkpoints on its own (reopen reads at most these summaries)."""
-        return max(8, len(self._state.regions) // 2)
+        return max(8, len(self._table.regions) // 2)
 
     def due(self) -> bool:
-        st = self._state
-        return st.changed and (self._sealed_since >= self.every()
-                               or st.dead.size() > max(1 << 16, 4 * st.dead.compacted))
+        return self._cat.changed and (self._sealed_since >= self.every()
+                               or self._cat.dead.size() > max(1 << 16, 4 * self._cat.dead.compacted))
 
     def flush_locked(self, checkpoint: bool) -> list[str]:
         """Everything acknowledged to the file and, with ``fsync`` other than ``"never"``, the disk; then a
@@ -114,16 +117,15 @@ class Checkpointer:
         tier are found first (``check_removed``): what was acknowledged is in files under the directory.
         Returns what could not be made durable (each also counted and logged); empty when all was.  A file
         whose fsync failed is synced again by the next flush."""
-        st = self._state
         if self.lock_lost():
             return [cast(str, self._health.refusal())]
         failed: list[str] = []
         self.check_removed(dirty=True)
-        r = st.active
+        r = self._table.active
         if r is not None and not self._io.write_out(r, F.align_up(r.pos), r.pos):
             failed.append(f"writing {r.path}")
         self._io.wait_seals()  # (a summary that failed is no loss: its region is scanned at the next open)
-        if st.fsync != "never":  # the regions first: an entry of the dead log may name a record whose new
+        if self._cfg.fsync != "never":  # the regions first: an entry of the dead log may name a record whose new
             for fd in self._io.dirty():  # copy (reclamation) is among what these write out
                 try:
                     os.fdatasync(fd)  # (the files keep their size: data and allocation are what matter)
@@ -132,15 +134,15 @@ class Checkpointer:
                     self._health.io_error(e, "fsync")
                     failed.append(f"fsync of a region file: {e.strerror or e}")
         try:
-            st.dead.write(st.fsync != "never")
+            self._cat.dead.write(self._cfg.fsync != "never")
         except OSError as e:
             self._health.io_error(e, "writing the dead log")
             failed.append(f"writing the dead log: {e.strerror or e}")
-        if checkpoint and st.changed:
+        if checkpoint and self._cat.changed:
             self.write()
-        elif self._ckpt_unsynced and st.fsync != "never":
+        elif self._ckpt_unsynced and self._cfg.fsync != "never":
             try:
-                C.sync(st.path)
+                C.sync(self._cfg.path)
                 self._ckpt_unsynced = False
             except FileNotFoundError:  # (removed behind the tier: the next checkpoint writes it again)
                 self._ckpt_unsynced = False
@@ -163,8 +165,8 @@ class Checkpointer:
         were removed and made again; another time, that a file in ``regions`` may have been removed.  Raises
         ``OSError`` when that cannot be told (a permission error: a fault, not a removal)."""
         try:
-            st = os.stat(os.path.join(self._state.path, "regions"))
-            return os.stat(self._state.path).st_ino, st.st_ino, st.st_mtime_ns
+            st = os.stat(os.path.join(self._cfg.path, "regions"))
+            return os.stat(self._cfg.path).st_ino, st.st_ino, st.st_mtime_ns
         except (FileNotFoundError, NotADirectoryError):
             return 0, 0, 0
 
@@ -186,13 +188,12 @@ class Checkpointer:
         (``_after_removal``); True if there were.  Cheap: the active region's file; with ``dirty`` also every
         file written since the last flush and the directories' identity, and every file only when
         ``regions`` changed since the last look.  Caller holds ``_wlock``."""
-        st = self._state
         if self._rebuilding:
             return False
         try:
             found = self._removed(dirty)
         except OSError as e:  # (it cannot be told now: a passing fault, probed until it passes)
-            self._health.failed(f"cannot reach {e.filename or st.path}: {e.strerror or e}")
+            self._health.failed(f"cannot reach {e.filename or self._cfg.path}: {e.strerror or e}")
             return False
         if found and not self.lock_lost():
             self._after_removal()
@@ -201,8 +202,7 @@ class Checkpointer:
     def _removed(self, dirty: bool) -> bool:
         """Whether files were removed behind the tier (``check_removed``); raises ``OSError`` when that
         cannot be told."""
-        st = self._state
-        r = st.active
+        r = self._table.active
         found = r is not None and self._gone(r, deep=dirty)
         if not found and dirty:
             found = any(os.fstat(fd).st_nlink == 0 for fd in self._io.dirty())
@@ -210,7 +210,7 @@ class Checkpointer:
             if not found and now != self._dir_id:
                 # (a region file made or removed changes ``regions``: one look at every file, rarely)
                 found = now[:2] != self._dir_id[:2] or any(
-                    self._gone(r, deep=False) for r in st.regions.values() if not r.foreign)
+                    self._gone(r, deep=False) for r in self._table.regions.values() if not r.foreign)
                 if not found:
                     self._dir_id = now
         return found
@@ -223,11 +223,10 @@ class Checkpointer:
         dead log's entries for the recreated regions are written again, and a checkpoint is taken, so that
         a reopen finds exactly what the index holds.  Counted (``dir_removed``) and logged.  Caller holds
         ``_wlock``."""
-        st = self._state
         if self._health.lock_file is not None and not self._health.lock_file.retake():
             return  # (another process holds the directory now: ``lock_lost``)
-        with st.lock:
-            st.counters.dir_removed += 1
+        with self._locks.lock:
+            self._counters.dir_removed += 1
         self._rebuilding = True
         try:
             self._rebuild()
@@ -235,93 +234,87 @@ class Checkpointer:
             self._rebuilding = False
 
     def _rebuild(self) -> None:
-        st = self._state
         try:
-            st.ensure_dirs()
+            self._cfg.ensure_dirs()
         except OSError as e:
-            self._health.io_error(e, f"recreating {st.path}")
+            self._health.io_error(e, f"recreating {self._cfg.path}")
             return
         self._io.wait_seals()
         dirty = set(self._io.dirty())
         recreated: list = []
         gone: list = []  # (digests, raw lengths) of the objects lost with the removed files
-        for r in list(st.regions.values()):
+        for r in list(self._table.regions.values()):
             if r.foreign or not self._gone(r):
                 continue
-            if r is st.active or r.fd in dirty:
+            if r is self._table.active or r.fd in dirty:
                 try:
                     self._revive(r)
                     recreated.append(r)
                     continue
                 except OSError as e:  # (its objects go as the others' do: acknowledged, they are reported)
                     self._health.io_error(e, f"recreating {r.path}")
-            with st.lock:
-                slots = st.index.in_region(r.index)
+            with self._locks.lock:
+                slots = self._cat.index.in_region(r.index)
                 if len(slots):
-                    gone.append((st.index.digest[slots].copy(), st.index.raw_len[slots].copy()))
-                    st.index.digest[slots] = F.TOMB
-                    st.index.count -= len(slots)
-                st.live_total -= r.live_bytes
-                r.live_bytes = r.live_count = 0
-                if r is st.active:  # (no more writes into the removed file: the next begins a new region)
+                    gone.append(self._cat.index.drop_slots(slots))
+                self._table.emptied(r)
+                if r is self._table.active:  # (no more writes into the removed file: the next begins a new region)
                     self._io.give_back(r.buf)
                     r.buf = None
                     r.entries = r.keys = None
                     r.direct = set()
-                    st.active = None
+                    self._table.deactivate()
                 r.state = R.FREE
             self._io.close_region_fd(r)  # (reused later as a new file)
-        with st.lock:  # (counted as chunks stored: a large object once, whatever became of its pieces)
-            lost = st.lose(np.concatenate([g[0] for g in gone]), np.concatenate([g[1] for g in gone])) if gone else 0
+        with self._locks.lock:  # (counted as chunks stored: a large object once, whatever became of its pieces)
+            lost = self._cat.lose(np.concatenate([g[0] for g in gone]), np.concatenate([g[1] for g in gone])) if gone else 0
         for r in recreated:  # records that died before the removal are named again
             self._name_dead(r)
-        st.counters.objects_lost += lost
-        st.dead.reserve()
-        st.dead.mark(st.next_seq - 1)  # (the removed log's mark of the seqs handed out)
+        self._counters.objects_lost += lost
+        self._cat.dead.reserve()
+        self._cat.dead.mark(self._table.next_seq - 1)  # (the removed log's mark of the seqs handed out)
         self._dir_id = self._dir_ids()
-        st.changed = True
+        self._cat.mark_changed()
         self.flush_locked(checkpoint=True)
         log.warning("%s: %s was removed behind the tier (files in it or all of it): directory and lock made "
                     "again, %d region files recreated from the removed ones, %d objects lost with the others",
-                    st.what, st.path, len(recreated), lost)
+                    self._cfg.what, self._cfg.path, len(recreated), lost)
 
     def _name_dead(self, r: R.Region) -> None:
         """Name in the dead log every record of a region that is not a live object (its old entries went with
         the removed dead log)."""
-        st = self._state
-        if r is st.active:
+        if r is self._table.active:
             ent = np.frombuffer(bytes(cast(bytearray, r.entries)), dtype=F.ENTRY_DTYPE)
         else:
-            got = R.read_summary(r.fd, st.region_size, r.seq, st.direct_io, r.sum_start)
+            got = R.read_summary(r.fd, self._cfg.region_size, r.seq, self._cfg.direct_io, r.sum_start)
             if got is None:
                 return
             ent = got[0]
-        with st.lock:
-            live = st.index.offset[st.index.in_region(r.index)].astype(np.int64)
+        with self._locks.lock:
+            live = self._cat.index.offset[self._cat.index.in_region(r.index)].astype(np.int64)
         offs = ent["offset"].astype(np.int64)
         for off in offs[~np.isin(offs, live)].tolist():
-            st.dead.add(r.index, off, r.seq)
+            self._cat.dead.add(r.index, off, r.seq)
 
     def _revive(self, r) -> None:
         """Recreate a region's file if it was removed: the active region's from its image (with O_DIRECT and
         nothing written from the caller's memory), any other from the removed file, still open."""
-        st = self._state
         try:
             if os.stat(r.path).st_ino == r.ino:
                 return
         except FileNotFoundError:
             pass
-        st.ensure_dirs()
+        self._cfg.ensure_dirs()
         existed = os.path.lexists(r.path)
-        fd = R.open_fd(r.path, st.direct_io, create=True)
-        length = r.written if r.state == R.ACTIVE else st.region_size
+        fd = R.open_fd(r.path, self._cfg.direct_io, create=True)
+        length = r.written if r.state == R.ACTIVE else self._cfg.region_size
         try:
-            R.preallocate(fd, st.region_size)
-            if r.state == R.ACTIVE and st.direct_io and not r.direct:
+            R.preallocate(fd, self._cfg.region_size)
+            if r.state == R.ACTIVE and self._cfg.direct_io and not r.direct:
                 R.pwrite_all(fd, memoryview(r.buf)[:length], 0)
             else:  # the image lacks payloads written from the caller's memory (``segment.Segment``):
                 for at in range(0, length, 1 << 20):  # the removed file's bytes, still open
-                    R.pwrite_all(fd, R.read_span(r.fd, at, min(1 << 20, length - at), st.direct_io), at)
+                    R.pwrite_all(fd, R.read_span(r.fd, at, min(1 << 20, length - at), self._cfg.direct_io), at)
         except OSError:
             os.close(fd)
             if not existed:
@@ -339,11 +332,10 @@ class Checkpointer:
     def gather(self, tables: Optional[list] = None) -> reopen.Candidates:
         """Every live object with its key, read from the summaries.  Caller holds ``_wlock``.
         ``tables``: a list that gets the index's slots as they were when its objects were listed."""
-        st = self._state
         self._io.wait_seals()  # (a summary still on its way to the file would read as unreadable)
-        with st.lock:
-            slots = st.index.live()
-            ix = st.index
+        with self._locks.lock:
+            slots = self._cat.index.live()
+            ix = self._cat.index
             cols = {"digest": ix.digest[slots].copy(), "region": ix.region[slots].astype(np.int64),
                     "offset": ix.offset[slots].astype(np.int64), "rec_len": ix.rec_len[slots].astype(np.int64),
                     "raw_len": ix.raw_len[slots].astype(np.int64)}
@@ -357,15 +349,15 @@ class Checkpointer:
         order = np.argsort(cols["region"], kind="stable")
         bounds = np.flatnonzero(np.diff(cols["region"][order])) + 1
         for grp in np.split(order, bounds) if n else []:
-            r = st.regions[int(cols["region"][grp[0]])]
-            if r is st.active:
+            r = self._table.regions[int(cols["region"][grp[0]])]
+            if r is self._table.active:
                 ent = np.frombuffer(bytes(cast(bytearray, r.entries)), dtype=F.ENTRY_DTYPE)  # (set while ACTIVE)
                 keys = bytes(cast(bytearray, r.keys))
                 offs = np.zeros(len(ent) + 1, dtype=np.int64)
                 np.cumsum(ent["key_len"], out=offs[1:])
                 got = (ent, keys, offs)
             else:
-                got = R.read_summary(r.fd, st.region_size, r.seq, st.direct_io, r.sum_start)
+                got = R.read_summary(r.fd, self._cfg.region_size, r.seq, self._cfg.direct_io, r.sum_start)
                 if got is None:  # (a summary cut or damaged since: the records say the same)
                     got = self._rescan(r)
             if got is None:
@@ -387,31 +379,30 @@ class Checkpointer:
             key_len[grp] = ent["key_len"][e]
             blobs.append(keys)
             base += len(keys)
-        seqs = np.array([st.regions[i].seq for i in cols["region"].tolist()], dtype=np.uint64) if n else \
+        seqs = np.array([self._table.regions[i].seq for i in cols["region"].tolist()], dtype=np.uint64) if n else \
             np.zeros(0, dtype=np.uint64)
         c = reopen.Candidates(cols["digest"], cols["region"], seqs, cols["offset"], cols["rec_len"],
                                 cols["raw_len"], np.zeros(n, dtype=np.uint8), key_start, key_len, b"".join(blobs))
         if not have.all():  # objects no summary or record names any more: dropped, and counted
             self._drop_lost(cols["digest"][~have], cols["region"][~have], cols["offset"][~have],
                             cols["rec_len"][~have])
-            with st.lock:  # (a large object went whole: its other parts are no objects either)
-                have &= st.index.find_many(cols["digest"]) >= 0
+            with self._locks.lock:  # (a large object went whole: its other parts are no objects either)
+                have &= self._cat.index.find_many(cols["digest"]) >= 0
         return reopen.take(c, np.flatnonzero(have))
 
     def _rescan(self, r: R.Region):
         """(entries, keys, key offsets) of a sealed region whose summary cannot be read, from its records
         (one read of the region), and its summary written again from them; None if that read fails."""
-        st = self._state
         try:
-            data = R.read_span(r.fd, 0, st.region_size, st.direct_io)
+            data = R.read_span(r.fd, 0, self._cfg.region_size, self._cfg.direct_io)
         except OSError as e:
             self._health.io_error(e, f"reading {r.path}")
             return None
         entries, keys, offs, end = R.scan(data, r.seq)
         del data
-        with st.lock:
-            st.counters.summaries_rebuilt += 1
-        log.warning("%s: the summary of %s could not be read; rebuilt from its %d records", st.what, r.path,
+        with self._locks.lock:
+            self._counters.summaries_rebuilt += 1
+        log.warning("%s: the summary of %s could not be read; rebuilt from its %d records", self._cfg.what, r.path,
                     len(entries))
         self._io.seal_scanned(r, reopen.Scanned(entries, keys, end))
         return entries, keys, offs
@@ -419,23 +410,20 @@ class Checkpointer:
     def _drop_lost(self, digest, region, offset, rec_len) -> None:
         """Index entries whose records can no longer be found: removed, named dead, and counted (``corrupt``,
         ``objects_lost``) as the chunks stored they were (a large object once, its other parts with it)."""
-        st = self._state
-        with st.lock:
+        with self._locks.lock:
             gone, sizes = [], []
             for d, rg, off, ln in zip(digest.tolist(), region.tolist(), offset.tolist(), rec_len.tolist()):
-                slot = st.index.find(d)
-                if slot < 0 or st.index.region.item(slot) != rg or st.index.offset.item(slot) != off:
+                slot = self._cat.index.find(d)
+                if slot < 0 or self._cat.index.region.item(slot) != rg or self._cat.index.offset.item(slot) != off:
                     continue
                 gone.append(d)
-                sizes.append(st.index.raw_len.item(slot))
-                st.index.remove(d)
-                st.unlive(rg, ln)
-                st.dead.add(rg, off, st.regions[rg].seq)
-                st.changed = True
-            lost = st.lose(np.array(gone, dtype=np.uint64), np.array(sizes, dtype=np.int64))
-            st.counters.corrupt += lost
-            st.counters.objects_lost += lost
-        log.warning("%s: %d objects whose records could not be found were dropped", st.what, len(digest))
+                sizes.append(self._cat.index.raw_len.item(slot))
+                self._cat.index.remove(d)
+                self._cat.retire((rg, off, ln))
+            lost = self._cat.lose(np.array(gone, dtype=np.uint64), np.array(sizes, dtype=np.int64))
+            self._counters.corrupt += lost
+            self._counters.objects_lost += lost
+        log.warning("%s: %d objects whose records could not be found were dropped", self._cfg.what, len(digest))
 
     def write(self, cands: Optional[reopen.Candidates] = None, durable: bool = True) -> None:
         """Write the index (with keys; ``cands`` when the caller has them) atomically.
@@ -452,12 +440,11 @@ class Checkpointer:
 
         A failure is counted, never raised.
         """
-        st = self._state
-        sync = durable and st.fsync != "never"
+        sync = durable and self._cfg.fsync != "never"
         # (it reads the summaries; it names the active region's seq, and may compact the dead log)
         if not self._io.wait_seals() or not self._io.header_out():
-            with st.lock:
-                st.counters.checkpoint_errors += 1
+            with self._locks.lock:
+                self._counters.checkpoint_errors += 1
             return
         try:
             tables: list = []
@@ -465,16 +452,16 @@ class Checkpointer:
                 c = self.gather(tables)
             else:
                 c = cands
-                with st.lock:
-                    tables.append(st.index.table())
+                with self._locks.lock:
+                    tables.append(self._cat.index.table())
             # the slots go with the checkpoint when the index held exactly the objects it lists (a key
             # whose summary could not be read is left out of both, by leaving the slots out)
             table = tables[0] if tables and tables[0][0] == len(c.digest) else None
             c = reopen.take(c, np.lexsort((c.offset, c.seq)))  # oldest first: a reopen need not sort
-            covered = st.active.seq if st.active is not None else st.next_seq
-            nreg = max(st.regions) + 1 if st.regions else 0
+            covered = self._table.active.seq if self._table.active is not None else self._table.next_seq
+            nreg = max(self._table.regions) + 1 if self._table.regions else 0
             seqs = np.zeros(nreg, dtype=np.uint64)
-            for i, r in st.regions.items():
+            for i, r in self._table.regions.items():
                 if not r.foreign:
                     seqs[i] = r.seq
             blob = _gather_keys(c)
@@ -484,21 +471,21 @@ class Checkpointer:
                 for fd in self._io.dirty():  # the records the checkpoint points at reach the disk first
                     os.fsync(fd)
                 self._io.all_clean()
-            C.write(st.path, C.encode(covered, st.region_size, seqs, cols, blob, table), sync)
+            C.write(self._cfg.path, C.encode(covered, self._cfg.region_size, seqs, cols, blob, table), sync)
         except OSError as e:
-            with st.lock:
-                st.counters.checkpoint_errors += 1
-            log.warning("%s: checkpoint failed: %s", st.what, e)
+            with self._locks.lock:
+                self._counters.checkpoint_errors += 1
+            log.warning("%s: checkpoint failed: %s", self._cfg.what, e)
             return
-        with st.lock:
-            st.counters.checkpoints += 1
-        st.changed = False
-        self._ckpt_unsynced = not sync and st.fsync != "never"  # the next flush makes it durable
+        with self._locks.lock:
+            self._counters.checkpoints += 1
+        self._cat.checkpointed()
+        self._ckpt_unsynced = not sync and self._cfg.fsync != "never"  # the next flush makes it durable
         try:
-            if st.dead.size() > max(1 << 16, 4 * st.dead.compacted):
-                st.dead.write(st.fsync != "never")
-                st.dead.compact({i: r.seq for i, r in st.regions.items() if not r.foreign},
-                                st.fsync != "never", st.next_seq - 1)
+            if self._cat.dead.size() > max(1 << 16, 4 * self._cat.dead.compacted):
+                self._cat.dead.write(self._cfg.fsync != "never")
+                self._cat.dead.compact({i: r.seq for i, r in self._table.regions.items() if not r.foreign},
+                                self._cfg.fsync != "never", self._table.next_seq - 1)
         except OSError as e:
             self._health.io_error(e, "compacting the dead log")
         self.covered = covered

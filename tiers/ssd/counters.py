@@ -6,7 +6,7 @@ their attribute names (``as_dict``: the only place they are strings; ``docs/ssd.
 Ownership: the counters are the tier's (``SSDTier`` makes one ``SSDCounters`` and hands it to the
 components that count); a component adds to the counter of an event it saw and never resets one
 (``torn_regions`` alone is set, once, by the open).  Additions are made under the engine's ``lock``
-(``EngineState.lock``), so a snapshot (``as_dict``) taken under that lock is consistent.
+(``EngineLocks.lock``, ``state.py``), so a snapshot (``as_dict``) taken under that lock is consistent.
 """
 
 from __future__ import annotations

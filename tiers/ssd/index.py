@@ -196,6 +196,14 @@ class DigestIndex:
         self.count -= 1
         return self.region.item(i), self.offset.item(i), self.rec_len.item(i)
 
+    def drop_slots(self, slots) -> tuple[np.ndarray, np.ndarray]:
+        """Delete the live entries at ``slots`` (an index array or a slice); returns copies of their
+        (digests, raw lengths), as taken before."""
+        gone = self.digest[slots].copy(), self.raw_len[slots].copy()
+        self.digest[slots] = TOMB
+        self.count -= len(gone[0])
+        return gone
+
     def live(self) -> np.ndarray:
         """Slots of live entries."""
         return np.flatnonzero(self.digest > TOMB)

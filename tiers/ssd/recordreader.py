@@ -1,14 +1,14 @@
 """``RecordReader``: the SSD engine's read path — locate under the lock, then read and verify outside it.
 
-A record in the active region is copied from its in-memory image (buffered, only one not yet
-written to the file: the image holds the headers of the others; with O_DIRECT, any but one whose
-payload was written from the caller's memory, ``Region.direct``); any other is one
-pread (straight into the caller's parts when buffered and uncompressed, else one
-block-aligned read into a private buffer).  Every read checks header, seq, full key
-and payload sum.  A check that fails is looked at again once under the lock: if the
-object moved meanwhile (its region was reclaimed) the new copy is read; otherwise it
-is corrupt, counted and dropped.  Uses the shared state only (``state.py``): it calls no other
-component, and takes ``wlock`` only to drop a large object that did not read whole.
+A record in the active region is copied from its in-memory image (buffered, only one not yet written to
+the file: the image holds the headers of the others; with O_DIRECT, any but one whose payload was written
+from the caller's memory, ``Region.direct``); any other is one pread (straight into the caller's parts
+when buffered and uncompressed, else one block-aligned read into a private buffer).  Every read checks
+header, seq, full key and payload sum.  A check that fails is looked at again once under the lock: if the
+object moved meanwhile (its region was reclaimed) the new copy is read; otherwise it is corrupt, counted
+and dropped.  Uses the owners ``SSDTier`` hands it (``EngineConfig``, ``RegionTable``, ``Catalogue``,
+``EngineLocks``, ``SSDCounters``: ``state.py``) only: it calls no other component, and takes ``wlock``
+only to drop a large object that did not read whole.
 """
 
 from __future__ import annotations
@@ -31,9 +31,13 @@ from ..base import Parts
 from . import format as F
 from . import large as L
 from . import region as R
+from .catalogue import Catalogue
+from .counters import SSDCounters
+from .engineconfig import EngineConfig
 from .health import Health
 from .hostbuf import cbuffer, ctype_of, scatter
-from .state import EngineState
+from .regiontable import RegionTable
+from .state import EngineLocks
 
 _OK, _BAD, _OTHER, _SIZE = 1, 2, 3, 4  # exact; corrupt or moved; another key's record; size mismatch
 _ZERO_CHECK = bytes(8)  # a header's check field, as its check was computed
@@ -56,14 +60,14 @@ _PAD_AT = F.RECORD_CHECK_AT + 8
 _PAD = bytes(F.REC_HDR - _PAD_AT)
 
 
-def _count_lost(st: EngineState, key: str) -> None:
+def _count_lost(counters: SSDCounters, key: str) -> None:
     """A chunk dropped as corrupt (``corrupt``, ``objects_lost``): a large object once, by its manifest, never
     by its piece (``key`` a piece's: its object is dropped, and counted, by ``_drop_large``).  Caller holds
-    the state's ``lock``."""
+    ``EngineLocks.lock``."""
     if len(key) == L.PIECE_KEY_LEN and key[0] == "\x00":
         return
-    st.counters.corrupt += 1
-    st.counters.objects_lost += 1
+    counters.corrupt += 1
+    counters.objects_lost += 1
 
 
 def _loc(t: tuple, kbs: list, digs: list) -> tuple:
@@ -76,39 +80,39 @@ def _loc(t: tuple, kbs: list, digs: list) -> tuple:
 class RecordReader:
     """Reads records (see the module docstring); ``threads`` readers share a batch of long runs."""
 
-    def __init__(self, state: EngineState, health: Health, threads: int) -> None:
-        self._state = state
+    def __init__(self, cfg: EngineConfig, table: RegionTable, cat: Catalogue, locks: EngineLocks, counters: SSDCounters,
+                 health: Health, threads: int) -> None:
+        self._cfg, self._table, self._cat, self._locks, self._counters = cfg, table, cat, locks, counters
         self._health = health
         self._threads = threads
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"tierkv-{state.name}")
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix=f"tierkv-{cfg.name}")
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=True)
 
     def read(self, keys: Sequence[str], dsts: Sequence[Parts]) -> list[bool]:
-        st = self._state
         n = len(keys)
         out = [False] * n
         kbs = list(map(str.encode, keys))
         digs = list(map(F.key_digest, kbs))
         todo: list = []  # (region, offset, i, rec_len, raw_len, Region, seq) of each record to read
         large: list = []  # (i, raw_len) of the large objects (``large.py``)
-        single = st.geometry().single
-        with st.lock:
+        single = self._cfg.geometry().single
+        with self._locks.lock:
             if n >= _MANY:
-                _, reg, off, rec, raw = st.index.get_many(np.array(digs, dtype=np.uint64))
+                _, reg, off, rec, raw = self._cat.index.get_many(np.array(digs, dtype=np.uint64))
                 # (an absent digest has all four 0: no record has length 0)
                 hit = np.flatnonzero(rec)
                 found: list = list(zip(hit.tolist(), reg[hit].tolist(), off[hit].tolist(), rec[hit].tolist(),
                                        raw[hit].tolist()))
             else:  # (a few keys: one loop of probes costs less than the numpy calls)
-                found = st.index.lookup(digs)
-            active = st.active
-            regions = st.regions
+                found = self._cat.index.lookup(digs)
+            active = self._table.active
+            regions = self._table.regions
             # (buffered, the active region's records already written are read from the file: the image
             # holds their headers only, see ``segment.Segment``; with O_DIRECT, so are the records whose
             # payload went to the file from the caller's memory, ``Region.direct``)
-            in_image = active is not None and st.direct_io
+            in_image = active is not None and self._cfg.direct_io
             written = active.written if active is not None else 0
             direct = active.direct if active is not None else ()
             for i, ri, o, rl, wl in found:
@@ -144,14 +148,13 @@ class RecordReader:
         Small records a short gap apart are read with one pread; a large record (buffered reads go
         straight into the caller's parts) is a run of its own.  A record of another size than the
         caller's parts is a miss without a read."""
-        st = self._state
         todo.sort(key=_PLACE)
         runs: list = []
         cur: list = []
         start = end = -1
         cur_r = -1
-        alone = _RUN_OBJECT if not st.direct_io else 1 << 62  # (O_DIRECT: every run through the scratch)
-        limit = (_RUN_MAX_DIRECT if st.direct_io else _RUN_MAX) + _RUN_GAP
+        alone = _RUN_OBJECT if not self._cfg.direct_io else 1 << 62  # (O_DIRECT: every run through the scratch)
+        limit = (_RUN_MAX_DIRECT if self._cfg.direct_io else _RUN_MAX) + _RUN_GAP
         for t in todo:
             ri, o, i, rl, wl = t[:5]
             parts = dsts[i]
@@ -175,7 +178,7 @@ class RecordReader:
     def _read_run(self, run: tuple, keys: Sequence[str], dsts: Sequence[Parts], out: list[bool]) -> None:
         """Read and check one run: ((key bytes, digests) of the batch, [todo entry], span bytes)."""
         (kbs, digs), items, span = run
-        if self._state.direct_io:
+        if self._cfg.direct_io:
             self._read_run_direct(items, span, keys, kbs, digs, dsts, out)
         elif len(items) == 1:
             t = items[0]
@@ -313,8 +316,8 @@ class RecordReader:
             out[i] = True
             return True
         if res == _OTHER:
-            with self._state.lock:
-                self._state.counters.collisions += 1
+            with self._locks.lock:
+                self._counters.collisions += 1
             return True
         return res == _SIZE
 
@@ -341,33 +344,31 @@ class RecordReader:
 
     def _image_read(self, key: str, loc, parts: Parts) -> bool:
         """A read from the active image.  Caller holds ``_lock``."""
-        st = self._state
         if loc[5] != sum(p.numel() for p in parts):
             return False
         kb, d, r, off, rec_len = loc[:5]
-        res = self._from_view(memoryview(loc[7])[off:off + rec_len], kb, loc[6], parts, st.image_addr + off)
+        res = self._from_view(memoryview(loc[7])[off:off + rec_len], kb, loc[6], parts, self._table.image_addr + off)
         if res == _OTHER:
-            st.counters.collisions += 1
+            self._counters.collisions += 1
         elif res == _BAD:  # an image is never torn: memory went bad, or a bug; never serve it
-            st.index.remove(d)
-            st.unlive(r.index, rec_len)
-            st.dead.add(r.index, off, loc[6])
-            _count_lost(st, key)
+            self._cat.index.remove(d)
+            self._table.unlive(r.index, rec_len)
+            self._cat.dead.add(r.index, off, loc[6])
+            _count_lost(self._counters, key)
         return res == _OK
 
     def _locate(self, kb: bytes):
         """(key bytes, digest, region, offset, rec_len, raw_len, seq, image or None).  Caller holds ``_lock``."""
-        st = self._state
         d = F.key_digest(kb)
-        e = st.index.get(d)
+        e = self._cat.index.get(d)
         if e is None:
             return None
-        r = st.regions[e[0]]
-        image = r is st.active and (st.direct_io or e[1] + e[2] > r.written) and e[1] not in r.direct  # (see ``_read``)
+        r = self._table.regions[e[0]]
+        image = (r is self._table.active and (self._cfg.direct_io or e[1] + e[2] > r.written)
+                 and e[1] not in r.direct)  # (see ``_read``)
         return kb, d, r, e[1], e[2], e[3], r.seq, (r.buf if image else None)
 
     def _read_one(self, key: str, loc, parts: Parts) -> bool:
-        st = self._state
         if loc is None:
             return False
         want = sum(p.numel() for p in parts)
@@ -382,37 +383,36 @@ class RecordReader:
             if res == _OK:
                 return True
             if res == _OTHER:
-                with st.lock:
-                    st.counters.collisions += 1
+                with self._locks.lock:
+                    self._counters.collisions += 1
                 return False
             if res == _SIZE:
                 return False
-            with st.lock:
+            with self._locks.lock:
                 now = self._locate(loc[0])
                 if now is not None and now[7] is not None:  # moved into the active region
                     return self._image_read(key, now, parts)
                 if now is not None and now[2:4] == loc[2:4] and now[6] == loc[6]:
                     # still where it was: the bytes there are bad
-                    st.index.remove(loc[1])
-                    st.unlive(loc[2].index, loc[4])
-                    st.dead.add(loc[2].index, loc[3], loc[6])
-                    st.changed = True
+                    self._cat.index.remove(loc[1])
+                    self._table.unlive(loc[2].index, loc[4])
+                    self._cat.dead.add(loc[2].index, loc[3], loc[6])
+                    self._cat.mark_changed()
                     now = None
-                    _count_lost(st, key)
+                    _count_lost(self._counters, key)
             if now is None or attempt:
                 return False
             loc = now
         return False
 
     def _fetch(self, loc, parts: Parts) -> int:
-        st = self._state
         kb, _, r, off, rec_len, raw_len, seq, image = loc
         if image is not None:  # moved into the active region since: read the file copy it came from
             return _BAD
         fd = r.fd
-        if not st.direct_io and rec_len == F.record_len(len(kb), raw_len) and raw_len:
+        if not self._cfg.direct_io and rec_len == F.record_len(len(kb), raw_len) and raw_len:
             return self._direct_into(fd, off, rec_len, kb, seq, raw_len, parts)
-        return self._from_view(R.read_span(fd, off, rec_len, st.direct_io, scratch=True), kb, seq, parts)
+        return self._from_view(R.read_span(fd, off, rec_len, self._cfg.direct_io, scratch=True), kb, seq, parts)
 
     def _from_view(self, view, kb: bytes, seq: int, parts: Parts, addr: int = 0) -> int:
         """Check the record at the start of ``view`` (header, seq, key, payload sum) and copy its payload
@@ -473,8 +473,7 @@ class RecordReader:
         """Each large object's manifest, then all their pieces in one batch, each straight into its part of
         the caller's buffer (its nonce into a scratch beside it).  Served when every piece is there and
         carries the manifest's nonce; a manifest whose pieces are gone or of another put is dropped."""
-        st = self._state
-        geom = st.geometry()
+        geom = self._cfg.geometry()
         reqs: list = []  # (i, table, nonces, manifest's place, first piece's position in the batch)
         pkeys: list[str] = []
         pdsts: list[Parts] = []
@@ -487,7 +486,7 @@ class RecordReader:
                 continue
             table, place = got
             if table is None:  # one record after all (lz4 made it fit, before large objects existed)
-                with st.lock:
+                with self._locks.lock:
                     loc = self._locate(kbs[i])
                 out[i] = self._read_one(keys[i], loc, parts)
                 continue
@@ -514,9 +513,8 @@ class RecordReader:
     def _manifest(self, kb: bytes, d: int, geom: L.Geometry):
         """(table, (region, offset, seq)) of the large object of key ``kb``; (None, place) for a record that
         is no manifest; None for a miss (a bad manifest is dropped with its pieces)."""
-        st = self._state
         for attempt in (0, 1):
-            with st.lock:
+            with self._locks.lock:
                 loc = self._locate(kb)
                 if loc is None:
                     return None
@@ -526,14 +524,14 @@ class RecordReader:
             place = (r.index, off, seq)
             if view is None:
                 try:
-                    view = R.read_span(r.fd, off, rec_len, st.direct_io)
+                    view = R.read_span(r.fd, off, rec_len, self._cfg.direct_io)
                 except OSError as e:
                     self._health.io_error(e, f"reading the manifest of {kb[:16]!r}")
                     return None
             h = F.parse_record(view, seq)
             if h is not None and h.key != kb:
-                with st.lock:
-                    st.counters.collisions += 1
+                with self._locks.lock:
+                    self._counters.collisions += 1
                 return None
             if h is not None:
                 if not h.flags & F.FLAG_LARGE:
@@ -550,21 +548,20 @@ class RecordReader:
         ``broken`` (a bad manifest, a piece of another put) or a piece is gone, the manifest and its pieces
         are dropped (counted ``corrupt``); otherwise (a fault of the moment, or written again meanwhile)
         it was a miss and nothing changes."""
-        st = self._state
-        with st.wlock, st.lock:  # (_wlock: no write of it is half done while this looks)
-            e = st.index.get(d)
-            if e is None or (e[0], e[1]) != place[:2] or st.regions[e[0]].seq != place[2]:
+        with self._locks.wlock, self._locks.lock:  # (_wlock: no write of it is half done while this looks)
+            e = self._cat.index.get(d)
+            if e is None or (e[0], e[1]) != place[:2] or self._table.regions[e[0]].seq != place[2]:
                 return
             count = geom.layout(e[3])[0]
-            if not broken and all(st.index.find(F.key_digest(k.encode())) >= 0
+            if not broken and all(self._cat.index.find(F.key_digest(k.encode())) >= 0
                                   for k in L.piece_keys(d, 0, count)):
                 return
-            st.index.remove(d)
-            st.unlive(e[0], e[2])
-            st.dead.add(e[0], e[1], place[2])
-            st.drop_pieces(d, 0, count)
-            st.changed = True
-            _count_lost(st, "")
+            self._cat.index.remove(d)
+            self._table.unlive(e[0], e[2])
+            self._cat.dead.add(e[0], e[1], place[2])
+            self._cat.drop_pieces(d, 0, count)
+            self._cat.mark_changed()
+            _count_lost(self._counters, "")
 
     def _direct_into(self, fd: int, off: int, rec_len: int, kb: bytes, seq: int, raw_len: int, parts: Parts) -> int:
         """One preadv: header and key into a small buffer, the payload into the caller's parts."""
@@ -593,8 +590,8 @@ class RecordReader:
             data = bytearray(raw_len)
             if os.preadv(fd, [data], off + len(head)) != raw_len or F.payload_sum([data], h.flags) != h.psum:
                 return _BAD
-            with self._state.lock:
-                self._state.counters.rereads += 1
+            with self._locks.lock:
+                self._counters.rereads += 1
             scatter(memoryview(data), parts)
             return _OK
         for p, hp in host:

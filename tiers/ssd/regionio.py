@@ -17,17 +17,19 @@ from typing import Optional, cast
 from . import format as F
 from . import region as R
 from . import reopen, segment
+from .engineconfig import EngineConfig
 from .health import Health
 from .hostbuf import image_address
+from .regiontable import RegionTable
 from .segment import Segment
-from .state import EngineState
 
 
 class RegionIO:
     """Write-outs, summaries behind a seal, region images and file handles of one tier's regions."""
 
-    def __init__(self, state: EngineState, health: Health) -> None:
-        self._state = state
+    def __init__(self, cfg: EngineConfig, table: RegionTable, health: Health) -> None:
+        self._cfg = cfg
+        self._table = table
         self._health = health
         self._writer: Optional[ThreadPoolExecutor] = None  # write-outs overlapping a batch's copies
         #: (region, future or None, summary buffer, its offset) of summaries on their way (``write_summary``)
@@ -41,7 +43,7 @@ class RegionIO:
         """A region image: the spare one (the last sealed region's), else a new one."""
         image, self._spare_image = self._spare_image, None
         if image is None:
-            image = F.aligned_buffer(self._state.region_size, populate=True)
+            image = F.aligned_buffer(self._cfg.region_size, populate=True)
             self._image_addrs[id(image)] = image_address(image)
         return image
 
@@ -58,7 +60,7 @@ class RegionIO:
         w = self._writer
         if w is None:
             w = self._writer = ThreadPoolExecutor(max_workers=segment.PUMPS,
-                                                  thread_name_prefix=f"tierkv-{self._state.name}-w")
+                                                  thread_name_prefix=f"tierkv-{self._cfg.name}-w")
         return w
 
     def shutdown(self) -> None:
@@ -71,8 +73,7 @@ class RegionIO:
         ``data_end`` (a partial last block is written again next time).  ``seg``: the segment being
         committed, whose payloads written from the caller's memory take their place (``Segment``).
         False (counted) on an I/O error."""
-        st = self._state
-        if not st.direct_io:  # buffered: exactly the bytes not yet written (the image may not hold the
+        if not self._cfg.direct_io:  # buffered: exactly the bytes not yet written (the image may not hold the
             end = min(end, data_end)  # payloads of records written before, see ``Segment``)
         if end <= r.written:
             return True
@@ -88,14 +89,14 @@ class RegionIO:
             self._health.write_failed(e, f"writing {r.path}")
             return False
         self.note_dirty(r.fd)
-        r.written = min(end, F.align_down(data_end)) if st.direct_io else end
+        r.written = min(end, F.align_down(data_end)) if self._cfg.direct_io else end
         r.tail = (data_end, end)
         return True
 
     def header_out(self) -> bool:
         """Write the active region's header if it has not left yet (``RegionChanger.begin``): before a
         checkpoint names the region's new seq or compacts the dead log.  False if that fails."""
-        r = self._state.active
+        r = self._table.active
         if r is None or r.written > 0:
             return True
         return self.write_out(r, F.BLOCK, F.BLOCK)
@@ -141,16 +142,15 @@ class RegionIO:
     def seal_scanned(self, r: R.Region, sc: reopen.Scanned) -> None:
         """Write the summary of a region whose records a scan found (``sc``), left unsealed by an earlier
         process or with a summary that could not be read; no room for one: it is scanned again next time."""
-        st = self._state
         count = len(sc.entries)
         if count == 0:
             return
-        if F.summary_start(st.region_size, count, len(sc.keys)) < F.align_up(sc.end, F.ALIGN):
+        if F.summary_start(self._cfg.region_size, count, len(sc.keys)) < F.align_up(sc.end, F.ALIGN):
             return  # no room for a summary: it stays unsealed and is scanned again next time
-        img = F.aligned_buffer(st.region_size)
-        start = F.pack_summary(img, st.region_size, r.seq, sc.entries.tobytes(), sc.keys, count)
+        img = F.aligned_buffer(self._cfg.region_size)
+        start = F.pack_summary(img, self._cfg.region_size, r.seq, sc.entries.tobytes(), sc.keys, count)
         try:
-            R.pwrite_all(r.fd, memoryview(img)[start:st.region_size], start)
+            R.pwrite_all(r.fd, memoryview(img)[start:self._cfg.region_size], start)
             self.note_dirty(r.fd)
             r.sum_start = start
         except OSError as e:
@@ -185,5 +185,5 @@ class RegionIO:
             r.fd = -1
 
     def close_fds(self) -> None:
-        for r in self._state.regions.values():
+        for r in self._table.regions.values():
             self.close_region_fd(r)

@@ -12,7 +12,9 @@ are stored as pieces and a manifest (``_put_large``, ``large.py``).
 
 Calls: ``RegionChanger.room`` when the active region is full (it seals it and begins the next),
 ``RegionIO`` for write-outs and the writer threads, ``Checkpointer`` for ``fsync: "always"`` and
-to find files removed behind the tier after each batch.
+to find files removed behind the tier after each batch; the owners of the engine's state
+(``state.py``) for the rest: objects enter the ``Catalogue``'s index and the ``RegionTable``'s live
+counts (``enliven_run``) together, under ``EngineLocks.lock``.
 """
 
 from __future__ import annotations
@@ -34,14 +36,18 @@ from ..base import Parts
 from . import format as F
 from . import large as L
 from . import region as R
+from .catalogue import Catalogue
 from .checkpointer import Checkpointer
+from .counters import SSDCounters
+from .engineconfig import EngineConfig
 from .format import WRITE_UNIT
 from .health import Health
 from .hostbuf import _host_view, cbuffer, ctype_of
 from .regionchange import RegionChanger
 from .regionio import RegionIO
+from .regiontable import RegionTable
 from .segment import Segment
-from .state import EngineState
+from .state import EngineLocks
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +82,14 @@ class _Appending:
     buf: Any
     mv: Any
 
-    def __init__(self, st: EngineState, out: list[bool]) -> None:
-        self.flags = F.FLAG_CRC32C if st.checksum == "crc32c" else 0
+    def __init__(self, cfg: EngineConfig, table: RegionTable, out: list[bool]) -> None:
+        self.flags = F.FLAG_CRC32C if cfg.checksum == "crc32c" else 0
         self.psum_of: Any = F.sum_function(self.flags)
-        self.pipe_min = PIPE_MIN_DIRECT if st.direct_io else PIPE_UNIT
-        self.gather = not st.direct_io  # (see ``Segment``)
+        self.pipe_min = PIPE_MIN_DIRECT if cfg.direct_io else PIPE_UNIT
+        self.gather = not cfg.direct_io  # (see ``Segment``)
         self.seg = Segment()
         self.out = out
-        self.aim(st.active, st.image_addr)
+        self.aim(table.active, table.image_addr)
 
     def aim(self, r: Optional[R.Region], addr: int) -> None:
         """Write into region ``r`` (the active one, or None), whose image lies at ``addr``."""
@@ -98,9 +104,9 @@ class _Appending:
 class SegmentWriter:
     """Appends batches to the active region (see the module docstring)."""
 
-    def __init__(self, state: EngineState, health: Health, io: RegionIO, changer: RegionChanger,
-                 checkpointer: Checkpointer) -> None:
-        self._state = state
+    def __init__(self, cfg: EngineConfig, table: RegionTable, cat: Catalogue, locks: EngineLocks, counters: SSDCounters,
+                 health: Health, io: RegionIO, changer: RegionChanger, checkpointer: Checkpointer) -> None:
+        self._cfg, self._table, self._cat, self._locks, self._counters = cfg, table, cat, locks, counters
         self._health = health
         self._io = io
         self._changer = changer
@@ -109,29 +115,28 @@ class SegmentWriter:
 
     # -- writes ---------------------------------------------------------------------------
     def write(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
-        st = self._state
         if keys and min(keys) < "\x01":  # (one C pass: no key of the store starts so)
             return self._write_reserved(keys, srcs)
-        with st.wlock:
+        with self._locks.wlock:
             if self._checkpointer.lock_lost():  # (the directory is another process's now: see ``lock.py``)
-                with st.lock:
-                    st.counters.lock_lost += len(keys)
+                with self._locks.lock:
+                    self._counters.lock_lost += len(keys)
                 return [False] * len(keys)
             lf = self._health.lock_file
             if lf is not None and lf.fault is not None:  # (the directory cannot be seen: refused until it can)
-                with st.lock:
-                    st.counters.not_writable += len(keys)
+                with self._locks.lock:
+                    self._counters.not_writable += len(keys)
                 return [False] * len(keys)
-            prior = self._large_before(keys) if st.has_large else None
+            prior = self._large_before(keys) if self._cat.has_large else None
             out, one_by_one, large = self.append(keys, srcs)
             for i in large:
                 out[i] = self._put_large(keys[i], srcs[i])
                 one_by_one = True
             if prior:
                 self._replaced_large(prior, keys, srcs, out)
-            r = st.active
+            r = self._table.active
             if r is not None:
-                if st.fsync == "always":
+                if self._cfg.fsync == "always":
                     self._checkpointer.flush_locked(checkpoint=False)
                 elif one_by_one and r.pos > r.written:  # (the others reached the file when committed)
                     self._io.write_out(r, F.align_up(r.pos), r.pos)
@@ -139,20 +144,29 @@ class SegmentWriter:
             # again before the answer (``Checkpointer.check_removed``); an object that went with a file that
             # could not be is answered False (and counted there: ``objects_lost``)
             if self._checkpointer.check_removed():
-                with st.lock:
+                with self._locks.lock:
                     for i, k in enumerate(keys):
-                        if out[i] and st.index.find(F.key_digest(k.encode())) < 0:
+                        if out[i] and self._cat.index.find(F.key_digest(k.encode())) < 0:
                             out[i] = False
             if self._health.fault is not None and True in out:  # (a write that went through: the fault passed;
                 self._health.passed()  # the store sends none while the tier says it is not writable)
         return out
 
+    def _key_fits(self, kb: bytes) -> bool:
+        """Whether key ``kb`` fits a record (``F.MAX_KEY``); one that does not is refused, counted ``bad_key``.
+        (``append`` makes the same check inline, in its loop over a batch.)"""
+        if len(kb) <= F.MAX_KEY:
+            return True
+        with self._locks.lock:
+            self._counters.bad_key += 1
+        return False
+
     def _write_reserved(self, keys: Sequence[str], srcs: Sequence[Parts]) -> list[bool]:
         """A batch holding keys that are empty or start with NUL (the names of pieces, ``large.py``):
         those are refused (``bad_key``), the others written."""
         good = [i for i, k in enumerate(keys) if k[:1] > "\x00"]
-        with self._state.lock:
-            self._state.counters.bad_key += len(keys) - len(good)
+        with self._locks.lock:
+            self._counters.bad_key += len(keys) - len(good)
         out = [False] * len(keys)
         if good:
             for i, ok in zip(good, self.write([keys[i] for i in good], [srcs[i] for i in good])):
@@ -177,17 +191,16 @@ class SegmentWriter:
         threads take what is finished.  Then ``commit``.  (The phases that run for every object stay in
         the loop, on locals: a call each would cost a tenth of a 16 KiB put.)
         Returns the results, whether any object took ``_put_one``, and the positions of the large objects."""
-        st = self._state
         out = [False] * len(keys)
         one_by_one = False
         large: list[int] = []
-        single = st.geometry().single
-        max_slot = st.max_slot
-        plain = not st.compression
-        direct_min = F.DIRECT_MIN if st.direct_io else 1 << 62  # (see ``Segment``)
+        single = self._cfg.geometry().single
+        max_slot = self._cfg.max_slot
+        plain = not self._cfg.compression
+        direct_min = F.DIRECT_MIN if self._cfg.direct_io else 1 << 62  # (see ``Segment``)
         key_digest = F.key_digest
-        region_size = st.region_size
-        b = _Appending(st, out)
+        region_size = self._cfg.region_size
+        b = _Appending(self._cfg, self._table, out)
         seg = b.seg
         gather, flags, pipe_min, psum_of = b.gather, b.flags, b.pipe_min, b.psum_of
         _ctype = ctype_of
@@ -205,8 +218,8 @@ class SegmentWriter:
             kb = key.encode()
             klen = len(kb)
             if klen > max_key:
-                with st.lock:
-                    st.counters.bad_key += 1
+                with self._locks.lock:
+                    self._counters.bad_key += 1
                 continue
             direct = False
             if len(parts) == 1:
@@ -228,15 +241,15 @@ class SegmentWriter:
                 self.commit(seg, out)
                 out[i] = self._put_one(key, parts)
                 one_by_one = True
-                b.aim(st.active, st.image_addr)
+                b.aim(self._table.active, self._table.image_addr)
                 r = b.r
                 continue
             # its place (a payload written from the caller's memory gets a pad, known once its place is:
             # room for the most)
             rec_len = head + klen + raw_len + (block - 1 if direct else 0)
             if ((rec_len + align - 1) & -align) + per_entry + max_key > max_slot or raw_len >= 1 << 32:
-                with st.lock:
-                    st.counters.too_large += 1  # (``F.measure``)
+                with self._locks.lock:
+                    self._counters.too_large += 1  # (``F.measure``)
                 continue
             n = seg.n
             pos = seg.end if n else (r.pos if r is not None else 0)
@@ -301,7 +314,7 @@ class SegmentWriter:
         this one and begins the next).  None if no region has room (counted there)."""
         self.commit(b.seg, b.out)
         r = self._changer.room(rec_len, klen)
-        b.aim(self._state.active, self._state.image_addr)
+        b.aim(self._table.active, self._table.image_addr)
         return r
 
     def _copy_direct(self, b: _Appending, pos: int, kb: bytes, src_addr: int, raw_len: int) -> int:
@@ -399,7 +412,6 @@ class SegmentWriter:
     def commit(self, seg: Segment, out: list[bool]) -> None:
         """Write out the segment's bytes, then index its records; on an I/O error none of them is indexed
         (``out`` stays False for them, and the next records overwrite their bytes)."""
-        st = self._state
         if not seg.n:
             return
         r = cast(R.Region, seg.region)
@@ -420,24 +432,21 @@ class SegmentWriter:
             ok = self._io.write_out(r, F.align_up(seg.end), seg.end, seg)  # (beside the writer's piece in flight)
             ok = seg.wait(self._health, self._io.note_dirty) and ok
         if not ok:  # (buffered, the file holds exactly ``written`` bytes; O_DIRECT rewrites a partial block)
-            r.written = min(r.written, F.align_down(seg.start) if st.direct_io else seg.start)
+            r.written = min(r.written, F.align_down(seg.start) if self._cfg.direct_io else seg.start)
             seg.reset()
             return
         n = seg.n
         meas = seg.end - seg.start + n * (F.ENTRY + F.MAX_KEY)  # (``F.measure`` of each: they lie end to end)
-        with st.lock:
-            olds = st.index.put_many(seg.digests, r.index, seg.offsets, seg.rec_lens, seg.raw_lens)
-            r.live_bytes += meas
-            r.live_count += n
-            st.live_total += meas
-            for o_r, o_off, o_rec in olds:
-                st.unlive(o_r, o_rec)  # the older version is dead: it must never come back
-                st.dead.add(o_r, o_off, st.regions[o_r].seq)
+        with self._locks.lock:
+            olds = self._cat.index.put_many(seg.digests, r.index, seg.offsets, seg.rec_lens, seg.raw_lens)
+            self._table.enliven_run(r, meas, n)
+            for old in olds:
+                self._cat.retire(old)  # the older version is dead: it must never come back
             r.pos = seg.end
             if seg.direct:
                 r.direct.update(seg.direct)
-                st.counters.direct_writes += len(seg.direct)
-            st.changed = True
+                self._counters.direct_writes += len(seg.direct)
+            self._cat.mark_changed()
         cast(bytearray, r.entries).extend(b"".join(seg.entries))
         cast(bytearray, r.keys).extend(b"".join(seg.keys))
         r.count += n
@@ -450,11 +459,8 @@ class SegmentWriter:
         """One record, copied into the active image (compressed when that is smaller).  ``large_total``: the
         record is the manifest of a large object of that many bytes (``large.py``): never compressed, its
         raw length the object's."""
-        st = self._state
         kb = key.encode()
-        if len(kb) > F.MAX_KEY:
-            with st.lock:
-                st.counters.bad_key += 1
+        if not self._key_fits(kb):
             return False
         raw_len = 0
         hosts: list[Optional[tuple[int, int]]] = []  # (address, nbytes) of host parts copied with one memmove each
@@ -463,10 +469,10 @@ class SegmentWriter:
             raw_len += n
             if n:
                 hosts.append((p.data_ptr(), n) if p.device.type == "cpu" and p.is_contiguous() else None)
-        flags = F.FLAG_CRC32C if st.checksum == "crc32c" else 0
+        flags = F.FLAG_CRC32C if self._cfg.checksum == "crc32c" else 0
         direct: Optional[list[Optional[tuple[int, int]]]]
         payload: list[Any]
-        compression = st.compression and not large_total
+        compression = self._cfg.compression and not large_total
         if None in hosts or compression:
             payload = [_host_view(p) for p in parts if p.numel()]
             direct = None
@@ -483,9 +489,9 @@ class SegmentWriter:
             flags |= F.FLAG_LARGE
             raw_len = large_total
         rec_len = F.record_len(len(kb), stored)
-        if F.measure(rec_len) > st.max_slot or raw_len >= 1 << 32:
-            with st.lock:
-                st.counters.too_large += 1
+        if F.measure(rec_len) > self._cfg.max_slot or raw_len >= 1 << 32:
+            with self._locks.lock:
+                self._counters.too_large += 1
             return False
         r = self._changer.room(rec_len, len(kb))
         if r is None:
@@ -495,7 +501,7 @@ class SegmentWriter:
         at = pos + F.REC_HDR + len(kb)
         mv = memoryview(buf)
         if direct is not None:
-            base = st.image_addr
+            base = self._table.image_addr
             for addr, n in cast("list[tuple[int, int]]", direct):  # (no None: those went to ``payload``)
                 ctypes.memmove(base + at, addr, n)
                 at += n
@@ -509,13 +515,13 @@ class SegmentWriter:
         if end - r.written >= WRITE_UNIT and not self._io.write_out(r, F.align_down(end), end):
             return False  # nothing indexed: the next record overwrites these bytes
         d = F.key_digest(kb)
-        with st.lock:
-            old = st.index.put(d, r.index, pos, rec_len, raw_len)
+        with self._locks.lock:
+            old = self._cat.index.put(d, r.index, pos, rec_len, raw_len)
             if old is not None:  # the older version is dead: it must never come back
-                st.retire(old)
-            st.enliven(r, rec_len)
+                self._cat.retire(old)
+            self._table.enliven(r, rec_len)
             r.pos = end
-            st.changed = True
+            self._cat.mark_changed()
         r.add_entry(d, pos, rec_len, raw_len, kb, flags)
         self._checkpointer.note_written(1)
         return True
@@ -524,15 +530,12 @@ class SegmentWriter:
     def _put_large(self, key: str, parts: Parts) -> bool:
         """Pieces, in the file before the manifest is appended; if any piece or the manifest fails, the
         pieces written are removed (none is left behind).  Caller holds ``_wlock``."""
-        st = self._state
         kb = key.encode()
-        if len(kb) > F.MAX_KEY:
-            with st.lock:
-                st.counters.bad_key += 1
+        if not self._key_fits(kb):
             return False
         total = sum(p.numel() for p in parts)
-        geom = st.geometry()
-        if geom.footprint(total) > st.capacity_bytes:  # (``NEVER`` past ``MAX_OBJECT``)
+        geom = self._cfg.geometry()
+        if geom.footprint(total) > self._cfg.capacity_bytes:  # (``NEVER`` past ``MAX_OBJECT``)
             self._refuse_large(total)
             return False
         count, piece = geom.layout(total)
@@ -544,45 +547,42 @@ class SegmentWriter:
         res, _, _ = self.append(L.piece_keys(d, 0, count), srcs)
         table = torch.frombuffer(bytearray(L.pack_table(count, piece, total, nonce)), dtype=torch.uint8)
         if all(res) and self._put_one(key, [table], large_total=total):
-            st.has_large = True
+            self._cat.note_large()
             self._checkpointer.set_written(unsynced + 1)  # (one chunk stored, whatever its pieces)
             return True
         self._checkpointer.set_written(unsynced)
-        with st.lock:
-            st.drop_pieces(d, 0, count)
+        with self._locks.lock:
+            self._cat.drop_pieces(d, 0, count)
         return False
 
     def _large_before(self, keys: Sequence[str]) -> list[tuple[int, int, int]]:
         """(position, digest, object length) of each key of a batch that names a large object now."""
-        st = self._state
         digs = [F.key_digest(k.encode()) for k in keys]
-        single = st.geometry().single
-        with st.lock:
-            found = st.index.lookup(digs)
+        single = self._cfg.geometry().single
+        with self._locks.lock:
+            found = self._cat.index.lookup(digs)
         return [(i, digs[i], raw) for i, _, _, _, raw in found if raw > single]
 
     def _replaced_large(self, prior: list[tuple[int, int, int]], keys: Sequence[str], srcs: Sequence[Parts],
                         out: list[bool]) -> None:
         """Large objects a batch replaced: their pieces that the new value did not replace go too."""
-        st = self._state
-        geom = st.geometry()
-        with st.lock:
+        geom = self._cfg.geometry()
+        with self._locks.lock:
             for i, d, old_total in prior:
                 if not out[i]:
                     continue
                 total = sum(p.numel() for p in srcs[i])
                 now = geom.layout(total)[0] if total > geom.single else 0
-                st.drop_pieces(d, now, geom.layout(old_total)[0])
+                self._cat.drop_pieces(d, now, geom.layout(old_total)[0])
 
     def _refuse_large(self, nbytes: int) -> None:
         """An object larger than the whole tier: counted (``too_large``), logged at most once a minute."""
-        st = self._state
-        with st.lock:
-            st.counters.too_large += 1
+        with self._locks.lock:
+            self._counters.too_large += 1
         now = time.monotonic()
         if now >= self._too_large_quiet:
             self._too_large_quiet = now + 60.0
             log.warning("%s: refused an object of %d bytes: larger than the tier (capacity %d bytes, the object "
-                        "takes %s); too_large: %d so far", st.what, nbytes, st.capacity_bytes,
-                        st.geometry().footprint(nbytes) if nbytes <= L.MAX_OBJECT else "4 GiB or more: too long",
-                        st.counters.too_large)
+                        "takes %s); too_large: %d so far", self._cfg.what, nbytes, self._cfg.capacity_bytes,
+                        self._cfg.geometry().footprint(nbytes) if nbytes <= L.MAX_OBJECT else "4 GiB or more: too long",
+                        self._counters.too_large)

@@ -46,10 +46,13 @@ Invariants:
       (``Reclaimer.compact_in_place``), so writes get in again once objects are removed.
 
 Structure.  ``SSDTier`` is a facade: it checks the options, opens the directory, and delegates each
-``Tier`` call to the component that owns it.  The components share one ``EngineState``
-(``state.py``: regions, index, dead log, the counters, the two locks), report faults and I/O
-errors to the tier's ``Health`` (``health.py``, which owns the fault and the directory's lock) and
-call one another by name; the graph has no cycle (each is built from those below it):
+``Tier`` call to the component that owns it.  The engine's state has owners (``state.py``), each
+handed to the components that use it: ``EngineConfig`` (settings and geometry, fixed once open),
+``RegionTable`` (regions, the active one, seqs, live bytes), ``Catalogue`` (index, dead log, the
+bookkeeping of an object that leaves), ``SSDCounters`` and ``EngineLocks``; the components change the
+table and the catalogue through their methods, report faults and I/O errors to the tier's ``Health``
+(``health.py``, which owns the fault and the directory's lock) and call one another by name; the graph
+has no cycle (each is built from those below it):
 
     SSDTier ─ write ──▶ SegmentWriter (segmentwriter.py; a batch on its way: Segment, segment.py)
        │                  ├─▶ RegionChanger.room (regionchange.py: seal, begin, resume/settle at open)
@@ -61,11 +64,12 @@ call one another by name; the graph has no cycle (each is built from those below
        └─ open, recover, delete, close: here (the directory checked first: directory.py)
     every component ─▶ RegionIO (regionio.py: write-outs, summaries behind a seal, images, fds)
                      ─▶ Health (health.py: ``io_error``, ``write_failed``, ``no_space``, ``refusal``)
-                     ─▶ EngineState (state.py: ``retire``, ``drop_pieces``, ``lose``; SSDCounters)
+                     ─▶ RegionTable (regiontable.py: ``enliven``, ``unlive``, ``activate``, ``take_seq``)
+                     ─▶ Catalogue (catalogue.py: ``retire``, ``drop_pieces``, ``lose``, ``mark_changed``)
 
-Thread safety: ``EngineState.wlock`` serialises appends, region changes, reclamation and
+Thread safety (``state.EngineLocks``): ``wlock`` serialises appends, region changes, reclamation and
 checkpoints (the writer, the changer, the reclaimer and the checkpointer run under it);
-``EngineState.lock`` guards the index, region states and counters, held only briefly, so the
+``lock`` guards the region table, the catalogue and the counters, held only briefly, so the
 reader runs beside a writer (it takes ``wlock`` only to drop a large object that did not read
 whole).  Only ``SegmentWriter.commit`` and the single-record paths add objects to the index, and
 only after their bytes are in the file.
@@ -101,7 +105,6 @@ from . import format as F
 from . import large as L
 from . import region as R
 from .checkpointer import Checkpointer
-from .deadlog import DeadLog
 from .directory import prepare_dir, probe_direct
 from .health import NO_SPACE_LOG_EVERY, Health  # noqa: F401  (NO_SPACE_LOG_EVERY: tests, tools)
 from .lock import DirLock
@@ -160,20 +163,24 @@ class SSDTier(Tier):
                               f"got {rs}")
         self.path = os.path.abspath(os.path.expanduser(path))
         self._recovered: Optional[reopen.Candidates] = None  # what the open found, until recover()
-        # the engine: its shared state, and its components, each holding the state and those it calls
+        # the engine: the owners of its state, and its components, each handed the owners and components it uses
         st = self._state = EngineState(name, what, self.path, capacity_bytes, rs, self.compression,
                                        self.checksum, self.fsync)
-        health = self._health = Health(what, self.path, st.counters, st.lock)
-        self._io = RegionIO(st, health)
-        self._checkpointer = Checkpointer(st, health, self._io)
-        self._reclaimer = Reclaimer(st, health, self._io)
-        self._changer = RegionChanger(st, health, self._io, self._reclaimer, self._checkpointer)
-        self._writer = SegmentWriter(st, health, self._io, self._changer, self._checkpointer)
+        cfg, table, cat, locks, counters = self._cfg, self._table, self._cat, self._locks, self._counters = (
+            st.config, st.table, st.catalogue, st.locks, st.counters)
+        owners = (cfg, table, cat, locks, counters)
+        health = self._health = Health(what, self.path, counters, locks.lock)
+        self._io = RegionIO(cfg, table, health)
+        self._checkpointer = Checkpointer(*owners, health, self._io)
+        self._reclaimer = Reclaimer(*owners, health, self._io)
+        self._changer = RegionChanger(*owners, health, self._io, self._reclaimer, self._checkpointer)
+        self._writer = SegmentWriter(*owners, health, self._io, self._changer, self._checkpointer)
         prepare_dir(self.path, what)
         lock_file = DirLock(self.path, what)
         health.attach(lock_file)
         try:
-            self.direct_io = st.direct_io = probe_direct(self.path, what, direct_io)
+            self.direct_io = probe_direct(self.path, what, direct_io)
+            cfg.learn_direct_io(self.direct_io)
             try:
                 self._open()
             except OSError as e:  # (a read-only volume, a file where a directory belongs, ...)
@@ -182,9 +189,10 @@ class SSDTier(Tier):
             self._io.close_fds()
             lock_file.release()
             raise
-        self.region_size = st.region_size  # (the directory's, once open)
+        cfg.fix()
+        self.region_size = cfg.region_size  # (the directory's, once open)
         lock_file.watch(self._tick)
-        self._reader = RecordReader(st, health, io_threads or min(4, max(2, os.cpu_count() or 2)))
+        self._reader = RecordReader(*owners, health, io_threads or min(4, max(2, os.cpu_count() or 2)))
 
     @classmethod
     def from_config(cls, name: str, options: dict[str, Any]) -> "SSDTier":
@@ -207,18 +215,18 @@ class SSDTier(Tier):
     # -- geometry ----------------------------------------------------------------------
     @property
     def usable(self) -> int:
-        return self._state.usable
+        return self._cfg.usable
 
     @property
     def max_slot(self) -> int:
-        return self._state.max_slot
+        return self._cfg.max_slot
 
     def regions_needed(self) -> int:
-        return self._state.regions_needed()
+        return self._cfg.regions_needed()
 
     @property
     def regions_dir(self) -> str:
-        return self._state.regions_dir
+        return self._cfg.regions_dir
 
     def _geometry(self) -> L.Geometry:
         """The size rule of this directory's region size (``large.py``).  Read from the attributes alone:
@@ -244,46 +252,44 @@ class SSDTier(Tier):
         (``reopen.load``), those kept (``_keep``: no orphan pieces, within capacity), the index and the
         regions' live counts (``_index_objects``), then a region to write into (``_settle``).  A checkpoint
         is written if the open changed anything or read regions after the last one."""
-        st = self._state
-        st.ensure_dirs()
+        self._cfg.ensure_dirs()
         self._checkpointer.note_dir()
         headers = self._find_regions()
         valid = self._valid_regions(headers)
-        ckpt = C.read(st.path)
-        if ckpt is not None and ckpt.region_size != st.region_size:
+        ckpt = C.read(self._cfg.path)
+        if ckpt is not None and ckpt.region_size != self._cfg.region_size:
             ckpt = None
-        st.dead = DeadLog(st.path)
-        st.dead.reserve()  # (removals are recorded even once the file system is full)
-        dead = deadlog.read(st.path)
-        loaded = reopen.load(st.path, valid, st.region_size, st.direct_io, ckpt, dead)
-        st.counters.torn_regions = loaded.torn
+        self._cat.open_dead()  # (with room reserved: removals are recorded even once the file system is full)
+        dead = deadlog.read(self._cfg.path)
+        loaded = reopen.load(self._cfg.path, valid, self._cfg.region_size, self._cfg.direct_io, ckpt, dead)
+        self._counters.torn_regions = loaded.torn
         self.recovered_from = loaded.source if valid else "empty"
         # above every seq ever handed out: the regions' headers, the checkpoint's, the dead log's marks (a
         # region file lost or damaged since took its seq with it, and the dead log may name its records)
         seqs = [h.seq for h in headers.values() if h is not None]
         if ckpt is not None:
             seqs += [ckpt.covered_seq, int(ckpt.region_seqs.max()) if len(ckpt.region_seqs) else 0]
-        st.next_seq = max([*seqs, deadlog.high_water(dead)], default=0) + 1
+        self._table.start_seqs(max([*seqs, deadlog.high_water(dead)], default=0))
         c, dropped, trimmed, broken = self._keep(loaded.cands)
         self._index_objects(c, valid, ckpt if not loaded.read_regions and not len(dropped.digest) else None)
         self._checkpointer.note_opened(ckpt.covered_seq if ckpt is not None else 0)
         if len(dropped.digest):
             for rg, off, sq in zip(dropped.region.tolist(), dropped.offset.tolist(), dropped.seq.tolist()):
-                st.dead.add(rg, off, sq)
+                self._cat.dead.add(rg, off, sq)
         unreached = self._unreached(loaded)
-        st.counters.trimmed += trimmed
-        st.counters.objects_lost += unreached + broken + trimmed
+        self._counters.trimmed += trimmed
+        self._counters.objects_lost += unreached + broken + trimmed
         if unreached or broken:
             log.warning("%s: %d objects lost since the last open (%d listed in region files removed, emptied or "
-                        "unreadable; %d large objects missing a piece)", st.what, unreached + broken, unreached,
+                        "unreadable; %d large objects missing a piece)", self._cfg.what, unreached + broken, unreached,
                         broken)
         resume, lost, moved = self._settle(valid, loaded.scanned, dead)
         if lost:
-            c = reopen.take(c, np.flatnonzero(st.index.find_many(c.digest) >= 0))
+            c = reopen.take(c, np.flatnonzero(self._cat.index.find_many(c.digest) >= 0))
         self._recovered = c  # (its key strings are made by recover(), in the pass that pairs them with sizes)
         if (any(valid[i].seq >= self._checkpointer.covered for i in loaded.read_regions) or len(dropped.digest) or lost
-                or moved or resume is not None or st.counters.regions_removed):
-            with st.wlock:  # the keys are at hand unless objects moved: then the summaries say where
+                or moved or resume is not None or self._counters.regions_removed):
+            with self._locks.wlock:  # the keys are at hand unless objects moved: then the summaries say where
                 self._checkpointer.flush_locked(checkpoint=False)
                 self._checkpointer.write(None if moved or resume is not None else c)
 
@@ -291,62 +297,60 @@ class SSDTier(Tier):
         """Open every region file of the directory: index -> its header (None for a file not ours, which is
         kept as foreign, never written or deleted).  A region file never begun (no header, nothing in it)
         is removed; one that cannot be opened is skipped (both counted)."""
-        st = self._state
         headers: dict[int, Optional[F.RegionHeader]] = {}
-        for name in sorted(os.listdir(st.regions_dir)):
+        for name in sorted(os.listdir(self._cfg.regions_dir)):
             idx = R.parse_region_name(name)
             if idx is None:
                 continue
-            r = R.Region(idx, os.path.join(st.regions_dir, name))
+            r = R.Region(idx, os.path.join(self._cfg.regions_dir, name))
             try:
-                r.fd = R.open_fd(r.path, st.direct_io)
+                r.fd = R.open_fd(r.path, self._cfg.direct_io)
                 r.ino = os.fstat(r.fd).st_ino
             except OSError as e:
-                log.warning("%s: cannot open %s: %s; skipped", st.what, r.path, e)
+                log.warning("%s: cannot open %s: %s; skipped", self._cfg.what, r.path, e)
                 r.foreign = True
-                st.counters.skipped_files += 1
-                st.regions[idx] = r
+                self._counters.skipped_files += 1
+                self._table.add(r)
                 continue
-            h, ours = R.read_header(r.fd, st.direct_io)
-            if h is None and not ours and R.never_begun(r.fd, st.direct_io):
+            h, ours = R.read_header(r.fd, self._cfg.direct_io)
+            if h is None and not ours and R.never_begun(r.fd, self._cfg.direct_io):
                 # a region file whose creation failed (a full disk) or was cut short: no header, nothing in it
                 os.close(r.fd)
                 try:
                     os.unlink(r.path)
-                    st.counters.partial_files_removed += 1
-                    log.info("%s: removed %s, a region file never begun (no header, no data)", st.what, r.path)
+                    self._counters.partial_files_removed += 1
+                    log.info("%s: removed %s, a region file never begun (no header, no data)", self._cfg.what, r.path)
                 except OSError as e:
-                    log.warning("%s: cannot remove %s, a region file never begun: %s", st.what, r.path, e)
+                    log.warning("%s: cannot remove %s, a region file never begun: %s", self._cfg.what, r.path, e)
                 continue
             if h is None and not ours:
                 r.foreign = True  # not a region of ours: never reused, never deleted
-                st.counters.skipped_files += 1
+                self._counters.skipped_files += 1
             elif h is not None and h.index != idx:
                 r.foreign = True
-                st.counters.skipped_files += 1
+                self._counters.skipped_files += 1
             headers[idx] = h
-            st.regions[idx] = r
+            self._table.add(r)
         return headers
 
     def _valid_regions(self, headers: dict[int, Optional[F.RegionHeader]]) -> dict[int, R.Region]:
         """The regions of this directory's region size (the size most of its regions have: ``region_size``
         applies to a new directory only), sealed until their objects are counted; others are foreign."""
-        st = self._state
         sizes = [h.region_size for h in headers.values() if h is not None]
         if sizes:
             stored = max(set(sizes), key=sizes.count)
-            if stored != st.region_size:
+            if stored != self._cfg.region_size:
                 log.info("%s: %s keeps regions of %d bytes; region_size %d applies to a new directory only",
-                         st.what, st.path, stored, st.region_size)
-            st.region_size = stored
+                         self._cfg.what, self._cfg.path, stored, self._cfg.region_size)
+            self._cfg.adopt_region_size(stored)
         valid = {}
         for idx, h in headers.items():
-            r = st.regions[idx]
+            r = self._table.regions[idx]
             if h is None or r.foreign:
                 continue
-            if h.region_size != st.region_size:
+            if h.region_size != self._cfg.region_size:
                 r.foreign = True
-                st.counters.skipped_files += 1
+                self._counters.skipped_files += 1
                 continue
             r.seq = h.seq
             r.state = R.SEALED
@@ -359,8 +363,7 @@ class SSDTier(Tier):
         missing a piece (its file removed or damaged) goes whole, lost; and a smaller capacity keeps the
         newest that fit (a large object's footprint is its manifest's), the others trimmed.  The counts are
         of chunks stored: a large object once, never its pieces."""
-        st = self._state
-        geom = st.geometry()
+        geom = self._cfg.geometry()
         cols = (c.digest, c.raw_len, c.key_start, c.key_len, c.keys, geom)
         broken = L.incomplete(*cols)
         keep = ~(L.orphans(*cols) | broken)
@@ -369,8 +372,8 @@ class SSDTier(Tier):
         pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
         fps = np.where(pieces, 0, geom.footprint(c.raw_len))
         trimmed = 0
-        if int(fps[keep].sum()) > st.capacity_bytes:
-            fit = (np.cumsum(np.where(keep, fps, 0)[::-1])[::-1] <= st.capacity_bytes) | pieces
+        if int(fps[keep].sum()) > self._cfg.capacity_bytes:
+            fit = (np.cumsum(np.where(keep, fps, 0)[::-1])[::-1] <= self._cfg.capacity_bytes) | pieces
             trimmed = int(np.count_nonzero(keep & ~fit))
             keep &= fit
             keep &= ~L.orphans(*cols, alive=keep)
@@ -393,36 +396,27 @@ class SSDTier(Tier):
         """The index of the objects kept, and each region's live bytes and count (a region holding none is
         free).  ``ckpt``: the checkpoint, when it alone was read and nothing was dropped: if it lists exactly
         these objects its index is taken as it is (no table built)."""
-        st = self._state
-        st.has_large = bool(len(c.raw_len)) and bool((c.raw_len > st.geometry().single).any())
+        self._cat.load_large(c.raw_len)
         if (ckpt is not None and ckpt.table is not None
                 and len(c.digest) == len(ckpt.cols["digest"]) == ckpt.table[0]):
-            st.index.load_table(ckpt.table)  # every object the checkpoint lists is current: its index as is
+            self._cat.index.load_table(ckpt.table)  # every object the checkpoint lists is current: its index as is
         else:
-            st.index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
+            self._cat.index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
         for r in valid.values():
             r.state = R.FREE
         if len(c.digest):
-            meas = ((c.rec_len + F.ALIGN - 1) // F.ALIGN * F.ALIGN + F.ENTRY + F.MAX_KEY)
-            nreg = int(c.region.max()) + 1
-            live = np.bincount(c.region, weights=meas, minlength=nreg)
-            cnt = np.bincount(c.region, minlength=nreg)
-            for idx in np.flatnonzero(cnt).tolist():
-                r = st.regions[idx]
-                r.state, r.live_bytes, r.live_count = R.SEALED, int(live[idx]), int(cnt[idx])
-            st.live_total = int(meas.sum())
+            self._table.load_live(c.region, (c.rec_len + F.ALIGN - 1) // F.ALIGN * F.ALIGN + F.ENTRY + F.MAX_KEY)
 
     def _settle(self, valid: dict[int, R.Region], scanned: dict, dead: np.ndarray) -> tuple[Optional[int], int, int]:
         """A region to write into: the unsealed regions an earlier process left are sealed, or the newest
         filled on (``_to_resume``); then ``RegionChanger.settle`` leaves a region free and
         ``remove_surplus`` the files the capacity provisions.  Returns (the region resumed, objects
         dropped, reclamations run)."""
-        st = self._state
         resume = self._to_resume(valid, scanned, dead)
         for idx, sc in scanned.items():  # seal what an earlier process left unsealed
             if idx != resume:
                 self._io.seal_scanned(valid[idx], sc)
-        with st.wlock:
+        with self._locks.wlock:
             if resume is not None:
                 sc = scanned[resume]
                 try:
@@ -430,9 +424,9 @@ class SSDTier(Tier):
                 except OSError as e:
                     self._health.io_error(e, f"reopening {valid[resume].path}")
                     self._io.seal_scanned(valid[resume], sc)
-            gc_before = st.counters.gc_runs
+            gc_before = self._counters.gc_runs
             lost = self._changer.settle()  # never every region holding objects
-            moved = st.counters.gc_runs - gc_before
+            moved = self._counters.gc_runs - gc_before
             self._changer.remove_surplus()  # never more region files than the capacity provisions
         return resume, lost, moved
 
@@ -440,15 +434,14 @@ class SSDTier(Tier):
         """The region to fill on at open, if one must be: when every region holds live objects (no free
         one, none left to create), the newest if it is unsealed, has room and no dead-log entry names an
         offset at or after its last good record (those offsets will hold new records)."""
-        st = self._state
-        need = st.regions_needed()
-        mine = [r for r in st.regions.values() if not r.foreign]
+        need = self._cfg.regions_needed()
+        mine = [r for r in self._table.regions.values() if not r.foreign]
         free = sum(1 for r in mine if r.live_count == 0) + max(0, need - len(mine))
         if free or not valid:
             return None
         newest = max(valid.values(), key=lambda r: r.seq)
         sc = scanned.get(newest.index)
-        if sc is None or sc.end + (64 << 10) > F.summary_start(st.region_size, len(sc.entries), len(sc.keys)):
+        if sc is None or sc.end + (64 << 10) > F.summary_start(self._cfg.region_size, len(sc.entries), len(sc.keys)):
             return None
         return None if deadlog.names_from(dead, newest.index, newest.seq, sc.end) else newest.index
 
@@ -467,7 +460,7 @@ class SSDTier(Tier):
         if self._recovered is not None:
             c, self._recovered = self._recovered, None  # the tier keeps no keys once the store has them
         else:
-            with self._state.wlock:
+            with self._locks.wlock:
                 c = self._checkpointer.gather()
             c = reopen.take(c, np.lexsort((c.offset, c.seq)))
         pieces = L.piece_mask(c.key_len, c.key_start, c.keys)
@@ -495,11 +488,11 @@ class SSDTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self._state.live_total
+        return self._table.live_total
 
     @property
     def objects_lost(self) -> int:
-        return self._state.counters.objects_lost
+        return self._counters.objects_lost
 
     @property
     def available(self) -> bool:
@@ -511,32 +504,30 @@ class SSDTier(Tier):
     def _tick(self) -> None:
         """The lock watcher's call at every interval: a probe when one is due; skipped while a writer holds
         the files (it finds the fault's end itself, or the next tick does)."""
-        st = self._state
-        if not self._health.due() or self._closed or not st.wlock.acquire(blocking=False):
+        if not self._health.due() or self._closed or not self._locks.wlock.acquire(blocking=False):
             return
         try:
             if not self._closed and not self._checkpointer.lock_lost():
                 self._probe()
         finally:
-            st.wlock.release()
+            self._locks.wlock.release()
 
     def _probe(self) -> None:
         """Try again what a write needs: the directory and ``regions`` reachable (what a removal took is made
         again, ``Checkpointer.check_removed``) and the active region's header written again (the same
         bytes: a write the device must take).  Success ends the fault; a failure waits longer.  Caller
         holds ``wlock``."""
-        st = self._state
         try:
             self._checkpointer.check_removed(dirty=True)
-            os.stat(os.path.join(st.regions_dir, "."))  # (still missing, or unreachable: not yet)
-            r = st.active
+            os.stat(os.path.join(self._cfg.regions_dir, "."))  # (still missing, or unreachable: not yet)
+            r = self._table.active
             if r is not None and r.buf is not None and r.fd >= 0:
                 if r.written >= F.BLOCK:
                     R.pwrite_all(r.fd, memoryview(r.buf)[:F.BLOCK], 0)
                 elif not self._io.header_out():
                     raise OSError(f"writing the header of {r.path} failed")
-            elif not os.access(st.regions_dir, os.W_OK | os.X_OK):
-                raise PermissionError(f"{st.regions_dir} is not writable")
+            elif not os.access(self._cfg.regions_dir, os.W_OK | os.X_OK):
+                raise PermissionError(f"{self._cfg.regions_dir} is not writable")
         except OSError as e:
             self._health.failed(f"probe: {e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
             return
@@ -545,43 +536,40 @@ class SSDTier(Tier):
 
     @property
     def index_bytes(self) -> int:
-        return self._state.index.nbytes
+        return self._cat.index.nbytes
 
     def extra_stats(self) -> dict[str, Any]:
-        st = self._state
         fault = self._health.refusal()
         holder = self._health.lock_file.holder if self._health.lock_file is not None else None
-        with st.lock:
-            regions = [r for r in st.regions.values() if not r.foreign]
+        with self._locks.lock:
+            regions = [r for r in self._table.regions.values() if not r.foreign]
             large, pieces = self._large_count()
-            return {"path": st.path, "objects": max(0, len(st.index) - pieces), "large_objects": large,
-                    "compression": st.compression or "none",
-                    "checksum": st.checksum, "direct_io": st.direct_io, "region_size": st.region_size,
+            return {"path": self._cfg.path, "objects": max(0, len(self._cat.index) - pieces), "large_objects": large,
+                    "compression": self._cfg.compression or "none",
+                    "checksum": self._cfg.checksum, "direct_io": self._cfg.direct_io, "region_size": self._cfg.region_size,
                     "regions": len(regions), "regions_free": sum(r.state == R.FREE for r in regions),
-                    "index_bytes": st.index.nbytes, "recovered_from": self.recovered_from,
+                    "index_bytes": self._cat.index.nbytes, "recovered_from": self.recovered_from,
                     "writable": fault is None, "last_error": fault or "", "lock_holder": holder,
-                    **st.counters.as_dict()}
+                    **self._counters.as_dict()}
 
     def _large_count(self) -> tuple[int, int]:
-        """(large objects, their pieces) in the index (``large.py``).  Caller holds the state's ``lock``."""
-        st = self._state
-        if not st.has_large:
+        """(large objects, their pieces) in the index (``large.py``).  Caller holds ``EngineLocks.lock``."""
+        if not self._cat.has_large:
             return 0, 0
-        geom = st.geometry()
-        ix = st.index
+        geom = self._cfg.geometry()
+        ix = self._cat.index
         big = ix.raw_len[(ix.raw_len > geom.single) & (ix.digest > F.TOMB)].astype(np.int64)
         return len(big), int((-(-big // geom.piece)).sum())
 
     def close(self) -> None:
         if self._closed:
             return
-        st = self._state
         try:
-            with st.wlock:
-                if st.active is not None and not self._checkpointer.lock_lost():  # sealed: the next open
+            with self._locks.wlock:
+                if self._table.active is not None and not self._checkpointer.lock_lost():  # sealed: the next open
                     try:  # reads its summary, not its records
                         self._checkpointer.check_removed()
-                        self._changer.seal(st.active)
+                        self._changer.seal(self._table.active)
                     except OSError as e:
                         self._health.io_error(e, "sealing at close")
                 self._checkpointer.flush_locked(checkpoint=True)
@@ -589,16 +577,15 @@ class SSDTier(Tier):
             self._reader.shutdown()
             self._io.shutdown()
             super().close()
-            with st.wlock:
+            with self._locks.wlock:
                 self._io.close_fds()
-                st.active = None
+                self._table.deactivate()
                 if self._health.lock_file is not None:
                     self._health.lock_file.release()
 
     # -- deletes ----------------------------------------------------------------------------
     def _delete(self, keys: Sequence[str]) -> None:
-        st = self._state
-        with st.wlock:  # (reclamation may be moving these very objects)
+        with self._locks.wlock:  # (reclamation may be moving these very objects)
             first = self._unindex(keys)
             # The removals reach the dead log's file before the answer, as a write reaches its region's
             # file: a process killed after a removal never brings the object back beside writes made after
@@ -606,30 +593,26 @@ class SSDTier(Tier):
             # objects).  Durable on disk at the next flush (or now with ``fsync: "always"``); a failed
             # append leaves them pending for the flush.
             try:
-                st.dead.write(st.fsync == "always", start=first)
+                self._cat.dead.write(self._cfg.fsync == "always", start=first)
             except OSError as e:
                 self._health.io_error(e, "writing the dead log")
 
     def _unindex(self, keys: Sequence[str]) -> int:
         """Remove ``keys`` from the index (the dead log names their records, in ``pending``); returns where
         in ``pending`` their entries begin.  Caller holds ``wlock``."""
-        st = self._state
-        geom = st.geometry()
-        with st.lock:
-            first = len(st.dead.pending)
+        geom = self._cfg.geometry()
+        with self._locks.lock:
+            first = len(self._cat.dead.pending)
             for key in keys:
                 d = F.key_digest(key.encode())
-                e = st.index.get(d) if st.has_large else None
-                old = st.index.remove(d)
+                e = self._cat.index.get(d) if self._cat.has_large else None
+                old = self._cat.index.remove(d)
                 if old is not None:
-                    st.unlive(old[0], old[2])
-                    st.dead.add(old[0], old[1], st.regions[old[0]].seq)
-                    st.changed = True
+                    self._cat.retire(old)
                     if e is not None and e[3] > geom.single:  # a large object: its pieces go with it
-                        st.drop_pieces(d, 0, geom.layout(e[3])[0])
+                        self._cat.drop_pieces(d, 0, geom.layout(e[3])[0])
         return first
 
     def _contains(self, keys: Sequence[str]) -> list[bool]:
-        st = self._state
-        with st.lock:
-            return [st.index.find(F.key_digest(k.encode())) >= 0 for k in keys]
+        with self._locks.lock:
+            return [self._cat.index.find(F.key_digest(k.encode())) >= 0 for k in keys]
