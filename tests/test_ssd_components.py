@@ -135,3 +135,65 @@ def test_the_counters_are_typed_and_exported_under_their_names(tmp_path):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Subscript) and "counters" in ast.unparse(node.value):
                 raise AssertionError(f"{path.name}:{node.lineno}: a counter named by a subscript")
+
+
+def test_the_configuration_is_fixed_once_the_tier_is_open(tmp_path):
+    t = SSDTier("ssd", 8 * MiB, str(tmp_path / "s"), region_size="1MiB")
+    try:
+        cfg = t._state.config
+        assert cfg.region_size == MiB and cfg.regions_needed() == t.regions_needed()
+        with pytest.raises(AttributeError):
+            cfg.region_size = 2 * MiB
+        with pytest.raises(AttributeError):
+            cfg.adopt_region_size(2 * MiB)
+        assert cfg.region_size == MiB and cfg.geometry().region_size == MiB
+    finally:
+        t.close()
+
+
+def test_the_region_table_and_the_catalogue_keep_live_bytes_and_the_dead_log_together(tmp_path):
+    """What the owners promise: ``live_total`` is the regions' live bytes summed, whatever writes, replacements,
+    removals and region changes did; a retired record is named in the dead log."""
+    t = SSDTier("ssd", 8 * MiB, str(tmp_path / "s"), region_size="1MiB")
+    try:
+        table, cat = t._state.table, t._state.catalogue
+        for rnd in range(3):  # (replacements, and enough bytes for several regions)
+            assert t.write([key(i) for i in range(60)], [[blob(i + rnd, 40_000)] for i in range(60)]) == [True] * 60
+        t.delete([key(i) for i in range(0, 60, 3)])
+        with t._state.locks.lock:
+            assert table.live_total == sum(r.live_bytes for r in table.regions.values()) > 0
+            assert sum(r.live_count for r in table.regions.values()) == len(cat.index) == 40
+            assert len(cat.dead.pending) + cat.dead.size() > 0 and cat.changed
+        with pytest.raises(AttributeError):
+            table.live_total = 0  # type: ignore[misc]  (changed through the table's methods only)
+        with pytest.raises(AttributeError):
+            cat.changed = False  # type: ignore[misc]
+    finally:
+        t.close()
+
+
+def _chain(node: ast.AST) -> list[str]:
+    """The attribute names ``node`` (an attribute or subscript) reaches through: ``a._cat.index.x[i]`` -> ``[x,
+    index, _cat]``."""
+    names = []
+    while isinstance(node, (ast.Attribute, ast.Subscript)):
+        if isinstance(node, ast.Attribute):
+            names.append(node.attr)
+        node = node.value
+    return names
+
+
+def test_no_component_assigns_the_owners_fields():
+    """The components change the region table, the catalogue and the configuration through their methods:
+    no assignment to an attribute of them or into one (``self._cat.index.digest[...] = ...``), and a
+    region's live counts change in ``regiontable.py`` alone."""
+    owners = {"_table", "_cat", "_cfg", "_locks"}
+    for path in sorted(SSD.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, (ast.Attribute, ast.Subscript)) or not isinstance(node.ctx, ast.Store):
+                continue
+            chain = _chain(node)
+            assert not owners & set(chain[1:] if isinstance(node, ast.Attribute) else chain), (
+                f"{path.name}:{node.lineno}: assigns {ast.unparse(node)}")
+            if chain and chain[0] in ("live_bytes", "live_count", "live_total", "_live_total"):
+                assert path.name in ("regiontable.py", "region.py"), f"{path.name}:{node.lineno}: {ast.unparse(node)}"
