@@ -175,7 +175,8 @@ def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
     keys = list(keys)
     if each and keys:
         # C passes for the common case (ASCII, or short, strings without '/' or NUL); the exact check otherwise
-        lens = set(map(len, keys)) if set(map(type, keys)) == _STR else None  # (one pass: a few lengths)
+        # (every one exactly a str: ``count`` meets the same type object each time; then a few lengths)
+        lens = set(map(len, keys)) if list(map(type, keys)).count(str) == len(keys) else None
         if lens and min(lens):
             longest = max(lens)
             joined = "".join(keys)
@@ -187,5 +188,3 @@ def check_keys(keys: Any, what: str = "keys", each: bool = True) -> list[str]:
             check_key(k)
     return keys
 
-
-_STR = {str}
