@@ -294,7 +294,8 @@ class IndexQueries:
         slots = self._slots
         if self.ready_count == len(slots):
             return map(slots.__contains__, keys)
-        return map(_gt, map(slots.get, keys, _ZERO), _ZERO)  # (absent: 0; RESERVED < 0; doomed: TypeError)
+        vals: Iterator[Any] = map(slots.get, keys, _ZERO)  # (absent: 0; RESERVED < 0; doomed: an Entry)
+        return map(_gt, vals, _ZERO)  # (an Entry: TypeError)
 
     def ready_sizes(self, keys: list[str]) -> list[int]:
         """nbytes of each key READY here, -1 for any other."""
