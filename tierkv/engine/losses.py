@@ -5,9 +5,10 @@ removed behind it: ``Tier.objects_lost`` rises).  Its level's index would then s
 ``lookup`` / ``contains`` / ``locate`` answer hits that every ``get`` misses.  So whenever a medium's
 ``objects_lost`` has risen since the last look (after a put, and at every ``flush``), the level's
 READY keys are asked of the medium (one ``contains`` batch) and those it no longer holds are dropped
-from the level, as a failed read drops a copy; a key no other level holds is told to the removal
-listeners.  Costs nothing while no medium loses anything (one integer read per persistent level);
-counting the lost chunks (``DropReason.LOST``) stays with ``TieredStore.flush``.
+from the level, as a failed read drops a copy (a lease that held one lists it in ``unheld`` and
+releases its pin); a key no other level holds is told to the removal listeners.  Costs nothing
+while no medium loses anything (one integer read per persistent level); counting the lost chunks
+(``DropReason.LOST``) stays with ``TieredStore.flush``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 
 from tierkv.engine.chain import Chain
+from tierkv.engine.leases import LeaseBook
 from tierkv.engine.observers import RemovalListeners
 from tierkv.engine.tierio import TierIO
 
@@ -24,8 +26,9 @@ log = logging.getLogger("tierkv")
 class Losses:
     """Per persistent level, the medium's ``objects_lost`` as of the last look (see the module docstring)."""
 
-    def __init__(self, chain: Chain, io: TierIO, removals: RemovalListeners) -> None:
+    def __init__(self, chain: Chain, io: TierIO, removals: RemovalListeners, leases: LeaseBook) -> None:
         self._chain = chain
+        self._leases = leases  # a lease holding a lost chunk says it no longer does (``unheld``)
         self._removals = removals  # told of the chunks a loss took from every tier
         self._io = io
         self._seen: dict[int, int] = {}
@@ -63,6 +66,7 @@ class Losses:
             return
         with chain.lock:
             gone = [key for key in gone if lvl.holds(key)]
+            self._leases.let_go(lvl, gone)
             for key in gone:
                 lvl.drop(key)
             nowhere = [key for key in gone if not any(o.holds(key) for o in chain.levels if o.managed)]
