@@ -51,6 +51,7 @@ class Checkpointer:
 
     def __init__(self, cfg: EngineConfig, table: RegionTable, cat: Catalogue, locks: EngineLocks, counters: SSDCounters,
                  health: Health, io: RegionIO) -> None:
+        # (the owners, as ``state.py`` lists them: alike in each component's constructor, as each uses all five)
         self._cfg, self._table, self._cat, self._locks, self._counters = cfg, table, cat, locks, counters
         self._health = health
         self._io = io
@@ -264,7 +265,6 @@ class Checkpointer:
                     r.entries = r.keys = None
                     r.direct = set()
                     self._table.deactivate()
-                r.state = R.FREE
             self._io.close_region_fd(r)  # (reused later as a new file)
         with self._locks.lock:  # (counted as chunks stored: a large object once, whatever became of its pieces)
             lost = self._cat.lose(np.concatenate([g[0] for g in gone]), np.concatenate([g[1] for g in gone])) if gone else 0

@@ -82,6 +82,7 @@ class RecordReader:
 
     def __init__(self, cfg: EngineConfig, table: RegionTable, cat: Catalogue, locks: EngineLocks, counters: SSDCounters,
                  health: Health, threads: int) -> None:
+        # (the owners, as ``state.py`` lists them: alike in each component's constructor, as each uses all five)
         self._cfg, self._table, self._cat, self._locks, self._counters = cfg, table, cat, locks, counters
         self._health = health
         self._threads = threads

@@ -42,6 +42,7 @@ class RegionChanger:
 
     def __init__(self, cfg: EngineConfig, table: RegionTable, cat: Catalogue, locks: EngineLocks, counters: SSDCounters,
                  health: Health, io: RegionIO, reclaimer: Reclaimer, checkpointer: Checkpointer) -> None:
+        # (the owners, as ``state.py`` lists them: alike in each component's constructor, as each uses all five)
         self._cfg, self._table, self._cat, self._locks, self._counters = cfg, table, cat, locks, counters
         self._health = health
         self._io = io
@@ -72,9 +73,7 @@ class RegionChanger:
         Files not yet created are offered only as far as the file system can take them (``_files_room``;
         none unless ``allow_new``): the second value says whether it, not the provisioning, set the limit."""
         with self._locks.lock:
-            for r in self._table.regions.values():
-                if r.state == R.SEALED and r.live_count == 0 and not r.foreign:
-                    r.state = R.FREE
+            self._table.free_empty()
         free = [i for i, r in sorted(self._table.regions.items()) if r.state == R.FREE and not r.foreign]
         usable = sum(1 for r in self._table.regions.values() if not r.foreign)
         want = self._cfg.regions_needed() - usable
@@ -214,12 +213,11 @@ class RegionChanger:
         self._io.note_dirty(r.fd)
         with self._locks.lock:  # readers copy from the image under this lock: none is using it now
             r.sum_start = start
-            r.state = R.SEALED
             self._io.give_back(r.buf)
             r.buf = None
             r.entries = r.keys = None
             r.direct = set()
-            self._table.deactivate()
+            self._table.sealed(r)
             self._cat.mark_changed()
         self._checkpointer.note_sealed()
 
@@ -240,7 +238,6 @@ class RegionChanger:
         self._table.note_image(self._io.address_of(image))
         with self._locks.lock:
             r.buf = image
-            r.state = R.ACTIVE
             r.pos = end
             r.written = start if self._cfg.direct_io else end
             r.entries = bytearray(entries)

@@ -14,6 +14,7 @@ the writer alone, under ``wlock``.  The table itself takes no lock.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Optional
 
 import numpy as np
@@ -80,12 +81,31 @@ class RegionTable:
         self._image_addr = addr
 
     def activate(self, r: R.Region) -> None:
-        """``r`` is the region written from now on."""
+        """``r`` (its image begun: ``Region.start``, or resumed) is the region written from now on."""
+        r.state = R.ACTIVE
         self._active = r
 
-    def deactivate(self) -> None:
-        """No region is active (sealed, its file removed, or the tier closing)."""
+    def sealed(self, r: R.Region) -> None:
+        """The active region ``r`` was sealed (its summary on its way): no region is active until the next
+        begins."""
+        r.state = R.SEALED
         self._active = None
+
+    def deactivate(self) -> None:
+        """No region is active (its file removed, or the tier closing)."""
+        self._active = None
+
+    def found(self, r: R.Region, seq: int) -> None:
+        """At open: ``r`` is a region of this directory's size, of ``seq``; sealed until its objects are
+        counted (``load_live``)."""
+        r.seq = seq
+        r.state = R.SEALED
+
+    def free_empty(self) -> None:
+        """Every sealed region of ours holding no live object becomes free (reusing it costs no copy)."""
+        for r in self.regions.values():
+            if r.state == R.SEALED and r.live_count == 0 and not r.foreign:
+                r.state = R.FREE
 
     # -- live bytes ----------------------------------------------------------------------------
     def enliven(self, r: R.Region, rec_len: int) -> None:
@@ -120,13 +140,20 @@ class RegionTable:
         r.live_bytes = r.live_count = 0
 
     def emptied(self, r: R.Region) -> None:
-        """Region ``r``'s objects are gone with its file, uncounted one by one: its live bytes leave the total."""
+        """Region ``r``'s objects are gone with its file, uncounted one by one: its live bytes leave the total,
+        and it is free (its file is made again when it is reused)."""
         self._live_total -= r.live_bytes
         r.live_bytes = r.live_count = 0
+        r.state = R.FREE
 
-    def load_live(self, region: np.ndarray, measured: np.ndarray) -> None:
-        """At open: the objects kept, by region (``region``) and ``format.measure`` (``measured``); every
-        region holding one is sealed, with its live bytes and count, and ``live_total`` their sum."""
+    def load_live(self, valid: Iterable[R.Region], region: np.ndarray, measured: np.ndarray) -> None:
+        """At open: the objects kept, by region (``region``) and ``format.measure`` (``measured``); of the
+        regions ``valid`` (those ``found``), each holding one is sealed, with its live bytes and count, the
+        others free; ``live_total`` is their sum."""
+        for r in valid:
+            r.state = R.FREE
+        if not len(region):
+            return
         nreg = int(region.max()) + 1
         live = np.bincount(region, weights=measured, minlength=nreg)
         cnt = np.bincount(region, minlength=nreg)

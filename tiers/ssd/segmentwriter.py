@@ -106,6 +106,7 @@ class SegmentWriter:
 
     def __init__(self, cfg: EngineConfig, table: RegionTable, cat: Catalogue, locks: EngineLocks, counters: SSDCounters,
                  health: Health, io: RegionIO, changer: RegionChanger, checkpointer: Checkpointer) -> None:
+        # (the owners, as ``state.py`` lists them: alike in each component's constructor, as each uses all five)
         self._cfg, self._table, self._cat, self._locks, self._counters = cfg, table, cat, locks, counters
         self._health = health
         self._io = io

@@ -11,6 +11,11 @@ component the ones it needs (constructor arguments).  No component holds an ``En
 
 Owners elsewhere: ``Health`` (``health.py``) the fault and the directory's lock, the ``Checkpointer`` its
 bookkeeping, ``RegionIO`` the files that owe an fsync and the region images.
+
+``SegmentWriter``, ``RecordReader``, ``RegionChanger``, ``Reclaimer`` and ``Checkpointer`` each use all five
+owners, so their constructors begin alike ``(config, table, catalogue, locks, counters, health, io)``;
+they stay separate arguments (``RegionIO`` takes the two it uses) so that a component names what it uses
+and the owners are never one bundle that every component reaches through.
 """
 
 from __future__ import annotations

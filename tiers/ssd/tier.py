@@ -352,8 +352,7 @@ class SSDTier(Tier):
                 r.foreign = True
                 self._counters.skipped_files += 1
                 continue
-            r.seq = h.seq
-            r.state = R.SEALED
+            self._table.found(r, h.seq)
             valid[idx] = r
         return valid
 
@@ -402,10 +401,8 @@ class SSDTier(Tier):
             self._cat.index.load_table(ckpt.table)  # every object the checkpoint lists is current: its index as is
         else:
             self._cat.index.bulk_load(c.digest, c.region, c.offset, c.rec_len, c.raw_len)  # (stored as uint32 there)
-        for r in valid.values():
-            r.state = R.FREE
-        if len(c.digest):
-            self._table.load_live(c.region, (c.rec_len + F.ALIGN - 1) // F.ALIGN * F.ALIGN + F.ENTRY + F.MAX_KEY)
+        self._table.load_live(valid.values(), c.region,
+                              (c.rec_len + F.ALIGN - 1) // F.ALIGN * F.ALIGN + F.ENTRY + F.MAX_KEY)
 
     def _settle(self, valid: dict[int, R.Region], scanned: dict, dead: np.ndarray) -> tuple[Optional[int], int, int]:
         """A region to write into: the unsealed regions an earlier process left are sealed, or the newest
