@@ -18,6 +18,12 @@ different instances.  Back ends, one after another in one run:
     limit     ONE instance, no connector, serving all the traffic with a vLLM KV cache of --pool bytes: the pool's
               capacity as prefix cache, with no routing to defeat it - the hit rate a shared pool can at best reach
 
+``--rounds N`` plays the workload N times, the back ends' order reversed every other round (round 1 as
+``--backends`` names them, round 2 the other way round, round 3 as round 1, ...), so a back end that ran last,
+when the machine was busiest, runs first in the next round; every run of every round starts a fresh cluster (its
+own servers, an empty pool).  The ``limit`` runs once, in round 1.  The 1-minute load average is recorded at the
+start and the end of each measured run.  One round (the default) is the run as it always was.
+
 Every instance of the cluster back ends has the same small vLLM KV cache (``--kv-cache-prompts`` x the
 concurrent requests per instance x the longest request, as ``bench_serve.py`` sizes it), so each instance's own
 prefix cache evicts; the limit's is the pool's size instead.
@@ -40,7 +46,11 @@ Reported per back end (table, and ``--json``):
   the two shares apart as ``local`` and ``connector``; for tierkv, its connector hits by the tier that served
   them (``tierkv_connector_hit_tokens_total{tier}``: ``dram`` the instance's own, ``dram_pool`` the shared pool);
 * TTFT median and p99 (client side: request sent to first streamed token), over every measured request;
-* throughput: completed requests and prompt tokens per second of the measured run's wall time.
+* throughput: completed requests and prompt tokens per second of the measured run's wall time;
+* each round's runs (``rounds`` in the JSON) with their load average, and every back end's ratios to mooncake
+  (TTFT p50, p90, p99, req/s; ``vs_mooncake``): per round, the median of the per-round ratios and the ratio of
+  the pooled figures.  With several rounds the main table (``results``) holds each back end's rounds pooled: hit
+  rate over every round's prompt tokens, TTFT over every request, throughput over the rounds' summed wall time.
 
 ``ideal`` is the workload's own bound: the share of prompt tokens whose block-aligned prefix an earlier request
 already carried (vLLM computes at least a prompt's last token), with unbounded caches and no concurrency.
@@ -52,13 +62,17 @@ cores and time-slice them, and the single limit instance gets the same cores alo
 one after another; between them every server and pool process of the previous one is stopped, and the next
 measured run starts only after ``--settle`` seconds and a quarter-second in which the CPUs were under 15 % busy
 (``bench_serve.settle``).  Each instance is warmed with requests outside the workload before measuring.  The
-machine's other users are not controlled: compare back ends of one run, not runs.
+machine's other users are not controlled: compare back ends of one run, not runs, and with several rounds
+rather than one (each round's load average says how busy the machine was).
 
 A run fails (non-zero exit, the failures named) when any request fails or returns fewer tokens than asked, when a
-back end completes no request, or when a server's /metrics cannot be read: every figure is of work done.
+back end completes no request, or when a server's /metrics cannot be read: every figure is of work done.  With
+several rounds, a back end's failure in one round is named with its round; the other runs go on and the exit
+status is non-zero still.
 
     python bench/bench_cluster.py [--instances 2] [--route rr] [--backends none,mooncake,tierkv,limit]
-                                  [--sessions 24] [--turns 4] [--concurrency 4] [--json out.json] [--quick]
+                                  [--sessions 24] [--turns 4] [--concurrency 4] [--rounds 1]
+                                  [--json out.json] [--quick]
 """
 
 from __future__ import annotations
@@ -298,13 +312,85 @@ def summarise(results: list[Result], wall: float, before: list[dict[str, float]]
         "requests": len(results), "wall_s": wall,
         "hit_rate": (local + ext) / asked, "local_hit_rate": local / asked, "connector_hit_rate": ext / asked,
         "prompt_tokens_asked": asked, "local_hit_tokens": local, "connector_hit_tokens": ext,
-        "ttft_p50_ms": float(np.percentile(ttfts, 50)) * 1000, "ttft_p99_ms": float(np.percentile(ttfts, 99)) * 1000,
+        "ttft_p50_ms": float(np.percentile(ttfts, 50)) * 1000, "ttft_p90_ms": float(np.percentile(ttfts, 90)) * 1000,
+        "ttft_p99_ms": float(np.percentile(ttfts, 99)) * 1000,
         "ttft_mean_ms": statistics.fmean(ttfts) * 1000,
         "req_per_s": len(results) / wall, "prompt_tok_per_s": sum(r.prompt_tokens for r in results) / wall,
         "output_tok_per_s": sum(r.output_tokens for r in results) / wall,
         "per_instance_requests": [sum(1 for r in results if r.instance == i) for i in range(len(before))],
         "moved": moved(results),
     }
+
+
+# -- rounds ----------------------------------------------------------------------------------
+#: the figures compared with the reference back end, each a ratio (back end / reference) of the same round
+RATIO_KEYS = ("ttft_p50_ms", "ttft_p90_ms", "ttft_p99_ms", "req_per_s")
+
+
+def round_order(backends: list[str], r: int) -> list[str]:
+    """The back ends of round ``r`` (0-based), in the order they run: ``backends`` as given in round 0 and every
+    even round, reversed in every odd one, so each back end runs early in some rounds and late in others.  The
+    ``limit`` runs once, in round 0 at its given place: it bounds the hit rate, which does not vary by round."""
+    if r < 0:
+        raise ValueError(f"a round is numbered from 0, got {r}")
+    if r == 0:
+        return list(backends)
+    cluster = [b for b in backends if b != "limit"]
+    return cluster if r % 2 == 0 else cluster[::-1]
+
+
+def ratios(run: dict[str, Any], ref: dict[str, Any]) -> dict[str, float]:
+    """``run``'s ``RATIO_KEYS`` over ``ref``'s (below 1 is faster for a TTFT, slower for ``req_per_s``); a figure
+    missing from either, or zero in ``ref``, is left out."""
+    return {k: run[k] / ref[k] for k in RATIO_KEYS if run.get(k) is not None and ref.get(k)}
+
+
+def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One back end's rounds as one run: hit rates over the prompt tokens of every round, TTFT percentiles over
+    every request of every round (``bench_serve.pooled_ttfts``), throughput as requests (and tokens) over the
+    rounds' summed wall time, ``moved`` their mean (each round routes the same number of later turns)."""
+    if not runs:
+        raise ValueError("no run to pool")
+    asked = sum(r["prompt_tokens_asked"] for r in runs)
+    local = sum(r["local_hit_tokens"] for r in runs)
+    ext = sum(r["connector_hit_tokens"] for r in runs)
+    wall = sum(r["wall_s"] for r in runs)
+    requests = sum(r["requests"] for r in runs)
+    ttfts_ms = [x for r in runs for x in r["ttfts_ms"]]
+    pc = B.pooled_ttfts({"_": [{"ttfts": [x / 1000 for x in ttfts_ms]}]}).get("_")
+    if pc is None:
+        raise ValueError("the runs carry no TTFT")
+    by_tier: dict[str, float] = {}
+    for r in runs:
+        for tier, v in r.get("tierkv_hit_tokens_by_tier", {}).items():
+            by_tier[tier] = by_tier.get(tier, 0.0) + v
+    return {
+        "rounds": len(runs), "requests": requests, "wall_s": wall, "instances": runs[0]["instances"],
+        "hit_rate": (local + ext) / asked, "local_hit_rate": local / asked, "connector_hit_rate": ext / asked,
+        "prompt_tokens_asked": asked, "local_hit_tokens": local, "connector_hit_tokens": ext,
+        "ttft_p50_ms": pc["50"], "ttft_p90_ms": pc["90"], "ttft_p99_ms": pc["99"],
+        "ttft_mean_ms": statistics.fmean(ttfts_ms), "req_per_s": requests / wall,
+        "prompt_tok_per_s": sum(r["prompt_tok_per_s"] * r["wall_s"] for r in runs) / wall,
+        "output_tok_per_s": sum(r["output_tok_per_s"] * r["wall_s"] for r in runs) / wall,
+        "moved": statistics.fmean(r["moved"] for r in runs), "tierkv_hit_tokens_by_tier": by_tier,
+    }
+
+
+def compare(rounds: list[dict[str, dict[str, Any]]], pooled: dict[str, dict[str, Any]],
+            ref: str = "mooncake") -> dict[str, dict[str, Any]]:
+    """Every back end's figures against ``ref``'s: per round (``per_round``: the rounds both completed, each with
+    its ``round`` number from 1), the median of those per-round ratios (``median``) and the ratio of the pooled
+    figures (``pooled``).  {} when ``ref`` completed no round."""
+    if ref not in pooled:
+        return {}
+    out: dict[str, dict[str, Any]] = {}
+    for name in pooled:
+        if name == ref:
+            continue
+        per = [{"round": i + 1} | ratios(rd[name], rd[ref]) for i, rd in enumerate(rounds) if name in rd and ref in rd]
+        med = {k: statistics.median(vs) for k in RATIO_KEYS if (vs := [p[k] for p in per if k in p])}
+        out[name] = {"per_round": per, "median": med, "pooled": ratios(pooled[name], pooled[ref])}
+    return out
 
 
 # -- servers ---------------------------------------------------------------------------------
@@ -395,10 +481,12 @@ def run_backend(name: str, args: argparse.Namespace, model: str, work: Path, bas
             print(f"[{name}] instance {i + 1} healthy after {took:.0f}s on port {srv.port}", file=sys.stderr,
                   flush=True)
         waited = B.settle(args.settle) if args.settle > 0 else 0.0
+        load_start = os.getloadavg()[0]
         before = [B.scrape(s) for s in servers]
         tiers_before = [tier_hits(_page(s)) for s in servers]
         router = Router(len(servers), args.route, seed=args.seed)
         results, wall = play([s.base_url for s in servers], router, sessions, args.concurrency, args.output_len)
+        load_end = os.getloadavg()[0]
         time.sleep(0.5)  # the last step's stats reach /metrics at the engine's next log interval
         after = [B.scrape(s) for s in servers]
         tiers_after = [tier_hits(_page(s)) for s in servers]
@@ -414,11 +502,12 @@ def run_backend(name: str, args: argparse.Namespace, model: str, work: Path, bas
             for tier, v in a.items():
                 by_tier[tier] = by_tier.get(tier, 0.0) + v - b.get(tier, 0.0)
         out |= {"instances": instances, "tierkv_hit_tokens_by_tier": by_tier, "kv_cache_bytes": cache_bytes,
-                "settled_s": waited,
+                "settled_s": waited, "load1_start": load_start, "load1_end": load_end,
                 "ttfts_ms": [r.ttft * 1000 for r in results if r.ttft is not None]}
         print(f"[{name}] {out['requests']} requests in {wall:.1f}s: hit {out['hit_rate']:.3f} "
               f"(local {out['local_hit_rate']:.3f}, connector {out['connector_hit_rate']:.3f}), TTFT p50 "
-              f"{out['ttft_p50_ms']:.0f} ms p99 {out['ttft_p99_ms']:.0f} ms, {out['req_per_s']:.2f} req/s"
+              f"{out['ttft_p50_ms']:.0f} ms p99 {out['ttft_p99_ms']:.0f} ms, {out['req_per_s']:.2f} req/s, "
+              f"load average {load_start:.1f} -> {load_end:.1f}"
               + (f"; tierkv's hits by tier {by_tier}" if by_tier else ""),
               file=sys.stderr, flush=True)
         return out
@@ -452,6 +541,34 @@ def _positive(ap: argparse.ArgumentParser, args: argparse.Namespace, *names: str
             ap.error(f"--{n.replace('_', '-')} must be at least 1, got {getattr(args, n)}")
 
 
+def _print_rounds(rounds: list[dict[str, dict[str, Any]]], vs: dict[str, dict[str, Any]], n: int) -> None:
+    """Each round's runs in the order they ran, with the 1-minute load average at their start and end, then every
+    back end's ratios to mooncake: per round, their median and the pooled figures'."""
+    print(f"\nper round (back ends in the order they ran; load = the 1-minute load average at the measured run's "
+          f"start -> end){'' if n > 1 else '; one round'}")
+    print(f"{'round':>5}  {'backend':<10}{'load':>12}{'hit':>8}{'TTFT p50':>10}{'TTFT p90':>10}{'TTFT p99':>10}"
+          f"{'req/s':>8}")
+    for rd in rounds:
+        for name, r in rd.items():
+            load = f"{r['load1_start']:.1f}->{r['load1_end']:.1f}"
+            print(f"{r['round']:>5}  {name:<10}{load:>12}{r['hit_rate']:>8.3f}{r['ttft_p50_ms']:>10.0f}"
+                  f"{r['ttft_p90_ms']:>10.0f}{r['ttft_p99_ms']:>10.0f}{r['req_per_s']:>8.2f}")
+    if not vs:
+        return
+    print("\nratios to mooncake (TTFT p50, p90, p99, req/s: below 1 is faster TTFT, above 1 more throughput): "
+          "per round, the median of the per-round ratios, and the pooled figures' ratio")
+
+    def row(label: str, name: str, d: dict[str, float]) -> str:
+        return f"{label:>7}  {name:<10}" + "".join(f"{d[k]:>10.2f}" if k in d else f"{'-':>10}" for k in RATIO_KEYS)
+
+    print(f"{'':>7}  {'backend':<10}" + "".join(f"{h:>10}" for h in ("p50", "p90", "p99", "req/s")))
+    for name, v in vs.items():
+        for p in v["per_round"]:
+            print(row(f"round {p['round']}", name, p))
+        print(row("median", name, v["median"]))
+        print(row("pooled", name, v["pooled"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--instances", type=int, default=2, help="vLLM servers per cluster back end (2 or more)")
@@ -479,6 +596,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tierkv-te", action="store_true",
                     help="attach tierkv's dram_pool through the Transfer Engine instead of IPC")
     ap.add_argument("--cpus", default=None, help="cores every server runs on, e.g. 0,1 (default: all of ours)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="play the workload this many times, the back ends' order reversed every other round "
+                         "(round 1 as --backends names them, round 2 the other way, ...), each back end's cluster "
+                         "fresh every round; the limit runs once, in round 1; figures per round and pooled, with "
+                         "ratios to mooncake per round, their median and pooled")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--settle", type=float, default=2.0,
                     help="seconds to wait before each measured run, then until the CPUs are quiet (0: not at all)")
@@ -494,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         args.layers, args.hidden, args.heads = 2, 256, 4
         args.block_size, args.pool, args.dram = 32, "256MiB", "64MiB"
     _positive(ap, args, "instances", "sessions", "turns", "system_prompts", "system_len", "user_len", "reply_len",
-              "output_len", "concurrency", "layers", "hidden", "heads", "block_size")
+              "output_len", "concurrency", "layers", "hidden", "heads", "block_size", "rounds")
     if args.vocab < 2:
         ap.error(f"--vocab must be at least 2, got {args.vocab}")
     if args.kv_cache_prompts <= 0:
@@ -549,19 +671,30 @@ def main(argv: list[str] | None = None) -> int:
                      "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"})
     base_env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # see bench_serve.py: no core kept off a forward
 
-    results: dict[str, dict[str, Any]] = {}
-    failed: dict[str, str] = {}
+    rounds: list[dict[str, dict[str, Any]]] = []  # per round, the back ends that completed it, in run order
+    failed: dict[str, str] = {}  # a failure's key: the back end (one round), "NAME round R" (several)
     try:
-        for name in backends:
-            try:
-                results[name] = run_backend(name, args, model, work, base_env, sessions, max_len, kv_bytes,
-                                            pool_bytes, cpus)
-            except RuntimeError as e:
-                failed[name] = str(e)
-                print(f"[{name}] FAILED: {e}", file=sys.stderr, flush=True)
+        for r in range(args.rounds):
+            rounds.append({})
+            for pos, name in enumerate(round_order(backends, r)):
+                if args.rounds > 1:
+                    print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
+                try:
+                    out = run_backend(name, args, model, work, base_env, sessions, max_len, kv_bytes, pool_bytes,
+                                      cpus)
+                except RuntimeError as e:
+                    failed[name if args.rounds == 1 else f"{name} round {r + 1}"] = str(e)
+                    print(f"[{name}] FAILED: {e}", file=sys.stderr, flush=True)
+                    continue
+                rounds[r][name] = out | {"round": r + 1, "position": pos + 1}
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
+    # one round: its runs as they are; several: each back end's rounds pooled
+    names = [b for b in backends if any(b in rd for rd in rounds)]
+    results = (rounds[0] if args.rounds == 1
+               else {n: pool_runs([rd[n] for rd in rounds if n in rd]) for n in names})
+    vs_mooncake = compare(rounds, results)
 
     print(f"\n{args.instances} vLLM instances per cluster back end, routed {args.route}, on cores "
           f"{','.join(map(str, sorted(cpus)))}; {args.sessions} sessions x {args.turns} turns ({requests} requests), "
@@ -569,7 +702,9 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.reply_len} tokens, {args.output_len} output tokens, {args.concurrency} clients; model "
           f"{args.layers} layers x hidden {args.hidden} (float32), block {args.block_size}; vLLM KV cache "
           f"{kv_bytes >> 20} MiB per instance ({kv_bytes // kv_per_token} tokens), pool and limit's cache "
-          f"{pool_bytes >> 20} MiB ({pool_bytes // kv_per_token} tokens); workload's ideal hit rate {ideal:.3f}")
+          f"{pool_bytes >> 20} MiB ({pool_bytes // kv_per_token} tokens); workload's ideal hit rate {ideal:.3f}"
+          + (f"; {args.rounds} rounds, each back end's pooled (hit rate over every round's prompt tokens, TTFT over "
+             f"every request, req/s over the summed wall time)" if args.rounds > 1 else ""))
     print(f"{'backend':<10}{'inst':>5}{'hit':>8}{'local':>8}{'conn':>8}{'TTFT p50':>10}{'TTFT p99':>10}"
           f"{'req/s':>8}{'ptok/s':>9}{'moved':>7}")
     for name, r in results.items():
@@ -587,12 +722,14 @@ def main(argv: list[str] | None = None) -> int:
             shares = {t: v / r["prompt_tokens_asked"] for t, v in r["tierkv_hit_tokens_by_tier"].items()}
             print(f"{name}: connector hits by tier (share of prompt tokens, tierkv_connector_hit_tokens_total): "
                   + ", ".join(f"{t} {v:.3f}" for t, v in shares.items()))
+    _print_rounds(rounds, vs_mooncake, args.rounds)
     for name, e in failed.items():
         print(f"{name}: FAILED: {e.splitlines()[0]}")
     if args.json:
         out = {"args": vars(args), "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                "cpus": sorted(cpus), "requests": requests, "ideal_hit_rate": ideal, "kv_cache_bytes": kv_bytes,
-               "pool_bytes": pool_bytes, "max_model_len": max_len, "results": results, "failed": failed}
+               "pool_bytes": pool_bytes, "max_model_len": max_len, "results": results, "failed": failed,
+               "rounds": rounds, "vs_mooncake": vs_mooncake}
         Path(args.json).write_text(json.dumps(out, indent=1, default=str))
         print(f"wrote {args.json}")
     return 1 if failed else 0

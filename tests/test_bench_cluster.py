@@ -101,7 +101,8 @@ def test_bad_options_are_refused_in_one_line(capsys) -> None:
                        (["--backends", "none,none"], "twice"),
                        (["--route", "hash"], "invalid choice"),
                        (["--pool", "lots"], "--pool: not a size"),
-                       (["--sessions", "0"], "--sessions must be at least 1")):
+                       (["--sessions", "0"], "--sessions must be at least 1"),
+                       (["--rounds", "0"], "--rounds must be at least 1")):
         with pytest.raises(SystemExit) as e:
             C.main(argv)
         assert e.value.code != 0
@@ -195,3 +196,71 @@ def test_tier_hits_reads_tierkvs_hit_tokens_per_tier() -> None:
         'vllm:external_prefix_cache_hits_total{engine="0",model_name="tiny"} 512.0'])
     assert C.tier_hits(page) == {"dram": 192.0, "dram_pool": 320.0}
     assert C.tier_hits("") == {}
+
+
+def test_rounds_alternate_the_order_and_run_the_limit_once() -> None:
+    given = ["none", "mooncake", "tierkv", "limit"]
+    assert C.round_order(given, 0) == given
+    assert C.round_order(given, 1) == ["tierkv", "mooncake", "none"]
+    assert C.round_order(given, 2) == ["none", "mooncake", "tierkv"]
+    assert C.round_order(given, 3) == ["tierkv", "mooncake", "none"]
+    assert C.round_order(["limit", "tierkv", "none"], 1) == ["none", "tierkv"]
+    # over an even number of rounds every cluster back end sums the same positions
+    four = [C.round_order(given, r) for r in range(4)]
+    places = {b: sum(o.index(b) for o in four) for b in ("none", "mooncake", "tierkv")}
+    assert len(set(places.values())) == 1
+    with pytest.raises(ValueError):
+        C.round_order(given, -1)
+
+
+def _run(p50: float, p90: float, p99: float, rps: float, *, requests: int = 10, ttfts: list[float] | None = None,
+         asked: float = 100.0, local: float = 30.0, ext: float = 20.0) -> dict:
+    wall = requests / rps
+    return {"ttft_p50_ms": p50, "ttft_p90_ms": p90, "ttft_p99_ms": p99, "req_per_s": rps, "requests": requests,
+            "wall_s": wall, "prompt_tokens_asked": asked, "local_hit_tokens": local, "connector_hit_tokens": ext,
+            "ttfts_ms": ttfts if ttfts is not None else [p50] * requests, "instances": 2,
+            "prompt_tok_per_s": asked / wall, "output_tok_per_s": 4 * requests / wall, "moved": 0.5,
+            "tierkv_hit_tokens_by_tier": {}}
+
+
+def test_ratios_per_round_their_median_and_the_pooled_ratio() -> None:
+    rounds = [
+        {"mooncake": _run(100, 200, 400, 2.0), "tierkv": _run(80, 180, 200, 2.4)},
+        {"tierkv": _run(60, 90, 100, 3.0), "mooncake": _run(100, 100, 100, 2.0)},
+        {"mooncake": _run(50, 100, 200, 1.0), "tierkv": _run(50, 100, 300, 1.5)},
+    ]
+    assert C.ratios(rounds[0]["tierkv"], rounds[0]["mooncake"]) == pytest.approx(
+        {"ttft_p50_ms": 0.8, "ttft_p90_ms": 0.9, "ttft_p99_ms": 0.5, "req_per_s": 1.2})
+    pooled = {n: C.pool_runs([rd[n] for rd in rounds]) for n in ("mooncake", "tierkv")}
+    vs = C.compare(rounds, pooled)
+    assert set(vs) == {"tierkv"}
+    t = vs["tierkv"]
+    assert [p["round"] for p in t["per_round"]] == [1, 2, 3]
+    assert t["per_round"][1]["ttft_p50_ms"] == pytest.approx(0.6)
+    # the median of (0.8, 0.6, 1.0), of (0.9, 0.9, 1.0), of (0.5, 1.0, 1.5), of (1.2, 1.5, 1.5)
+    assert t["median"] == pytest.approx({"ttft_p50_ms": 0.8, "ttft_p90_ms": 0.9, "ttft_p99_ms": 1.0,
+                                         "req_per_s": 1.5})
+    # pooled: 30 requests each; mooncake's walls 5 + 5 + 10 s, tierkv's 10/2.4 + 10/3 + 10/1.5 s
+    assert pooled["mooncake"]["req_per_s"] == pytest.approx(30 / 20)
+    assert t["pooled"]["req_per_s"] == pytest.approx((30 / (10 / 2.4 + 10 / 3 + 10 / 1.5)) / 1.5)
+    # every request's TTFT together: mooncake's are 10 x 100, 10 x 100, 10 x 50 ms
+    assert pooled["mooncake"]["ttft_p50_ms"] == pytest.approx(100)
+    assert t["pooled"]["ttft_p50_ms"] == pytest.approx(pooled["tierkv"]["ttft_p50_ms"] / 100)
+    # a round the reference did not complete has no ratio; no reference at all, no comparison
+    partial = [rounds[0], {"tierkv": rounds[1]["tierkv"]}]
+    assert [p["round"] for p in C.compare(partial, pooled)["tierkv"]["per_round"]] == [1]
+    assert C.compare(rounds, {"tierkv": pooled["tierkv"]}) == {}
+
+
+def test_pooled_hit_rate_weighs_every_rounds_prompt_tokens() -> None:
+    a = _run(10, 20, 30, 1.0, asked=100, local=50, ext=0, ttfts=[1.0] * 10)
+    b = _run(10, 20, 30, 1.0, asked=300, local=0, ext=60, ttfts=[3.0] * 9 + [100.0])
+    p = C.pool_runs([a, b])
+    assert p["hit_rate"] == pytest.approx(110 / 400)
+    assert p["local_hit_rate"] == pytest.approx(50 / 400) and p["connector_hit_rate"] == pytest.approx(60 / 400)
+    assert p["requests"] == 20 and p["rounds"] == 2
+    assert p["ttft_p50_ms"] == pytest.approx(2.0)  # between the 10 x 1 ms and the 9 x 3 ms
+    assert p["ttft_p99_ms"] > 3.0
+    assert p["prompt_tok_per_s"] == pytest.approx(400 / 20)
+    with pytest.raises(ValueError):
+        C.pool_runs([])
