@@ -17,6 +17,7 @@ called under ``lock``; writing the dead log's file is the writer's, under ``wloc
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -77,11 +78,12 @@ class Catalogue:
         self._has_large = bool(len(raw_len)) and bool((raw_len > self._config.geometry().single).any())
 
     # -- objects leaving -----------------------------------------------------------------------
-    def retire(self, old: tuple) -> None:
+    def retire(self, old: tuple, seq: Optional[int] = None) -> None:
         """A record that stopped being an object (``old``: the index's (region, offset, rec_len, ...)): its
-        bytes leave the region's live count and the dead log names it, so a reopen never finds it again."""
+        bytes leave the region's live count and the dead log names it, so a reopen never finds it again.
+        ``seq``: the record's seq as a reader found it (default: its region's now)."""
         self._table.unlive(old[0], old[2])
-        self.dead.add(old[0], old[1], self._table.regions[old[0]].seq)
+        self.dead.add(old[0], old[1], self._table.regions[old[0]].seq if seq is None else seq)
         self._changed = True
 
     def drop_pieces(self, d: int, lo: int, hi: int) -> None:

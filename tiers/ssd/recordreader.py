@@ -396,9 +396,7 @@ class RecordReader:
                 if now is not None and now[2:4] == loc[2:4] and now[6] == loc[6]:
                     # still where it was: the bytes there are bad
                     self._cat.index.remove(loc[1])
-                    self._table.unlive(loc[2].index, loc[4])
-                    self._cat.dead.add(loc[2].index, loc[3], loc[6])
-                    self._cat.mark_changed()
+                    self._cat.retire((loc[2].index, loc[3], loc[4]), seq=loc[6])
                     now = None
                     _count_lost(self._counters, key)
             if now is None or attempt:
@@ -558,10 +556,8 @@ class RecordReader:
                                   for k in L.piece_keys(d, 0, count)):
                 return
             self._cat.index.remove(d)
-            self._table.unlive(e[0], e[2])
-            self._cat.dead.add(e[0], e[1], place[2])
+            self._cat.retire(e, seq=place[2])
             self._cat.drop_pieces(d, 0, count)
-            self._cat.mark_changed()
             _count_lost(self._counters, "")
 
     def _direct_into(self, fd: int, off: int, rec_len: int, kb: bytes, seq: int, raw_len: int, parts: Parts) -> int:
