@@ -50,17 +50,32 @@ and compared); each round loads the request through both (``start_load_kv`` ..
 and GB/s, and the median over rounds of the round's unchecked / checked time (1.0:
 free; the target is >= 0.9).  ``--head 8192`` makes 2 MiB objects (a block of
 ``2*16*2*head`` float32).
+
+``--bandwidth``: the connector's load bandwidth against a ``memcpy`` of the same bytes
+(issue target: at least 0.8x).  The same two rigs as ``--verify-cost`` (``"always"``:
+every read's checksum checked, the line that counts; ``"external"``: a ``dram`` read
+unchecked, beside it); the baseline ``memcpy``s every object from a source laid out as
+the slab lays objects out (back to back, in the load's order) into the same block
+views of the paged cache, on as many threads as the store's host copies use
+(``COPY_THREADS``: the caller and ``tierkv.buffers``' copy helper), each taking the
+next object as ``tierkv.buffers.share_work`` hands them out.  Each round runs the
+three, the order rotating between rounds; reported per side the median GiB/s over
+rounds with its range, and the median (range) over rounds of the round's connector
+/ memcpy bandwidth.  ``--layers 8 --blocks 32 --head 2048`` is a 4096-token prefix of
+128 MiB in 512 KiB objects (the serving benchmark's, 16-token chunks instead of 128).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import hashlib
 import json
 import os
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -70,8 +85,13 @@ from tierkv.adapters.vllm.config import ConnectorOptions, EngineInfo, kv_shard
 from tierkv.adapters.vllm.metadata import LoadSpec, SaveSpec, TierKVConnectorMetadata
 from tierkv.adapters.vllm.service import ProbeRequest
 from tierkv.adapters.vllm.worker import TierKVWorker
+from tierkv.buffers import share_work
 
 BLOCK = 16  # tokens per block, and per chunk: one object per block and layer
+#: threads a large host read of the store copies on: the caller and tierkv.buffers' one copy helper
+#: (``on_two_threads``, which ``copy_and_sum`` and ``memmove_many`` use)
+COPY_THREADS = 2
+GIB = 1 << 30
 
 
 def clock() -> tuple[float, float]:
@@ -280,6 +300,89 @@ def run_verify_cost(args) -> dict:
         rig.w.shutdown()
     return out
 
+class Memcpy:
+    """The baseline: ``memmove`` of (dst, src, n) moves on ``threads`` threads (the caller and a pool).
+
+    Each thread takes the next move until none is left, as the store's copies do; the
+    pool is started once, so no round pays for starting a thread.
+    """
+
+    def __init__(self, threads: int) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.helpers = threads - 1
+        self.pool = ThreadPoolExecutor(max(1, self.helpers), thread_name_prefix="bench-memcpy")
+        self.pool.submit(threading.get_ident).result()  # started before the first round
+
+    def run(self, moves: list[tuple[int, int, int]]) -> float:
+        def one(i: int) -> None:
+            ctypes.memmove(*moves[i])  # (ctypes lets go of the GIL for the call)
+
+        t0 = time.perf_counter()
+        share_work(one, len(moves), self.pool, self.helpers)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.pool.shutdown()
+
+
+def baseline_moves(rig: Rig, src: torch.Tensor) -> list[tuple[int, int, int]]:
+    """Every object of the load (layer-major, as the load's one get orders them) into its block view."""
+    per, base = rig.object_bytes, src.data_ptr()
+    moves = []
+    for i, dst in enumerate(v for vs in rig.views() for v in vs):
+        if dst.numel() != per or not dst.is_contiguous():
+            raise AssertionError("a block view is not one contiguous object")
+        moves.append((dst.data_ptr(), base + i * per, per))
+    return moves
+
+
+def run_bandwidth(args) -> dict:
+    """The connector's load (checked and unchecked) against a ``memcpy`` of the same bytes (see the module doc)."""
+    rigs = {v: Rig(args.layers, args.blocks, args.head, verify=v) for v in ("always", "external")}
+    hs = hashes(0, args.blocks)
+    for rig in rigs.values():
+        rig.conn_save(hs)
+    saved = {v: rig.caches[rig.names[-1]].clone() for v, rig in rigs.items()}
+    ref = rigs["always"]
+    objs, per = ref.L * args.blocks, ref.object_bytes
+    nbytes = objs * per
+    src = torch.empty(nbytes, dtype=torch.uint8)
+    src.random_(0, 256)  # (every page touched before the clock starts, as the slab's are)
+    moves = baseline_moves(ref, src)
+    mc = Memcpy(COPY_THREADS)
+    before = ref.store.stats()["dram"]["corrupt"]
+    gc.collect()
+    gc.freeze()
+    sides = ("always", "external", "memcpy")
+    times: dict[str, list[float]] = {s: [] for s in sides}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        k = r % 3
+        for side in sides[k:] + sides[:k]:
+            t = mc.run(moves) if side == "memcpy" else rigs[side].conn_load(hs)[0]
+            if r:
+                times[side].append(t)
+    mc.close()
+    if ref.store.stats()["dram"]["corrupt"] != before:
+        raise AssertionError("a checked read found a corrupt chunk")
+    for v, rig in rigs.items():  # the baseline wrote over the "always" rig's cache: a last load puts it back
+        rig.conn_load(hs)
+        if not torch.equal(rig.caches[rig.names[-1]], saved[v]):
+            raise AssertionError(f"the load (verify {v}) did not write what was saved")
+    out: dict = {"layers": args.layers, "blocks": args.blocks, "objects": objs, "object_bytes": per,
+                 "bytes": nbytes, "threads": COPY_THREADS, "rounds": args.rounds}
+    bw = {s: sorted(nbytes / GIB / t for t in times[s]) for s in sides}
+    for s in sides:
+        out[s] = {"gib_s": statistics.median(bw[s]), "gib_s_range": [bw[s][0], bw[s][-1]],
+                  "ms": statistics.median(times[s]) * 1e3}
+    for v in ("always", "external"):
+        ratios = sorted(m / c for c, m in zip(times[v], times["memcpy"]))  # bandwidth ratio, per round
+        out[v].update({"ratio": statistics.median(ratios), "ratio_range": [ratios[0], ratios[-1]]})
+    out["loadavg"] = list(os.getloadavg())
+    for rig in rigs.values():
+        rig.w.shutdown()
+    return out
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -291,6 +394,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-lease", action="store_true", help="the lookup does not lease what it finds")
     ap.add_argument("--verify-cost", action="store_true",
                     help="measure the load with every chunk's checksum checked against the load unchecked")
+    ap.add_argument("--bandwidth", action="store_true",
+                    help="the connector's load bandwidth against a memcpy of the same bytes on the same threads")
     ap.add_argument("--kv-head-shards", type=int, default=1, choices=(1, 2),
                     help="objects per chunk and layer (the cache has 2 KV heads): 2 splits them by head")
     ap.add_argument("--json")
@@ -300,6 +405,26 @@ def main(argv=None) -> int:
             ap.error(f"--{name} must be positive")
     if not 0 <= args.local <= args.blocks:
         ap.error(f"--local must be between 0 and --blocks ({args.blocks})")
+    if args.bandwidth and args.verify_cost:
+        ap.error("--bandwidth and --verify-cost are separate runs: give one of them")
+    if args.bandwidth:
+        out = run_bandwidth(args)
+        print(f"connector load of {out['objects']:,} objects ({args.layers} layers x {args.blocks} chunks) of "
+              f"{out['object_bytes']:,} B ({out['bytes'] / GIB * 1024:.0f} MiB) from dram against a memcpy on "
+              f"{out['threads']} threads, median (range) of {args.rounds} rounds")
+        m = out["memcpy"]
+        print(f"  {'memcpy':<22}{m['ms']:8.2f} ms {m['gib_s']:6.2f} GiB/s ({m['gib_s_range'][0]:.2f} .. "
+              f"{m['gib_s_range'][1]:.2f})")
+        for v, what in (("always", "checksums checked"), ("external", "verify off")):
+            d = out[v]
+            print(f"  {what:<22}{d['ms']:8.2f} ms {d['gib_s']:6.2f} GiB/s ({d['gib_s_range'][0]:.2f} .. "
+                  f"{d['gib_s_range'][1]:.2f})  / memcpy {d['ratio']:.2f} ({d['ratio_range'][0]:.2f} .. "
+                  f"{d['ratio_range'][1]:.2f}; target >= 0.8)")
+        print("(load average 1/5/15 min at the end: {:.2f} {:.2f} {:.2f})".format(*out["loadavg"]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return 0
     if args.verify_cost:
         out = run_verify_cost(args)
         print(f"connector load of {out['objects']:,} objects ({args.layers} layers x {args.blocks} chunks) of "
