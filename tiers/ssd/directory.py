@@ -19,8 +19,8 @@ from tierkv.errors import ConfigError
 from . import checkpoint as C
 from . import deadlog
 from . import format as F
+from .engineconfig import REGIONS_DIR
 from .lock import LOCK_NAME
-from .state import REGIONS_DIR
 
 
 def prepare_dir(path: str, what: str) -> None:

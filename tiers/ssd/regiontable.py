@@ -7,6 +7,12 @@ happened (an object entered or left a region, a region began or was sealed, a fi
 Invariant: ``live_total`` is the sum of the regions' ``live_bytes`` (``format.measure`` of every live
 object), except while a region is being compacted in place (``left_restarted``).
 
+Of a ``Region`` (``region.py``), the table changes its ``state``, ``seq`` (at open) and live counts; the
+fields of its use as the active region (``buf``, ``pos``, ``written``, ``entries``, ``keys``, ``count``,
+``direct``, ``tail``, ``sum_start``) are the writers' (``SegmentWriter``, ``RegionChanger``,
+``Reclaimer``; ``Region.start`` begins them), and its file (``fd``, ``ino``) ``RegionIO``'s and the
+changer's.
+
 Locks (``state.EngineLocks``): the methods that change a region's live counts, the table or ``active``
 are called under ``lock`` (readers look at them under it too); seqs and ``image_addr`` are changed by
 the writer alone, under ``wlock``.  The table itself takes no lock.

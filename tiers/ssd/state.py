@@ -23,12 +23,9 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-from .catalogue import (
-    SPACE_SLACK,  # noqa: F401  (tests, tools)
-    Catalogue,
-)
+from .catalogue import Catalogue
 from .counters import SSDCounters
-from .engineconfig import REGIONS_DIR, EngineConfig  # noqa: F401  (REGIONS_DIR: directory.py, tests)
+from .engineconfig import EngineConfig
 from .regiontable import RegionTable
 
 

@@ -44,7 +44,7 @@ from . import large as L
 from . import region as R
 from .lock import LOCK_NAME, DirLock, holder_pid
 
-REGIONS_DIR = "regions"  # (tier.REGIONS_DIR; not imported from there, to keep this module light)
+REGIONS_DIR = "regions"  # (engineconfig.REGIONS_DIR; not imported from there, to keep this module light)
 _RDONLY = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
 
 

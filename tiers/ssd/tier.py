@@ -113,7 +113,7 @@ from .recordreader import RecordReader
 from .regionchange import RegionChanger
 from .regionio import RegionIO
 from .segmentwriter import PIPE_UNIT, SegmentWriter  # noqa: F401  (PIPE_UNIT: tests)
-from .state import REGIONS_DIR, SPACE_SLACK, EngineState  # noqa: F401  (tests, tools)
+from .state import EngineState
 
 log = logging.getLogger(__name__)
 
@@ -493,7 +493,7 @@ class SSDTier(Tier):
 
     @property
     def available(self) -> bool:
-        """False while the tier cannot write (``EngineState.fault``: a passing fault, or the directory taken
+        """False while the tier cannot write (``Health.refusal``: a passing fault, or the directory taken
         by another process): the store places nothing here meanwhile; what the tier holds is still read."""
         return not self._closed and self._health.refusal() is None
 
