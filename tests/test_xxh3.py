@@ -26,13 +26,17 @@ def ref(t: torch.Tensor) -> int:
     return xxhash.xxh3_64_intdigest(t.numpy().tobytes())
 
 
-@pytest.fixture(params=["fused", "native", "fallback"])
+@pytest.fixture(params=["fused", "fused-per-job", "native", "fallback"])
 def way(request, monkeypatch):
-    """fused: the C helper copies and sums; native: xxHash's C functions called piece by piece; fallback: the
-    package's Python functions."""
-    if request.param == "fused":
+    """fused: the C helper copies and sums (a batch in one call per thread); fused-per-job: one C call per
+    job, as a build without the batch function does; native: xxHash's C functions called piece by piece;
+    fallback: the package's Python functions."""
+    if request.param.startswith("fused"):
         if not xxh3.FUSED:
             pytest.skip("tierkv's C helper was not built here")
+        if request.param == "fused-per-job":
+            monkeypatch.setattr(xxh3, "_FUSED_JOBS", None)
+            monkeypatch.setattr(xxh3, "FUSED_BATCH", False)
         return request.param
     monkeypatch.setattr(xxh3, "_FUSED", None)
     monkeypatch.setattr(xxh3, "FUSED", False)
@@ -52,7 +56,7 @@ def test_the_native_functions_are_found_in_this_environment():
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler here")
 def test_the_copy_helper_is_built_where_a_compiler_is():
     # (pip install builds tierkv/_copysum.c where it finds a compiler; without one the install goes on, slower)
-    assert xxh3.FUSED
+    assert xxh3.FUSED and xxh3.FUSED_BATCH
 
 
 @pytest.mark.parametrize("n", SIZES)

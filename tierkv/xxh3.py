@@ -11,11 +11,13 @@ package's Python functions: the same values, holding the lock.  The values are
 always ``xxhash.xxh3_64_intdigest`` of the same bytes (seed 0); ``tests/test_xxh3.py``
 checks the two ways agree.
 
-A copy that sums (``copy_and_sum``) runs in one call per object when tierkv's C helper
-was built at install (``tierkv/_copysum.c``, an optional extension loaded with
-``ctypes``): it copies and hashes in ``FUSED_PIECE_BYTES`` pieces without coming back to
-the interpreter (``FUSED``).  Without it the pieces are copied and hashed by separate
-calls, each a release and a retake of the interpreter lock: the same sums, slower.
+A copy that sums (``copy_and_sum``) runs in C when tierkv's C helper was built at
+install (``tierkv/_copysum.c``, an optional extension loaded with ``ctypes``): it copies
+and hashes in ``FUSED_PIECE_BYTES`` pieces without coming back to the interpreter
+(``FUSED``), a batch in one call per thread, the threads taking jobs from a shared
+counter in C (``FUSED_BATCH``; a build without that function: one call per object).
+Without the helper the pieces are copied and hashed by separate calls, each a release
+and a retake of the interpreter lock: the same sums, slower.
 
 Addresses are of host memory the caller keeps valid for the whole call.
 """
@@ -75,26 +77,34 @@ NATIVE = _C is not None
 FUSED_PIECE_BYTES = 64 << 10
 
 
-def _load_fused() -> Optional[Any]:
-    """tierkv's copy-and-sum helper (``tierkv/_copysum.c``), typed; None when it was not built."""
+def _load_fused() -> tuple[Optional[Any], Optional[Any]]:
+    """tierkv's copy-and-sum helper (``tierkv/_copysum.c``): its one-job and its batch function, typed
+    (None where it was not built; the batch function None where the build predates it)."""
     if _C is None:
-        return None
+        return None, None
     here = os.path.dirname(os.path.abspath(__file__))
     for path in sorted(glob.glob(os.path.join(here, "_copysum*.so"))):
         try:
-            fn = ctypes.CDLL(path).tierkv_copy_sum
+            lib = ctypes.CDLL(path)
+            fn = lib.tierkv_copy_sum
         except (OSError, AttributeError):
             continue
         vp, sz = ctypes.c_void_p, ctypes.c_size_t
         fn.argtypes = [ctypes.POINTER(vp), ctypes.POINTER(vp), ctypes.POINTER(sz), sz, sz, sz, vp, vp, vp, vp]
         fn.restype = ctypes.c_uint64
-        return fn
-    return None
+        jobs = getattr(lib, "tierkv_copy_sum_jobs", None)
+        if jobs is not None:
+            jobs.argtypes = [vp, vp, vp, vp, sz, vp, vp, vp, sz, vp, vp, vp, vp]
+            jobs.restype = None
+        return fn, jobs
+    return None, None
 
 
-_FUSED = _load_fused()
+_FUSED, _FUSED_JOBS = _load_fused()
 #: True when a copy that sums runs in one call per object (the C helper was built and xxHash's C functions found)
 FUSED = _FUSED is not None
+#: True when a batch of copies that sum runs in one call per thread (the C helper's ``tierkv_copy_sum_jobs``)
+FUSED_BATCH = _FUSED_JOBS is not None
 if _C is not None:
     _FNS = tuple(ctypes.cast(_C[n], ctypes.c_void_p).value
                  for n in ("XXH3_64bits_reset", "XXH3_64bits_update_dispatch", "XXH3_64bits_digest"))
@@ -118,6 +128,37 @@ def _fused_job(moves: Sequence[Move], sum_bytes: int) -> int:
         dst[k], src[k], lens[k] = d, s, n
     return int(_FUSED(dst, src, lens, m, max(0, sum_bytes), FUSED_PIECE_BYTES,  # type: ignore[misc]
                       _state(), *_FNS))
+
+
+def _fused_batch(jobs: Sequence[Sequence[Move]], sum_bytes: Sequence[int]) -> list[int]:
+    """``copy_and_sum`` by the C helper's batch function: the moves in flat arrays, one C call on each thread
+    (``on_two_threads`` of two calls), which take the next job from a shared counter until none is left."""
+    dst: list[int] = []
+    src: list[int] = []
+    lens: list[int] = []
+    first = [0]
+    for job in jobs:
+        for d, s, n in job:
+            dst.append(d)
+            src.append(s)
+            lens.append(n)
+        first.append(len(dst))
+    nj, m = len(jobs), len(dst)
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    c_dst, c_src, c_len = (vp * m)(*dst), (vp * m)(*src), (sz * m)(*lens)
+    c_first = (sz * (nj + 1))(*first)
+    c_sum = (sz * nj)(*(max(0, b) for b in sum_bytes))
+    out = (ctypes.c_uint64 * nj)()
+    nxt = sz(0)  # the shared counter: the next job to take
+    args = (c_dst, c_src, c_len, c_first, nj, c_sum, out, ctypes.byref(nxt), FUSED_PIECE_BYTES)
+
+    def run(_: int) -> None:
+        _FUSED_JOBS(*args, _state(), *_FNS)  # type: ignore[misc]
+
+    # two calls: the caller's and the copy helper's when the batch is large (a call that finds the counter
+    # spent returns at once)
+    on_two_threads(run, (0, 1), (sum(lens), 0))
+    return list(out)
 
 
 def _view(ptr: int, n: int) -> memoryview:
@@ -195,12 +236,16 @@ def copy_and_sum(jobs: Sequence[Sequence[Move]], sum_bytes: Sequence[int]) -> li
     ``sum_bytes[j]`` bytes its moves wrote, in order.
 
     Each move is copied a piece at a time and each piece hashed right after its copy,
-    from the cache, so the sum costs no second pass over memory: in one call per job
-    with the C helper (``FUSED``, ``FUSED_PIECE_BYTES`` pieces), else ``PIECE_BYTES``
-    pieces, two calls each.  A large
-    batch is shared by two threads as ``memmove_many``'s is.  Destinations must not
+    from the cache, so the sum costs no second pass over memory: with the C helper
+    (``FUSED``, ``FUSED_PIECE_BYTES`` pieces) a batch in one call per thread
+    (``FUSED_BATCH``) or one call per job, else ``PIECE_BYTES`` pieces, two calls each.
+    A large batch is shared by two threads as ``memmove_many``'s is.  Destinations must not
     overlap one another nor any source.
     """
+    if len(jobs) != len(sum_bytes):
+        raise ValueError(f"copy_and_sum: {len(jobs)} jobs but {len(sum_bytes)} sum lengths")
+    if _FUSED is not None and _FUSED_JOBS is not None and len(jobs) > 1:
+        return _fused_batch(jobs, sum_bytes)
     out = [0] * len(jobs)
     move = ctypes.memmove
     piece = PIECE_BYTES
