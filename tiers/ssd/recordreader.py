@@ -353,8 +353,7 @@ class RecordReader:
             self._counters.collisions += 1
         elif res == _BAD:  # an image is never torn: memory went bad, or a bug; never serve it
             self._cat.index.remove(d)
-            self._table.unlive(r.index, rec_len)
-            self._cat.dead.add(r.index, off, loc[6])
+            self._cat.retire((r.index, off, rec_len), seq=loc[6])  # (the index changed: the next checkpoint says so)
             _count_lost(self._counters, key)
         return res == _OK
 
