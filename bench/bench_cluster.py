@@ -376,20 +376,21 @@ def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def compare(rounds: list[dict[str, dict[str, Any]]], pooled: dict[str, dict[str, Any]],
-            ref: str = "mooncake") -> dict[str, dict[str, Any]]:
-    """Every back end's figures against ``ref``'s: per round (``per_round``: the rounds both completed, each with
-    its ``round`` number from 1), the median of those per-round ratios (``median``) and the ratio of the pooled
-    figures (``pooled``).  {} when ``ref`` completed no round."""
-    if ref not in pooled:
-        return {}
+def compare(rounds: list[dict[str, dict[str, Any]]], ref: str = "mooncake") -> dict[str, dict[str, Any]]:
+    """Every back end's figures against ``ref``'s, over the rounds both completed (a round one of them failed is
+    left out of all three): per round (``per_round``, each with its ``round`` number from 1), the median of those
+    per-round ratios (``median``), and the ratio of the two back ends' figures pooled over those rounds
+    (``pooled``).  A back end that shares no completed round with ``ref`` is left out."""
     out: dict[str, dict[str, Any]] = {}
-    for name in pooled:
-        if name == ref:
+    names = [n for rd in rounds for n in rd if n != ref]
+    for name in dict.fromkeys(names):
+        both = [(i, rd) for i, rd in enumerate(rounds) if name in rd and ref in rd]
+        if not both:
             continue
-        per = [{"round": i + 1} | ratios(rd[name], rd[ref]) for i, rd in enumerate(rounds) if name in rd and ref in rd]
+        per = [{"round": i + 1} | ratios(rd[name], rd[ref]) for i, rd in both]
         med = {k: statistics.median(vs) for k in RATIO_KEYS if (vs := [p[k] for p in per if k in p])}
-        out[name] = {"per_round": per, "median": med, "pooled": ratios(pooled[name], pooled[ref])}
+        pooled = ratios(pool_runs([rd[name] for _, rd in both]), pool_runs([rd[ref] for _, rd in both]))
+        out[name] = {"per_round": per, "median": med, "pooled": pooled}
     return out
 
 
@@ -445,6 +446,30 @@ def _save_metrics(srv: S.ApiServer, path: Path) -> None:
         path.write_text(f"unreadable: {e}\n")
 
 
+#: in a server's log when the loopback port it was given was taken by another process before it could bind it
+_PORT_TAKEN = "Address already in use"
+
+
+def _start(name: str, model: str, server_args: list[str], env: dict[str, str], work: Path, cpus: set[int],
+           timeout: float, servers: list[S.ApiServer]) -> tuple[S.ApiServer, float]:
+    """Start one server and wait until it is healthy; returns it (appended to ``servers``, whose owner stops it) and
+    the seconds it took.  A server whose free port was taken before it bound it (other processes on the machine
+    open ports too) is started once more on another; any other failure, or a second one, raises."""
+    for attempt in (1, 2):
+        srv = S.ApiServer(name, model, server_args, env, work, cpus=cpus)
+        servers.append(srv)
+        try:
+            return srv, srv.wait_ready(timeout)
+        except RuntimeError as e:
+            if attempt == 2 or _PORT_TAKEN not in str(e):
+                raise
+            servers.remove(srv)
+            srv.stop()
+            print(f"[{name}] port {srv.port} was taken before the server bound it; starting it on another",
+                  file=sys.stderr, flush=True)
+    raise AssertionError("unreachable")
+
+
 def run_backend(name: str, args: argparse.Namespace, model: str, work: Path, base_env: dict[str, str],
                 sessions: list[Session], max_len: int, kv_bytes: int, pool_bytes: int,
                 cpus: set[int]) -> dict[str, Any]:
@@ -473,10 +498,8 @@ def run_backend(name: str, args: argparse.Namespace, model: str, work: Path, bas
                                     extra={"chunk_tokens": args.block_size})
         for i in range(instances):  # one after another: cold starts at once crawl on a small machine
             print(f"[{name}] starting instance {i + 1}/{instances} ...", file=sys.stderr, flush=True)
-            srv = S.ApiServer(f"{name}-{i}", model, B._server_args(args, max_len, cache_bytes, kv), env, work,
-                              cpus=cpus)
-            servers.append(srv)
-            took = srv.wait_ready(args.start_timeout)
+            srv, took = _start(f"{name}-{i}", model, B._server_args(args, max_len, cache_bytes, kv), env, work,
+                               cpus, args.start_timeout, servers)
             _warm(srv, args.vocab, min(256, max_len - args.output_len - 1), 2, args.output_len)
             print(f"[{name}] instance {i + 1} healthy after {took:.0f}s on port {srv.port}", file=sys.stderr,
                   flush=True)
@@ -555,8 +578,8 @@ def _print_rounds(rounds: list[dict[str, dict[str, Any]]], vs: dict[str, dict[st
                   f"{r['ttft_p90_ms']:>10.0f}{r['ttft_p99_ms']:>10.0f}{r['req_per_s']:>8.2f}")
     if not vs:
         return
-    print("\nratios to mooncake (TTFT p50, p90, p99, req/s: below 1 is faster TTFT, above 1 more throughput): "
-          "per round, the median of the per-round ratios, and the pooled figures' ratio")
+    print("\nratios to mooncake (TTFT p50, p90, p99, req/s: below 1 is faster TTFT, above 1 more throughput) over "
+          "the rounds both completed: per round, the median of the per-round ratios, and the pooled figures' ratio")
 
     def row(label: str, name: str, d: dict[str, float]) -> str:
         return f"{label:>7}  {name:<10}" + "".join(f"{d[k]:>10.2f}" if k in d else f"{'-':>10}" for k in RATIO_KEYS)
@@ -694,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
     names = [b for b in backends if any(b in rd for rd in rounds)]
     results = (rounds[0] if args.rounds == 1
                else {n: pool_runs([rd[n] for rd in rounds if n in rd]) for n in names})
-    vs_mooncake = compare(rounds, results)
+    vs_mooncake = compare(rounds)
 
     print(f"\n{args.instances} vLLM instances per cluster back end, routed {args.route}, on cores "
           f"{','.join(map(str, sorted(cpus)))}; {args.sessions} sessions x {args.turns} turns ({requests} requests), "

@@ -232,7 +232,7 @@ def test_ratios_per_round_their_median_and_the_pooled_ratio() -> None:
     assert C.ratios(rounds[0]["tierkv"], rounds[0]["mooncake"]) == pytest.approx(
         {"ttft_p50_ms": 0.8, "ttft_p90_ms": 0.9, "ttft_p99_ms": 0.5, "req_per_s": 1.2})
     pooled = {n: C.pool_runs([rd[n] for rd in rounds]) for n in ("mooncake", "tierkv")}
-    vs = C.compare(rounds, pooled)
+    vs = C.compare(rounds)
     assert set(vs) == {"tierkv"}
     t = vs["tierkv"]
     assert [p["round"] for p in t["per_round"]] == [1, 2, 3]
@@ -246,10 +246,13 @@ def test_ratios_per_round_their_median_and_the_pooled_ratio() -> None:
     # every request's TTFT together: mooncake's are 10 x 100, 10 x 100, 10 x 50 ms
     assert pooled["mooncake"]["ttft_p50_ms"] == pytest.approx(100)
     assert t["pooled"]["ttft_p50_ms"] == pytest.approx(pooled["tierkv"]["ttft_p50_ms"] / 100)
-    # a round the reference did not complete has no ratio; no reference at all, no comparison
-    partial = [rounds[0], {"tierkv": rounds[1]["tierkv"]}]
-    assert [p["round"] for p in C.compare(partial, pooled)["tierkv"]["per_round"]] == [1]
-    assert C.compare(rounds, {"tierkv": pooled["tierkv"]}) == {}
+    # a round the reference did not complete is left out of every ratio, the pooled one too
+    partial = C.compare([rounds[0], {"tierkv": rounds[1]["tierkv"]}, rounds[2]])["tierkv"]
+    assert [p["round"] for p in partial["per_round"]] == [1, 3]
+    assert partial["pooled"]["req_per_s"] == pytest.approx((20 / (10 / 2.4 + 10 / 1.5)) / (20 / 15))
+    assert partial["median"]["ttft_p50_ms"] == pytest.approx(0.9)
+    # no completed round of the reference: no comparison
+    assert C.compare([{"tierkv": rounds[0]["tierkv"]}]) == {}
 
 
 def test_pooled_hit_rate_weighs_every_rounds_prompt_tokens() -> None:
