@@ -107,3 +107,15 @@ def test_a_summed_copy_of_a_chunk_and_its_trailer_sums_the_chunk_alone(way):
     assert all(torch.equal(s, d) for s, d in zip(srcs, dsts))
     assert got == [ref(s[:-16]) for s in srcs]
     assert xxh3.copy_and_sum([[]], [0]) == [ref(data(0))]
+
+
+def test_a_batch_with_empty_jobs_sums_them_as_nothing(way):
+    s, d = data(1000, 50), torch.zeros(1000, dtype=torch.uint8)
+    got = xxh3.copy_and_sum([[], [(d.data_ptr(), s.data_ptr(), 1000)], []], [0, 1000, 5])
+    assert torch.equal(s, d)
+    assert got == [ref(data(0)), ref(s), ref(data(0))]
+
+
+def test_a_sum_length_for_every_job():
+    with pytest.raises(ValueError, match="1 jobs but 2 sum lengths"):
+        xxh3.copy_and_sum([[]], [0, 1])
