@@ -270,9 +270,14 @@ def test_ssd_batch_runs_on_the_caller_and_the_pool_and_stays_exact(tmp_path, mon
     t.recover()
     seen: list[tuple[int, int]] = []  # (thread, objects) of each run read
     inner = t._reader._read_run
+    second = threading.Event()  # a second run started: the first run waits for it (a handshake, not a sleep)
 
     def spy(run, keys, dsts, out):
         seen.append((threading.get_ident(), len(run[1])))
+        if len(seen) == 1:  # (the thread that took the first run holds it: the other must take the next)
+            assert second.wait(30), "no second thread took a run"
+        else:
+            second.set()
         return inner(run, keys, dsts, out)
 
     monkeypatch.setattr(t._reader, "_read_run", spy)
