@@ -293,7 +293,7 @@ def test_trailers_an_abandoned_call_may_still_touch_are_let_go(dict_backend):
         assert s.put(keys, [blob(i, 1000) for i in range(4)]) == [True] * 4
         outs = [torch.zeros(1000, dtype=torch.uint8) for _ in keys]
         assert s.get(keys, outs) == [True] * 4
-        arena = s._io._trailers
+        arena = s.levels[0].integrity._arena  # (the pool level's Trailers strategy owns its trailer memory)
         assert arena._bufs  # this thread's trailer buffers, kept for the next call
         slow = _SlowGets(dict_backend.made[-1], 0.5)
         assert s.get(keys, outs) == [False] * 4  # abandoned at its deadline and its wait: still running
