@@ -269,12 +269,18 @@ def run(args) -> dict:
     return out
 
 
-def run_verify_cost(args) -> dict:
-    """The connector's load from a ``dram`` tier, reads unchecked beside reads checked (see the module doc)."""
-    rigs = {v: Rig(args.layers, args.blocks, args.head, verify=v) for v in ("external", "always")}
+def saved_rigs(args, verifies: tuple[str, ...]) -> tuple[dict, list[bytes]]:
+    """One rig per ``verify`` setting, each holding the request's chunks saved; and the request's hashes."""
+    rigs = {v: Rig(args.layers, args.blocks, args.head, verify=v) for v in verifies}
     hs = hashes(0, args.blocks)
     for rig in rigs.values():
         rig.conn_save(hs)
+    return rigs, hs
+
+
+def run_verify_cost(args) -> dict:
+    """The connector's load from a ``dram`` tier, reads unchecked beside reads checked (see the module doc)."""
+    rigs, hs = saved_rigs(args, ("external", "always"))
     objs = rigs["external"].L * args.blocks
     before = rigs["always"].store.stats()["dram"]["corrupt"]
     gc.collect()
@@ -339,10 +345,7 @@ def baseline_moves(rig: Rig, src: torch.Tensor) -> list[tuple[int, int, int]]:
 
 def run_bandwidth(args) -> dict:
     """The connector's load (checked and unchecked) against a ``memcpy`` of the same bytes (see the module doc)."""
-    rigs = {v: Rig(args.layers, args.blocks, args.head, verify=v) for v in ("always", "external")}
-    hs = hashes(0, args.blocks)
-    for rig in rigs.values():
-        rig.conn_save(hs)
+    rigs, hs = saved_rigs(args, ("always", "external"))
     saved = {v: rig.caches[rig.names[-1]].clone() for v, rig in rigs.items()}
     ref = rigs["always"]
     objs, per = ref.L * args.blocks, ref.object_bytes
