@@ -262,12 +262,18 @@ def test_a_failed_fsync_makes_flush_false_naming_the_tier_and_the_next_one_true(
 
 # -- a directory lost behind the tier ------------------------------------------------------------------------
 
-def test_the_index_forgets_what_went_with_a_removed_directory(tmp_path):
+def _flushed_200(tmp_path):
+    """An SSD-only store at ``tmp_path/s`` holding 200 chunks, flushed; (store, its directory, the keys)."""
     d = str(tmp_path / "s")
     s = ssd_store(d)
     keys = [f"k{i}" for i in range(200)]
     assert s.put(keys, [val(i) for i in range(200)]) == [True] * 200
     assert s.flush()
+    return s, d, keys
+
+
+def test_the_index_forgets_what_went_with_a_removed_directory(tmp_path):
+    s, d, keys = _flushed_200(tmp_path)
     shutil.rmtree(d)  # (the watcher makes it and LOCK again; the regions went)
     assert s.put(["k200"], [val(200)]) == [True]
     res = s.flush()
@@ -290,11 +296,7 @@ def test_the_index_forgets_what_went_with_a_removed_directory(tmp_path):
 def test_a_leased_chunk_lost_with_its_directory_is_unheld_and_its_pin_let_go(tmp_path):
     # a lease holds every chunk; the regions go behind the tier: the chunks the index forgets leave the lease
     # (``unheld``), so a loader holding it asks no tier for them and no pin outlives them
-    d = str(tmp_path / "s")
-    s = ssd_store(d)
-    keys = [f"k{i}" for i in range(200)]
-    assert s.put(keys, [val(i) for i in range(200)]) == [True] * 200
-    assert s.flush()
+    s, d, keys = _flushed_200(tmp_path)
     lease = s.lease(keys, 60)
     assert lease.held == 200 and lease.unheld == []
     shutil.rmtree(d)
