@@ -42,23 +42,22 @@ median and p99 TTFT <= 0.8x MooncakeStoreConnector's, with higher throughput.
     python bench/bench_serve.py [--backends none,mooncake,tierkv,tierkv-async] [--requests 120] [--concurrency 4]
                                 [--rounds 2] [--json out.json] [--quick] [--profile]
 
---profile runs one more tierkv round (not in the table: sampling slows what it
-samples) under py-spy (``py-spy record --native --subprocesses``, raw folded stacks) and prints
-where their time goes: the engine thread's share in forward, connector hooks and
-scheduling, and the connector's background threads.
+--profile runs one more round per back end (not in the table: sampling slows what it
+samples) under py-spy (``py-spy record --native --subprocesses``, raw folded stacks) and prints,
+side by side, where each server's busy time goes: the connector's parts (probe, lease, load,
+checksum, save, audit, metrics, per-step calls) and the engine's (forward, scheduler, API server),
+as samples and busy ms per request (bench/profile_split.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import io
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -70,6 +69,7 @@ sys.path.insert(0, str(HERE.parent / "tests"))
 sys.path.insert(0, str(HERE))
 
 import hybrid_models as H
+import profile_split as P
 import serve_util as S
 import vllm_util as U
 
@@ -329,125 +329,31 @@ def pooled_ttfts(runs: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, f
     return out
 
 
-# -- py-spy ------------------------------------------------------------------------------
-def _ensure_py_spy() -> str | None:
-    exe = Path(sys.executable).with_name("py-spy")
-    if not exe.exists():
-        found = shutil.which("py-spy")
-        return found
-    return str(exe)
-
-
-def start_profile(srv: S.ApiServer, out: Path, rate: int) -> subprocess.Popen | None:
-    exe = _ensure_py_spy()
-    if exe is None:
-        print("--profile: py-spy not found (python -m pip install py-spy)", file=sys.stderr)
+def _profile_round(args: argparse.Namespace, srv: S.ApiServer, name: str, model: Path, work: Path,
+                   log: Any) -> dict[str, Any] | None:
+    """One more round of ``name``'s workload under py-spy: where its processes' time went (profile_split)."""
+    raw = work / f"{name}-profile.txt"
+    seed = 1000 + args.rounds
+    if args.warm:  # (before the profiler attaches: only the measured requests are sampled)
+        prewarm(srv, round_prefixes(args, srv, model, seed, args.requests, log))
+    if args.settle > 0:
+        settle(args.settle)
+    prof = P.start(srv.proc.pid, raw, args.profile_rate)
+    if prof is None:
         return None
-    cmd = [exe, "record", "--native", "--subprocesses", "--threads", "--idle", "--format", "raw",
-           "--rate", str(rate), "-o", str(out), "--pid", str(srv.proc.pid)]
-    with open(out.with_suffix(".log"), "w") as log:  # the child keeps its own descriptor
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def stop_profile(proc: subprocess.Popen | None) -> None:
-    if proc is None:
-        return
-    import signal
-
-    proc.send_signal(signal.SIGINT)  # py-spy writes its output on SIGINT
+    time.sleep(2.0)  # py-spy attaches to each process
     try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
-
-
-#: what a busy sample is doing, by the frames on its stack (first match wins)
-_BUCKETS = (
-    ("tierkv load (start_load_kv, the engine thread waits)", ("start_load_kv", "_run_load", "_load_all_layers",
-                                                               "_load_layer", "wait_for_layer_load")),
-    ("tierkv save (save_kv_layer, queued puts)", ("save_kv_layer", "_run_save", "_submit_save")),
-    ("tierkv step bookkeeping (wait_for_save, get_finished)", ("get_finished", "wait_for_save",
-                                                               "_finish_load_job")),
-    ("tierkv scheduler lookup (get_num_new_matched_tokens, update_state_after_alloc)",
-     ("get_num_new_matched_tokens", "update_state_after_alloc", "TierKVScheduler.probe")),
-    ("tierkv lookup service (worker side)", ("lookup.py", "_answer")),
-    ("tierkv build_connector_meta", ("build_connector_meta",)),
-    ("tierkv write-behind / tiers", ("writebehind.py", "tierkv/store.py", "tierkv/tiers/", "tierkv/buffers.py")),
-    ("model forward", ("execute_model", "_model_forward", "forward (")),
-    ("vLLM scheduler", ("schedule (", "update_from_output")),
-    ("API server / detokenize / output", ("output_processor", "detokeniz", "serving", "uvicorn", "fastapi",
-                                          "starlette", "api_server")),
-)
-#: a sample whose leaf or Python frames are one of these is waiting, not working
-_WAIT_LEAVES = ("poll (", "epoll_wait", "epoll_pwait", "select (", "accept", "read (libc", "recv", "nanosleep",
-                "futex", "pthread_cond", "sem_wait", "sem_timedwait", "sched_yield")
-_WAIT_FRAMES = ("wait (threading.py", "_wait_for_tstate_lock", "get (queue.py", "select (selectors.py",
-                "_recv_bytes (multiprocessing", "accept (multiprocessing", "_worker (concurrent/futures",
-                "sleep (", "poll (multiprocessing", "recv_multipart", "_poll (")
-
-
-def _short_process(frame: str) -> str:
-    cmd = frame.partition(":")[2].strip('"')
-    if cmd.startswith("VLLM::"):
-        return cmd.split()[0]
-    return "api_server" if "api_server" in cmd else cmd.split()[0].rsplit("/", 1)[-1][:30]
-
-
-def summarise_profile(raw: Path, top: int = 15) -> dict[str, Any]:
-    """Where the sampled time went, per process and thread: waiting, or busy and in what.
-
-    ``raw`` is py-spy's folded output (``frame;frame;...;leaf COUNT`` per line); with
-    --subprocesses --threads a stack starts with the chain of processes (API server,
-    engine core, worker) and then the thread.
-    """
-    per: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    hot: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
-    total = 0
-    for line in raw.read_text(errors="replace").splitlines():
-        stack, _, n = line.rpartition(" ")
-        if not n.isdigit():
-            continue
-        n = int(n)
-        frames = stack.split(";")
-        procs = [f for f in frames if f.startswith("process ")]
-        thread = next((f for f in frames if f.startswith("thread (")), "thread (?): ?")
-        key = f"{_short_process(procs[-1]) if procs else '?'} / {thread.partition(': ')[2]}"
-        body = [f for f in frames if not f.startswith(("process ", "thread ("))]
-        total += n
-        per[key]["samples"] += n
-        leaf = body[-1] if body else ""
-        py = [f for f in body if ".py:" in f]
-        if any(w in leaf for w in _WAIT_LEAVES) or (py and any(w in py[-1] for w in _WAIT_FRAMES)):
-            per[key]["waiting"] += n
-            continue
-        per[key]["busy"] += n
-        for name, keys in _BUCKETS:
-            if any(k in f for f in body for k in keys):
-                per[key][name] += n
-                break
-        else:
-            per[key]["other"] += n
-        if py:
-            hot[key][py[-1]] += n  # the innermost Python frame: where the busy time is spent
-    threads = sorted(per, key=lambda k: -per[k]["busy"])
-    return {
-        "samples": total,
-        "threads": {k: {**dict(per[k]), "hot": dict(hot[k].most_common(top))} for k in threads},
-    }
-
-
-def print_profile(summary: dict[str, Any], threads: int = 8) -> None:
-    print(f"\npy-spy: {summary['samples']} samples over all threads; busy threads (samples busy / total):")
-    for k, info in list(summary["threads"].items())[:threads]:
-        if not info.get("busy"):
-            continue
-        print(f"  {k}: {info['busy']} / {info['samples']}")
-        for name, v in sorted(((n, v) for n, v in info.items()
-                               if n not in ("samples", "busy", "waiting", "hot")), key=lambda x: -x[1]):
-            print(f"      {v:>6}  {name}")
-        for f, v in list(info["hot"].items())[:5]:
-            print(f"      {v:>6}  at {f[:110]}")
+        res = run_load(args, srv, model, seed, args.requests, log)
+    finally:
+        P.stop(prof)
+    if not raw.exists():
+        print(f"--profile: py-spy wrote nothing for {name}; see {raw.with_suffix('.log')}", file=sys.stderr)
+        return None
+    out = P.summarise(raw, args.profile_rate, args.requests)
+    out["run"] = {k: res.get(k) for k in METRICS}
+    print(f"profile {name}: {res['request_throughput']:.3f} req/s, TTFT p50 {res['median_ttft_ms']:.0f} ms "
+          "(sampled: not in the table)", file=sys.stderr, flush=True)
+    return out
 
 
 # -- main --------------------------------------------------------------------------------
@@ -484,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mooncake-segment", default="1GB", help="the Mooncake pool size")
     ap.add_argument("--quick", action="store_true",
                     help="a smoke run: 12 requests, 3 prefixes, short prompts, 1 round")
-    ap.add_argument("--profile", action="store_true", help="one extra tierkv round under py-spy (not in the table)")
+    ap.add_argument("--profile", action="store_true", help="one extra round per back end under py-spy (not in the table)")
     ap.add_argument("--profile-rate", type=int, default=20, help="py-spy samples per second")
     ap.add_argument("--warmup", type=int, default=None, help="requests per server before round 1 (not measured)")
     ap.add_argument("--warm", action="store_true",
@@ -592,28 +498,13 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr, flush=True)
                 runs[name].append({k: res.get(k) for k in METRICS}
                                   | {"ttfts": res.get("ttfts"), "round": r, "served_from": src, "settled_s": waited})
-        if args.profile and "tierkv" in servers:
-            # a round of its own, not in the table: sampling slows what it samples
-            raw = work / "tierkv-profile.txt"
-            if args.warm:  # (before the profiler attaches: only the measured requests are sampled)
-                prewarm(servers["tierkv"], round_prefixes(args, servers["tierkv"], model, 1000 + args.rounds,
-                                                          args.requests, bench_log))
-            if args.settle > 0:
-                settle(args.settle)
-            prof = start_profile(servers["tierkv"], raw, args.profile_rate)
-            if prof is not None:
-                time.sleep(2.0)  # py-spy attaches to each process
-                try:
-                    res = run_load(args, servers["tierkv"], model, 1000 + args.rounds, args.requests, bench_log)
-                finally:
-                    stop_profile(prof)
-                if raw.exists():
-                    profile = summarise_profile(raw)
-                    profile["run"] = {k: res.get(k) for k in METRICS}
-                    if keep:
-                        profile["raw"] = str(raw)
-                else:
-                    print(f"--profile: py-spy wrote nothing; see {raw.with_suffix('.log')}", file=sys.stderr)
+        if args.profile:
+            # a round of its own per back end, not in the table: sampling slows what it samples
+            profile = {}
+            for name in names:
+                got = _profile_round(args, servers[name], name, model, work, bench_log)
+                if got is not None:
+                    profile[name] = got | ({"raw": str(work / f"{name}-profile.txt")} if keep else {})
     finally:
         bench_log.close()
         for srv in servers.values():
@@ -690,8 +581,8 @@ def main(argv: list[str] | None = None) -> int:
             vs = summary[name].get("pooled_ttft_vs_mooncake")
             print(f"{name:<17}{pc['n']:>9.0f}" + "".join(
                 f"{pc[q]:>10.0f}" + (f"{vs[q]:>7.2f}" if vs else f"{'-':>7}") for q in PCTS))
-    if profile is not None:
-        print_profile(profile)
+    for name, prof in (profile or {}).items():
+        P.print_summary(name, prof)
     if args.json:
         out = {"args": vars(args), "kv_cache_bytes": kv_bytes, "max_model_len": max_len,
                "results": summary, "profile": profile}
