@@ -19,6 +19,8 @@ vLLM has dropped.  Back ends:
               tierkv's figures against these, in the same run)
     tierkv-audit-all  the same with {"audit_rate": 1}: every hit recomputed and compared (the audit's
               whole cost; at a rate r it is about r times the difference to tierkv-noaudit)
+    tierkv-dram   the same store without its ssd tier (dram only, as MooncakeStoreConnector's one pool):
+              what the copies down to the SSD cost a step
 
 --audit-rate sets ``audit_rate`` on every tierkv back end but those two (default: the
 connector's own default), --audit-tolerance ``audit_tolerance`` on every tierkv back end; the audits
@@ -98,11 +100,12 @@ def make_model(args: argparse.Namespace, work: Path, max_positions: int) -> str:
 
 
 BACKENDS = ("none", "mooncake", "tierkv", "tierkv-sync", "tierkv-async", "tierkv-auto", "tierkv-noaudit",
-            "tierkv-audit-all")
+            "tierkv-audit-all", "tierkv-dram")
 #: kv_connector_extra_config of each tierkv back end
 TIERKV_EXTRA: dict[str, Any] = {"tierkv": None, "tierkv-sync": {"load_async": False},
                                 "tierkv-async": {"load_async": True}, "tierkv-auto": {"load_async": "auto"},
-                                "tierkv-noaudit": {"audit_rate": 0.0}, "tierkv-audit-all": {"audit_rate": 1.0}}
+                                "tierkv-noaudit": {"audit_rate": 0.0}, "tierkv-audit-all": {"audit_rate": 1.0},
+                                "tierkv-dram": None}
 #: the back ends of a run without --backends
 DEFAULT_BACKENDS = ("none", "mooncake", "tierkv")
 METRICS = ("request_throughput", "output_throughput", "median_ttft_ms", "p99_ttft_ms", "mean_ttft_ms",
@@ -468,8 +471,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 ssd = work / f"{name}-ssd"
                 shutil.rmtree(ssd, ignore_errors=True)
-                kv = U.connector_config({"tiers": [{"medium": "dram", "capacity": args.dram},
-                                                   {"medium": "ssd", "path": str(ssd), "capacity": args.ssd}]},
+                tiers: list[dict[str, Any]] = [{"medium": "dram", "capacity": args.dram}]
+                if name != "tierkv-dram":
+                    tiers.append({"medium": "ssd", "path": str(ssd), "capacity": args.ssd})
+                kv = U.connector_config({"tiers": tiers},
                                         extra=_tierkv_extra(name, args.audit_rate, args.audit_tolerance))
             print(f"[{name}] starting server ...", file=sys.stderr, flush=True)
             srv = servers[name] = S.ApiServer(name, model, _server_args(args, max_len, kv_bytes, kv), env, work)

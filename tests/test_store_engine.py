@@ -333,6 +333,73 @@ def test_a_hit_in_a_shared_pool_is_promoted_into_the_managed_level_above():
     store.close()
 
 
+class _CountingPool:
+    """A shared pool (FakeTier, unmanaged) that records the keys every write carried."""
+
+    def __init__(self, fail_contains: bool = False):
+        from fake_media import FakeTier
+
+        self.tier = FakeTier("pool", managed=False)
+        self.tier.gate_writes = False
+        self.written: list[str] = []
+        inner_write, inner_contains = self.tier._write, self.tier._contains
+
+        def write(keys, srcs):
+            self.written += list(keys)
+            return inner_write(keys, srcs)
+
+        def contains(keys):
+            if fail_contains:
+                raise OSError("pool: contains failed")
+            return inner_contains(keys)
+
+        self.tier._write, self.tier._contains = write, contains  # type: ignore[method-assign]
+
+
+def _evict_top(store: TieredStore, n: int, first: int = 100) -> None:
+    assert store.put([f"x{i}" for i in range(first, first + n)], [[val(i)] for i in range(first, first + n)]) \
+        == [True] * n
+    assert store.drain_write_behind(timeout=30)
+
+
+def test_a_chunk_the_shared_pool_holds_is_not_copied_into_it_again_when_evicted_above():
+    # the chunk came from the pool (another instance's put): evicting it from the level above drops
+    # it there, the pool is asked once and keeps its copy, nothing is written again
+    pool = _CountingPool()
+    store = TieredStore([Level(dram("top", 2)), pool.tier], promotion="on-hit")
+    pool.tier.write(["p"], [[val(7)]])
+    pool.written.clear()
+    out = torch.empty(C, dtype=torch.uint8)
+    assert store.get(["p"], [out]) == [True] and torch.equal(out, val(7))
+    assert store.drain_write_behind(timeout=30) and store.locate(["p"]) == ["top"]
+    _evict_top(store, 2)  # two more chunks into a level of two: "p" leaves it
+    assert store.locate(["p"]) == ["pool"]
+    assert "p" not in pool.written  # (the two new chunks' own demotions may follow; "p" is not rewritten)
+    out.zero_()
+    assert store.get(["p"], [out]) == [True] and torch.equal(out, val(7))
+    store.close()
+
+
+def test_a_chunk_the_shared_pool_lost_or_cannot_answer_for_is_copied_into_it_when_evicted_above():
+    for fail in (False, True):
+        pool = _CountingPool(fail_contains=fail)
+        store = TieredStore([Level(dram("top", 2)), pool.tier], promotion="on-hit")
+        pool.tier.write(["p"], [[val(7)]])
+        out = torch.empty(C, dtype=torch.uint8)
+        assert store.get(["p"], [out]) == [True]
+        assert store.drain_write_behind(timeout=30) and store.locate(["p"]) == ["top"]
+        if not fail:
+            pool.tier.data.pop("p")  # (the pool evicted it on its own)
+        pool.written.clear()
+        _evict_top(store, 2)
+        assert "p" in pool.written, fail  # demoted: the store keeps the chunk
+        if not fail:  # (locate asks the pool too)
+            assert store.locate(["p"]) == ["pool"]
+        out.zero_()
+        assert store.get(["p"], [out]) == [True] and torch.equal(out, val(7))
+        store.close()
+
+
 def test_no_module_outside_chain_assigns_chain_state():
     # the chain's state is changed by its own methods only: no `chain.x = ...`, `chain.x += ...` or
     # `chain.x[k] = ...` anywhere else in the library

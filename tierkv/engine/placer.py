@@ -273,8 +273,8 @@ class Placer:
         """Copy pinned ``keys`` of level ``j`` into the next lower level that takes each; the keys now below.
 
         Walks down from ``j + 1``: a level that already holds a key ends its walk
-        (levels are inclusive); otherwise the first level that admits it and has (or
-        makes) room receives a copy.  The sources are read once, into one staging
+        (levels are inclusive; a shared pool is asked, in one call per batch); otherwise
+        the first level that admits it and has (or makes) room receives a copy.  The sources are read once, into one staging
         arena, when a level first takes them; a key whose source read fails is not
         demoted (and counted).
         """
@@ -298,7 +298,15 @@ class Placer:
             try:
                 with self._lock:
                     fresh = [key for key in todo if not lvl.holds(key)]
-                below.update(key for key in todo if key not in fresh)
+                if fresh and not lvl.managed and lvl.tier.available:
+                    # a shared pool keeps no index here: asked once whether it has them already (another
+                    # instance's put, a write-through, the source of a promotion); a medium that cannot say
+                    # gets every copy, as if it had none
+                    there = self.io.contains(lvl, fresh)
+                    if there is not None and any(there):
+                        fresh = [key for key, has in zip(fresh, there) if not has]
+                kept = set(fresh)
+                below.update(key for key in todo if key not in kept)
                 if len(fresh) > 1 and lvl.tier.available:
                     self.make_room_for(fresh, [nbytes[key] for key in fresh], [k] * len(fresh))
                 go: list[str] = []
