@@ -69,8 +69,9 @@ CHMOD = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     import torch
     from test_ssd_fault_recovery import readable, ssd_store, tier_stats, val, wait_until
+    import tierkv.tiers.ssd  # (a medium's module is imported when a store first names it)
     d, (uid, gid) = sys.argv[1], map(int, sys.argv[3].split(":"))
-    if uid >= 0:  # (the interpreter may live where only root reads: everything is imported first)
+    if uid >= 0:  # (the interpreter and the checkout may live where only root reads: everything is imported first)
         os.setgid(gid)
         os.setuid(uid)
     s = ssd_store(d)
