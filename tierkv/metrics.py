@@ -84,7 +84,7 @@ TIER_COUNTERS = {
     "bytes_written": ("written_bytes", "Bytes written into the tier (puts, demotions, promotions)"),
     "puts": ("puts", "Chunks a put stored in the tier"),
     "evictions": ("evictions", "Chunks evicted from the tier"),
-    "demotions": ("demotions", "Evicted chunks copied to a lower tier"),
+    "demotions": ("demotions", "Evicted chunks a lower tier keeps (copied there, or found there already)"),
     "promotions": ("promotions", "Hits of the tier copied up to a faster tier"),
     "rejected": ("rejected", "Chunks the tier refused (admission, no room)"),
     "errors": ("errors", "Failed or corrupt reads and writes"),
