@@ -274,9 +274,9 @@ class Placer:
 
         Walks down from ``j + 1``: a level that already holds a key ends its walk
         (levels are inclusive; a shared pool is asked, in one call per batch); otherwise
-        the first level that admits it and has (or makes) room receives a copy.  The sources are read once, into one staging
-        arena, when a level first takes them; a key whose source read fails is not
-        demoted (and counted).
+        the first level that admits it and has (or makes) room receives a copy.  The
+        sources are read once, into one staging arena, when a level first takes them;
+        a key whose source read fails is not demoted (and counted).
         """
         with self.stager.carve(sizes) as staged:
             return self._demote_staged(j, keys, sizes, staged)
