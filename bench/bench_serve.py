@@ -47,7 +47,7 @@ median and p99 TTFT <= 0.8x MooncakeStoreConnector's, with higher throughput.
 --profile runs one more round per back end (not in the table: sampling slows what it
 samples) under py-spy (``py-spy record --native --subprocesses``, raw folded stacks) and prints,
 side by side, where each server's busy time goes: the connector's parts (probe, lease, load,
-checksum, save, audit, metrics, per-step calls) and the engine's (forward, scheduler, API server),
+checksum, save, audit, metrics, per-step calls) and the engine's (forward, scheduler, IPC spin, API server),
 as samples and busy ms per request (bench/profile_split.py).
 """
 
